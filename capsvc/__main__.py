@@ -1,0 +1,7 @@
+"""`python -m capsvc` is the `capsvc` command."""
+
+import sys
+
+from capsvc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,95 @@
+"""The `capsvc` command: `serve` and `check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from capsvc import logs
+from capsvc.config import ConfigError, Settings, load_settings
+
+log = logging.getLogger("capsvc")
+
+
+def _settings(path: str | None) -> Settings:
+    try:
+        return load_settings(path)
+    except ConfigError as e:
+        print(f"invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_config(path: str) -> int:
+    settings = _settings(path)
+    print(f"{settings.source}: OK")
+    for g in settings.games.values():
+        cap = "no cap" if g.cap_limit is None else (
+            f"cap {g.cap_limit} on {'/'.join(str(p) for p in sorted(g.capped_picks))} numbers")
+        limit = "" if g.daily_limit is None else f", daily limit {g.daily_limit}"
+        print(f"  game {g.id} ({g.preset}): numbers 1..{g.numbers}, picks "
+              f"{g.picks_min}-{g.picks_max}, stakes {list(g.stakes)} {g.currency}, {cap}"
+              f"{limit}, {len(g.draw_times)} draws/day ({g.time_zone}), cancel {g.cancel}")
+    for ch in settings.channels:
+        print(f"  channel {ch.id}: games {sorted(ch.games)}, scopes {sorted(ch.scopes)}")
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = _settings(args.config)
+    if args.workers and args.workers != 1:
+        print("--workers: only 1 worker per process is supported in this version; "
+              "run more processes (they share the port with SO_REUSEPORT)", file=sys.stderr)
+        return 2
+    url = args.redis_url or settings.redis_url
+    embedded = None
+    if url is None:
+        from capsvc.embedded import EmbeddedRedis
+
+        embedded = EmbeddedRedis()
+        url = embedded.start()
+        log.info("embedded redis started", extra={"dir": str(embedded.dir)})
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    from capsvc.server import serve as run
+
+    try:
+        asyncio.run(run(settings, url, args.host or settings.host,
+                        settings.port if args.port is None else args.port))
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the service")
+    p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
+                         "else the built-in local configuration)")
+    p_serve.add_argument("--host")
+    p_serve.add_argument("--port", type=int)
+    p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
+                         "url, else an embedded Redis under ./var/)")
+    p_serve.add_argument("--workers", type=int)
+    p_serve.add_argument("--log-level", default="INFO")
+    p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
+    p_check.add_argument("path")
+    args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return check_config(args.path)
+    logs.setup(args.log_level)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

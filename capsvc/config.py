@@ -1,0 +1,430 @@
+"""Configuration: the TOML file, the game presets it builds on, and their validation.
+
+Everything here is pure: it turns text into frozen settings or into a list of
+`ConfigError`s that say, field by field, what is wrong (`capsvc check-config`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from datetime import date, time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+PRESETS = ("fdj-keno-2008", "lnm-keno")
+CANCEL_POLICIES = ("before_first_draw", "single_draw_only", "never")
+ACCOUNTING_POLICIES = ("purchase_day", "draw_day")
+SCOPES = ("sell", "read", "admin")
+ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+GAME_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+_DURATION_RE = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_HHMM_RE = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_AMOUNT = 10**12
+"""Upper bound of any amount in minor units: far above any real stake, far below 2**53."""
+
+
+class ConfigError(Exception):
+    """One or more problems in a configuration, each with the place it was found."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class GameRules:
+    """The complete, validated rules of one game as the API serves it."""
+
+    id: str
+    preset: str
+    description: str
+    currency: str
+    numbers: int
+    picks_min: int
+    picks_max: int
+    stakes: tuple[int, ...]
+    durations: tuple[int, ...]
+    cap_limit: int | None
+    capped_picks: frozenset[int]
+    daily_limit: int | None
+    time_zone: str
+    draw_times: tuple[time, ...]
+    draw_epoch: date
+    cancel: str
+    retention_ms: int
+    max_grids: int
+    sales_horizon: int
+    subscription_accounting: str
+    multiplier: bool
+    joker_plus_price: int | None
+    tz: ZoneInfo = field(compare=False, repr=False)
+
+    @property
+    def min_stake(self) -> int:
+        return self.stakes[0]
+
+    def is_capped(self, picks: int) -> bool:
+        return self.cap_limit is not None and picks in self.capped_picks
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """A sales system: who it is, what it may sell, what it may do."""
+
+    id: str
+    token_sha256: bytes = field(repr=False)
+    games: frozenset[str]
+    scopes: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The whole service configuration."""
+
+    games: dict[str, GameRules]
+    channels: tuple[Channel, ...]
+    redis_url: str | None = None
+    redis_timeout_ms: int = 250
+    redis_pool_size: int = 32
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    max_body_bytes: int = 64 * 1024
+    request_timeout_ms: int = 5000
+    max_in_flight: int = 4096
+    pending_deadline_ms: int = 60_000
+    janitor_interval_ms: int = 5_000
+    retry_after_s: int = 1
+    drain_delay_ms: int = 1000
+    access_log: bool = False
+    source: str = "<defaults>"
+
+
+def parse_duration_ms(value: object) -> int:
+    """`"24h"`, `"5m"`, `"250ms"` → milliseconds; raises ValueError otherwise."""
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return int(m.group(1)) * _DURATION_MS[m.group(2)]
+    raise ValueError(f"expected a duration like \"250ms\", \"5m\" or \"24h\", got {value!r}")
+
+
+def _hhmm(value: object) -> time:
+    if isinstance(value, str):
+        m = _HHMM_RE.match(value)
+        if m:
+            return time(int(m.group(1)), int(m.group(2)))
+    raise ValueError(f"expected a time \"HH:MM\", got {value!r}")
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    text = resources.files("capsvc.presets").joinpath(f"{name}.toml").read_text("utf-8")
+    return tomllib.loads(text)
+
+
+class _Checker:
+    """Collects every problem instead of stopping at the first one."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, where: str, message: str) -> None:
+        self.problems.append(f"{where}: {message}")
+
+    def integer(self, where: str, value: object, lo: int, hi: int = MAX_AMOUNT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(where, f"expected an integer, got {value!r}")
+            return lo
+        if not lo <= value <= hi:
+            self.fail(where, f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    def int_list(self, where: str, value: object, lo: int, hi: int = MAX_AMOUNT) -> tuple[int, ...]:
+        if not isinstance(value, list) or not value:
+            self.fail(where, f"expected a non-empty list of integers, got {value!r}")
+            return ()
+        items = [self.integer(f"{where}[{i}]", v, lo, hi) for i, v in enumerate(value)]
+        if len(set(items)) != len(items):
+            self.fail(where, "contains duplicates")
+        return tuple(sorted(items))
+
+    def choice(self, where: str, value: object, choices: tuple[str, ...]) -> str:
+        if value not in choices:
+            self.fail(where, f"must be one of {', '.join(choices)}, got {value!r}")
+            return choices[0]
+        return str(value)
+
+    def boolean(self, where: str, value: object) -> bool:
+        if not isinstance(value, bool):
+            self.fail(where, f"expected true or false, got {value!r}")
+            return False
+        return value
+
+    def text(self, where: str, value: object) -> str:
+        if not isinstance(value, str):
+            self.fail(where, f"expected a string, got {value!r}")
+            return ""
+        return value
+
+    def duration(self, where: str, value: object) -> int:
+        try:
+            return parse_duration_ms(value)
+        except ValueError as e:
+            self.fail(where, str(e))
+            return 0
+
+
+_GAME_FIELDS = {
+    "id", "preset", "description", "currency", "numbers", "picks_min", "picks_max", "stakes",
+    "durations", "cap_limit", "capped_picks", "daily_limit", "time_zone", "draw_times",
+    "draw_every", "draw_from", "draw_until", "draw_epoch", "cancel", "retention", "max_grids",
+    "sales_horizon", "subscription_accounting", "multiplier", "joker_plus_price",
+}
+
+
+def _schedule(c: _Checker, where: str, g: dict[str, Any]) -> tuple[time, ...]:
+    """The draw times of a day, from `draw_times` or `draw_every` + `draw_from` + `draw_until`."""
+    if "draw_times" in g and "draw_every" not in g:
+        raw = g["draw_times"]
+        if not isinstance(raw, list) or not raw:
+            c.fail(f"{where}.draw_times", "expected a non-empty list of \"HH:MM\"")
+            return ()
+        times: list[time] = []
+        for i, v in enumerate(raw):
+            try:
+                times.append(_hhmm(v))
+            except ValueError as e:
+                c.fail(f"{where}.draw_times[{i}]", str(e))
+        if len(set(times)) != len(times):
+            c.fail(f"{where}.draw_times", "contains duplicates")
+        return tuple(sorted(times))
+    missing = [k for k in ("draw_every", "draw_from", "draw_until") if k not in g]
+    if missing:
+        c.fail(where, "needs draw_times, or draw_every + draw_from + draw_until "
+               f"(missing {', '.join(missing)})")
+        return ()
+    every = c.duration(f"{where}.draw_every", g["draw_every"])
+    try:
+        start, end = _hhmm(g["draw_from"]), _hhmm(g["draw_until"])
+    except ValueError as e:
+        c.fail(f"{where}.draw_from/draw_until", str(e))
+        return ()
+    if every < 60_000 or every % 60_000:
+        c.fail(f"{where}.draw_every", "must be a whole number of minutes")
+        return ()
+    step = every // 60_000
+    first, last = start.hour * 60 + start.minute, end.hour * 60 + end.minute
+    if last < first:
+        c.fail(f"{where}.draw_until", "must not be before draw_from")
+        return ()
+    return tuple(time(m // 60, m % 60) for m in range(first, last + 1, step))
+
+
+def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None:
+    """Merge a `[[games]]` entry over its preset and validate every field."""
+    gid = raw.get("id")
+    if not isinstance(gid, str) or not GAME_ID_RE.match(gid):
+        c.fail(f"{where}.id", f"expected a game id of [a-z0-9-] (max 32), got {gid!r}")
+        gid = "?"
+    preset = raw.get("preset")
+    if preset not in PRESETS:
+        c.fail(f"{where}.preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
+        return None
+    unknown = sorted(set(raw) - _GAME_FIELDS)
+    for k in unknown:
+        c.fail(f"{where}.{k}", "unknown field")
+    g = load_preset(str(preset))
+    if "draw_times" in raw:
+        for k in ("draw_every", "draw_from", "draw_until"):
+            g.pop(k, None)
+    if "draw_every" in raw:
+        g.pop("draw_times", None)
+    g.update(raw)
+    w = f"{where}"
+    numbers = c.integer(f"{w}.numbers", g.get("numbers"), 2, 99)
+    picks_min = c.integer(f"{w}.picks_min", g.get("picks_min"), 1, numbers)
+    picks_max = c.integer(f"{w}.picks_max", g.get("picks_max"), 1, numbers)
+    if picks_min > picks_max:
+        c.fail(f"{w}.picks_min", f"must not exceed picks_max ({picks_max})")
+    stakes = c.int_list(f"{w}.stakes", g.get("stakes"), 1)
+    durations = c.int_list(f"{w}.durations", g.get("durations"), 1, 1000)
+    if durations and durations[0] != 1:
+        c.fail(f"{w}.durations", "must include 1 (a single draw)")
+    cap = g.get("cap_limit")
+    cap_limit = None if cap is None else c.integer(f"{w}.cap_limit", cap, 1)
+    capped = c.int_list(f"{w}.capped_picks", g.get("capped_picks", []) or [0], 0, 99)
+    if cap_limit is not None and any(not picks_min <= p <= picks_max for p in capped):
+        c.fail(f"{w}.capped_picks",
+               f"must lie within picks_min..picks_max ({picks_min}..{picks_max})")
+    if cap_limit is not None and stakes and stakes[0] > cap_limit:
+        c.fail(f"{w}.cap_limit", "is below the smallest stake: nothing could ever be sold")
+    daily = g.get("daily_limit")
+    daily_limit = None if daily is None else c.integer(f"{w}.daily_limit", daily, 1)
+    tzname = c.text(f"{w}.time_zone", g.get("time_zone"))
+    try:
+        tz = ZoneInfo(tzname)
+    except (ZoneInfoNotFoundError, ValueError):
+        c.fail(f"{w}.time_zone", f"unknown IANA time zone {tzname!r}")
+        tz = ZoneInfo("UTC")
+    draw_times = _schedule(c, w, g)
+    try:
+        epoch = date.fromisoformat(str(g.get("draw_epoch", "2000-01-01")))
+    except ValueError:
+        c.fail(f"{w}.draw_epoch", f"expected a date YYYY-MM-DD, got {g.get('draw_epoch')!r}")
+        epoch = date(2000, 1, 1)
+    joker = g.get("joker_plus_price")
+    rules = GameRules(
+        id=gid,
+        preset=str(preset),
+        description=c.text(f"{w}.description", g.get("description", "")),
+        currency=c.text(f"{w}.currency", g.get("currency", "")),
+        numbers=numbers,
+        picks_min=picks_min,
+        picks_max=picks_max,
+        stakes=stakes,
+        durations=durations,
+        cap_limit=cap_limit,
+        capped_picks=frozenset(p for p in capped if p) if cap_limit is not None else frozenset(),
+        daily_limit=daily_limit,
+        time_zone=tzname,
+        draw_times=draw_times,
+        draw_epoch=epoch,
+        cancel=c.choice(f"{w}.cancel", g.get("cancel"), CANCEL_POLICIES),
+        retention_ms=c.duration(f"{w}.retention", g.get("retention", "24h")),
+        max_grids=c.integer(f"{w}.max_grids", g.get("max_grids", 20), 1, 100),
+        sales_horizon=c.integer(f"{w}.sales_horizon", g.get("sales_horizon", 30), 0, 10_000),
+        subscription_accounting=c.choice(
+            f"{w}.subscription_accounting",
+            g.get("subscription_accounting", "purchase_day"),
+            ACCOUNTING_POLICIES,
+        ),
+        multiplier=c.boolean(f"{w}.multiplier", g.get("multiplier", False)),
+        joker_plus_price=None if joker is None else c.integer(f"{w}.joker_plus_price", joker, 1),
+        tz=tz,
+    )
+    return rules
+
+
+def _channel(raw: dict[str, Any], where: str, games: dict[str, GameRules], c: _Checker) -> Channel:
+    cid = raw.get("id")
+    if not isinstance(cid, str) or not ID_RE.match(cid):
+        c.fail(f"{where}.id", f"expected a channel id of [A-Za-z0-9._:-] (max 64), got {cid!r}")
+        cid = "?"
+    digest = raw.get("token_sha256")
+    if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+        c.fail(f"{where}.token_sha256", "expected the sha256 of the token, 64 lowercase hex digits")
+        digest = "0" * 64
+    for k in sorted(set(raw) - {"id", "token_sha256", "games", "scopes"}):
+        hint = " (clear tokens never go in the config: use token_sha256)" if k == "token" else ""
+        c.fail(f"{where}.{k}", f"unknown field{hint}")
+    chan_games = raw.get("games", [])
+    if not isinstance(chan_games, list):
+        c.fail(f"{where}.games", "expected a list of game ids")
+        chan_games = []
+    for i, g in enumerate(chan_games):
+        if g not in games:
+            c.fail(f"{where}.games[{i}]", f"no game {g!r} is defined")
+    scopes = raw.get("scopes", [])
+    if not isinstance(scopes, list) or not scopes:
+        c.fail(f"{where}.scopes", f"expected a non-empty list of {', '.join(SCOPES)}")
+        scopes = []
+    for i, s in enumerate(scopes):
+        if s not in SCOPES:
+            c.fail(f"{where}.scopes[{i}]", f"must be one of {', '.join(SCOPES)}, got {s!r}")
+    return Channel(
+        id=cid,
+        token_sha256=bytes.fromhex(digest),
+        games=frozenset(str(g) for g in chan_games),
+        scopes=frozenset(str(s) for s in scopes),
+    )
+
+
+def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
+    """Validate a decoded TOML document; raise ConfigError listing every problem."""
+    c = _Checker()
+    for k in sorted(set(doc) - {"redis", "server", "janitor", "games", "channels"}):
+        c.fail(k, "unknown section")
+    redis = doc.get("redis", {})
+    server = doc.get("server", {})
+    janitor = doc.get("janitor", {})
+    raw_games = doc.get("games", [])
+    if not isinstance(raw_games, list) or not raw_games:
+        c.fail("games", "at least one [[games]] entry is needed")
+        raw_games = []
+    games: dict[str, GameRules] = {}
+    for i, raw in enumerate(raw_games):
+        g = build_game(raw, f"games[{i}]", c)
+        if g is None:
+            continue
+        if g.id in games:
+            c.fail(f"games[{i}].id", f"duplicate game id {g.id!r}")
+        games[g.id] = g
+    raw_channels = doc.get("channels", [])
+    if not isinstance(raw_channels, list):
+        c.fail("channels", "expected [[channels]] entries")
+        raw_channels = []
+    channels = [_channel(r, f"channels[{i}]", games, c) for i, r in enumerate(raw_channels)]
+    seen: set[bytes] = set()
+    for i, ch in enumerate(channels):
+        if ch.token_sha256 in seen:
+            c.fail(f"channels[{i}].token_sha256", "the same token is used by two channels")
+        seen.add(ch.token_sha256)
+    url = redis.get("url")
+    schemes = r"^(redis|rediss|unix|redis\+cluster)://"
+    if url is not None and not (isinstance(url, str) and re.match(schemes, url)):
+        c.fail("redis.url",
+               f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}")
+    settings = Settings(
+        games=games,
+        channels=tuple(channels),
+        redis_url=url,
+        redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms")),
+        redis_pool_size=c.integer("redis.pool_size", redis.get("pool_size", 32), 1, 1024),
+        host=c.text("server.host", server.get("host", "127.0.0.1")),
+        port=c.integer("server.port", server.get("port", 8080), 0, 65535),
+        workers=c.integer("server.workers", server.get("workers", 1), 1, 256),
+        max_body_bytes=c.integer("server.max_body_bytes", server.get("max_body_bytes", 65536),
+                                 256),
+        request_timeout_ms=c.duration("server.request_timeout",
+                                      server.get("request_timeout", "5s")),
+        max_in_flight=c.integer("server.max_in_flight", server.get("max_in_flight", 4096), 1),
+        drain_delay_ms=c.duration("server.drain_delay", server.get("drain_delay", "1s")),
+        access_log=c.boolean("server.access_log", server.get("access_log", False)),
+        pending_deadline_ms=c.duration("janitor.pending_deadline",
+                                       janitor.get("pending_deadline", "60s")),
+        janitor_interval_ms=c.duration("janitor.interval", janitor.get("interval", "5s")),
+        source=source,
+    )
+    if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:
+        c.fail("janitor.pending_deadline", "must be at least twice server.request_timeout, so that "
+               "the janitor never releases a ticket a request is still working on")
+    if c.problems:
+        raise ConfigError(c.problems)
+    return settings
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("capsvc").joinpath("default.toml")))
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Read the configuration file (or the built-in local default) and apply the environment."""
+    path = path or os.environ.get("CAPSVC_CONFIG") or default_config_path()
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text("utf-8"))
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read: {e.strerror}"]) from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"{p}: not valid TOML: {e}"]) from e
+    env_url = os.environ.get("CAPSVC_REDIS_URL")
+    if env_url:
+        doc.setdefault("redis", {})["url"] = env_url
+    return parse_settings(doc, source=str(p))

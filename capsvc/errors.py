@@ -1,0 +1,35 @@
+"""The API's errors: one exception type carrying status, code, message and JSONPath."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An error answered to the client as `{"error": {"code", "message", "path"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        path: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.path = path
+        self.headers = headers or {}
+
+
+def rule_error(code: str, message: str, path: str | None = None) -> ApiError:
+    """A well-formed request that breaks a rule: 422."""
+    return ApiError(422, code, message, path)
+
+
+def not_found(what: str) -> ApiError:
+    return ApiError(404, "not_found", f"{what} not found")
+
+
+class Unavailable(Exception):
+    """Redis could not be reached or answered too slowly: nothing may be assumed recorded."""

@@ -1,0 +1,306 @@
+"""The HTTP layer: routes, authentication, decoding, error bodies, health and metrics.
+
+It knows nothing of Redis keys: it decodes requests into the msgspec types, asks the
+sales use-cases, and encodes what they return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from capsvc.config import Channel, Settings
+from capsvc.errors import ApiError, Unavailable
+from capsvc.metrics import Metrics
+from capsvc.models import (
+    AvailabilityIn,
+    ErrorDetail,
+    ErrorOut,
+    GameOut,
+    GamesOut,
+    HealthOut,
+    TicketIn,
+)
+from capsvc.openapi import openapi_document
+from capsvc.sales import Sales
+from capsvc.store import Store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_encode = msgspec.json.encode
+_PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
+_JSON = "application/json"
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    TicketIn: msgspec.json.Decoder(TicketIn),
+    AvailabilityIn: msgspec.json.Decoder(AvailabilityIn),
+}
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a request body into `kind`, mapping msgspec's errors onto the API's."""
+    try:
+        result: T = _DECODERS[kind].decode(body)
+        return result
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _PATH_RE.search(text)
+        path = m.group(1) if m else "$"
+        message = text[: m.start()] if m else text
+        if path == "$" and message.startswith("Expected `object`"):
+            raise ApiError(400, "malformed_json", "the body must be a JSON object", None) from e
+        raise ApiError(422, "invalid_request", message, path) from e
+    except msgspec.DecodeError as e:
+        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}", None) from e
+
+
+def error_response(err: ApiError) -> web.Response:
+    body = _encode(ErrorOut(ErrorDetail(code=err.code, message=err.message, path=err.path)))
+    return web.Response(status=err.status, body=body, content_type=_JSON, headers=err.headers)
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encode(obj), content_type=_JSON)
+
+
+class Authenticator:
+    """Bearer token → channel, comparing sha256 digests in constant time."""
+
+    def __init__(self, channels: tuple[Channel, ...]) -> None:
+        self.channels = channels
+
+    def channel(self, request: web.Request) -> Channel:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "unauthorized", "missing bearer token",
+                           headers={"WWW-Authenticate": "Bearer"})
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        found: Channel | None = None
+        for ch in self.channels:  # no early exit: the time taken does not depend on the match
+            if hmac.compare_digest(ch.token_sha256, digest):
+                found = ch
+        if found is None:
+            raise ApiError(401, "unauthorized", "unknown token",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return found
+
+
+@dataclass
+class Health:
+    """What /readyz reports; `draining` turns true on SIGTERM and stays true."""
+
+    draining: bool = False
+    in_flight: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+def _draw(request: web.Request) -> int:
+    try:
+        return int(request.match_info["draw"])
+    except ValueError:
+        raise ApiError(404, "not_found", f"draw {request.match_info['draw']!r} not found") from None
+
+
+class Api:
+    """Route handlers over the sales use-cases."""
+
+    def __init__(self, settings: Settings, sales: Sales, store: Store, metrics: Metrics,
+                 health: Health) -> None:
+        self.settings = settings
+        self.sales = sales
+        self.store = store
+        self.metrics = metrics
+        self.health = health
+        self.auth = Authenticator(settings.channels)
+        self._openapi: bytes | None = None
+        self._games = _encode(GamesOut(games=[game_out(g.rules) for g in sales.games.values()]))
+
+    # -- tickets ---------------------------------------------------------------------------
+
+    async def post_ticket(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        ticket = decode_body(await request.read(), TicketIn)
+        outcome = await self.sales.sell(channel, ticket)
+        if outcome.ticket is not None and not outcome.replayed:
+            self.metrics.decision(outcome.ticket)
+        resp = web.Response(body=outcome.body, content_type=_JSON)
+        if outcome.replayed:
+            resp.headers["Idempotent-Replayed"] = "true"
+        return resp
+
+    async def get_ticket(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        body = await self.sales.ticket(channel, request.match_info["ticket_id"])
+        return web.Response(body=body, content_type=_JSON)
+
+    async def cancel_ticket(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        return json_response(await self.sales.cancel(channel, request.match_info["ticket_id"]))
+
+    # -- games, draws, availability --------------------------------------------------------
+
+    async def games(self, request: web.Request) -> web.StreamResponse:
+        self.auth.channel(request)
+        return web.Response(body=self._games, content_type=_JSON)
+
+    async def current_draw(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.sales.current(game))
+
+    async def draw(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "sell", "read", "admin")
+        return json_response(await self.sales.draw(game, _draw(request)))
+
+    async def close_draw(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "admin")
+        return json_response(await self.sales.close_draw(game, _draw(request)))
+
+    async def combination(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.sales.combination(
+            game, _draw(request), request.match_info["numbers"]))
+
+    async def capped(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.sales.sold_out(game, _draw(request)))
+
+    async def availability(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
+        query = decode_body(await request.read(), AvailabilityIn)
+        return json_response(await self.sales.availability(game, query))
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.StreamResponse:
+        return json_response(HealthOut(status="ok"))
+
+    async def readyz(self, request: web.Request) -> web.StreamResponse:
+        checks = {"draining": self.health.draining, "redis": False, "scripts": False}
+        if not self.health.draining:
+            try:
+                loaded = await self.store.library_loaded()
+                checks["redis"] = True
+                if not loaded:
+                    await self.store.load_library()
+                    loaded = await self.store.library_loaded()
+                checks["scripts"] = loaded
+            except (Unavailable, msgspec.MsgspecError, Exception) as e:  # never a 500 here
+                log.debug("readiness check failed: %s", e)
+        ready = checks["redis"] and checks["scripts"] and not checks["draining"]
+        return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
+                             status=200 if ready else 503)
+
+    async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        self.metrics.in_flight.set(self.health.in_flight)
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def openapi(self, request: web.Request) -> web.StreamResponse:
+        if self._openapi is None:
+            self._openapi = _encode(openapi_document())
+        return web.Response(body=self._openapi, content_type=_JSON)
+
+
+def game_out(r: Any) -> GameOut:
+    return GameOut(
+        id=r.id, preset=r.preset, description=r.description, currency=r.currency,
+        numbers=r.numbers, picks_min=r.picks_min, picks_max=r.picks_max, stakes=list(r.stakes),
+        durations=list(r.durations), cap_limit=r.cap_limit, capped_picks=sorted(r.capped_picks),
+        daily_limit=r.daily_limit, time_zone=r.time_zone,
+        draw_times=[t.strftime("%H:%M") for t in r.draw_times], cancel=r.cancel,
+        retention_seconds=r.retention_ms // 1000, max_grids=r.max_grids,
+        sales_horizon=r.sales_horizon, subscription_accounting=r.subscription_accounting,
+        multiplier=r.multiplier, joker_plus_price=r.joker_plus_price,
+    )
+
+
+def _middleware(api: Api) -> Middleware:
+    settings, metrics, health = api.settings, api.metrics, api.health
+    timeout_s = settings.request_timeout_ms / 1000
+    retry_after = {"Retry-After": str(settings.retry_after_s)}
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        route = request.match_info.route.resource
+        template = route.canonical if route is not None else "unmatched"
+        if health.in_flight >= settings.max_in_flight:
+            resp: web.StreamResponse = error_response(ApiError(
+                503, "unavailable", "too many requests in flight", headers=retry_after))
+        else:
+            health.in_flight += 1
+            try:
+                async with asyncio.timeout(timeout_s):
+                    resp = await handler(request)
+            except ApiError as e:
+                resp = error_response(e)
+            except Unavailable as e:
+                log.warning("redis unavailable: %s", e)
+                resp = error_response(ApiError(503, "unavailable",
+                                               "the counters cannot be reached: nothing was "
+                                               "recorded; retry", headers=retry_after))
+            except TimeoutError:
+                resp = error_response(ApiError(503, "unavailable", "the request took too long",
+                                               headers=retry_after))
+            except web.HTTPRequestEntityTooLarge:
+                resp = error_response(ApiError(
+                    413, "payload_too_large",
+                    f"the body is larger than {settings.max_body_bytes} bytes"))
+            except web.HTTPNotFound:
+                resp = error_response(ApiError(404, "not_found", f"no route {request.path}"))
+            except web.HTTPMethodNotAllowed as e:
+                resp = error_response(ApiError(405, "method_not_allowed",
+                                               f"{request.method} is not allowed here",
+                                               headers={"Allow": ",".join(e.allowed_methods)}))
+            except Exception:
+                log.exception("unhandled error on %s %s", request.method, template)
+                resp = error_response(ApiError(500, "internal", "internal error"))
+            finally:
+                health.in_flight -= 1
+        metrics.request(template, request.method, resp.status, time.perf_counter() - started)
+        return resp
+
+    return middleware
+
+
+def create_app(settings: Settings, sales: Sales, store: Store, metrics: Metrics,
+               health: Health) -> web.Application:
+    api = Api(settings, sales, store, metrics, health)
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[_middleware(api)])
+    draw = "/v1/games/{game}/draws/{draw:-?[0-9]+}"
+    app.router.add_post("/v1/tickets", api.post_ticket)
+    app.router.add_get("/v1/tickets/{ticket_id}", api.get_ticket)
+    app.router.add_post("/v1/tickets/{ticket_id}/cancel", api.cancel_ticket)
+    app.router.add_get("/v1/games", api.games)
+    app.router.add_get("/v1/games/{game}/draws/current", api.current_draw)
+    app.router.add_get(draw, api.draw)
+    app.router.add_post(draw + "/close", api.close_draw)
+    app.router.add_get(draw + "/combinations/{numbers}", api.combination)
+    app.router.add_get(draw + "/capped", api.capped)
+    app.router.add_post("/v1/games/{game}/availability", api.availability)
+    app.router.add_get("/healthz", api.healthz)
+    app.router.add_get("/readyz", api.readyz)
+    app.router.add_get("/metrics", api.prometheus)
+    app.router.add_get("/openapi.json", api.openapi)
+    return app

@@ -1,0 +1,171 @@
+"""The API's request and response types (msgspec Structs).
+
+They are the single source of the wire format: requests are decoded straight into them,
+responses encoded from them, and `/openapi.json` is generated from them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+SAFE_INT = Meta(ge=-(2**53), le=2**53)
+"""Any integer a JSON peer can represent exactly; game rules narrow it further."""
+
+TicketId = Annotated[
+    str,
+    Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+         description="1-64 characters of [A-Za-z0-9._:-]", examples=["A-000123"]),
+]
+PlayerId = Annotated[
+    str,
+    Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+         description="1-64 characters of [A-Za-z0-9._:-]", examples=["P-42"]),
+]
+Number = Annotated[int, SAFE_INT]
+Amount = Annotated[int, SAFE_INT, Meta(description="money in minor units (cents, centimes)")]
+Draw = Annotated[int, SAFE_INT, Meta(description="draw number")]
+Numbers = Annotated[list[Number], Meta(max_length=100)]
+
+
+class GridIn(Struct, forbid_unknown_fields=True):
+    numbers: Numbers
+    stake: Amount
+    multiplier: bool = False
+
+
+class TicketIn(Struct, forbid_unknown_fields=True):
+    ticket_id: TicketId
+    game: Annotated[str, Meta(max_length=64)]
+    grids: Annotated[list[GridIn], Meta(min_length=1, max_length=100)]
+    player_id: PlayerId | None = None
+    first_draw: Draw | None = None
+    draws: Annotated[int, SAFE_INT] = 1
+    joker_plus: bool = False
+
+
+class AvailabilityGridIn(Struct, forbid_unknown_fields=True):
+    numbers: Numbers
+    stake: Amount
+
+
+class AvailabilityIn(Struct, forbid_unknown_fields=True):
+    grids: Annotated[list[AvailabilityGridIn], Meta(min_length=1, max_length=100)]
+    first_draw: Draw | None = None
+    draws: Annotated[int, SAFE_INT] = 1
+
+
+GridStatus = Literal["accepted", "rejected"]
+TicketStatus = Literal["accepted", "partial", "rejected"]
+
+
+class GridOut(Struct, omit_defaults=True):
+    index: int
+    numbers: list[int]
+    status: GridStatus
+    cost: int | None = None
+    reason: str | None = None
+    draw: int | None = None
+    remaining: int | None = None
+
+
+class Receipt(Struct):
+    receipt_id: str
+    issued_at: str
+
+
+class TicketOut(Struct, omit_defaults=True):
+    ticket_id: str
+    game: str
+    status: TicketStatus
+    draws: list[int]
+    grids: list[GridOut]
+    total_cost: int
+    receipt: Receipt | None
+    reason: str | None = None
+
+
+class CancelOut(Struct):
+    ticket_id: str
+    status: Literal["cancelled"]
+    released: int
+
+
+class CombinationOut(Struct):
+    numbers: list[int]
+    draw: int
+    cap: int | None
+    staked: int | None
+    remaining: int | None
+    selectable: bool
+
+
+class AvailabilityGridOut(Struct, omit_defaults=True):
+    index: int
+    available: bool
+    draw: int | None = None
+    remaining: int | None = None
+
+
+class AvailabilityOut(Struct):
+    grids: list[AvailabilityGridOut]
+
+
+class CappedOut(Struct):
+    draw: int
+    combinations: list[list[int]]
+
+
+class DrawOut(Struct):
+    draw: int
+    closes_at: str
+    status: Literal["open", "closed"]
+
+
+class CurrentDrawOut(Struct):
+    draw: int
+    closes_at: str
+
+
+class GameOut(Struct):
+    id: str
+    preset: str
+    description: str
+    currency: str
+    numbers: int
+    picks_min: int
+    picks_max: int
+    stakes: list[int]
+    durations: list[int]
+    cap_limit: int | None
+    capped_picks: list[int]
+    daily_limit: int | None
+    time_zone: str
+    draw_times: list[str]
+    cancel: str
+    retention_seconds: int
+    max_grids: int
+    sales_horizon: int
+    subscription_accounting: str
+    multiplier: bool
+    joker_plus_price: int | None
+
+
+class GamesOut(Struct):
+    games: list[GameOut]
+
+
+class ErrorDetail(Struct):
+    code: str
+    message: str
+    path: str | None
+
+
+class ErrorOut(Struct):
+    error: ErrorDetail
+
+
+class HealthOut(Struct):
+    status: str
+    checks: dict[str, bool] = {}

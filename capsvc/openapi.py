@@ -1,0 +1,126 @@
+"""The OpenAPI 3.1 document, generated from the msgspec request and response types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from capsvc import __version__
+from capsvc.models import (
+    AvailabilityIn,
+    AvailabilityOut,
+    CancelOut,
+    CappedOut,
+    CombinationOut,
+    CurrentDrawOut,
+    DrawOut,
+    ErrorOut,
+    GamesOut,
+    HealthOut,
+    TicketIn,
+    TicketOut,
+)
+
+_REF = "#/components/schemas/{name}"
+_TYPES: tuple[Any, ...] = (
+    TicketIn, TicketOut, CancelOut, AvailabilityIn, AvailabilityOut, CombinationOut,
+    CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut,
+)
+_ERRORS = {
+    "400": "Malformed JSON, or not an object",
+    "401": "No token, or unknown token",
+    "403": "The channel may not use this game, or lacks the scope",
+    "404": "Unknown game, ticket or draw",
+    "409": "Ticket id reused with a different request; not cancellable; no decision yet",
+    "413": "Body larger than the configured limit",
+    "422": "Well-formed JSON that breaks a rule (schema or game rules)",
+    "503": "Redis unreachable or too slow: nothing was recorded (see Retry-After)",
+}
+
+
+def _ref(t: Any) -> dict[str, str]:
+    return {"$ref": _REF.format(name=t.__name__)}
+
+
+def _json(t: Any) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": _ref(t)}}}
+
+
+def _op(summary: str, out: Any, *, body: Any = None, params: tuple[str, ...] = (),
+        errors: tuple[str, ...] = ("401", "403", "404", "503"), auth: bool = True,
+        headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": "OK", **_json(out)}
+    if headers:
+        ok["headers"] = headers
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": ok, **{c: {"description": _ERRORS[c], **_json(ErrorOut)}
+                                   for c in errors}},
+    }
+    if body is not None:
+        op["requestBody"] = {"required": True, **_json(body)}
+    if params:
+        op["parameters"] = [_PARAMS[p] for p in params]
+    if not auth:
+        op["security"] = []
+    return op
+
+
+_PARAMS: dict[str, dict[str, Any]] = {
+    "game": {"name": "game", "in": "path", "required": True, "schema": {"type": "string"}},
+    "draw": {"name": "draw", "in": "path", "required": True, "schema": {"type": "integer"}},
+    "ticket_id": {"name": "ticket_id", "in": "path", "required": True,
+                  "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
+    "numbers": {"name": "numbers", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": "^[0-9]+(-[0-9]+)*$"},
+                "description": "the numbers joined by '-', in any order"},
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    (_, components) = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    sell_errors = ("400", "401", "403", "404", "409", "413", "422", "503")
+    draw = "/v1/games/{game}/draws/{draw}"
+    replayed = {"Idempotent-Replayed": {"description": "true on a replay",
+                                        "schema": {"type": "string", "enum": ["true"]}}}
+    paths: dict[str, Any] = {
+        "/v1/tickets": {"post": _op("Validate and record a sale", TicketOut, body=TicketIn,
+                                    errors=sell_errors, headers=replayed)},
+        "/v1/tickets/{ticket_id}": {"get": _op("The stored decision of a ticket", TicketOut,
+                                               params=("ticket_id",),
+                                               errors=("401", "403", "404", "409", "503"))},
+        "/v1/tickets/{ticket_id}/cancel": {"post": _op(
+            "Cancel a ticket, releasing what it took", CancelOut, params=("ticket_id",),
+            errors=("401", "403", "404", "409", "503"))},
+        "/v1/games": {"get": _op("Every game with its rules", GamesOut, errors=("401",))},
+        "/v1/games/{game}/draws/current": {"get": _op("The next draw still on sale",
+                                                      CurrentDrawOut, params=("game",))},
+        draw: {"get": _op("A draw and its status", DrawOut, params=("game", "draw"))},
+        draw + "/close": {"post": _op("Stop sales for a draw now", DrawOut,
+                                      params=("game", "draw"))},
+        draw + "/combinations/{numbers}": {"get": _op(
+            "How much a combination has staked on a draw", CombinationOut,
+            params=("game", "draw", "numbers"), errors=("401", "403", "404", "422", "503"))},
+        draw + "/capped": {"get": _op("The combinations at their cap for a draw", CappedOut,
+                                      params=("game", "draw"))},
+        "/v1/games/{game}/availability": {"post": _op(
+            "Whether grids could be sold (advisory, counts nothing)", AvailabilityOut,
+            body=AvailabilityIn, params=("game",), errors=sell_errors)},
+        "/healthz": {"get": _op("Liveness", HealthOut, errors=(), auth=False)},
+        "/readyz": {"get": _op("Readiness: Redis answers and the scripts are loaded",
+                               HealthOut, errors=(), auth=False)},
+    }
+    paths["/readyz"]["get"]["responses"]["503"] = {"description": "Not ready, or draining",
+                                                   **_json(HealthOut)}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "capsvc", "version": __version__,
+                 "description": "Stake-cap and sales-validation service for lottery Keno."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

@@ -1,0 +1,472 @@
+"""The sales use-cases: sell, look up, cancel, check availability, manage draws.
+
+Between the HTTP layer (which decodes and authenticates) and the store (which knows Redis).
+A sale takes two dependent Redis steps: claim the ticket id (refusing a different body under
+the same id), then reserve every capped grid, all grids at once. The decision is built from
+what those steps returned and written back without making the client wait: if that write is
+lost, a replay rebuilds the identical body from the same records, and the janitor finalizes
+the ticket (every grid has its record, so an answer may have been sent) rather than
+releasing it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from capsvc import combination
+from capsvc.calendar import DrawCalendar, rfc3339
+from capsvc.config import Channel, GameRules, Settings
+from capsvc.errors import ApiError, Unavailable, not_found, rule_error
+from capsvc.models import (
+    AvailabilityGridOut,
+    AvailabilityIn,
+    AvailabilityOut,
+    CancelOut,
+    CappedOut,
+    CombinationOut,
+    CurrentDrawOut,
+    DrawOut,
+    GridOut,
+    Receipt,
+    TicketIn,
+    TicketOut,
+    TicketStatus,
+)
+from capsvc.store import TICKET_BUCKETS, Store, holder, ticket_key
+from capsvc.validator import Sale, parse_numbers_path, validate_availability, validate_ticket
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.json.encode
+_sale_decoder = msgspec.json.Decoder(Sale)
+_ticket_decoder = msgspec.json.Decoder(TicketOut)
+
+
+@dataclass(slots=True)
+class SaleOutcome:
+    """What the HTTP layer answers for a sale."""
+
+    body: bytes
+    replayed: bool
+    ticket: TicketOut | None = None
+    """The decision, when it was made by this call (for metrics); None on a stored replay."""
+
+
+class Game:
+    """One configured game: its rules and its calendar."""
+
+    __slots__ = ("calendar", "rules")
+
+    def __init__(self, rules: GameRules) -> None:
+        self.rules = rules
+        self.calendar = DrawCalendar(rules)
+
+    def expire_at(self, draw: int) -> int:
+        """When the keys of `draw` may go: its close plus the retention."""
+        return self.calendar.close_ms(draw) + self.rules.retention_ms
+
+
+def _unavailable_if_stopped(stops: list[Any]) -> int | None:
+    """Offset of the first admin-stopped draw, if any."""
+    for i, s in enumerate(stops):
+        if s is not None:
+            return i
+    return None
+
+
+class Sales:
+    """The service's use-cases over a store, for a set of games."""
+
+    def __init__(self, settings: Settings, store: Store, clock: Callable[[], int]) -> None:
+        self.settings = settings
+        self.store = store
+        self.clock = clock
+        self.games = {gid: Game(r) for gid, r in settings.games.items()}
+        # A request may resume a pending ticket only while the janitor cannot touch it.
+        self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
+
+    # -- access ----------------------------------------------------------------------------
+
+    def game(self, game_id: str, channel: Channel, *scopes: str) -> Game:
+        """The game, if it exists (404) and the channel may use it with one of `scopes` (403)."""
+        game = self.games.get(game_id)
+        if game is None:
+            raise not_found(f"game {game_id!r}")
+        if game_id not in channel.games:
+            raise ApiError(403, "forbidden", f"channel {channel.id} may not use game {game_id}")
+        require_scope(channel, *scopes)
+        return game
+
+    # -- draws -----------------------------------------------------------------------------
+
+    def _window(self, game: Game, first: int, draws: int, now: int) -> None:
+        """The draws first..first+draws-1 are on sale by the calendar, or a 422."""
+        current = game.calendar.current(now)
+        if first < current:
+            raise rule_error("draw_closed", f"draw {first} is closed for sales", "$.first_draw")
+        if first > current + game.rules.sales_horizon:
+            raise rule_error(
+                "draw_not_on_sale",
+                f"draw {first} is not on sale yet (sales run up to draw "
+                f"{current + game.rules.sales_horizon})",
+                "$.first_draw",
+            )
+
+    async def current_draw(self, game: Game) -> int:
+        """The next draw still on sale: by the calendar, skipping draws an admin stopped."""
+        first = game.calendar.current(self.clock())
+        horizon = game.rules.sales_horizon + 1
+        stops = await self.store.stops(game.rules.id, first, horizon)
+        offset = next((i for i, s in enumerate(stops) if s is None), horizon)
+        return first + offset
+
+    async def current(self, game: Game) -> CurrentDrawOut:
+        draw = await self.current_draw(game)
+        return CurrentDrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)))
+
+    async def draw(self, game: Game, draw: int) -> DrawOut:
+        if draw < 1:
+            raise not_found(f"draw {draw}")
+        (stop,) = await self.store.stops(game.rules.id, draw, 1)
+        closed = stop is not None or game.calendar.is_past(draw, self.clock())
+        return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
+                       status="closed" if closed else "open")
+
+    async def close_draw(self, game: Game, draw: int) -> DrawOut:
+        if draw < 1:
+            raise not_found(f"draw {draw}")
+        await self.store.stop(game.rules.id, draw, self.clock(), game.expire_at(draw))
+        return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
+                       status="closed")
+
+    # -- sell ------------------------------------------------------------------------------
+
+    async def sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
+        game = self.game(t.game, channel, "sell")
+        sale = validate_ticket(game.rules, t)
+        key = ticket_key(channel.id, t.ticket_id)
+        defaulted = sale.first_draw is None
+        now = self.clock()
+        first = sale.first_draw if sale.first_draw is not None else game.calendar.current(now)
+        # A defaulted first draw moves on when the one we thought open has just closed.
+        for _ in range(3):
+            self._window(game, first, sale.draws, now)
+            stored = msgspec.structs.replace(sale, first_draw=first)
+            last = first + sale.draws - 1
+            claim_f = self.store.claim(
+                key, sale.fingerprint, _encode(stored), game.calendar.close_ms(first),
+                game.expire_at(last), self.stale_after_ms,
+            )
+            stops_f = self.store.stops(game.rules.id, first, sale.draws)
+            claim, stops = await claim_f, await stops_f
+            kind = claim[0]
+            stopped = _unavailable_if_stopped(stops)
+            if kind == b"new":
+                if stopped is None:
+                    close_ms = game.calendar.close_ms(first)
+                    return await self._decide(channel, game, key, stored, int(claim[1]),
+                                              close_ms, replayed=False)
+                await self.store.unclaim(key, int(claim[1]))
+            elif kind == b"final":
+                return SaleOutcome(body=claim[1], replayed=True)
+            elif kind == b"pending":
+                # A retry, or a concurrent duplicate: re-running the reserve steps returns
+                # what they recorded. After an admin stop it may only read (close_ms 0).
+                resumed = _sale_decoder.decode(claim[2])
+                assert resumed.first_draw is not None
+                close_ms = 0 if stopped is not None else game.calendar.close_ms(resumed.first_draw)
+                return await self._decide(channel, game, key, resumed, int(claim[1]), close_ms,
+                                          replayed=True)
+            elif kind == b"conflict":
+                raise ApiError(409, "idempotency_conflict",
+                               f"ticket {t.ticket_id} was already used with a different request",
+                               "$.ticket_id")
+            elif kind == b"stale":
+                raise ApiError(503, "unavailable",
+                               f"ticket {t.ticket_id} is being settled after an interrupted "
+                               "sale; retry shortly",
+                               None, {"Retry-After": str(self.settings.retry_after_s)})
+            if not defaulted or (stopped is not None and stopped > 0):
+                draw = first + (stopped or 0)
+                raise rule_error("draw_closed", f"draw {draw} is closed for sales", "$.first_draw")
+            first += 1
+            now = self.clock()
+        raise rule_error("draw_closed", "no open draw found", "$.first_draw")
+
+    async def _decide(
+        self, channel: Channel, game: Game, key: str, sale: Sale, at: int, close_ms: int,
+        *, replayed: bool,
+    ) -> SaleOutcome:
+        """Reserve every capped grid (concurrently), build the decision, write it back."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        first, n = sale.first_draw, sale.draws
+        cap = rules.cap_limit or 0
+        expire_at = [game.expire_at(d) for d in range(first, first + n)]
+        futures = [
+            self.store.reserve(
+                rules.id, g.combo, holder(channel.id, sale.ticket_id, g.index), g.stake, cap,
+                rules.min_stake, first, expire_at, close_ms,
+            )
+            if g.capped else None
+            for g in sale.grids
+        ]
+        replies = [None if f is None else await f for f in futures]
+        out = build_decision(channel.id, rules, game.calendar, sale, at, replies)
+        for g, reply in zip(sale.grids, replies, strict=True):
+            if reply is not None and reply[0] == 1:
+                for offset in reply[1:]:
+                    self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
+        body = _encode(out)
+        self.store.finalize(key, at, body)
+        return SaleOutcome(body=body, replayed=replayed, ticket=out)
+
+    # -- tickets ---------------------------------------------------------------------------
+
+    async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
+        require_scope(channel, "sell", "read")
+        state, body, _ = await self.store.ticket(ticket_key(channel.id, ticket_id))
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        if body is None:
+            raise ApiError(409, "ticket_pending",
+                           f"ticket {ticket_id} has no decision yet: retry the POST with the "
+                           "same body to complete it")
+        return bytes(body)
+
+    async def cancel(self, channel: Channel, ticket_id: str) -> CancelOut:
+        require_scope(channel, "sell")
+        key = ticket_key(channel.id, ticket_id)
+        state, body, raw_sale = await self.store.ticket(key)
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        if body is None:
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        sale = _sale_decoder.decode(raw_sale)
+        decision = _ticket_decoder.decode(body)
+        game = self.games.get(sale.game)
+        if game is None:
+            raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
+        assert sale.first_draw is not None
+        rules = game.rules
+        refusal = cancel_refusal(rules, sale, decision)
+        if refusal and state != b"c":
+            raise ApiError(409, "not_cancellable", refusal)
+        (stop,) = await self.store.stops(rules.id, sale.first_draw, 1)
+        close_ms = game.calendar.close_ms(sale.first_draw)
+        if stop is not None:
+            close_ms = min(close_ms, int(stop))
+        reply = await self.store.cancel(key, close_ms, decision.total_cost)
+        if reply[0] == b"closed":
+            raise ApiError(409, "not_cancellable",
+                           f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
+        if reply[0] != b"ok":
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        await self.release(channel.id, game, sale, decision)
+        return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[1]))
+
+    async def release(self, channel_id: str, game: Game, sale: Sale, decision: TicketOut | None
+                      ) -> int:
+        """Give back what every capped grid of a ticket took (idempotent, once per grid)."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        accepted = {g.index for g in decision.grids if g.status == "accepted"} if decision else None
+        futures = [
+            (g, self.store.release(rules.id, g.combo, holder(channel_id, sale.ticket_id, g.index),
+                                   rules.cap_limit or 0, rules.min_stake, sale.first_draw,
+                                   sale.draws))
+            for g in sale.grids
+            if g.capped and (accepted is None or g.index in accepted)
+        ]
+        released = 0
+        for g, f in futures:
+            reply = await f
+            released += int(reply[0])
+            for offset in reply[1:]:
+                self.store.unmark_sold_out(rules.id, sale.first_draw + offset, g.combo)
+        return released
+
+    # -- availability ----------------------------------------------------------------------
+
+    async def combination(self, game: Game, draw: int, numbers_text: str) -> CombinationOut:
+        rules = game.rules
+        numbers = parse_numbers_path(rules, numbers_text)
+        if draw < 1:
+            raise not_found(f"draw {draw}")
+        if not rules.is_capped(len(numbers)):
+            return CombinationOut(numbers=list(numbers), draw=draw, cap=None, staked=None,
+                                  remaining=None, selectable=True)
+        cap = rules.cap_limit or 0
+        (raw,) = await self.store.counters(rules.id, combination.encode(numbers), draw, 1)
+        staked = int(raw or 0)
+        return CombinationOut(numbers=list(numbers), draw=draw, cap=cap, staked=staked,
+                              remaining=cap - staked, selectable=cap - staked >= rules.min_stake)
+
+    async def availability(self, game: Game, a: AvailabilityIn) -> AvailabilityOut:
+        rules = game.rules
+        probes = validate_availability(rules, a)
+        first = a.first_draw if a.first_draw is not None else await self.current_draw(game)
+        self._window(game, first, a.draws, self.clock())
+        cap = rules.cap_limit or 0
+        futures = [
+            self.store.counters(rules.id, p.combo, first, a.draws) if p.capped else None
+            for p in probes
+        ]
+        grids = []
+        for p, f in zip(probes, futures, strict=True):
+            if f is None:
+                grids.append(AvailabilityGridOut(index=p.index, available=True))
+                continue
+            values = await f
+            out = AvailabilityGridOut(index=p.index, available=True)
+            for offset, raw in enumerate(values):
+                room = cap - int(raw or 0)
+                if p.stake > room:
+                    out = AvailabilityGridOut(index=p.index, available=False,
+                                              draw=first + offset, remaining=room)
+                    break
+            grids.append(out)
+        return AvailabilityOut(grids=grids)
+
+    async def sold_out(self, game: Game, draw: int) -> CappedOut:
+        """The draw's sold-out combinations, each checked against its counter."""
+        rules = game.rules
+        if draw < 1:
+            raise not_found(f"draw {draw}")
+        members = sorted(m.decode() for m in await self.store.sold_out(rules.id, draw))
+        values = await self.store.counters_of(rules.id, draw, members) if members else []
+        cap = rules.cap_limit or 0
+        return CappedOut(draw=draw, combinations=[
+            combination.decode(m) for m, v in zip(members, values, strict=True)
+            if cap - int(v or 0) < rules.min_stake
+        ])
+
+    # -- janitor ---------------------------------------------------------------------------
+
+    async def settle_pending(self, limit: int = 100) -> int:
+        """Settle tickets left pending past the deadline; returns how many were settled.
+
+        If every capped grid has its record, the sale ran to its end and an answer may have
+        been sent: the decision is rebuilt and written. Otherwise no answer was sent (a
+        request answers only after every grid has its record): what was taken is released
+        and the ticket forgotten, so a retry starts afresh.
+        """
+        cutoff = self.clock() - self.settings.pending_deadline_ms
+        settled = 0
+        for bucket in range(TICKET_BUCKETS):
+            keys = await self.store.pending(bucket, cutoff, limit)
+            for raw_key in keys:
+                key = raw_key.decode()
+                try:
+                    settled += await self._settle(key, cutoff)
+                except (Unavailable, ApiError):
+                    raise
+                except Exception:  # one bad record must not stop the janitor
+                    log.exception("janitor could not settle %s", key)
+        return settled
+
+    async def _settle(self, key: str, cutoff: int) -> int:
+        reply = await self.store.expire(key, cutoff)
+        if not reply:
+            return 0
+        at = int(reply[1])
+        sale = _sale_decoder.decode(reply[2])
+        game = self.games.get(sale.game)
+        channel_id = key[key.index("}:") + 2 :].rsplit("/", 1)[0]
+        if game is None or sale.first_draw is None:
+            await self.store.unclaim(key, at)
+            return 1
+        rules = game.rules
+        first, n = sale.first_draw, sale.draws
+        expire_at = [game.expire_at(d) for d in range(first, first + n)]
+        futures = [
+            self.store.reserve(rules.id, g.combo, holder(channel_id, sale.ticket_id, g.index),
+                               g.stake, rules.cap_limit or 0, rules.min_stake, first,
+                               expire_at, 0)
+            if g.capped else None
+            for g in sale.grids
+        ]
+        replies = [None if f is None else await f for f in futures]
+        if all(r is None or r[0] != -1 for r in replies):
+            out = build_decision(channel_id, rules, game.calendar, sale, at, replies)
+            await self.store.finalize(key, at, _encode(out))
+            log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
+        else:
+            await self.release(channel_id, game, sale, None)
+            await self.store.unclaim(key, at)
+            log.info("janitor released an abandoned sale", extra={"ticket_key": key})
+        return 1
+
+
+def require_scope(channel: Channel, *scopes: str) -> None:
+    if channel.scopes.isdisjoint(scopes):
+        raise ApiError(403, "forbidden",
+                       f"channel {channel.id} lacks the scope {' or '.join(scopes)}")
+
+
+def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | None:
+    """Why the game's policy forbids cancelling this ticket, or None."""
+    if rules.cancel == "never":
+        return f"game {rules.id} does not allow cancellations"
+    if rules.cancel == "single_draw_only" and sale.draws > 1:
+        return f"game {rules.id} does not allow cancelling a subscription"
+    if decision.receipt is None:
+        return "nothing was accepted: there is nothing to cancel"
+    return None
+
+
+def receipt_id(channel_id: str, ticket_id: str, at: int) -> str:
+    digest = hashlib.blake2b(f"{channel_id}/{ticket_id}/{at}".encode(), digest_size=10).digest()
+    return base64.b32encode(digest).decode().lower()
+
+
+def build_decision(
+    channel_id: str, rules: GameRules, calendar: DrawCalendar, sale: Sale, at: int,
+    replies: list[Any],
+) -> TicketOut:
+    """The ticket's decision from its sale and the reserve replies (None: uncapped grid).
+
+    Pure: a replay or the janitor rebuilds the identical body from the same records.
+    """
+    assert sale.first_draw is not None
+    first = sale.first_draw
+    grids = []
+    total = 0
+    accepted = 0
+    for g, reply in zip(sale.grids, replies, strict=True):
+        if reply is None or reply[0] == 1:
+            grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="accepted",
+                                 cost=g.cost))
+            total += g.cost
+            accepted += 1
+        elif reply[0] == 0:
+            grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="rejected",
+                                 reason="combination_capped", draw=first + int(reply[1]),
+                                 remaining=int(reply[2])))
+        else:
+            raise rule_error("draw_closed", f"draw {first} closed while the sale was running",
+                             "$.first_draw")
+    if accepted:
+        total += sale.joker_cost
+    status: TicketStatus = (
+        "accepted" if accepted == len(grids) else ("partial" if accepted else "rejected")
+    )
+    receipt = None
+    if accepted:
+        receipt = Receipt(
+            receipt_id=receipt_id(channel_id, sale.ticket_id, at),
+            issued_at=rfc3339(datetime.fromtimestamp(at / 1000, rules.tz)),
+        )
+    return TicketOut(
+        ticket_id=sale.ticket_id, game=sale.game, status=status,
+        draws=list(range(first, first + sale.draws)), grids=grids, total_cost=total,
+        receipt=receipt,
+    )

@@ -1,0 +1,85 @@
+"""Runs the service: wires store, use-cases and HTTP, serves until SIGTERM, then drains.
+
+On SIGTERM (or SIGINT) readiness turns false at once; the listener stays open for
+`drain_delay` so load balancers see it, then closes; requests in flight finish; the
+background Redis writes are flushed; the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from capsvc.calendar import now_ms
+from capsvc.coalesce import Coalescer
+from capsvc.config import Settings
+from capsvc.errors import Unavailable
+from capsvc.http import Health, create_app
+from capsvc.metrics import Metrics
+from capsvc.sales import Sales
+from capsvc.store import Store
+
+log = logging.getLogger(__name__)
+
+
+async def _janitor(sales: Sales, metrics: Metrics, interval_s: float) -> None:
+    """Settle tickets left pending past the deadline, forever."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            settled = await sales.settle_pending()
+        except Unavailable as e:
+            log.warning("janitor: redis unavailable: %s", e)
+            continue
+        except Exception:
+            log.exception("janitor failed")
+            continue
+        if settled:
+            metrics.janitor.inc(settled)
+
+
+async def serve(settings: Settings, redis_url: str, host: str, port: int,
+                started: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and return."""
+    metrics = Metrics()
+    redis = Coalescer(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
+                      max_connections=settings.redis_pool_size, on_batch=metrics.batch,
+                      on_error=metrics.redis_error)
+    store = Store(redis)
+    sales = Sales(settings, store, now_ms)
+    health = Health()
+    app = create_app(settings, sales, store, metrics, health)
+    try:
+        await store.load_library()
+    except Unavailable as e:
+        log.warning("redis not reachable at start (%s): not ready until it is", e)
+    janitor = asyncio.create_task(
+        _janitor(sales, metrics, settings.janitor_interval_ms / 1000))
+    runner = web.AppRunner(
+        app, access_log=logging.getLogger("capsvc.access") if settings.access_log else None,
+        shutdown_timeout=settings.request_timeout_ms / 1000 + 1,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=True, backlog=4096)
+    await site.start()
+    log.info("capsvc listening", extra={"host": host, "port": port, "games": list(settings.games)})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if started is not None:
+        started.set()
+    await stop.wait()
+    health.draining = True
+    log.info("draining", extra={"in_flight": health.in_flight})
+    await asyncio.sleep(settings.drain_delay_ms / 1000)
+    janitor.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await janitor
+    await runner.cleanup()
+    await redis.aclose()
+    log.info("stopped")

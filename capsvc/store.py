@@ -1,0 +1,189 @@
+"""The Redis store: key names, the Lua steps, and what their replies mean.
+
+The only module that knows how capsvc's state is laid out in Redis (see lua/capsvc.lua for
+the keys and the states of a ticket). Every key carries a hash tag, so the store works
+unchanged on Redis Cluster: a combination's counters and holds share a slot, as do a
+ticket record and its pending index.
+
+Calls go through a `Coalescer`: `submit` queues a command into the current tick's
+pipeline and returns a future, so a caller can issue several independent steps and await
+them together without an extra round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from capsvc.coalesce import Coalescer
+
+LIBRARY = "capsvc"
+TICKET_BUCKETS = 64
+"""Ticket records are spread over this many hash tags, each with its own pending index."""
+
+
+def lua_source() -> str:
+    return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
+
+
+def ticket_key(channel: str, ticket_id: str) -> str:
+    ident = f"{channel}/{ticket_id}"
+    return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
+
+
+def pending_key_of(ticket: str) -> str:
+    """The pending index in the same slot as the ticket record `ticket`."""
+    return "p:" + ticket[2 : ticket.index("}") + 1]
+
+
+def pending_key(bucket: int) -> str:
+    return f"p:{{t:{bucket}}}"
+
+
+def hold_key(game: str, combo: str) -> str:
+    return f"h:{{{game}:{combo}}}"
+
+
+def counter_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]:
+    prefix = f"c:{{{game}:{combo}}}:"
+    return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
+
+
+def stop_key(game: str, draw: int) -> str:
+    return f"s:{{{game}}}:{draw}"
+
+
+def capped_key(game: str, draw: int) -> str:
+    return f"x:{{{game}}}:{draw}"
+
+
+def holder(channel: str, ticket_id: str, grid: int) -> str:
+    return f"{channel}/{ticket_id}/{grid}"
+
+
+class Store:
+    """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
+
+    def __init__(self, redis: Coalescer) -> None:
+        self.redis = redis
+        self._source = lua_source()
+
+    async def load_library(self) -> None:
+        """Install (or replace) the Lua library; idempotent, safe from every process."""
+        await self.redis.call("FUNCTION", "LOAD", "REPLACE", self._source)
+
+    async def library_loaded(self) -> bool:
+        reply = await self.redis.call("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
+        return bool(reply)
+
+    def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one FCALL; reload the library and retry once if Redis lost it."""
+        fut = self.redis.submit("FCALL", name, len(keys), *keys, *args)
+        return asyncio.ensure_future(self._reloading(fut, name, keys, args))
+
+    async def _reloading(
+        self, fut: asyncio.Future[Any], name: str, keys: list[str], args: list[Any]
+    ) -> Any:
+        try:
+            return await fut
+        except ResponseError as e:
+            # A FLUSHALL or a replica promoted without the library: nothing ran, so retrying
+            # once after the reload is safe.
+            if "Function not found" not in str(e) and "No matching script" not in str(e):
+                raise
+        await self.load_library()
+        return await self.redis.call("FCALL", name, len(keys), *keys, *args)
+
+    # -- tickets ---------------------------------------------------------------------------
+
+    def claim(
+        self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+        stale_after_ms: int,
+    ) -> asyncio.Future[Any]:
+        return self.fcall(
+            "capsvc_claim", [ticket, pending_key_of(ticket)],
+            [fingerprint, sale, close_ms, expire_at, stale_after_ms],
+        )
+
+    def finalize(self, ticket: str, at: int, body: bytes) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_finalize", [ticket, pending_key_of(ticket)], [at, body])
+
+    def unclaim(self, ticket: str, at: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_unclaim", [ticket, pending_key_of(ticket)], [at])
+
+    def expire(self, ticket: str, claimed_before_ms: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_expire", [ticket, pending_key_of(ticket)], [claimed_before_ms])
+
+    def cancel(self, ticket: str, close_ms: int, released: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_cancel", [ticket], [close_ms, released])
+
+    def ticket(self, ticket: str) -> asyncio.Future[Any]:
+        """[state, body, sale] of a ticket record (all None when unknown)."""
+        return self.redis.submit("HMGET", ticket, "st", "body", "sale")
+
+    def pending(self, bucket: int, claimed_before_ms: int, limit: int) -> asyncio.Future[Any]:
+        return self.redis.submit(
+            "ZRANGEBYSCORE", pending_key(bucket), "-inf", f"({claimed_before_ms}",
+            "LIMIT", 0, limit,
+        )
+
+    # -- combinations ----------------------------------------------------------------------
+
+    def reserve(
+        self, game: str, combo: str, who: str, stake: int, cap: int, min_stake: int,
+        first_draw: int, expire_at: list[int], close_ms: int,
+    ) -> asyncio.Future[Any]:
+        """Count `stake` on every draw of the grid, or none; `close_ms=0` only reads."""
+        keys = [hold_key(game, combo), *counter_keys(game, combo, first_draw, len(expire_at))]
+        return self.fcall(
+            "capsvc_reserve", keys, [who, stake, cap, close_ms, min_stake, *expire_at]
+        )
+
+    def release(
+        self, game: str, combo: str, who: str, cap: int, min_stake: int, first_draw: int,
+        draws: int,
+    ) -> asyncio.Future[Any]:
+        keys = [hold_key(game, combo), *counter_keys(game, combo, first_draw, draws)]
+        return self.fcall("capsvc_release", keys, [who, cap, min_stake])
+
+    def counters(self, game: str, combo: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
+        return self.redis.submit("MGET", *counter_keys(game, combo, first_draw, draws))
+
+    def counters_of(self, game: str, draw: int, combos: list[str]) -> asyncio.Future[Any]:
+        """Counters of several combinations for one draw (possibly several slots)."""
+        return asyncio.ensure_future(self._counters_of(game, draw, combos))
+
+    async def _counters_of(self, game: str, draw: int, combos: list[str]) -> list[Any]:
+        futs = [self.redis.submit("GET", counter_keys(game, c, draw, 1)[0]) for c in combos]
+        return [await f for f in futs]
+
+    def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int) -> None:
+        """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
+        key = capped_key(game, draw)
+        self.redis.send("SADD", key, combo)
+        self.redis.send("PEXPIREAT", key, expire_at)
+
+    def unmark_sold_out(self, game: str, draw: int, combo: str) -> None:
+        self.redis.send("SREM", capped_key(game, draw), combo)
+
+    def sold_out(self, game: str, draw: int) -> asyncio.Future[Any]:
+        return self.redis.submit("SMEMBERS", capped_key(game, draw))
+
+    # -- draws -----------------------------------------------------------------------------
+
+    def stops(self, game: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
+        """When sales of each draw were stopped by an admin (ms), or None."""
+        return self.redis.submit(
+            "MGET", *[stop_key(game, d) for d in range(first_draw, first_draw + draws)]
+        )
+
+    def stop(self, game: str, draw: int, at_ms: int, expire_at: int) -> asyncio.Future[Any]:
+        """Stop sales of a draw from `at_ms` on (the first stop wins)."""
+        return self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
+
+    def redis_time_ms(self) -> asyncio.Future[Any]:
+        return self.redis.submit("TIME")

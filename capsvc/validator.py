@@ -1,0 +1,176 @@
+"""The rules of a sale, as pure functions: a decoded request in, a normalized sale out.
+
+No I/O here. Every rule error carries its code and the JSONPath of the offending value,
+and is raised before anything touches Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from msgspec import Struct
+
+from capsvc import combination
+from capsvc.config import GameRules
+from capsvc.errors import ApiError, rule_error
+from capsvc.models import AvailabilityIn, TicketIn
+
+
+class SaleGrid(Struct, frozen=True, array_like=True, gc=False):
+    """One grid of a sale, normalized, with its price."""
+
+    index: int
+    numbers: tuple[int, ...]
+    combo: str
+    stake: int
+    multiplier: bool
+    cost: int
+    capped: bool
+    """Whether the game counts this grid's combination against the cap."""
+
+
+class Sale(Struct, frozen=True, array_like=True, gc=False):
+    """A ticket that passed every rule that does not depend on Redis.
+
+    Stored (compactly, array-like) in the ticket record with `first_draw` resolved, so that
+    a resumed request or the janitor can rebuild the decision or release what it took.
+    """
+
+    ticket_id: str
+    game: str
+    player_id: str | None
+    first_draw: int | None
+    draws: int
+    grids: tuple[SaleGrid, ...]
+    joker_plus: bool
+    joker_cost: int
+    fingerprint: str
+    """Identifies the request by its meaning (number order and defaults do not matter)."""
+
+    @property
+    def requested_cost(self) -> int:
+        """What the ticket costs if every grid is accepted."""
+        return sum(g.cost for g in self.grids) + self.joker_cost
+
+
+def check_numbers(rules: GameRules, numbers: list[int], path: str) -> tuple[int, ...]:
+    """Numbers of one grid: right count, inside the matrix, distinct. Returns them sorted."""
+    if not rules.picks_min <= len(numbers) <= rules.picks_max:
+        raise rule_error(
+            "picks_not_allowed",
+            f"a grid has {rules.picks_min} to {rules.picks_max} numbers, got {len(numbers)}",
+            path,
+        )
+    seen: set[int] = set()
+    for j, n in enumerate(numbers):
+        if not 1 <= n <= rules.numbers:
+            raise rule_error(
+                "number_out_of_range", f"numbers go from 1 to {rules.numbers}, got {n}",
+                f"{path}[{j}]",
+            )
+        if n in seen:
+            raise rule_error("duplicate_numbers", f"number {n} appears twice", f"{path}[{j}]")
+        seen.add(n)
+    return tuple(sorted(numbers))
+
+
+def check_stake(rules: GameRules, stake: int, path: str) -> None:
+    if stake not in rules.stakes:
+        allowed = ", ".join(str(s) for s in rules.stakes)
+        raise rule_error("stake_not_allowed", f"stake must be one of {allowed}, got {stake}", path)
+
+
+def check_draws(rules: GameRules, draws: int) -> None:
+    if draws not in rules.durations:
+        allowed = ", ".join(str(d) for d in rules.durations)
+        raise rule_error(
+            "draws_not_allowed", f"draws must be one of {allowed}, got {draws}", "$.draws"
+        )
+
+
+def check_grid_count(rules: GameRules, count: int) -> None:
+    if count > rules.max_grids:
+        raise rule_error(
+            "too_many_grids", f"at most {rules.max_grids} grids per ticket, got {count}", "$.grids"
+        )
+
+
+def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
+    """Apply every rule of `rules` to the ticket; raise ApiError(422) on the first break."""
+    check_grid_count(rules, len(t.grids))
+    check_draws(rules, t.draws)
+    if rules.daily_limit is not None and t.player_id is None:
+        raise rule_error(
+            "player_required", f"game {rules.id} has player limits: player_id is required",
+            "$.player_id",
+        )
+    if t.joker_plus and rules.joker_plus_price is None:
+        raise rule_error(
+            "option_not_available", f"game {rules.id} has no Joker+ option", "$.joker_plus"
+        )
+    grids: list[SaleGrid] = []
+    for i, g in enumerate(t.grids):
+        path = f"$.grids[{i}]"
+        numbers = check_numbers(rules, g.numbers, f"{path}.numbers")
+        check_stake(rules, g.stake, f"{path}.stake")
+        if g.multiplier and not rules.multiplier:
+            raise rule_error(
+                "option_not_available", f"game {rules.id} has no multiplier option",
+                f"{path}.multiplier",
+            )
+        grids.append(SaleGrid(
+            index=i,
+            numbers=numbers,
+            combo=combination.encode(numbers),
+            stake=g.stake,
+            multiplier=g.multiplier,
+            cost=g.stake * (2 if g.multiplier else 1) * t.draws,
+            capped=rules.is_capped(len(numbers)),
+        ))
+    joker_cost = (rules.joker_plus_price or 0) * t.draws if t.joker_plus else 0
+    canonical = "|".join([
+        t.game, t.player_id or "", str(t.first_draw or ""), str(t.draws), str(int(t.joker_plus)),
+        ";".join(f"{g.combo}:{g.stake}:{int(g.multiplier)}" for g in grids),
+    ])
+    return Sale(
+        ticket_id=t.ticket_id,
+        game=t.game,
+        player_id=t.player_id,
+        first_draw=t.first_draw,
+        draws=t.draws,
+        grids=tuple(grids),
+        joker_plus=t.joker_plus,
+        joker_cost=joker_cost,
+        fingerprint=hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest(),
+    )
+
+
+class Probe(Struct, frozen=True, gc=False):
+    """One grid of an availability question."""
+
+    index: int
+    numbers: tuple[int, ...]
+    combo: str
+    stake: int
+    capped: bool
+
+
+def validate_availability(rules: GameRules, a: AvailabilityIn) -> list[Probe]:
+    check_grid_count(rules, len(a.grids))
+    check_draws(rules, a.draws)
+    probes = []
+    for i, g in enumerate(a.grids):
+        numbers = check_numbers(rules, g.numbers, f"$.grids[{i}].numbers")
+        check_stake(rules, g.stake, f"$.grids[{i}].stake")
+        probes.append(Probe(i, numbers, combination.encode(numbers), g.stake,
+                            rules.is_capped(len(numbers))))
+    return probes
+
+
+def parse_numbers_path(rules: GameRules, text: str) -> tuple[int, ...]:
+    """`3-7-12-…` from a URL into validated sorted numbers."""
+    parts = text.split("-")
+    if not all(p.isdigit() and len(p) <= 3 for p in parts):
+        raise ApiError(422, "invalid_request",
+                       "numbers are integers joined by '-', e.g. 3-7-12-18-25-33-41-56", None)
+    return check_numbers(rules, [int(p) for p in parts], "numbers")
