@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -42,17 +44,36 @@ async def _janitor(sales: Sales, metrics: Metrics, interval_s: float) -> None:
             metrics.janitor.inc(settled)
 
 
-async def serve(settings: Settings, redis_url: str, host: str, port: int,
-                started: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and return."""
+@dataclass
+class Service:
+    """Everything one service process is made of, wired together."""
+
+    settings: Settings
+    redis: Coalescer
+    store: Store
+    sales: Sales
+    metrics: Metrics
+    health: Health
+    app: web.Application
+
+
+def build(settings: Settings, redis_url: str, clock: Callable[[], int] = now_ms) -> Service:
     metrics = Metrics()
     redis = Coalescer(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                       max_connections=settings.redis_pool_size, on_batch=metrics.batch,
                       on_error=metrics.redis_error)
     store = Store(redis)
-    sales = Sales(settings, store, now_ms)
+    sales = Sales(settings, store, clock)
     health = Health()
     app = create_app(settings, sales, store, metrics, health)
+    return Service(settings, redis, store, sales, metrics, health, app)
+
+
+async def serve(settings: Settings, redis_url: str, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and return."""
+    svc = build(settings, redis_url)
+    app, redis, store, sales, metrics, health = (
+        svc.app, svc.redis, svc.store, svc.sales, svc.metrics, svc.health)
     try:
         await store.load_library()
     except Unavailable as e:
@@ -71,8 +92,6 @@ async def serve(settings: Settings, redis_url: str, host: str, port: int,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if started is not None:
-        started.set()
     await stop.wait()
     health.draining = True
     log.info("draining", extra={"in_flight": health.in_flight})

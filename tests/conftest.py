@@ -1,0 +1,135 @@
+"""Shared fixtures: a real redis-server per session, the service on real HTTP per test."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+from aiohttp import web
+
+from capsvc.config import Settings, load_settings
+from capsvc.server import Service, build
+from capsvc.testing import RedisServer, free_port
+
+CONFIG = Path(__file__).parent / "capsvc-test.toml"
+TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma"}
+TEN = [3, 7, 12, 18, 25, 33, 41, 56, 60, 70]
+_ids = itertools.count(1)
+
+
+def new_id(prefix: str = "T") -> str:
+    return f"{prefix}-{next(_ids):06d}"
+
+
+def ticket(grids: list[dict[str, Any]] | None = None, **fields: Any) -> dict[str, Any]:
+    """A valid FDJ ticket body; keyword arguments override or add fields."""
+    body: dict[str, Any] = {
+        "ticket_id": new_id(),
+        "game": "fdj-keno",
+        "grids": grids if grids is not None else [{"numbers": TEN[:8], "stake": 500}],
+    }
+    body.update(fields)
+    return body
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Any
+    body: Any
+    raw: bytes
+
+
+class Client:
+    """An HTTP client of the service under test, speaking as one channel's token."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session = session
+        self.base_url = base_url
+
+    async def request(self, method: str, path: str, json: Any = None, *, data: Any = None,
+                      token: str | None = "fr", headers: dict[str, str] | None = None) -> Reply:
+        h = dict(headers or {})
+        if token is not None:
+            h["Authorization"] = f"Bearer {TOKENS.get(token, token)}"
+        async with self.session.request(method, self.base_url + path, json=json, data=data,
+                                        headers=h) as resp:
+            raw = await resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+            body = await resp.json() if ctype.startswith("application/json") else raw
+            return Reply(resp.status, resp.headers, body, raw)
+
+    async def get(self, path: str, **kw: Any) -> Reply:
+        return await self.request("GET", path, **kw)
+
+    async def post(self, path: str, json: Any = None, **kw: Any) -> Reply:
+        return await self.request("POST", path, json, **kw)
+
+    async def sell(self, body: dict[str, Any], token: str = "fr") -> Reply:
+        return await self.post("/v1/tickets", body, token=token)
+
+    async def current(self, game: str = "fdj-keno") -> int:
+        reply = await self.get(f"/v1/games/{game}/draws/current", token="admin")
+        assert reply.status == 200, reply.body
+        draw: int = reply.body["draw"]
+        return draw
+
+    async def staked(self, numbers: list[int], draw: int, game: str = "fdj-keno") -> int:
+        path = f"/v1/games/{game}/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
+        reply = await self.get(path, token="admin")
+        assert reply.status == 200, reply.body
+        staked: int = reply.body["staked"]
+        return staked
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """The session's Redis, emptied (functions stay loaded)."""
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return load_settings(CONFIG)
+
+
+async def start_service(svc: Service) -> tuple[web.AppRunner, str]:
+    await svc.store.load_library()
+    runner = web.AppRunner(svc.app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def service(settings: Settings, redis_server: RedisServer,
+                  redis_db: redis.Redis) -> AsyncIterator[tuple[Service, str]]:
+    """The service in this process, on a real port, over the session's Redis."""
+    svc = build(settings, redis_server.url)
+    runner, url = await start_service(svc)
+    yield svc, url
+    await runner.cleanup()
+    await svc.redis.aclose()
+
+
+@pytest.fixture
+async def client(service: tuple[Service, str]) -> AsyncIterator[Client]:
+    async with aiohttp.ClientSession() as session:
+        yield Client(session, service[1])
