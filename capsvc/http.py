@@ -43,6 +43,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _encode = msgspec.json.encode
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
+_FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _JSON = "application/json"
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
     TicketIn: msgspec.json.Decoder(TicketIn),
@@ -60,6 +61,9 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         m = _PATH_RE.search(text)
         path = m.group(1) if m else "$"
         message = text[: m.start()] if m else text
+        field = _FIELD_RE.match(message)
+        if field:  # point at the missing or unknown field itself
+            path = f"{path}.{field.group(1)}"
         if path == "$" and message.startswith("Expected `object`"):
             raise ApiError(400, "malformed_json", "the body must be a JSON object", None) from e
         raise ApiError(422, "invalid_request", message, path) from e

@@ -1,0 +1,138 @@
+"""Bad input of every kind: the documented status, code and path; nothing written."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import TEN, Client, ticket
+
+GRID = {"numbers": TEN[:8], "stake": 500}
+
+
+def with_grid(**fields: Any) -> dict[str, Any]:
+    return ticket([dict(GRID, **fields)])
+
+
+CASES: list[tuple[str, Any, str, int, str, str | None]] = [
+    # name, body (dict → JSON, bytes → raw), token, status, code, path
+    ("not json", b"{", "fr", 400, "malformed_json", None),
+    ("empty body", b"", "fr", 400, "malformed_json", None),
+    ("array", b"[1, 2]", "fr", 400, "malformed_json", None),
+    ("string", b'"ticket"', "fr", 400, "malformed_json", None),
+    ("bad utf-8", b'{"ticket_id": "\xff"}', "fr", 400, "malformed_json", None),
+    ("no token", ticket(), None, 401, "unauthorized", None),
+    ("unknown token", ticket(), "nope", 401, "unauthorized", None),
+    ("game not sold by channel", ticket(game="lnm-keno", player_id="P-1",
+                                        grids=[{"numbers": TEN, "stake": 250}]),
+     "fr", 403, "forbidden", None),
+    ("no sell scope", ticket(), "read", 403, "forbidden", None),
+    ("unknown game", ticket(game="loto"), "fr", 404, "not_found", None),
+    ("missing ticket_id", {"game": "fdj-keno", "grids": [GRID]}, "fr", 422,
+     "invalid_request", "$.ticket_id"),
+    ("missing stake", ticket([{"numbers": TEN[:8]}]), "fr", 422, "invalid_request",
+     "$.grids[0].stake"),
+    ("ticket_id too long", ticket(ticket_id="A" * 65), "fr", 422, "invalid_request",
+     "$.ticket_id"),
+    ("ticket_id bad chars", ticket(ticket_id="A/1"), "fr", 422, "invalid_request",
+     "$.ticket_id"),
+    ("empty ticket_id", ticket(ticket_id=""), "fr", 422, "invalid_request", "$.ticket_id"),
+    ("unknown field", ticket(colour="red"), "fr", 422, "invalid_request", "$.colour"),
+    ("no grids", ticket([]), "fr", 422, "invalid_request", "$.grids"),
+    ("grids not a list", ticket(grids={"numbers": TEN}), "fr", 422, "invalid_request",
+     "$.grids"),
+    ("float stake", with_grid(stake=2.5), "fr", 422, "invalid_request", "$.grids[0].stake"),
+    ("string stake", with_grid(stake="500"), "fr", 422, "invalid_request",
+     "$.grids[0].stake"),
+    ("huge stake", with_grid(stake=10**30), "fr", 422, "invalid_request", "$.grids[0].stake"),
+    ("numbers not ints", with_grid(numbers=[1, 2, "3"]), "fr", 422, "invalid_request",
+     "$.grids[0].numbers[2]"),
+    ("multiplier not bool", with_grid(multiplier=1), "fr", 422, "invalid_request",
+     "$.grids[0].multiplier"),
+    ("first_draw string", ticket(first_draw="4711"), "fr", 422, "invalid_request",
+     "$.first_draw"),
+    ("player_id bad chars", ticket(player_id="P 1"), "fr", 422, "invalid_request",
+     "$.player_id"),
+    ("stake not allowed", with_grid(stake=700), "fr", 422, "stake_not_allowed",
+     "$.grids[0].stake"),
+    ("negative stake", with_grid(stake=-500), "fr", 422, "stake_not_allowed",
+     "$.grids[0].stake"),
+    ("one number", with_grid(numbers=[5]), "fr", 422, "picks_not_allowed",
+     "$.grids[0].numbers"),
+    ("eleven numbers", with_grid(numbers=list(range(1, 12))), "fr", 422, "picks_not_allowed",
+     "$.grids[0].numbers"),
+    ("number 0", with_grid(numbers=[0, *TEN[:7]]), "fr", 422, "number_out_of_range",
+     "$.grids[0].numbers[0]"),
+    ("number 71", with_grid(numbers=[*TEN[:7], 71]), "fr", 422, "number_out_of_range",
+     "$.grids[0].numbers[7]"),
+    ("duplicate", with_grid(numbers=[*TEN[:7], 3]), "fr", 422, "duplicate_numbers",
+     "$.grids[0].numbers[7]"),
+    ("3 draws", ticket(draws=3), "fr", 422, "draws_not_allowed", "$.draws"),
+    ("0 draws", ticket(draws=0), "fr", 422, "draws_not_allowed", "$.draws"),
+    ("21 grids", ticket([GRID] * 21), "fr", 422, "too_many_grids", "$.grids"),
+    ("past draw", ticket(first_draw=1), "fr", 422, "draw_closed", "$.first_draw"),
+    ("far draw", ticket(first_draw=10**9), "fr", 422, "draw_not_on_sale", "$.first_draw"),
+    ("lnm without player", ticket([{"numbers": TEN, "stake": 250}], game="lnm-keno"), "ma",
+     422, "player_required", "$.player_id"),
+    ("lnm multiplier", ticket([{"numbers": TEN, "stake": 250, "multiplier": True}],
+                              game="lnm-keno", player_id="P-1"), "ma", 422,
+     "option_not_available", "$.grids[0].multiplier"),
+    ("lnm joker", ticket([{"numbers": TEN, "stake": 250}], game="lnm-keno", player_id="P-1",
+                         joker_plus=True), "ma", 422, "option_not_available", "$.joker_plus"),
+    ("lnm 15 dh", ticket([{"numbers": TEN, "stake": 1500}], game="lnm-keno",
+                         player_id="P-1"), "ma", 422, "stake_not_allowed",
+     "$.grids[0].stake"),
+    ("lnm number 81", ticket([{"numbers": [*TEN[:9], 81], "stake": 250}], game="lnm-keno",
+                             player_id="P-1"), "ma", 422, "number_out_of_range",
+     "$.grids[0].numbers[9]"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "token", "status", "code", "path"), CASES,
+                         ids=[c[0] for c in CASES])
+async def test_bad_ticket(client: Client, redis_db: redis.Redis, name: str, body: Any,
+                          token: str | None, status: int, code: str, path: str | None) -> None:
+    """Each bad request gets its status, code and JSONPath, and writes nothing to Redis."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = await client.request("POST", "/v1/tickets", data=data, token=token,
+                                 headers={"Content-Type": "application/json"})
+    assert reply.status == status, reply.body
+    error = reply.body["error"]
+    assert error["code"] == code
+    assert error["path"] == path
+    assert error["message"]
+    assert redis_db.dbsize() == 0
+
+
+async def test_body_over_the_limit_is_413(client: Client, redis_db: redis.Redis) -> None:
+    """A body over 64 KiB is refused with 413 payload_too_large."""
+    body = json.dumps(ticket(padding="x" * 70_000)).encode()
+    reply = await client.request("POST", "/v1/tickets", data=body)
+    assert reply.status == 413
+    assert reply.body["error"]["code"] == "payload_too_large"
+    assert redis_db.dbsize() == 0
+
+
+async def test_unknown_route_and_method_are_json_errors(client: Client) -> None:
+    """Unknown routes are 404 and wrong methods 405, both with the error body."""
+    reply = await client.get("/v1/nothing")
+    assert (reply.status, reply.body["error"]["code"]) == (404, "not_found")
+    reply = await client.request("DELETE", "/v1/tickets")
+    assert reply.status == 405
+    assert reply.body["error"]["code"] == "method_not_allowed"
+
+
+async def test_wrong_auth_scheme_is_401(client: Client) -> None:
+    """Only Bearer tokens are accepted."""
+    reply = await client.get("/v1/games", token=None, headers={"Authorization": "Basic dDpm"})
+    assert reply.status == 401
+    assert reply.headers["WWW-Authenticate"] == "Bearer"
+
+
+async def test_operations_routes_need_no_token(client: Client) -> None:
+    """healthz, readyz, metrics and openapi.json answer without a token."""
+    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+        assert (await client.get(path, token=None)).status == 200, path
