@@ -1,0 +1,95 @@
+"""Tickets left pending (a crash or an outage between steps) converge to one decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from capsvc.calendar import now_ms
+from capsvc.errors import Unavailable
+from capsvc.sales import Sales
+from capsvc.server import Service
+from tests.conftest import TEN, Client, ticket
+
+
+def janitor_later(svc: Service, seconds: int = 3600) -> Sales:
+    """The same service's use-cases with a clock far enough ahead to pass the deadline."""
+    return Sales(svc.settings, svc.store, lambda: now_ms() + seconds * 1000)
+
+
+def fail_second_reserve(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the second reserve of the next sale fail as if Redis went away."""
+    original = svc.store.reserve
+    calls = {"n": 0}
+
+    def reserve(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Unavailable("simulated outage")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(svc.store, "reserve", reserve)
+
+
+async def test_retry_after_a_failure_between_steps_converges(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """First grid counted, second step failed (503): the retry completes, counting once."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}, {"numbers": TEN[:8], "stake": 300}])
+    fail_second_reserve(svc, monkeypatch)
+    assert (await client.sell(body)).status == 503
+    assert await client.staked(TEN, draw) == 500
+    got = await client.get(f"/v1/tickets/{body['ticket_id']}")
+    assert (got.status, got.body["error"]["code"]) == (409, "ticket_pending")
+    monkeypatch.undo()
+    retry = await client.sell(body)
+    assert retry.status == 200
+    assert retry.body["status"] == "accepted"
+    assert await client.staked(TEN, draw) == 500
+    assert await client.staked(TEN[:8], draw) == 300
+
+
+async def test_janitor_releases_an_abandoned_sale(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sale that never completed (no answer was sent) is released past the deadline; a
+    later retry starts afresh and counts once."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}, {"numbers": TEN[:8], "stake": 300}])
+    fail_second_reserve(svc, monkeypatch)
+    assert (await client.sell(body)).status == 503
+    monkeypatch.undo()
+    assert await Sales(svc.settings, svc.store, now_ms).settle_pending() == 0  # not yet due
+    assert await janitor_later(svc).settle_pending() == 1
+    assert await client.staked(TEN, draw) == 0
+    assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 404
+    retry = await client.sell(body)
+    assert retry.body["status"] == "accepted"
+    assert await client.staked(TEN, draw) == 500
+    assert await janitor_later(svc).settle_pending() == 0
+
+
+async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every grid recorded but the decision not written (crash after answering): the replay
+    and the janitor rebuild the identical decision and keep the counts."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}, {"numbers": [1, 2, 3], "stake": 200}])
+    monkeypatch.setattr(svc.store, "finalize", lambda *a, **k: None)
+    answered = await client.sell(body)
+    assert answered.status == 200
+    replay = await client.sell(body)
+    assert replay.raw == answered.raw
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    monkeypatch.undo()
+    assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 409
+    assert await janitor_later(svc).settle_pending() == 1
+    got = await client.get(f"/v1/tickets/{body['ticket_id']}")
+    assert got.status == 200
+    assert got.raw == answered.raw
+    assert await client.staked(TEN, draw) == 500
