@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool
+from redis.asyncio import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
@@ -53,8 +53,9 @@ class Coalescer:
         max_connections: int = 32,
         on_batch: BatchObserver = _noop_batch,
         on_error: ErrorObserver = _noop_error,
+        pool: ConnectionPool | None = None,
     ) -> None:
-        self.pool = BlockingConnectionPool.from_url(
+        self.pool = pool or BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=timeout_s,

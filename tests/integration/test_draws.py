@@ -17,7 +17,8 @@ async def test_games_list_their_rules(client: Client) -> None:
     assert fdj["draw_times"] == ["13:00", "20:00"]
     assert (lnm["numbers"], lnm["stakes"], lnm["daily_limit"], lnm["durations"]) == (
         80, [250, 500, 1000, 2500], 4000000, [1, 2, 5, 10, 20])
-    assert lnm["multiplier"] is False and lnm["joker_plus_price"] is None
+    assert lnm["multiplier"] is False
+    assert lnm["joker_plus_price"] is None
 
 
 async def test_current_draw_closes_in_the_future(client: Client) -> None:

@@ -1,0 +1,27 @@
+# capsvc: multi-stage build, slim runtime, non-root.
+# docker build -t capsvc . && docker run -p 8080:8080 \
+#   -v $PWD/capsvc.toml:/etc/capsvc/capsvc.toml:ro -e CAPSVC_REDIS_URL=redis://redis:6379/0 capsvc
+
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY capsvc capsvc
+COPY lua lua
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --system --uid 10001 --create-home --home-dir /app capsvc
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+USER capsvc
+WORKDIR /app
+# The configuration (games, channels with token hashes) is mounted here; the Redis URL
+# comes from the environment. There is deliberately no default: the built-in local
+# configuration has public example tokens.
+ENV CAPSVC_CONFIG=/etc/capsvc/capsvc.toml \
+    PYTHONUNBUFFERED=1
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"
+STOPSIGNAL SIGTERM
+CMD ["capsvc", "serve", "--host", "0.0.0.0", "--port", "8080"]

@@ -1,0 +1,33 @@
+"""The wheel the Dockerfile installs carries the Lua library, the presets and the default
+configuration (what the image runs, checked without a Docker engine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
+    """pip wheel . puts lua/capsvc.lua, both presets and default.toml inside the package."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("capsvc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in ("capsvc/lua/capsvc.lua", "capsvc/presets/fdj-keno-2008.toml",
+                     "capsvc/presets/lnm-keno.toml", "capsvc/default.toml", "capsvc/py.typed"):
+        assert expected in names, expected
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "capsvc = capsvc.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_dockerfile_runs_the_service_from_the_environment() -> None:
+    """The image runs `capsvc serve` as a non-root user with a health check."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert "USER capsvc" in text
+    assert "HEALTHCHECK" in text
+    assert 'CMD ["capsvc", "serve", "--host", "0.0.0.0", "--port", "8080"]' in text
+    assert "CAPSVC_CONFIG=" in text

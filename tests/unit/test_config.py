@@ -1,0 +1,73 @@
+"""Configuration: presets as data, overrides, and the explained errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from capsvc.config import ConfigError, load_settings, parse_settings
+from tests.conftest import CONFIG
+
+SHA = "0" * 64
+
+
+def doc(**game: Any) -> dict[str, Any]:
+    return {"games": [{"id": "g", "preset": "fdj-keno-2008", **game}],
+            "channels": [{"id": "c", "token_sha256": SHA, "games": ["g"], "scopes": ["sell"]}]}
+
+
+def test_presets_carry_the_rules() -> None:
+    """The two presets have the values of RULES.md §3."""
+    games = load_settings(CONFIG).games
+    fdj, lnm = games["fdj-keno"], games["lnm-keno"]
+    assert (fdj.numbers, fdj.stakes, fdj.cap_limit, fdj.capped_picks) == (
+        70, (100, 200, 300, 500, 1000), 5000, frozenset({8, 9, 10}))
+    assert (fdj.multiplier, fdj.joker_plus_price, fdj.daily_limit) == (True, 200, None)
+    assert (lnm.numbers, lnm.stakes, lnm.daily_limit, lnm.time_zone) == (
+        80, (250, 500, 1000, 2500), 4_000_000, "Africa/Casablanca")
+    assert (lnm.multiplier, lnm.joker_plus_price, lnm.cancel) == (False, None,
+                                                                  "single_draw_only")
+
+
+def test_overrides_apply() -> None:
+    """Any preset field may be overridden per game."""
+    g = parse_settings(doc(cap_limit=10000, retention="2h", draw_times=["12:00"])).games["g"]
+    assert (g.cap_limit, g.retention_ms, len(g.draw_times)) == (10000, 7_200_000, 1)
+
+
+def test_no_cap_means_nothing_capped() -> None:
+    """Without cap_limit, no grid is capped."""
+    g = parse_settings(doc(cap_limit=None)).games["g"]
+    assert not g.is_capped(10)
+
+
+def test_environment_overrides_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CAPSVC_REDIS_URL wins over the file."""
+    monkeypatch.setenv("CAPSVC_REDIS_URL", "redis://example:6379/1")
+    assert load_settings(CONFIG).redis_url == "redis://example:6379/1"
+
+
+@pytest.mark.parametrize(("game", "where"), [
+    ({"stakes": []}, "games[0].stakes"),
+    ({"numbers": 120}, "games[0].numbers"),
+    ({"picks_min": 9, "picks_max": 3}, "games[0].picks_min"),
+    ({"durations": [2, 5]}, "games[0].durations"),
+    ({"cap_limit": 50}, "games[0].cap_limit"),
+    ({"draw_times": ["25:00"]}, "games[0].draw_times[0]"),
+    ({"retention": "soon"}, "games[0].retention"),
+    ({"subscription_accounting": "monthly"}, "games[0].subscription_accounting"),
+    ({"colour": "red"}, "games[0].colour"),
+])
+def test_errors_name_the_field(game: dict[str, Any], where: str) -> None:
+    """Each invalid field is reported where it is."""
+    with pytest.raises(ConfigError) as e:
+        parse_settings(doc(**game))
+    assert any(p.startswith(where) for p in e.value.problems), e.value.problems
+
+
+def test_all_errors_are_reported_at_once() -> None:
+    """Several problems give several lines, not just the first."""
+    with pytest.raises(ConfigError) as e:
+        parse_settings(doc(stakes=[], cancel="maybe", time_zone="Nowhere/City"))
+    assert len(e.value.problems) >= 3
