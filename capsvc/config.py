@@ -92,7 +92,6 @@ class Settings:
     channels: tuple[Channel, ...]
     redis_url: str | None = None
     redis_timeout_ms: int = 250
-    redis_pool_size: int = 32
     host: str = "127.0.0.1"
     port: int = 8080
     workers: int = 1
@@ -386,7 +385,6 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         channels=tuple(channels),
         redis_url=url,
         redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms")),
-        redis_pool_size=c.integer("redis.pool_size", redis.get("pool_size", 32), 1, 1024),
         host=c.text("server.host", server.get("host", "127.0.0.1")),
         port=c.integer("server.port", server.get("port", 8080), 0, 65535),
         workers=c.integer("server.workers", server.get("workers", 1), 1, 256),

@@ -342,7 +342,7 @@ class Sales:
         if draw < 1:
             raise not_found(f"draw {draw}")
         members = sorted(m.decode() for m in await self.store.sold_out(rules.id, draw))
-        values = await self.store.counters_of(rules.id, draw, members) if members else []
+        values = [await f for f in self.store.counters_of(rules.id, draw, members)]
         cap = rules.cap_limit or 0
         return CappedOut(draw=draw, combinations=[
             combination.decode(m) for m, v in zip(members, values, strict=True)

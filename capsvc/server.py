@@ -23,23 +23,27 @@ from capsvc.errors import Unavailable
 from capsvc.http import Health, create_app
 from capsvc.metrics import Metrics
 from capsvc.sales import Sales
-from capsvc.store import Store
+from capsvc.store import Store, lua_source
 
 log = logging.getLogger(__name__)
 
 
 async def _janitor(sales: Sales, metrics: Metrics, interval_s: float) -> None:
     """Settle tickets left pending past the deadline, forever."""
+    reachable = True
     while True:
         await asyncio.sleep(interval_s)
         try:
             settled = await sales.settle_pending()
         except Unavailable as e:
-            log.warning("janitor: redis unavailable: %s", e)
+            if reachable:  # say it once per outage, not once per interval
+                log.warning("janitor: redis unavailable: %s", e)
+            reachable = False
             continue
         except Exception:
             log.exception("janitor failed")
             continue
+        reachable = True
         if settled:
             metrics.janitor.inc(settled)
 
@@ -60,8 +64,8 @@ class Service:
 def build(settings: Settings, redis_url: str, clock: Callable[[], int] = now_ms) -> Service:
     metrics = Metrics()
     redis = Coalescer(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
-                      max_connections=settings.redis_pool_size, on_batch=metrics.batch,
-                      on_error=metrics.redis_error)
+                      on_batch=metrics.batch, on_error=metrics.redis_error,
+                      library=lua_source())
     store = Store(redis)
     sales = Sales(settings, store, clock)
     health = Health()

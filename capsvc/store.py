@@ -17,8 +17,6 @@ import zlib
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import ResponseError
-
 from capsvc.coalesce import Coalescer
 
 LIBRARY = "capsvc"
@@ -81,22 +79,8 @@ class Store:
         return bool(reply)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one FCALL; reload the library and retry once if Redis lost it."""
-        fut = self.redis.submit("FCALL", name, len(keys), *keys, *args)
-        return asyncio.ensure_future(self._reloading(fut, name, keys, args))
-
-    async def _reloading(
-        self, fut: asyncio.Future[Any], name: str, keys: list[str], args: list[Any]
-    ) -> Any:
-        try:
-            return await fut
-        except ResponseError as e:
-            # A FLUSHALL or a replica promoted without the library: nothing ran, so retrying
-            # once after the reload is safe.
-            if "Function not found" not in str(e) and "No matching script" not in str(e):
-                raise
-        await self.load_library()
-        return await self.redis.call("FCALL", name, len(keys), *keys, *args)
+        """Queue one FCALL (the transport reloads the library if Redis lost it)."""
+        return self.redis.submit("FCALL", name, len(keys), *keys, *args)
 
     # -- tickets ---------------------------------------------------------------------------
 
@@ -153,13 +137,9 @@ class Store:
     def counters(self, game: str, combo: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
         return self.redis.submit("MGET", *counter_keys(game, combo, first_draw, draws))
 
-    def counters_of(self, game: str, draw: int, combos: list[str]) -> asyncio.Future[Any]:
-        """Counters of several combinations for one draw (possibly several slots)."""
-        return asyncio.ensure_future(self._counters_of(game, draw, combos))
-
-    async def _counters_of(self, game: str, draw: int, combos: list[str]) -> list[Any]:
-        futs = [self.redis.submit("GET", counter_keys(game, c, draw, 1)[0]) for c in combos]
-        return [await f for f in futs]
+    def counters_of(self, game: str, draw: int, combos: list[str]) -> list[asyncio.Future[Any]]:
+        """Counters of several combinations for one draw (one GET each: several slots)."""
+        return [self.redis.submit("GET", counter_keys(game, c, draw, 1)[0]) for c in combos]
 
     def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int) -> None:
         """Add to the draw's sold-out list (advisory; the counters stay the authority)."""

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from capsvc.coalesce import Coalescer
-from capsvc.store import Store, counter_keys, hold_key, pending_key_of, ticket_key
+from capsvc.store import Store, counter_keys, lua_source, hold_key, pending_key_of, ticket_key
 from capsvc.testing import RedisServer
 
 GAME, COMBO = "g", "01020304050607080910"
@@ -20,7 +20,7 @@ EXPIRES = [FUTURE + 86_400_000 + i for i in range(3)]
 
 @pytest.fixture
 async def store(redis_server: RedisServer, redis_db: redis.Redis) -> AsyncIterator[Store]:
-    coalescer = Coalescer(redis_server.url, timeout_s=2)
+    coalescer = Coalescer(redis_server.url, timeout_s=2, library=lua_source())
     s = Store(coalescer)
     await s.load_library()
     yield s

@@ -1,36 +1,54 @@
-"""The coalescer batches one tick's commands into one pipeline (fakeredis transport)."""
+"""The coalescer: RESP encoding, one write per tick, replies in order, failures.
+
+Runs against fakeredis's TCP server: fast, no redis-server needed.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Iterator
+
 import pytest
-from fakeredis import FakeServer
-from fakeredis.aioredis import FakeAsyncRedisConnection
-from redis.asyncio import ConnectionPool
+from fakeredis import TcpFakeServer
 from redis.exceptions import ResponseError
 
-from capsvc.coalesce import Coalescer
+from capsvc.coalesce import Coalescer, encode_command
+from capsvc.errors import Unavailable
+from capsvc.testing import free_port
 
 
-def fake_coalescer(batches: list[int], server: FakeServer | None = None) -> Coalescer:
-    pool = ConnectionPool(connection_class=FakeAsyncRedisConnection,
-                          server=server or FakeServer())
-    return Coalescer("redis://fake", timeout_s=1, pool=pool,
-                     on_batch=lambda size, seconds: batches.append(size))
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    port = free_port()
+    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{port}/0"
+    server.shutdown()
 
 
-async def test_one_tick_is_one_batch() -> None:
-    """50 commands submitted in one tick travel in one pipeline, replies in order."""
+def test_encode_command() -> None:
+    """str, bytes and int arguments are encoded as RESP bulk strings."""
+    assert encode_command(("SET", b"k", 12)) == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n"
+    assert encode_command(("GET", "é")) == b"*2\r\n$3\r\nGET\r\n$2\r\n\xc3\xa9\r\n"
+
+
+async def test_one_tick_is_one_batch(fake_url: str) -> None:
+    """50 commands submitted in one tick travel in one batch, replies in order."""
     batches: list[int] = []
-    c = fake_coalescer(batches)
+    c = Coalescer(fake_url, timeout_s=2, on_batch=lambda size, s: batches.append(size))
+    await c.call("DEL", "k")
+    batches.clear()
     futures = [c.submit("INCRBY", "k", 1) for _ in range(50)]
     assert [await f for f in futures] == list(range(1, 51))
     assert batches == [50]
     await c.aclose()
 
 
-async def test_error_reply_fails_only_its_command() -> None:
+async def test_error_reply_fails_only_its_command(fake_url: str) -> None:
     """An error reply fails its own future; the others of the batch get their replies."""
-    c = fake_coalescer([])
+    c = Coalescer(fake_url, timeout_s=2)
     ok1 = c.submit("SET", "a", "x")
     bad = c.submit("INCR", "a")
     ok2 = c.submit("GET", "a")
@@ -41,12 +59,35 @@ async def test_error_reply_fails_only_its_command() -> None:
     await c.aclose()
 
 
-async def test_background_writes_are_flushed_on_close() -> None:
+async def test_background_writes_are_delivered_on_close(fake_url: str) -> None:
     """send() needs no waiting; aclose() still delivers it."""
-    server = FakeServer()
-    c = fake_coalescer([], server)
+    c = Coalescer(fake_url, timeout_s=2)
     c.send("SET", "bg", "1")
     await c.aclose()
-    reader = fake_coalescer([], server)
+    reader = Coalescer(fake_url, timeout_s=2)
     assert await reader.call("GET", "bg") == b"1"
     await reader.aclose()
+
+
+async def test_unreachable_redis_is_unavailable() -> None:
+    """Nothing listening: every queued command fails with Unavailable, kind "connection"."""
+    errors: list[str] = []
+    c = Coalescer(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5, on_error=errors.append)
+    futures = [c.submit("PING") for _ in range(3)]
+    for f in futures:
+        with pytest.raises(Unavailable):
+            await f
+    assert errors == ["connection"]
+
+
+async def test_silent_redis_times_out() -> None:
+    """A peer that accepts but never answers: the batch fails with Unavailable after the
+    timeout, kind "timeout"."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    errors: list[str] = []
+    c = Coalescer(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, on_error=errors.append)
+    with pytest.raises(Unavailable):
+        await c.call("PING")
+    assert errors == ["timeout"]
+    server.close()
