@@ -101,7 +101,8 @@ def main() -> int:
     args = parser.parse_args()
     for tool in ("wrk", "taskset"):
         if shutil.which(tool) is None:
-            print(f"{tool} is needed: apt-get install -y {'wrk' if tool == 'wrk' else 'util-linux'}")
+            package = "wrk" if tool == "wrk" else "util-linux"
+            print(f"{tool} is needed: apt-get install -y {package}")
             return 2
     redis = RedisServer(binary=None).start()
     subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)],  # type: ignore[union-attr]

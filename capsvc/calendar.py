@@ -7,8 +7,9 @@ Pure: the current time is always passed in (milliseconds since the Unix epoch).
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 
 from capsvc.config import GameRules
 
@@ -67,7 +68,7 @@ class DrawCalendar:
 
 
 def now_ms() -> int:
-    return int(datetime.now(UTC).timestamp() * 1000)
+    return time.time_ns() // 1_000_000
 
 
 def rfc3339(dt: datetime) -> str:

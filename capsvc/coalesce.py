@@ -8,8 +8,8 @@ instead of paying one each, which is what lets one Python process keep up with R
 
 Why not redis-py's pipeline: profiling the hot path showed redis-py spending ~50 µs per
 command in Python (argument encoding, a timeout context per read, pool checkout), more than
-all of capsvc's own work. This module is the whole client capsvc needs: RESP encoding of
-str/bytes/int arguments, in-order replies, a deadline per batch, reconnection.
+all of capsvc's own work. This module is the whole client capsvc needs: RESP encoding and
+parsing by hiredis (C), in-order replies, a deadline per batch, reconnection.
 
 Failure semantics: a connection error, or a batch unanswered past the timeout, closes the
 connection and fails every command in flight with `Unavailable` (the caller cannot know
@@ -20,6 +20,7 @@ command reconnects. Error replies (`-ERR …`) fail only their own command.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from collections import deque
@@ -50,16 +51,8 @@ def _noop_error(kind: str) -> None:
     return None
 
 
-def encode_command(args: tuple[Any, ...]) -> bytes:
-    """RESP encoding of one command whose arguments are str, bytes or int."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        parts.append(b"$%d\r\n%b\r\n" % (len(a), a))
-    return b"".join(parts)
+encode_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
+"""RESP encoding of one command (str, bytes and int arguments), in C."""
 
 
 class _Target:
@@ -126,6 +119,8 @@ class Coalescer(asyncio.Protocol):
         self._batches: deque[list[float]] = deque()  # [commands left, started, size]
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._idle: asyncio.Future[None] | None = None
+        """Set by aclose(): resolved when nothing is in flight any more."""
 
     # -- public ----------------------------------------------------------------------------
 
@@ -146,10 +141,10 @@ class Coalescer(asyncio.Protocol):
         """Deliver what is queued and wait for its replies (bounded), then disconnect."""
         if self._queued:
             self._flush()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout
-        while (self._inflight or self._connecting) and loop.time() < deadline:
-            await asyncio.sleep(0.005)
+        if self._inflight or self._connecting:
+            self._idle = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle, self._timeout)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -237,6 +232,11 @@ class Coalescer(asyncio.Protocol):
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     # -- replies ---------------------------------------------------------------------------
 
@@ -246,6 +246,8 @@ class Coalescer(asyncio.Protocol):
         while True:
             reply = self._reader.gets()
             if reply is False:
+                if not inflight:
+                    self._wake_idle()
                 return
             p = inflight.popleft()
             head = batches[0]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+_TWO_DIGITS = tuple(f"{n:02d}" for n in range(100))
+
 
 def encode(numbers: Iterable[int]) -> str:
     """The canonical key of a set of numbers in 1..99 (sorted, two digits each)."""
-    return "".join([f"{n:02d}" for n in sorted(numbers)])
+    return "".join(map(_TWO_DIGITS.__getitem__, sorted(numbers)))
 
 
 def decode(key: str) -> list[int]:

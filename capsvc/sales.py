@@ -11,7 +11,6 @@ releasing it.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
 from collections.abc import Callable
@@ -72,14 +71,6 @@ class Game:
     def expire_at(self, draw: int) -> int:
         """When the keys of `draw` may go: its close plus the retention."""
         return self.calendar.close_ms(draw) + self.rules.retention_ms
-
-
-def _unavailable_if_stopped(stops: list[Any]) -> int | None:
-    """Offset of the first admin-stopped draw, if any."""
-    for i, s in enumerate(stops):
-        if s is not None:
-            return i
-    return None
 
 
 class Sales:
@@ -153,49 +144,43 @@ class Sales:
         game = self.game(t.game, channel, "sell")
         sale = validate_ticket(game.rules, t)
         key = ticket_key(channel.id, t.ticket_id)
-        defaulted = sale.first_draw is None
         now = self.clock()
         first = sale.first_draw if sale.first_draw is not None else game.calendar.current(now)
-        # A defaulted first draw moves on when the one we thought open has just closed.
+        # A defaulted first draw moves on when the one we took for open has just closed.
         for _ in range(3):
             self._window(game, first, sale.draws, now)
             stored = msgspec.structs.replace(sale, first_draw=first)
-            last = first + sale.draws - 1
-            claim_f = self.store.claim(
-                key, sale.fingerprint, _encode(stored), game.calendar.close_ms(first),
-                game.expire_at(last), self.stale_after_ms,
+            close_ms = game.calendar.close_ms(first)
+            claim = await self.store.claim(
+                key, game.rules.id, first, sale.draws, sale.fingerprint, _encode(stored),
+                close_ms, game.expire_at(first + sale.draws - 1), self.stale_after_ms,
             )
-            stops_f = self.store.stops(game.rules.id, first, sale.draws)
-            claim, stops = await claim_f, await stops_f
             kind = claim[0]
-            stopped = _unavailable_if_stopped(stops)
             if kind == b"new":
-                if stopped is None:
-                    close_ms = game.calendar.close_ms(first)
-                    return await self._decide(channel, game, key, stored, int(claim[1]),
-                                              close_ms, replayed=False)
-                await self.store.unclaim(key, int(claim[1]))
-            elif kind == b"final":
+                return await self._decide(channel, game, key, stored, int(claim[1]), close_ms,
+                                          replayed=False)
+            if kind == b"final":
                 return SaleOutcome(body=claim[1], replayed=True)
-            elif kind == b"pending":
+            if kind == b"pending":
                 # A retry, or a concurrent duplicate: re-running the reserve steps returns
                 # what they recorded. After an admin stop it may only read (close_ms 0).
                 resumed = _sale_decoder.decode(claim[2])
                 assert resumed.first_draw is not None
-                close_ms = 0 if stopped is not None else game.calendar.close_ms(resumed.first_draw)
+                close_ms = 0 if claim[3] else game.calendar.close_ms(resumed.first_draw)
                 return await self._decide(channel, game, key, resumed, int(claim[1]), close_ms,
                                           replayed=True)
-            elif kind == b"conflict":
+            if kind == b"conflict":
                 raise ApiError(409, "idempotency_conflict",
                                f"ticket {t.ticket_id} was already used with a different request",
                                "$.ticket_id")
-            elif kind == b"stale":
+            if kind == b"stale":
                 raise ApiError(503, "unavailable",
                                f"ticket {t.ticket_id} is being settled after an interrupted "
                                "sale; retry shortly",
                                None, {"Retry-After": str(self.settings.retry_after_s)})
-            if not defaulted or (stopped is not None and stopped > 0):
-                draw = first + (stopped or 0)
+            offset = int(claim[1])  # closed: -1 by the clock, else the stopped draw's offset
+            if sale.first_draw is not None or offset > 0:
+                draw = first + max(offset, 0)
                 raise rule_error("draw_closed", f"draw {draw} is closed for sales", "$.first_draw")
             first += 1
             now = self.clock()
@@ -424,8 +409,8 @@ def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | N
 
 
 def receipt_id(channel_id: str, ticket_id: str, at: int) -> str:
-    digest = hashlib.blake2b(f"{channel_id}/{ticket_id}/{at}".encode(), digest_size=10).digest()
-    return base64.b32encode(digest).decode().lower()
+    """Derived from what the claim stored, so a rebuilt decision has the same receipt."""
+    return hashlib.blake2b(f"{channel_id}/{ticket_id}/{at}".encode(), digest_size=10).hexdigest()
 
 
 def build_decision(

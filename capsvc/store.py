@@ -33,9 +33,19 @@ def ticket_key(channel: str, ticket_id: str) -> str:
     return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
 
 
+def _tag_of(ticket: str) -> str:
+    return ticket[2 : ticket.index("}") + 1]
+
+
 def pending_key_of(ticket: str) -> str:
     """The pending index in the same slot as the ticket record `ticket`."""
-    return "p:" + ticket[2 : ticket.index("}") + 1]
+    return "p:" + _tag_of(ticket)
+
+
+def stop_keys_of(ticket: str, game: str, first_draw: int, draws: int) -> list[str]:
+    """The stop-sale copies of a ticket's draws, in the ticket record's slot."""
+    prefix = f"s:{_tag_of(ticket)}:{game}:"
+    return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
 
 
 def pending_key(bucket: int) -> str:
@@ -85,12 +95,12 @@ class Store:
     # -- tickets ---------------------------------------------------------------------------
 
     def claim(
-        self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
-        stale_after_ms: int,
+        self, ticket: str, game: str, first_draw: int, draws: int, fingerprint: str,
+        sale: bytes, close_ms: int, expire_at: int, stale_after_ms: int,
     ) -> asyncio.Future[Any]:
+        keys = [ticket, pending_key_of(ticket), *stop_keys_of(ticket, game, first_draw, draws)]
         return self.fcall(
-            "capsvc_claim", [ticket, pending_key_of(ticket)],
-            [fingerprint, sale, close_ms, expire_at, stale_after_ms],
+            "capsvc_claim", keys, [fingerprint, sale, close_ms, expire_at, stale_after_ms]
         )
 
     def finalize(self, ticket: str, at: int, body: bytes) -> asyncio.Future[Any]:
@@ -161,9 +171,20 @@ class Store:
             "MGET", *[stop_key(game, d) for d in range(first_draw, first_draw + draws)]
         )
 
-    def stop(self, game: str, draw: int, at_ms: int, expire_at: int) -> asyncio.Future[Any]:
-        """Stop sales of a draw from `at_ms` on (the first stop wins)."""
-        return self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
+    async def stop(self, game: str, draw: int, at_ms: int, expire_at: int) -> None:
+        """Stop sales of a draw from `at_ms` on (the first stop wins; idempotent).
+
+        The stop is copied into every ticket slot, where the claim checks it atomically;
+        the game-wide key, written last, is what status reads see.
+        """
+        copies = [
+            self.redis.submit("SET", stop_keys_of(f"t:{{t:{b}}}:", game, draw, 1)[0], at_ms,
+                              "NX", "PXAT", expire_at)
+            for b in range(TICKET_BUCKETS)
+        ]
+        for f in copies:
+            await f
+        await self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
 
     def redis_time_ms(self) -> asyncio.Future[Any]:
         return self.redis.submit("TIME")

@@ -68,7 +68,11 @@ class RedisServer:
              "--logfile", str(self.dir / "server.log"), *self.extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )
-        _wait(self._answers, 10, f"redis on port {self.port}")
+        try:
+            _wait(self._answers, 10, f"redis on port {self.port}")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def kill(self) -> None:
@@ -129,7 +133,11 @@ class ServiceProcess:
                  "--redis-url", self.redis_url, "--port", str(self.port)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
             )
-        _wait(self._listening, 20, f"capsvc on port {self.port}")
+        try:
+            _wait(self._listening, 20, f"capsvc on port {self.port}")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def terminate(self) -> None:

@@ -61,7 +61,9 @@ def check_numbers(rules: GameRules, numbers: list[int], path: str) -> tuple[int,
             f"a grid has {rules.picks_min} to {rules.picks_max} numbers, got {len(numbers)}",
             path,
         )
-    seen: set[int] = set()
+    if len(set(numbers)) == len(numbers) and min(numbers) >= 1 and max(numbers) <= rules.numbers:
+        return tuple(sorted(numbers))
+    seen: set[int] = set()  # find the first offending number, for its path
     for j, n in enumerate(numbers):
         if not 1 <= n <= rules.numbers:
             raise rule_error(

@@ -8,6 +8,8 @@ redis-py's cluster pipeline accepts FCALL (it refuses evalsha).
 Every function touches keys of one hash slot only (they share a {hash tag}):
   ticket record   t:{t:NN}:<channel>/<ticket id>   hash   st, fp, at, sale, body, released
   pending index   p:{t:NN}                          zset   ticket key -> claim time (ms)
+  stop-sale       s:{t:NN}:<game>:<draw>            string when an admin stopped the draw
+                  (written into every ticket slot, so the claim checks it atomically)
   holds           h:{<game>:<combination>}          hash   <channel>/<ticket>/<grid> -> record
   counters        c:{<game>:<combination>}:<draw>   string cumulative stake (minor units)
 
@@ -35,9 +37,21 @@ local function extend(key, at)
   end
 end
 
---[[ claim: KEYS ticket, pending; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms
-Returns {'new', at} | {'final', body} | {'pending', at, sale} | {'conflict'} | {'stale'}
-| {'closed'} (first draw closed: nothing claimed). ]]
+--[[ claim: KEYS ticket, pending, stop(draw 1), …, stop(draw n);
+ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms
+The stop keys are the admin stop-sales of the ticket's draws, copied into this slot.
+Returns {'new', at} | {'final', body} | {'pending', at, sale, stopped} | {'conflict'}
+| {'stale'} | {'closed', offset} (a draw is closed: nothing claimed; offset -1 when the
+first draw's close instant has passed, else the offset of the stopped draw). ]]
+local function first_stopped(keys)
+  for i = 3, #keys do
+    if redis.call('EXISTS', keys[i]) == 1 then
+      return i - 3
+    end
+  end
+  return nil
+end
+
 local function claim(keys, args)
   local ticket, pending = keys[1], keys[2]
   local now = now_ms()
@@ -45,7 +59,11 @@ local function claim(keys, args)
   local st = rec[1]
   if not st then
     if now >= tonumber(args[3]) then
-      return {'closed'}
+      return {'closed', -1}
+    end
+    local stopped = first_stopped(keys)
+    if stopped then
+      return {'closed', stopped}
     end
     local expire_at = tonumber(args[4])
     redis.call('HSET', ticket, 'st', 'p', 'fp', args[1], 'at', now, 'sale', args[2])
@@ -61,7 +79,7 @@ local function claim(keys, args)
     return {'final', rec[5]}
   end
   if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
-    return {'pending', tonumber(rec[3]), rec[4]}
+    return {'pending', tonumber(rec[3]), rec[4], first_stopped(keys) and 1 or 0}
   end
   return {'stale'}
 end

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from capsvc.coalesce import Coalescer
-from capsvc.store import Store, counter_keys, lua_source, hold_key, pending_key_of, ticket_key
+from capsvc.store import Store, counter_keys, hold_key, lua_source, pending_key_of, ticket_key
 from capsvc.testing import RedisServer
 
 GAME, COMBO = "g", "01020304050607080910"
@@ -106,18 +106,19 @@ async def test_claim_lifecycle(store: Store, redis_db: redis.Redis) -> None:
     """new → pending (same body) / conflict (other body) → final after finalize."""
     key = ticket_key("ch", "T-1")
     expire_at = FUTURE + 1000
-    new = await store.claim(key, "fp1", b"sale", FUTURE, expire_at, 60_000)
+    new = await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000)
     assert new[0] == b"new"
     at = int(new[1])
-    assert await store.claim(key, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
-        b"pending", at, b"sale"]
-    assert await store.claim(key, "fp2", b"x", FUTURE, expire_at, 60_000) == [b"conflict"]
+    assert await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
+        b"pending", at, b"sale", 0]
+    conflict = await store.claim(key, GAME, 100, 1, "fp2", b"x", FUTURE, expire_at, 60_000)
+    assert conflict == [b"conflict"]
     assert redis_db.zscore(pending_key_of(key), key) == at
     assert redis_db.pexpiretime(key) == expire_at
     assert redis_db.pexpiretime(pending_key_of(key)) == expire_at
     assert await store.finalize(key, at + 1, b"body") == 0
     assert await store.finalize(key, at, b"body") == 1
-    assert await store.claim(key, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
+    assert await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
         b"final", b"body"]
     assert redis_db.zscore(pending_key_of(key), key) is None
 
@@ -127,19 +128,34 @@ async def test_claim_refuses_closed_draw_and_stale_pending(store: Store,
     """No claim once the first draw closed; a pending claim past stale_after is not resumed."""
     past = int(time.time() * 1000) - 1
     key = ticket_key("ch", "T-2")
-    assert await store.claim(key, "fp", b"s", past, FUTURE, 60_000) == [b"closed"]
+    assert await store.claim(key, GAME, 100, 1, "fp", b"s", past, FUTURE, 60_000) == [b"closed", -1]
     assert redis_db.exists(key) == 0
-    assert (await store.claim(key, "fp", b"s", FUTURE, FUTURE, 60_000))[0] == b"new"
-    assert await store.claim(key, "fp", b"s", FUTURE, FUTURE, 0) == [b"stale"]
+    assert (await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[0] == b"new"
+    assert await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 0) == [b"stale"]
+
+
+async def test_claim_checks_admin_stops(store: Store, redis_db: redis.Redis) -> None:
+    """A stopped draw of the ticket refuses a new claim (with its offset); a pending ticket
+    is told it may only read."""
+    key = ticket_key("ch", "T-5")
+    at = int((await store.claim(key, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
+    await store.stop(GAME, 102, 1, FUTURE)
+    assert await store.claim(key, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000) == [
+        b"pending", at, b"s", 1]
+    other = ticket_key("ch", "T-6")
+    assert await store.claim(other, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000) == [
+        b"closed", 2]
+    assert redis_db.exists(other) == 0
+    assert redis_db.pexpiretime(f"s:{{{GAME}}}:102") == FUTURE
 
 
 async def test_expire_and_unclaim(store: Store, redis_db: redis.Redis) -> None:
     """The janitor's expire marks an old pending ticket; unclaim forgets it and its index."""
     key = ticket_key("ch", "T-3")
-    at = int((await store.claim(key, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
+    at = int((await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
     assert await store.expire(key, at) == []  # not older than the cutoff
     assert await store.expire(key, at + 1) == [b"x", str(at).encode(), b"s"]
-    assert await store.claim(key, "fp", b"s", FUTURE, FUTURE, 60_000) == [b"stale"]
+    assert await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000) == [b"stale"]
     await store.unclaim(key, at)
     assert redis_db.exists(key) == 0
     assert redis_db.zcard(pending_key_of(key)) == 0
@@ -149,7 +165,7 @@ async def test_cancel_function(store: Store, redis_db: redis.Redis) -> None:
     """cancel: only a final ticket, only before the close; a replay returns the same."""
     key = ticket_key("ch", "T-4")
     assert await store.cancel(key, FUTURE, 10) == [b"missing"]
-    at = int((await store.claim(key, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
+    at = int((await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
     assert await store.cancel(key, FUTURE, 10) == [b"undecided"]
     await store.finalize(key, at, b"body")
     assert await store.cancel(key, int(time.time() * 1000) - 1, 10) == [b"closed"]
