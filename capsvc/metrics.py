@@ -1,11 +1,18 @@
 """Prometheus metrics of capsvc.
 
 Labels stay bounded: game, status, reason, route template, error kind; never a
-combination, ticket, token or player. Label children are cached so the hot path pays one
-dict lookup and one increment per sample.
+combination, ticket, token or player.
+
+The hot path does not touch prometheus-client objects per ticket: decisions are tallied in
+plain dicts (one increment per key, no lock: everything runs on the event loop) and applied
+to the Prometheus counters in bulk when `/metrics` is scraped and once a second. Request
+latency is observed directly (one cached histogram child per route and status).
 """
 
 from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
@@ -20,7 +27,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Metrics:
-    """Every metric the service exports, with cached label children."""
+    """Every metric the service exports, with cached label children and tallies."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -48,30 +55,38 @@ class Metrics:
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
         Info("capsvc_build", "Build information", registry=r).info({"version": __version__})
-        self._children: dict[tuple[str, ...], object] = {}
+        self._http_children: dict[tuple[str, str, int], Any] = {}
+        self._tickets: Tally[tuple[str, str]] = Tally()
+        self._grids: Tally[tuple[str, str, str]] = Tally()
+        self._stake: Tally[str] = Tally()
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
-        key = ("http", route, method, str(status))
-        child = self._children.get(key)
+        key = (route, method, status)
+        child = self._http_children.get(key)
         if child is None:
-            child = self._children[key] = self.http.labels(route, method, str(status))
-        child.observe(seconds)  # type: ignore[attr-defined]
+            child = self._http_children[key] = self.http.labels(route, method, str(status))
+        child.observe(seconds)
 
     def decision(self, t: TicketOut) -> None:
-        key = ("t", t.game, t.status)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.tickets.labels(t.game, t.status)
-        child.inc()  # type: ignore[attr-defined]
+        """Tally a ticket's decision (applied to the counters by `flush`)."""
+        self._tickets[t.game, t.status] += 1
+        grids = self._grids
         for g in t.grids:
-            gkey = ("g", t.game, g.status, g.reason or "")
-            gchild = self._children.get(gkey)
-            if gchild is None:
-                gchild = self._children[gkey] = self.grids.labels(t.game, g.status,
-                                                                  g.reason or "")
-            gchild.inc()  # type: ignore[attr-defined]
+            grids[t.game, g.status, g.reason or ""] += 1
         if t.total_cost:
-            self.stake.labels(t.game).inc(t.total_cost)
+            self._stake[t.game] += t.total_cost
+
+    def flush(self) -> None:
+        """Apply the tallies to the Prometheus counters."""
+        tickets, self._tickets = self._tickets, Tally()
+        grids, self._grids = self._grids, Tally()
+        stake, self._stake = self._stake, Tally()
+        for (game, status), n in tickets.items():
+            self.tickets.labels(game, status).inc(n)
+        for (game, status, reason), n in grids.items():
+            self.grids.labels(game, status, reason).inc(n)
+        for game, amount in stake.items():
+            self.stake.labels(game).inc(amount)
 
     def redis_error(self, kind: str) -> None:
         self.redis_errors.labels(kind).inc()
@@ -81,4 +96,5 @@ class Metrics:
         self.redis_latency.observe(seconds)
 
     def exposition(self) -> bytes:
+        self.flush()
         return generate_latest(self.registry)

@@ -11,9 +11,10 @@ releasing it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -193,18 +194,9 @@ class Sales:
         """Reserve every capped grid (concurrently), build the decision, write it back."""
         rules = game.rules
         assert sale.first_draw is not None
-        first, n = sale.first_draw, sale.draws
-        cap = rules.cap_limit or 0
-        expire_at = [game.expire_at(d) for d in range(first, first + n)]
-        futures = [
-            self.store.reserve(
-                rules.id, g.combo, holder(channel.id, sale.ticket_id, g.index), g.stake, cap,
-                rules.min_stake, first, expire_at, close_ms,
-            )
-            if g.capped else None
-            for g in sale.grids
-        ]
-        replies = [None if f is None else await f for f in futures]
+        first = sale.first_draw
+        expire_at = [game.expire_at(d) for d in range(first, first + sale.draws)]
+        replies = await self._reserve_all(channel.id, game, sale, expire_at, close_ms)
         out = build_decision(channel.id, rules, game.calendar, sale, at, replies)
         for g, reply in zip(sale.grids, replies, strict=True):
             if reply is not None and reply[0] == 1:
@@ -213,6 +205,20 @@ class Sales:
         body = _encode(out)
         self.store.finalize(key, at, body)
         return SaleOutcome(body=body, replayed=replayed, ticket=out)
+
+    async def _reserve_all(self, channel_id: str, game: Game, sale: Sale, expire_at: list[int],
+                           close_ms: int) -> list[Any]:
+        """Reserve every capped grid at once; one reply per grid (None: not capped)."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        return await replies_of([
+            self.store.reserve(
+                rules.id, g.combo, holder(channel_id, sale.ticket_id, g.index), g.stake,
+                rules.cap_limit or 0, rules.min_stake, sale.first_draw, expire_at, close_ms,
+            )
+            if g.capped else None
+            for g in sale.grids
+        ])
 
     # -- tickets ---------------------------------------------------------------------------
 
@@ -272,8 +278,8 @@ class Sales:
             if g.capped and (accepted is None or g.index in accepted)
         ]
         released = 0
-        for g, f in futures:
-            reply = await f
+        replies = await replies_of([f for _, f in futures])
+        for (g, _), reply in zip(futures, replies, strict=True):
             released += int(reply[0])
             for offset in reply[1:]:
                 self.store.unmark_sold_out(rules.id, sale.first_draw + offset, g.combo)
@@ -306,12 +312,11 @@ class Sales:
             for p in probes
         ]
         grids = []
-        for p, f in zip(probes, futures, strict=True):
-            if f is None:
-                grids.append(AvailabilityGridOut(index=p.index, available=True))
-                continue
-            values = await f
+        for p, values in zip(probes, await replies_of(futures), strict=True):
             out = AvailabilityGridOut(index=p.index, available=True)
+            if values is None:
+                grids.append(out)
+                continue
             for offset, raw in enumerate(values):
                 room = cap - int(raw or 0)
                 if p.stake > room:
@@ -327,7 +332,7 @@ class Sales:
         if draw < 1:
             raise not_found(f"draw {draw}")
         members = sorted(m.decode() for m in await self.store.sold_out(rules.id, draw))
-        values = [await f for f in self.store.counters_of(rules.id, draw, members)]
+        values = await replies_of(self.store.counters_of(rules.id, draw, members))
         cap = rules.cap_limit or 0
         return CappedOut(draw=draw, combinations=[
             combination.decode(m) for m, v in zip(members, values, strict=True)
@@ -372,14 +377,7 @@ class Sales:
         rules = game.rules
         first, n = sale.first_draw, sale.draws
         expire_at = [game.expire_at(d) for d in range(first, first + n)]
-        futures = [
-            self.store.reserve(rules.id, g.combo, holder(channel_id, sale.ticket_id, g.index),
-                               g.stake, rules.cap_limit or 0, rules.min_stake, first,
-                               expire_at, 0)
-            if g.capped else None
-            for g in sale.grids
-        ]
-        replies = [None if f is None else await f for f in futures]
+        replies = await self._reserve_all(channel_id, game, sale, expire_at, 0)
         if all(r is None or r[0] != -1 for r in replies):
             out = build_decision(channel_id, rules, game.calendar, sale, at, replies)
             await self.store.finalize(key, at, _encode(out))
@@ -389,6 +387,19 @@ class Sales:
             await self.store.unclaim(key, at)
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
         return 1
+
+
+async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:
+    """Await queued calls together (None stays None). Every failure is retrieved; the
+    first one is raised once all have settled."""
+    queued = [f for f in futures if f is not None]
+    if queued:
+        await asyncio.gather(*queued, return_exceptions=True)
+        for f in queued:
+            error = f.exception()
+            if error is not None:
+                raise error
+    return [None if f is None else f.result() for f in futures]
 
 
 def require_scope(channel: Channel, *scopes: str) -> None:
