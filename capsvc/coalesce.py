@@ -119,6 +119,7 @@ class Coalescer(asyncio.Protocol):
         self._batches: deque[list[float]] = deque()  # [commands left, started, size]
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Future[None] | None = None
         """Set by aclose(): resolved when nothing is in flight any more."""
 
@@ -126,9 +127,15 @@ class Coalescer(asyncio.Protocol):
 
     def submit(self, *args: Any) -> asyncio.Future[Any]:
         """Queue a command for this tick's batch; the future gets its reply."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = (self._loop or self._bind()).create_future()
         self._enqueue(_Pending(args, fut))
         return fut
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        """A coalescer serves the event loop it is first used on (asyncio's own lookup
+        costs a getpid() per call on Python 3.11, and this is the hot path)."""
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def send(self, *args: Any) -> None:
         """Queue a command whose reply nobody waits for (failures are only counted)."""
@@ -156,20 +163,20 @@ class Coalescer(asyncio.Protocol):
         self._queued.append(p)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            (self._loop or self._bind()).call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
         if self._transport is None:
             if self._connecting is None:
-                self._connecting = asyncio.get_running_loop().create_task(self._connect())
+                self._connecting = (self._loop or self._bind()).create_task(self._connect())
             return  # flushed once connected
         if not self._queued:
             return
         data, queued = b"".join(self._buffer), self._queued
         self._buffer, self._queued = [], []
         self._inflight.extend(queued)
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._bind()
         self._batches.append([len(queued), loop.time(), len(queued)])
         self._transport.write(data)
         if self._timer is None:
@@ -254,7 +261,7 @@ class Coalescer(asyncio.Protocol):
             head[0] -= 1
             if head[0] == 0:
                 batches.popleft()
-                self._on_batch(int(head[2]), asyncio.get_running_loop().time() - head[1])
+                self._on_batch(int(head[2]), (self._loop or self._bind()).time() - head[1])
             if isinstance(reply, ResponseError):
                 self._error_reply(p, reply)
             elif p.fut is not None and not p.fut.done():

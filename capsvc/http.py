@@ -7,12 +7,13 @@ sales use-cases, and encodes what they return.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -105,11 +106,31 @@ class Authenticator:
 
 @dataclass
 class Health:
-    """What /readyz reports; `draining` turns true on SIGTERM and stays true."""
+    """What /readyz reports, and the requests in flight.
+
+    `draining` turns true on SIGTERM and stays true. `requests` maps each request's task to
+    when it started (perf_counter), for the watchdog that enforces the request timeout:
+    one check every quarter timeout is far cheaper than a timer per request.
+    """
 
     draining: bool = False
-    in_flight: int = 0
-    started: float = field(default_factory=time.monotonic)
+    requests: dict[asyncio.Task[Any], float] = field(default_factory=dict)
+    timed_out: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+
+async def _watchdog(health: Health, timeout_s: float) -> None:
+    """Cancel requests running longer than the timeout (the middleware answers 503)."""
+    while True:
+        await asyncio.sleep(timeout_s / 4)
+        limit = time.perf_counter() - timeout_s
+        for task, started in list(health.requests.items()):
+            if started < limit and task not in health.timed_out:
+                health.timed_out.add(task)
+                task.cancel()
 
 
 def _draw(request: web.Request) -> int:
@@ -240,7 +261,7 @@ def game_out(r: Any) -> GameOut:
 
 def _middleware(api: Api) -> Middleware:
     settings, metrics, health = api.settings, api.metrics, api.health
-    timeout_s = settings.request_timeout_ms / 1000
+    requests, timed_out = health.requests, health.timed_out
     retry_after = {"Retry-After": str(settings.retry_after_s)}
 
     @web.middleware
@@ -252,10 +273,18 @@ def _middleware(api: Api) -> Middleware:
             resp: web.StreamResponse = error_response(ApiError(
                 503, "unavailable", "too many requests in flight", headers=retry_after))
         else:
-            health.in_flight += 1
+            task = asyncio.current_task()
+            assert task is not None
+            requests[task] = started
             try:
-                async with asyncio.timeout(timeout_s):
-                    resp = await handler(request)
+                resp = await handler(request)
+            except asyncio.CancelledError:
+                if task not in timed_out:  # the client went away, or shutdown: let it go
+                    raise
+                timed_out.discard(task)
+                task.uncancel()
+                resp = error_response(ApiError(503, "unavailable", "the request took too long",
+                                               headers=retry_after))
             except ApiError as e:
                 resp = error_response(e)
             except Unavailable as e:
@@ -263,9 +292,6 @@ def _middleware(api: Api) -> Middleware:
                 resp = error_response(ApiError(503, "unavailable",
                                                "the counters cannot be reached: nothing was "
                                                "recorded; retry", headers=retry_after))
-            except TimeoutError:
-                resp = error_response(ApiError(503, "unavailable", "the request took too long",
-                                               headers=retry_after))
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
                     413, "payload_too_large",
@@ -280,7 +306,7 @@ def _middleware(api: Api) -> Middleware:
                 log.exception("unhandled error on %s %s", request.method, template)
                 resp = error_response(ApiError(500, "internal", "internal error"))
             finally:
-                health.in_flight -= 1
+                del requests[task]
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
         return resp
 
@@ -292,6 +318,15 @@ def create_app(settings: Settings, sales: Sales, store: Store, metrics: Metrics,
     api = Api(settings, sales, store, metrics, health)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[_middleware(api)])
+
+    async def watchdog(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(_watchdog(health, settings.request_timeout_ms / 1000))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(watchdog)
     draw = "/v1/games/{game}/draws/{draw:-?[0-9]+}"
     app.router.add_post("/v1/tickets", api.post_ticket)
     app.router.add_get("/v1/tickets/{ticket_id}", api.get_ticket)

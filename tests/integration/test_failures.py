@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
-from capsvc.server import build
+from capsvc.server import Service, build
 from capsvc.testing import RedisServer
 from tests.conftest import TEN, Client, start_service, ticket
 
@@ -90,3 +90,21 @@ async def test_slow_redis_times_out_and_the_retry_converges(
     assert first.raw == again.raw
     assert await client.staked(TEN, draw) == 500
     assert await client.staked(TEN[:8], draw) == 500
+
+
+async def test_request_timeout_answers_503(service: tuple[Service, str], client: Client,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request still running after server.request_timeout is cut short with a 503."""
+    svc, _ = service
+
+    async def hang(*args: object) -> None:
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(svc.sales, "sell", hang)
+    started = time.monotonic()
+    reply = await client.sell(ticket())
+    assert reply.status == 503
+    assert reply.body["error"]["code"] == "unavailable"
+    assert "Retry-After" in reply.headers
+    assert time.monotonic() - started < 2 + 1.5
+    assert svc.health.in_flight == 0
