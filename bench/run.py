@@ -59,6 +59,10 @@ class Result:
     p99_ms: float
     requests: int
     errors: int
+    server_cpu_us: float = 0.0
+    """Server CPU per ticket (µs)."""
+    server_busy: float = 0.0
+    """Share of the run the server spent on the CPU (1.0: CPU-bound)."""
 
 
 def _ms(value: str) -> float:
@@ -81,6 +85,12 @@ def wrk(url: str, seconds: int, connections: int, prefix: str) -> Result:
     errors = (int(bad.group(1)) if bad else 0) + (
         sum(int(x) for x in sock.groups()) if sock else 0)
     return Result(rps, p50, p99, total, errors)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def redis_calls(server: RedisServer) -> int:
@@ -114,6 +124,7 @@ def main() -> int:
     bare = subprocess.Popen(pinned([sys.executable, str(HERE / "bare.py"), str(bare_port)], "0"))
     time.sleep(1.5)
     targets = {"capsvc": svc.base_url, "bare": f"http://127.0.0.1:{bare_port}"}
+    pids = {"capsvc": svc.process.pid, "bare": bare.pid}  # type: ignore[union-attr]
     results: dict[str, list[Result]] = {name: [] for name in targets}
     calls: list[float] = []
     try:
@@ -122,7 +133,11 @@ def main() -> int:
         for r in range(args.rounds):
             for name, url in targets.items():
                 before = redis_calls(redis) if name == "capsvc" else 0
+                cpu_before = cpu_seconds(pids[name])
                 res = wrk(url, args.seconds, args.connections, f"r{r}-{name}")
+                cpu = cpu_seconds(pids[name]) - cpu_before
+                res.server_cpu_us = 1e6 * cpu / max(res.requests, 1)
+                res.server_busy = cpu / args.seconds
                 if name == "capsvc":
                     calls.append((redis_calls(redis) - before) / max(res.requests, 1))
                 results[name].append(res)
@@ -134,13 +149,16 @@ def main() -> int:
           f"{platform.python_version()}; server on CPU 0, wrk and Redis on CPU 1")
     print(f"load: wrk -t1 -c{args.connections} -d{args.seconds}s, new FDJ tickets of 1-3 grids "
           f"(2-10 numbers), {args.rounds} alternating rounds, medians")
-    print(f"{'target':<8} {'tickets/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+    print(f"{'target':<8} {'tickets/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
+          f"{'cpu µs/ticket':>14} {'cpu busy':>9}")
     med: dict[str, float] = {}
     for name, runs in results.items():
         med[name] = statistics.median(r.rps for r in runs)
         print(f"{name:<8} {med[name]:>10.0f} {statistics.median(r.p50_ms for r in runs):>8.2f} "
               f"{statistics.median(r.p99_ms for r in runs):>8.2f} "
-              f"{sum(r.errors for r in runs):>7}")
+              f"{sum(r.errors for r in runs):>7} "
+              f"{statistics.median(r.server_cpu_us for r in runs):>14.0f} "
+              f"{statistics.median(r.server_busy for r in runs):>9.2f}")
     print(f"capsvc / bare = {med['capsvc'] / med['bare']:.2f}")
     print(f"redis commands per ticket (capsvc) = {statistics.median(calls):.2f}")
     return 0
