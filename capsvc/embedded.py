@@ -87,10 +87,17 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         """Stop the server if this process started it (SIGTERM: it flushes its AOF)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within `timeout_s`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

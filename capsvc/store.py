@@ -185,6 +185,3 @@ class Store:
         for f in copies:
             await f
         await self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
-
-    def redis_time_ms(self) -> asyncio.Future[Any]:
-        return self.redis.submit("TIME")

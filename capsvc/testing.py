@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from capsvc.embedded import server_binary
+from capsvc.embedded import server_binary, stop_process
 
 
 def free_port() -> int:
@@ -84,11 +84,7 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+            stop_process(self.process)
             self.process = None
 
 
@@ -150,9 +146,5 @@ class ServiceProcess:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+            stop_process(self.process, 30)
             self.process = None
