@@ -14,8 +14,9 @@ _TWO_DIGITS = tuple(f"{n:02d}" for n in range(100))
 
 
 def encode(numbers: Iterable[int]) -> str:
-    """The canonical key of a set of numbers in 1..99 (sorted, two digits each)."""
-    return "".join(map(_TWO_DIGITS.__getitem__, sorted(numbers)))
+    """The canonical key of numbers in 1..99 given in ascending order, as the validator
+    returns them (two digits each)."""
+    return "".join(map(_TWO_DIGITS.__getitem__, numbers))
 
 
 def decode(key: str) -> list[int]:

@@ -393,7 +393,9 @@ async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]
     """Await queued calls together (None stays None). Every failure is retrieved; the
     first one is raised once all have settled."""
     queued = [f for f in futures if f is not None]
-    if queued:
+    if len(queued) == 1:  # the common case: no gathering needed
+        await queued[0]
+    elif queued:
         await asyncio.gather(*queued, return_exceptions=True)
         for f in queued:
             error = f.exception()
