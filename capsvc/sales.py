@@ -40,12 +40,19 @@ from capsvc.models import (
     TicketOut,
     TicketStatus,
 )
-from capsvc.store import TICKET_BUCKETS, Store, holder, ticket_key
-from capsvc.validator import Sale, parse_numbers_path, validate_availability, validate_ticket
+from capsvc.store import TICKET_BUCKETS, PlayerStore, Store, holder, ticket_key
+from capsvc.validator import (
+    Sale,
+    budget_shares,
+    parse_numbers_path,
+    validate_availability,
+    validate_ticket,
+)
 
 log = logging.getLogger(__name__)
 
 _encode = msgspec.json.encode
+DAY_MS = 86_400_000
 _sale_decoder = msgspec.json.Decoder(Sale)
 _ticket_decoder = msgspec.json.Decoder(TicketOut)
 
@@ -82,6 +89,7 @@ class Sales:
         self.store = store
         self.clock = clock
         self.games = {gid: Game(r) for gid, r in settings.games.items()}
+        self.players = PlayerStore(store)
         # A request may resume a pending ticket only while the janitor cannot touch it.
         self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
 
@@ -191,20 +199,70 @@ class Sales:
         self, channel: Channel, game: Game, key: str, sale: Sale, at: int, close_ms: int,
         *, replayed: bool,
     ) -> SaleOutcome:
-        """Reserve every capped grid (concurrently), build the decision, write it back."""
+        """Take the player's budget (games with a daily limit), reserve every capped grid
+        (concurrently), build the decision, write it back with the budget settled."""
         rules = game.rules
         assert sale.first_draw is not None
         first = sale.first_draw
         expire_at = [game.expire_at(d) for d in range(first, first + sale.draws)]
+        budget = self._budget(channel.id, game, sale, at)
+        if budget is not None:
+            player, ref, regulatory, until, shares = budget
+            taken = await self.players.reserve(player, ref, regulatory, until, shares)
+            if taken[0] != 1:
+                out = player_limit_decision(sale)
+                body = _encode(out)
+                self.store.finalize(key, at, body)
+                return SaleOutcome(body=body, replayed=replayed, ticket=out)
         replies = await self._reserve_all(channel.id, game, sale, expire_at, close_ms)
         out = build_decision(channel.id, rules, game.calendar, sale, at, replies)
         for g, reply in zip(sale.grids, replies, strict=True):
             if reply is not None and reply[0] == 1:
                 for offset in reply[1:]:
                     self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
+        settlement = self._budget_settlement(channel.id, game, sale, at, out)
+        if settlement is not None:
+            self.players.settle_later(*settlement)
         body = _encode(out)
         self.store.finalize(key, at, body)
         return SaleOutcome(body=body, replayed=replayed, ticket=out)
+
+    def _budget(self, channel_id: str, game: Game, sale: Sale, at: int
+                ) -> tuple[str, str, int, int, list[tuple[str, int]]] | None:
+        """(player, ref, regulatory limit, expiry, requested shares), for limited games."""
+        rules = game.rules
+        if rules.daily_limit is None or sale.player_id is None:
+            return None
+        assert sale.first_draw is not None
+        last = sale.first_draw + sale.draws - 1
+        until = max(game.expire_at(last), at + DAY_MS) + DAY_MS
+        return (sale.player_id, f"t/{channel_id}/{sale.ticket_id}", rules.daily_limit, until,
+                self._shares(game, sale, at, None))
+
+    def _shares(self, game: Game, sale: Sale, at: int, accepted: set[int] | None
+                ) -> list[tuple[str, int]]:
+        assert sale.first_draw is not None
+        cal = game.calendar
+        days = [cal.local_date(cal.close_ms(d)).isoformat()
+                for d in range(sale.first_draw, sale.first_draw + sale.draws)]
+        return budget_shares(days, sale, game.rules.subscription_accounting,
+                             cal.local_date(at).isoformat(), accepted)
+
+    def _budget_settlement(self, channel_id: str, game: Game, sale: Sale, at: int,
+                           decision: TicketOut | None
+                           ) -> tuple[str, str, list[tuple[str, int]]] | None:
+        """(player, ref, shares) that make the ticket's budget hold what was accepted
+        (nothing when `decision` is None), or None when there is nothing to change."""
+        if game.rules.daily_limit is None or sale.player_id is None:
+            return None
+        accepted = ({g.index for g in decision.grids if g.status == "accepted"}
+                    if decision is not None else set())
+        shares = dict(self._shares(game, sale, at, accepted))
+        requested = self._shares(game, sale, at, None)
+        if decision is not None and shares == dict(requested):
+            return None
+        return (sale.player_id, f"t/{channel_id}/{sale.ticket_id}",
+                [(day, shares.get(day, 0)) for day, _ in requested])
 
     async def _reserve_all(self, channel_id: str, game: Game, sale: Sale, expire_at: list[int],
                            close_ms: int) -> list[Any]:
@@ -224,7 +282,7 @@ class Sales:
 
     async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
         require_scope(channel, "sell", "read")
-        state, body, _ = await self.store.ticket(ticket_key(channel.id, ticket_id))
+        state, body, _, _ = await self.store.ticket(ticket_key(channel.id, ticket_id))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
         if body is None:
@@ -236,7 +294,7 @@ class Sales:
     async def cancel(self, channel: Channel, ticket_id: str) -> CancelOut:
         require_scope(channel, "sell")
         key = ticket_key(channel.id, ticket_id)
-        state, body, raw_sale = await self.store.ticket(key)
+        state, body, raw_sale, claimed_at = await self.store.ticket(key)
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
         if body is None:
@@ -262,6 +320,9 @@ class Sales:
         if reply[0] != b"ok":
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
         await self.release(channel.id, game, sale, decision)
+        budget = self._budget_settlement(channel.id, game, sale, int(claimed_at), None)
+        if budget is not None:
+            await self.players.settle(*budget)
         return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[1]))
 
     async def release(self, channel_id: str, game: Game, sale: Sale, decision: TicketOut | None
@@ -376,14 +437,29 @@ class Sales:
             return 1
         rules = game.rules
         first, n = sale.first_draw, sale.draws
+        budget = self._budget(channel_id, game, sale, at)
+        if budget is not None:
+            player, ref, regulatory, _, shares = budget
+            taken = await self.players.reserve(player, ref, regulatory, 0, shares)
+            if taken[0] == 0:  # refused by the player's limit: that was the decision
+                await self.store.finalize(key, at, _encode(player_limit_decision(sale)))
+                return 1
         expire_at = [game.expire_at(d) for d in range(first, first + n)]
         replies = await self._reserve_all(channel_id, game, sale, expire_at, 0)
-        if all(r is None or r[0] != -1 for r in replies):
-            out = build_decision(channel_id, rules, game.calendar, sale, at, replies)
+        budget_taken = budget is None or taken[0] == 1
+        if budget_taken and all(r is None or r[0] != -1 for r in replies):
+            out: TicketOut | None = build_decision(channel_id, rules, game.calendar, sale, at,
+                                                   replies)
+        else:
+            out = None
+            await self.release(channel_id, game, sale, None)
+        settlement = self._budget_settlement(channel_id, game, sale, at, out)
+        if settlement is not None:
+            await self.players.settle(*settlement)
+        if out is not None:
             await self.store.finalize(key, at, _encode(out))
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
-            await self.release(channel_id, game, sale, None)
             await self.store.unclaim(key, at)
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
         return 1
@@ -419,6 +495,18 @@ def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | N
     if decision.receipt is None:
         return "nothing was accepted: there is nothing to cancel"
     return None
+
+
+def player_limit_decision(sale: Sale) -> TicketOut:
+    """The whole ticket refused: it does not fit in the player's daily budget."""
+    assert sale.first_draw is not None
+    return TicketOut(
+        ticket_id=sale.ticket_id, game=sale.game, status="rejected", reason="player_limit",
+        draws=list(range(sale.first_draw, sale.first_draw + sale.draws)),
+        grids=[GridOut(index=g.index, numbers=list(g.numbers), status="rejected",
+                       reason="player_limit") for g in sale.grids],
+        total_cost=0, receipt=None,
+    )
 
 
 def receipt_id(channel_id: str, ticket_id: str, at: int) -> str:

@@ -116,8 +116,8 @@ class Store:
         return self.fcall("capsvc_cancel", [ticket], [close_ms, released])
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, body, sale] of a ticket record (all None when unknown)."""
-        return self.redis.submit("HMGET", ticket, "st", "body", "sale")
+        """[state, body, sale, claim time] of a ticket record (all None when unknown)."""
+        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "at")
 
     def pending(self, bucket: int, claimed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(
@@ -185,3 +185,48 @@ class Store:
         for f in copies:
             await f
         await self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
+
+
+def limit_key(player: str) -> str:
+    return f"l:{{pl:{player}}}"
+
+
+def budget_key(player: str, day: str) -> str:
+    return f"b:{{pl:{player}}}:{day}"
+
+
+class PlayerStore:
+    """The player-budget steps (games with a daily limit), over the same transport."""
+
+    def __init__(self, store: Store) -> None:
+        self.fcall = store.fcall
+        self.redis = store.redis
+
+    def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,
+                shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
+        """Take `shares` ((day, amount) pairs) from the player's budgets, all or nothing;
+        `expire_at=0` only reads what `ref` took."""
+        keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
+        return self.fcall("capsvc_budget", keys, [
+            ref, regulatory, expire_at, *[day for day, _ in shares],
+            *[amount for _, amount in shares]])
+
+    def settle(self, player: str, ref: str, shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
+        """Make `ref` hold exactly `shares` (amount 0: give back); idempotent."""
+        keys = [budget_key(player, day) for day, _ in shares]
+        return self.fcall("capsvc_settle", keys, [ref, *[amount for _, amount in shares]])
+
+    def settle_later(self, player: str, ref: str, shares: list[tuple[str, int]]) -> None:
+        """`settle` without waiting (a lost one is redone by a replay or the janitor)."""
+        keys = [budget_key(player, day) for day, _ in shares]
+        self.redis.send("FCALL", "capsvc_settle", len(keys), *keys, ref,
+                        *[amount for _, amount in shares])
+
+    def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
+                  expire_at: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
+                          ["none" if value is None else value, today, tomorrow, expire_at])
+
+    def state(self, player: str, today: str) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
+                          [today])

@@ -176,3 +176,24 @@ def parse_numbers_path(rules: GameRules, text: str) -> tuple[int, ...]:
         raise ApiError(422, "invalid_request",
                        "numbers are integers joined by '-', e.g. 3-7-12-18-25-33-41-56", None)
     return check_numbers(rules, [int(p) for p in parts], "numbers")
+
+
+def budget_shares(days_of_draws: list[str], sale: Sale, policy: str, purchase_day: str,
+                  accepted: set[int] | None = None) -> list[tuple[str, int]]:
+    """What a ticket takes from the player's daily budgets, as (day, amount) pairs.
+
+    `purchase_day`: the whole cost on the day of purchase. `draw_day`: each draw's share
+    (stake x multiplier per grid, plus Joker+) on the day of that draw, `days_of_draws[i]`
+    being the local day of draw i. `accepted`: the grids that count (None: all of them,
+    the requested cost); Joker+ counts when at least one grid does.
+    """
+    grids = [g for g in sale.grids if accepted is None or g.index in accepted]
+    per_draw = sum(g.cost // sale.draws for g in grids)
+    if grids:
+        per_draw += sale.joker_cost // sale.draws
+    if policy == "purchase_day":
+        return [(purchase_day, per_draw * sale.draws)]
+    shares: dict[str, int] = {}
+    for day in days_of_draws:
+        shares[day] = shares.get(day, 0) + per_draw
+    return list(shares.items())

@@ -239,6 +239,141 @@ local function release(keys, args)
   return out
 end
 
+--[[ Player budgets (games with a daily limit).
+  budget          b:{pl:<player>}:<YYYY-MM-DD>       hash   spent, <ref> -> amount | R<room>
+  self-limit      l:{pl:<player>}                     hash   limit, next, from
+A player's keys share one slot, so a subscription spread over several days is reserved on
+all of them atomically. `ref` identifies what took the budget (a ticket, another game's
+stake); its amount is recorded, so a re-run never charges twice and a settle adjusts to
+exactly what was accepted. The self-limit in force on day D is `next` if `from` <= D (a
+raise, or a removal when next is "none", takes effect the next day), else `limit`. ]]
+
+local function self_limit(rec, day)
+  local value = rec[1]
+  if rec[3] and day >= rec[3] then
+    value = rec[2]
+  end
+  if value == nil or value == false or value == 'none' then
+    return nil
+  end
+  return tonumber(value)
+end
+
+local function day_limit(rec, day, regulatory)
+  local own = self_limit(rec, day)
+  if own and own < regulatory then
+    return own
+  end
+  return regulatory
+end
+
+--[[ budget: KEYS limit, day(1), …, day(m);
+ARGV ref, regulatory, expire_at, day(1)…day(m), amount(1)…amount(m)
+All or nothing over the m days. Returns {1, room left on day 1} | {0, room on the day that
+refused}; a re-run returns the recorded outcome. With expire_at = 0 it only reads: {-1}
+when `ref` took nothing yet. ]]
+local function budget(keys, args)
+  local ref, regulatory, expire_at = args[1], tonumber(args[2]), tonumber(args[3])
+  local m = #keys - 1
+  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local prev = redis.call('HGET', keys[2], ref)
+  if prev then
+    if string.sub(prev, 1, 1) == 'R' then
+      return {0, tonumber(string.sub(prev, 2))}
+    end
+    local spent = tonumber(redis.call('HGET', keys[2], 'spent') or '0')
+    return {1, day_limit(rec, args[4], regulatory) - spent}
+  end
+  if expire_at == 0 then
+    return {-1}
+  end
+  local rooms = {}
+  for i = 1, m do
+    local spent = tonumber(redis.call('HGET', keys[1 + i], 'spent') or '0')
+    local room = day_limit(rec, args[3 + i], regulatory) - spent
+    if tonumber(args[3 + m + i]) > room then
+      redis.call('HSET', keys[2], ref, 'R' .. room)
+      extend(keys[2], expire_at)
+      return {0, room}
+    end
+    rooms[i] = room
+  end
+  for i = 1, m do
+    local amount = tonumber(args[3 + m + i])
+    redis.call('HINCRBY', keys[1 + i], 'spent', amount)
+    redis.call('HSET', keys[1 + i], ref, amount)
+    extend(keys[1 + i], expire_at)
+  end
+  return {1, rooms[1] - tonumber(args[4 + m])}
+end
+
+--[[ settle: KEYS day(1), …, day(m); ARGV ref, amount(1), …, amount(m)
+Sets what `ref` holds on each day to the given amounts (0: give everything back), adjusting
+`spent` by the difference. Idempotent. Returns the total given back. ]]
+local function settle(keys, args)
+  local ref = args[1]
+  local given = 0
+  for i = 1, #keys do
+    local prev = redis.call('HGET', keys[i], ref)
+    if prev and string.sub(prev, 1, 1) ~= 'R' then
+      local diff = tonumber(args[1 + i]) - tonumber(prev)
+      if diff ~= 0 then
+        redis.call('HINCRBY', keys[i], 'spent', diff)
+        redis.call('HSET', keys[i], ref, args[1 + i])
+        given = given - diff
+      end
+    end
+  end
+  return given
+end
+
+--[[ set_limit: KEYS limit, today's budget; ARGV value ("none": remove), today, tomorrow,
+expire_at
+Lowering takes effect at once; raising or removing from tomorrow. Returns {limit in force
+today or "none", pending value or "", pending from or "", spent today}. ]]
+local function set_limit(keys, args)
+  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local today, tomorrow = args[2], args[3]
+  local current = self_limit(rec, today)
+  local wanted = args[1]
+  if wanted ~= 'none' and (current == nil or tonumber(wanted) <= current) then
+    redis.call('DEL', keys[1])
+    redis.call('HSET', keys[1], 'limit', wanted)
+  else
+    redis.call('DEL', keys[1])
+    if current then
+      redis.call('HSET', keys[1], 'limit', current)
+    end
+    if wanted ~= 'none' or current then
+      redis.call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
+    end
+  end
+  if redis.call('EXISTS', keys[1]) == 1 then
+    redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
+  end
+  local after = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local in_force = self_limit(after, today)
+  return {in_force and tostring(in_force) or 'none', after[2] or '', after[3] or '',
+          tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
+end
+
+--[[ player: KEYS limit, today's budget; ARGV today
+Returns {self-limit in force today or "none", pending value or "", from or "", spent}. ]]
+local function player(keys, args)
+  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local in_force = self_limit(rec, args[1])
+  local pending, from = '', ''
+  if rec[3] and args[1] < rec[3] then
+    pending, from = rec[2], rec[3]
+  end
+  return {in_force and tostring(in_force) or 'none', pending, from,
+          tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
+end
+
+redis.register_function('capsvc_budget', budget)
+redis.register_function('capsvc_settle', settle)
+redis.register_function('capsvc_set_limit', set_limit)
+redis.register_function('capsvc_player', player)
 redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
