@@ -49,6 +49,11 @@ class DrawCalendar:
     def local_date(self, now_ms: int) -> date:
         return datetime.fromtimestamp(now_ms / 1000, self.rules.tz).date()
 
+    def local_days(self, first_draw: int, draws: int) -> list[str]:
+        """The local day (YYYY-MM-DD) of each draw of first_draw..first_draw+draws-1."""
+        return [self.local_date(self.close_ms(d)).isoformat()
+                for d in range(first_draw, first_draw + draws)]
+
     def current(self, now_ms: int) -> int:
         """The first draw whose sales are still open at `now_ms` (by the calendar alone)."""
         draw, close, valid_from = self._current

@@ -31,9 +31,12 @@ from capsvc.models import (
     GameOut,
     GamesOut,
     HealthOut,
+    LimitIn,
+    StakeIn,
     TicketIn,
 )
 from capsvc.openapi import openapi_document
+from capsvc.players import Players
 from capsvc.sales import Sales
 from capsvc.store import Store
 
@@ -47,8 +50,7 @@ _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _JSON = "application/json"
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
-    TicketIn: msgspec.json.Decoder(TicketIn),
-    AvailabilityIn: msgspec.json.Decoder(AvailabilityIn),
+    t: msgspec.json.Decoder(t) for t in (TicketIn, AvailabilityIn, LimitIn, StakeIn)
 }
 
 
@@ -147,6 +149,7 @@ class Api:
                  health: Health) -> None:
         self.settings = settings
         self.sales = sales
+        self.players = Players(sales.games, sales.players, sales.clock)
         self.store = store
         self.metrics = metrics
         self.health = health
@@ -213,6 +216,25 @@ class Api:
         game = self.sales.game(request.match_info["game"], channel, "sell", "read")
         query = decode_body(await request.read(), AvailabilityIn)
         return json_response(await self.sales.availability(game, query))
+
+    # -- players ---------------------------------------------------------------------------
+
+    async def player(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        return json_response(await self.players.state(
+            channel, request.match_info["player_id"], request.query.get("game")))
+
+    async def player_limit(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        body = decode_body(await request.read(), LimitIn)
+        return json_response(await self.players.set_limit(
+            channel, request.match_info["player_id"], request.query.get("game"), body))
+
+    async def player_stake(self, request: web.Request) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        body = decode_body(await request.read(), StakeIn)
+        return json_response(await self.players.stake(
+            channel, request.match_info["player_id"], request.query.get("game"), body))
 
     # -- operations ------------------------------------------------------------------------
 
@@ -338,6 +360,9 @@ def create_app(settings: Settings, sales: Sales, store: Store, metrics: Metrics,
     app.router.add_get(draw + "/combinations/{numbers}", api.combination)
     app.router.add_get(draw + "/capped", api.capped)
     app.router.add_post("/v1/games/{game}/availability", api.availability)
+    app.router.add_get("/v1/players/{player_id}", api.player)
+    app.router.add_put("/v1/players/{player_id}/limit", api.player_limit)
+    app.router.add_post("/v1/players/{player_id}/stakes", api.player_stake)
     app.router.add_get("/healthz", api.healthz)
     app.router.add_get("/readyz", api.readyz)
     app.router.add_get("/metrics", api.prometheus)

@@ -156,6 +156,36 @@ class GamesOut(Struct):
     games: list[GameOut]
 
 
+class LimitIn(Struct, forbid_unknown_fields=True):
+    daily: Annotated[int, Meta(ge=0, le=2**53)] | None
+    """The player's own daily limit (minor units); null removes it."""
+
+
+class StakeIn(Struct, forbid_unknown_fields=True):
+    ref: TicketId
+    game: Annotated[str, Meta(min_length=1, max_length=64)]
+    amount: Annotated[int, Meta(ge=1, le=2**53)]
+
+
+class PlayerOut(Struct):
+    player_id: str
+    day: str
+    spent: int
+    limit: int
+    """The regulatory daily limit."""
+    self_limit: int | None
+    """The player's own limit in force today."""
+    remaining: int
+    pending_self_limit: int | None = None
+    """A raised (or removed: null) self-limit waiting for `pending_from`."""
+    pending_from: str | None = None
+
+
+class StakeOut(Struct):
+    status: Literal["accepted", "rejected"]
+    remaining: int
+
+
 class ErrorDetail(Struct):
     code: str
     message: str

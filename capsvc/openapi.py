@@ -18,6 +18,10 @@ from capsvc.models import (
     ErrorOut,
     GamesOut,
     HealthOut,
+    LimitIn,
+    PlayerOut,
+    StakeIn,
+    StakeOut,
     TicketIn,
     TicketOut,
 )
@@ -25,7 +29,8 @@ from capsvc.models import (
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     TicketIn, TicketOut, CancelOut, AvailabilityIn, AvailabilityOut, CombinationOut,
-    CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut,
+    CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut, LimitIn, PlayerOut,
+    StakeIn, StakeOut,
 )
 _ERRORS = {
     "400": "Malformed JSON, or not an object",
@@ -72,6 +77,12 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "draw": {"name": "draw", "in": "path", "required": True, "schema": {"type": "integer"}},
     "ticket_id": {"name": "ticket_id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
+    "player_id": {"name": "player_id", "in": "path", "required": True,
+                  "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
+    "game_query": {"name": "game", "in": "query", "required": False,
+                   "schema": {"type": "string"},
+                   "description": "the limited game whose time zone and limit apply; needed "
+                                  "only when the channel uses several"},
     "numbers": {"name": "numbers", "in": "path", "required": True,
                 "schema": {"type": "string", "pattern": "^[0-9]+(-[0-9]+)*$"},
                 "description": "the numbers joined by '-', in any order"},
@@ -107,6 +118,17 @@ def openapi_document() -> dict[str, Any]:
         "/v1/games/{game}/availability": {"post": _op(
             "Whether grids could be sold (advisory, counts nothing)", AvailabilityOut,
             body=AvailabilityIn, params=("game",), errors=sell_errors)},
+        "/v1/players/{player_id}": {"get": _op(
+            "A player's day: spent, limits, remaining", PlayerOut,
+            params=("player_id", "game_query"), errors=("401", "403", "404", "422", "503"))},
+        "/v1/players/{player_id}/limit": {"put": _op(
+            "Set (or remove, with null) the player's own daily limit: lowering applies at "
+            "once, raising or removing from the next day", PlayerOut, body=LimitIn,
+            params=("player_id", "game_query"), errors=sell_errors)},
+        "/v1/players/{player_id}/stakes": {"post": _op(
+            "Record a stake played on another game against the same daily budget "
+            "(idempotent by ref)", StakeOut, body=StakeIn, params=("player_id", "game_query"),
+            errors=sell_errors)},
         "/healthz": {"get": _op("Liveness", HealthOut, errors=(), auth=False)},
         "/readyz": {"get": _op("Readiness: Redis answers and the scripts are loaded",
                                HealthOut, errors=(), auth=False)},

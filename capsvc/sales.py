@@ -243,10 +243,9 @@ class Sales:
                 ) -> list[tuple[str, int]]:
         assert sale.first_draw is not None
         cal = game.calendar
-        days = [cal.local_date(cal.close_ms(d)).isoformat()
-                for d in range(sale.first_draw, sale.first_draw + sale.draws)]
-        return budget_shares(days, sale, game.rules.subscription_accounting,
-                             cal.local_date(at).isoformat(), accepted)
+        return budget_shares(cal.local_days(sale.first_draw, sale.draws), sale,
+                             game.rules.subscription_accounting, cal.local_date(at).isoformat(),
+                             accepted)
 
     def _budget_settlement(self, channel_id: str, game: Game, sale: Sale, at: int,
                            decision: TicketOut | None

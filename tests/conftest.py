@@ -18,7 +18,8 @@ from capsvc.server import Service, build
 from capsvc.testing import RedisServer, free_port
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
-TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma"}
+TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",
+          "mt": "t-mt"}
 TEN = [3, 7, 12, 18, 25, 33, 41, 56, 60, 70]
 _ids = itertools.count(1)
 
