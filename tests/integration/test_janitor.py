@@ -93,3 +93,22 @@ async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
     assert got.status == 200
     assert got.raw == answered.raw
     assert await client.staked(TEN, draw) == 500
+
+
+async def test_janitor_gives_an_abandoned_sale_budget_back(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limited game's sale interrupted after the budget step: the janitor gives the
+    player's budget back with the counters, once."""
+    svc, _ = service
+    body = ticket([{"numbers": TEN, "stake": 1000}, {"numbers": TEN[:9], "stake": 500}],
+                  game="lnm-keno", player_id="P-J")
+    fail_second_reserve(svc, monkeypatch)
+    assert (await client.sell(body, token="ma")).status == 503
+    monkeypatch.undo()
+    state = await client.get("/v1/players/P-J", token="ma")
+    assert state.body["spent"] == 1500
+    assert await janitor_later(svc).settle_pending() == 1
+    assert await janitor_later(svc).settle_pending() == 0
+    state = await client.get("/v1/players/P-J", token="ma")
+    assert state.body["spent"] == 0
+    assert await client.staked(TEN, await client.current("lnm-keno"), game="lnm-keno") == 0
