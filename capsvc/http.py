@@ -164,7 +164,7 @@ class Api:
         ticket = decode_body(await request.read(), TicketIn)
         outcome = await self.sales.sell(channel, ticket)
         if outcome.ticket is not None and not outcome.replayed:
-            self.metrics.decision(outcome.ticket)
+            self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out)
         resp = web.Response(body=outcome.body, content_type=_JSON)
         if outcome.replayed:
             resp.headers["Idempotent-Replayed"] = "true"

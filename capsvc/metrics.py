@@ -4,18 +4,20 @@ Labels stay bounded: game, status, reason, route template, error kind; never a
 combination, ticket, token or player.
 
 The hot path does not touch prometheus-client objects per ticket: decisions are tallied in
-plain dicts (one increment per key, no lock: everything runs on the event loop) and applied
+a plain dict (one increment per key, no lock: everything runs on the event loop) and applied
 to the Prometheus counters in bulk when `/metrics` is scraped and once a second. Request
 latency is observed directly (one cached histogram child per route and status).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter as Tally
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from capsvc import __version__
 from capsvc.models import TicketOut
@@ -27,7 +29,12 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Metrics:
-    """Every metric the service exports, with cached label children and tallies."""
+    """Every metric the service exports, with cached label children and tallies.
+
+    With several worker processes (`PROMETHEUS_MULTIPROC_DIR` set before start, as
+    `capsvc serve --workers N` does), values live in the shared directory and `/metrics`
+    aggregates every worker: one view.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -36,8 +43,21 @@ class Metrics:
                                ["game", "status"], registry=r)
         self.grids = Counter("capsvc_grids", "Grid decisions by game, status and reason",
                              ["game", "status", "reason"], registry=r)
-        self.stake = Counter("capsvc_accepted_stake", "Accepted cost in minor units, by game",
+        self.stake = Counter("capsvc_accepted_stake",
+                             "Accepted sales, sum of ticket costs in minor units, by game",
                              ["game"], registry=r)
+        self.capped = Counter("capsvc_combinations_capped",
+                              "Counters that reached their cap (one per combination and draw)",
+                              ["game"], registry=r)
+        self.near_cap = Counter("capsvc_near_cap",
+                                "Sales that brought a counter to 80 % of its cap", ["game"],
+                                registry=r)
+        self.cap_rejections = Counter("capsvc_cap_rejections",
+                                      "Grids refused by the combination cap, by pick size",
+                                      ["game", "picks"], registry=r)
+        self.limit_rejections = Counter("capsvc_player_limit_rejections",
+                                        "Tickets refused by a player's daily limit", ["game"],
+                                        registry=r)
         self.http = Histogram("capsvc_http_request_duration_seconds",
                               "HTTP request duration by route and status",
                               ["route", "method", "status"], buckets=_LATENCY_BUCKETS,
@@ -48,17 +68,16 @@ class Metrics:
                                      "Commands per coalesced Redis pipeline",
                                      buckets=_BATCH_BUCKETS, registry=r)
         self.redis_latency = Histogram("capsvc_redis_batch_duration_seconds",
-                                       "Duration of one coalesced Redis pipeline",
+                                       "Redis round trip of one coalesced pipeline",
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("capsvc_http_requests_in_flight", "Requests being served",
-                               registry=r)
+                               registry=r, multiprocess_mode="livesum")
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
-        Info("capsvc_build", "Build information", registry=r).info({"version": __version__})
+        Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
+              multiprocess_mode="max").labels(__version__).set(1)
         self._http_children: dict[tuple[str, str, int], Any] = {}
-        self._tickets: Tally[tuple[str, str]] = Tally()
-        self._grids: Tally[tuple[str, str, str]] = Tally()
-        self._stake: Tally[str] = Tally()
+        self._tally: Tally[tuple[str, ...]] = Tally()
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         key = (route, method, status)
@@ -67,26 +86,31 @@ class Metrics:
             child = self._http_children[key] = self.http.labels(route, method, str(status))
         child.observe(seconds)
 
-    def decision(self, t: TicketOut) -> None:
+    def decision(self, t: TicketOut, near_cap: int = 0, sold_out: int = 0) -> None:
         """Tally a ticket's decision (applied to the counters by `flush`)."""
-        self._tickets[t.game, t.status] += 1
-        grids = self._grids
+        tally, game = self._tally, t.game
+        tally["t", game, t.status] += 1
         for g in t.grids:
-            grids[t.game, g.status, g.reason or ""] += 1
+            tally["g", game, g.status, g.reason or ""] += 1
+            if g.reason == "combination_capped":
+                tally["r", game, str(len(g.numbers))] += 1
+        if t.reason == "player_limit":
+            tally["l", game] += 1
         if t.total_cost:
-            self._stake[t.game] += t.total_cost
+            tally["s", game] += t.total_cost
+        if near_cap:
+            tally["n", game] += near_cap
+        if sold_out:
+            tally["c", game] += sold_out
 
     def flush(self) -> None:
         """Apply the tallies to the Prometheus counters."""
-        tickets, self._tickets = self._tickets, Tally()
-        grids, self._grids = self._grids, Tally()
-        stake, self._stake = self._stake, Tally()
-        for (game, status), n in tickets.items():
-            self.tickets.labels(game, status).inc(n)
-        for (game, status, reason), n in grids.items():
-            self.grids.labels(game, status, reason).inc(n)
-        for game, amount in stake.items():
-            self.stake.labels(game).inc(amount)
+        tally, self._tally = self._tally, Tally()
+        counters = {"t": self.tickets, "g": self.grids, "r": self.cap_rejections,
+                    "l": self.limit_rejections, "s": self.stake, "n": self.near_cap,
+                    "c": self.capped}
+        for (kind, *labels), n in tally.items():
+            counters[kind].labels(*labels).inc(n)
 
     def redis_error(self, kind: str) -> None:
         self.redis_errors.labels(kind).inc()
@@ -97,4 +121,8 @@ class Metrics:
 
     def exposition(self) -> bytes:
         self.flush()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -65,6 +65,10 @@ class SaleOutcome:
     replayed: bool
     ticket: TicketOut | None = None
     """The decision, when it was made by this call (for metrics); None on a stored replay."""
+    near_cap: int = 0
+    """Counters this sale brought to 80 % of their cap."""
+    sold_out: int = 0
+    """Counters at their cap after this sale (room below the smallest stake)."""
 
 
 class Game:
@@ -216,16 +220,20 @@ class Sales:
                 return SaleOutcome(body=body, replayed=replayed, ticket=out)
         replies = await self._reserve_all(channel.id, game, sale, expire_at, close_ms)
         out = build_decision(channel.id, rules, game.calendar, sale, at, replies)
+        near_cap = sold_out = 0
         for g, reply in zip(sale.grids, replies, strict=True):
             if reply is not None and reply[0] == 1:
-                for offset in reply[1:]:
+                near_cap += reply[1]
+                for offset in reply[2:]:
+                    sold_out += 1
                     self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
         settlement = self._budget_settlement(channel.id, game, sale, at, out)
         if settlement is not None:
             self.players.settle_later(*settlement)
         body = _encode(out)
         self.store.finalize(key, at, body)
-        return SaleOutcome(body=body, replayed=replayed, ticket=out)
+        return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
+                           sold_out=sold_out)
 
     def _budget(self, channel_id: str, game: Game, sale: Sale, at: int
                 ) -> tuple[str, str, int, int, list[tuple[str, int]]] | None:

@@ -162,7 +162,9 @@ end
 --[[ reserve: KEYS hold, counter(draw 1), …, counter(draw n);
 ARGV holder, stake, cap, close_ms, min_stake, expire_at(draw 1), …, expire_at(draw n)
 All or nothing over the n draws of one grid. Returns
-  {1, sold-out offsets…}     accepted (now or by an earlier run): every counter grew by stake
+  {1, near, sold-out offsets…}
+                             accepted (now or by an earlier run): every counter grew by stake;
+                             `near` counts the counters this call brought to 80 % of the cap
   {0, offset, remaining}     rejected: the draw at `offset` would overflow, with its room
   {-1}                       no record and sales are closed: nothing counted
 With close_ms = 0 it only reads the recorded outcome (the janitor's question). ]]
@@ -177,6 +179,7 @@ local function reserve(keys, args)
       return {0, tonumber(off), tonumber(rem)}
     end
     local out = sold_out(counters, cap, min_stake)
+    table.insert(out, 1, 0)
     table.insert(out, 1, 1)
     return out
   end
@@ -193,12 +196,16 @@ local function reserve(keys, args)
       return {0, i - 1, room}
     end
   end
-  local out = {1}
+  local out = {1, 0}
+  local near = cap * 0.8
   for i = 1, #counters do
     local expire_at = tonumber(args[5 + i])
     local total = redis.call('INCRBY', counters[i], stake)
     if total == stake then
       redis.call('PEXPIREAT', counters[i], expire_at)
+    end
+    if total >= near and total - stake < near then
+      out[2] = out[2] + 1
     end
     if cap - total < min_stake then
       out[#out + 1] = i - 1

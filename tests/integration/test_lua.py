@@ -38,15 +38,22 @@ def counters(db: redis.Redis, draws: int = 3, first: int = 100) -> list[int]:
 
 async def test_check_and_increment(store: Store, redis_db: redis.Redis) -> None:
     """A stake that fits is counted; one that would pass the cap is refused with the room."""
-    assert await reserve(store, "a", 3000) == [1]
-    assert await reserve(store, "b", 2000) == [1, 0]  # now at the cap: sold out on draw 0
+    assert await reserve(store, "a", 3000) == [1, 0]
+    assert await reserve(store, "b", 2000) == [1, 1, 0]  # past 80 %, and sold out on draw 0
     assert await reserve(store, "c", 100) == [0, 0, 0]
     assert counters(redis_db, 1) == [5000]
 
 
+async def test_near_cap_counts_the_crossing_only(store: Store) -> None:
+    """`near` counts a counter when this sale brings it to 80 % of the cap, not after."""
+    assert await reserve(store, "a", 3900) == [1, 0]
+    assert await reserve(store, "b", 100, draws=2) == [1, 1]  # 4000 on draw 0 only
+    assert await reserve(store, "c", 100) == [1, 0]
+
+
 async def test_all_or_nothing_across_draws(store: Store, redis_db: redis.Redis) -> None:
     """One full draw rejects the grid on every draw and counts nothing anywhere."""
-    assert await reserve(store, "full", 5000, first=101) == [1, 0]
+    assert await reserve(store, "full", 5000, first=101) == [1, 1, 0]
     reply = await reserve(store, "sub", 500, draws=3)
     assert reply == [0, 1, 0]
     assert counters(redis_db) == [0, 5000, 0]
@@ -54,8 +61,8 @@ async def test_all_or_nothing_across_draws(store: Store, redis_db: redis.Redis) 
 
 async def test_rerun_is_idempotent(store: Store, redis_db: redis.Redis) -> None:
     """The same holder re-run returns the recorded outcome and counts once."""
-    assert await reserve(store, "a", 500, draws=3) == [1]
-    assert await reserve(store, "a", 500, draws=3) == [1]
+    assert await reserve(store, "a", 500, draws=3) == [1, 0]
+    assert await reserve(store, "a", 500, draws=3) == [1, 0]
     assert counters(redis_db) == [500, 500, 500]
     await reserve(store, "full", 4400, first=100)
     assert await reserve(store, "r", 500) == [0, 0, 100]
@@ -76,8 +83,8 @@ async def test_release_once(store: Store, redis_db: redis.Redis) -> None:
 
 async def test_release_reports_draws_leaving_sold_out(store: Store) -> None:
     """Releasing from a sold-out counter reports the draw that has room again."""
-    assert await reserve(store, "a", 4900) == [1]
-    assert await reserve(store, "b", 100) == [1, 0]
+    assert await reserve(store, "a", 4900) == [1, 1]
+    assert await reserve(store, "b", 100) == [1, 0, 0]
     assert await store.release(GAME, COMBO, "b", CAP, MIN, 100, 1) == [100, 0]
 
 
@@ -98,7 +105,7 @@ async def test_closed_draw_counts_nothing(store: Store, redis_db: redis.Redis) -
     assert await reserve(store, "a", 500, close=past) == [-1]
     assert redis_db.dbsize() == 0
     await reserve(store, "b", 500)
-    assert await reserve(store, "b", 500, close=0) == [1]
+    assert await reserve(store, "b", 500, close=0) == [1, 0]
     assert await reserve(store, "c", 500, close=0) == [-1]
 
 
@@ -177,5 +184,5 @@ async def test_library_reloaded_after_function_flush(store: Store,
                                                      redis_db: redis.Redis) -> None:
     """If Redis lost the library (FUNCTION FLUSH), the call reloads it and succeeds."""
     redis_db.function_flush()
-    assert await reserve(store, "a", 500) == [1]
+    assert await reserve(store, "a", 500) == [1, 0]
     assert await store.library_loaded()
