@@ -41,9 +41,10 @@ def check_config(path: str) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
-    if args.workers and args.workers != 1:
-        print("--workers: only 1 worker per process is supported in this version; "
-              "run more processes (they share the port with SO_REUSEPORT)", file=sys.stderr)
+    workers = args.workers or settings.workers
+    port = settings.port if args.port is None else args.port
+    if workers > 1 and port == 0:
+        print("--workers needs a fixed --port (the workers share it)", file=sys.stderr)
         return 2
     url = args.redis_url or settings.redis_url
     embedded = None
@@ -53,17 +54,25 @@ def serve(args: argparse.Namespace) -> int:
         embedded = EmbeddedRedis()
         url = embedded.start()
         log.info("embedded redis started", extra={"dir": str(embedded.dir)})
+    host = args.host or settings.host
     try:
-        import uvloop
+        if workers > 1:
+            from capsvc.workers import supervise
 
-        uvloop.install()
-    except ImportError:
-        pass
-    from capsvc.server import serve as run
+            worker_args = ["--redis-url", url, "--host", host, "--port", str(port),
+                           "--log-level", args.log_level]
+            if args.config:
+                worker_args += ["--config", args.config]
+            return supervise(worker_args, workers)
+        try:
+            import uvloop
 
-    try:
-        asyncio.run(run(settings, url, args.host or settings.host,
-                        settings.port if args.port is None else args.port))
+            uvloop.install()
+        except ImportError:
+            pass
+        from capsvc.server import serve as run
+
+        asyncio.run(run(settings, url, host, port))
     finally:
         if embedded is not None:
             embedded.stop()

@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -289,6 +291,7 @@ def _middleware(api: Api) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.perf_counter()
+        rid = request_id(request)
         route = request.match_info.route.resource
         template = route.canonical if route is not None else "unmatched"
         if health.in_flight >= settings.max_in_flight:
@@ -310,7 +313,8 @@ def _middleware(api: Api) -> Middleware:
             except ApiError as e:
                 resp = error_response(e)
             except Unavailable as e:
-                log.warning("redis unavailable: %s", e)
+                log.warning("redis unavailable: %s", e,
+                            extra={"request_id": rid, "route": template})
                 resp = error_response(ApiError(503, "unavailable",
                                                "the counters cannot be reached: nothing was "
                                                "recorded; retry", headers=retry_after))
@@ -325,14 +329,30 @@ def _middleware(api: Api) -> Middleware:
                                                f"{request.method} is not allowed here",
                                                headers={"Allow": ",".join(e.allowed_methods)}))
             except Exception:
-                log.exception("unhandled error on %s %s", request.method, template)
+                log.exception("unhandled error on %s %s", request.method, template,
+                              extra={"request_id": rid})
                 resp = error_response(ApiError(500, "internal", "internal error"))
             finally:
                 del requests[task]
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
+        resp.headers["X-Request-ID"] = rid
         return resp
 
     return middleware
+
+
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
+_request_ids = itertools.count(1)
+_ID_PREFIX = f"{os.getpid():x}-{int(time.time()) & 0xFFFFFF:x}-"
+
+
+def request_id(request: web.Request) -> str:
+    """The caller's X-Request-ID if it is sane (1-128 visible ASCII), else a new one
+    (process prefix + counter: unique, and cheaper than a UUID)."""
+    given = request.headers.get("X-Request-ID")
+    if given is not None and _REQUEST_ID_RE.match(given):
+        return given
+    return f"{_ID_PREFIX}{next(_request_ids):x}"
 
 
 def create_app(settings: Settings, sales: Sales, store: Store, metrics: Metrics,

@@ -136,3 +136,13 @@ async def test_operations_routes_need_no_token(client: Client) -> None:
     """healthz, readyz, metrics and openapi.json answer without a token."""
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
         assert (await client.get(path, token=None)).status == 200, path
+
+
+async def test_request_id_is_returned(client: Client) -> None:
+    """A sane X-Request-ID is echoed; otherwise one is generated, unique per request."""
+    given = await client.get("/v1/games", headers={"X-Request-ID": "abc-123"})
+    assert given.headers["X-Request-ID"] == "abc-123"
+    first = await client.get("/v1/games", headers={"X-Request-ID": "bad id with spaces"})
+    second = await client.get("/healthz", token=None)
+    assert first.headers["X-Request-ID"] != second.headers["X-Request-ID"]
+    assert " " not in first.headers["X-Request-ID"]
