@@ -348,7 +348,8 @@ def _channel(raw: dict[str, Any], where: str, games: dict[str, GameRules], c: _C
 def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     c = _Checker()
-    for k in sorted(set(doc) - {"redis", "server", "janitor", "games", "channels"}):
+    for k in sorted(set(doc) - {"redis", "server", "janitor", "games", "channels",
+                                "channels_file"}):
         c.fail(k, "unknown section")
     redis = doc.get("redis", {})
     server = doc.get("server", {})
@@ -376,10 +377,12 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
             c.fail(f"channels[{i}].token_sha256", "the same token is used by two channels")
         seen.add(ch.token_sha256)
     url = redis.get("url")
-    schemes = r"^(redis|rediss|unix|redis\+cluster)://"
-    if url is not None and not (isinstance(url, str) and re.match(schemes, url)):
-        c.fail("redis.url",
-               f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}")
+    schemes = r"^(redis|rediss|unix)://"
+    if isinstance(url, str) and url.startswith("redis+cluster://"):
+        c.fail("redis.url", "Redis Cluster (redis+cluster://) is not supported by this "
+               "release yet: use a standalone primary")
+    elif url is not None and not (isinstance(url, str) and re.match(schemes, url)):
+        c.fail("redis.url", f"expected redis://, rediss:// or unix://, got {url!r}")
     settings = Settings(
         games=games,
         channels=tuple(channels),
@@ -416,13 +419,23 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Read the configuration file (or the built-in local default) and apply the environment."""
     path = path or os.environ.get("CAPSVC_CONFIG") or default_config_path()
     p = Path(path)
+    doc = load_document(p)
+    env_url = os.environ.get("CAPSVC_REDIS_URL")
+    if env_url:
+        doc.setdefault("redis", {})["url"] = env_url
+    channels_file = doc.get("channels_file")
+    if channels_file is not None:
+        # The channels (with their token hashes) may live in a file of their own, e.g. a
+        # Kubernetes Secret mounted beside a ConfigMap holding the rest.
+        extra = load_document(p.parent / str(channels_file))
+        doc["channels"] = [*doc.get("channels", []), *extra.get("channels", [])]
+    return parse_settings(doc, source=str(p))
+
+
+def load_document(p: Path) -> dict[str, Any]:
     try:
-        doc = tomllib.loads(p.read_text("utf-8"))
+        return tomllib.loads(p.read_text("utf-8"))
     except OSError as e:
         raise ConfigError([f"{p}: cannot read: {e.strerror}"]) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{p}: not valid TOML: {e}"]) from e
-    env_url = os.environ.get("CAPSVC_REDIS_URL")
-    if env_url:
-        doc.setdefault("redis", {})["url"] = env_url
-    return parse_settings(doc, source=str(p))

@@ -71,3 +71,14 @@ def test_all_errors_are_reported_at_once() -> None:
     with pytest.raises(ConfigError) as e:
         parse_settings(doc(stakes=[], cancel="maybe", time_zone="Nowhere/City"))
     assert len(e.value.problems) >= 3
+
+
+def test_channels_from_a_separate_file(tmp_path: Any) -> None:
+    """channels_file adds the channels of another file (a Secret beside a ConfigMap)."""
+    (tmp_path / "main.toml").write_text(
+        'channels_file = "secret/channels.toml"\n[[games]]\nid = "g"\npreset = "lnm-keno"\n')
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "channels.toml").write_text(
+        f'[[channels]]\nid = "c"\ntoken_sha256 = "{SHA}"\ngames = ["g"]\nscopes = ["sell"]\n')
+    settings = load_settings(tmp_path / "main.toml")
+    assert [c.id for c in settings.channels] == ["c"]
