@@ -74,7 +74,8 @@ def _op(summary: str, out: Any, *, body: Any = None, params: tuple[str, ...] = (
 
 _PARAMS: dict[str, dict[str, Any]] = {
     "game": {"name": "game", "in": "path", "required": True, "schema": {"type": "string"}},
-    "draw": {"name": "draw", "in": "path", "required": True, "schema": {"type": "integer"}},
+    "draw": {"name": "draw", "in": "path", "required": True,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 10**9}},
     "ticket_id": {"name": "ticket_id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
     "player_id": {"name": "player_id", "in": "path", "required": True,

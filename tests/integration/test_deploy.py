@@ -77,7 +77,8 @@ def test_kubernetes_manifests() -> None:
     (container,) = pod["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert container["resources"]["requests"]
+    assert container["resources"]["limits"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert "token" not in config["data"]["capsvc.toml"].replace("token hashes", "")

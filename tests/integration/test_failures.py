@@ -4,6 +4,7 @@ after a restart from the AOF the counters are intact and sales resume."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -11,6 +12,7 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
+from capsvc.errors import rule_error
 from capsvc.server import Service, build
 from capsvc.testing import RedisServer
 from tests.conftest import TEN, Client, start_service, ticket
@@ -108,3 +110,30 @@ async def test_request_timeout_answers_503(service: tuple[Service, str], client:
     assert "Retry-After" in reply.headers
     assert time.monotonic() - started < 2 + 1.5
     assert svc.health.in_flight == 0
+
+
+async def test_requests_beyond_max_in_flight_are_shed(settings: Settings,
+                                                      redis_server: RedisServer,
+                                                      redis_db: object) -> None:
+    """With server.max_in_flight = 1, a second concurrent request is shed with 503."""
+    svc = build(dataclasses.replace(settings, max_in_flight=1), redis_server.url)
+
+    async def slow(*args: object) -> None:
+        await asyncio.sleep(0.5)
+        raise rule_error("draw_closed", "slow and refused")
+
+    svc.sales.sell = slow  # type: ignore[method-assign]
+    runner, url = await start_service(svc)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, url)
+            first = asyncio.create_task(client.sell(ticket()))
+            await asyncio.sleep(0.1)
+            shed = await client.get("/v1/games")
+            assert shed.status == 503
+            assert shed.body["error"]["code"] == "unavailable"
+            assert shed.headers["Retry-After"] == "1"
+            assert (await first).status == 422  # the slow one still completes
+    finally:
+        await runner.cleanup()
+        await svc.redis.aclose()
