@@ -25,7 +25,7 @@ import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -43,12 +43,26 @@ ErrorObserver = Callable[[str], None]
 _MISSING_FUNCTION = "Function not found"
 
 
-def _noop_batch(size: int, seconds: float) -> None:
+def ignore_batch(size: int, seconds: float) -> None:
     return None
 
 
-def _noop_error(kind: str) -> None:
+def ignore_error(kind: str) -> None:
     return None
+
+
+class Transport(Protocol):
+    """What the store needs from Redis: one node (`Coalescer`) or a cluster."""
+
+    def submit(self, *args: Any) -> asyncio.Future[Any]: ...
+
+    def send(self, *args: Any) -> None: ...
+
+    async def call(self, *args: Any) -> Any: ...
+
+    async def broadcast(self, *args: Any) -> list[Any]: ...
+
+    async def aclose(self) -> None: ...
 
 
 encode_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
@@ -100,8 +114,8 @@ class Coalescer(asyncio.Protocol):
         url: str,
         *,
         timeout_s: float,
-        on_batch: BatchObserver = _noop_batch,
-        on_error: ErrorObserver = _noop_error,
+        on_batch: BatchObserver = ignore_batch,
+        on_error: ErrorObserver = ignore_error,
         library: str | None = None,
     ) -> None:
         self._target = _Target(url)
@@ -143,6 +157,10 @@ class Coalescer(asyncio.Protocol):
 
     async def call(self, *args: Any) -> Any:
         return await self.submit(*args)
+
+    async def broadcast(self, *args: Any) -> list[Any]:
+        """A keyless command on every primary: here, the one node."""
+        return [await self.call(*args)]
 
     async def aclose(self) -> None:
         """Deliver what is queued and wait for its replies (bounded), then disconnect."""

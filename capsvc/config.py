@@ -377,12 +377,10 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
             c.fail(f"channels[{i}].token_sha256", "the same token is used by two channels")
         seen.add(ch.token_sha256)
     url = redis.get("url")
-    schemes = r"^(redis|rediss|unix)://"
-    if isinstance(url, str) and url.startswith("redis+cluster://"):
-        c.fail("redis.url", "Redis Cluster (redis+cluster://) is not supported by this "
-               "release yet: use a standalone primary")
-    elif url is not None and not (isinstance(url, str) and re.match(schemes, url)):
-        c.fail("redis.url", f"expected redis://, rediss:// or unix://, got {url!r}")
+    schemes = r"^(redis|rediss|unix|redis\+cluster)://"
+    if url is not None and not (isinstance(url, str) and re.match(schemes, url)):
+        c.fail("redis.url",
+               f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}")
     settings = Settings(
         games=games,
         channels=tuple(channels),

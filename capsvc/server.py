@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from capsvc.calendar import now_ms
-from capsvc.coalesce import Coalescer
+from capsvc.cluster import connect
+from capsvc.coalesce import Transport
 from capsvc.config import Settings
 from capsvc.errors import Unavailable
 from capsvc.http import Health, create_app
@@ -61,7 +62,7 @@ class Service:
     """Everything one service process is made of, wired together."""
 
     settings: Settings
-    redis: Coalescer
+    redis: Transport
     store: Store
     sales: Sales
     metrics: Metrics
@@ -71,9 +72,8 @@ class Service:
 
 def build(settings: Settings, redis_url: str, clock: Callable[[], int] = now_ms) -> Service:
     metrics = Metrics()
-    redis = Coalescer(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
-                      on_batch=metrics.batch, on_error=metrics.redis_error,
-                      library=lua_source())
+    redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
+                    on_batch=metrics.batch, on_error=metrics.redis_error, library=lua_source())
     store = Store(redis)
     sales = Sales(settings, store, clock)
     health = Health()

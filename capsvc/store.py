@@ -5,9 +5,9 @@ the keys and the states of a ticket). Every key carries a hash tag, so the store
 unchanged on Redis Cluster: a combination's counters and holds share a slot, as do a
 ticket record and its pending index.
 
-Calls go through a `Coalescer`: `submit` queues a command into the current tick's
-pipeline and returns a future, so a caller can issue several independent steps and await
-them together without an extra round trip.
+Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
+queues a command into the current tick's pipeline and returns a future, so a caller can
+issue several independent steps and await them together without an extra round trip.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import zlib
 from importlib import resources
 from typing import Any
 
-from capsvc.coalesce import Coalescer
+from capsvc.coalesce import Transport
 
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
@@ -76,17 +76,18 @@ def holder(channel: str, ticket_id: str, grid: int) -> str:
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
-    def __init__(self, redis: Coalescer) -> None:
+    def __init__(self, redis: Transport) -> None:
         self.redis = redis
         self._source = lua_source()
 
     async def load_library(self) -> None:
-        """Install (or replace) the Lua library; idempotent, safe from every process."""
-        await self.redis.call("FUNCTION", "LOAD", "REPLACE", self._source)
+        """Install (or replace) the Lua library on every primary; idempotent, safe from
+        every process."""
+        await self.redis.broadcast("FUNCTION", "LOAD", "REPLACE", self._source)
 
     async def library_loaded(self) -> bool:
-        reply = await self.redis.call("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
-        return bool(reply)
+        replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
+        return all(bool(r) for r in replies)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it)."""

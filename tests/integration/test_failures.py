@@ -114,7 +114,7 @@ async def test_request_timeout_answers_503(service: tuple[Service, str], client:
 
 async def test_requests_beyond_max_in_flight_are_shed(settings: Settings,
                                                       redis_server: RedisServer,
-                                                      redis_db: object) -> None:
+                                                      standalone_db: object) -> None:
     """With server.max_in_flight = 1, a second concurrent request is shed with 503."""
     svc = build(dataclasses.replace(settings, max_in_flight=1), redis_server.url)
 

@@ -29,7 +29,7 @@ def config_with(redis_timeout: str, **server: str) -> str:
 
 
 async def test_sigterm_turns_unready_and_drains(redis_server: RedisServer,
-                                                redis_db: redis.Redis) -> None:
+                                                standalone_db: redis.Redis) -> None:
     """On SIGTERM /readyz is 503 at once, the request in flight completes, the process
     exits 0."""
     cfg = config_with("3s", request_timeout="5s", drain_delay="1s")

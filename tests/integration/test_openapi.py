@@ -79,7 +79,7 @@ async def test_real_responses_match_the_document(client: Client) -> None:
 
 
 @pytest.fixture
-def live(redis_server: RedisServer, redis_db: redis.Redis) -> Iterator[ServiceProcess]:
+def live(redis_server: RedisServer, standalone_db: redis.Redis) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(str(CONFIG), redis_server.url).start()
     yield svc
     svc.stop()

@@ -14,7 +14,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from capsvc.testing import RedisServer, free_port
+from capsvc.testing import RedisCluster, RedisServer, free_port
 from tests.conftest import CONFIG, TEN, Client, ticket
 
 
@@ -25,12 +25,13 @@ def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 
 
 @pytest.fixture
-def workers(redis_server: RedisServer, redis_db: redis.Redis, tmp_path: Path) -> Iterator[
+def workers(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
+            tmp_path: Path) -> Iterator[
         tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     with (tmp_path / "workers.log").open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "capsvc", "serve", "--workers", "2",
-                                 "--config", str(CONFIG), "--redis-url", redis_server.url,
+                                 "--config", str(CONFIG), "--redis-url", redis_backend.url,
                                  "--port", str(port)], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}"
