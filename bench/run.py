@@ -1,12 +1,17 @@
-"""Side-by-side throughput and latency of capsvc and of a bare aiohttp+msgspec handler.
+"""Side by side in one run: capsvc, the naive design, and a bare aiohttp+msgspec handler.
 
     python bench/run.py [--seconds 10] [--connections 64] [--rounds 2]
 
-Starts a redis-server, one capsvc worker and the bare handler (bench/bare.py), then drives
-each with wrk and the same seeded ticket generator (bench/tickets.lua), alternating the
-targets round by round. Each server is pinned to CPU 0; wrk and Redis share CPU 1. Prints
-tickets/s, p50/p99 latency, errors, Redis commands per ticket, and the capsvc/bare ratio.
-Asserts nothing about speed: it reports figures measured in one run.
+Starts a redis-server, one capsvc worker, the naive server (bench/naive.py: one awaited
+EVALSHA per grid, no coalescing) and the bare handler (bench/bare.py: no Redis), then drives
+each with wrk and the same seeded generator of realistic tickets (bench/tickets.lua),
+alternating the targets round by round. Each server is pinned to CPU 0; wrk and Redis
+share CPU 1. Then capsvc again with fewer connections until its rate falls to about 70 %
+of its peak (wrk 4 cannot pace a fixed rate), for its latency below saturation.
+
+Prints throughput, p50/p95/p99, errors, server CPU per ticket, the rejection mix, and the
+Redis side per ticket (commands sent, commands executed including those inside Lua, Redis
+CPU). Asserts nothing about speed: it reports figures measured in one run.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from capsvc.testing import RedisServer, ServiceProcess, free_port
 
@@ -56,6 +64,7 @@ scopes = ["sell", "read"]
 class Result:
     rps: float
     p50_ms: float
+    p95_ms: float
     p99_ms: float
     requests: int
     errors: int
@@ -63,28 +72,28 @@ class Result:
     """Server CPU per ticket (µs)."""
     server_busy: float = 0.0
     """Share of the run the server spent on the CPU (1.0: CPU-bound)."""
-
-
-def _ms(value: str) -> float:
-    m = re.match(r"([\d.]+)(us|ms|s)", value)
-    assert m, value
-    return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
+    redis: dict[str, float] = field(default_factory=dict)
 
 
 def wrk(url: str, seconds: int, connections: int, prefix: str) -> Result:
     out = subprocess.run(
-        ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
+        ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
          "-s", str(HERE / "tickets.lua"), url, "--", TOKEN, prefix, "42"],
         capture_output=True, text=True, check=True).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+
+    def number(pattern: str) -> float:
+        m = re.search(pattern, out)
+        assert m, (pattern, out)
+        return float(m.group(1))
+
+    p50, p95, p99 = (float(x) / 1000 for x in re.findall(r"PERCENTILES (\S+) (\S+) (\S+)",
+                                                          out)[0])
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     errors = (int(bad.group(1)) if bad else 0) + (
         sum(int(x) for x in sock.groups()) if sock else 0)
-    return Result(rps, p50, p99, total, errors)
+    return Result(number(r"Requests/sec:\s+([\d.]+)"), p50, p95, p99,
+                  int(number(r"(\d+) requests in")), errors)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -93,14 +102,59 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def redis_calls(server: RedisServer) -> int:
-    stats = server.client().info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items()
-               if k not in ("cmdstat_info", "cmdstat_ping"))
+def redis_side(server: RedisServer) -> dict[str, float]:
+    """Commands executed (including inside Lua) and CPU seconds of Redis so far."""
+    client = server.client()
+    stats = client.info("commandstats")
+    cpu = client.info("cpu")
+    return {
+        "executed": sum(int(v["calls"]) for k, v in stats.items()
+                        if k not in ("cmdstat_info", "cmdstat_ping")),
+        "cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+    }
+
+
+def capsvc_counters(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(base_url + "/metrics") as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def pinned(cmd: list[str], cpu: str) -> list[str]:
     return ["taskset", "-c", cpu, *cmd]
+
+
+def wait_listening(port: int) -> None:
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=0.2)
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+def mix(before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+        after: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> str:
+    """Ticket statuses and grid rejection reasons over a run, as shares."""
+    def delta(name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {labels: after[(n, labels)] - before.get((n, labels), 0.0)
+                for (n, labels) in after if n == name}
+    tickets = delta("capsvc_tickets_total")
+    grids = delta("capsvc_grids_total")
+    t_total = sum(tickets.values()) or 1.0
+    g_total = sum(grids.values()) or 1.0
+    parts = [f"tickets {dict(labels)['status']} {100 * v / t_total:.1f}%"
+             for labels, v in sorted(tickets.items()) if v]
+    parts += [f"grids {dict(labels)['reason'] or 'accepted'} {100 * v / g_total:.1f}%"
+              for labels, v in sorted(grids.items()) if v]
+    sent = delta("capsvc_redis_batch_size_sum")
+    batches = delta("capsvc_redis_batch_size_count")
+    parts.append(f"{sum(sent.values()) / t_total:.2f} commands sent per ticket, "
+                 f"{sum(sent.values()) / (sum(batches.values()) or 1):.1f} per pipeline")
+    return "; ".join(parts)
 
 
 def main() -> int:
@@ -114,53 +168,84 @@ def main() -> int:
             package = "wrk" if tool == "wrk" else "util-linux"
             print(f"{tool} is needed: apt-get install -y {package}")
             return 2
-    redis = RedisServer(binary=None).start()
-    subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)],  # type: ignore[union-attr]
-                   check=True, capture_output=True)
+    redis = RedisServer().start()
+    assert redis.process is not None
+    subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
+                   capture_output=True)
     svc = ServiceProcess(config_file(), redis.url).start()
-    subprocess.run(["taskset", "-pc", "0", str(svc.process.pid)],  # type: ignore[union-attr]
-                   check=True, capture_output=True)
-    bare_port = free_port()
+    assert svc.process is not None
+    subprocess.run(["taskset", "-pc", "0", str(svc.process.pid)], check=True,
+                   capture_output=True)
+    bare_port, naive_port = free_port(), free_port()
     bare = subprocess.Popen(pinned([sys.executable, str(HERE / "bare.py"), str(bare_port)], "0"))
-    time.sleep(1.5)
-    targets = {"capsvc": svc.base_url, "bare": f"http://127.0.0.1:{bare_port}"}
-    pids = {"capsvc": svc.process.pid, "bare": bare.pid}  # type: ignore[union-attr]
+    naive = subprocess.Popen(pinned([sys.executable, str(HERE / "naive.py"), str(naive_port),
+                                     redis.url], "0"))
+    wait_listening(bare_port)
+    wait_listening(naive_port)
+    targets = {"capsvc": svc.base_url, "naive": f"http://127.0.0.1:{naive_port}",
+               "bare": f"http://127.0.0.1:{bare_port}"}
+    pids = {"capsvc": svc.process.pid, "naive": naive.pid, "bare": bare.pid}
     results: dict[str, list[Result]] = {name: [] for name in targets}
-    calls: list[float] = []
+    mixes: list[str] = []
     try:
         for name, url in targets.items():  # warm-up
             wrk(url, 2, args.connections, f"warm-{name}")
         for r in range(args.rounds):
             for name, url in targets.items():
-                before = redis_calls(redis) if name == "capsvc" else 0
+                redis_before = redis_side(redis)
+                metrics_before = capsvc_counters(svc.base_url) if name == "capsvc" else {}
                 cpu_before = cpu_seconds(pids[name])
                 res = wrk(url, args.seconds, args.connections, f"r{r}-{name}")
                 cpu = cpu_seconds(pids[name]) - cpu_before
                 res.server_cpu_us = 1e6 * cpu / max(res.requests, 1)
                 res.server_busy = cpu / args.seconds
+                redis_after = redis_side(redis)
+                res.redis = {k: (redis_after[k] - redis_before[k]) / max(res.requests, 1)
+                             for k in redis_after}
                 if name == "capsvc":
-                    calls.append((redis_calls(redis) - before) / max(res.requests, 1))
+                    time.sleep(1.1)  # tallies reach /metrics once a second
+                    mixes.append(mix(metrics_before, capsvc_counters(svc.base_url)))
                 results[name].append(res)
+        peak = statistics.median(r.rps for r in results["capsvc"])
+        # Below saturation: fewer connections until the rate is about 70 % of the peak.
+        paced: Result | None = None
+        for connections in (16, 8, 4, 2, 1):
+            paced = wrk(svc.base_url, args.seconds, connections, f"paced-{connections}")
+            if paced.rps <= 0.75 * peak:
+                break
     finally:
         bare.terminate()
+        naive.terminate()
         svc.stop()
         redis.stop()
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-          f"{platform.python_version()}; server on CPU 0, wrk and Redis on CPU 1")
-    print(f"load: wrk -t1 -c{args.connections} -d{args.seconds}s, new FDJ tickets of 1-3 grids "
-          f"(2-10 numbers), {args.rounds} alternating rounds, medians")
-    print(f"{'target':<8} {'tickets/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
-          f"{'cpu µs/ticket':>14} {'cpu busy':>9}")
+          f"{platform.python_version()}; servers on CPU 0, wrk and Redis on CPU 1")
+    print(f"load: wrk -t1 -c{args.connections} -d{args.seconds}s, bench/tickets.lua (1-5 grids "
+          f"of 2-10 numbers, 15 % subscriptions, a hot set at the cap), {args.rounds} "
+          "alternating rounds, medians")
+    print(f"{'target':<8} {'tickets/s':>10} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
+          f"{'errors':>7} {'cpu µs/t':>9} {'busy':>5} {'redis cmds/t':>13} {'redis µs/t':>11}")
     med: dict[str, float] = {}
     for name, runs in results.items():
         med[name] = statistics.median(r.rps for r in runs)
-        print(f"{name:<8} {med[name]:>10.0f} {statistics.median(r.p50_ms for r in runs):>8.2f} "
-              f"{statistics.median(r.p99_ms for r in runs):>8.2f} "
-              f"{sum(r.errors for r in runs):>7} "
-              f"{statistics.median(r.server_cpu_us for r in runs):>14.0f} "
-              f"{statistics.median(r.server_busy for r in runs):>9.2f}")
-    print(f"capsvc / bare = {med['capsvc'] / med['bare']:.2f}")
-    print(f"redis commands per ticket (capsvc) = {statistics.median(calls):.2f}")
+
+        def m(attr: str, runs: list[Result] = runs) -> float:
+            return statistics.median(getattr(r, attr) for r in runs)
+
+        executed = statistics.median(r.redis["executed"] for r in runs)
+        redis_cpu = statistics.median(r.redis["cpu"] for r in runs) * 1e6
+        print(f"{name:<8} {med[name]:>10.0f} {m('p50_ms'):>7.2f} {m('p95_ms'):>7.2f} "
+              f"{m('p99_ms'):>7.2f} {sum(r.errors for r in runs):>7} "
+              f"{m('server_cpu_us'):>9.0f} {m('server_busy'):>5.2f} {executed:>13.1f} "
+              f"{redis_cpu:>11.1f}")
+    print(f"capsvc / bare = {med['capsvc'] / med['bare']:.2f}; "
+          f"capsvc / naive = {med['capsvc'] / med['naive']:.2f}")
+    if paced is not None:
+        print(f"capsvc below saturation: {paced.rps:.0f} tickets/s "
+              f"({100 * paced.rps / med['capsvc']:.0f} % of peak): p50 {paced.p50_ms:.2f} ms, "
+              f"p95 {paced.p95_ms:.2f} ms, p99 {paced.p99_ms:.2f} ms")
+    for i, text in enumerate(mixes):
+        print(f"capsvc round {i}: {text}")
     return 0
 
 
