@@ -113,9 +113,13 @@ class Sales:
 
     def _window(self, game: Game, first: int, draws: int, now: int) -> None:
         """The draws first..first+draws-1 are on sale by the calendar, or a 422."""
-        current = game.calendar.current(now)
-        if first < current:
+        if first < game.calendar.current(now):
             raise rule_error("draw_closed", f"draw {first} is closed for sales", "$.first_draw")
+        self._horizon(game, first, now)
+
+    def _horizon(self, game: Game, first: int, now: int) -> None:
+        """`first` is not beyond the sales horizon, or a 422."""
+        current = game.calendar.current(now)
         if first > current + game.rules.sales_horizon:
             raise rule_error(
                 "draw_not_on_sale",
@@ -158,8 +162,10 @@ class Sales:
         now = self.clock()
         first = sale.first_draw if sale.first_draw is not None else game.calendar.current(now)
         # A defaulted first draw moves on when the one we took for open has just closed.
+        # A closed draw is refused by the claim itself, and only when the ticket has no
+        # record: the replay of a decided ticket returns its decision at any time.
         for _ in range(3):
-            self._window(game, first, sale.draws, now)
+            self._horizon(game, first, now)
             stored = msgspec.structs.replace(sale, first_draw=first)
             close_ms = game.calendar.close_ms(first)
             claim = await self.store.claim(

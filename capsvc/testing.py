@@ -128,8 +128,8 @@ class RedisCluster:
 
     def _ok(self) -> bool:
         try:
-            return all(b"cluster_state:ok" in s.client().execute_command("CLUSTER", "INFO")
-                       for s in self.servers)
+            return all(b"cluster_state:ok" in s.client().execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER", "INFO") for s in self.servers)
         except redis.RedisError:
             return False
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
+from capsvc.calendar import now_ms
+from capsvc.models import TicketIn
+from capsvc.sales import Sales
+from capsvc.server import Service
 from tests.conftest import TEN, Client, ticket
 
 
@@ -76,3 +82,17 @@ async def test_twenty_concurrent_duplicates_count_once(client: Client) -> None:
     assert await client.staked(TEN, draw) == 300
     assert await client.staked(TEN, draw + 1) == 300
     assert await client.staked(TEN[:9], draw) == 200
+
+
+async def test_replay_after_the_draw_closed_returns_the_decision(
+        service: tuple[Service, str], client: Client) -> None:
+    """A day later, the same ticket (explicit first draw) still gets its decision back."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw)
+    sold = await client.sell(body)
+    later = Sales(svc.settings, svc.store, lambda: now_ms() + 86_400_000)
+    channel = next(c for c in svc.settings.channels if c.id == "fr-retail")
+    outcome = await later.sell(channel, msgspec.convert(body, TicketIn))
+    assert outcome.replayed
+    assert outcome.body == sold.raw

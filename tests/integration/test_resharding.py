@@ -35,7 +35,7 @@ def reshard(cluster: RedisCluster, source: int, target: int, slots: int) -> None
 
 @pytest.mark.slow
 async def test_resharding_under_load(settings: Settings, cluster: RedisCluster) -> None:
-    """While 2 × 3000 slots move, hundreds of sales on 40 combinations keep every counter
+    """While 2 x 3000 slots move, hundreds of sales on 40 combinations keep every counter
     equal to the stakes accepted on it, never above the cap."""
     svc = build(settings, cluster.url)
     runner, url = await start_service(svc)
