@@ -22,6 +22,8 @@ class DrawCalendar:
         self._per_day = len(rules.draw_times)
         self._day_cache: dict[int, tuple[int, ...]] = {}
         self._current: tuple[int, int, int] = (0, 0, -1)  # (draw, close_ms, valid_from_ms)
+        # Python dates end with the year 9999; so does the calendar.
+        self.last_draw = (date(9999, 12, 30) - rules.draw_epoch).days * self._per_day
 
     def _day_closes(self, day_index: int) -> tuple[int, ...]:
         """Close instants (ms) of every draw of one local day, in draw order."""

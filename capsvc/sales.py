@@ -141,14 +141,14 @@ class Sales:
         return CurrentDrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)))
 
     async def draw(self, game: Game, draw: int) -> DrawOut:
-        check_draw(draw)
+        check_draw(game, draw)
         (stop,) = await self.store.stops(game.rules.id, draw, 1)
         closed = stop is not None or game.calendar.is_past(draw, self.clock())
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed" if closed else "open")
 
     async def close_draw(self, game: Game, draw: int) -> DrawOut:
-        check_draw(draw)
+        check_draw(game, draw)
         await self.store.stop(game.rules.id, draw, self.clock(), game.expire_at(draw))
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed")
@@ -362,7 +362,7 @@ class Sales:
     async def combination(self, game: Game, draw: int, numbers_text: str) -> CombinationOut:
         rules = game.rules
         numbers = parse_numbers_path(rules, numbers_text)
-        check_draw(draw)
+        check_draw(game, draw)
         if not rules.is_capped(len(numbers)):
             return CombinationOut(numbers=list(numbers), draw=draw, cap=None, staked=None,
                                   remaining=None, selectable=True)
@@ -400,7 +400,7 @@ class Sales:
     async def sold_out(self, game: Game, draw: int) -> CappedOut:
         """The draw's sold-out combinations, each checked against its counter."""
         rules = game.rules
-        check_draw(draw)
+        check_draw(game, draw)
         members = sorted(m.decode() for m in await self.store.sold_out(rules.id, draw))
         values = await replies_of(self.store.counters_of(rules.id, draw, members))
         cap = rules.cap_limit or 0
@@ -489,12 +489,9 @@ async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]
     return [None if f is None else f.result() for f in futures]
 
 
-MAX_DRAW = 10**9
-"""Draw numbers beyond this do not exist (a million years of draws at any schedule)."""
-
-
-def check_draw(draw: int) -> None:
-    if not 1 <= draw <= MAX_DRAW:
+def check_draw(game: Game, draw: int) -> None:
+    """Draws are numbered from 1 to the calendar's last one."""
+    if not 1 <= draw <= game.calendar.last_draw:
         raise not_found(f"draw {draw}")
 
 

@@ -88,3 +88,14 @@ async def test_unknown_draw_and_game(client: Client) -> None:
     assert (await client.get("/v1/games/fdj-keno/draws/abc")).status == 404
     reply = await client.get("/v1/games/nope/draws/current")
     assert (reply.status, reply.body["error"]["code"]) == (404, "not_found")
+
+
+async def test_draws_beyond_the_calendar_are_404(client: Client) -> None:
+    """Draw numbers past the last one the calendar can date (year 9999) are not found."""
+    for draw in (5878449, 10**9, 10**12):
+        for path in (f"/v1/games/fdj-keno/draws/{draw}",
+                     f"/v1/games/fdj-keno/draws/{draw}/capped",
+                     f"/v1/games/fdj-keno/draws/{draw}/combinations/1-2-3"):
+            assert (await client.get(path)).status == 404, path
+        reply = await client.post(f"/v1/games/fdj-keno/draws/{draw}/close", token="admin")
+        assert reply.status == 404
