@@ -15,7 +15,7 @@ from aiohttp import web
 
 from capsvc.config import Settings, load_settings
 from capsvc.server import Service, build
-from capsvc.testing import RedisCluster, RedisServer, free_port
+from capsvc.testing import RedisCluster, RedisServer, ServiceProcess, free_port
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
 TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",
@@ -132,6 +132,15 @@ def standalone_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def settings() -> Settings:
     return load_settings(CONFIG)
+
+
+@pytest.fixture
+def two_services(redis_backend: RedisServer | RedisCluster, redis_db: Any) -> Iterator[list[str]]:
+    """Two `capsvc serve` processes over the test's Redis; their base URLs."""
+    services = [ServiceProcess(str(CONFIG), redis_backend.url).start() for _ in range(2)]
+    yield [s.base_url for s in services]
+    for s in services:
+        s.stop()
 
 
 async def start_service(svc: Service) -> tuple[web.AppRunner, str]:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
-import redis
 
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
-from tests.conftest import CONFIG, TEN, Client, new_id, ticket
+from tests.conftest import TEN, Client, new_id, ticket
 
 
 async def test_sixty_concurrent_sales_of_one_combination(client: Client) -> None:
@@ -24,15 +20,6 @@ async def test_sixty_concurrent_sales_of_one_combination(client: Client) -> None
     assert statuses.count("accepted") == 16
     assert statuses.count("rejected") == 44
     assert await client.staked(TEN, draw) == 4800
-
-
-@pytest.fixture
-def two_services(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
-                 ) -> Iterator[list[str]]:
-    services = [ServiceProcess(str(CONFIG), redis_backend.url).start() for _ in range(2)]
-    yield [s.base_url for s in services]
-    for s in services:
-        s.stop()
 
 
 async def test_two_processes_keep_the_invariant(two_services: list[str]) -> None:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
 import redis
 
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
-from tests.conftest import CONFIG, TEN, Client, new_id, ticket
+from tests.conftest import TEN, Client, new_id, ticket
 
 TWO = [5, 9]
 
@@ -169,15 +166,6 @@ async def test_draw_day_subscription_spans_midnight(client: Client,
     assert days[0] != days[1]
     for day in days:
         assert redis_db.hget(f"b:{{pl:{pid}}}:{day}", "spent") == b"2500"
-
-
-@pytest.fixture
-def two_services(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
-                 ) -> Iterator[list[str]]:
-    services = [ServiceProcess(str(CONFIG), redis_backend.url).start() for _ in range(2)]
-    yield [s.base_url for s in services]
-    for s in services:
-        s.stop()
 
 
 async def test_two_processes_never_pass_the_daily_limit(two_services: list[str]) -> None:
