@@ -40,7 +40,14 @@ from capsvc.models import (
     TicketOut,
     TicketStatus,
 )
-from capsvc.store import TICKET_BUCKETS, PlayerStore, Store, holder, ticket_key
+from capsvc.store import (
+    TICKET_BUCKETS,
+    PlayerStore,
+    Store,
+    channel_of,
+    holder,
+    ticket_key,
+)
 from capsvc.validator import (
     Sale,
     budget_shares,
@@ -440,7 +447,7 @@ class Sales:
         at = int(reply[1])
         sale = _sale_decoder.decode(reply[2])
         game = self.games.get(sale.game)
-        channel_id = key[key.index("}:") + 2 :].rsplit("/", 1)[0]
+        channel_id = channel_of(key)
         if game is None or sale.first_draw is None:
             await self.store.unclaim(key, at)
             return 1

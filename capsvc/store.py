@@ -33,6 +33,11 @@ def ticket_key(channel: str, ticket_id: str) -> str:
     return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
 
 
+def channel_of(ticket: str) -> str:
+    """The channel of a ticket record's key."""
+    return ticket[ticket.index("}:") + 2 :].rsplit("/", 1)[0]
+
+
 def _tag_of(ticket: str) -> str:
     return ticket[2 : ticket.index("}") + 1]
 
