@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from redis.exceptions import ResponseError
 
 from capsvc.config import Channel, GameRules, Settings
 from capsvc.errors import ApiError, Unavailable
@@ -318,6 +319,14 @@ def _middleware(api: Api) -> Middleware:
                 resp = error_response(ApiError(503, "unavailable",
                                                "the counters cannot be reached: nothing was "
                                                "recorded; retry", headers=retry_after))
+            except ResponseError as e:
+                # Redis refused a command (out of memory under noeviction, a broken
+                # ACL, …): nothing can be assumed recorded, so fail closed.
+                log.error("redis refused a command: %s", e,
+                          extra={"request_id": rid, "route": template})
+                resp = error_response(ApiError(503, "unavailable",
+                                               "the counters refused the operation: nothing "
+                                               "was recorded; retry", headers=retry_after))
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
                     413, "payload_too_large",

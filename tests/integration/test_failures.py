@@ -137,3 +137,16 @@ async def test_requests_beyond_max_in_flight_are_shed(settings: Settings,
     finally:
         await runner.cleanup()
         await svc.redis.aclose()
+
+
+async def test_redis_out_of_memory_fails_closed(own_client: Client,
+                                                own_redis: RedisServer) -> None:
+    """Redis full under noeviction refuses writes: 503, never a 500, nothing accepted."""
+    own_redis.client().config_set("maxmemory", "1")
+    try:
+        reply = await own_client.sell(ticket([{"numbers": TEN, "stake": 500}]))
+        assert reply.status == 503
+        assert reply.body["error"]["code"] == "unavailable"
+    finally:
+        own_redis.client().config_set("maxmemory", "0")
+    assert (await own_client.sell(ticket([{"numbers": TEN, "stake": 500}]))).status == 200
