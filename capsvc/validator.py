@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 
+import msgspec
 from msgspec import Struct
 
 from capsvc import combination
 from capsvc.config import GameRules
 from capsvc.errors import ApiError, rule_error
 from capsvc.models import AvailabilityIn, TicketIn
+
+_encode = msgspec.json.encode
 
 
 class SaleGrid(Struct, frozen=True, array_like=True, gc=False):
@@ -97,6 +100,16 @@ def check_grid_count(rules: GameRules, count: int) -> None:
         )
 
 
+def _grid_error(rules: GameRules, numbers: list[int], stake: int, multiplier: bool,
+                path: str) -> None:
+    """Raise the first rule a grid breaks, with the JSONPath of the offending value."""
+    check_numbers(rules, numbers, f"{path}.numbers")
+    check_stake(rules, stake, f"{path}.stake")
+    if multiplier and not rules.multiplier:
+        raise rule_error("option_not_available", f"game {rules.id} has no multiplier option",
+                         f"{path}.multiplier")
+
+
 def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
     """Apply every rule of `rules` to the ticket; raise ApiError(422) on the first break."""
     check_grid_count(rules, len(t.grids))
@@ -111,29 +124,30 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
             "option_not_available", f"game {rules.id} has no Joker+ option", "$.joker_plus"
         )
     grids: list[SaleGrid] = []
+    low, high, top = rules.picks_min, rules.picks_max, rules.numbers
+    stakes, draws, multiplier = rules.stakes, t.draws, rules.multiplier
     for i, g in enumerate(t.grids):
-        path = f"$.grids[{i}]"
-        numbers = check_numbers(rules, g.numbers, f"{path}.numbers")
-        check_stake(rules, g.stake, f"{path}.stake")
-        if g.multiplier and not rules.multiplier:
-            raise rule_error(
-                "option_not_available", f"game {rules.id} has no multiplier option",
-                f"{path}.multiplier",
-            )
+        numbers = g.numbers
+        n = len(numbers)
+        # One cheap test for the common, valid grid; the precise error (code and path) is
+        # worked out only when it fails.
+        if not (low <= n <= high and len(set(numbers)) == n and min(numbers) >= 1
+                and max(numbers) <= top and g.stake in stakes
+                and (multiplier or not g.multiplier)):
+            _grid_error(rules, g.numbers, g.stake, g.multiplier, f"$.grids[{i}]")
+        ordered = tuple(sorted(numbers))
         grids.append(SaleGrid(
             index=i,
-            numbers=numbers,
-            combo=combination.encode(numbers),
+            numbers=ordered,
+            combo=combination.encode(ordered),
             stake=g.stake,
             multiplier=g.multiplier,
-            cost=g.stake * (2 if g.multiplier else 1) * t.draws,
-            capped=rules.is_capped(len(numbers)),
+            cost=g.stake * (2 if g.multiplier else 1) * draws,
+            capped=rules.is_capped(n),
         ))
-    joker_cost = (rules.joker_plus_price or 0) * t.draws if t.joker_plus else 0
-    canonical = "|".join([
-        t.game, t.player_id or "", str(t.first_draw or ""), str(t.draws), str(int(t.joker_plus)),
-        ";".join(f"{g.combo}:{g.stake}:{int(g.multiplier)}" for g in grids),
-    ])
+    joker_cost = (rules.joker_plus_price or 0) * draws if t.joker_plus else 0
+    canonical = _encode((t.game, t.player_id, t.first_draw, draws, t.joker_plus,
+                         [(g.combo, g.stake, g.multiplier) for g in grids]))
     return Sale(
         ticket_id=t.ticket_id,
         game=t.game,
@@ -143,7 +157,7 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
         grids=tuple(grids),
         joker_plus=t.joker_plus,
         joker_cost=joker_cost,
-        fingerprint=hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest(),
+        fingerprint=hashlib.blake2b(canonical, digest_size=16).hexdigest(),
     )
 
 
