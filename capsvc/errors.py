@@ -27,6 +27,11 @@ def rule_error(code: str, message: str, path: str | None = None) -> ApiError:
     return ApiError(422, code, message, path)
 
 
+def unavailable(message: str, retry_after_s: int) -> ApiError:
+    """503: nothing was recorded; the client should retry after `retry_after_s`."""
+    return ApiError(503, "unavailable", message, None, {"Retry-After": str(retry_after_s)})
+
+
 def not_found(what: str) -> ApiError:
     return ApiError(404, "not_found", f"{what} not found")
 

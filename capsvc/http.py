@@ -25,7 +25,7 @@ from aiohttp.typedefs import Middleware
 from redis.exceptions import ResponseError
 
 from capsvc.config import Channel, GameRules, Settings
-from capsvc.errors import ApiError, Unavailable
+from capsvc.errors import ApiError, Unavailable, unavailable
 from capsvc.metrics import Metrics
 from capsvc.models import (
     AvailabilityIn,
@@ -287,7 +287,9 @@ def game_out(r: GameRules) -> GameOut:
 def _middleware(api: Api) -> Middleware:
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
-    retry_after = {"Retry-After": str(settings.retry_after_s)}
+
+    def busy(message: str) -> web.Response:
+        return error_response(unavailable(message, settings.retry_after_s))
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -296,8 +298,7 @@ def _middleware(api: Api) -> Middleware:
         route = request.match_info.route.resource
         template = route.canonical if route is not None else "unmatched"
         if health.in_flight >= settings.max_in_flight:
-            resp: web.StreamResponse = error_response(ApiError(
-                503, "unavailable", "too many requests in flight", headers=retry_after))
+            resp: web.StreamResponse = busy("too many requests in flight")
         else:
             task = asyncio.current_task()
             assert task is not None
@@ -309,24 +310,19 @@ def _middleware(api: Api) -> Middleware:
                     raise
                 timed_out.discard(task)
                 task.uncancel()
-                resp = error_response(ApiError(503, "unavailable", "the request took too long",
-                                               headers=retry_after))
+                resp = busy("the request took too long")
             except ApiError as e:
                 resp = error_response(e)
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})
-                resp = error_response(ApiError(503, "unavailable",
-                                               "the counters cannot be reached: nothing was "
-                                               "recorded; retry", headers=retry_after))
+                resp = busy("the counters cannot be reached: nothing was recorded; retry")
             except ResponseError as e:
                 # Redis refused a command (out of memory under noeviction, a broken
                 # ACL, …): nothing can be assumed recorded, so fail closed.
                 log.error("redis refused a command: %s", e,
                           extra={"request_id": rid, "route": template})
-                resp = error_response(ApiError(503, "unavailable",
-                                               "the counters refused the operation: nothing "
-                                               "was recorded; retry", headers=retry_after))
+                resp = busy("the counters refused the operation: nothing was recorded; retry")
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
                     413, "payload_too_large",

@@ -24,7 +24,7 @@ import msgspec
 from capsvc import combination
 from capsvc.calendar import DrawCalendar, rfc3339
 from capsvc.config import Channel, GameRules, Settings
-from capsvc.errors import ApiError, Unavailable, not_found, rule_error
+from capsvc.errors import ApiError, Unavailable, not_found, rule_error, unavailable
 from capsvc.models import (
     AvailabilityGridOut,
     AvailabilityIn,
@@ -198,10 +198,8 @@ class Sales:
                                f"ticket {t.ticket_id} was already used with a different request",
                                "$.ticket_id")
             if kind == b"stale":
-                raise ApiError(503, "unavailable",
-                               f"ticket {t.ticket_id} is being settled after an interrupted "
-                               "sale; retry shortly",
-                               None, {"Retry-After": str(self.settings.retry_after_s)})
+                raise unavailable(f"ticket {t.ticket_id} is being settled after an "
+                                  "interrupted sale; retry shortly", self.settings.retry_after_s)
             offset = int(claim[1])  # closed: -1 by the clock, else the stopped draw's offset
             if sale.first_draw is not None or offset > 0:
                 draw = first + max(offset, 0)
