@@ -78,6 +78,25 @@ class SaleOutcome:
     """Counters at their cap after this sale (room below the smallest stake)."""
 
 
+@dataclass(slots=True)
+class BudgetPlan:
+    """What a ticket of a limited game takes from its player's daily budgets."""
+
+    player: str
+    ref: str
+    regulatory: int
+    until: int
+    """When the budget records may go."""
+    requested: list[tuple[str, int]]
+    """(day, amount) for every grid accepted: what is reserved before the grids."""
+
+    def settlement(self, accepted: list[tuple[str, int]]) -> list[tuple[str, int]] | None:
+        """The shares to settle to, over the requested days; None when nothing changes."""
+        held = dict(accepted)
+        shares = [(day, held.get(day, 0)) for day, _ in self.requested]
+        return None if shares == self.requested else shares
+
+
 class Game:
     """One configured game: its rules and its calendar."""
 
@@ -90,6 +109,9 @@ class Game:
     def expire_at(self, draw: int) -> int:
         """When the keys of `draw` may go: its close plus the retention."""
         return self.calendar.close_ms(draw) + self.rules.retention_ms
+
+    def expiries(self, first_draw: int, draws: int) -> list[int]:
+        return [self.expire_at(d) for d in range(first_draw, first_draw + draws)]
 
 
 class Sales:
@@ -217,11 +239,11 @@ class Sales:
         rules = game.rules
         assert sale.first_draw is not None
         first = sale.first_draw
-        expire_at = [game.expire_at(d) for d in range(first, first + sale.draws)]
-        budget = self._budget(channel.id, game, sale, at)
-        if budget is not None:
-            player, ref, regulatory, until, shares = budget
-            taken = await self.players.reserve(player, ref, regulatory, until, shares)
+        expire_at = game.expiries(first, sale.draws)
+        plan = self._budget(channel.id, game, sale, at)
+        if plan is not None:
+            taken = await self.players.reserve(plan.player, plan.ref, plan.regulatory,
+                                               plan.until, plan.requested)
             if taken[0] != 1:
                 out = player_limit_decision(sale)
                 body = _encode(out)
@@ -236,25 +258,26 @@ class Sales:
                 for offset in reply[2:]:
                     sold_out += 1
                     self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
-        settlement = self._budget_settlement(channel.id, game, sale, at, out)
-        if settlement is not None:
-            self.players.settle_later(*settlement)
+        settlement = self._settlement(plan, game, sale, at, out)
+        if plan is not None and settlement is not None:
+            self.players.settle_later(plan.player, plan.ref, settlement)
         body = _encode(out)
         self.store.finalize(key, at, body)
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
                            sold_out=sold_out)
 
-    def _budget(self, channel_id: str, game: Game, sale: Sale, at: int
-                ) -> tuple[str, str, int, int, list[tuple[str, int]]] | None:
-        """(player, ref, regulatory limit, expiry, requested shares), for limited games."""
-        rules = game.rules
-        if rules.daily_limit is None or sale.player_id is None:
+    def _budget(self, channel_id: str, game: Game, sale: Sale, at: int) -> BudgetPlan | None:
+        """The ticket's budget plan, for games with a daily limit."""
+        if game.rules.daily_limit is None or sale.player_id is None:
             return None
         assert sale.first_draw is not None
         last = sale.first_draw + sale.draws - 1
-        until = max(game.expire_at(last), at + DAY_MS) + DAY_MS
-        return (sale.player_id, f"t/{channel_id}/{sale.ticket_id}", rules.daily_limit, until,
-                self._shares(game, sale, at, None))
+        return BudgetPlan(
+            player=sale.player_id, ref=f"t/{channel_id}/{sale.ticket_id}",
+            regulatory=game.rules.daily_limit,
+            until=max(game.expire_at(last), at + DAY_MS) + DAY_MS,
+            requested=self._shares(game, sale, at, None),
+        )
 
     def _shares(self, game: Game, sale: Sale, at: int, accepted: set[int] | None
                 ) -> list[tuple[str, int]]:
@@ -264,21 +287,15 @@ class Sales:
                              game.rules.subscription_accounting, cal.local_date(at).isoformat(),
                              accepted)
 
-    def _budget_settlement(self, channel_id: str, game: Game, sale: Sale, at: int,
-                           decision: TicketOut | None
-                           ) -> tuple[str, str, list[tuple[str, int]]] | None:
-        """(player, ref, shares) that make the ticket's budget hold what was accepted
-        (nothing when `decision` is None), or None when there is nothing to change."""
-        if game.rules.daily_limit is None or sale.player_id is None:
+    def _settlement(self, plan: BudgetPlan | None, game: Game, sale: Sale, at: int,
+                    decision: TicketOut | None) -> list[tuple[str, int]] | None:
+        """The shares that make the budget hold what `decision` accepted (nothing when it
+        is None), or None when there is no budget or nothing to change."""
+        if plan is None:
             return None
         accepted = ({g.index for g in decision.grids if g.status == "accepted"}
                     if decision is not None else set())
-        shares = dict(self._shares(game, sale, at, accepted))
-        requested = self._shares(game, sale, at, None)
-        if decision is not None and shares == dict(requested):
-            return None
-        return (sale.player_id, f"t/{channel_id}/{sale.ticket_id}",
-                [(day, shares.get(day, 0)) for day, _ in requested])
+        return plan.settlement(self._shares(game, sale, at, accepted))
 
     async def _reserve_all(self, channel_id: str, game: Game, sale: Sale, expire_at: list[int],
                            close_ms: int) -> list[Any]:
@@ -336,9 +353,10 @@ class Sales:
         if reply[0] != b"ok":
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
         await self.release(channel.id, game, sale, decision)
-        budget = self._budget_settlement(channel.id, game, sale, int(claimed_at), None)
-        if budget is not None:
-            await self.players.settle(*budget)
+        plan = self._budget(channel.id, game, sale, int(claimed_at))
+        settlement = self._settlement(plan, game, sale, int(claimed_at), None)
+        if plan is not None and settlement is not None:
+            await self.players.settle(plan.player, plan.ref, settlement)
         return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[1]))
 
     async def release(self, channel_id: str, game: Game, sale: Sale, decision: TicketOut | None
@@ -451,25 +469,26 @@ class Sales:
             return 1
         rules = game.rules
         first, n = sale.first_draw, sale.draws
-        budget = self._budget(channel_id, game, sale, at)
-        if budget is not None:
-            player, ref, regulatory, _, shares = budget
-            taken = await self.players.reserve(player, ref, regulatory, 0, shares)
+        plan = self._budget(channel_id, game, sale, at)
+        budget_taken = True
+        if plan is not None:
+            taken = await self.players.reserve(plan.player, plan.ref, plan.regulatory, 0,
+                                               plan.requested)
             if taken[0] == 0:  # refused by the player's limit: that was the decision
                 await self.store.finalize(key, at, _encode(player_limit_decision(sale)))
                 return 1
-        expire_at = [game.expire_at(d) for d in range(first, first + n)]
+            budget_taken = taken[0] == 1
+        expire_at = game.expiries(first, n)
         replies = await self._reserve_all(channel_id, game, sale, expire_at, 0)
-        budget_taken = budget is None or taken[0] == 1
         if budget_taken and all(r is None or r[0] != -1 for r in replies):
             out: TicketOut | None = build_decision(channel_id, rules, game.calendar, sale, at,
                                                    replies)
         else:
             out = None
             await self.release(channel_id, game, sale, None)
-        settlement = self._budget_settlement(channel_id, game, sale, at, out)
-        if settlement is not None:
-            await self.players.settle(*settlement)
+        settlement = self._settlement(plan, game, sale, at, out)
+        if plan is not None and settlement is not None:
+            await self.players.settle(plan.player, plan.ref, settlement)
         if out is not None:
             await self.store.finalize(key, at, _encode(out))
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})

@@ -201,6 +201,11 @@ def budget_key(player: str, day: str) -> str:
     return f"b:{{pl:{player}}}:{day}"
 
 
+def _settle_command(player: str, ref: str, shares: list[tuple[str, int]]) -> tuple[Any, ...]:
+    keys = [budget_key(player, day) for day, _ in shares]
+    return ("FCALL", "capsvc_settle", len(keys), *keys, ref, *[amount for _, amount in shares])
+
+
 class PlayerStore:
     """The player-budget steps (games with a daily limit), over the same transport."""
 
@@ -219,14 +224,11 @@ class PlayerStore:
 
     def settle(self, player: str, ref: str, shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
         """Make `ref` hold exactly `shares` (amount 0: give back); idempotent."""
-        keys = [budget_key(player, day) for day, _ in shares]
-        return self.fcall("capsvc_settle", keys, [ref, *[amount for _, amount in shares]])
+        return self.redis.submit(*_settle_command(player, ref, shares))
 
     def settle_later(self, player: str, ref: str, shares: list[tuple[str, int]]) -> None:
         """`settle` without waiting (a lost one is redone by a replay or the janitor)."""
-        keys = [budget_key(player, day) for day, _ in shares]
-        self.redis.send("FCALL", "capsvc_settle", len(keys), *keys, ref,
-                        *[amount for _, amount in shares])
+        self.redis.send(*_settle_command(player, ref, shares))
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
                   expire_at: int) -> asyncio.Future[Any]:
