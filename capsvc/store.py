@@ -28,9 +28,14 @@ def lua_source() -> str:
     return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
 
 
+def ticket_tag(bucket: int) -> str:
+    """The hash tag of one of the ticket buckets."""
+    return f"{{t:{bucket}}}"
+
+
 def ticket_key(channel: str, ticket_id: str) -> str:
     ident = f"{channel}/{ticket_id}"
-    return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
+    return f"t:{ticket_tag(zlib.crc32(ident.encode()) % TICKET_BUCKETS)}:{ident}"
 
 
 def channel_of(ticket: str) -> str:
@@ -53,8 +58,13 @@ def stop_keys_of(ticket: str, game: str, first_draw: int, draws: int) -> list[st
     return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
 
 
+def stop_copy_key(bucket: int, game: str, draw: int) -> str:
+    """The stop-sale copy of a draw in one ticket bucket (what `stop_keys_of` names)."""
+    return f"s:{ticket_tag(bucket)}:{game}:{draw}"
+
+
 def pending_key(bucket: int) -> str:
-    return f"p:{{t:{bucket}}}"
+    return f"p:{ticket_tag(bucket)}"
 
 
 def hold_key(game: str, combo: str) -> str:
@@ -184,8 +194,8 @@ class Store:
         the game-wide key, written last, is what status reads see.
         """
         copies = [
-            self.redis.submit("SET", stop_keys_of(f"t:{{t:{b}}}:", game, draw, 1)[0], at_ms,
-                              "NX", "PXAT", expire_at)
+            self.redis.submit("SET", stop_copy_key(b, game, draw), at_ms, "NX", "PXAT",
+                              expire_at)
             for b in range(TICKET_BUCKETS)
         ]
         for f in copies:
