@@ -3,15 +3,35 @@
 Draw `1` is the first draw of the day `draw_epoch` (in the game's time zone); numbers grow
 by one from each draw to the next, across days. Sales for a draw close at its draw time.
 Pure: the current time is always passed in (milliseconds since the Unix epoch).
+
+Draw times are local wall-clock times, and every day has the same draws, so a draw's number
+never depends on the clock changes. On the days the clock changes:
+
+- a draw time the clock repeats (fall back: 02:30 twice) is its first occurrence;
+- a draw time the clock skips (spring forward: no 02:30) is held until the clock shows
+  again, the first instant after the gap (03:00), as a draw is that should have happened
+  while the office was closed.
+
+Several draws held that way would close at the same instant, so close instants are made
+strictly increasing: a draw that would close no later than the draw before it closes 1 ms
+after it. One millisecond, the smallest step of the calendar's instants, keeps the held
+draws as close as can be to the end of the gap and moves the draws that really fall at the
+end of the gap, or just after it, by at most a few milliseconds (a few seconds for draws
+every second). So for every draw n, close_ms(n) < close_ms(n + 1), and the local day of a
+draw is the day its close falls on.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from bisect import bisect_right
 from datetime import date, datetime, timedelta
 
 from capsvc.config import GameRules
+
+_DAY = timedelta(days=1)
+_MIDNIGHT = datetime.min.time()
 
 
 class DrawCalendar:
@@ -20,29 +40,99 @@ class DrawCalendar:
     def __init__(self, rules: GameRules) -> None:
         self.rules = rules
         self._per_day = len(rules.draw_times)
-        self._day_cache: dict[int, tuple[int, ...]] = {}
+        # Each draw's time of day in ms after local midnight: on a day the UTC offset does not
+        # change, a close is that day's midnight plus this, with no time zone work per draw.
+        self._tod = tuple((t.hour * 3600 + t.minute * 60 + t.second) * 1000
+                          for t in rules.draw_times)
+        # Per local day: its midnight (ms) when the offset holds all day, else every close.
+        self._day_cache: dict[int, int | array[int]] = {}
         self._current: tuple[int, int, int] = (0, 0, -1)  # (draw, close_ms, valid_from_ms)
         # Python dates end with the year 9999; so does the calendar.
         self.last_draw = (date(9999, 12, 30) - rules.draw_epoch).days * self._per_day
 
-    def _day_closes(self, day_index: int) -> tuple[int, ...]:
-        """Close instants (ms) of every draw of one local day, in draw order."""
-        closes = self._day_cache.get(day_index)
-        if closes is None:
-            day = self.rules.draw_epoch + timedelta(days=day_index)
-            closes = tuple(
-                int(datetime.combine(day, t, self.rules.tz).timestamp() * 1000)
-                for t in self.rules.draw_times
-            )
+    def _day(self, day_index: int) -> int | array[int]:
+        """The local day's midnight (ms) if its closes are midnight + time of day, else its
+        closes (ms) in draw order."""
+        entry = self._day_cache.get(day_index)
+        if entry is None:
+            entry = self._compute_day(day_index)
             if len(self._day_cache) > 64:
                 self._day_cache.clear()
-            self._day_cache[day_index] = closes
+            self._day_cache[day_index] = entry
+        return entry
+
+    def _compute_day(self, day_index: int) -> int | array[int]:
+        day = self.rules.draw_epoch + timedelta(days=day_index)
+        start = self._steady_midnight(day)
+        # A day after a clock change may inherit from it: draws held to the end of a gap that
+        # runs past midnight, or pushed to stay in order, can close on the next local day.
+        floor = None
+        if self._steady_midnight(day - _DAY) is None:
+            floor = self.close_ms(day_index * self._per_day)
+        if start is not None and (floor is None or floor < start + self._tod[0]):
+            return start
+        closes = array("q", self._wall_closes(day) if start is None
+                       else (start + t for t in self._tod))
+        previous = closes[0] - 1 if floor is None else floor
+        for slot, close in enumerate(closes):
+            if close <= previous:
+                close = previous + 1
+                closes[slot] = close
+            previous = close
         return closes
+
+    def _steady_midnight(self, day: date) -> int | None:
+        """The instant (ms) local `day` starts, if its UTC offset holds from that midnight to
+        the next; None on a day the clock changes."""
+        tz = self.rules.tz
+        start = datetime.combine(day, _MIDNIGHT, tz)
+        end = datetime.combine(day + _DAY, _MIDNIGHT, tz)
+        # Both midnights must exist once (fold 0 and 1 agree) and be 24 h apart. tzdb has no
+        # two changes less than two days apart, so no change then hides between them.
+        if (start.timestamp() != start.replace(fold=1).timestamp()
+                or end.timestamp() != end.replace(fold=1).timestamp()
+                or end.timestamp() - start.timestamp() != 86_400):
+            return None
+        return int(start.timestamp() * 1000)
+
+    def _wall_closes(self, day: date) -> list[int]:
+        """The instant (ms) of each draw time of `day`, by the rules of the module docstring,
+        before they are made strictly increasing."""
+        tz = self.rules.tz
+        closes: list[int] = []
+        change: int | None = None
+        for t in self.rules.draw_times:
+            wall = datetime.combine(day, t, tz)  # fold 0: the first of a repeated time
+            first, other = wall.timestamp(), wall.replace(fold=1).timestamp()
+            if first > other:
+                # A skipped time: fold 0 reads it with the offset before the change, fold 1
+                # with the offset after, so the change lies in (other, first].
+                if change is None or not other < change <= first:
+                    change = self._change_in(int(other), int(first))
+                first = change
+            closes.append(int(first * 1000))
+        return closes
+
+    def _change_in(self, lo: int, hi: int) -> int:
+        """The instant (s) in (lo, hi] the UTC offset changes (to the one in force at hi)."""
+        tz = self.rules.tz
+        after = datetime.fromtimestamp(hi, tz).utcoffset()
+        # Offsets change on whole seconds: bisect over them.
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if datetime.fromtimestamp(mid, tz).utcoffset() == after:
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def close_ms(self, draw: int) -> int:
         """The instant sales for `draw` close (its draw time), in ms since the Unix epoch."""
         day_index, slot = divmod(draw - 1, self._per_day)
-        return self._day_closes(day_index)[slot]
+        entry = self._day(day_index)
+        if isinstance(entry, int):
+            return entry + self._tod[slot]
+        return entry[slot]
 
     def closes_at(self, draw: int) -> datetime:
         """The close instant of `draw` in the game's time zone."""
@@ -62,12 +152,21 @@ class DrawCalendar:
         if valid_from <= now_ms < close:
             return draw
         day_index = (self.local_date(now_ms) - self.rules.draw_epoch).days
-        closes = self._day_closes(day_index)
-        slot = bisect_right(closes, now_ms)
-        if slot == len(closes):
-            day_index, slot = day_index + 1, 0
+        entry = self._day(day_index)
+        if isinstance(entry, int):
+            slot = bisect_right(self._tod, now_ms - entry)
+        else:
+            slot = bisect_right(entry, now_ms)
+        # slot == per_day is the first draw of the next day.
         draw = max(1, day_index * self._per_day + slot + 1)
-        self._current = (draw, self.close_ms(draw), now_ms)
+        # Draws of the day before, held past midnight by a clock change, may still be open.
+        while draw > 1 and self.close_ms(draw - 1) > now_ms:
+            draw -= 1
+        close = self.close_ms(draw)
+        while close <= now_ms:
+            draw += 1
+            close = self.close_ms(draw)
+        self._current = (draw, close, now_ms)
         return draw
 
     def is_past(self, draw: int, now_ms: int) -> bool:

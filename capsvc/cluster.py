@@ -1,7 +1,7 @@
 """Redis Cluster: route each command to the primary that owns its key's slot.
 
 `ClusterCoalescer` has the interface of `Coalescer` (submit, send, call, broadcast,
-aclose) and keeps one `Coalescer` per primary, so coalescing happens per node: the
+wait_replicas, aclose) and keeps one `Coalescer` per primary, so coalescing happens per node: the
 commands of one tick bound for one node travel in one pipeline, and the grids of a ticket
 that sit on different nodes are reserved concurrently.
 
@@ -12,6 +12,10 @@ when Redis answered any of these, so resending is safe. A node that cannot be re
 fails its commands with `Unavailable` and triggers a refresh of the slot map, so the next
 requests find the promoted replica. Every primary gets the Lua library
 (`FUNCTION LOAD REPLACE` on all of them) and reloads it on "Function not found".
+
+`wait_replicas` sends `WAIT` on every primary's connection, after whatever this tick queued
+there: a ticket's writes are spread over several primaries, and each primary's WAIT counts
+only its own replicas.
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ class ClusterCoalescer:
         await self._ensure_map()
         primaries = sorted({n for n in self._slots if n is not None})
         return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        """WAIT on every primary; the fewest acknowledgements of any of them."""
+        await self._ensure_map()  # no suspension once the map is known: same tick as the writes
+        primaries = sorted({n for n in self._slots if n is not None})
+        acks = await asyncio.gather(*[
+            asyncio.shield(self._node(n).submit_wait(replicas, timeout_ms)) for n in primaries])
+        return min(int(a) for a in acks)
 
     async def aclose(self) -> None:
         if self._tasks:

@@ -15,6 +15,13 @@ Failure semantics: a connection error, or a batch unanswered past the timeout, c
 connection and fails every command in flight with `Unavailable` (the caller cannot know
 whether Redis ran them; capsvc's Lua steps are idempotent, so a retry converges). The next
 command reconnects. Error replies (`-ERR …`) fail only their own command.
+
+Replica acknowledgements (`wait_replicas`, capsvc.durability): Redis `WAIT` counts the
+replicas that have every earlier write *of the connection it is sent on*, so it must travel
+on this pipeline, after the writes. The WAITs asked for during one tick are one command,
+sent last in that tick's batch: it covers every write queued before it, whoever queued it.
+While it blocks, Redis holds the rest of the pipeline behind it, so batches behind a WAIT
+get their deadline counted from the end of the WAIT's own timeout.
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ class Transport(Protocol):
     async def call(self, *args: Any) -> Any: ...
 
     async def broadcast(self, *args: Any) -> list[Any]: ...
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        """`WAIT replicas timeout_ms` after every write issued so far, on every primary; the
+        fewest replicas that acknowledged them on any primary."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -130,7 +142,11 @@ class Coalescer(asyncio.Protocol):
         self._buffer: list[bytes] = []
         self._queued: list[_Pending] = []
         self._inflight: deque[_Pending] = deque()
-        self._batches: deque[list[float]] = deque()  # [commands left, started, size]
+        self._batches: deque[list[float]] = deque()  # [commands left, started, size, deadline]
+        self._waits: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        """The WAITs asked for in this tick, by (replicas, timeout): sent last in its batch."""
+        self._blocked_until = 0.0
+        """Loop time until which a WAIT in flight may hold the connection."""
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,9 +178,26 @@ class Coalescer(asyncio.Protocol):
         """A keyless command on every primary: here, the one node."""
         return [await self.call(*args)]
 
+    def submit_wait(self, replicas: int, timeout_ms: int) -> asyncio.Future[Any]:
+        """Queue `WAIT replicas timeout_ms` behind everything queued in this tick; the
+        callers of one tick share it. Await it shielded: it is shared."""
+        key = (replicas, timeout_ms)
+        fut = self._waits.get(key)
+        if fut is None:
+            loop = self._loop or self._bind()
+            fut = self._waits[key] = loop.create_future()
+            if not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self._flush)
+        return fut
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        # Shielded: a cancelled request must not cancel the WAIT its neighbours share.
+        return int(await asyncio.shield(self.submit_wait(replicas, timeout_ms)))
+
     async def aclose(self) -> None:
         """Deliver what is queued and wait for its replies (bounded), then disconnect."""
-        if self._queued:
+        if self._queued or self._waits:
             self._flush()
         if self._inflight or self._connecting:
             self._idle = asyncio.get_running_loop().create_future()
@@ -189,23 +222,40 @@ class Coalescer(asyncio.Protocol):
             if self._connecting is None:
                 self._connecting = (self._loop or self._bind()).create_task(self._connect())
             return  # flushed once connected
+        hold = self._queue_waits() if self._waits else 0.0
         if not self._queued:
             return
         data, queued = b"".join(self._buffer), self._queued
         self._buffer, self._queued = [], []
         self._inflight.extend(queued)
         loop = self._loop or self._bind()
-        self._batches.append([len(queued), loop.time(), len(queued)])
+        now = loop.time()
+        # Redis answers nothing behind a blocked WAIT: a batch's deadline runs from when the
+        # WAITs ahead of it (and its own) may last return, or a replica outage would pass
+        # for an unresponsive Redis and cut the connection.
+        ready = max(now, self._blocked_until) + hold
+        if hold:
+            self._blocked_until = ready
+        self._batches.append([len(queued), now, len(queued), ready + self._timeout])
         self._transport.write(data)
         if self._timer is None:
             self._timer = loop.call_later(self._timeout, self._check_deadline)
+
+    def _queue_waits(self) -> float:
+        """Put this tick's WAITs last in the batch; the seconds they may block."""
+        waits, self._waits = self._waits, {}
+        for (replicas, timeout_ms), fut in waits.items():
+            args = ("WAIT", replicas, timeout_ms)
+            self._buffer.append(encode_command(args))
+            self._queued.append(_Pending(args, fut))
+        return sum(timeout_ms for _, timeout_ms in waits) / 1000
 
     def _check_deadline(self) -> None:
         self._timer = None
         if not self._batches:
             return
         loop = asyncio.get_running_loop()
-        overdue = self._batches[0][1] + self._timeout - loop.time()
+        overdue = self._batches[0][3] - loop.time()
         if overdue <= 0:
             self._fail("timeout", Unavailable(f"redis did not answer within {self._timeout}s"))
         else:
@@ -250,10 +300,12 @@ class Coalescer(asyncio.Protocol):
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.abort()
-        failed = [*self._inflight, *self._queued]
+        failed = [*self._inflight, *self._queued,
+                  *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
         self._inflight.clear()
-        self._queued, self._buffer = [], []
+        self._queued, self._buffer, self._waits = [], [], {}
         self._batches.clear()
+        self._blocked_until = 0.0
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)

@@ -1,24 +1,24 @@
 """Canonical, collision-free form of a combination of numbers.
 
 A combination is the *set* of numbers of a grid: 3-7-12 is 12-3-7. Its canonical form is
-the sorted numbers written as two digits each and joined (`[3, 7, 12]` → `"030712"`), which
-is injective for matrices of at most 99 numbers (the configuration enforces that): two
-different sets never share a key, so a capped combination can never reject an innocent grid.
+the sorted numbers, one character each (`[3, 7, 12]` → `"\\x03\\x07\\x0c"`): injective for
+matrices of at most 99 numbers (the configuration enforces that), so two different sets
+never share a key and a capped combination can never reject an innocent grid. It is one
+byte per number on the wire and in Redis (code points below 128 are one UTF-8 byte), and
+it never holds a zero byte, which the store uses to tell grid records from counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-_TWO_DIGITS = tuple(f"{n:02d}" for n in range(100))
-
 
 def encode(numbers: Iterable[int]) -> str:
     """The canonical key of numbers in 1..99 given in ascending order, as the validator
-    returns them (two digits each)."""
-    return "".join(map(_TWO_DIGITS.__getitem__, numbers))
+    returns them."""
+    return "".join(map(chr, numbers))
 
 
-def decode(key: str) -> list[int]:
-    """The sorted numbers of a canonical key."""
-    return [int(key[i : i + 2]) for i in range(0, len(key), 2)]
+def decode(key: str | bytes) -> list[int]:
+    """The sorted numbers of a canonical key (as stored, or as Redis returns it)."""
+    return list(key.encode() if isinstance(key, str) else key)

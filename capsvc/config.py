@@ -20,12 +20,14 @@ PRESETS = ("fdj-keno-2008", "lnm-keno")
 CANCEL_POLICIES = ("before_first_draw", "single_draw_only", "never")
 ACCOUNTING_POLICIES = ("purchase_day", "draw_day")
 SCOPES = ("sell", "read", "admin")
-ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-GAME_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
-_DURATION_RE = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+# Whole strings: `\Z`, not `$` (which also matches before a final newline), and fullmatch().
+ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}\Z")
+GAME_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")
+_DURATION_RE = re.compile(r"^([0-9]+)(ms|s|m|h|d)\Z")
 _DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-_HHMM_RE = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_HHMM_RE = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])\Z")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
+_DURABILITY_RE = re.compile(r"^replicas:([1-9][0-9]{0,2})\Z")
 MAX_AMOUNT = 10**12
 """Upper bound of any amount in minor units: far above any real stake, far below 2**53."""
 
@@ -92,6 +94,9 @@ class Settings:
     channels: tuple[Channel, ...]
     redis_url: str | None = None
     redis_timeout_ms: int = 250
+    durability_replicas: int = 0
+    """Replicas that must acknowledge a sale's writes before it is answered (0: default)."""
+    wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080
     workers: int = 1
@@ -109,18 +114,32 @@ class Settings:
 def parse_duration_ms(value: object) -> int:
     """`"24h"`, `"5m"`, `"250ms"` → milliseconds; raises ValueError otherwise."""
     if isinstance(value, str):
-        m = _DURATION_RE.match(value)
+        m = _DURATION_RE.fullmatch(value)
         if m:
             return int(m.group(1)) * _DURATION_MS[m.group(2)]
     raise ValueError(f"expected a duration like \"250ms\", \"5m\" or \"24h\", got {value!r}")
 
 
-def _hhmm(value: object) -> time:
+def parse_durability(value: object) -> int:
+    """`"default"` → 0, `"replicas:N"` → N (1 to 999); raises ValueError otherwise."""
+    if value == "default":
+        return 0
     if isinstance(value, str):
-        m = _HHMM_RE.match(value)
+        m = _DURABILITY_RE.fullmatch(value)
         if m:
-            return time(int(m.group(1)), int(m.group(2)))
-    raise ValueError(f"expected a time \"HH:MM\", got {value!r}")
+            return int(m.group(1))
+    raise ValueError(f"expected \"default\" or \"replicas:N\" (N >= 1), got {value!r}")
+
+
+def _hhmm(value: object) -> time:
+    """`"HH:MM"` or `"HH:MM:SS"` → a time of day; raises ValueError otherwise."""
+    if isinstance(value, str):
+        m = _HHMM_RE.fullmatch(value[:5])
+        # Seconds are optional, for draws less than a minute apart (draw_every = "2s").
+        seconds = value[5:]
+        if m and (not seconds or re.fullmatch(r":[0-5][0-9]", seconds)):
+            return time(int(m.group(1)), int(m.group(2)), int(seconds[1:] or 0))
+    raise ValueError(f"expected a time \"HH:MM\" or \"HH:MM:SS\", got {value!r}")
 
 
 def load_preset(name: str) -> dict[str, Any]:
@@ -172,9 +191,19 @@ class _Checker:
             return ""
         return value
 
-    def duration(self, where: str, value: object) -> int:
+    def duration(self, where: str, value: object, lo: int = 0) -> int:
         try:
-            return parse_duration_ms(value)
+            ms = parse_duration_ms(value)
+        except ValueError as e:
+            self.fail(where, str(e))
+            return 0
+        if ms < lo:
+            self.fail(where, f"must be at least {lo}ms, got {value!r}")
+        return ms
+
+    def durability(self, where: str, value: object) -> int:
+        try:
+            return parse_durability(value)
         except ValueError as e:
             self.fail(where, str(e))
             return 0
@@ -193,7 +222,7 @@ def _schedule(c: _Checker, where: str, g: dict[str, Any]) -> tuple[time, ...]:
     if "draw_times" in g and "draw_every" not in g:
         raw = g["draw_times"]
         if not isinstance(raw, list) or not raw:
-            c.fail(f"{where}.draw_times", "expected a non-empty list of \"HH:MM\"")
+            c.fail(f"{where}.draw_times", "expected a non-empty list of \"HH:MM[:SS]\"")
             return ()
         times: list[time] = []
         for i, v in enumerate(raw):
@@ -215,21 +244,23 @@ def _schedule(c: _Checker, where: str, g: dict[str, Any]) -> tuple[time, ...]:
     except ValueError as e:
         c.fail(f"{where}.draw_from/draw_until", str(e))
         return ()
-    if every < 60_000 or every % 60_000:
-        c.fail(f"{where}.draw_every", "must be a whole number of minutes")
+    if every < 1000 or every % 1000:
+        c.fail(f"{where}.draw_every", "must be a whole number of seconds, at least 1s")
         return ()
-    step = every // 60_000
-    first, last = start.hour * 60 + start.minute, end.hour * 60 + end.minute
+    # In seconds of the day: minute schedules give the very same times as ever, so the draw
+    # numbers already stored keep their meaning.
+    step = every // 1000
+    first, last = (t.hour * 3600 + t.minute * 60 + t.second for t in (start, end))
     if last < first:
         c.fail(f"{where}.draw_until", "must not be before draw_from")
         return ()
-    return tuple(time(m // 60, m % 60) for m in range(first, last + 1, step))
+    return tuple(time(s // 3600, s // 60 % 60, s % 60) for s in range(first, last + 1, step))
 
 
 def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None:
     """Merge a `[[games]]` entry over its preset and validate every field."""
     gid = raw.get("id")
-    if not isinstance(gid, str) or not GAME_ID_RE.match(gid):
+    if not isinstance(gid, str) or not GAME_ID_RE.fullmatch(gid):
         c.fail(f"{where}.id", f"expected a game id of [a-z0-9-] (max 32), got {gid!r}")
         gid = "?"
     preset = raw.get("preset")
@@ -313,11 +344,11 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
 
 def _channel(raw: dict[str, Any], where: str, games: dict[str, GameRules], c: _Checker) -> Channel:
     cid = raw.get("id")
-    if not isinstance(cid, str) or not ID_RE.match(cid):
+    if not isinstance(cid, str) or not ID_RE.fullmatch(cid):
         c.fail(f"{where}.id", f"expected a channel id of [A-Za-z0-9._:-] (max 64), got {cid!r}")
         cid = "?"
     digest = raw.get("token_sha256")
-    if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+    if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
         c.fail(f"{where}.token_sha256", "expected the sha256 of the token, 64 lowercase hex digits")
         digest = "0" * 64
     for k in sorted(set(raw) - {"id", "token_sha256", "games", "scopes"}):
@@ -386,6 +417,9 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         channels=tuple(channels),
         redis_url=url,
         redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms")),
+        durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
+        # At least 1ms: WAIT with timeout 0 blocks for ever.
+        wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),
         port=c.integer("server.port", server.get("port", 8080), 0, 65535),
         workers=c.integer("server.workers", server.get("workers", 1), 1, 256),
@@ -404,6 +438,9 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:
         c.fail("janitor.pending_deadline", "must be at least twice server.request_timeout, so that "
                "the janitor never releases a ticket a request is still working on")
+    if settings.durability_replicas and settings.wait_timeout_ms >= settings.request_timeout_ms:
+        c.fail("redis.wait_timeout", "must be shorter than server.request_timeout, so that a "
+               "sale waiting for its replicas answers before the request times out")
     if c.problems:
         raise ConfigError(c.problems)
     return settings
@@ -421,6 +458,9 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     env_url = os.environ.get("CAPSVC_REDIS_URL")
     if env_url:
         doc.setdefault("redis", {})["url"] = env_url
+    env_durability = os.environ.get("CAPSVC_DURABILITY")
+    if env_durability:
+        doc.setdefault("redis", {})["durability"] = env_durability
     channels_file = doc.get("channels_file")
     if channels_file is not None:
         # The channels (with their token hashes) may live in a file of their own, e.g. a

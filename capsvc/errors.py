@@ -27,8 +27,14 @@ def rule_error(code: str, message: str, path: str | None = None) -> ApiError:
     return ApiError(422, code, message, path)
 
 
+OUTCOME_UNKNOWN = ("{}: the outcome is unknown (it may have been recorded); send the same "
+                   "request again to get the one decision, or GET the ticket")
+"""The message of a 503 whose request may have changed something (format with the cause)."""
+
+
 def unavailable(message: str, retry_after_s: int) -> ApiError:
-    """503: nothing was recorded; the client should retry after `retry_after_s`."""
+    """503: the outcome is unknown to the client, which should send the same request again
+    after `retry_after_s` (it converges to one decision)."""
     return ApiError(503, "unavailable", message, None, {"Retry-After": str(retry_after_s)})
 
 
@@ -37,4 +43,5 @@ def not_found(what: str) -> ApiError:
 
 
 class Unavailable(Exception):
-    """Redis could not be reached or answered too slowly: nothing may be assumed recorded."""
+    """Redis could not be reached or answered too slowly: what was sent may or may not have
+    run (the Lua steps are idempotent and fenced by sale, so the same request converges)."""

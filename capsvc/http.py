@@ -1,7 +1,7 @@
 """The HTTP layer: routes, authentication, decoding, error bodies, health and metrics.
 
 It knows nothing of Redis keys: it decodes requests into the msgspec types, asks the
-sales use-cases, and encodes what they return.
+use-cases, and encodes what they return.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from redis.exceptions import ResponseError
 
-from capsvc.config import Channel, GameRules, Settings
-from capsvc.errors import ApiError, Unavailable, unavailable
+from capsvc.config import ID_RE, Channel, GameRules, Settings
+from capsvc.durability import Durability
+from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
 from capsvc.metrics import Metrics
 from capsvc.models import (
+    ID_PATTERN,
     AvailabilityIn,
     ErrorDetail,
     ErrorOut,
@@ -39,9 +41,8 @@ from capsvc.models import (
     TicketIn,
 )
 from capsvc.openapi import openapi_document
-from capsvc.players import Players
-from capsvc.sales import Sales
 from capsvc.store import Store
+from capsvc.usecases import UseCases
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _encode = msgspec.json.encode
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
+_ID_MESSAGE = "expected 1-64 characters of [A-Za-z0-9._:-] (no spaces or control characters)"
+_ID_MISMATCH = f"Expected `str` matching regex {ID_PATTERN!r}"
+_DRAW_RE = re.compile(r"^-?[0-9]+\Z")
 _JSON = "application/json"
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
     t: msgspec.json.Decoder(t) for t in (TicketIn, AvailabilityIn, LimitIn, StakeIn)
@@ -70,6 +74,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         field = _FIELD_RE.match(message)
         if field:  # point at the missing or unknown field itself
             path = f"{path}.{field.group(1)}"
+        elif message == _ID_MISMATCH:  # say what an id is rather than show the regex
+            message = _ID_MESSAGE
         if path == "$" and message.startswith("Expected `object`"):
             raise ApiError(400, "malformed_json", "the body must be a JSON object", None) from e
         raise ApiError(422, "invalid_request", message, path) from e
@@ -142,32 +148,50 @@ def _draw(request: web.Request) -> int:
     """The draw number of the path (the route admits digits only); absurdly long numbers
     become 0, which the use-cases answer with 404."""
     text = request.match_info["draw"]
+    if not _DRAW_RE.fullmatch(text):  # int() would take " 5\n", "5_0", Arabic digits
+        raise not_found(f"draw {text!r}")
     return int(text) if len(text) <= 12 else 0
 
 
-class Api:
-    """Route handlers over the sales use-cases."""
+def _ticket_id(request: web.Request) -> str:
+    """The ticket id of the path, matched whole like the body's (no trailing newline)."""
+    text = request.match_info["ticket_id"]
+    if not ID_RE.fullmatch(text):
+        raise ApiError(422, "invalid_request", f"ticket ids: {_ID_MESSAGE}", "ticket_id")
+    return text
 
-    def __init__(self, settings: Settings, sales: Sales, store: Store, metrics: Metrics,
-                 health: Health) -> None:
+
+class Api:
+    """Route handlers over the use-cases."""
+
+    def __init__(self, settings: Settings, usecases: UseCases, store: Store, metrics: Metrics,
+                 health: Health, durability: Durability) -> None:
         self.settings = settings
-        self.sales = sales
-        self.players = Players(sales.games, sales.players, sales.clock)
+        self.durability = durability
+        self.catalog = usecases.catalog
+        self.clock = usecases.clock
+        self.tickets = usecases.tickets
+        self.draws = usecases.draws
+        self.availability_of = usecases.availability
+        self.players = usecases.players
         self.store = store
         self.metrics = metrics
         self.health = health
         self.auth = Authenticator(settings.channels)
         self._openapi: bytes | None = None
-        self._games = _encode(GamesOut(games=[game_out(g.rules) for g in sales.games.values()]))
+        self._games = _encode(GamesOut(
+            games=[game_out(g.rules) for g in self.catalog.games.values()]))
 
     # -- tickets ---------------------------------------------------------------------------
 
     async def post_ticket(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
         ticket = decode_body(await request.read(), TicketIn)
-        outcome = await self.sales.sell(channel, ticket)
+        outcome = await self.tickets.sell(channel, ticket)
         if outcome.ticket is not None and not outcome.replayed:
             self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out)
+        # Replays too: the decision replayed may be one whose confirmation failed.
+        await self.durability.confirm()
         resp = web.Response(body=outcome.body, content_type=_JSON)
         if outcome.replayed:
             resp.headers["Idempotent-Replayed"] = "true"
@@ -175,12 +199,14 @@ class Api:
 
     async def get_ticket(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        body = await self.sales.ticket(channel, request.match_info["ticket_id"])
+        body = await self.tickets.ticket(channel, _ticket_id(request))
         return web.Response(body=body, content_type=_JSON)
 
     async def cancel_ticket(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        return json_response(await self.sales.cancel(channel, request.match_info["ticket_id"]))
+        out = await self.tickets.cancel(channel, _ticket_id(request))
+        await self.durability.confirm()
+        return json_response(out)
 
     # -- games, draws, availability --------------------------------------------------------
 
@@ -190,35 +216,35 @@ class Api:
 
     async def current_draw(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
-        return json_response(await self.sales.current(game))
+        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.draws.current(game))
 
     async def draw(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "sell", "read", "admin")
-        return json_response(await self.sales.draw(game, _draw(request)))
+        game = self.catalog.game(request.match_info["game"], channel, "sell", "read", "admin")
+        return json_response(await self.draws.draw(game, _draw(request)))
 
     async def close_draw(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "admin")
-        return json_response(await self.sales.close_draw(game, _draw(request)))
+        game = self.catalog.game(request.match_info["game"], channel, "admin")
+        return json_response(await self.draws.close(game, _draw(request)))
 
     async def combination(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
-        return json_response(await self.sales.combination(
+        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.availability_of.combination(
             game, _draw(request), request.match_info["numbers"]))
 
     async def capped(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
-        return json_response(await self.sales.sold_out(game, _draw(request)))
+        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        return json_response(await self.availability_of.sold_out(game, _draw(request)))
 
     async def availability(self, request: web.Request) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.sales.game(request.match_info["game"], channel, "sell", "read")
+        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
         query = decode_body(await request.read(), AvailabilityIn)
-        return json_response(await self.sales.availability(game, query))
+        return json_response(await self.availability_of.availability(game, query))
 
     # -- players ---------------------------------------------------------------------------
 
@@ -254,9 +280,12 @@ class Api:
                     await self.store.load_library()
                     loaded = await self.store.library_loaded()
                 checks["scripts"] = loaded
+                if not self.clock.synced:
+                    await self.clock.sync()
             except Exception as e:  # Redis down, slow or odd: not ready, never a 500
                 log.debug("readiness check failed: %s", e)
-        ready = checks["redis"] and checks["scripts"] and not checks["draining"]
+        ready = (checks["redis"] and checks["scripts"] and self.clock.synced
+                 and not checks["draining"])
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 
@@ -310,19 +339,19 @@ def _middleware(api: Api) -> Middleware:
                     raise
                 timed_out.discard(task)
                 task.uncancel()
-                resp = busy("the request took too long")
+                resp = busy(OUTCOME_UNKNOWN.format("the request took too long"))
             except ApiError as e:
                 resp = error_response(e)
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})
-                resp = busy("the counters cannot be reached: nothing was recorded; retry")
+                resp = busy(OUTCOME_UNKNOWN.format("Redis could not be reached in time"))
             except ResponseError as e:
                 # Redis refused a command (out of memory under noeviction, a broken
                 # ACL, …): nothing can be assumed recorded, so fail closed.
                 log.error("redis refused a command: %s", e,
                           extra={"request_id": rid, "route": template})
-                resp = busy("the counters refused the operation: nothing was recorded; retry")
+                resp = busy(OUTCOME_UNKNOWN.format("Redis refused an operation"))
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
                     413, "payload_too_large",
@@ -346,7 +375,7 @@ def _middleware(api: Api) -> Middleware:
     return middleware
 
 
-_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 _request_ids = itertools.count(1)
 _ID_PREFIX = f"{os.getpid():x}-{int(time.time()) & 0xFFFFFF:x}-"
 
@@ -355,14 +384,14 @@ def request_id(request: web.Request) -> str:
     """The caller's X-Request-ID if it is sane (1-128 visible ASCII), else a new one
     (process prefix + counter: unique, and cheaper than a UUID)."""
     given = request.headers.get("X-Request-ID")
-    if given is not None and _REQUEST_ID_RE.match(given):
+    if given is not None and _REQUEST_ID_RE.fullmatch(given):
         return given
     return f"{_ID_PREFIX}{next(_request_ids):x}"
 
 
-def create_app(settings: Settings, sales: Sales, store: Store, metrics: Metrics,
-               health: Health) -> web.Application:
-    api = Api(settings, sales, store, metrics, health)
+def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Metrics,
+               health: Health, durability: Durability) -> web.Application:
+    api = Api(settings, usecases, store, metrics, health, durability)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[_middleware(api)])
 

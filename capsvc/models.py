@@ -13,14 +13,19 @@ from msgspec import Meta, Struct
 SAFE_INT = Meta(ge=-(2**53), le=2**53)
 """Any integer a JSON peer can represent exactly; game rules narrow it further."""
 
+ID_PATTERN = r"^[A-Za-z0-9._:-]+(?!\n)$"
+"""An id, matched whole both by Python's `re.search` (msgspec, jsonschema) and in ECMA-262
+(JSON Schema): the lookahead stops Python's `$` from matching before a final newline, and
+is always true at the end of the string in ECMA. The lengths are min/max_length's."""
+
 TicketId = Annotated[
     str,
-    Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+    Meta(min_length=1, max_length=64, pattern=ID_PATTERN,
          description="1-64 characters of [A-Za-z0-9._:-]", examples=["A-000123"]),
 ]
 PlayerId = Annotated[
     str,
-    Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+    Meta(min_length=1, max_length=64, pattern=ID_PATTERN,
          description="1-64 characters of [A-Za-z0-9._:-]", examples=["P-42"]),
 ]
 Number = Annotated[int, SAFE_INT]
@@ -75,6 +80,13 @@ class Receipt(Struct):
     issued_at: str
 
 
+class Cancellation(Struct):
+    """When a ticket was cancelled, and what it gave back (minor units)."""
+
+    at: str
+    released: int
+
+
 class TicketOut(Struct, omit_defaults=True):
     ticket_id: str
     game: str
@@ -84,6 +96,8 @@ class TicketOut(Struct, omit_defaults=True):
     total_cost: int
     receipt: Receipt | None
     reason: str | None = None
+    cancelled: Cancellation | None = None
+    """Only on GET, once the ticket is cancelled (a POST replay answers the decision)."""
 
 
 class CancelOut(Struct):

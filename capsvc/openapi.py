@@ -8,6 +8,7 @@ import msgspec
 
 from capsvc import __version__
 from capsvc.models import (
+    ID_PATTERN,
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -40,7 +41,8 @@ _ERRORS = {
     "409": "Ticket id reused with a different request; not cancellable; no decision yet",
     "413": "Body larger than the configured limit",
     "422": "Well-formed JSON that breaks a rule (schema or game rules)",
-    "503": "Redis unreachable or too slow: nothing was recorded (see Retry-After)",
+    "503": "Redis unreachable or too slow, draining or overloaded: the outcome is unknown; "
+           "the same request sent again converges (see Retry-After)",
 }
 
 
@@ -72,20 +74,21 @@ def _op(summary: str, out: Any, *, body: Any = None, params: tuple[str, ...] = (
     return op
 
 
+# Path patterns hold in Python's re.search and in ECMA-262 alike: see models.ID_PATTERN.
+_ID = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": ID_PATTERN}
 _PARAMS: dict[str, dict[str, Any]] = {
-    "game": {"name": "game", "in": "path", "required": True, "schema": {"type": "string"}},
+    "game": {"name": "game", "in": "path", "required": True,
+             "schema": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9-]{0,31}(?!\n)$"}},
     "draw": {"name": "draw", "in": "path", "required": True,
              "schema": {"type": "integer", "minimum": 1, "maximum": 10**9}},
-    "ticket_id": {"name": "ticket_id", "in": "path", "required": True,
-                  "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
-    "player_id": {"name": "player_id", "in": "path", "required": True,
-                  "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"}},
+    "ticket_id": {"name": "ticket_id", "in": "path", "required": True, "schema": _ID},
+    "player_id": {"name": "player_id", "in": "path", "required": True, "schema": _ID},
     "game_query": {"name": "game", "in": "query", "required": False,
                    "schema": {"type": "string"},
                    "description": "the limited game whose time zone and limit apply; needed "
                                   "only when the channel uses several"},
     "numbers": {"name": "numbers", "in": "path", "required": True,
-                "schema": {"type": "string", "pattern": "^[0-9]+(-[0-9]+)*$"},
+                "schema": {"type": "string", "pattern": r"^[0-9]+(-[0-9]+)*(?!\n)$"},
                 "description": "the numbers joined by '-', in any order"},
 }
 
@@ -101,10 +104,11 @@ def openapi_document() -> dict[str, Any]:
                                     errors=sell_errors, headers=replayed)},
         "/v1/tickets/{ticket_id}": {"get": _op("The stored decision of a ticket", TicketOut,
                                                params=("ticket_id",),
-                                               errors=("401", "403", "404", "409", "503"))},
+                                               errors=("401", "403", "404", "409", "422",
+                                                       "503"))},
         "/v1/tickets/{ticket_id}/cancel": {"post": _op(
             "Cancel a ticket, releasing what it took", CancelOut, params=("ticket_id",),
-            errors=("401", "403", "404", "409", "503"))},
+            errors=("401", "403", "404", "409", "422", "503"))},
         "/v1/games": {"get": _op("Every game with its rules", GamesOut, errors=("401",))},
         "/v1/games/{game}/draws/current": {"get": _op("The next draw still on sale",
                                                       CurrentDrawOut, params=("game",))},

@@ -7,14 +7,14 @@ query parameter; one with several must name the game.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from capsvc.clock import RedisClock
 from capsvc.config import ID_RE, Channel
 from capsvc.errors import ApiError, rule_error
+from capsvc.games import Catalog, Game, require_scope
 from capsvc.models import LimitIn, PlayerOut, StakeIn, StakeOut
-from capsvc.sales import Game, require_scope
 from capsvc.store import PlayerStore
 
 SELF_LIMIT_TTL_MS = 400 * 86_400_000
@@ -25,9 +25,8 @@ DAY_MS = 86_400_000
 class Players:
     """Player budgets and self-limits, over the same games and store as the sales."""
 
-    def __init__(self, games: dict[str, Game], store: PlayerStore,
-                 clock: Callable[[], int]) -> None:
-        self.games = games
+    def __init__(self, catalog: Catalog, store: PlayerStore, clock: RedisClock) -> None:
+        self.games = catalog.games
         self.store = store
         self.clock = clock
 
@@ -35,7 +34,7 @@ class Players:
                  *scopes: str) -> Game:
         """The limited game through which the channel looks at the player."""
         require_scope(channel, *scopes)
-        if not ID_RE.match(player_id):
+        if not ID_RE.fullmatch(player_id):
             raise ApiError(422, "invalid_request",
                            "player ids are 1-64 characters of [A-Za-z0-9._:-]", "player_id")
         if game_id is not None:
@@ -58,7 +57,8 @@ class Players:
         return limited[0]
 
     def _days(self, game: Game) -> tuple[int, str, str]:
-        now = self.clock()
+        """Now (Redis TIME), today and tomorrow in the game's time zone."""
+        now = self.clock.now()
         today = game.calendar.local_date(now)
         return now, today.isoformat(), (today + timedelta(days=1)).isoformat()
 
@@ -99,8 +99,12 @@ class Players:
         """A stake played on another game, against the same budget; idempotent by ref."""
         game = self.game_for(channel, player_id, game_id, "sell")
         now, today, _ = self._days(game)
-        reply = await self.store.reserve(
+        # The ref is looked up on the two days before as well: a retry just after
+        # midnight is not charged again (idempotent for at least 48 hours).
+        day = game.calendar.local_date(now)
+        days = [today, *[(day - timedelta(days=n)).isoformat() for n in (1, 2)]]
+        reply = await self.store.stake(
             player_id, f"x/{channel.id}/{body.ref}", game.rules.daily_limit or 0,
-            now + 2 * DAY_MS + game.rules.retention_ms, [(today, body.amount)])
+            now + 3 * DAY_MS + game.rules.retention_ms, days, body.amount)
         return StakeOut(status="accepted" if reply[0] == 1 else "rejected",
                         remaining=max(0, int(reply[1])))

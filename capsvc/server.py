@@ -12,31 +12,34 @@ import contextlib
 import gc
 import logging
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from capsvc.calendar import now_ms
 from capsvc.cluster import connect
 from capsvc.coalesce import Transport
 from capsvc.config import Settings
+from capsvc.durability import Durability
 from capsvc.errors import Unavailable
 from capsvc.http import Health, create_app
+from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
-from capsvc.sales import Sales
 from capsvc.store import Store, lua_source
+from capsvc.usecases import UseCases, build_usecases
 
 log = logging.getLogger(__name__)
 
+CLOCK_REFRESH_S = 5.0
+"""How often the Redis clock is read again (between readings the monotonic clock runs)."""
 
-async def _janitor(sales: Sales, metrics: Metrics, interval_s: float) -> None:
+
+async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> None:
     """Settle tickets left pending past the deadline, forever."""
     reachable = True
     while True:
         await asyncio.sleep(interval_s)
         try:
-            settled = await sales.settle_pending()
+            settled = await janitor.run_once()
         except Unavailable as e:
             if reachable:  # say it once per outage, not once per interval
                 log.warning("janitor: redis unavailable: %s", e)
@@ -64,34 +67,39 @@ class Service:
     settings: Settings
     redis: Transport
     store: Store
-    sales: Sales
+    usecases: UseCases
     metrics: Metrics
     health: Health
     app: web.Application
 
 
-def build(settings: Settings, redis_url: str, clock: Callable[[], int] = now_ms) -> Service:
+def build(settings: Settings, redis_url: str) -> Service:
     metrics = Metrics()
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error, library=lua_source())
     store = Store(redis)
-    sales = Sales(settings, store, clock)
+    usecases = build_usecases(settings, store)
     health = Health()
-    app = create_app(settings, sales, store, metrics, health)
-    return Service(settings, redis, store, sales, metrics, health, app)
+    durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
+                            settings.retry_after_s)
+    app = create_app(settings, usecases, store, metrics, health, durability)
+    return Service(settings, redis, store, usecases, metrics, health, app)
 
 
 async def serve(settings: Settings, redis_url: str, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain and return."""
     svc = build(settings, redis_url)
-    app, redis, store, sales, metrics, health = (
-        svc.app, svc.redis, svc.store, svc.sales, svc.metrics, svc.health)
+    app, redis, store, usecases, metrics, health = (
+        svc.app, svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
     try:
         await store.load_library()
+        await usecases.clock.sync()
     except Unavailable as e:
         log.warning("redis not reachable at start (%s): not ready until it is", e)
     background = [
-        asyncio.create_task(_janitor(sales, metrics, settings.janitor_interval_ms / 1000)),
+        asyncio.create_task(usecases.clock.run(CLOCK_REFRESH_S)),
+        asyncio.create_task(_janitor(usecases.janitor, metrics,
+                                     settings.janitor_interval_ms / 1000)),
         asyncio.create_task(_flush_metrics(metrics)),
     ]
     runner = web.AppRunner(

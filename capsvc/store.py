@@ -1,13 +1,17 @@
 """The Redis store: key names, the Lua steps, and what their replies mean.
 
-The only module that knows how capsvc's state is laid out in Redis (see lua/capsvc.lua for
-the keys and the states of a ticket). Every key carries a hash tag, so the store works
-unchanged on Redis Cluster: a combination's counters and holds share a slot, as do a
-ticket record and its pending index.
+The only module that knows how capsvc's state is laid out in Redis (lua/capsvc.lua's header
+is where the layout is written down: keys, buckets, sale ids, ticket states, records).
+Every key carries a hash tag, so the store works unchanged on Redis Cluster: every draw of
+a combination shares a slot (its bucket), as do a ticket record and its pending index.
+Every step that decides something reads Redis TIME inside its function.
 
 Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
 queues a command into the current tick's pipeline and returns a future, so a caller can
 issue several independent steps and await them together without an extra round trip.
+The claim, the reserve of a single-draw grid and every read touch one key each: a cluster
+slot that is migrating serves them (single-key commands follow ASK redirections), where a
+call naming a key that does not exist yet beside one that does would get TRYAGAIN.
 """
 
 from __future__ import annotations
@@ -22,20 +26,18 @@ from capsvc.coalesce import Transport
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
+COUNTER_BUCKETS = 1024
+"""Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
+the layout, never to be changed while a draw is on sale or retained)."""
 
 
 def lua_source() -> str:
     return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
 
 
-def ticket_tag(bucket: int) -> str:
-    """The hash tag of one of the ticket buckets."""
-    return f"{{t:{bucket}}}"
-
-
 def ticket_key(channel: str, ticket_id: str) -> str:
     ident = f"{channel}/{ticket_id}"
-    return f"t:{ticket_tag(zlib.crc32(ident.encode()) % TICKET_BUCKETS)}:{ident}"
+    return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
 
 
 def channel_of(ticket: str) -> str:
@@ -43,49 +45,38 @@ def channel_of(ticket: str) -> str:
     return ticket[ticket.index("}:") + 2 :].rsplit("/", 1)[0]
 
 
-def _tag_of(ticket: str) -> str:
-    return ticket[2 : ticket.index("}") + 1]
-
-
 def pending_key_of(ticket: str) -> str:
     """The pending index in the same slot as the ticket record `ticket`."""
-    return "p:" + _tag_of(ticket)
-
-
-def stop_keys_of(ticket: str, game: str, first_draw: int, draws: int) -> list[str]:
-    """The stop-sale copies of a ticket's draws, in the ticket record's slot."""
-    prefix = f"s:{_tag_of(ticket)}:{game}:"
-    return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
-
-
-def stop_copy_key(bucket: int, game: str, draw: int) -> str:
-    """The stop-sale copy of a draw in one ticket bucket (what `stop_keys_of` names)."""
-    return f"s:{ticket_tag(bucket)}:{game}:{draw}"
+    return "p:" + ticket[2 : ticket.index("}") + 1]
 
 
 def pending_key(bucket: int) -> str:
-    return f"p:{ticket_tag(bucket)}"
+    return f"p:{{t:{bucket}}}"
 
 
-def hold_key(game: str, combo: str) -> str:
-    return f"h:{{{game}:{combo}}}"
-
-
-def counter_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]:
-    prefix = f"c:{{{game}:{combo}}}:"
+def bucket_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]:
+    """The counter buckets holding `combo` on draws first_draw..first_draw+draws-1."""
+    prefix = f"c:{{{game}:{zlib.crc32(combo.encode()) % COUNTER_BUCKETS}}}:"
     return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
 
 
-def stop_key(game: str, draw: int) -> str:
-    return f"s:{{{game}}}:{draw}"
+def record_field(sale_id: str, grid: int) -> bytes:
+    """The field of one grid's record: a zero byte (no combination has one), the sale id's
+    8 bytes, the grid index."""
+    return b"\0" + bytes.fromhex(sale_id) + bytes((grid,))
+
+
+def stops_key(game: str) -> str:
+    return f"s:{{{game}}}"
 
 
 def capped_key(game: str, draw: int) -> str:
     return f"x:{{{game}}}:{draw}"
 
 
-def holder(channel: str, ticket_id: str, grid: int) -> str:
-    return f"{channel}/{ticket_id}/{grid}"
+def stop_instants(replies: list[Any]) -> list[int | None]:
+    """The instants (ms) sales stopped from HMGET replies of the stops hash."""
+    return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
 class Store:
@@ -108,64 +99,85 @@ class Store:
         """Queue one FCALL (the transport reloads the library if Redis lost it)."""
         return self.redis.submit("FCALL", name, len(keys), *keys, *args)
 
+    async def time_ms(self) -> int:
+        """Redis TIME, in ms since the Unix epoch."""
+        sec, usec = await self.redis.submit("TIME")
+        return int(sec) * 1000 + int(usec) // 1000
+
     # -- tickets ---------------------------------------------------------------------------
 
-    def claim(
-        self, ticket: str, game: str, first_draw: int, draws: int, fingerprint: str,
-        sale: bytes, close_ms: int, expire_at: int, stale_after_ms: int,
-    ) -> asyncio.Future[Any]:
-        keys = [ticket, pending_key_of(ticket), *stop_keys_of(ticket, game, first_draw, draws)]
-        return self.fcall(
-            "capsvc_claim", keys, [fingerprint, sale, close_ms, expire_at, stale_after_ms]
-        )
+    def index(self, ticket: str, instant: int, expire_at: int) -> asyncio.Future[Any]:
+        """Register a ticket for the janitor before claiming or cancelling it."""
+        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, instant, expire_at])
 
-    def finalize(self, ticket: str, at: int, body: bytes) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_finalize", [ticket, pending_key_of(ticket)], [at, body])
+    def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+              stale_after_ms: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_claim", [ticket],
+                          [fingerprint, sale, close_ms, expire_at, stale_after_ms])
 
-    def unclaim(self, ticket: str, at: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_unclaim", [ticket, pending_key_of(ticket)], [at])
+    def finalize(self, ticket: str, sale_id: str, body: bytes) -> None:
+        """Write the decision of a sale and drop its index entry, without waiting (a lost
+        write is redone by a replay or the janitor, from the same records)."""
+        self.redis.send("FCALL", "capsvc_finalize", 1, ticket, sale_id, body)
+        self.redis.send("ZREM", pending_key_of(ticket), ticket)
 
-    def expire(self, ticket: str, claimed_before_ms: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_expire", [ticket, pending_key_of(ticket)], [claimed_before_ms])
+    async def finalize_now(self, ticket: str, sale_id: str, body: bytes) -> None:
+        await self.fcall("capsvc_finalize", [ticket], [sale_id, body])
+        await self.unindex(ticket)
 
-    def cancel(self, ticket: str, close_ms: int, released: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_cancel", [ticket], [close_ms, released])
+    async def unclaim(self, ticket: str, sale_id: str) -> None:
+        await self.fcall("capsvc_unclaim", [ticket], [sale_id])
+        await self.unindex(ticket)
+
+    async def unindex(self, ticket: str) -> None:
+        await self.redis.submit("ZREM", pending_key_of(ticket), ticket)
+
+    def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_expire", [ticket], [deadline_ms])
+
+    def cancel(self, ticket: str, close_ms: int, stopped: bool, released: int
+               ) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_cancel", [ticket], [close_ms, int(stopped), released])
+
+    async def cancelled(self, ticket: str, sale_id: str) -> None:
+        await self.fcall("capsvc_cancelled", [ticket], [sale_id])
+        await self.unindex(ticket)
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, body, sale, claim time] of a ticket record (all None when unknown)."""
-        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "at")
+        """[state, body, sale, sale id, claim instant, cancelled at, released] of a ticket
+        record (all None when unknown)."""
+        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "sid", "at", "ca", "rel")
 
-    def pending(self, bucket: int, claimed_before_ms: int, limit: int) -> asyncio.Future[Any]:
+    def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(
-            "ZRANGEBYSCORE", pending_key(bucket), "-inf", f"({claimed_before_ms}",
+            "ZRANGEBYSCORE", pending_key(bucket), "-inf", f"({indexed_before_ms}",
             "LIMIT", 0, limit,
         )
 
     # -- combinations ----------------------------------------------------------------------
 
-    def reserve(
-        self, game: str, combo: str, who: str, stake: int, cap: int, min_stake: int,
-        first_draw: int, expire_at: list[int], close_ms: int,
-    ) -> asyncio.Future[Any]:
-        """Count `stake` on every draw of the grid, or none; `close_ms=0` only reads."""
-        keys = [hold_key(game, combo), *counter_keys(game, combo, first_draw, len(expire_at))]
-        return self.fcall(
-            "capsvc_reserve", keys, [who, stake, cap, close_ms, min_stake, *expire_at]
-        )
+    def reserve(self, game: str, combo: str, record: bytes, stake: int, cap: int,
+                min_stake: int, first_draw: int, expire_at: list[int], close_ms: int
+                ) -> asyncio.Future[Any]:
+        """Count `stake` on every draw of the grid, or none; `close_ms=0` seals instead."""
+        keys = bucket_keys(game, combo, first_draw, len(expire_at))
+        return self.fcall("capsvc_reserve", keys,
+                          [record, combo, stake, cap, close_ms, min_stake, *expire_at])
 
-    def release(
-        self, game: str, combo: str, who: str, cap: int, min_stake: int, first_draw: int,
-        draws: int,
-    ) -> asyncio.Future[Any]:
-        keys = [hold_key(game, combo), *counter_keys(game, combo, first_draw, draws)]
-        return self.fcall("capsvc_release", keys, [who, cap, min_stake])
+    def release(self, game: str, combo: str, record: bytes, cap: int, min_stake: int,
+                first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Any]:
+        keys = bucket_keys(game, combo, first_draw, draws)
+        return self.fcall("capsvc_release", keys, [record, combo, cap, min_stake, expire_at])
 
-    def counters(self, game: str, combo: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
-        return self.redis.submit("MGET", *counter_keys(game, combo, first_draw, draws))
+    def counters(self, game: str, combo: str, first_draw: int, draws: int
+                 ) -> list[asyncio.Future[Any]]:
+        """The counter of `combo` on each draw (one HGET each: one key each)."""
+        return [self.redis.submit("HGET", key, combo)
+                for key in bucket_keys(game, combo, first_draw, draws)]
 
     def counters_of(self, game: str, draw: int, combos: list[str]) -> list[asyncio.Future[Any]]:
-        """Counters of several combinations for one draw (one GET each: several slots)."""
-        return [self.redis.submit("GET", counter_keys(game, c, draw, 1)[0]) for c in combos]
+        """Counters of several combinations for one draw."""
+        return [self.redis.submit("HGET", bucket_keys(game, c, draw, 1)[0], c) for c in combos]
 
     def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int) -> None:
         """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
@@ -182,25 +194,14 @@ class Store:
     # -- draws -----------------------------------------------------------------------------
 
     def stops(self, game: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
-        """When sales of each draw were stopped by an admin (ms), or None."""
-        return self.redis.submit(
-            "MGET", *[stop_key(game, d) for d in range(first_draw, first_draw + draws)]
-        )
+        """HMGET of the stops of each draw (decode with `stop_instants`)."""
+        return self.redis.submit("HMGET", stops_key(game),
+                                 *range(first_draw, first_draw + draws))
 
-    async def stop(self, game: str, draw: int, at_ms: int, expire_at: int) -> None:
-        """Stop sales of a draw from `at_ms` on (the first stop wins; idempotent).
-
-        The stop is copied into every ticket slot, where the claim checks it atomically;
-        the game-wide key, written last, is what status reads see.
-        """
-        copies = [
-            self.redis.submit("SET", stop_copy_key(b, game, draw), at_ms, "NX", "PXAT",
-                              expire_at)
-            for b in range(TICKET_BUCKETS)
-        ]
-        for f in copies:
-            await f
-        await self.redis.submit("SET", stop_key(game, draw), at_ms, "NX", "PXAT", expire_at)
+    async def stop(self, game: str, draw: int, expire_at: int) -> int:
+        """Stop sales of a draw now, by Redis TIME (the first stop wins; idempotent).
+        Returns the instant sales stopped."""
+        return int(await self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at]))
 
 
 def limit_key(player: str) -> str:
@@ -224,13 +225,20 @@ class PlayerStore:
         self.redis = store.redis
 
     def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,
-                shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
+                shares: list[tuple[str, int]], *, seal: bool = False) -> asyncio.Future[Any]:
         """Take `shares` ((day, amount) pairs) from the player's budgets, all or nothing;
-        `expire_at=0` only reads what `ref` took."""
+        `seal=True` (the janitor) makes sure `ref` can take nothing any more."""
         keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
         return self.fcall("capsvc_budget", keys, [
-            ref, regulatory, expire_at, *[day for day, _ in shares],
-            *[amount for _, amount in shares]])
+            ref, regulatory, expire_at, "seal" if seal else "take",
+            *[day for day, _ in shares], *[amount for _, amount in shares]])
+
+    def stake(self, player: str, ref: str, regulatory: int, expire_at: int, days: list[str],
+              amount: int) -> asyncio.Future[Any]:
+        """Another game's stake, on `days[0]` (today), idempotent by `ref` over the two
+        days before as well."""
+        keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+        return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
 
     def settle(self, player: str, ref: str, shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
         """Make `ref` hold exactly `shares` (amount 0: give back); idempotent."""

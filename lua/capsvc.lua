@@ -2,26 +2,61 @@
 --[[
 capsvc's atomic steps, as one Redis Functions library (FUNCTION LOAD REPLACE at start,
 FCALL on the hot path). Functions rather than EVALSHA: the library is persisted in the
-AOF/RDB and replicated, so a restarted or promoted Redis has it without a reload, and
-redis-py's cluster pipeline accepts FCALL (it refuses evalsha).
+AOF/RDB and replicated, so a restarted or promoted Redis has it without a reload, and a
+cluster pipeline accepts FCALL.
 
-Every function touches keys of one hash slot only (they share a {hash tag}):
-  ticket record   t:{t:NN}:<channel>/<ticket id>   hash   st, fp, at, sale, body, released
-  pending index   p:{t:NN}                          zset   ticket key -> claim time (ms)
-  stop-sale       s:{t:NN}:<game>:<draw>            string when an admin stopped the draw
-                  (written into every ticket slot, so the claim checks it atomically)
-  holds           h:{<game>:<combination>}          hash   <channel>/<ticket>/<grid> -> record
-  counters        c:{<game>:<combination>}:<draw>   string cumulative stake (minor units)
+THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}).
+
+  ticket record  t:{t:NN}:<channel>/<ticket id>  hash   st, fp, at, sid, sale, body, ca, rel
+                 TTL: close of the ticket's last draw + retention.
+  pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
+                 every ticket that may need the janitor (claimed, or being cancelled)
+  counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
+                   <combination>             -> cumulative stake (minor units)
+                   "\0" <sale id> <grid>     -> that grid's record (see RECORDS)
+                 TTL: close of <draw> + retention.
+  stops          s:{<game>}                        hash   <draw> -> "<instant>:<expiry>"
+  sold-out list  x:{<game>}:<draw>                 set    advisory, filtered on read
+  budgets        b:{pl:<player>}:<YYYY-MM-DD>      hash   spent, <ref> -> amount | R<room> | X
+  self-limit     l:{pl:<player>}                   hash   limit, next, from
+
+A combination is its sorted numbers, one byte each (1..99: never a zero byte), so a record
+field (which starts with a zero byte) can never be taken for a counter.
+
+WHY BUCKETS. Redis spends ~118 bytes on any key (dict entry, key, object, expiry entry),
+so a key per counter cannot get below that. A combination is hashed (crc32 of its bytes)
+to one of K = 1024 buckets per game and draw; a bucket is a small hash that Redis keeps as
+a listpack while it has at most hash-max-listpack-entries fields (deploy/redis.conf sets
+512: 256 combinations with one record each), at ~35-50 bytes per counter with its record.
+K = 1024 keeps buckets in listpack up to ~260,000 played combinations per draw with that
+setting (~65,000 with Redis's default of 128), while the O(fields) listpack scan of a
+bucket stays a few hundred bytes; past that, a bucket becomes a real hash: memory per
+counter rises toward the per-key figure but stays bounded by the draws retained. The hash
+tag {<game>:<bucket>} holds no draw, so every draw of one combination sits in one slot and
+a subscription grid is one atomic call; the draw is in the key name, so what a draw stored
+expires with it. K is part of the layout: changing it while a draw is on sale would split
+that draw's counters in two (it is a constant, not a setting).
+
+SALES. The claim mints a sale id (`sid`, 8 random-looking bytes derived from the ticket key
+and the claim instant, hex in the ticket record). Every grid record is keyed by sale id and
+grid index, so a ticket id used again after its retention is a new sale with new records,
+and every step that acts for a sale (reserve, release, finalize, unclaim, settle, cancel)
+names it and does nothing to another sale.
 
 Ticket states (field st): p = pending (claimed, decision not written), x = expired (the
-janitor is releasing it), f = final (body holds the decision), c = cancelled.
+janitor is settling it), f = final (body holds the decision), k = cancelling (decided at
+`ca`, giving back `rel`; a retry or the janitor finishes it), c = cancelled.
 
-A hold record is the stake a grid took on every draw of the ticket ("500"), or its
-rejection ("R<draw offset>:<remaining>"): a re-run returns the recorded outcome and never
-counts twice; a release gives back exactly the recorded stake, once.
+RECORDS (in the first draw's bucket of the grid; one per grid of a sale):
+  "<stake>"            accepted: every draw's counter grew by stake
+  "R<offset>:<room>"   rejected by the cap on draw first+offset, with its room then
+  "X"                  released, or sealed by the janitor before the grid was decided:
+                       a late reserve of that sale can no longer count it.
+A reserve re-run by the same sale returns the recorded outcome and never counts twice;
+a release gives back exactly the recorded stake, once.
 
-Instants are milliseconds since the Unix epoch; "now" is always Redis TIME, so the close
-of a draw is judged by one clock for every process.
+Instants are milliseconds since the Unix epoch; "now" is always Redis TIME, so closes,
+admin stops, pending deadlines and cancel deadlines are judged by one clock.
 ]]
 
 local function now_ms()
@@ -37,223 +72,284 @@ local function extend(key, at)
   end
 end
 
---[[ claim: KEYS ticket, pending, stop(draw 1), …, stop(draw n);
-ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms
-The stop keys are the admin stop-sales of the ticket's draws, copied into this slot.
-Returns {'new', at} | {'final', body} | {'pending', at, sale, stopped} | {'conflict'}
-| {'stale'} | {'closed', offset} (a draw is closed: nothing claimed; offset -1 when the
-first draw's close instant has passed, else the offset of the stopped draw). ]]
-local function first_stopped(keys)
-  for i = 3, #keys do
-    if redis.call('EXISTS', keys[i]) == 1 then
-      return i - 3
-    end
-  end
-  return nil
+--[[ index: KEYS pending; ARGV ticket key, instant, expire_at
+Registers a ticket that may need the janitor (before it is claimed or cancelled, so that
+no claimed ticket is ever missing from the index). ]]
+local function index(keys, args)
+  redis.call('ZADD', keys[1], 'NX', args[2], args[1])
+  extend(keys[1], tonumber(args[3]))
+  return 1
 end
 
+--[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms
+Returns {'new', at, sid} | {'final', body} | {'pending', at, sid, sale} | {'conflict'}
+| {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
+ticket replays at any time. Admin stops live in another slot: the caller reads them in
+the same round trip and forgets a new claim (`unclaim`) when a draw was stopped. ]]
 local function claim(keys, args)
-  local ticket, pending = keys[1], keys[2]
-  local now = now_ms()
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sale', 'body')
+  local ticket = keys[1]
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body')
   local st = rec[1]
   if not st then
     if now >= tonumber(args[3]) then
-      return {'closed', -1}
+      return {'closed'}
     end
-    local stopped = first_stopped(keys)
-    if stopped then
-      return {'closed', stopped}
-    end
-    local expire_at = tonumber(args[4])
-    redis.call('HSET', ticket, 'st', 'p', 'fp', args[1], 'at', now, 'sale', args[2])
-    redis.call('PEXPIREAT', ticket, expire_at)
-    redis.call('ZADD', pending, now, ticket)
-    extend(pending, expire_at)
-    return {'new', now}
+    local sid = string.sub(redis.sha1hex(ticket .. '\n' .. t[1] .. '.' .. t[2]), 1, 16)
+    redis.call('HSET', ticket, 'st', 'p', 'fp', args[1], 'at', now, 'sid', sid,
+               'sale', args[2])
+    redis.call('PEXPIREAT', ticket, tonumber(args[4]))
+    return {'new', now, sid}
   end
   if rec[2] ~= args[1] then
     return {'conflict'}
   end
-  if st == 'f' or st == 'c' then
-    return {'final', rec[5]}
+  if st == 'f' or st == 'k' or st == 'c' then
+    return {'final', rec[6]}
   end
   if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
-    return {'pending', tonumber(rec[3]), rec[4], first_stopped(keys) and 1 or 0}
+    return {'pending', tonumber(rec[3]), rec[4], rec[5]}
   end
   return {'stale'}
 end
 
---[[ finalize: KEYS ticket, pending; ARGV at, body
-Writes the decision of a pending (or expired) ticket claimed at `at`. Returns 1 if written. ]]
+--[[ finalize: KEYS ticket; ARGV sid, body
+Writes the decision of sale `sid` if it is still pending (or being settled).
+Returns 1 if written. ]]
 local function finalize(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'at')
+  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
   if (rec[1] == 'p' or rec[1] == 'x') and rec[2] == args[1] then
     redis.call('HSET', keys[1], 'st', 'f', 'body', args[2])
-    redis.call('ZREM', keys[2], keys[1])
     return 1
   end
   return 0
 end
 
---[[ unclaim: KEYS ticket, pending; ARGV at
-Forgets a pending or expired ticket claimed at `at` (its holds must be released first). ]]
+--[[ unclaim: KEYS ticket; ARGV sid
+Forgets sale `sid` while it is pending or being settled (what it took must be released
+first). Returns 1 if forgotten. ]]
 local function unclaim(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'at')
+  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
   if (rec[1] == 'p' or rec[1] == 'x') and rec[2] == args[1] then
     redis.call('DEL', keys[1])
+    return 1
   end
-  redis.call('ZREM', keys[2], keys[1])
-  return 1
+  return 0
 end
 
---[[ expire: KEYS ticket, pending; ARGV claimed_before_ms
-For the janitor: a ticket pending since before the cutoff becomes expired (no request may
-resume it any more). Returns {'x', at, sale} for the janitor to settle, or {} if there is
-nothing to do (the index entry is then dropped). ]]
+--[[ expire: KEYS ticket; ARGV deadline_ms
+For the janitor. A ticket pending for deadline_ms or more becomes expired (no request
+resumes it any more); a cancel left unfinished for deadline_ms is handed over too.
+Returns {'x', at, sid, sale} | {'k', at, sid, sale, body} to settle, {'wait'} when the
+ticket is not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sale')
-  if rec[1] == 'p' and tonumber(rec[2]) < tonumber(args[1]) then
+  local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sid', 'sale', 'body', 'ca')
+  local st = rec[1]
+  local now, deadline = now_ms(), tonumber(args[1])
+  if st == 'p' then
+    if now - tonumber(rec[2]) < deadline then
+      return {'wait'}
+    end
     redis.call('HSET', keys[1], 'st', 'x')
-    rec[1] = 'x'
+    st = 'x'
   end
-  if rec[1] == 'x' then
-    return {'x', rec[2], rec[3]}
+  if st == 'x' then
+    return {'x', rec[2], rec[3], rec[4]}
   end
-  if rec[1] ~= 'p' then
-    redis.call('ZREM', keys[2], keys[1])
+  if st == 'k' then
+    if now - tonumber(rec[6]) < deadline then
+      return {'wait'}
+    end
+    return {'k', rec[2], rec[3], rec[4], rec[5]}
   end
   return {}
 end
 
---[[ cancel: KEYS ticket; ARGV close_ms, released
-Marks a final ticket cancelled if the first draw is still open.
-Returns {'ok', released} (also on a replay) | {'closed'} | {'missing'} | {'undecided'}. ]]
+--[[ cancel: KEYS ticket; ARGV close_ms, stopped (1 if an admin stopped the first draw),
+released
+Decides the cancellation of a final ticket while its first draw is open: the ticket
+becomes `k` (cancelling) with the instant and the amount given back; the caller then
+releases the sale's records and calls `cancelled`. Returns {'k', at, released, sid} (also
+when an earlier cancel was interrupted) | {'c', at, released} | {'closed'} | {'missing'}
+| {'undecided'}. ]]
 local function cancel(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'released')
-  if not rec[1] then
+  local rec = redis.call('HMGET', keys[1], 'st', 'ca', 'rel', 'sid')
+  local st = rec[1]
+  if not st then
     return {'missing'}
   end
-  if rec[1] == 'c' then
-    return {'ok', tonumber(rec[2])}
+  if st == 'c' then
+    return {'c', tonumber(rec[2]), tonumber(rec[3])}
   end
-  if rec[1] ~= 'f' then
+  if st == 'k' then
+    return {'k', tonumber(rec[2]), tonumber(rec[3]), rec[4]}
+  end
+  if st ~= 'f' then
     return {'undecided'}
   end
-  if now_ms() >= tonumber(args[1]) then
+  local now = now_ms()
+  if args[2] == '1' or now >= tonumber(args[1]) then
     return {'closed'}
   end
-  redis.call('HSET', keys[1], 'st', 'c', 'released', args[2])
-  return {'ok', tonumber(args[2])}
+  redis.call('HSET', keys[1], 'st', 'k', 'ca', now, 'rel', args[3])
+  return {'k', now, tonumber(args[3]), rec[4]}
 end
 
--- Offsets of the counters whose room is now below the smallest stake (sold out).
-local function sold_out(counters, cap, min_stake)
+--[[ cancelled: KEYS ticket; ARGV sid
+Marks the cancel of sale `sid` complete (every record released). ]]
+local function cancelled(keys, args)
+  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
+  if rec[1] == 'k' and rec[2] == args[1] then
+    redis.call('HSET', keys[1], 'st', 'c')
+    return 1
+  end
+  return 0
+end
+
+-- Offsets of the draws whose room for `combo` is now below the smallest stake.
+local function sold_out(buckets, combo, cap, min_stake)
   local out = {}
-  local values = redis.call('MGET', unpack(counters))
-  for i = 1, #counters do
-    if cap - (tonumber(values[i]) or 0) < min_stake then
+  for i = 1, #buckets do
+    local total = tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    if cap - total < min_stake then
       out[#out + 1] = i - 1
     end
   end
   return out
 end
 
---[[ reserve: KEYS hold, counter(draw 1), …, counter(draw n);
-ARGV holder, stake, cap, close_ms, min_stake, expire_at(draw 1), …, expire_at(draw n)
-All or nothing over the n draws of one grid. Returns
-  {1, near, sold-out offsets…}
-                             accepted (now or by an earlier run): every counter grew by stake;
-                             `near` counts the counters this call brought to 80 % of the cap
-  {0, offset, remaining}     rejected: the draw at `offset` would overflow, with its room
-  {-1}                       no record and sales are closed: nothing counted
-With close_ms = 0 it only reads the recorded outcome (the janitor's question). ]]
-local function reserve(keys, args)
-  local hold, holder = keys[1], args[1]
-  local stake, cap, min_stake = tonumber(args[2]), tonumber(args[3]), tonumber(args[5])
-  local counters = {unpack(keys, 2)}
-  local prev = redis.call('HGET', hold, holder)
-  if prev then
-    if string.sub(prev, 1, 1) == 'R' then
-      local off, rem = string.match(prev, '^R(%d+):(%-?%d+)$')
-      return {0, tonumber(off), tonumber(rem)}
-    end
-    local out = sold_out(counters, cap, min_stake)
-    table.insert(out, 1, 0)
-    table.insert(out, 1, 1)
-    return out
+-- The reply for an existing record of a grid.
+local function recorded(buckets, combo, rec, cap, min_stake)
+  local kind = string.sub(rec, 1, 1)
+  if kind == 'X' then
+    return {-2}
   end
-  if now_ms() >= tonumber(args[4]) then
+  if kind == 'R' then
+    local off, room = string.match(rec, '^R(%d+):(%-?%d+)$')
+    return {0, tonumber(off), tonumber(room)}
+  end
+  local out = sold_out(buckets, combo, cap, min_stake)
+  table.insert(out, 1, 0)
+  table.insert(out, 1, 1)
+  return out
+end
+
+--[[ reserve: KEYS bucket(draw 1), …, bucket(draw n);
+ARGV record, combo, stake, cap, close_ms, min_stake, expire_at(draw 1), …, expire_at(draw n)
+All or nothing over the n draws of one grid of one sale. Returns
+  {1, near, sold-out offsets…}  accepted (now or by an earlier run of the same sale): every
+                                counter grew by stake; `near` counts the counters this call
+                                brought to 80 % of the cap
+  {0, offset, room}             rejected: the draw at `offset` would overflow
+  {-1}                          no record and sales are closed: nothing counted
+  {-2}                          the sale's record was released or sealed: nothing counted
+With close_ms = 0 it seals instead (the janitor): a grid with no record gets "X" and {-2}. ]]
+local function reserve(keys, args)
+  local first, field, combo = keys[1], args[1], args[2]
+  local stake, cap, min_stake = tonumber(args[3]), tonumber(args[4]), tonumber(args[6])
+  local close_ms = tonumber(args[5])
+  local rec = redis.call('HGET', first, field)
+  if rec then
+    return recorded(keys, combo, rec, cap, min_stake)
+  end
+  if close_ms == 0 then
+    redis.call('HSET', first, field, 'X')
+    redis.call('PEXPIREAT', first, tonumber(args[7]))
+    return {-2}
+  end
+  if now_ms() >= close_ms then
     return {-1}
   end
-  local values = redis.call('MGET', unpack(counters))
-  local last_expiry = 0
-  for i = 1, #counters do
-    local room = cap - (tonumber(values[i]) or 0)
+  for i = 1, #keys do
+    local room = cap - tonumber(redis.call('HGET', keys[i], combo) or '0')
     if stake > room then
-      redis.call('HSET', hold, holder, 'R' .. (i - 1) .. ':' .. room)
-      extend(hold, tonumber(args[5 + #counters]))
+      redis.call('HSET', first, field, 'R' .. (i - 1) .. ':' .. room)
+      redis.call('PEXPIREAT', first, tonumber(args[7]))
       return {0, i - 1, room}
     end
   end
   local out = {1, 0}
   local near = cap * 0.8
-  for i = 1, #counters do
-    local expire_at = tonumber(args[5 + i])
-    local total = redis.call('INCRBY', counters[i], stake)
-    if total == stake then
-      redis.call('PEXPIREAT', counters[i], expire_at)
-    end
+  for i = 1, #keys do
+    local total = redis.call('HINCRBY', keys[i], combo, stake)
+    redis.call('PEXPIREAT', keys[i], tonumber(args[6 + i]))
     if total >= near and total - stake < near then
       out[2] = out[2] + 1
     end
     if cap - total < min_stake then
       out[#out + 1] = i - 1
     end
-    if expire_at > last_expiry then
-      last_expiry = expire_at
-    end
   end
-  redis.call('HSET', hold, holder, stake)
-  extend(hold, last_expiry)
+  redis.call('HSET', first, field, stake)
   return out
 end
 
---[[ release: KEYS hold, counter(draw 1), …, counter(draw n); ARGV holder, cap, min_stake
-Gives back what the holder's record took, once. Returns {released stake, offsets that left
-the sold-out state…}; {0} when there is nothing (left) to give back. ]]
+--[[ release: KEYS bucket(draw 1), …, bucket(draw n);
+ARGV record, combo, cap, min_stake, expire_at(draw 1)
+Gives back what the sale's grid took, once, and leaves "X" so that a late reserve of the
+same sale cannot count it again (a grid never reserved is sealed the same way). Returns
+{released stake, offsets that left the sold-out state…}; {0} when nothing is given back. ]]
 local function release(keys, args)
-  local hold, holder = keys[1], args[1]
-  local cap, min_stake = tonumber(args[2]), tonumber(args[3])
-  local prev = redis.call('HGET', hold, holder)
-  if not prev then
+  local first, field, combo = keys[1], args[1], args[2]
+  local cap, min_stake = tonumber(args[3]), tonumber(args[4])
+  local rec = redis.call('HGET', first, field)
+  if not rec then
+    redis.call('HSET', first, field, 'X')
+    redis.call('PEXPIREAT', first, tonumber(args[5]))
     return {0}
   end
-  redis.call('HDEL', hold, holder)
-  if string.sub(prev, 1, 1) == 'R' then
+  local kind = string.sub(rec, 1, 1)
+  if kind == 'X' or kind == 'R' then
     return {0}
   end
-  local stake = tonumber(prev)
+  local stake = tonumber(rec)
+  redis.call('HSET', first, field, 'X')
   local out = {stake}
-  for i = 2, #keys do
-    if redis.call('EXISTS', keys[i]) == 1 then
-      local total = redis.call('DECRBY', keys[i], stake)
+  for i = 1, #keys do
+    -- The counter exists while its draw is retained (it holds at least this stake).
+    if redis.call('HEXISTS', keys[i], combo) == 1 then
+      local total = redis.call('HINCRBY', keys[i], combo, -stake)
+      if total <= 0 then
+        redis.call('HDEL', keys[i], combo)
+      end
       if cap - total >= min_stake and cap - (total + stake) < min_stake then
-        out[#out + 1] = i - 2
+        out[#out + 1] = i - 1
       end
     end
   end
   return out
 end
 
+--[[ stop: KEYS stops; ARGV draw, expire_at
+An admin stops sales of a draw now (Redis TIME; the first stop wins). Stops of draws whose
+retention has passed are pruned here, so the hash holds only draws still retained.
+Returns the instant sales stopped. ]]
+local function stop(keys, args)
+  local now = now_ms()
+  local existing = redis.call('HGET', keys[1], args[1])
+  if existing then
+    return tonumber(string.match(existing, '^(%d+)'))
+  end
+  local all = redis.call('HGETALL', keys[1])
+  for i = 1, #all, 2 do
+    local expiry = tonumber(string.match(all[i + 1], ':(%d+)$'))
+    if expiry <= now then
+      redis.call('HDEL', keys[1], all[i])
+    end
+  end
+  redis.call('HSET', keys[1], args[1], now .. ':' .. args[2])
+  extend(keys[1], tonumber(args[2]))
+  return now
+end
+
 --[[ Player budgets (games with a daily limit).
-  budget          b:{pl:<player>}:<YYYY-MM-DD>       hash   spent, <ref> -> amount | R<room>
-  self-limit      l:{pl:<player>}                     hash   limit, next, from
 A player's keys share one slot, so a subscription spread over several days is reserved on
-all of them atomically. `ref` identifies what took the budget (a ticket, another game's
-stake); its amount is recorded, so a re-run never charges twice and a settle adjusts to
-exactly what was accepted. The self-limit in force on day D is `next` if `from` <= D (a
-raise, or a removal when next is "none", takes effect the next day), else `limit`. ]]
+all of them atomically. `ref` identifies what took the budget (a sale: channel, ticket and
+sale id; another game's stake: channel and ref); its amount is recorded in the first day's
+hash, so a re-run never charges twice and a settle adjusts to exactly what was accepted.
+The self-limit in force on day D is `next` if `from` <= D (a raise, or a removal when next
+is "none", takes effect the next day), else `limit`. ]]
 
 local function self_limit(rec, day)
   local value = rec[1]
@@ -274,31 +370,47 @@ local function day_limit(rec, day, regulatory)
   return regulatory
 end
 
+-- The reply for what `ref` already holds in a day's hash (nil when nothing).
+local function budget_recorded(limit_rec, day_key, day, ref, regulatory)
+  local prev = redis.call('HGET', day_key, ref)
+  if not prev then
+    return nil
+  end
+  local kind = string.sub(prev, 1, 1)
+  if kind == 'X' then
+    return {-2}
+  end
+  if kind == 'R' then
+    return {0, tonumber(string.sub(prev, 2))}
+  end
+  local spent = tonumber(redis.call('HGET', day_key, 'spent') or '0')
+  return {1, day_limit(limit_rec, day, regulatory) - spent}
+end
+
 --[[ budget: KEYS limit, day(1), …, day(m);
-ARGV ref, regulatory, expire_at, day(1)…day(m), amount(1)…amount(m)
-All or nothing over the m days. Returns {1, room left on day 1} | {0, room on the day that
-refused}; a re-run returns the recorded outcome. With expire_at = 0 it only reads: {-1}
-when `ref` took nothing yet. ]]
+ARGV ref, regulatory, expire_at, mode, day(1)…day(m), amount(1)…amount(m)
+mode "take": all or nothing over the m days. Returns {1, room left on day 1} | {0, room on
+the day that refused}; a re-run returns the recorded outcome; {-2} when the janitor sealed
+`ref`. mode "seal" (the janitor): when `ref` took nothing yet, records "X" so that a late
+take cannot charge, and returns {-2}. ]]
 local function budget(keys, args)
   local ref, regulatory, expire_at = args[1], tonumber(args[2]), tonumber(args[3])
   local m = #keys - 1
   local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
-  local prev = redis.call('HGET', keys[2], ref)
+  local prev = budget_recorded(rec, keys[2], args[5], ref, regulatory)
   if prev then
-    if string.sub(prev, 1, 1) == 'R' then
-      return {0, tonumber(string.sub(prev, 2))}
-    end
-    local spent = tonumber(redis.call('HGET', keys[2], 'spent') or '0')
-    return {1, day_limit(rec, args[4], regulatory) - spent}
+    return prev
   end
-  if expire_at == 0 then
-    return {-1}
+  if args[4] == 'seal' then
+    redis.call('HSET', keys[2], ref, 'X')
+    extend(keys[2], expire_at)
+    return {-2}
   end
   local rooms = {}
   for i = 1, m do
     local spent = tonumber(redis.call('HGET', keys[1 + i], 'spent') or '0')
-    local room = day_limit(rec, args[3 + i], regulatory) - spent
-    if tonumber(args[3 + m + i]) > room then
+    local room = day_limit(rec, args[4 + i], regulatory) - spent
+    if tonumber(args[4 + m + i]) > room then
       redis.call('HSET', keys[2], ref, 'R' .. room)
       extend(keys[2], expire_at)
       return {0, room}
@@ -306,12 +418,31 @@ local function budget(keys, args)
     rooms[i] = room
   end
   for i = 1, m do
-    local amount = tonumber(args[3 + m + i])
+    local amount = tonumber(args[4 + m + i])
     redis.call('HINCRBY', keys[1 + i], 'spent', amount)
     redis.call('HSET', keys[1 + i], ref, amount)
     extend(keys[1 + i], expire_at)
   end
-  return {1, rooms[1] - tonumber(args[4 + m])}
+  return {1, rooms[1] - tonumber(args[5 + m])}
+end
+
+--[[ stake: KEYS limit, today, yesterday, the day before; ARGV ref, regulatory, expire_at,
+today, amount
+A stake played on another game, idempotent by `ref` for at least 48 hours across
+midnight: a ref recorded on one of the two days before answers as recorded. ]]
+local function stake(keys, args)
+  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  for i = 3, 4 do
+    local prev = budget_recorded(rec, keys[i], args[4], args[1], tonumber(args[2]))
+    if prev then
+      if prev[1] == 1 then  -- the room is today's
+        local spent = tonumber(redis.call('HGET', keys[2], 'spent') or '0')
+        return {1, day_limit(rec, args[4], tonumber(args[2])) - spent}
+      end
+      return prev
+    end
+  end
+  return budget({keys[1], keys[2]}, {args[1], args[2], args[3], 'take', args[4], args[5]})
 end
 
 --[[ settle: KEYS day(1), …, day(m); ARGV ref, amount(1), …, amount(m)
@@ -322,7 +453,8 @@ local function settle(keys, args)
   local given = 0
   for i = 1, #keys do
     local prev = redis.call('HGET', keys[i], ref)
-    if prev and string.sub(prev, 1, 1) ~= 'R' then
+    local kind = prev and string.sub(prev, 1, 1)
+    if prev and kind ~= 'R' and kind ~= 'X' then
       local diff = tonumber(args[1 + i]) - tonumber(prev)
       if diff ~= 0 then
         redis.call('HINCRBY', keys[i], 'spent', diff)
@@ -377,14 +509,18 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
-redis.register_function('capsvc_budget', budget)
-redis.register_function('capsvc_settle', settle)
-redis.register_function('capsvc_set_limit', set_limit)
-redis.register_function('capsvc_player', player)
+redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
 redis.register_function('capsvc_expire', expire)
 redis.register_function('capsvc_cancel', cancel)
+redis.register_function('capsvc_cancelled', cancelled)
 redis.register_function('capsvc_reserve', reserve)
 redis.register_function('capsvc_release', release)
+redis.register_function('capsvc_stop', stop)
+redis.register_function('capsvc_budget', budget)
+redis.register_function('capsvc_stake', stake)
+redis.register_function('capsvc_settle', settle)
+redis.register_function('capsvc_set_limit', set_limit)
+redis.register_function('capsvc_player', player)

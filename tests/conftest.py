@@ -145,6 +145,7 @@ def two_services(redis_backend: RedisServer | RedisCluster, redis_db: Any) -> It
 
 async def start_service(svc: Service) -> tuple[web.AppRunner, str]:
     await svc.store.load_library()
+    await svc.usecases.clock.sync()
     runner = web.AppRunner(svc.app, access_log=None)
     await runner.setup()
     port = free_port()

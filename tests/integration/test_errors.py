@@ -56,6 +56,16 @@ CASES: list[tuple[str, Any, str, int, str, str | None]] = [
      "$.first_draw"),
     ("player_id bad chars", ticket(player_id="P 1"), "fr", 422, "invalid_request",
      "$.player_id"),
+    ("ticket_id trailing newline", ticket(ticket_id="N-4\n"), "fr", 422, "invalid_request",
+     "$.ticket_id"),
+    ("ticket_id trailing CR", ticket(ticket_id="N-4\r"), "fr", 422, "invalid_request",
+     "$.ticket_id"),
+    ("ticket_id NUL", ticket(ticket_id="N-4\x00"), "fr", 422, "invalid_request", "$.ticket_id"),
+    ("ticket_id leading newline", ticket(ticket_id="\nN-4"), "fr", 422, "invalid_request",
+     "$.ticket_id"),
+    ("player_id trailing newline", ticket([{"numbers": TEN, "stake": 250}], game="lnm-keno",
+                                          player_id="P-9\n"), "ma", 422, "invalid_request",
+     "$.player_id"),
     ("stake not allowed", with_grid(stake=700), "fr", 422, "stake_not_allowed",
      "$.grids[0].stake"),
     ("negative stake", with_grid(stake=-500), "fr", 422, "stake_not_allowed",
@@ -146,3 +156,81 @@ async def test_request_id_is_returned(client: Client) -> None:
     second = await client.get("/healthz", token=None)
     assert first.headers["X-Request-ID"] != second.headers["X-Request-ID"]
     assert " " not in first.headers["X-Request-ID"]
+
+
+def snapshot(db: Any) -> dict[bytes, Any]:
+    """Every key of the test's Redis with its dump: proof that nothing was written."""
+    return {k: db.dump(k) for k in sorted(db.scan_iter(count=1000))}
+
+
+async def test_ticket_id_with_a_newline_is_not_another_ticket(client: Client,
+                                                              redis_db: Any) -> None:
+    """"N-4\\n" is refused (422) in the body and the path; "N-4" is untouched."""
+    body = ticket(ticket_id="N-4")
+    sold = await client.sell(body)
+    assert (sold.status, sold.body["status"]) == (200, "accepted"), sold.body
+    before = snapshot(redis_db)
+    again = await client.sell(dict(body, ticket_id="N-4\n"))
+    assert again.status == 422
+    assert again.body["error"]["code"] == "invalid_request"
+    assert again.body["error"]["path"] == "$.ticket_id"
+    assert "[A-Za-z0-9._:-]" in again.body["error"]["message"]
+    for method, path in (("GET", "/v1/tickets/N-4%0A"), ("GET", "/v1/tickets/N-4%0D"),
+                         ("GET", "/v1/tickets/N-4%00"), ("GET", "/v1/tickets/%0AN-4"),
+                         ("POST", "/v1/tickets/N-4%0A/cancel")):
+        reply = await client.request(method, path)
+        assert reply.status in (404, 422), (path, reply.body)
+        assert reply.body["error"]["code"] in ("not_found", "invalid_request"), path
+        if reply.status == 422:
+            assert reply.body["error"]["path"] == "ticket_id", path
+    assert snapshot(redis_db) == before
+    assert (await client.get("/v1/tickets/N-4")).body == sold.body
+
+
+async def test_player_id_with_a_newline_gets_no_budget(client: Client, redis_db: Any) -> None:
+    """Once "P-9" is refused, "P-9\\n" is 422 on every route and spends nothing."""
+    ok = await client.post("/v1/players/P-9/stakes",
+                           {"ref": "r-1", "game": "loto", "amount": 4_000_000}, token="ma")
+    assert ok.body["status"] == "accepted", ok.body
+    refused = await client.post("/v1/players/P-9/stakes",
+                                {"ref": "r-2", "game": "loto", "amount": 1}, token="ma")
+    assert refused.body == {"status": "rejected", "remaining": 0}
+    before = snapshot(redis_db)
+    for method, path, payload in (
+            ("POST", "/v1/players/P-9%0A/stakes", {"ref": "r-3", "game": "loto", "amount": 1}),
+            ("PUT", "/v1/players/P-9%0A/limit", {"daily": 1000}),
+            ("GET", "/v1/players/P-9%0A", None),
+            ("GET", "/v1/players/P-9%0D", None),
+            ("GET", "/v1/players/P-9%00", None)):
+        reply = await client.request(method, path, payload, token="ma")
+        assert reply.status == 422, (path, reply.body)
+        assert reply.body["error"]["code"] == "invalid_request"
+        assert reply.body["error"]["path"] == "player_id"
+    bad_ref = await client.post("/v1/players/P-8/stakes",
+                                {"ref": "r-1\n", "game": "loto", "amount": 1}, token="ma")
+    assert (bad_ref.status, bad_ref.body["error"]["path"]) == (422, "$.ref")
+    sale = await client.sell(ticket([{"numbers": TEN, "stake": 250}], game="lnm-keno",
+                                    player_id="P-9\n"), token="ma")
+    assert (sale.status, sale.body["error"]["path"]) == (422, "$.player_id")
+    assert snapshot(redis_db) == before
+
+
+async def test_draw_and_numbers_path_parameters_are_matched_whole(client: Client,
+                                                                   redis_db: Any) -> None:
+    """A newline or non-ASCII digit in game, draw or numbers is 404 or 422, never 500."""
+    draw = await client.current()
+    numbers = "-".join(map(str, TEN))
+    base = f"/v1/games/fdj-keno/draws/{draw}/combinations/"
+    for suffix in ("%0A", "%0D", "%00"):
+        reply = await client.get(base + numbers + suffix)
+        assert (reply.status, reply.body["error"]["path"]) == (422, "numbers"), reply.body
+    for odd in ("%C2%B2", "%D9%A3"):  # superscript two, Arabic-Indic three
+        reply = await client.get(base + odd + "-7-12-18-25-33-41-56")
+        assert (reply.status, reply.body["error"]["code"]) == (422, "invalid_request")
+    for path in (f"/v1/games/fdj-keno/draws/{draw}%0A", f"/v1/games/fdj-keno%0A/draws/{draw}",
+                 f"/v1/games/fdj-keno/draws/{draw}%0A/combinations/{numbers}",
+                 "/v1/games/fdj-keno%0A/draws/current"):
+        reply = await client.get(path, token="admin")
+        assert (reply.status, reply.body["error"]["code"]) == (404, "not_found"), path
+    assert (await client.get(base + numbers)).status == 200
+    assert redis_db.dbsize() == 0

@@ -102,7 +102,7 @@ async def test_request_timeout_answers_503(service: tuple[Service, str], client:
     async def hang(*args: object) -> None:
         await asyncio.sleep(60)
 
-    monkeypatch.setattr(svc.sales, "sell", hang)
+    monkeypatch.setattr(svc.usecases.tickets, "sell", hang)
     started = time.monotonic()
     reply = await client.sell(ticket())
     assert reply.status == 503
@@ -122,7 +122,7 @@ async def test_requests_beyond_max_in_flight_are_shed(settings: Settings,
         await asyncio.sleep(0.5)
         raise rule_error("draw_closed", "slow and refused")
 
-    svc.sales.sell = slow  # type: ignore[method-assign]
+    svc.usecases.tickets.sell = slow  # type: ignore[method-assign]
     runner, url = await start_service(svc)
     try:
         async with aiohttp.ClientSession() as session:

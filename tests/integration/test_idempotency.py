@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
-
-from capsvc.calendar import now_ms
-from capsvc.models import TicketIn
-from capsvc.sales import Sales
-from capsvc.server import Service
 from tests.conftest import TEN, Client, ticket
 
 
@@ -84,15 +78,16 @@ async def test_twenty_concurrent_duplicates_count_once(client: Client) -> None:
     assert await client.staked(TEN[:9], draw) == 200
 
 
-async def test_replay_after_the_draw_closed_returns_the_decision(
-        service: tuple[Service, str], client: Client) -> None:
-    """A day later, the same ticket (explicit first draw) still gets its decision back."""
-    svc, _ = service
+async def test_replay_after_the_draw_closed_returns_the_decision(client: Client) -> None:
+    """Once its draw is closed, the same ticket (explicit first draw) still gets its
+    decision back, byte for byte, while a new ticket for that draw is refused."""
     draw = await client.current()
     body = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw)
     sold = await client.sell(body)
-    later = Sales(svc.settings, svc.store, lambda: now_ms() + 86_400_000)
-    channel = next(c for c in svc.settings.channels if c.id == "fr-retail")
-    outcome = await later.sell(channel, msgspec.convert(body, TicketIn))
-    assert outcome.replayed
-    assert outcome.body == sold.raw
+    closed = await client.post(f"/v1/games/fdj-keno/draws/{draw}/close", token="admin")
+    assert closed.status == 200
+    replay = await client.sell(body)
+    assert (replay.status, replay.raw) == (200, sold.raw)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    late = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw))
+    assert (late.status, late.body["error"]["code"]) == (422, "draw_closed")

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import redis
 
-from capsvc.calendar import now_ms
 from capsvc.errors import Unavailable
-from capsvc.sales import Sales
+from capsvc.janitor import Janitor
 from capsvc.server import Service
 from tests.conftest import TEN, Client, ticket
 
 
-def janitor_later(svc: Service, seconds: int = 3600) -> Sales:
-    """The same service's use-cases with a clock far enough ahead to pass the deadline."""
-    return Sales(svc.settings, svc.store, lambda: now_ms() + seconds * 1000)
+def janitor_later(svc: Service) -> Janitor:
+    """The service's janitor as it acts once the deadline has passed (time is Redis TIME,
+    which a test cannot move: the deadline is moved to now instead)."""
+    janitor = copy.copy(svc.usecases.janitor)
+    janitor.deadline_ms = 0
+    return janitor
 
 
 def fail_second_reserve(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,14 +66,14 @@ async def test_janitor_releases_an_abandoned_sale(
     fail_second_reserve(svc, monkeypatch)
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
-    assert await Sales(svc.settings, svc.store, now_ms).settle_pending() == 0  # not yet due
-    assert await janitor_later(svc).settle_pending() == 1
+    assert await svc.usecases.janitor.run_once() == 0  # not yet due
+    assert await janitor_later(svc).run_once() == 1
     assert await client.staked(TEN, draw) == 0
     assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 404
     retry = await client.sell(body)
     assert retry.body["status"] == "accepted"
     assert await client.staked(TEN, draw) == 500
-    assert await janitor_later(svc).settle_pending() == 0
+    assert await janitor_later(svc).run_once() == 0
 
 
 async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
@@ -88,7 +91,7 @@ async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
     assert replay.headers["Idempotent-Replayed"] == "true"
     monkeypatch.undo()
     assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 409
-    assert await janitor_later(svc).settle_pending() == 1
+    assert await janitor_later(svc).run_once() == 1
     got = await client.get(f"/v1/tickets/{body['ticket_id']}")
     assert got.status == 200
     assert got.raw == answered.raw
@@ -107,8 +110,8 @@ async def test_janitor_gives_an_abandoned_sale_budget_back(
     monkeypatch.undo()
     state = await client.get("/v1/players/P-J", token="ma")
     assert state.body["spent"] == 1500
-    assert await janitor_later(svc).settle_pending() == 1
-    assert await janitor_later(svc).settle_pending() == 0
+    assert await janitor_later(svc).run_once() == 1
+    assert await janitor_later(svc).run_once() == 0
     state = await client.get("/v1/players/P-J", token="ma")
     assert state.body["spent"] == 0
     assert await client.staked(TEN, await client.current("lnm-keno"), game="lnm-keno") == 0

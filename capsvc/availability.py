@@ -1,0 +1,76 @@
+"""The availability use-cases: can a combination still be played, the sold-out list.
+
+Advisory reads of the counters: nothing here counts or reserves anything.
+"""
+
+from __future__ import annotations
+
+from capsvc import combination
+from capsvc.draws import Draws
+from capsvc.games import Game
+from capsvc.ledger import replies_of
+from capsvc.models import (
+    AvailabilityGridOut,
+    AvailabilityIn,
+    AvailabilityOut,
+    CappedOut,
+    CombinationOut,
+)
+from capsvc.store import Store
+from capsvc.validator import parse_numbers_path, validate_availability
+
+
+class Availability:
+    """Reads of the counters for terminals."""
+
+    def __init__(self, store: Store, draws: Draws) -> None:
+        self.store = store
+        self.draws = draws
+
+    async def combination(self, game: Game, draw: int, numbers_text: str) -> CombinationOut:
+        rules = game.rules
+        numbers = parse_numbers_path(rules, numbers_text)
+        game.check_draw(draw)
+        if not rules.is_capped(len(numbers)):
+            return CombinationOut(numbers=list(numbers), draw=draw, cap=None, staked=None,
+                                  remaining=None, selectable=True)
+        cap = rules.cap_limit or 0
+        (raw,) = await replies_of(self.store.counters(rules.id, combination.encode(numbers),
+                                                      draw, 1))
+        staked = int(raw or 0)
+        return CombinationOut(numbers=list(numbers), draw=draw, cap=cap, staked=staked,
+                              remaining=cap - staked, selectable=cap - staked >= rules.min_stake)
+
+    async def availability(self, game: Game, a: AvailabilityIn) -> AvailabilityOut:
+        rules = game.rules
+        probes = validate_availability(rules, a)
+        first = a.first_draw if a.first_draw is not None else await self.draws.current_draw(game)
+        self.draws.check_window(game, first)
+        cap = rules.cap_limit or 0
+        queued = [self.store.counters(rules.id, p.combo, first, a.draws) if p.capped else None
+                  for p in probes]  # every read in one round trip
+        counters = [None if q is None else await replies_of(q) for q in queued]
+        grids = []
+        for p, values in zip(probes, counters, strict=True):
+            out = AvailabilityGridOut(index=p.index, available=True)
+            for offset, raw in enumerate(values or ()):
+                room = cap - int(raw or 0)
+                if p.stake > room:
+                    out = AvailabilityGridOut(index=p.index, available=False,
+                                              draw=first + offset, remaining=room)
+                    break
+            grids.append(out)
+        return AvailabilityOut(grids=grids)
+
+    async def sold_out(self, game: Game, draw: int) -> CappedOut:
+        """The draw's sold-out combinations, each checked against its counter."""
+        rules = game.rules
+        game.check_draw(draw)
+        members = sorted(await self.store.sold_out(rules.id, draw))
+        values = await replies_of(self.store.counters_of(rules.id, draw,
+                                                         [m.decode() for m in members]))
+        cap = rules.cap_limit or 0
+        return CappedOut(draw=draw, combinations=[
+            combination.decode(m) for m, v in zip(members, values, strict=True)
+            if cap - int(v or 0) < rules.min_stake
+        ])

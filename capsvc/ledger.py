@@ -1,0 +1,104 @@
+"""The Redis steps that act for one sale: its budget, its grids, giving them back.
+
+Shared by the sale, the cancel and the janitor, so that all three take and give back
+exactly the same way. Every step names the sale (its id, minted by the claim): a record
+of another sale, even under the same ticket id, is never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from capsvc.decisions import BudgetPlan, budget_plan
+from capsvc.games import Game
+from capsvc.store import PlayerStore, Store, record_field
+from capsvc.validator import Sale
+
+
+class Ledger:
+    """A sale's budget and grid records, over the store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.players = PlayerStore(store)
+
+    def plan(self, channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
+             ) -> BudgetPlan | None:
+        assert sale.first_draw is not None
+        return budget_plan(channel_id, game.rules, game.calendar, sale, sale_id, at,
+                           game.expire_at(sale.first_draw + sale.draws - 1))
+
+    def take_budget(self, plan: BudgetPlan, *, seal: bool = False) -> asyncio.Future[Any]:
+        """Reserve the requested cost (or, `seal`, make sure the sale takes nothing more)."""
+        return self.players.reserve(plan.player, plan.ref, plan.regulatory, plan.until,
+                                    plan.requested, seal=seal)
+
+    def settle_budget(self, plan: BudgetPlan | None, sale: Sale, accepted: set[int]
+                      ) -> asyncio.Future[Any] | None:
+        """Make the budget hold what the `accepted` grids cost (nothing to do: None)."""
+        if plan is None:
+            return None
+        shares = plan.shares(sale, accepted)
+        if shares == plan.requested:
+            return None
+        return self.players.settle(plan.player, plan.ref, shares)
+
+    async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
+                          ) -> list[Any]:
+        """Reserve every capped grid at once; one reply per grid (None: not capped).
+        `close_ms=0` seals instead: a grid not decided yet can no longer be counted."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        expire_at = game.expiries(sale.first_draw, sale.draws)
+        return await replies_of([
+            self.store.reserve(rules.id, g.combo, record_field(sale_id, g.index), g.stake,
+                               rules.cap_limit or 0, rules.min_stake, sale.first_draw,
+                               expire_at, close_ms)
+            if g.capped else None
+            for g in sale.grids
+        ])
+
+    async def release_all(self, game: Game, sale: Sale, sale_id: str) -> int:
+        """Give back what every capped grid of the sale took, and seal the ones that took
+        nothing (idempotent: once per grid). Returns the stake given back."""
+        rules = game.rules
+        first = sale.first_draw
+        assert first is not None
+        grids = [g for g in sale.grids if g.capped]
+        replies = await replies_of([
+            self.store.release(rules.id, g.combo, record_field(sale_id, g.index),
+                               rules.cap_limit or 0, rules.min_stake, first, sale.draws,
+                               game.expire_at(first))
+            for g in grids
+        ])
+        released = 0
+        for g, reply in zip(grids, replies, strict=True):
+            released += int(reply[0])
+            for offset in reply[1:]:
+                self.store.unmark_sold_out(rules.id, first + offset, g.combo)
+        return released
+
+    async def give_back(self, game: Game, sale: Sale, sale_id: str, plan: BudgetPlan | None
+                        ) -> None:
+        """Release every grid and the whole budget of a sale."""
+        await self.release_all(game, sale, sale_id)
+        settled = self.settle_budget(plan, sale, set())
+        if settled is not None:
+            await settled
+
+
+async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:
+    """Await queued calls together (None stays None). Every failure is retrieved; the
+    first one is raised once all have settled."""
+    queued = [f for f in futures if f is not None]
+    if len(queued) == 1:  # the common case: no gathering needed
+        await queued[0]
+    elif queued:
+        await asyncio.gather(*queued, return_exceptions=True)
+        for f in queued:
+            error = f.exception()
+            if error is not None:
+                raise error
+    return [None if f is None else f.result() for f in futures]

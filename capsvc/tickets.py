@@ -1,0 +1,258 @@
+"""The tickets use-cases: sell, look up, cancel.
+
+A sale takes two dependent Redis steps: claim the ticket id (refusing a different body
+under the same id; the claim mints the sale id that fences every later step), then reserve
+every capped grid, all grids at once. The decision is built from what those steps returned
+and written back without making the client wait: if that write is lost, a replay rebuilds
+the identical body from the same records, and the janitor finalizes the ticket.
+
+When the janitor has taken a sale over (it sealed a grid or the budget that the request had
+not reached yet), the request's step answers "released": the request then claims again,
+and answers what the janitor decided, or runs as a new sale if the janitor forgot it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC
+
+import msgspec
+
+from capsvc.clock import RedisClock
+from capsvc.config import Channel, Settings
+from capsvc.decisions import (
+    ACCEPTED,
+    CLOSED,
+    RELEASED,
+    accepted_grids,
+    build_decision,
+    cancel_refusal,
+    player_limit_decision,
+    with_cancellation,
+)
+from capsvc.draws import Draws
+from capsvc.errors import ApiError, not_found, rule_error, unavailable
+from capsvc.games import Catalog, Game, require_scope
+from capsvc.ledger import Ledger
+from capsvc.models import CancelOut, TicketIn, TicketOut
+from capsvc.store import Store, stop_instants, ticket_key
+from capsvc.validator import Sale, validate_ticket
+
+_encode = msgspec.json.encode
+_sale_decoder = msgspec.json.Decoder(Sale)
+_ticket_decoder = msgspec.json.Decoder(TicketOut)
+_ATTEMPTS = 4
+"""Claims per request: a defaulted first draw that just closed moves on, a sale the janitor
+took over is claimed again."""
+
+
+@dataclass(slots=True)
+class SaleOutcome:
+    """What the HTTP layer answers for a sale."""
+
+    body: bytes
+    replayed: bool
+    ticket: TicketOut | None = None
+    """The decision, when it was made by this call (for metrics); None on a stored replay."""
+    near_cap: int = 0
+    """Counters this sale brought to 80 % of their cap."""
+    sold_out: int = 0
+    """Counters at their cap after this sale (room below the smallest stake)."""
+
+
+class _TakenOver(Exception):
+    """The janitor sealed a step of this sale: claim again."""
+
+
+class Tickets:
+    """Selling, looking up and cancelling tickets."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, draws: Draws, store: Store,
+                 ledger: Ledger, clock: RedisClock) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.draws = draws
+        self.store = store
+        self.ledger = ledger
+        self.clock = clock
+        # A request may resume a pending ticket only while the janitor cannot touch it.
+        self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
+
+    # -- sell ------------------------------------------------------------------------------
+
+    async def sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
+        game = self.catalog.game(t.game, channel, "sell")
+        sale = validate_ticket(game.rules, t)
+        key = ticket_key(channel.id, t.ticket_id)
+        defaulted = sale.first_draw is None
+        first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
+        assert first is not None
+        for _ in range(_ATTEMPTS):
+            self.draws.check_horizon(game, first)
+            stored = msgspec.structs.replace(sale, first_draw=first)
+            close_ms = game.calendar.close_ms(first)
+            expire_at = game.expire_at(first + sale.draws - 1)
+            # One round trip: index the ticket for the janitor, read the admin stops,
+            # claim. The claim is the only write that decides.
+            indexed = self.store.index(key, self.clock.now(), expire_at)
+            stops_reply = self.store.stops(game.rules.id, first, sale.draws)
+            claim = await self.store.claim(key, sale.fingerprint, _encode(stored), close_ms,
+                                           expire_at, self.stale_after_ms)
+            await indexed
+            stops = stop_instants(await stops_reply)
+            kind = claim[0]
+            try:
+                if kind == b"new":
+                    at, sale_id = int(claim[1]), claim[2].decode()
+                    stopped = next((i for i, s in enumerate(stops) if s is not None), None)
+                    if stopped is None:
+                        return await self._decide(channel, game, key, stored, sale_id, at,
+                                                  close_ms, replayed=False)
+                    await self.store.unclaim(key, sale_id)  # nothing was counted
+                    if not defaulted or stopped > 0:
+                        raise _closed(first + stopped)
+                    first += 1
+                    continue
+                if kind == b"final":
+                    return SaleOutcome(body=claim[1], replayed=True)
+                if kind == b"pending":
+                    # A retry, or a concurrent duplicate: re-running the steps returns what
+                    # they recorded. After an admin stop they may only read what exists.
+                    resumed = _sale_decoder.decode(claim[3])
+                    assert resumed.first_draw is not None
+                    resumed_close = game.calendar.close_ms(resumed.first_draw)
+                    if resumed.first_draw == first and stops[0] is not None:
+                        resumed_close = min(resumed_close, stops[0])
+                    return await self._decide(channel, game, key, resumed, claim[2].decode(),
+                                              int(claim[1]), resumed_close, replayed=True)
+            except _TakenOver:
+                continue
+            if kind == b"conflict":
+                raise ApiError(409, "idempotency_conflict",
+                               f"ticket {t.ticket_id} was already used with a different request",
+                               "$.ticket_id")
+            if kind == b"stale":
+                raise unavailable(f"ticket {t.ticket_id} is being settled after an "
+                                  "interrupted sale; retry shortly", self.settings.retry_after_s)
+            if not defaulted:  # closed by the calendar
+                raise _closed(first)
+            first = max(first + 1, game.calendar.current(self.clock.now()))
+        raise unavailable(f"ticket {t.ticket_id} could not be settled; retry shortly",
+                          self.settings.retry_after_s)
+
+    async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
+                      at: int, close_ms: int, *, replayed: bool) -> SaleOutcome:
+        """Take the player's budget (games with a daily limit), reserve every capped grid
+        (concurrently), build the decision, write it back with the budget settled."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        first = sale.first_draw
+        plan = self.ledger.plan(channel.id, game, sale, sale_id, at)
+        if plan is not None:
+            taken = await self.ledger.take_budget(plan)
+            if taken[0] == RELEASED:
+                raise _TakenOver
+            if taken[0] != ACCEPTED:
+                out = player_limit_decision(sale)
+                body = _encode(out)
+                self.store.finalize(key, sale_id, body)
+                return SaleOutcome(body=body, replayed=replayed, ticket=out)
+        replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
+        kinds = {r[0] for r in replies if r is not None}
+        if RELEASED in kinds:
+            raise _TakenOver
+        if CLOSED in kinds:
+            # Nothing may be sold any more: give back what the other grids took and forget
+            # the claim (the janitor would do the same at its deadline).
+            await self.ledger.give_back(game, sale, sale_id, plan)
+            await self.store.unclaim(key, sale_id)
+            raise _closed(first)
+        out = build_decision(channel.id, rules, sale, sale_id, at, replies)
+        expire_at = game.expiries(first, sale.draws)
+        near_cap = sold_out = 0
+        for g, reply in zip(sale.grids, replies, strict=True):
+            if reply is not None and reply[0] == ACCEPTED:
+                near_cap += reply[1]
+                for offset in reply[2:]:
+                    sold_out += 1
+                    self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
+        if plan is not None:
+            shares = plan.shares(sale, accepted_grids(out))
+            if shares != plan.requested:
+                self.ledger.players.settle_later(plan.player, plan.ref, shares)
+        body = _encode(out)
+        self.store.finalize(key, sale_id, body)
+        return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
+                           sold_out=sold_out)
+
+    # -- look up ---------------------------------------------------------------------------
+
+    async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
+        """The stored decision, with `cancelled` once the ticket is cancelled."""
+        require_scope(channel, "sell", "read")
+        state, body, raw_sale, _, _, cancelled_at, released = await self.store.ticket(
+            ticket_key(channel.id, ticket_id))
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        if body is None:
+            raise ApiError(409, "ticket_pending",
+                           f"ticket {ticket_id} has no decision yet: retry the POST with the "
+                           "same body to complete it")
+        if cancelled_at is None:
+            return bytes(body)
+        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
+        tz = game.rules.tz if game is not None else UTC
+        return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
+
+    # -- cancel ----------------------------------------------------------------------------
+
+    async def cancel(self, channel: Channel, ticket_id: str) -> CancelOut:
+        """Decide the cancellation (first draw still open, by Redis TIME), then give back
+        every grid and the budget. A cancel interrupted after the decision is finished by
+        its retry, or by the janitor."""
+        require_scope(channel, "sell")
+        key = ticket_key(channel.id, ticket_id)
+        state, body, raw_sale, sale_id, claimed_at, _, _ = await self.store.ticket(key)
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        if body is None:
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        sale = _sale_decoder.decode(raw_sale)
+        decision = _ticket_decoder.decode(body)
+        game = self.catalog.get(sale.game)
+        if game is None:
+            raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
+        assert sale.first_draw is not None
+        refusal = cancel_refusal(game.rules, sale, decision)
+        if refusal and state == b"f":
+            raise ApiError(409, "not_cancellable", refusal)
+        if state != b"c":
+            await self.store.index(key, self.clock.now(),
+                                   game.expire_at(sale.first_draw + sale.draws - 1))
+        (stop,) = await self.draws.stops(game, sale.first_draw, 1)
+        reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
+                                        stop is not None, decision.total_cost)
+        kind = reply[0]
+        if kind == b"closed":
+            await self.store.unindex(key)
+            raise ApiError(409, "not_cancellable",
+                           f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
+        if kind == b"missing":
+            raise not_found(f"ticket {ticket_id!r}")
+        if kind not in (b"k", b"c"):
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        if kind == b"k":
+            await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
+                                     int(claimed_at))
+        return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
+
+    async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,
+                            sale_id: str, at: int) -> None:
+        """Give back what a cancelled sale took, then mark the cancel complete."""
+        plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
+        await self.ledger.give_back(game, sale, sale_id, plan)
+        await self.store.cancelled(key, sale_id)
+
+
+def _closed(draw: int) -> ApiError:
+    return rule_error("draw_closed", f"draw {draw} is closed for sales", "$.first_draw")

@@ -1,0 +1,47 @@
+"""Every use-case of the service, wired over one store and the Redis clock.
+
+What the HTTP layer and the janitor loop are given; knows which use-case needs which
+collaborator, nothing of HTTP or of Redis keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from capsvc.availability import Availability
+from capsvc.clock import RedisClock
+from capsvc.config import Settings
+from capsvc.draws import Draws
+from capsvc.games import Catalog
+from capsvc.janitor import Janitor
+from capsvc.ledger import Ledger
+from capsvc.players import Players
+from capsvc.store import Store
+from capsvc.tickets import Tickets
+
+
+@dataclass(frozen=True, slots=True)
+class UseCases:
+    catalog: Catalog
+    clock: RedisClock
+    draws: Draws
+    tickets: Tickets
+    availability: Availability
+    players: Players
+    janitor: Janitor
+
+
+def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None
+                   ) -> UseCases:
+    """The use-cases over `store`; the clock reads Redis TIME through the same store."""
+    clock = clock or RedisClock(store.time_ms)
+    catalog = Catalog(settings.games)
+    draws = Draws(store, clock)
+    ledger = Ledger(store)
+    tickets = Tickets(settings, catalog, draws, store, ledger, clock)
+    return UseCases(
+        catalog=catalog, clock=clock, draws=draws, tickets=tickets,
+        availability=Availability(store, draws),
+        players=Players(catalog, ledger.players, clock),
+        janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
+    )
