@@ -1,0 +1,267 @@
+"""The real service against the reference model, step by step, while time runs on.
+
+A hypothesis state machine sells, replays, conflicts, cancels, looks up, stops draws and
+lets time pass (a test game has a draw every 2 seconds and a 3-second retention, so draws
+close and retentions pass during a run) on a real `capsvc serve` over a real Redis, and
+after every step checks: every answer equals the model's, every counter equals the
+model's and none exceeds the cap, every key has a TTL, and Redis holds nothing that the
+contract says must be gone (no draw's counters after its retention, no ticket id after
+its ticket's retention: the id is free and a new sale under it is counted afresh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from capsvc import combination
+from capsvc.calendar import DrawCalendar
+from capsvc.config import load_settings
+from capsvc.store import bucket_keys
+from capsvc.testing import RedisServer, ServiceProcess
+from tests.model import MARGIN_MS, Expected, Model, Rules
+
+TOKENS = {"fr": "m-fr", "pf": "m-pf", "ops": "m-ops"}
+CONFIG = """
+[server]
+request_timeout = "2s"
+
+[janitor]
+pending_deadline = "4s"
+interval = "500ms"
+
+[[games]]
+id = "fast-keno"
+preset = "fdj-keno-2008"
+draw_every = "2s"
+draw_from = "00:00"
+draw_until = "23:59:58"
+time_zone = "UTC"
+retention = "3s"
+sales_horizon = 10
+""" + "".join(f"""
+[[channels]]
+id = "{name}"
+token_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"
+games = ["fast-keno"]
+scopes = {'["read", "admin"]' if name == "ops" else '["sell", "read"]'}
+""" for name, token in TOKENS.items())
+
+GAME = "fast-keno"
+COMBOS = [(3, 7, 12, 18, 25, 33, 41, 56), (1, 2, 3, 4, 5, 6, 7, 8, 9),
+          (10, 20, 30, 40, 50, 60, 61, 62, 63, 64), (5, 9, 13)]
+"""Three capped combinations, hot enough to reach the cap, and one uncapped."""
+
+
+class Fixture:
+    """One Redis and one service for the whole state machine."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="capsvc-model-"))
+        config = self.dir / "capsvc.toml"
+        config.write_text(CONFIG)
+        self.settings = load_settings(config)
+        self.redis = RedisServer().start()
+        self.service = ServiceProcess(str(config), self.redis.url).start()
+        self.db = self.redis.client()
+        self.http = requests.Session()
+
+    def stop(self) -> None:
+        self.http.close()
+        self.service.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[Fixture]:
+    fixture = Fixture()
+    yield fixture
+    fixture.stop()
+
+
+grids = st.lists(
+    st.fixed_dictionaries({"numbers": st.sampled_from(COMBOS).map(list),
+                           "stake": st.sampled_from([300, 500, 1000])}),
+    min_size=1, max_size=3)
+
+
+class SaleMachine(RuleBasedStateMachine):
+    world: Fixture
+
+    def __init__(self) -> None:
+        super().__init__()
+        w = self.world
+        w.db.flushall()
+        w.db.function_flush()  # the service reloads its library ("Function not found")
+        rules = w.settings.games[GAME]
+        self.calendar = DrawCalendar(rules)
+        self.model = Model(Rules(cap=rules.cap_limit or 0,
+                                 capped_picks=frozenset(rules.capped_picks),
+                                 retention_ms=rules.retention_ms,
+                                 close_ms=self.calendar.close_ms))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def now(self) -> int:
+        sec, usec = self.world.db.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    def call(self, method: str, path: str, channel: str, body: Any = None
+             ) -> requests.Response:
+        return self.world.http.request(
+            method, self.world.service.base_url + path, json=body, timeout=10,
+            headers={"Authorization": f"Bearer {TOKENS[channel]}"})
+
+    def check(self, resp: requests.Response, expected: Expected) -> None:
+        assert resp.status_code == expected.status, (resp.status_code, resp.text, expected)
+        if expected.code is not None:
+            assert resp.json()["error"]["code"] == expected.code, resp.text
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(channel=st.sampled_from(["fr", "pf"]), slot=st.integers(0, 2), grids=grids,
+          draws=st.sampled_from([1, 2]), offset=st.integers(1, 4))
+    def sell(self, channel: str, slot: int, grids: list[dict[str, Any]], draws: int,
+             offset: int) -> None:
+        now = self.now()
+        first = self.calendar.current(now) + offset
+        request = {"ticket_id": f"M-{slot}", "game": GAME, "first_draw": first,
+                   "draws": draws, "grids": grids}
+        self._sell(channel, request, now)
+
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        """The exact body of a known ticket again."""
+        if not self.model.tickets:
+            return
+        (channel, _), t = data.draw(st.sampled_from(sorted(self.model.tickets.items(),
+                                                           key=lambda kv: kv[0])))
+        self._sell(channel, t.request, self.now())
+
+    def _sell(self, channel: str, request: dict[str, Any], now: int) -> None:
+        expected = self.model.sell(channel, request, now)
+        if expected is None:
+            return
+        resp = self.call("POST", "/v1/tickets", channel, request)
+        self.check(resp, expected)
+        if expected.replay_of is not None:
+            assert resp.content == expected.replay_of.raw
+            assert resp.headers.get("Idempotent-Replayed") == "true"
+        elif expected.decision is not None:
+            got = resp.json()
+            receipt = got.pop("receipt")
+            assert (receipt is not None) == (expected.decision["total_cost"] > 0)
+            assert got == expected.decision
+            self.model.record_sale(channel, request, expected.decision, resp.content)
+
+    @rule(channel=st.sampled_from(["fr", "pf"]), slot=st.integers(0, 2))
+    def cancel(self, channel: str, slot: int) -> None:
+        tid = f"M-{slot}"
+        expected = self.model.cancel(channel, tid, self.now())
+        if expected is None:
+            return
+        resp = self.call("POST", f"/v1/tickets/{tid}/cancel", channel)
+        self.check(resp, expected)
+        if resp.status_code == 200:
+            assert resp.json()["released"] == self.model.record_cancel(channel, tid)
+
+    @rule(channel=st.sampled_from(["fr", "pf"]), slot=st.integers(0, 2))
+    def get(self, channel: str, slot: int) -> None:
+        tid = f"M-{slot}"
+        t = self.model.ticket(channel, tid, self.now())
+        if t is False:
+            return
+        resp = self.call("GET", f"/v1/tickets/{tid}", channel)
+        if t is None:
+            assert resp.status_code == 404, resp.text
+            return
+        assert not isinstance(t, bool)
+        assert resp.status_code == 200, resp.text
+        got = resp.json()
+        cancelled = got.pop("cancelled", None)
+        assert got == requests.models.complexjson.loads(t.raw)
+        assert (cancelled is None) == (t.cancelled is None)
+        if cancelled is not None:
+            assert cancelled["released"] == t.cancelled
+
+    @rule(offset=st.integers(1, 4))
+    def stop_draw(self, offset: int) -> None:
+        draw = self.calendar.current(self.now()) + offset
+        resp = self.call("POST", f"/v1/games/{GAME}/draws/{draw}/close", "ops")
+        assert resp.status_code == 200, resp.text
+        self.model.stopped.add(draw)
+
+    @rule(seconds=st.sampled_from([0.3, 1.0, 2.5]))
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @precondition(lambda self: bool(self.model.counters))
+    @rule(data=st.data())
+    def availability(self, data: st.DataObject) -> None:
+        """GET …/combinations answers the model's stake while the draw is retained."""
+        (numbers, draw), staked = data.draw(st.sampled_from(sorted(self.model.counters.items())))
+        now = self.now()
+        if self.model.expiry(draw) - now < 2 * MARGIN_MS or self.calendar.close_ms(draw) < now:
+            return
+        path = f"/v1/games/{GAME}/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
+        resp = self.call("GET", path, "fr")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["staked"] == staked
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def counters_match_the_model(self) -> None:
+        now = self.now()
+        self.model.forget(now)
+        db = self.world.db
+        for (numbers, draw), staked in self.model.counters.items():
+            if self.model.expiry(draw) - now < MARGIN_MS:
+                continue
+            (key,) = bucket_keys(GAME, combination.encode(numbers), draw, 1)
+            assert int(db.hget(key, combination.encode(numbers)) or 0) == staked
+
+    @invariant()
+    def redis_holds_nothing_it_should_not(self) -> None:
+        """Every key has a TTL; no key of a draw or ticket whose retention has passed; no
+        counter above the cap."""
+        db, now = self.world.db, self.now()
+        cap = self.model.rules.cap
+        for key in db.scan_iter(count=1000):
+            ttl = db.pttl(key)
+            if ttl == -2:  # expired while scanning
+                continue
+            assert ttl >= 0, f"{key!r} has no TTL"
+            kind = key.split(b":", 1)[0]
+            if kind in (b"c", b"x"):
+                draw = int(key.rsplit(b":", 1)[1])
+                assert now < self.model.expiry(draw) + MARGIN_MS, f"{key!r} outlived its draw"
+            if kind == b"c":
+                for name, value in db.hgetall(key).items():
+                    if not name.startswith(b"\0"):
+                        assert int(value) <= cap, (key, name, value)
+            if kind == b"t":
+                channel, tid = key.split(b"}:", 1)[1].decode().split("/")
+                t = self.model.tickets.get((channel, tid))
+                assert t is not None, f"{key!r} is no ticket of the model"
+                assert now < t.expires_ms + MARGIN_MS, f"{key!r} outlived its retention"
+
+
+@pytest.mark.slow
+def test_the_service_behaves_as_the_model(world: Fixture) -> None:
+    """Random runs of sales, replays, conflicts, cancels, stops and time passing: the real
+    service answers and counts exactly as the reference model, and forgets on time."""
+    SaleMachine.world = world
+    run = settings(max_examples=6, stateful_step_count=40, deadline=None,
+                   suppress_health_check=list(HealthCheck))(SaleMachine.TestCase)
+    run().runTest()

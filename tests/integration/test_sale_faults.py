@@ -1,0 +1,269 @@
+"""Faults between the service and Redis at each step of a sale and of a cancel.
+
+A real `capsvc serve` talks to a real Redis through `capsvc.faults.FaultProxy`, which
+delays or loses a chosen reply or request. Each test is one of the failures a review found
+in the first release; each ends with the counters equal to what was accepted minus what was
+released, and with one decision that the client can see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+
+from capsvc import combination
+from capsvc.coalesce import Coalescer
+from capsvc.config import load_settings
+from capsvc.faults import Command, FaultProxy, command
+from capsvc.store import Store, lua_source
+from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.usecases import build_usecases
+from tests.conftest import TEN, TOKENS, new_id
+
+CONFIG = Path(__file__).parent.parent / "capsvc-faults.toml"
+RESERVE = command("FCALL", "capsvc_reserve")
+RELEASE = command("FCALL", "capsvc_release")
+FINALIZE = command("FCALL", "capsvc_finalize")
+
+
+def reserve_of(numbers: list[int]) -> Callable[[Command], bool]:
+    """The reserve of the grid whose combination is `numbers`."""
+    combo = combination.encode(sorted(numbers)).encode()
+    return lambda cmd: RESERVE(cmd) and combo in cmd
+
+
+class Api:
+    """A synchronous client of one service."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base = base_url
+        self.http = requests.Session()
+
+    def call(self, method: str, path: str, body: Any = None, token: str = "fr"
+             ) -> requests.Response:
+        return self.http.request(method, self.base + path, json=body, timeout=10,
+                                 headers={"Authorization": f"Bearer {TOKENS[token]}"})
+
+    def sell(self, body: dict[str, Any]) -> requests.Response:
+        return self.call("POST", "/v1/tickets", body)
+
+    def current(self) -> int:
+        return int(self.call("GET", "/v1/games/fdj-keno/draws/current", token="admin")
+                   .json()["draw"])
+
+    def staked(self, numbers: list[int], draw: int) -> int:
+        path = f"/v1/games/fdj-keno/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
+        return int(self.call("GET", path, token="admin").json()["staked"])
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def unknown_outcome(resp: requests.Response) -> None:
+    """A 503 that says the outcome is unknown, with Retry-After."""
+    assert resp.status_code == 503, resp.text
+    assert "outcome is unknown" in resp.json()["error"]["message"]
+    assert "Retry-After" in resp.headers
+
+
+@pytest.fixture
+def proxy(redis_server: RedisServer, standalone_db: redis.Redis) -> Iterator[FaultProxy]:
+    with FaultProxy("127.0.0.1", redis_server.port) as p:
+        yield p
+
+
+@pytest.fixture
+def api(proxy: FaultProxy) -> Iterator[Api]:
+    """The service, talking to the session's Redis through the proxy."""
+    service = ServiceProcess(str(CONFIG), proxy.url).start()
+    yield Api(service.base_url)
+    service.stop()
+
+
+def sale(*grids: tuple[list[int], int], **fields: Any) -> dict[str, Any]:
+    return {"ticket_id": new_id("F"), "game": "fdj-keno",
+            "grids": [{"numbers": n, "stake": s} for n, s in grids], **fields}
+
+
+def test_delayed_reserve_reply_is_503_then_the_retry_converges(
+        api: Api, proxy: FaultProxy) -> None:
+    """The reserve ran but its reply came after the timeout: 503 (outcome unknown); the
+    retry answers the one decision, counted once, and GET tells the same."""
+    draw = api.current()
+    body = sale((TEN[:8], 500))
+    rule = proxy.delay_reply(RESERVE, 1.0)
+    unknown_outcome(api.sell(body))
+    assert rule.fired.wait(5)
+    time.sleep(1.2)
+    retry = api.sell(body)
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["status"] == "accepted"
+    assert api.staked(TEN[:8], draw) == 500
+    assert api.call("GET", f"/v1/tickets/{body['ticket_id']}").content == retry.content
+
+
+def test_a_503_never_retried_is_settled_as_accepted(api: Api, proxy: FaultProxy) -> None:
+    """Every grid was counted but the answer was lost: the janitor finalizes the sale as
+    accepted within the pending deadline (an answer may have reached the client)."""
+    draw = api.current()
+    body = sale((TEN[:8], 500), (TEN[:9], 300))
+    proxy.delay_reply(RESERVE, 1.0, count=2)
+    unknown_outcome(api.sell(body))
+    eventually(lambda: api.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 200)
+    got = api.call("GET", f"/v1/tickets/{body['ticket_id']}").json()
+    assert got["status"] == "accepted"
+    assert (api.staked(TEN[:8], draw), api.staked(TEN[:9], draw)) == (500, 300)
+    replay = api.sell(body)
+    assert replay.json() == got
+    assert replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_a_sale_cut_before_its_last_grid_is_released_then_sold_afresh(
+        api: Api, proxy: FaultProxy) -> None:
+    """The second grid's reserve never reached Redis: no answer was sent, so the janitor
+    gives the first grid's stake back and forgets the claim; the retry is a new sale."""
+    draw = api.current()
+    body = sale((TEN[:8], 500), (TEN[:9], 300))
+    proxy.drop_request(reserve_of(TEN[:9]))
+    unknown_outcome(api.sell(body))
+    assert api.staked(TEN[:9], draw) == 0
+    eventually(lambda: api.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 404)
+    assert api.staked(TEN[:8], draw) == 0
+    retry = api.sell(body)
+    assert retry.json()["status"] == "accepted"
+    assert (api.staked(TEN[:8], draw), api.staked(TEN[:9], draw)) == (500, 300)
+
+
+def test_a_lost_decision_write_is_finalized_with_the_same_body(
+        api: Api, proxy: FaultProxy) -> None:
+    """The answer went out but the decision write was lost: GET says pending, then the
+    janitor writes the identical decision; nothing is counted twice."""
+    draw = api.current()
+    body = sale((TEN[:8], 500))
+    proxy.drop_request(FINALIZE)
+    answered = api.sell(body)
+    assert answered.status_code == 200
+    path = f"/v1/tickets/{body['ticket_id']}"
+    eventually(lambda: api.call("GET", path).status_code == 200)
+    assert api.call("GET", path).content == answered.content
+    assert api.staked(TEN[:8], draw) == 500
+
+
+@pytest.mark.parametrize("finisher", ["retry", "janitor"])
+def test_a_cancel_cut_before_its_release_is_finished(
+        api: Api, proxy: FaultProxy, finisher: str) -> None:
+    """The cancel was decided but its release lost (503, outcome unknown): GET already
+    shows the cancellation, and the retry, or else the janitor, gives the stake back once."""
+    draw = api.current()
+    body = sale((TEN[:8], 500))
+    assert api.sell(body).status_code == 200
+    proxy.drop_request(RELEASE)
+    path = f"/v1/tickets/{body['ticket_id']}"
+    unknown_outcome(api.call("POST", path + "/cancel"))
+    assert api.staked(TEN[:8], draw) == 500
+    assert api.call("GET", path).json()["cancelled"]["released"] == 500
+    if finisher == "retry":
+        again = api.call("POST", path + "/cancel")
+        assert again.json() == {"ticket_id": body["ticket_id"], "status": "cancelled",
+                                "released": 500}
+    eventually(lambda: api.staked(TEN[:8], draw) == 0)
+    assert api.call("POST", path + "/cancel").json()["released"] == 500
+    assert api.staked(TEN[:8], draw) == 0
+    assert api.sell(body).content == api.call("GET", path).content.split(b',"cancelled"')[0] + b"}"
+
+
+def test_a_duplicate_whose_reserve_lands_after_the_cancel_counts_nothing(
+        redis_server: RedisServer, standalone_db: redis.Redis, proxy: FaultProxy) -> None:
+    """Two copies of one request on two processes: the second resumes the pending sale but
+    its reserve is held; the first completes and the ticket is cancelled; the held reserve
+    then lands: it counts nothing and the duplicate answers the original decision."""
+    direct = ServiceProcess(str(CONFIG), redis_server.url).start()
+    slow = ServiceProcess(str(CONFIG), proxy.url).start()
+    try:
+        fast_api, slow_api = Api(direct.base_url), Api(slow.base_url)
+        draw = fast_api.current()
+        body = sale((TEN[:8], 500))
+        release = threading.Event()
+        held = proxy.hold_request(RESERVE, release)
+        answers: list[requests.Response] = []
+        late = threading.Thread(target=lambda: answers.append(slow_api.sell(body)))
+        late.start()
+        assert held.fired.wait(5)
+        first = fast_api.sell(body)
+        assert first.json()["status"] == "accepted"
+        path = f"/v1/tickets/{body['ticket_id']}"
+        assert fast_api.call("POST", path + "/cancel").status_code == 200
+        assert fast_api.staked(TEN[:8], draw) == 0
+        release.set()
+        late.join(10)
+        assert answers, "the duplicate never answered"
+        assert answers[0].status_code in (200, 503), answers[0].text
+        if answers[0].status_code == 200:
+            assert answers[0].content == first.content
+        assert fast_api.staked(TEN[:8], draw) == 0
+    finally:
+        slow.stop()
+        direct.stop()
+
+
+async def test_two_janitors_racing_a_retry_never_release_the_new_sale(
+        redis_server: RedisServer, standalone_db: redis.Redis, proxy: FaultProxy) -> None:
+    """Janitor B seals an abandoned sale and is held before its release; janitor A settles
+    it completely; the client's retry is a new sale and is accepted; then B's release runs:
+    it touches nothing of the new sale (counter and ticket stay as the retry left them)."""
+    direct = ServiceProcess(str(CONFIG), redis_server.url).start()
+    stores: list[Store] = []
+    try:
+        client = Api(direct.base_url)
+        draw = client.current()
+        body = sale((TEN[:8], 500), (TEN[:9], 300))
+        settings_ = load_settings(CONFIG)
+        janitors = []
+        for url in (proxy.url, redis_server.url):
+            store = Store(Coalescer(url, timeout_s=10, library=lua_source()))
+            stores.append(store)
+            usecases = build_usecases(settings_, store)
+            await usecases.clock.sync()
+            janitor = copy.copy(usecases.janitor)
+            janitor.deadline_ms = 0
+            janitors.append(janitor)
+        janitor_b, janitor_a = janitors
+        # The sale: first grid counted, second never sent.
+        with FaultProxy("127.0.0.1", redis_server.port) as cut:
+            seller = ServiceProcess(str(CONFIG), cut.url).start()
+            try:
+                cut.drop_request(reserve_of(TEN[:9]))
+                unknown_outcome(Api(seller.base_url).sell(body))
+            finally:
+                seller.stop()
+        release = threading.Event()
+        held = proxy.hold_request(RELEASE, release)
+        b_done = asyncio.ensure_future(janitor_b.run_once())
+        assert await asyncio.to_thread(held.fired.wait, 5)
+        assert await janitor_a.run_once() == 1
+        retry = client.sell(body)
+        assert retry.json()["status"] == "accepted"
+        release.set()
+        await b_done
+        assert (client.staked(TEN[:8], draw), client.staked(TEN[:9], draw)) == (500, 300)
+        path = f"/v1/tickets/{body['ticket_id']}"
+        assert client.call("GET", path).content == retry.content
+        assert client.call("POST", path + "/cancel").json()["released"] == 800
+        assert (client.staked(TEN[:8], draw), client.staked(TEN[:9], draw)) == (0, 0)
+    finally:
+        for store in stores:
+            await store.redis.aclose()
+        direct.stop()
