@@ -40,7 +40,7 @@ def test_normalizes_numbers_and_prices() -> None:
         {"numbers": [56, 3, 7, 12, 18, 25, 33, 41], "stake": 500, "multiplier": True}])
     grid = sale.grids[0]
     assert grid.numbers == (3, 7, 12, 18, 25, 33, 41, 56)
-    assert grid.combo == "0307121825334156"
+    assert grid.combo == combination.encode([3, 7, 12, 18, 25, 33, 41, 56])
     assert grid.cost == 500 * 2 * 5
     assert grid.capped
     assert sale.joker_cost == 200 * 5
@@ -108,6 +108,9 @@ def test_lnm_subscription_costs_match_the_seed_table(stake: int, draws: int) -> 
 
 def test_combination_key_round_trip() -> None:
     """The canonical key is injective and decodes back to the sorted numbers."""
-    assert combination.encode([3, 7, 12]) == "030712"
-    assert combination.decode("030712") == [3, 7, 12]
+    assert combination.encode([3, 7, 12]) == "\x03\x07\x0c"
+    assert combination.decode(combination.encode([3, 7, 12])) == [3, 7, 12]
+    assert combination.decode(b"\x03\x07\x0c") == [3, 7, 12]
     assert combination.encode([1, 23]) != combination.encode([3, 12])
+    assert len(combination.encode(range(1, 11)).encode()) == 10  # one byte a number
+    assert "\0" not in combination.encode(range(1, 100))  # never taken for a record
