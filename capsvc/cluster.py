@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 SLOTS = 16384
 _KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
-_MAX_REDIRECTS = 5
+_MAX_REDIRECTS = 16
+"""Redirections and retries per command. A multi-key call whose keys are split by a slot
+migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
+… up to 100 ms; ~1.2 s in all), well inside a request's timeout."""
 
 
 def key_of(args: tuple[Any, ...]) -> str | bytes | None:
@@ -157,7 +160,7 @@ class ClusterCoalescer:
         fut.set_exception(error)
 
     async def _retry(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int) -> None:
-        await asyncio.sleep(0.02 * hops)
+        await asyncio.sleep(min(0.02 * hops, 0.1))
         self._route(args, fut, hops)
 
     async def _route_after_refresh(self, args: tuple[Any, ...], fut: asyncio.Future[Any],

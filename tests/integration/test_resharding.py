@@ -11,10 +11,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from capsvc import combination
+from capsvc.cluster import slot_of
 from capsvc.config import Settings
 from capsvc.server import build
+from capsvc.store import bucket_keys, ticket_key
 from capsvc.testing import RedisCluster, cli_binary
-from tests.conftest import Client, Reply, start_service, ticket
+from tests.conftest import TEN, Client, Reply, start_service, ticket
 
 
 @pytest.fixture
@@ -85,3 +88,55 @@ async def test_resharding_under_load(settings: Settings, cluster: RedisCluster) 
     finally:
         await runner.cleanup()
         await svc.redis.aclose()
+
+
+async def test_sales_go_through_while_their_slots_are_migrating(
+        settings: Settings, cluster: RedisCluster) -> None:
+    """A ticket bucket's slot and a combination bucket's slot left half-migrated (MIGRATING
+    on the source, IMPORTING on the target, existing keys moved): new sales whose records
+    fall in those slots are accepted, as on a stable slot, and counted once."""
+    svc = build(settings, cluster.url)
+    runner, url = await start_service(svc)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, url)
+            draw = await client.current()
+            warm = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]))
+            assert warm.status == 200
+            body = ticket([{"numbers": TEN[:8], "stake": 500}])
+            key = ticket_key("fr-retail", body["ticket_id"])
+            combo_key = bucket_keys("fdj-keno", combination.encode(TEN[:8]), draw, 1)[0]
+            for slot_key in (key, combo_key):
+                half_migrate(cluster, slot_of(slot_key))
+            sold = await client.sell(body)
+            assert sold.status == 200, sold.body
+            assert sold.body["status"] == "accepted"
+            assert (await client.sell(body)).raw == sold.raw
+            assert await client.staked(TEN[:8], draw) == 1000
+    finally:
+        await runner.cleanup()
+        await svc.redis.aclose()
+
+
+def half_migrate(cluster: RedisCluster, slot: int) -> None:
+    """Start moving `slot` to another primary and move the keys it has, without finishing:
+    the state a slot is in for as long as a reshard takes to move it."""
+    clients = [s.client() for s in cluster.servers]
+    ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+    owner = next(i for i, c in enumerate(clients)
+                 if c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) is not None
+                 and slot_owner(c, slot) == ids[i])
+    target = (owner + 1) % len(clients)
+    clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+    clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    keys = clients[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if keys:
+        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
+                                       "", 0, 5000, "KEYS", *keys)
+
+
+def slot_owner(client: Any, slot: int) -> str:
+    for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+        if start <= slot <= end:
+            return str(primary[2].decode())
+    raise AssertionError(f"slot {slot} has no owner")
