@@ -153,6 +153,22 @@ def test_drop_reply_loses_the_reply_but_the_command_ran(
     assert r.incrby("n", 1) == 2
 
 
+def test_count_and_remove(proxy: FaultProxy, standalone_db: redis.Redis) -> None:
+    """A rule applies to its next `count` matches only; a removed rule to none."""
+    twice = proxy.drop_request(command("INCRBY", "n"), count=2)
+    r = through(proxy)
+    for _ in range(2):
+        with pytest.raises(redis.ConnectionError):
+            r.incrby("n", 1)
+    assert r.incrby("n", 1) == 1
+    assert twice.hits == 2
+    removed = proxy.drop_request(command("INCRBY", "n"))
+    proxy.remove(removed)
+    assert r.incrby("n", 1) == 2
+    assert removed.hits == 0
+    assert standalone_db.get("n") == b"2"
+
+
 def test_drop_request_never_reaches_redis(
         proxy: FaultProxy, standalone_db: redis.Redis) -> None:
     """The dropped command and what follows it in the write do not run; what precedes it

@@ -1,21 +1,59 @@
-"""The Lua functions on a real Redis: counting, atomicity, idempotency, expiry, close."""
+"""The Lua library (lua/capsvc.lua) on a real Redis, standalone and cluster, one function at
+a time: counting, all-or-nothing, sale fencing, tombstones, ticket states, stops, budgets.
+
+Every instant comes from the test server's clock (Redis TIME), the clock the functions use.
+"""
 
 from __future__ import annotations
 
-import time
+import asyncio
+import re
+import secrets
+import zlib
 from collections.abc import AsyncIterator
+from datetime import UTC, date, datetime, timedelta
+from itertools import chain, combinations
+from typing import Any
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from capsvc.cluster import connect
-from capsvc.store import Store, counter_keys, hold_key, lua_source, pending_key_of, ticket_key
+from capsvc.combination import encode
+from capsvc.store import (
+    COUNTER_BUCKETS,
+    PlayerStore,
+    Store,
+    bucket_keys,
+    budget_key,
+    limit_key,
+    lua_source,
+    pending_key_of,
+    record_field,
+    stops_key,
+    ticket_key,
+)
 from capsvc.testing import RedisCluster, RedisServer
 
-GAME, COMBO = "g", "01020304050607080910"
+GAME = "g"
+COMBO = encode([3, 7, 12, 18, 25, 33, 41, 56, 60, 70])
+OTHER = encode([1, 2, 3])
 CAP, MIN = 5000, 100
-FUTURE = int(time.time() * 1000) + 3_600_000
-EXPIRES = [FUTURE + 86_400_000 + i for i in range(3)]
+FIRST = 100
+HOUR, DAY = 3_600_000, 86_400_000
+PLAYER, REGULATORY = "P-1", 1000
+
+
+def redis_ms(db: Any) -> int:
+    """Redis TIME of the test server, in ms since the Unix epoch."""
+    sec, usec = db.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def new_sale() -> str:
+    """A sale id as the claim mints them (16 hex digits)."""
+    return secrets.token_hex(8)
 
 
 @pytest.fixture
@@ -28,167 +66,719 @@ async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
     await coalescer.aclose()
 
 
-def reserve(store: Store, who: str, stake: int, draws: int = 1, close: int = FUTURE,
-            first: int = 100) -> object:
-    return store.reserve(GAME, COMBO, who, stake, CAP, MIN, first, EXPIRES[:draws], close)
+@pytest.fixture
+def now(redis_db: redis.Redis) -> int:
+    """Redis TIME when the test starts."""
+    return redis_ms(redis_db)
 
 
-def counters(db: redis.Redis, draws: int = 3, first: int = 100) -> list[int]:
-    return [int(v or 0) for v in db.mget(counter_keys(GAME, COMBO, first, draws))]
+class Combos:
+    """Reserve and release grids of GAME through the Store; read the counter buckets."""
+
+    def __init__(self, store: Store, db: redis.Redis, now: int) -> None:
+        self.store, self.db = store, db
+        self.close = now + HOUR
+        self.expires = [now + DAY + i * 1000 for i in range(5)]  # draws FIRST, FIRST+1, …
+
+    def reserve(self, sale: str, stake: int, draws: int = 1, first: int = FIRST, grid: int = 0,
+                close: int | None = None, combo: str = COMBO) -> Any:
+        off = first - FIRST
+        return self.store.reserve(GAME, combo, record_field(sale, grid), stake, CAP, MIN, first,
+                                  self.expires[off:off + draws],
+                                  self.close if close is None else close)
+
+    def seal(self, sale: str, draws: int = 1, grid: int = 0, combo: str = COMBO) -> Any:
+        return self.reserve(sale, 500, draws, grid=grid, close=0, combo=combo)
+
+    def release(self, sale: str, draws: int = 1, first: int = FIRST, grid: int = 0,
+                combo: str = COMBO) -> Any:
+        return self.store.release(GAME, combo, record_field(sale, grid), CAP, MIN, first, draws,
+                                  self.expires[first - FIRST])
+
+    def counters(self, draws: int = 3, first: int = FIRST, combo: str = COMBO) -> list[int]:
+        return [int(self.db.hget(k, combo) or 0) for k in bucket_keys(GAME, combo, first, draws)]
+
+    def record(self, sale: str, grid: int = 0, first: int = FIRST, combo: str = COMBO) -> Any:
+        return self.db.hget(bucket_keys(GAME, combo, first, 1)[0], record_field(sale, grid))
+
+    def bucket(self, draw: int = FIRST, combo: str = COMBO) -> str:
+        return bucket_keys(GAME, combo, draw, 1)[0]
 
 
-async def test_check_and_increment(store: Store, redis_db: redis.Redis) -> None:
-    """A stake that fits is counted; one that would pass the cap is refused with the room."""
-    assert await reserve(store, "a", 3000) == [1, 0]
-    assert await reserve(store, "b", 2000) == [1, 1, 0]  # past 80 %, and sold out on draw 0
-    assert await reserve(store, "c", 100) == [0, 0, 0]
-    assert counters(redis_db, 1) == [5000]
+@pytest.fixture
+def combos(store: Store, redis_db: redis.Redis, now: int) -> Combos:
+    return Combos(store, redis_db, now)
 
 
-async def test_near_cap_counts_the_crossing_only(store: Store) -> None:
-    """`near` counts a counter when this sale brings it to 80 % of the cap, not after."""
-    assert await reserve(store, "a", 3900) == [1, 0]
-    assert await reserve(store, "b", 100, draws=2) == [1, 1]  # 4000 on draw 0 only
-    assert await reserve(store, "c", 100) == [1, 0]
+# -- reserve -------------------------------------------------------------------------------
 
 
-async def test_all_or_nothing_across_draws(store: Store, redis_db: redis.Redis) -> None:
-    """One full draw rejects the grid on every draw and counts nothing anywhere."""
-    assert await reserve(store, "full", 5000, first=101) == [1, 1, 0]
-    reply = await reserve(store, "sub", 500, draws=3)
-    assert reply == [0, 1, 0]
-    assert counters(redis_db) == [0, 5000, 0]
+async def test_reserve_checks_and_increments(combos: Combos) -> None:
+    """A stake up to the room is counted; a bigger one is refused with the room, uncounted."""
+    a, b, c = new_sale(), new_sale(), new_sale()
+    assert await combos.reserve(a, 3000) == [1, 0]
+    assert await combos.reserve(b, 2000) == [1, 1, 0]  # crosses 80 %, sold out on draw 0
+    assert await combos.reserve(c, 100) == [0, 0, 0]
+    assert combos.counters(1) == [5000]
+    assert [combos.record(s) for s in (a, b, c)] == [b"3000", b"2000", b"R0:0"]
+    d, e, f = new_sale(), new_sale(), new_sale()
+    assert await combos.reserve(d, 4600, combo=OTHER) == [1, 1]
+    assert await combos.reserve(e, 401, combo=OTHER) == [0, 0, 400]
+    assert await combos.reserve(f, 400, combo=OTHER) == [1, 0, 0]  # stake == room: fits
+    assert combos.counters(1, combo=OTHER) == [5000]
 
 
-async def test_rerun_is_idempotent(store: Store, redis_db: redis.Redis) -> None:
-    """The same holder re-run returns the recorded outcome and counts once."""
-    assert await reserve(store, "a", 500, draws=3) == [1, 0]
-    assert await reserve(store, "a", 500, draws=3) == [1, 0]
-    assert counters(redis_db) == [500, 500, 500]
-    await reserve(store, "full", 4400, first=100)
-    assert await reserve(store, "r", 500) == [0, 0, 100]
-    await store.release(GAME, COMBO, "full", CAP, MIN, 100, 1)
-    assert await reserve(store, "r", 500) == [0, 0, 100]  # a rejection is remembered
-    assert counters(redis_db, 1) == [500]
+async def test_near_counts_only_the_crossing_of_80_percent(combos: Combos) -> None:
+    """`near` counts only the counters this call brought across 80 % of the cap."""
+    assert await combos.reserve(new_sale(), 3900) == [1, 0]
+    assert await combos.reserve(new_sale(), 100, draws=2) == [1, 1]  # 4000 on draw 0 only
+    assert await combos.reserve(new_sale(), 100) == [1, 0]  # 4100: already past
+    assert await combos.reserve(new_sale(), 4000, combo=OTHER) == [1, 1]  # 0 -> exactly 80 %
+    three = encode([9, 19, 29])
+    assert await combos.reserve(new_sale(), 3500, draws=3, combo=three) == [1, 0]
+    assert await combos.reserve(new_sale(), 600, draws=3, combo=three) == [1, 3]
+    assert await combos.reserve(new_sale(), 100, draws=3, combo=three) == [1, 0]
 
 
-async def test_release_once(store: Store, redis_db: redis.Redis) -> None:
-    """Release gives back exactly the recorded stake, once."""
-    await reserve(store, "a", 500, draws=3)
-    await reserve(store, "b", 300, draws=3)
-    assert (await store.release(GAME, COMBO, "a", CAP, MIN, 100, 3))[0] == 500
-    assert await store.release(GAME, COMBO, "a", CAP, MIN, 100, 3) == [0]
-    assert counters(redis_db) == [300, 300, 300]
-    assert await store.release(GAME, COMBO, "never", CAP, MIN, 100, 3) == [0]
+async def test_reserve_is_all_or_nothing_across_draws(combos: Combos,
+                                                      redis_db: redis.Redis) -> None:
+    """One full draw refuses a subscription grid (its offset, room): nothing counted anywhere."""
+    assert await combos.reserve(new_sale(), 5000, first=FIRST + 1) == [1, 1, 0]
+    sale = new_sale()
+    assert await combos.reserve(sale, 500, draws=3) == [0, 1, 0]
+    assert combos.counters() == [0, 5000, 0]
+    assert redis_db.exists(combos.bucket(FIRST + 2)) == 0
+    assert redis_db.hgetall(combos.bucket(FIRST)) == {record_field(sale, 0): b"R1:0"}
+    assert await combos.reserve(new_sale(), 4800, first=FIRST + 2, combo=OTHER) == [1, 1]
+    assert await combos.reserve(new_sale(), 300, draws=3, combo=OTHER) == [0, 2, 200]
+    assert combos.counters(combo=OTHER) == [0, 0, 4800]
 
 
-async def test_release_reports_draws_leaving_sold_out(store: Store) -> None:
-    """Releasing from a sold-out counter reports the draw that has room again."""
-    assert await reserve(store, "a", 4900) == [1, 1]
-    assert await reserve(store, "b", 100) == [1, 0, 0]
-    assert await store.release(GAME, COMBO, "b", CAP, MIN, 100, 1) == [100, 0]
+async def test_rerun_of_an_accepted_grid_returns_it_and_counts_once(combos: Combos) -> None:
+    """A re-run by the same sale answers its acceptance (sold-out offsets now), counts once."""
+    sale = new_sale()
+    assert await combos.reserve(sale, 500, draws=3) == [1, 0]
+    assert await combos.reserve(sale, 500, draws=3) == [1, 0]
+    assert combos.counters() == [500, 500, 500]
+    assert await combos.reserve(new_sale(), 4500, first=FIRST + 1) == [1, 1, 0]
+    assert await combos.reserve(sale, 500, draws=3) == [1, 0, 1]  # draw 1 is sold out now
+    assert await combos.reserve(sale, 500, draws=3, close=0) == [1, 0, 1]  # the seal too
+    assert combos.counters() == [500, 5000, 500]
+    assert combos.record(sale) == b"500"
 
 
-async def test_ttl_set_on_creation(store: Store, redis_db: redis.Redis) -> None:
-    """Counters expire at their draw's close + retention; holds at the last of them."""
-    await reserve(store, "a", 500, draws=3)
-    keys = counter_keys(GAME, COMBO, 100, 3)
-    assert [redis_db.pexpiretime(k) for k in keys] == EXPIRES
-    assert redis_db.pexpiretime(hold_key(GAME, COMBO)) == EXPIRES[2]
-    await reserve(store, "b", 500, draws=1)
-    assert redis_db.pexpiretime(keys[0]) == EXPIRES[0]
-    assert redis_db.pexpiretime(hold_key(GAME, COMBO)) == EXPIRES[2]
+async def test_rerun_of_a_rejected_grid_returns_the_rejection(combos: Combos) -> None:
+    """A re-run of a rejected grid answers the recorded offset and room, even once room is back."""
+    full, sale = new_sale(), new_sale()
+    assert await combos.reserve(full, 4600, first=FIRST + 1) == [1, 1]
+    assert await combos.reserve(sale, 500, draws=2) == [0, 1, 400]
+    assert await combos.release(full, first=FIRST + 1) == [4600]
+    assert await combos.reserve(sale, 500, draws=2) == [0, 1, 400]
+    assert await combos.reserve(sale, 500, draws=2, close=0) == [0, 1, 400]
+    assert combos.counters() == [0, 0, 0]
+    # A cap lowered under the counter: the negative room is recorded and replayed as is.
+    assert await combos.reserve(new_sale(), 4000, combo=OTHER) == [1, 1]
+    late = record_field(new_sale(), 0)
+    lowered = [GAME, OTHER, late, 100, 3000, MIN, FIRST, combos.expires[:1], combos.close]
+    assert await combos.store.reserve(*lowered) == [0, 0, -1000]
+    assert await combos.store.reserve(*lowered) == [0, 0, -1000]
+    assert combos.counters(1, combo=OTHER) == [4000]
 
 
-async def test_closed_draw_counts_nothing(store: Store, redis_db: redis.Redis) -> None:
-    """Past the close instant (Redis TIME), nothing is counted; recorded outcomes still read."""
-    past = int(time.time() * 1000) - 1000
-    assert await reserve(store, "a", 500, close=past) == [-1]
-    assert redis_db.dbsize() == 0
-    await reserve(store, "b", 500)
-    assert await reserve(store, "b", 500, close=0) == [1, 0]
-    assert await reserve(store, "c", 500, close=0) == [-1]
+async def test_other_sale_of_the_same_ticket_and_grid_counts_separately(
+        store: Store, combos: Combos, now: int) -> None:
+    """Records are fenced by sale id: a new sale of the same ticket and grid counts on its own."""
+    key = ticket_key("ch", "T-fence")
+    first = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    sale_a = first[2].decode()
+    assert await combos.reserve(sale_a, 500) == [1, 0]
+    assert await combos.release(sale_a) == [500]
+    assert await store.fcall("capsvc_unclaim", [key], [sale_a]) == 1
+    second = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    sale_b = second[2].decode()
+    assert second[0] == b"new"
+    assert sale_b != sale_a
+    assert await combos.reserve(sale_b, 700) == [1, 0]
+    assert await combos.reserve(sale_a, 700) == [-2]  # the old sale stays sealed
+    assert await combos.reserve(sale_b, 300, grid=1) == [1, 0]  # another grid of the sale
+    assert combos.counters(1) == [1000]
+    assert [combos.record(sale_a), combos.record(sale_b), combos.record(sale_b, 1)] == [
+        b"X", b"700", b"300"]
 
 
-async def test_claim_lifecycle(store: Store, redis_db: redis.Redis) -> None:
-    """new → pending (same body) / conflict (other body) → final after finalize."""
-    key = ticket_key("ch", "T-1")
-    expire_at = FUTURE + 1000
-    new = await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000)
-    assert new[0] == b"new"
-    at = int(new[1])
-    assert await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
-        b"pending", at, b"sale", 0]
-    conflict = await store.claim(key, GAME, 100, 1, "fp2", b"x", FUTURE, expire_at, 60_000)
-    assert conflict == [b"conflict"]
-    assert redis_db.zscore(pending_key_of(key), key) == at
-    assert redis_db.pexpiretime(key) == expire_at
-    assert redis_db.pexpiretime(pending_key_of(key)) == expire_at
-    assert await store.finalize(key, at + 1, b"body") == 0
-    assert await store.finalize(key, at, b"body") == 1
-    assert await store.claim(key, GAME, 100, 1, "fp1", b"sale", FUTURE, expire_at, 60_000) == [
-        b"final", b"body"]
-    assert redis_db.zscore(pending_key_of(key), key) is None
+async def test_reserve_after_close_counts_nothing(combos: Combos, redis_db: redis.Redis,
+                                                  now: int) -> None:
+    """Past close_ms (Redis TIME) an unrecorded sale gets {-1}, counts and writes nothing."""
+    before = new_sale()
+    assert await combos.reserve(before, 500, draws=2) == [1, 0]
+    past = now - 1
+    late = new_sale()
+    assert await combos.reserve(late, 500, draws=2, close=past) == [-1]
+    assert await combos.reserve(late, 500, draws=2, combo=OTHER, close=past) == [-1]
+    assert combos.record(late) is None
+    assert redis_db.exists(combos.bucket(combo=OTHER)) == 0
+    assert combos.counters(2) == [500, 500]
+    assert await combos.reserve(before, 500, draws=2, close=past) == [1, 0]
+    assert combos.counters(2) == [500, 500]
+    soon = redis_ms(redis_db) + 150
+    assert await combos.reserve(new_sale(), 100, close=soon) == [1, 0]
+    await asyncio.sleep((soon + 10 - redis_ms(redis_db)) / 1000)
+    assert await combos.reserve(new_sale(), 100, close=soon) == [-1]
+    assert combos.counters(2) == [600, 500]
 
 
-async def test_claim_refuses_closed_draw_and_stale_pending(store: Store,
-                                                           redis_db: redis.Redis) -> None:
-    """No claim once the first draw closed; a pending claim past stale_after is not resumed."""
-    past = int(time.time() * 1000) - 1
-    key = ticket_key("ch", "T-2")
-    assert await store.claim(key, GAME, 100, 1, "fp", b"s", past, FUTURE, 60_000) == [b"closed", -1]
-    assert redis_db.exists(key) == 0
-    assert (await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[0] == b"new"
-    assert await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 0) == [b"stale"]
+async def test_seal_mode_writes_x_and_a_later_reserve_answers_minus_2(
+        combos: Combos, redis_db: redis.Redis) -> None:
+    """close_ms = 0 seals with "X" (draw TTL): a later reserve of the sale gets {-2}, counts 0."""
+    sale = new_sale()
+    assert await combos.seal(sale, draws=3) == [-2]
+    assert combos.record(sale) == b"X"
+    assert redis_db.pexpiretime(combos.bucket()) == combos.expires[0]
+    assert await combos.reserve(sale, 500, draws=3) == [-2]
+    assert await combos.seal(sale, draws=3) == [-2]
+    assert combos.counters() == [0, 0, 0]
+    assert redis_db.exists(combos.bucket(FIRST + 1), combos.bucket(FIRST + 2)) == 0
+    assert await combos.release(sale, draws=3) == [0]
+    assert combos.record(sale) == b"X"
 
 
-async def test_claim_checks_admin_stops(store: Store, redis_db: redis.Redis) -> None:
-    """A stopped draw of the ticket refuses a new claim (with its offset); a pending ticket
-    is told it may only read."""
-    key = ticket_key("ch", "T-5")
-    at = int((await store.claim(key, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
-    await store.stop(GAME, 102, 1, FUTURE)
-    assert await store.claim(key, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000) == [
-        b"pending", at, b"s", 1]
-    other = ticket_key("ch", "T-6")
-    assert await store.claim(other, GAME, 100, 3, "fp", b"s", FUTURE, FUTURE, 60_000) == [
-        b"closed", 2]
-    assert redis_db.exists(other) == 0
-    assert redis_db.pexpiretime(f"s:{{{GAME}}}:102") == FUTURE
+async def test_counters_are_fields_of_bucket_hashes_with_each_draws_ttl(
+        combos: Combos, redis_db: redis.Redis) -> None:
+    """Counters are fields of c:{game:bucket}:draw with each draw's TTL; records never collide."""
+    keys = bucket_keys(GAME, COMBO, FIRST, 3)
+    bucket = zlib.crc32(COMBO.encode()) % COUNTER_BUCKETS
+    assert keys == [f"c:{{{GAME}:{bucket}}}:{FIRST + i}" for i in range(3)]
+    assert len({key_slot(k.encode()) for k in keys}) == 1
+    a, b = new_sale(), new_sale()
+    assert await combos.reserve(a, 500, draws=3) == [1, 0]
+    assert await combos.reserve(b, 300) == [1, 0]
+    assert [redis_db.type(k) for k in keys] == [b"hash"] * 3
+    assert [redis_db.pexpiretime(k) for k in keys] == combos.expires[:3]
+    assert combos.counters() == [800, 500, 500]
+    assert redis_db.hgetall(keys[0]) == {COMBO.encode(): b"800", record_field(a, 0): b"500",
+                                         record_field(b, 0): b"300"}
+    assert redis_db.hgetall(keys[1]) == {COMBO.encode(): b"500"}
+    assert record_field(a, 0)[:1] == b"\0"
+    assert len(record_field(a, 0)) == 10
+    assert all("\0" not in encode([n]) for n in range(1, 100))
+    # Another combination hashed to the same bucket: one hash, separate counters and records.
+    twin = next(encode(c) for c in chain(combinations(range(1, 100), 2),
+                                         combinations(range(1, 100), 3))
+                if zlib.crc32(encode(c).encode()) % COUNTER_BUCKETS == bucket)
+    assert bucket_keys(GAME, twin, FIRST, 1) == keys[:1]
+    assert await combos.reserve(a, 4000, grid=1, combo=twin) == [1, 1]
+    assert combos.counters(1) == [800]
+    assert combos.counters(1, combo=twin) == [4000]
+    assert redis_db.hlen(keys[0]) == 5
+    assert await combos.release(a, grid=1, combo=twin) == [4000]
+    assert combos.counters(1) == [800]
+    assert combos.record(a) == b"500"
 
 
-async def test_expire_and_unclaim(store: Store, redis_db: redis.Redis) -> None:
-    """The janitor's expire marks an old pending ticket; unclaim forgets it and its index."""
-    key = ticket_key("ch", "T-3")
-    at = int((await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
-    assert await store.expire(key, at) == []  # not older than the cutoff
-    assert await store.expire(key, at + 1) == [b"x", str(at).encode(), b"s"]
-    assert await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000) == [b"stale"]
-    await store.unclaim(key, at)
-    assert redis_db.exists(key) == 0
-    assert redis_db.zcard(pending_key_of(key)) == 0
+async def test_concurrent_reserves_never_pass_the_cap(combos: Combos) -> None:
+    """Reserves in one pipeline never pass the cap; copies of one sale's reserve count once."""
+    replies = await asyncio.gather(*[combos.reserve(new_sale(), 100, draws=2)
+                                     for _ in range(60)])
+    assert sum(r[0] == 1 for r in replies) == 50
+    assert all(r == [0, 0, 0] for r in replies if r[0] != 1)
+    assert combos.counters(2) == [5000, 5000]
+    sale = new_sale()
+    copies = await asyncio.gather(*[combos.reserve(sale, 300, combo=OTHER) for _ in range(10)])
+    assert copies == [[1, 0]] * 10
+    assert combos.counters(1, combo=OTHER) == [300]
 
 
-async def test_cancel_function(store: Store, redis_db: redis.Redis) -> None:
-    """cancel: only a final ticket, only before the close; a replay returns the same."""
-    key = ticket_key("ch", "T-4")
-    assert await store.cancel(key, FUTURE, 10) == [b"missing"]
-    at = int((await store.claim(key, GAME, 100, 1, "fp", b"s", FUTURE, FUTURE, 60_000))[1])
-    assert await store.cancel(key, FUTURE, 10) == [b"undecided"]
-    await store.finalize(key, at, b"body")
-    assert await store.cancel(key, int(time.time() * 1000) - 1, 10) == [b"closed"]
-    assert await store.cancel(key, FUTURE, 10) == [b"ok", 10]
-    assert await store.cancel(key, 0, 99) == [b"ok", 10]
+async def test_release_and_late_reserve_of_a_sale_cannot_both_win(combos: Combos) -> None:
+    """A release and a reserve of one sale queued together, either order: nothing counted."""
+    for release_first in (False, True):
+        sale = new_sale()
+        if release_first:  # both queued in the same tick, run by Redis in this order
+            released_f = combos.release(sale, draws=3)
+            reserved_f = combos.reserve(sale, 500, draws=3)
+        else:
+            reserved_f = combos.reserve(sale, 500, draws=3)
+            released_f = combos.release(sale, draws=3)
+        reserved, released = await asyncio.gather(reserved_f, released_f)
+        assert [reserved, released] == ([[-2], [0]] if release_first else [[1, 0], [500]])
+        assert combos.counters() == [0, 0, 0]
+        assert combos.record(sale) == b"X"
+        assert await combos.reserve(sale, 500, draws=3) == [-2]
+        assert combos.counters() == [0, 0, 0]
 
 
-async def test_library_reloaded_after_function_flush(store: Store,
+# -- release -------------------------------------------------------------------------------
+
+
+async def test_release_gives_back_the_recorded_stake_once_on_every_draw(
+        combos: Combos) -> None:
+    """Release gives back the recorded stake once on every draw and leaves "X" ({-2} after)."""
+    a, b = new_sale(), new_sale()
+    assert await combos.reserve(a, 500, draws=3) == [1, 0]
+    assert await combos.reserve(b, 300, draws=3) == [1, 0]
+    assert await combos.release(a, draws=3) == [500]
+    assert await combos.release(a, draws=3) == [0]
+    assert combos.counters() == [300, 300, 300]
+    assert combos.record(a) == b"X"
+    assert await combos.reserve(a, 500, draws=3) == [-2]
+    assert combos.counters() == [300, 300, 300]
+
+
+async def test_release_before_reserve_seals_the_sale(combos: Combos,
                                                      redis_db: redis.Redis) -> None:
-    """If Redis lost the library (FUNCTION FLUSH), calls reload it and succeed (on a
-    cluster, each primary as soon as a call reaches it)."""
+    """Releasing a sale that never reserved seals it: its late reserve counts nothing ({-2})."""
+    sale = new_sale()
+    assert await combos.release(sale, draws=3) == [0]
+    assert combos.record(sale) == b"X"
+    assert redis_db.pexpiretime(combos.bucket()) == combos.expires[0]
+    assert await combos.reserve(sale, 500, draws=3) == [-2]
+    assert combos.counters() == [0, 0, 0]
+
+
+async def test_release_of_a_rejected_grid_gives_nothing(combos: Combos) -> None:
+    """Releasing a rejected grid gives nothing back, and its re-run stays a rejection."""
+    full, sale = new_sale(), new_sale()
+    assert await combos.reserve(full, 4600) == [1, 1]
+    assert await combos.reserve(sale, 500) == [0, 0, 400]
+    assert await combos.release(sale) == [0]
+    assert combos.counters(1) == [4600]
+    assert await combos.reserve(sale, 500) == [0, 0, 400]
+    assert combos.counters(1) == [4600]
+
+
+async def test_release_never_touches_another_sale(combos: Combos) -> None:
+    """Releasing sale A (any grid) leaves sale B's record and stake alone."""
+    a, b = new_sale(), new_sale()
+    assert await combos.reserve(a, 500, draws=2) == [1, 0]
+    assert await combos.reserve(b, 700, draws=2) == [1, 0]
+    assert await combos.release(a, draws=2, grid=1) == [0]
+    assert combos.record(a) == b"500"
+    assert await combos.release(a, draws=2) == [500]
+    assert combos.record(b) == b"700"
+    assert combos.counters(2) == [700, 700]
+    assert await combos.release(b, draws=2) == [700]
+    assert combos.counters(2) == [0, 0]
+
+
+async def test_release_reports_the_draws_leaving_sold_out(combos: Combos) -> None:
+    """Release reports exactly the offsets whose counter left the sold-out state."""
+    a, b = new_sale(), new_sale()
+    assert await combos.reserve(a, 4900, draws=3) == [1, 3]  # room 100 = MIN: not sold out
+    assert await combos.reserve(b, 50, draws=2, first=FIRST + 1) == [1, 0, 0, 1]
+    assert await combos.release(b, draws=2, first=FIRST + 1) == [50, 0, 1]
+    assert await combos.release(a, draws=3) == [4900]
+
+
+async def test_release_deletes_counters_that_reach_zero(combos: Combos,
+                                                        redis_db: redis.Redis) -> None:
+    """A counter given back to 0 is deleted (the bucket shrinks or goes; tombstones stay)."""
+    a, b = new_sale(), new_sale()
+    assert await combos.reserve(a, 500, draws=2) == [1, 0]
+    assert await combos.reserve(b, 300, combo=OTHER) == [1, 0]
+    assert await combos.reserve(b, 200, grid=1) == [1, 0]
+    assert redis_db.hlen(combos.bucket()) == 3  # COMBO, a's record, b's record of grid 1
+    assert redis_db.hlen(combos.bucket(FIRST + 1)) == 1
+    assert await combos.release(a, draws=2) == [500]
+    assert combos.counters(2) == [200, 0]
+    assert await combos.release(b, grid=1) == [200]
+    assert redis_db.hexists(combos.bucket(), COMBO) == 0
+    assert redis_db.hlen(combos.bucket()) == 2  # only the two tombstones
+    assert [combos.record(a), combos.record(b, 1)] == [b"X", b"X"]
+    assert redis_db.exists(combos.bucket(FIRST + 1)) == 0
+    assert combos.counters(1, combo=OTHER) == [300]
+
+
+# -- tickets -------------------------------------------------------------------------------
+
+
+async def claim(store: Store, key: str, now: int, fp: str = "fp", sale: bytes = b"sale",
+                close: int | None = None, stale_after: int = 60_000) -> Any:
+    return await store.claim(key, fp, sale, now + HOUR if close is None else close, now + DAY,
+                             stale_after)
+
+
+async def claimed(store: Store, key: str, now: int) -> tuple[int, str]:
+    reply = await claim(store, key, now)
+    assert reply[0] == b"new"
+    return int(reply[1]), reply[2].decode()
+
+
+async def finalize(store: Store, key: str, sid: str, body: bytes = b"body") -> Any:
+    return await store.fcall("capsvc_finalize", [key], [sid, body])
+
+
+async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: redis.Redis,
+                                                      now: int) -> None:
+    """A new claim answers {new, at (Redis TIME, ms), 16-hex sid}; the record has the TTL."""
+    key = ticket_key("ch", "T-new")
+    t0 = redis_ms(redis_db)
+    reply = await claim(store, key, now, sale=b"sale-1")
+    t1 = redis_ms(redis_db)
+    assert reply[0] == b"new"
+    at, sid = reply[1], reply[2].decode()
+    assert isinstance(at, int)
+    assert t0 <= at <= t1
+    assert re.fullmatch("[0-9a-f]{16}", sid)
+    assert redis_db.hgetall(key) == {b"st": b"p", b"fp": b"fp", b"at": str(at).encode(),
+                                     b"sid": sid.encode(), b"sale": b"sale-1"}
+    assert redis_db.pexpiretime(key) == now + DAY
+    other = await claim(store, ticket_key("ch", "T-new2"), now)
+    assert other[2].decode() != sid
+
+
+async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
+                                                              now: int) -> None:
+    """A claim replays {pending}, {conflict}, {stale}, and {final, body} even after the close."""
+    key = ticket_key("ch", "T-replay")
+    at, sid = await claimed(store, key, now)
+    assert await claim(store, key, now, sale=b"other") == [b"pending", at, sid.encode(),
+                                                            b"sale"]
+    assert await claim(store, key, now, fp="fp2") == [b"conflict"]
+    assert await claim(store, key, now, stale_after=0) == [b"stale"]
+    assert await finalize(store, key, sid) == 1
+    assert await claim(store, key, now, close=now - 1) == [b"final", b"body"]
+    assert await claim(store, key, now, fp="fp2") == [b"conflict"]
+
+
+async def test_claim_refuses_after_the_close(store: Store, redis_db: redis.Redis,
+                                             now: int) -> None:
+    """A ticket whose first draw closed (close_ms in the past) is not claimed at all."""
+    key = ticket_key("ch", "T-closed")
+    assert await claim(store, key, now, close=now - 1) == [b"closed"]
+    assert redis_db.exists(key) == 0
+
+
+async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
+    """Once the janitor took a pending ticket (x), a replay is told {stale}."""
+    key = ticket_key("ch", "T-x")
+    await claimed(store, key, now)
+    assert (await store.expire(key, 0))[0] == b"x"
+    assert await claim(store, key, now) == [b"stale"]
+
+
+async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
+                                                       now: int) -> None:
+    """finalize writes only for the ticket's own sale id, in state p or x; never creates a key."""
+    key = ticket_key("ch", "T-fin")
+    _, sid = await claimed(store, key, now)
+    assert await finalize(store, key, new_sale()) == 0
+    assert redis_db.hget(key, "st") == b"p"
+    assert await finalize(store, key, sid) == 1
+    assert redis_db.hmget(key, "st", "body") == [b"f", b"body"]
+    assert await finalize(store, key, sid, b"other") == 0
+    assert redis_db.hget(key, "body") == b"body"
+    settled = ticket_key("ch", "T-fin-x")
+    _, sid_x = await claimed(store, settled, now)
+    assert (await store.expire(settled, 0))[0] == b"x"
+    assert await finalize(store, settled, new_sale()) == 0
+    assert await finalize(store, settled, sid_x) == 1
+    assert redis_db.hget(settled, "st") == b"f"
+    assert (await store.cancel(settled, now + HOUR, False, 0))[0] == b"k"
+    assert await finalize(store, settled, sid_x, b"other") == 0
+    missing = ticket_key("ch", "T-fin-missing")
+    assert await finalize(store, missing, sid) == 0
+    assert redis_db.exists(missing) == 0
+
+
+async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
+                                                      now: int) -> None:
+    """unclaim forgets a ticket only for its own sale id, in state p or x (never f, k, c)."""
+    key = ticket_key("ch", "T-un")
+    _, sid = await claimed(store, key, now)
+    assert await store.fcall("capsvc_unclaim", [key], [new_sale()]) == 0
+    assert redis_db.exists(key) == 1
+    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 1
+    assert redis_db.exists(key) == 0
+    _, sid = await claimed(store, key, now)
+    assert (await store.expire(key, 0))[0] == b"x"
+    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 1
+    assert redis_db.exists(key) == 0
+    _, sid = await claimed(store, key, now)
+    assert await finalize(store, key, sid) == 1
+    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
+    assert redis_db.hget(key, "st") == b"f"
+    assert (await store.cancel(key, now + HOUR, False, 0))[0] == b"k"
+    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
+    assert redis_db.hget(key, "st") == b"c"
+
+
+async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -> None:
+    """expire hands tickets due by Redis TIME to the janitor (x or k); {'wait'} before; else {}."""
+    key = ticket_key("ch", "T-exp")
+    at, sid = await claimed(store, key, now)
+    assert await store.expire(key, HOUR) == [b"wait"]
+    assert await claim(store, key, now) == [b"pending", at, sid.encode(), b"sale"]
+    due = [b"x", str(at).encode(), sid.encode(), b"sale"]
+    assert await store.expire(key, 0) == due
+    assert await store.expire(key, HOUR) == due  # an expired ticket stays the janitor's
+    assert await finalize(store, key, sid) == 1
+    assert await store.expire(key, 0) == []
+    k = await store.cancel(key, now + HOUR, False, 500)
+    assert k[0] == b"k"
+    assert await store.expire(key, HOUR) == [b"wait"]
+    assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
+                                          b"body"]
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert await store.expire(key, 0) == []
+    assert await store.expire(ticket_key("ch", "T-exp-missing"), 0) == []
+
+
+async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int) -> None:
+    """cancel decides once (k, at Redis TIME) if open and unstopped, then replays k, then c."""
+    key = ticket_key("ch", "T-cancel")
+    assert await store.cancel(key, now + HOUR, False, 10) == [b"missing"]
+    assert redis_db.exists(key) == 0
+    _, sid = await claimed(store, key, now)
+    assert await store.cancel(key, now + HOUR, False, 10) == [b"undecided"]
+    assert await finalize(store, key, sid) == 1
+    assert await store.cancel(key, now - 1, False, 10) == [b"closed"]
+    assert await store.cancel(key, now + HOUR, True, 10) == [b"closed"]
+    assert redis_db.hget(key, "st") == b"f"
+    t0 = redis_ms(redis_db)
+    reply = await store.cancel(key, now + HOUR, False, 10)
+    t1 = redis_ms(redis_db)
+    assert reply[0] == b"k"
+    assert t0 <= reply[1] <= t1
+    ca = reply[1]
+    assert reply == [b"k", ca, 10, sid.encode()]
+    assert await store.cancel(key, now - 1, True, 99) == [b"k", ca, 10, sid.encode()]
+    assert await claim(store, key, now) == [b"final", b"body"]
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert await store.cancel(key, now - 1, True, 99) == [b"c", ca, 10]
+    assert await store.cancel(key, now + HOUR, False, 99) == [b"c", ca, 10]
+    assert redis_db.hmget(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
+
+
+async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis.Redis,
+                                                   now: int) -> None:
+    """cancelled completes only the cancel of the ticket's own sale id, in state k."""
+    key = ticket_key("ch", "T-cancelled")
+    _, sid = await claimed(store, key, now)
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # pending
+    assert await finalize(store, key, sid) == 1
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # final, not cancelling
+    assert redis_db.hget(key, "st") == b"f"
+    assert (await store.cancel(key, now + HOUR, False, 0))[0] == b"k"
+    assert await store.fcall("capsvc_cancelled", [key], [new_sale()]) == 0
+    assert redis_db.hget(key, "st") == b"k"
+    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert redis_db.hget(key, "st") == b"c"
+    missing = ticket_key("ch", "T-cancelled-missing")
+    assert await store.fcall("capsvc_cancelled", [missing], [sid]) == 0
+    assert redis_db.exists(missing) == 0
+
+
+async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
+        store: Store, redis_db: redis.Redis, now: int) -> None:
+    """index adds the ticket to its slot's pending zset (first instant kept), with a TTL."""
+    key = ticket_key("ch", "T-index")
+    pending = pending_key_of(key)
+    assert key_slot(pending.encode()) == key_slot(key.encode())
+    assert await store.index(key, now, now + DAY) == 1
+    assert redis_db.zrange(pending, 0, -1, withscores=True) == [(key.encode(), float(now))]
+    assert redis_db.pexpiretime(pending) == now + DAY
+    assert await store.index(key, now + 5, now + HOUR) == 1
+    assert redis_db.zscore(pending, key) == now
+    assert redis_db.pexpiretime(pending) == now + DAY
+    other = key.replace("T-index", "T-index-2")  # same hash tag, same zset
+    assert await store.index(other, now + 7, now + 2 * DAY) == 1
+    assert redis_db.zcard(pending) == 2
+    assert redis_db.pexpiretime(pending) == now + 2 * DAY
+
+
+# -- stops ---------------------------------------------------------------------------------
+
+
+async def test_stop_first_wins_at_redis_time(store: Store, redis_db: redis.Redis,
+                                             now: int) -> None:
+    """The first stop records Redis TIME and wins; the stops hash expires at the latest expiry."""
+    t0 = redis_ms(redis_db)
+    instant = await store.stop(GAME, FIRST, now + DAY)
+    t1 = redis_ms(redis_db)
+    assert t0 <= instant <= t1
+    await asyncio.sleep(0.01)
+    assert await store.stop(GAME, FIRST, now + 2 * DAY) == instant
+    assert redis_db.hgetall(stops_key(GAME)) == {str(FIRST).encode():
+                                                 f"{instant}:{now + DAY}".encode()}
+    assert redis_db.pexpiretime(stops_key(GAME)) == now + DAY
+    second = await store.stop(GAME, FIRST + 1, now + 2 * DAY)
+    assert second >= instant
+    assert redis_db.pexpiretime(stops_key(GAME)) == now + 2 * DAY
+    assert await store.stop(GAME, FIRST + 2, now + HOUR) >= second
+    assert redis_db.pexpiretime(stops_key(GAME)) == now + 2 * DAY
+
+
+async def test_stop_prunes_draws_whose_expiry_passed(store: Store, redis_db: redis.Redis,
+                                                     now: int) -> None:
+    """The next stop deletes the stops of draws whose expiry (Redis TIME) has passed."""
+    await store.stop(GAME, FIRST, now + DAY)
+    await store.stop(GAME, FIRST + 1, now + 50)
+    await asyncio.sleep((now + 60 - redis_ms(redis_db)) / 1000)
+    assert redis_ms(redis_db) > now + 50
+    assert redis_db.hexists(stops_key(GAME), str(FIRST + 1)) == 1  # until the next stop
+    await store.stop(GAME, FIRST + 2, now + DAY)
+    assert sorted(redis_db.hkeys(stops_key(GAME))) == [str(FIRST).encode(),
+                                                       str(FIRST + 2).encode()]
+    assert redis_db.pexpiretime(stops_key(GAME)) == now + DAY
+
+
+# -- budgets -------------------------------------------------------------------------------
+
+
+def day_of(ms: int, back: int = 0) -> str:
+    return (datetime.fromtimestamp(ms / 1000, UTC).date() - timedelta(days=back)).isoformat()
+
+
+def tomorrow_of(day: str) -> str:
+    return (date.fromisoformat(day) + timedelta(days=1)).isoformat()
+
+
+@pytest.fixture
+def players(store: Store) -> PlayerStore:
+    return PlayerStore(store)
+
+
+def spent(db: redis.Redis, day: str) -> int:
+    return int(db.hget(budget_key(PLAYER, day), "spent") or 0)
+
+
+async def test_budget_take_is_all_or_nothing_over_days(players: PlayerStore,
+                                                       redis_db: redis.Redis,
+                                                       now: int) -> None:
+    """A take over several days charges every day or none (room of the day that refused)."""
+    d1, d2 = day_of(now), tomorrow_of(day_of(now))
+    exp = now + 3 * DAY
+    assert await players.reserve(PLAYER, "other", REGULATORY, exp, [(d2, 900)]) == [1, 100]
+    assert await players.reserve(PLAYER, "s1", REGULATORY, exp, [(d1, 300), (d2, 200)]) == [
+        0, 100]
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (0, 900)
+    assert redis_db.hget(budget_key(PLAYER, d1), "s1") == b"R100"
+    assert redis_db.hget(budget_key(PLAYER, d2), "s1") is None
+    assert await players.reserve(PLAYER, "s2", REGULATORY, exp, [(d1, 300), (d2, 100)]) == [
+        1, 700]
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (300, 1000)
+    assert [redis_db.hget(budget_key(PLAYER, d), "s2") for d in (d1, d2)] == [b"300", b"100"]
+    assert redis_db.pexpiretime(budget_key(PLAYER, d1)) == exp
+    assert redis_db.pexpiretime(budget_key(PLAYER, d2)) == exp
+
+
+async def test_budget_rerun_answers_the_recorded_outcome(players: PlayerStore,
+                                                         redis_db: redis.Redis,
+                                                         now: int) -> None:
+    """A take re-run by the same ref charges nothing more; a refusal stays a refusal."""
+    d1, exp = day_of(now), now + 3 * DAY
+    assert await players.reserve(PLAYER, "s", REGULATORY, exp, [(d1, 300)]) == [1, 700]
+    assert await players.reserve(PLAYER, "s", REGULATORY, exp, [(d1, 300)]) == [1, 700]
+    assert spent(redis_db, d1) == 300
+    assert await players.reserve(PLAYER, "big", REGULATORY, exp, [(d1, 800)]) == [0, 700]
+    assert await players.settle(PLAYER, "s", [(d1, 0)]) == 300
+    assert await players.reserve(PLAYER, "big", REGULATORY, exp, [(d1, 800)]) == [0, 700]
+    assert spent(redis_db, d1) == 0
+
+
+async def test_budget_seal_then_take_answers_minus_2(players: PlayerStore,
+                                                     redis_db: redis.Redis, now: int) -> None:
+    """A sealed ref ("X") can take nothing ({-2}); sealing a ref that took changes nothing."""
+    d1, d2, exp = day_of(now), tomorrow_of(day_of(now)), now + 3 * DAY
+    shares = [(d1, 300), (d2, 300)]
+    assert await players.reserve(PLAYER, "s", REGULATORY, exp, shares, seal=True) == [-2]
+    assert redis_db.hget(budget_key(PLAYER, d1), "s") == b"X"
+    assert redis_db.pexpiretime(budget_key(PLAYER, d1)) == exp
+    assert await players.reserve(PLAYER, "s", REGULATORY, exp, shares) == [-2]
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (0, 0)
+    assert await players.reserve(PLAYER, "t", REGULATORY, exp, shares) == [1, 700]
+    assert await players.reserve(PLAYER, "t", REGULATORY, exp, shares, seal=True) == [1, 700]
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (300, 300)
+
+
+async def test_settle_adjusts_to_the_amounts_and_ignores_r_and_x(players: PlayerStore,
+                                                                 redis_db: redis.Redis,
+                                                                 now: int) -> None:
+    """settle sets a ref's amounts (spent follows), idempotently; R, X, unknown refs untouched."""
+    d1, d2, exp = day_of(now), tomorrow_of(day_of(now)), now + 3 * DAY
+    assert await players.reserve(PLAYER, "s", REGULATORY, exp, [(d1, 300), (d2, 200)]) == [
+        1, 700]
+    assert await players.settle(PLAYER, "s", [(d1, 100), (d2, 0)]) == 400
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (100, 0)
+    assert [redis_db.hget(budget_key(PLAYER, d), "s") for d in (d1, d2)] == [b"100", b"0"]
+    assert await players.settle(PLAYER, "s", [(d1, 100), (d2, 0)]) == 0
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (100, 0)
+    assert await players.reserve(PLAYER, "r", REGULATORY, exp, [(d1, 950)]) == [0, 900]
+    assert await players.reserve(PLAYER, "x", REGULATORY, exp, [(d1, 1)], seal=True) == [-2]
+    for ref, kept in (("r", b"R900"), ("x", b"X")):
+        assert await players.settle(PLAYER, ref, [(d1, 0)]) == 0
+        assert redis_db.hget(budget_key(PLAYER, d1), ref) == kept
+    assert await players.settle(PLAYER, "unknown", [(d1, 0), (d2, 0)]) == 0
+    assert redis_db.hexists(budget_key(PLAYER, d1), "unknown") == 0
+    assert (spent(redis_db, d1), spent(redis_db, d2)) == (100, 0)
+
+
+async def test_stake_is_idempotent_over_three_days(players: PlayerStore,
+                                                   redis_db: redis.Redis, now: int) -> None:
+    """A stake ref recorded 1 or 2 days before answers as recorded and charges today nothing."""
+    exp = now + 3 * DAY
+
+    def days(back: int) -> list[str]:
+        return [day_of(now, back + n) for n in range(3)]
+
+    assert await players.stake(PLAYER, "a", REGULATORY, exp, days(1), 300) == [1, 700]
+    assert await players.stake(PLAYER, "b", REGULATORY, exp, days(2), 200) == [1, 800]
+    assert await players.stake(PLAYER, "r", REGULATORY, exp, days(1), 800) == [0, 700]
+    assert await players.stake(PLAYER, "a", REGULATORY, exp, days(0), 300) == [1, 1000]
+    assert await players.stake(PLAYER, "b", REGULATORY, exp, days(0), 200) == [1, 1000]
+    assert await players.stake(PLAYER, "r", REGULATORY, exp, days(0), 800) == [0, 700]
+    assert spent(redis_db, day_of(now)) == 0
+    assert (spent(redis_db, day_of(now, 1)), spent(redis_db, day_of(now, 2))) == (300, 200)
+    assert await players.stake(PLAYER, "c", REGULATORY, exp, days(0), 400) == [1, 600]
+    assert await players.stake(PLAYER, "c", REGULATORY, exp, days(0), 400) == [1, 600]
+    assert await players.stake(PLAYER, "a", REGULATORY, exp, days(0), 300) == [1, 600]
+    assert await players.stake(PLAYER, "d", REGULATORY, exp, days(0), 700) == [0, 600]
+    assert spent(redis_db, day_of(now)) == 400
+    assert redis_db.pexpiretime(budget_key(PLAYER, day_of(now))) == exp
+
+
+async def test_set_limit_and_player(players: PlayerStore, redis_db: redis.Redis,
+                                    now: int) -> None:
+    """A self-limit lowers at once, raises or goes tomorrow; player reports it; takes obey it."""
+    today, exp = day_of(now), now + 30 * DAY
+    tomorrow = tomorrow_of(today)
+    t = tomorrow.encode()
+    assert await players.state(PLAYER, today) == [b"none", b"", b"", 0]
+    assert await players.set_limit(PLAYER, 500, today, tomorrow, exp) == [b"500", b"", b"", 0]
+    assert redis_db.pexpiretime(limit_key(PLAYER)) == exp
+    assert await players.reserve(PLAYER, "s", REGULATORY, now + DAY, [(today, 200)]) == [
+        1, 300]
+    assert await players.set_limit(PLAYER, 800, today, tomorrow, exp) == [b"500", b"800", t,
+                                                                          200]
+    assert await players.state(PLAYER, today) == [b"500", b"800", t, 200]
+    assert await players.state(PLAYER, tomorrow) == [b"800", b"", b"", 0]
+    assert await players.reserve(PLAYER, "s2", REGULATORY, now + DAY, [(today, 400)]) == [
+        0, 300]
+    assert await players.set_limit(PLAYER, 300, today, tomorrow, exp) == [b"300", b"", b"",
+                                                                          200]
+    assert await players.set_limit(PLAYER, None, today, tomorrow, exp) == [b"300", b"none", t,
+                                                                           200]
+    assert await players.state(PLAYER, today) == [b"300", b"none", t, 200]
+    assert await players.state(PLAYER, tomorrow) == [b"none", b"", b"", 0]
+    assert await players.reserve(PLAYER, "s3", REGULATORY, now + DAY, [(today, 101)]) == [
+        0, 100]
+    assert await players.reserve(PLAYER, "s4", REGULATORY, now + DAY, [(tomorrow, 1000)]) == [
+        1, 0]
+    assert await players.set_limit(PLAYER, 2000, today, tomorrow, exp) == [b"300", b"2000", t,
+                                                                           200]
+    assert await players.reserve(PLAYER, "s5", REGULATORY, now + DAY,
+                                 [(tomorrow_of(tomorrow), 1001)]) == [0, 1000]
+
+
+# -- library -------------------------------------------------------------------------------
+
+
+async def test_library_reloaded_after_function_flush(store: Store, combos: Combos,
+                                                     redis_db: redis.Redis) -> None:
+    """After FUNCTION FLUSH, calls reload the library (on each primary) and succeed."""
     redis_db.function_flush()
     assert not await store.library_loaded()
-    for combo in range(30):  # combinations spread over every primary of a cluster
-        reply = await store.reserve(GAME, f"{combo:02d}", "a", 500, CAP, MIN, 100,
-                                    EXPIRES[:1], FUTURE)
-        assert reply == [1, 0]
+    for n in range(1, 31):  # combinations spread over every primary of a cluster
+        assert await combos.reserve(new_sale(), 500, combo=encode([n])) == [1, 0]
     assert await store.library_loaded()
