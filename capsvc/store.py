@@ -17,6 +17,7 @@ call naming a key that does not exist yet beside one that does would get TRYAGAI
 from __future__ import annotations
 
 import asyncio
+import os
 import zlib
 from importlib import resources
 from typing import Any
@@ -112,8 +113,8 @@ class Store:
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_claim", [ticket],
-                          [fingerprint, sale, close_ms, expire_at, stale_after_ms])
+        return self.fcall("capsvc_claim", [ticket], [
+            fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
     def finalize(self, ticket: str, sale_id: str, body: bytes) -> None:
         """Write the decision of a sale and drop its index entry, without waiting (a lost

@@ -37,8 +37,8 @@ a subscription grid is one atomic call; the draw is in the key name, so what a d
 expires with it. K is part of the layout: changing it while a draw is on sale would split
 that draw's counters in two (it is a constant, not a setting).
 
-SALES. The claim mints a sale id (`sid`, 8 random-looking bytes derived from the ticket key
-and the claim instant, hex in the ticket record). Every grid record is keyed by sale id and
+SALES. The claim mints a sale id (`sid`, 8 bytes of the SHA-1 of the ticket key, the
+claim instant and a random nonce from the caller; hex in the ticket record). Every grid record is keyed by sale id and
 grid index, so a ticket id used again after its retention is a new sale with new records,
 and every step that acts for a sale (reserve, release, finalize, unclaim, settle, cancel)
 names it and does nothing to another sale.
@@ -81,7 +81,7 @@ local function index(keys, args)
   return 1
 end
 
---[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms
+--[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
 Returns {'new', at, sid} | {'final', body} | {'pending', at, sid, sale} | {'conflict'}
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
 ticket replays at any time. Admin stops live in another slot: the caller reads them in
@@ -96,7 +96,10 @@ local function claim(keys, args)
     if now >= tonumber(args[3]) then
       return {'closed'}
     end
-    local sid = string.sub(redis.sha1hex(ticket .. '\n' .. t[1] .. '.' .. t[2]), 1, 16)
+    -- The caller's random nonce keeps the id new even if TIME repeats (a clock stepped
+    -- back after an unclaim): a sale never meets another sale's records.
+    local sid = string.sub(redis.sha1hex(ticket .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
+                                         .. args[6]), 1, 16)
     redis.call('HSET', ticket, 'st', 'p', 'fp', args[1], 'at', now, 'sid', sid,
                'sale', args[2])
     redis.call('PEXPIREAT', ticket, tonumber(args[4]))
