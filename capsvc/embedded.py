@@ -71,6 +71,7 @@ class EmbeddedRedis:
             "--appendonly", "yes",
             "--appendfsync", "everysec",
             "--maxmemory-policy", "noeviction",
+            "--hash-max-listpack-entries", "512",  # as deploy/redis.conf (lua/capsvc.lua)
             "--logfile", str(self.dir / "server.log"),
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)

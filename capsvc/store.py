@@ -27,7 +27,7 @@ from capsvc.coalesce import Transport
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
-COUNTER_BUCKETS = 1024
+COUNTER_BUCKETS = 4096
 """Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
 the layout, never to be changed while a draw is on sale or retained)."""
 

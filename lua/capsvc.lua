@@ -25,17 +25,20 @@ field (which starts with a zero byte) can never be taken for a counter.
 
 WHY BUCKETS. Redis spends ~118 bytes on any key (dict entry, key, object, expiry entry),
 so a key per counter cannot get below that. A combination is hashed (crc32 of its bytes)
-to one of K = 1024 buckets per game and draw; a bucket is a small hash that Redis keeps as
-a listpack while it has at most hash-max-listpack-entries fields (deploy/redis.conf sets
-512: 256 combinations with one record each), at ~35-50 bytes per counter with its record.
-K = 1024 keeps buckets in listpack up to ~260,000 played combinations per draw with that
-setting (~65,000 with Redis's default of 128), while the O(fields) listpack scan of a
-bucket stays a few hundred bytes; past that, a bucket becomes a real hash: memory per
-counter rises toward the per-key figure but stays bounded by the draws retained. The hash
-tag {<game>:<bucket>} holds no draw, so every draw of one combination sits in one slot and
-a subscription grid is one atomic call; the draw is in the key name, so what a draw stored
-expires with it. K is part of the layout: changing it while a draw is on sale would split
-that draw's counters in two (it is a constant, not a setting).
+to one of K = 4096 buckets per game and draw; a bucket is a small hash that Redis keeps as
+a listpack while it has at most hash-max-listpack-entries fields (two per combination
+played: its total and one record per grid sold). Measured on Redis 7.0 (bench/memory.py,
+100,000 counters on one draw, ~24 a bucket): ~40 bytes per counter with its record with
+Redis's default limit of 128 fields; with 1024 buckets the same volume passes 128 fields a
+bucket, turns into real hash tables and costs 136 bytes, so K follows the volume:
+4096 buckets stay in listpack up to ~250,000 combinations per draw with the default limit
+and ~1,000,000 with deploy/redis.conf's 512, while a listpack scan stays a few hundred
+bytes (CPU). Past that a bucket becomes a hash table: memory per counter rises toward the
+per-key figure, still bounded by the draws retained. The hash tag {<game>:<bucket>} holds
+no draw, so every draw of one combination sits in one slot and a subscription grid is one
+atomic call; the draw is in the key name, so what a draw stored expires with it. K is part
+of the layout: changing it while a draw is on sale would split that draw's counters in
+two, so it is a constant, not a setting.
 
 SALES. The claim mints a sale id (`sid`, 8 bytes of the SHA-1 of the ticket key, the
 claim instant and a random nonce from the caller; hex in the ticket record). Every grid record is keyed by sale id and
