@@ -5,20 +5,20 @@ by one from each draw to the next, across days. Sales for a draw close at its dr
 Pure: the current time is always passed in (milliseconds since the Unix epoch).
 
 Draw times are local wall-clock times, and every day has the same draws, so a draw's number
-never depends on the clock changes. On the days the clock changes:
+never depends on the clock changes. On the days the clock changes, a draw closes when the
+clock first shows its time, as on any other day, and never before:
 
-- a draw time the clock repeats (fall back: 02:30 twice) is its first occurrence;
-- a draw time the clock skips (spring forward: no 02:30) is held until the clock shows
-  again, the first instant after the gap (03:00), as a draw is that should have happened
-  while the office was closed.
+- a time the clock shows twice (fall back, 02:30 twice) closes at its first showing;
+- a time the clock skips (spring forward, no 02:30 as 02:00 becomes 03:00) closes at the
+  first instant after the gap, when the clock jumps (03:00), late rather than early;
+- draws that would then close at one instant (every skipped one, and the 03:00 one) close
+  1 ms apart, in draw order: every draw closes at least 1 ms after the one before.
 
-Several draws held that way would close at the same instant, so close instants are made
-strictly increasing: a draw that would close no later than the draw before it closes 1 ms
-after it. One millisecond, the smallest step of the calendar's instants, keeps the held
-draws as close as can be to the end of the gap and moves the draws that really fall at the
-end of the gap, or just after it, by at most a few milliseconds (a few seconds for draws
-every second). So for every draw n, close_ms(n) < close_ms(n + 1), and the local day of a
-draw is the day its close falls on.
+One millisecond, the smallest step of the calendar's instants, keeps held draws as near as
+can be to the jump, and delays the draws due at the jump or just after it by at most a few
+milliseconds (a few seconds for draws every second). So close_ms(n) < close_ms(n + 1) for
+every draw n, and a draw's local day is the day of its close: its own day, unless a gap runs
+past midnight (none does in tzdb after 1970).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class Janitor:
         if plan is not None:
             taken = await self.ledger.take_budget(plan, seal=True)
             if taken[0] == REJECTED:  # refused by the player's limit: that was the decision
-                await self.store.finalize_now(key, sale_id, _encode(player_limit_decision(sale)))
+                await self.store.finalize(key, sale_id, _encode(player_limit_decision(sale)))
                 return 1
             budget_held = taken[0] != RELEASED
         replies = await self.ledger.reserve_all(game, sale, sale_id, 0)
@@ -107,7 +107,7 @@ class Janitor:
             settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
             if settled is not None:
                 await settled
-            await self.store.finalize_now(key, sale_id, _encode(out))
+            await self.store.finalize(key, sale_id, _encode(out))
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
             await self.ledger.give_back(game, sale, sale_id, plan)

@@ -116,15 +116,11 @@ class Store:
         return self.fcall("capsvc_claim", [ticket], [
             fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
-    def finalize(self, ticket: str, sale_id: str, body: bytes) -> None:
-        """Write the decision of a sale and drop its index entry, without waiting (a lost
-        write is redone by a replay or the janitor, from the same records)."""
-        self.redis.send("FCALL", "capsvc_finalize", 1, ticket, sale_id, body)
+    async def finalize(self, ticket: str, sale_id: str, body: bytes) -> None:
+        """Write the decision of a sale and drop its index entry (one round trip)."""
+        written = self.fcall("capsvc_finalize", [ticket], [sale_id, body])
         self.redis.send("ZREM", pending_key_of(ticket), ticket)
-
-    async def finalize_now(self, ticket: str, sale_id: str, body: bytes) -> None:
-        await self.fcall("capsvc_finalize", [ticket], [sale_id, body])
-        await self.unindex(ticket)
+        await written
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         await self.fcall("capsvc_unclaim", [ticket], [sale_id])

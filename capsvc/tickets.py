@@ -3,8 +3,10 @@
 A sale takes two dependent Redis steps: claim the ticket id (refusing a different body
 under the same id; the claim mints the sale id that fences every later step), then reserve
 every capped grid, all grids at once. The decision is built from what those steps returned
-and written back without making the client wait: if that write is lost, a replay rebuilds
-the identical body from the same records, and the janitor finalizes the ticket.
+and written back before the answer (pipelined with the budget's settlement), so that a GET
+or a cancel sent on receipt of the answer, to any process, finds it; if the write is lost
+the answer is a 503 (outcome unknown), a replay rebuilds the identical body from the same
+records, and the janitor finalizes the ticket if nobody asks again.
 
 When the janitor has taken a sale over (it sealed a grid or the budget that the request had
 not reached yet), the request's step answers "released": the request then claims again,
@@ -155,7 +157,7 @@ class Tickets:
             if taken[0] != ACCEPTED:
                 out = player_limit_decision(sale)
                 body = _encode(out)
-                self.store.finalize(key, sale_id, body)
+                await self.store.finalize(key, sale_id, body)
                 return SaleOutcome(body=body, replayed=replayed, ticket=out)
         replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
         kinds = {r[0] for r in replies if r is not None}
@@ -181,7 +183,7 @@ class Tickets:
             if shares != plan.requested:
                 self.ledger.players.settle_later(plan.player, plan.ref, shares)
         body = _encode(out)
-        self.store.finalize(key, sale_id, body)
+        await self.store.finalize(key, sale_id, body)
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
                            sold_out=sold_out)
 

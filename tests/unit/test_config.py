@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import time
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capsvc.config import ConfigError, load_settings, parse_settings
 from tests.conftest import CONFIG
@@ -82,3 +85,46 @@ def test_channels_from_a_separate_file(tmp_path: Any) -> None:
         f'[[channels]]\nid = "c"\ntoken_sha256 = "{SHA}"\ngames = ["g"]\nscopes = ["sell"]\n')
     settings = load_settings(tmp_path / "main.toml")
     assert [c.id for c in settings.channels] == ["c"]
+
+
+def schedule(**fields: Any) -> tuple[time, ...]:
+    return parse_settings(doc(**fields)).games["g"].draw_times
+
+
+def test_draws_every_few_seconds() -> None:
+    """draw_every may be any whole number of seconds; times may carry seconds."""
+    times = schedule(draw_every="2s", draw_from="00:00", draw_until="23:59:58")
+    assert (len(times), times[1], times[-1]) == (43_200, time(0, 0, 2), time(23, 59, 58))
+    assert schedule(draw_every="90s", draw_from="08:00", draw_until="08:05:59") == (
+        time(8), time(8, 1, 30), time(8, 3), time(8, 4, 30))
+    assert schedule(draw_every="1000ms", draw_from="12:00:58", draw_until="12:01") == (
+        time(12, 0, 58), time(12, 0, 59), time(12, 1))
+    assert schedule(draw_times=["12:00:30", "08:00"]) == (time(8), time(12, 0, 30))
+
+
+@given(step=st.integers(1, 1440), first=st.integers(0, 1439), length=st.integers(0, 1439))
+def test_minute_schedules_keep_their_times(step: int, first: int, length: int) -> None:
+    """A schedule in whole minutes gives the same draw times as before seconds were allowed,
+    so the draw numbers stored in Redis keep their meaning."""
+    last = min(first + length, 1439)
+    times = schedule(draw_every=f"{step}m", draw_from=f"{first // 60:02d}:{first % 60:02d}",
+                     draw_until=f"{last // 60:02d}:{last % 60:02d}")
+    assert times == tuple(time(m // 60, m % 60) for m in range(first, last + 1, step))
+
+
+@pytest.mark.parametrize(("game", "where"), [
+    ({"draw_every": "1500ms", "draw_from": "00:00", "draw_until": "01:00"}, "draw_every"),
+    ({"draw_every": "500ms", "draw_from": "00:00", "draw_until": "01:00"}, "draw_every"),
+    ({"draw_every": "0s", "draw_from": "00:00", "draw_until": "01:00"}, "draw_every"),
+    ({"draw_every": "2s", "draw_from": "00:00:60", "draw_until": "01:00"}, "draw_from"),
+    ({"draw_every": "2s", "draw_from": "00:00", "draw_until": "01:00:5"}, "draw_from"),
+    ({"draw_every": "2s", "draw_from": "08:00:01", "draw_until": "08:00"}, "draw_until"),
+    ({"draw_times": ["12:00:00:00"]}, "draw_times[0]"),
+    ({"draw_times": ["12:00 "]}, "draw_times[0]"),
+    ({"draw_times": ["12:00", "12:00:00"]}, "draw_times"),
+])
+def test_schedule_errors_name_the_field(game: dict[str, Any], where: str) -> None:
+    """Bad sub-minute schedules are reported on the field at fault."""
+    with pytest.raises(ConfigError) as e:
+        parse_settings(doc(**game))
+    assert any(p.startswith(f"games[0].{where}") for p in e.value.problems), e.value.problems
