@@ -17,8 +17,10 @@ clock first shows its time, as on any other day, and never before:
 One millisecond, the smallest step of the calendar's instants, keeps held draws as near as
 can be to the jump, and delays the draws due at the jump or just after it by at most a few
 milliseconds (a few seconds for draws every second). So close_ms(n) < close_ms(n + 1) for
-every draw n, and a draw's local day is the day of its close: its own day, unless a gap runs
-past midnight (none does in tzdb after 1970).
+every draw n. A draw's local day (`local_days`) is the day of its close, so never a day
+before one on which it is still sold: that is the day it is scheduled on, except where a gap
+reaches midnight. In Greenland (America/Nuuk) 23:00 becomes 00:00 on the last Saturday of
+March: that evening's 23:xx draws close, and count, on the Sunday.
 """
 
 from __future__ import annotations

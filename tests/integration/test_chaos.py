@@ -41,6 +41,8 @@ class Chaos:
         self.draw = 0
         self.lock = threading.Lock()
         self.sold: dict[str, dict[str, Any]] = {}
+        self.failures = 0
+        """Answers a sales system would retry (503, broken connections)."""
 
     def url(self, i: int) -> str:
         return self.services[i % 2].base_url
@@ -58,12 +60,15 @@ class Chaos:
                 resp = None
             if resp is not None and resp.status_code != 503:
                 return resp
+            with self.lock:
+                self.failures += 1
             time.sleep(0.2)
         return None
 
     def client(self, seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(20):
+        for _ in range(25):
+            time.sleep(rng.uniform(0.05, 0.15))  # spread the sales over the kills
             grids = [{"numbers": rng.choice(HOT), "stake": rng.choice([300, 500, 1000])}
                      for _ in range(rng.randint(1, 2))]
             body = {"ticket_id": new_id("C"), "game": "fdj-keno", "first_draw": self.draw,
@@ -114,6 +119,7 @@ def test_counters_equal_accepted_minus_released_through_kills(tmp_path: Path) ->
             for f in [pool.submit(chaos.client, seed) for seed in range(16)]:
                 f.result()
             killer.result()
+        assert chaos.failures > 0, "the kills hit no request: the test proved nothing"
         time.sleep(4.0)  # the janitors' deadline (3 s) for the abandoned sales
         expected: dict[tuple[int, ...], int] = defaultdict(int)
         for tid in chaos.sold:

@@ -273,11 +273,12 @@ def test_any_zone_any_year(zone: str, year: int, schedule: dict[str, Any]) -> No
 
 
 @pytest.mark.parametrize(("zone", "epoch", "odd_day"), [
-    ("America/Toronto", "1919-03-28", "1919-03-30"),  # 23:30 jumped to 00:30
+    ("America/Nuuk", "2026-03-25", "2026-03-28"),  # 23:00 becomes 00:00
+    ("America/Toronto", "1919-03-28", "1919-03-30"),  # 23:30 became 00:30
     ("Pacific/Apia", "2011-12-27", "2011-12-30"),  # a day that never was
 ])
 def test_changes_across_midnight(zone: str, epoch: str, odd_day: str) -> None:
-    """A gap that runs past midnight holds its draws into the next day: closes still
+    """A gap that reaches midnight holds its draws into the next day: closes still
     increase, current() still finds them, and their local day is the one they close on."""
     cal = DrawCalendar(game(zone, date.fromisoformat(epoch), draw_every="10m",
                             draw_from="00:00", draw_until="23:59"))
@@ -289,6 +290,22 @@ def test_changes_across_midnight(zone: str, epoch: str, odd_day: str) -> None:
     last = draws_of(cal, date.fromisoformat(odd_day)).stop - 1
     assert cal.local_days(last, 1) == [(date.fromisoformat(odd_day) + timedelta(days=1))
                                        .isoformat()]
+
+
+def test_greenland_evening_draws_close_on_sunday() -> None:
+    """Nuuk, 28 March 2026: the skipped 23:xx draws close from 00:00 on Sunday, 1 ms apart,
+    and are sold until then; Sunday's 00:00 draw follows them."""
+    cal = DrawCalendar(game("America/Nuuk", draw_every="4m", draw_from="00:00",
+                            draw_until="23:59"))
+    at_eleven = draws_of(cal, date(2026, 3, 28)).start + 345  # 23:00, the 346th draw
+    assert rfc3339(cal.closes_at(at_eleven - 1)) == "2026-03-28T22:56:00-02:00"
+    assert rfc3339(cal.closes_at(at_eleven)) == "2026-03-29T00:00:00-01:00"
+    assert rfc3339(cal.closes_at(at_eleven + 14)) == "2026-03-29T00:00:00.014-01:00"
+    assert rfc3339(cal.closes_at(at_eleven + 15)) == "2026-03-29T00:00:00.015-01:00"
+    assert rfc3339(cal.closes_at(at_eleven + 16)) == "2026-03-29T00:04:00-01:00"
+    assert cal.local_days(at_eleven - 1, 2) == ["2026-03-28", "2026-03-29"]
+    assert cal.current(ms("2026-03-28T22:59:59.999-02:00")) == at_eleven
+    assert cal.current(ms("2026-03-29T00:00:00.003-01:00")) == at_eleven + 4
 
 
 # Draws every few seconds.
