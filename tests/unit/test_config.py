@@ -104,8 +104,7 @@ def test_draws_every_few_seconds() -> None:
 
 @given(step=st.integers(1, 1440), first=st.integers(0, 1439), length=st.integers(0, 1439))
 def test_minute_schedules_keep_their_times(step: int, first: int, length: int) -> None:
-    """A schedule in whole minutes gives the same draw times as before seconds were allowed,
-    so the draw numbers stored in Redis keep their meaning."""
+    """Whole-minute schedules give the same times as ever, so stored draw numbers keep."""
     last = min(first + length, 1439)
     times = schedule(draw_every=f"{step}m", draw_from=f"{first // 60:02d}:{first % 60:02d}",
                      draw_until=f"{last // 60:02d}:{last % 60:02d}")
