@@ -119,6 +119,8 @@ def expected_closes(rules: GameRules, days: list[date]) -> list[int]:
         for t in rules.draw_times:
             wall = datetime.combine(day, t, rules.tz)
             first, other = int(wall.timestamp()), int(wall.replace(fold=1).timestamp())
+            # An existing time at its first occurrence; a skipped one at the hour the clock
+            # jumps (fold 1 reads it an hour early, before the jump); then 1 ms after the last.
             natural = (first if first <= other else (other // 3600 + 1) * 3600) * 1000
             closes.append(natural if not closes or natural > closes[-1] else closes[-1] + 1)
     return closes
