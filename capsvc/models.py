@@ -157,6 +157,8 @@ class GameOut(Struct):
     daily_limit: int | None
     time_zone: str
     draw_times: list[str]
+    """Local times of the day's draws, "HH:MM" (or "HH:MM:SS" when a draw is not on a
+    whole minute)."""
     cancel: str
     retention_seconds: int
     max_grids: int
