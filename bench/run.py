@@ -75,10 +75,11 @@ class Result:
     redis: dict[str, float] = field(default_factory=dict)
 
 
-def wrk(url: str, seconds: int, connections: int, prefix: str) -> Result:
+def wrk(url: str, seconds: int, connections: int, prefix: str,
+        script: str = "tickets.lua") -> Result:
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
-         "-s", str(HERE / "tickets.lua"), url, "--", TOKEN, prefix, "42"],
+         "-s", str(HERE / script), url, "--", TOKEN, prefix, "42"],
         capture_output=True, text=True, check=True).stdout
 
     def number(pattern: str) -> float:

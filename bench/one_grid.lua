@@ -1,0 +1,41 @@
+-- wrk script: new FDJ tickets (unique ticket_id) of one capped grid each (8-10 numbers, an
+-- allowed stake, one draw): every sale is claim + reserve + decision, nothing else.
+-- Seeded: every run sends the same sequence.
+-- Usage: wrk -s one_grid.lua <url> -- <token> <id-prefix> <seed>
+
+local token, prefix, counter = "bench", "B", 0
+local stakes = {100, 200, 300, 500, 1000}
+
+function init(args)
+  token = args[1] or token
+  prefix = args[2] or prefix
+  math.randomseed(tonumber(args[3] or "42"))
+end
+
+local function numbers(picks)
+  local chosen, nums = {}, {}
+  while #nums < picks do
+    local n = math.random(1, 70)
+    if not chosen[n] then
+      chosen[n] = true
+      nums[#nums + 1] = n
+    end
+  end
+  return table.concat(nums, ",")
+end
+
+function request()
+  counter = counter + 1
+  local body = string.format(
+    '{"ticket_id":"%s-%d","game":"fdj-keno","grids":[{"numbers":[%s],"stake":%d}]}',
+    prefix, counter, numbers(math.random(8, 10)), stakes[math.random(1, #stakes)])
+  return wrk.format("POST", "/v1/tickets", {
+    ["Authorization"] = "Bearer " .. token,
+    ["Content-Type"] = "application/json",
+  }, body)
+end
+
+function done(summary, latency, requests)
+  io.write(string.format("PERCENTILES %.0f %.0f %.0f\n", latency:percentile(50),
+                         latency:percentile(95), latency:percentile(99)))
+end
