@@ -70,7 +70,7 @@ class Ledger:
         replies = await replies_of([
             self.store.release(rules.id, g.combo, record_field(sale_id, g.index),
                                rules.cap_limit or 0, rules.min_stake, first, sale.draws,
-                               game.expire_at(first))
+                               game.expire_at(first + sale.draws - 1))
             for g in grids
         ])
         released = 0

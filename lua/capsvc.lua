@@ -50,7 +50,8 @@ Ticket states (field st): p = pending (claimed, decision not written), x = expir
 janitor is settling it), f = final (body holds the decision), k = cancelling (decided at
 `ca`, giving back `rel`; a retry or the janitor finishes it), c = cancelled.
 
-RECORDS (in the first draw's bucket of the grid; one per grid of a sale):
+RECORDS (one per grid of a sale, in the bucket of the ticket's LAST draw, so a record lives
+exactly as long as its ticket record, whatever the subscription's length):
   "<stake>"            accepted: every draw's counter grew by stake
   "R<offset>:<room>"   rejected by the cap on draw first+offset, with its room then
   "X"                  released, or sealed by the janitor before the grid was decided:
@@ -252,16 +253,17 @@ All or nothing over the n draws of one grid of one sale. Returns
   {-2}                          the sale's record was released or sealed: nothing counted
 With close_ms = 0 it seals instead (the janitor): a grid with no record gets "X" and {-2}. ]]
 local function reserve(keys, args)
-  local first, field, combo = keys[1], args[1], args[2]
+  local last, field, combo = keys[#keys], args[1], args[2]
   local stake, cap, min_stake = tonumber(args[3]), tonumber(args[4]), tonumber(args[6])
   local close_ms = tonumber(args[5])
-  local rec = redis.call('HGET', first, field)
+  local last_expiry = tonumber(args[6 + #keys])
+  local rec = redis.call('HGET', last, field)
   if rec then
     return recorded(keys, combo, rec, cap, min_stake)
   end
   if close_ms == 0 then
-    redis.call('HSET', first, field, 'X')
-    redis.call('PEXPIREAT', first, tonumber(args[7]))
+    redis.call('HSET', last, field, 'X')
+    redis.call('PEXPIREAT', last, last_expiry)
     return {-2}
   end
   if now_ms() >= close_ms then
@@ -270,8 +272,8 @@ local function reserve(keys, args)
   for i = 1, #keys do
     local room = cap - tonumber(redis.call('HGET', keys[i], combo) or '0')
     if stake > room then
-      redis.call('HSET', first, field, 'R' .. (i - 1) .. ':' .. room)
-      redis.call('PEXPIREAT', first, tonumber(args[7]))
+      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
+      redis.call('PEXPIREAT', last, last_expiry)
       return {0, i - 1, room}
     end
   end
@@ -287,22 +289,22 @@ local function reserve(keys, args)
       out[#out + 1] = i - 1
     end
   end
-  redis.call('HSET', first, field, stake)
+  redis.call('HSET', last, field, stake)
   return out
 end
 
 --[[ release: KEYS bucket(draw 1), …, bucket(draw n);
-ARGV record, combo, cap, min_stake, expire_at(draw 1)
+ARGV record, combo, cap, min_stake, expire_at(draw n)
 Gives back what the sale's grid took, once, and leaves "X" so that a late reserve of the
 same sale cannot count it again (a grid never reserved is sealed the same way). Returns
 {released stake, offsets that left the sold-out state…}; {0} when nothing is given back. ]]
 local function release(keys, args)
-  local first, field, combo = keys[1], args[1], args[2]
+  local last, field, combo = keys[#keys], args[1], args[2]
   local cap, min_stake = tonumber(args[3]), tonumber(args[4])
-  local rec = redis.call('HGET', first, field)
+  local rec = redis.call('HGET', last, field)
   if not rec then
-    redis.call('HSET', first, field, 'X')
-    redis.call('PEXPIREAT', first, tonumber(args[5]))
+    redis.call('HSET', last, field, 'X')
+    redis.call('PEXPIREAT', last, tonumber(args[5]))
     return {0}
   end
   local kind = string.sub(rec, 1, 1)
@@ -310,7 +312,7 @@ local function release(keys, args)
     return {0}
   end
   local stake = tonumber(rec)
-  redis.call('HSET', first, field, 'X')
+  redis.call('HSET', last, field, 'X')
   local out = {stake}
   for i = 1, #keys do
     -- The counter exists while its draw is retained (it holds at least this stake).
