@@ -92,14 +92,17 @@ class Combos:
 
     def release(self, sale: str, draws: int = 1, first: int = FIRST, grid: int = 0,
                 combo: str = COMBO) -> Any:
+        last = first - FIRST + draws - 1  # the record's bucket is the last draw's: its expiry
         return self.store.release(GAME, combo, record_field(sale, grid), CAP, MIN, first, draws,
-                                  self.expires[first - FIRST])
+                                  self.expires[last])
 
     def counters(self, draws: int = 3, first: int = FIRST, combo: str = COMBO) -> list[int]:
         return [int(self.db.hget(k, combo) or 0) for k in bucket_keys(GAME, combo, first, draws)]
 
-    def record(self, sale: str, grid: int = 0, first: int = FIRST, combo: str = COMBO) -> Any:
-        return self.db.hget(bucket_keys(GAME, combo, first, 1)[0], record_field(sale, grid))
+    def record(self, sale: str, grid: int = 0, first: int = FIRST, combo: str = COMBO,
+               draws: int = 1) -> Any:
+        """The grid's record, in the bucket of the last of its `draws` draws."""
+        return self.db.hget(self.bucket(first + draws - 1, combo), record_field(sale, grid))
 
     def bucket(self, draw: int = FIRST, combo: str = COMBO) -> str:
         return bucket_keys(GAME, combo, draw, 1)[0]
@@ -143,15 +146,20 @@ async def test_near_counts_only_the_crossing_of_80_percent(combos: Combos) -> No
 async def test_reserve_is_all_or_nothing_across_draws(combos: Combos,
                                                       redis_db: redis.Redis) -> None:
     """One full draw refuses a subscription grid (its offset, room): nothing counted anywhere."""
-    assert await combos.reserve(new_sale(), 5000, first=FIRST + 1) == [1, 1, 0]
-    sale = new_sale()
+    full, sale = new_sale(), new_sale()
+    assert await combos.reserve(full, 5000, first=FIRST + 1) == [1, 1, 0]
     assert await combos.reserve(sale, 500, draws=3) == [0, 1, 0]
     assert combos.counters() == [0, 5000, 0]
-    assert redis_db.exists(combos.bucket(FIRST + 2)) == 0
-    assert redis_db.hgetall(combos.bucket(FIRST)) == {record_field(sale, 0): b"R1:0"}
+    assert redis_db.exists(combos.bucket(FIRST)) == 0
+    assert redis_db.hgetall(combos.bucket(FIRST + 1)) == {COMBO.encode(): b"5000",
+                                                          record_field(full, 0): b"5000"}
+    assert redis_db.hgetall(combos.bucket(FIRST + 2)) == {record_field(sale, 0): b"R1:0"}
+    assert redis_db.pexpiretime(combos.bucket(FIRST + 2)) == combos.expires[2]
     assert await combos.reserve(new_sale(), 4800, first=FIRST + 2, combo=OTHER) == [1, 1]
-    assert await combos.reserve(new_sale(), 300, draws=3, combo=OTHER) == [0, 2, 200]
+    late = new_sale()
+    assert await combos.reserve(late, 300, draws=3, combo=OTHER) == [0, 2, 200]
     assert combos.counters(combo=OTHER) == [0, 0, 4800]
+    assert combos.record(late, draws=3, combo=OTHER) == b"R2:200"
 
 
 async def test_rerun_of_an_accepted_grid_returns_it_and_counts_once(combos: Combos) -> None:
@@ -164,7 +172,7 @@ async def test_rerun_of_an_accepted_grid_returns_it_and_counts_once(combos: Comb
     assert await combos.reserve(sale, 500, draws=3) == [1, 0, 1]  # draw 1 is sold out now
     assert await combos.reserve(sale, 500, draws=3, close=0) == [1, 0, 1]  # the seal too
     assert combos.counters() == [500, 5000, 500]
-    assert combos.record(sale) == b"500"
+    assert combos.record(sale, draws=3) == b"500"
 
 
 async def test_rerun_of_a_rejected_grid_returns_the_rejection(combos: Combos) -> None:
@@ -215,7 +223,7 @@ async def test_reserve_after_close_counts_nothing(combos: Combos, redis_db: redi
     late = new_sale()
     assert await combos.reserve(late, 500, draws=2, close=past) == [-1]
     assert await combos.reserve(late, 500, draws=2, combo=OTHER, close=past) == [-1]
-    assert combos.record(late) is None
+    assert combos.record(late, draws=2) is None
     assert redis_db.exists(combos.bucket(combo=OTHER)) == 0
     assert combos.counters(2) == [500, 500]
     assert await combos.reserve(before, 500, draws=2, close=past) == [1, 0]
@@ -229,17 +237,18 @@ async def test_reserve_after_close_counts_nothing(combos: Combos, redis_db: redi
 
 async def test_seal_mode_writes_x_and_a_later_reserve_answers_minus_2(
         combos: Combos, redis_db: redis.Redis) -> None:
-    """close_ms = 0 seals with "X" (draw TTL): a later reserve of the sale gets {-2}, counts 0."""
+    """close_ms = 0 seals with "X" (last draw's bucket and TTL): a later reserve gets {-2}."""
     sale = new_sale()
     assert await combos.seal(sale, draws=3) == [-2]
-    assert combos.record(sale) == b"X"
-    assert redis_db.pexpiretime(combos.bucket()) == combos.expires[0]
+    assert combos.record(sale, draws=3) == b"X"
+    assert redis_db.pexpiretime(combos.bucket(FIRST + 2)) == combos.expires[2]
     assert await combos.reserve(sale, 500, draws=3) == [-2]
     assert await combos.seal(sale, draws=3) == [-2]
     assert combos.counters() == [0, 0, 0]
-    assert redis_db.exists(combos.bucket(FIRST + 1), combos.bucket(FIRST + 2)) == 0
+    assert redis_db.exists(combos.bucket(FIRST), combos.bucket(FIRST + 1)) == 0
+    assert redis_db.hgetall(combos.bucket(FIRST + 2)) == {record_field(sale, 0): b"X"}
     assert await combos.release(sale, draws=3) == [0]
-    assert combos.record(sale) == b"X"
+    assert combos.record(sale, draws=3) == b"X"
 
 
 async def test_counters_are_fields_of_bucket_hashes_with_each_draws_ttl(
@@ -255,9 +264,9 @@ async def test_counters_are_fields_of_bucket_hashes_with_each_draws_ttl(
     assert [redis_db.type(k) for k in keys] == [b"hash"] * 3
     assert [redis_db.pexpiretime(k) for k in keys] == combos.expires[:3]
     assert combos.counters() == [800, 500, 500]
-    assert redis_db.hgetall(keys[0]) == {COMBO.encode(): b"800", record_field(a, 0): b"500",
-                                         record_field(b, 0): b"300"}
+    assert redis_db.hgetall(keys[0]) == {COMBO.encode(): b"800", record_field(b, 0): b"300"}
     assert redis_db.hgetall(keys[1]) == {COMBO.encode(): b"500"}
+    assert redis_db.hgetall(keys[2]) == {COMBO.encode(): b"500", record_field(a, 0): b"500"}
     assert record_field(a, 0)[:1] == b"\0"
     assert len(record_field(a, 0)) == 10
     assert all("\0" not in encode([n]) for n in range(1, 100))
@@ -265,14 +274,18 @@ async def test_counters_are_fields_of_bucket_hashes_with_each_draws_ttl(
     twin = next(encode(c) for c in chain(combinations(range(1, 100), 2),
                                          combinations(range(1, 100), 3))
                 if zlib.crc32(encode(c).encode()) % COUNTER_BUCKETS == bucket)
-    assert bucket_keys(GAME, twin, FIRST, 1) == keys[:1]
-    assert await combos.reserve(a, 4000, grid=1, combo=twin) == [1, 1]
-    assert combos.counters(1) == [800]
-    assert combos.counters(1, combo=twin) == [4000]
-    assert redis_db.hlen(keys[0]) == 5
-    assert await combos.release(a, grid=1, combo=twin) == [4000]
-    assert combos.counters(1) == [800]
-    assert combos.record(a) == b"500"
+    assert bucket_keys(GAME, twin, FIRST, 3) == keys
+    assert await combos.reserve(a, 4000, draws=3, grid=1, combo=twin) == [1, 3]
+    assert combos.counters() == [800, 500, 500]
+    assert combos.counters(combo=twin) == [4000, 4000, 4000]
+    assert redis_db.hlen(keys[0]) == 3  # COMBO, twin, b's record
+    assert redis_db.hgetall(keys[2]) == {COMBO.encode(): b"500", twin.encode(): b"4000",
+                                         record_field(a, 0): b"500", record_field(a, 1): b"4000"}
+    assert await combos.release(a, draws=3, grid=1, combo=twin) == [4000]
+    assert combos.counters() == [800, 500, 500]
+    assert combos.counters(combo=twin) == [0, 0, 0]
+    assert combos.record(a, draws=3) == b"500"
+    assert combos.record(a, 1, draws=3, combo=twin) == b"X"
 
 
 async def test_concurrent_reserves_never_pass_the_cap(combos: Combos) -> None:
@@ -301,7 +314,7 @@ async def test_release_and_late_reserve_of_a_sale_cannot_both_win(combos: Combos
         reserved, released = await asyncio.gather(reserved_f, released_f)
         assert [reserved, released] == ([[-2], [0]] if release_first else [[1, 0], [500]])
         assert combos.counters() == [0, 0, 0]
-        assert combos.record(sale) == b"X"
+        assert combos.record(sale, draws=3) == b"X"
         assert await combos.reserve(sale, 500, draws=3) == [-2]
         assert combos.counters() == [0, 0, 0]
 
@@ -318,7 +331,8 @@ async def test_release_gives_back_the_recorded_stake_once_on_every_draw(
     assert await combos.release(a, draws=3) == [500]
     assert await combos.release(a, draws=3) == [0]
     assert combos.counters() == [300, 300, 300]
-    assert combos.record(a) == b"X"
+    assert combos.record(a, draws=3) == b"X"
+    assert combos.record(b, draws=3) == b"300"
     assert await combos.reserve(a, 500, draws=3) == [-2]
     assert combos.counters() == [300, 300, 300]
 
@@ -328,8 +342,9 @@ async def test_release_before_reserve_seals_the_sale(combos: Combos,
     """Releasing a sale that never reserved seals it: its late reserve counts nothing ({-2})."""
     sale = new_sale()
     assert await combos.release(sale, draws=3) == [0]
-    assert combos.record(sale) == b"X"
-    assert redis_db.pexpiretime(combos.bucket()) == combos.expires[0]
+    assert combos.record(sale, draws=3) == b"X"
+    assert redis_db.pexpiretime(combos.bucket(FIRST + 2)) == combos.expires[2]
+    assert redis_db.exists(combos.bucket(FIRST), combos.bucket(FIRST + 1)) == 0
     assert await combos.reserve(sale, 500, draws=3) == [-2]
     assert combos.counters() == [0, 0, 0]
 
@@ -351,9 +366,9 @@ async def test_release_never_touches_another_sale(combos: Combos) -> None:
     assert await combos.reserve(a, 500, draws=2) == [1, 0]
     assert await combos.reserve(b, 700, draws=2) == [1, 0]
     assert await combos.release(a, draws=2, grid=1) == [0]
-    assert combos.record(a) == b"500"
+    assert combos.record(a, draws=2) == b"500"
     assert await combos.release(a, draws=2) == [500]
-    assert combos.record(b) == b"700"
+    assert combos.record(b, draws=2) == b"700"
     assert combos.counters(2) == [700, 700]
     assert await combos.release(b, draws=2) == [700]
     assert combos.counters(2) == [0, 0]
@@ -374,17 +389,45 @@ async def test_release_deletes_counters_that_reach_zero(combos: Combos,
     a, b = new_sale(), new_sale()
     assert await combos.reserve(a, 500, draws=2) == [1, 0]
     assert await combos.reserve(b, 300, combo=OTHER) == [1, 0]
-    assert await combos.reserve(b, 200, grid=1) == [1, 0]
-    assert redis_db.hlen(combos.bucket()) == 3  # COMBO, a's record, b's record of grid 1
-    assert redis_db.hlen(combos.bucket(FIRST + 1)) == 1
+    assert await combos.reserve(b, 200, first=FIRST + 1, grid=1) == [1, 0]
+    # COMBO, a's record (its last draw), b's record of grid 1
+    assert redis_db.hlen(combos.bucket(FIRST + 1)) == 3
+    assert redis_db.hlen(combos.bucket()) == 1
     assert await combos.release(a, draws=2) == [500]
-    assert combos.counters(2) == [200, 0]
-    assert await combos.release(b, grid=1) == [200]
-    assert redis_db.hexists(combos.bucket(), COMBO) == 0
-    assert redis_db.hlen(combos.bucket()) == 2  # only the two tombstones
-    assert [combos.record(a), combos.record(b, 1)] == [b"X", b"X"]
-    assert redis_db.exists(combos.bucket(FIRST + 1)) == 0
+    assert combos.counters(2) == [0, 200]
+    assert await combos.release(b, first=FIRST + 1, grid=1) == [200]
+    assert redis_db.hexists(combos.bucket(FIRST + 1), COMBO) == 0
+    assert redis_db.hlen(combos.bucket(FIRST + 1)) == 2  # only the two tombstones
+    assert [combos.record(a, draws=2), combos.record(b, 1, first=FIRST + 1)] == [b"X", b"X"]
+    assert redis_db.exists(combos.bucket()) == 0
     assert combos.counters(1, combo=OTHER) == [300]
+
+
+async def test_a_subscription_record_outlives_its_first_draw(combos: Combos,
+                                                             redis_db: redis.Redis) -> None:
+    """A 3-draw grid's record is in the third draw's bucket; once the first draw's bucket is
+    gone (its expiry), a release still gives the stake back on the other draws once and a late
+    reserve of the sale answers {-2}."""
+    sale, other = new_sale(), new_sale()
+    assert await combos.reserve(sale, 500, draws=3) == [1, 0]
+    assert await combos.reserve(other, 300, draws=3) == [1, 0]
+    field = record_field(sale, 0)
+    assert redis_db.hget(combos.bucket(FIRST + 2), field) == b"500"
+    assert redis_db.hexists(combos.bucket(FIRST), field) == 0
+    assert redis_db.hexists(combos.bucket(FIRST + 1), field) == 0
+    assert redis_db.pexpiretime(combos.bucket(FIRST + 2)) == combos.expires[2]
+    assert redis_db.delete(combos.bucket(FIRST)) == 1  # the first draw's expiry
+    assert combos.counters() == [0, 800, 800]
+    assert await combos.release(sale, draws=3) == [500]
+    assert combos.counters() == [0, 300, 300]
+    assert await combos.release(sale, draws=3) == [0]
+    assert combos.counters() == [0, 300, 300]
+    assert combos.record(sale, draws=3) == b"X"
+    assert await combos.reserve(sale, 500, draws=3) == [-2]
+    assert await combos.seal(sale, draws=3) == [-2]
+    assert combos.counters() == [0, 300, 300]
+    assert redis_db.exists(combos.bucket(FIRST)) == 0
+    assert combos.record(other, draws=3) == b"300"
 
 
 # -- tickets -------------------------------------------------------------------------------
