@@ -4,13 +4,16 @@ Every process runs one; they may race each other and a client's retry, so every 
 fenced by the sale id and decided on Redis TIME (a ticket is due once it has been pending
 for `janitor.pending_deadline` by Redis TIME: a host clock set off changes nothing).
 
-A due sale is first sealed: its budget and each grid not decided yet get a tombstone, so
-that the request (or a duplicate still running) can no longer count them. Then:
+A due sale is concluded (`Ledger.conclude`): its budget and each grid not decided yet get
+a tombstone, so that the request (or a duplicate still running) can no longer count them.
+Then:
 - every grid has its record (accepted or rejected): the sale ran to its end and an answer
   may have been sent, so the decision is rebuilt from the records and written;
 - some grid was sealed: no answer was or will be sent for that sale (a request answers
   only once every grid has its record, and a sealed grid tells it to claim again), so
-  what it took is given back and the claim forgotten; a retry starts a new sale.
+  what it took is given back and the claim forgotten; a retry starts a new sale;
+- a sale claimed once an admin had stopped one of its draws is given back in any case
+  (none of its requests may answer it).
 Two janitors seal the same grids to the same states and so reach the same decision; the
 writes are idempotent and fenced, so running both changes nothing more.
 A cancel decided but not finished (its release lost) is finished the same way.
@@ -24,20 +27,12 @@ import msgspec
 
 from capsvc.clock import RedisClock
 from capsvc.config import Settings
-from capsvc.decisions import (
-    ACCEPTED,
-    REJECTED,
-    RELEASED,
-    accepted_grids,
-    build_decision,
-    player_limit_decision,
-)
 from capsvc.errors import ApiError, Unavailable
 from capsvc.games import Catalog
 from capsvc.ledger import Ledger
 from capsvc.models import TicketOut
-from capsvc.store import TICKET_BUCKETS, Store, channel_of
-from capsvc.tickets import Tickets
+from capsvc.store import TICKET_BUCKETS, Store, channel_of, stop_instants
+from capsvc.tickets import Tickets, first_stopped
 from capsvc.validator import Sale
 
 log = logging.getLogger(__name__)
@@ -93,24 +88,12 @@ class Janitor:
             await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
             log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
             return 1
-        plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
-        budget_held = True
-        if plan is not None:
-            taken = await self.ledger.take_budget(plan, seal=True)
-            if taken[0] == REJECTED:  # refused by the player's limit: that was the decision
-                await self.store.finalize(key, sale_id, _encode(player_limit_decision(sale)))
-                return 1
-            budget_held = taken[0] != RELEASED
-        replies = await self.ledger.reserve_all(game, sale, sale_id, 0)
-        if budget_held and all(r is None or r[0] in (ACCEPTED, REJECTED) for r in replies):
-            out = build_decision(channel_id, game.rules, sale, sale_id, at, replies)
-            settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
-            if settled is not None:
-                await settled
-            await self.store.finalize(key, sale_id, _encode(out))
+        stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
+                                                     sale.draws))
+        void = first_stopped(stops, at) is not None
+        out = await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=void)
+        if out is not None:
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
-            await self.ledger.give_back(game, sale, sale_id, plan)
-            await self.store.unclaim(key, sale_id)
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
         return 1

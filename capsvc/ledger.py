@@ -11,8 +11,19 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from capsvc.decisions import BudgetPlan, budget_plan
+import msgspec
+
+from capsvc.decisions import (
+    ACCEPTED,
+    REJECTED,
+    BudgetPlan,
+    accepted_grids,
+    budget_plan,
+    build_decision,
+    player_limit_decision,
+)
 from capsvc.games import Game
+from capsvc.models import TicketOut
 from capsvc.store import PlayerStore, Store, record_field
 from capsvc.validator import Sale
 
@@ -37,13 +48,15 @@ class Ledger:
 
     def settle_budget(self, plan: BudgetPlan | None, sale: Sale, accepted: set[int]
                       ) -> asyncio.Future[Any] | None:
-        """Make the budget hold what the `accepted` grids cost (nothing to do: None)."""
+        """Make the budget hold what the `accepted` grids cost (nothing to do: None). Giving
+        everything back is final: the ref is sealed and no later settle (a duplicate's,
+        delayed) can charge it again."""
         if plan is None:
             return None
         shares = plan.shares(sale, accepted)
-        if shares == plan.requested:
+        if shares == plan.requested and accepted:
             return None
-        return self.players.settle(plan.player, plan.ref, shares)
+        return self.players.settle(plan.player, plan.ref, shares, final=not accepted)
 
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
                           ) -> list[Any]:
@@ -79,6 +92,38 @@ class Ledger:
             for offset in reply[1:]:
                 self.store.unmark_sold_out(rules.id, first + offset, g.combo)
         return released
+
+    async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
+                       at: int, *, void: bool = False) -> TicketOut | None:
+        """Settle a sale whatever its requests are doing: seal its budget and every grid
+        not decided yet (a request can then no longer count them), then either write the
+        decision the records make (every grid decided: an answer may have been sent) or
+        give back everything and forget the claim (returns None). `void`: the sale must not
+        stand (claimed after an admin stop): always give back.
+
+        Every actor that concludes a sale sees the same sealed records, so the janitors and
+        the requests of one sale all reach the same end."""
+        plan = self.plan(channel_id, game, sale, sale_id, at)
+        held = True
+        if plan is not None:
+            taken = await self.take_budget(plan, seal=True)
+            if taken[0] == REJECTED and not void:  # refused by the limit: the decision
+                out = player_limit_decision(sale)
+                await self.store.finalize(key, sale_id, msgspec.json.encode(out))
+                return out
+            held = taken[0] == ACCEPTED
+        replies = await self.reserve_all(game, sale, sale_id, 0)
+        if not void and held and all(r is None or r[0] in (ACCEPTED, REJECTED)
+                                     for r in replies):
+            out = build_decision(channel_id, game.rules, sale, sale_id, at, replies)
+            settled = self.settle_budget(plan, sale, accepted_grids(out))
+            if settled is not None:
+                await settled
+            await self.store.finalize(key, sale_id, msgspec.json.encode(out))
+            return out
+        await self.give_back(game, sale, sale_id, plan)
+        await self.store.unclaim(key, sale_id)
+        return None
 
     async def give_back(self, game: Game, sale: Sale, sale_id: str, plan: BudgetPlan | None
                         ) -> None:

@@ -71,6 +71,15 @@ def stops_key(game: str) -> str:
     return f"s:{{{game}}}"
 
 
+def stop_copy_key(bucket: int) -> str:
+    """The copy of the admin stops in one ticket slot (see `Store.stop`)."""
+    return f"s:{{t:{bucket}}}"
+
+
+def stop_copy_of(ticket: str) -> str:
+    return "s:" + ticket[2 : ticket.index("}") + 1]
+
+
 def capped_key(game: str, draw: int) -> str:
     return f"x:{{{game}}}:{draw}"
 
@@ -116,11 +125,13 @@ class Store:
         return self.fcall("capsvc_claim", [ticket], [
             fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
-    async def finalize(self, ticket: str, sale_id: str, body: bytes) -> None:
-        """Write the decision of a sale and drop its index entry (one round trip)."""
+    async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
+        """Write the decision of a sale and drop its index entry (one round trip). False
+        when the ticket is no longer that sale's pending claim (decided or forgotten by
+        another actor)."""
         written = self.fcall("capsvc_finalize", [ticket], [sale_id, body])
         self.redis.send("ZREM", pending_key_of(ticket), ticket)
-        await written
+        return bool(await written)
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         await self.fcall("capsvc_unclaim", [ticket], [sale_id])
@@ -132,9 +143,10 @@ class Store:
     def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
         return self.fcall("capsvc_expire", [ticket], [deadline_ms])
 
-    def cancel(self, ticket: str, close_ms: int, stopped: bool, released: int
+    def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int
                ) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_cancel", [ticket], [close_ms, int(stopped), released])
+        return self.fcall("capsvc_cancel", [ticket, stop_copy_of(ticket)],
+                          [close_ms, f"{game}:{first_draw}", released])
 
     async def cancelled(self, ticket: str, sale_id: str) -> None:
         await self.fcall("capsvc_cancelled", [ticket], [sale_id])
@@ -196,9 +208,16 @@ class Store:
                                  *range(first_draw, first_draw + draws))
 
     async def stop(self, game: str, draw: int, expire_at: int) -> int:
-        """Stop sales of a draw now, by Redis TIME (the first stop wins; idempotent).
-        Returns the instant sales stopped."""
-        return int(await self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at]))
+        """Stop sales of a draw now, by Redis TIME (the first stop wins; idempotent), and
+        copy the stop into every ticket slot, where a cancel checks it atomically. Returns
+        once every copy is written (a cancel decided after that is refused) with the instant
+        sales stopped (a sale claimed from then on does not stand)."""
+        instant = self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at])
+        copies = [self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at])
+                  for b in range(TICKET_BUCKETS)]
+        for copy in copies:
+            await copy
+        return int(await instant)
 
 
 def limit_key(player: str) -> str:
@@ -209,9 +228,11 @@ def budget_key(player: str, day: str) -> str:
     return f"b:{{pl:{player}}}:{day}"
 
 
-def _settle_command(player: str, ref: str, shares: list[tuple[str, int]]) -> tuple[Any, ...]:
+def _settle_command(player: str, ref: str, shares: list[tuple[str, int]], final: bool
+                    ) -> tuple[Any, ...]:
     keys = [budget_key(player, day) for day, _ in shares]
-    return ("FCALL", "capsvc_settle", len(keys), *keys, ref, *[amount for _, amount in shares])
+    return ("FCALL", "capsvc_settle", len(keys), *keys, ref, int(final),
+            *[amount for _, amount in shares])
 
 
 class PlayerStore:
@@ -237,13 +258,11 @@ class PlayerStore:
         keys = [limit_key(player), *[budget_key(player, day) for day in days]]
         return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
 
-    def settle(self, player: str, ref: str, shares: list[tuple[str, int]]) -> asyncio.Future[Any]:
-        """Make `ref` hold exactly `shares` (amount 0: give back); idempotent."""
-        return self.redis.submit(*_settle_command(player, ref, shares))
-
-    def settle_later(self, player: str, ref: str, shares: list[tuple[str, int]]) -> None:
-        """`settle` without waiting (a lost one is redone by a replay or the janitor)."""
-        self.redis.send(*_settle_command(player, ref, shares))
+    def settle(self, player: str, ref: str, shares: list[tuple[str, int]], *,
+               final: bool = False) -> asyncio.Future[Any]:
+        """Make `ref` hold exactly `shares` (amount 0: give back); idempotent. `final` seals
+        `ref` afterwards: no later settle changes it."""
+        return self.redis.submit(*_settle_command(player, ref, shares, final))
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
                   expire_at: int) -> asyncio.Future[Any]:

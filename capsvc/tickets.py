@@ -15,8 +15,10 @@ and answers what the janitor decided, or runs as a new sale if the janitor forgo
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC
+from typing import Any
 
 import msgspec
 
@@ -63,7 +65,20 @@ class SaleOutcome:
 
 
 class _TakenOver(Exception):
-    """The janitor sealed a step of this sale: claim again."""
+    """Another actor sealed or decided this sale: claim again."""
+
+
+class _Stopped(Exception):
+    """An admin stopped the draw at `offset` before the sale's claim: it was voided."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(offset)
+        self.offset = offset
+
+
+def first_stopped(stops: list[int | None], at: int) -> int | None:
+    """The offset of the first draw stopped at or before the instant `at`, or None."""
+    return next((i for i, s in enumerate(stops) if s is not None and s <= at), None)
 
 
 class Tickets:
@@ -89,6 +104,8 @@ class Tickets:
         defaulted = sale.first_draw is None
         first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
         assert first is not None
+        if first < 1:  # before the calendar's first draw: closed long ago
+            raise _closed(first)
         for _ in range(_ATTEMPTS):
             self.draws.check_horizon(game, first)
             stored = msgspec.structs.replace(sale, first_draw=first)
@@ -106,28 +123,28 @@ class Tickets:
             try:
                 if kind == b"new":
                     at, sale_id = int(claim[1]), claim[2].decode()
-                    stopped = next((i for i, s in enumerate(stops) if s is not None), None)
+                    stopped = first_stopped(stops, at)
                     if stopped is None:
                         return await self._decide(channel, game, key, stored, sale_id, at,
                                                   close_ms, replayed=False)
                     await self.store.unclaim(key, sale_id)  # nothing was counted
-                    if not defaulted or stopped > 0:
-                        raise _closed(first + stopped)
-                    first += 1
-                    continue
+                    raise _Stopped(stopped)
                 if kind == b"final":
                     return SaleOutcome(body=claim[1], replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
-                    # they recorded. After an admin stop they may only read what exists.
+                    # they recorded.
                     resumed = _sale_decoder.decode(claim[3])
                     assert resumed.first_draw is not None
-                    resumed_close = game.calendar.close_ms(resumed.first_draw)
-                    if resumed.first_draw == first and stops[0] is not None:
-                        resumed_close = min(resumed_close, stops[0])
-                    return await self._decide(channel, game, key, resumed, claim[2].decode(),
-                                              int(claim[1]), resumed_close, replayed=True)
+                    return await self._decide(
+                        channel, game, key, resumed, claim[2].decode(), int(claim[1]),
+                        game.calendar.close_ms(resumed.first_draw), replayed=True)
             except _TakenOver:
+                continue
+            except _Stopped as e:
+                if not defaulted or e.offset > 0:
+                    raise _closed(first + e.offset) from None
+                first += 1
                 continue
             if kind == b"conflict":
                 raise ApiError(409, "idempotency_conflict",
@@ -145,30 +162,40 @@ class Tickets:
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
                       at: int, close_ms: int, *, replayed: bool) -> SaleOutcome:
         """Take the player's budget (games with a daily limit), reserve every capped grid
-        (concurrently), build the decision, write it back with the budget settled."""
+        (concurrently), build the decision, write it back with the budget settled.
+
+        The admin stops are read again after the claim (with the first step, no extra
+        round trip): a sale claimed once a draw of it was stopped does not stand, whatever
+        its reserves did (they are given back)."""
         rules = game.rules
         assert sale.first_draw is not None
         first = sale.first_draw
+        stops = self.store.stops(rules.id, first, sale.draws)
         plan = self.ledger.plan(channel.id, game, sale, sale_id, at)
-        if plan is not None:
-            taken = await self.ledger.take_budget(plan)
-            if taken[0] == RELEASED:
+        taken = None if plan is None else await self.ledger.take_budget(plan)
+        if taken is not None and taken[0] == RELEASED:
+            raise _TakenOver
+        if taken is not None:
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+        if taken is not None and taken[0] != ACCEPTED:
+            out = player_limit_decision(sale)
+            body = _encode(out)
+            if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
-            if taken[0] != ACCEPTED:
-                out = player_limit_decision(sale)
-                body = _encode(out)
-                await self.store.finalize(key, sale_id, body)
-                return SaleOutcome(body=body, replayed=replayed, ticket=out)
+            return SaleOutcome(body=body, replayed=replayed, ticket=out)
         replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
+        if taken is None:
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
         kinds = {r[0] for r in replies if r is not None}
         if RELEASED in kinds:
             raise _TakenOver
         if CLOSED in kinds:
-            # Nothing may be sold any more: give back what the other grids took and forget
-            # the claim (the janitor would do the same at its deadline).
-            await self.ledger.give_back(game, sale, sale_id, plan)
-            await self.store.unclaim(key, sale_id)
-            raise _closed(first)
+            # A draw closed while the sale ran. Other requests of this sale may be running:
+            # conclude it as the janitor would, so that all of them reach the same end.
+            concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
+            if concluded is None:
+                raise _closed(first)
+            return SaleOutcome(body=_encode(concluded), replayed=True)
         out = build_decision(channel.id, rules, sale, sale_id, at, replies)
         expire_at = game.expiries(first, sale.draws)
         near_cap = sold_out = 0
@@ -178,14 +205,23 @@ class Tickets:
                 for offset in reply[2:]:
                     sold_out += 1
                     self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
-        if plan is not None:
-            shares = plan.shares(sale, accepted_grids(out))
-            if shares != plan.requested:
-                self.ledger.players.settle_later(plan.player, plan.ref, shares)
+        settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
         body = _encode(out)
-        await self.store.finalize(key, sale_id, body)
+        written = await self.store.finalize(key, sale_id, body)
+        if settled is not None:
+            await settled
+        if not written:  # decided (or forgotten) by another actor meanwhile: ask again
+            raise _TakenOver
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
                            sold_out=sold_out)
+
+    async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
+                           sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:
+        """Void the sale if a draw of it was stopped at or before its claim."""
+        stopped = first_stopped(stop_instants(await stops), at)
+        if stopped is not None:
+            await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=True)
+            raise _Stopped(stopped)
 
     # -- look up ---------------------------------------------------------------------------
 
@@ -231,9 +267,8 @@ class Tickets:
         if state != b"c":
             await self.store.index(key, self.clock.now(),
                                    game.expire_at(sale.first_draw + sale.draws - 1))
-        (stop,) = await self.draws.stops(game, sale.first_draw, 1)
         reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
-                                        stop is not None, decision.total_cost)
+                                        sale.game, sale.first_draw, decision.total_cost)
         kind = reply[0]
         if kind == b"closed":
             await self.store.unindex(key)

@@ -16,6 +16,8 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
                    "\0" <sale id> <grid>     -> that grid's record (see RECORDS)
                  TTL: close of <draw> + retention.
   stops          s:{<game>}                        hash   <draw> -> "<instant>:<expiry>"
+  stop copies    s:{t:NN}                          hash   <game>:<draw> -> "<instant>:<expiry>"
+                 (read by cancel only: the claim never depends on a key that may not exist)
   sold-out list  x:{<game>}:<draw>                 set    advisory, filtered on read
   budgets        b:{pl:<player>}:<YYYY-MM-DD>      hash   spent, <ref> -> amount | R<room> | X
   self-limit     l:{pl:<player>}                   hash   limit, next, from
@@ -173,13 +175,14 @@ local function expire(keys, args)
   return {}
 end
 
---[[ cancel: KEYS ticket; ARGV close_ms, stopped (1 if an admin stopped the first draw),
+--[[ cancel: KEYS ticket, stop copy; ARGV close_ms, stop field ("<game>:<first draw>"),
 released
-Decides the cancellation of a final ticket while its first draw is open: the ticket
-becomes `k` (cancelling) with the instant and the amount given back; the caller then
-releases the sale's records and calls `cancelled`. Returns {'k', at, released, sid} (also
-when an earlier cancel was interrupted) | {'c', at, released} | {'closed'} | {'missing'}
-| {'undecided'}. ]]
+Decides the cancellation of a final ticket while its first draw is open (by Redis TIME) and
+not stopped by an admin (the stop copy in this slot, written before the admin's stop was
+answered): the ticket becomes `k` (cancelling) with the instant and the amount given back;
+the caller then releases the sale's records and calls `cancelled`. Returns {'k', at,
+released, sid} (also when an earlier cancel was interrupted) | {'c', at, released}
+| {'closed'} | {'missing'} | {'undecided'}. ]]
 local function cancel(keys, args)
   local rec = redis.call('HMGET', keys[1], 'st', 'ca', 'rel', 'sid')
   local st = rec[1]
@@ -196,7 +199,7 @@ local function cancel(keys, args)
     return {'undecided'}
   end
   local now = now_ms()
-  if args[2] == '1' or now >= tonumber(args[1]) then
+  if now >= tonumber(args[1]) or redis.call('HEXISTS', keys[2], args[2]) == 1 then
     return {'closed'}
   end
   redis.call('HSET', keys[1], 'st', 'k', 'ca', now, 'rel', args[3])
@@ -329,10 +332,11 @@ local function release(keys, args)
   return out
 end
 
---[[ stop: KEYS stops; ARGV draw, expire_at
-An admin stops sales of a draw now (Redis TIME; the first stop wins). Stops of draws whose
-retention has passed are pruned here, so the hash holds only draws still retained.
-Returns the instant sales stopped. ]]
+--[[ stop: KEYS stops; ARGV field, expire_at
+An admin stops sales of a draw now (Redis TIME; the first stop wins): in the game's stops
+hash (field: the draw), and in a copy per ticket slot (field "<game>:<draw>") that the
+cancel function checks atomically. Stops of draws whose retention has passed are pruned
+here, so a hash holds only draws still retained. Returns the instant sales stopped. ]]
 local function stop(keys, args)
   local now = now_ms()
   local existing = redis.call('HGET', keys[1], args[1])
@@ -453,22 +457,24 @@ local function stake(keys, args)
   return budget({keys[1], keys[2]}, {args[1], args[2], args[3], 'take', args[4], args[5]})
 end
 
---[[ settle: KEYS day(1), …, day(m); ARGV ref, amount(1), …, amount(m)
+--[[ settle: KEYS day(1), …, day(m); ARGV ref, final, amount(1), …, amount(m)
 Sets what `ref` holds on each day to the given amounts (0: give everything back), adjusting
-`spent` by the difference. Idempotent. Returns the total given back. ]]
+`spent` by the difference. Idempotent. `final` = 1 (everything given back: a cancel, a
+released sale) leaves "X", so that a late settle of the same ref (a duplicate request's,
+delayed) can never charge it again. Returns the total given back. ]]
 local function settle(keys, args)
-  local ref = args[1]
+  local ref, final = args[1], args[2] == '1'
   local given = 0
   for i = 1, #keys do
     local prev = redis.call('HGET', keys[i], ref)
     local kind = prev and string.sub(prev, 1, 1)
     if prev and kind ~= 'R' and kind ~= 'X' then
-      local diff = tonumber(args[1 + i]) - tonumber(prev)
+      local diff = tonumber(args[2 + i]) - tonumber(prev)
       if diff ~= 0 then
         redis.call('HINCRBY', keys[i], 'spent', diff)
-        redis.call('HSET', keys[i], ref, args[1 + i])
         given = given - diff
       end
+      redis.call('HSET', keys[i], ref, final and 'X' or args[2 + i])
     end
   end
   return given

@@ -515,7 +515,7 @@ async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: r
     assert await finalize(store, settled, new_sale()) == 0
     assert await finalize(store, settled, sid_x) == 1
     assert redis_db.hget(settled, "st") == b"f"
-    assert (await store.cancel(settled, now + HOUR, False, 0))[0] == b"k"
+    assert (await store.cancel(settled, now + HOUR, "g", 100, 0))[0] == b"k"
     assert await finalize(store, settled, sid_x, b"other") == 0
     missing = ticket_key("ch", "T-fin-missing")
     assert await finalize(store, missing, sid) == 0
@@ -539,7 +539,7 @@ async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: re
     assert await finalize(store, key, sid) == 1
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
     assert redis_db.hget(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, False, 0))[0] == b"k"
+    assert (await store.cancel(key, now + HOUR, "g", 100, 0))[0] == b"k"
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
@@ -557,7 +557,7 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     assert await store.expire(key, HOUR) == due  # an expired ticket stays the janitor's
     assert await finalize(store, key, sid) == 1
     assert await store.expire(key, 0) == []
-    k = await store.cancel(key, now + HOUR, False, 500)
+    k = await store.cancel(key, now + HOUR, "g", 100, 500)
     assert k[0] == b"k"
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
@@ -568,28 +568,30 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
 
 
 async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int) -> None:
-    """cancel decides once (k, at Redis TIME) if open and unstopped, then replays k, then c."""
+    """cancel decides once (k, at Redis TIME) if open and not stopped by an admin (the stop
+    copy in the ticket's slot), then replays k, then c."""
     key = ticket_key("ch", "T-cancel")
-    assert await store.cancel(key, now + HOUR, False, 10) == [b"missing"]
+    assert await store.cancel(key, now + HOUR, "g", 100, 10) == [b"missing"]
     assert redis_db.exists(key) == 0
     _, sid = await claimed(store, key, now)
-    assert await store.cancel(key, now + HOUR, False, 10) == [b"undecided"]
+    assert await store.cancel(key, now + HOUR, "g", 100, 10) == [b"undecided"]
     assert await finalize(store, key, sid) == 1
-    assert await store.cancel(key, now - 1, False, 10) == [b"closed"]
-    assert await store.cancel(key, now + HOUR, True, 10) == [b"closed"]
+    assert await store.cancel(key, now - 1, "g", 100, 10) == [b"closed"]
+    assert await store.stop("g", 99, now + DAY) > 0  # copied into every ticket slot
+    assert await store.cancel(key, now + HOUR, "g", 99, 10) == [b"closed"]
     assert redis_db.hget(key, "st") == b"f"
     t0 = redis_ms(redis_db)
-    reply = await store.cancel(key, now + HOUR, False, 10)
+    reply = await store.cancel(key, now + HOUR, "g", 100, 10)
     t1 = redis_ms(redis_db)
     assert reply[0] == b"k"
     assert t0 <= reply[1] <= t1
     ca = reply[1]
     assert reply == [b"k", ca, 10, sid.encode()]
-    assert await store.cancel(key, now - 1, True, 99) == [b"k", ca, 10, sid.encode()]
+    assert await store.cancel(key, now - 1, "g", 99, 99) == [b"k", ca, 10, sid.encode()]
     assert await claim(store, key, now) == [b"final", b"body"]
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
-    assert await store.cancel(key, now - 1, True, 99) == [b"c", ca, 10]
-    assert await store.cancel(key, now + HOUR, False, 99) == [b"c", ca, 10]
+    assert await store.cancel(key, now - 1, "g", 99, 99) == [b"c", ca, 10]
+    assert await store.cancel(key, now + HOUR, "g", 100, 99) == [b"c", ca, 10]
     assert redis_db.hmget(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
 
 
@@ -602,7 +604,7 @@ async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis
     assert await finalize(store, key, sid) == 1
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # final, not cancelling
     assert redis_db.hget(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, False, 0))[0] == b"k"
+    assert (await store.cancel(key, now + HOUR, "g", 100, 0))[0] == b"k"
     assert await store.fcall("capsvc_cancelled", [key], [new_sale()]) == 0
     assert redis_db.hget(key, "st") == b"k"
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
@@ -825,3 +827,17 @@ async def test_library_reloaded_after_function_flush(store: Store, combos: Combo
     for n in range(1, 31):  # combinations spread over every primary of a cluster
         assert await combos.reserve(new_sale(), 500, combo=encode([n])) == [1, 0]
     assert await store.library_loaded()
+
+
+async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
+                                            now: int) -> None:
+    """Giving everything back (final) leaves X: a late settle of the same ref (a duplicate
+    request's, delayed past a cancel) charges nothing again."""
+    players = PlayerStore(store)
+    d1 = "2026-03-01"
+    assert (await players.reserve(PLAYER, "t", REGULATORY, now + DAY, [(d1, 400)]))[0] == 1
+    assert await players.settle(PLAYER, "t", [(d1, 0)], final=True) == 400
+    assert redis_db.hget(budget_key(PLAYER, d1), "t") == b"X"
+    assert await players.settle(PLAYER, "t", [(d1, 250)]) == 0
+    assert redis_db.hget(budget_key(PLAYER, d1), "spent") == b"0"
+    assert (await players.reserve(PLAYER, "t", REGULATORY, now + DAY, [(d1, 400)]))[0] == -2

@@ -269,3 +269,91 @@ async def test_two_janitors_racing_a_retry_never_release_the_new_sale(
         for store in stores:
             await store.redis.aclose()
         direct.stop()
+
+
+@pytest.fixture
+def pair(redis_server: RedisServer, standalone_db: redis.Redis,
+         proxy: FaultProxy) -> Iterator[tuple[Api, Api]]:
+    """Two processes over one Redis: the first through the proxy, the second direct."""
+    slow = ServiceProcess(str(CONFIG), proxy.url).start()
+    direct = ServiceProcess(str(CONFIG), redis_server.url).start()
+    yield Api(slow.base_url), Api(direct.base_url)
+    direct.stop()
+    slow.stop()
+
+
+def in_background(call: Callable[[], requests.Response]) -> tuple[threading.Thread,
+                                                                  list[requests.Response]]:
+    answers: list[requests.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(call()))
+    thread.start()
+    return thread, answers
+
+
+def test_a_sale_claimed_after_an_admin_stop_does_not_stand(
+        pair: tuple[Api, Api], proxy: FaultProxy) -> None:
+    """The claim is held on the wire while an admin stops the draw; once it lands (after
+    the stop) the sale is refused and nothing it counted stays."""
+    slow, direct = pair
+    draw = direct.current()
+    body = sale((TEN[:8], 500), first_draw=draw)
+    release = threading.Event()
+    held = proxy.hold_request(command("FCALL", "capsvc_claim"), release)
+    thread, answers = in_background(lambda: slow.sell(body))
+    assert held.fired.wait(5)
+    assert direct.call("POST", f"/v1/games/fdj-keno/draws/{draw}/close",
+                       token="admin").status_code == 200
+    release.set()
+    thread.join(10)
+    assert answers[0].status_code == 422, answers[0].text
+    assert answers[0].json()["error"]["code"] == "draw_closed"
+    assert direct.staked(TEN[:8], draw) == 0
+    assert direct.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 404
+
+
+def test_a_cancel_decided_after_an_admin_stop_is_refused(
+        pair: tuple[Api, Api], proxy: FaultProxy) -> None:
+    """The cancel is held on the wire while an admin stops the first draw; once it lands
+    (after the stop was answered) it is refused and the stake stays counted."""
+    slow, direct = pair
+    draw = direct.current()
+    body = sale((TEN[:8], 500), first_draw=draw)
+    assert direct.sell(body).status_code == 200
+    release = threading.Event()
+    held = proxy.hold_request(command("FCALL", "capsvc_cancel"), release)
+    path = f"/v1/tickets/{body['ticket_id']}/cancel"
+    thread, answers = in_background(lambda: slow.call("POST", path))
+    assert held.fired.wait(5)
+    assert direct.call("POST", f"/v1/games/fdj-keno/draws/{draw}/close",
+                       token="admin").status_code == 200
+    release.set()
+    thread.join(10)
+    assert (answers[0].status_code, answers[0].json()["error"]["code"]) == (
+        409, "not_cancellable")
+    assert direct.staked(TEN[:8], draw) == 500
+
+
+def test_a_duplicates_late_settle_does_not_charge_a_cancelled_ticket_again(
+        pair: tuple[Api, Api], proxy: FaultProxy) -> None:
+    """A partial LNM ticket: a duplicate's budget settle is held on the wire; the ticket is
+    decided and cancelled meanwhile (budget given back); the late settle then lands and
+    charges nothing."""
+    slow, direct = pair
+    full = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-LATE",
+            "grids": [{"numbers": TEN[:8], "stake": 2500}] * 20}
+    assert direct.call("POST", "/v1/tickets", full, token="ma").json()["total_cost"] == 50000
+    body = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-LATE",
+            "grids": [{"numbers": TEN[:8], "stake": 2500}, {"numbers": TEN[:9], "stake": 2500}]}
+    release = threading.Event()
+    held = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
+    thread, answers = in_background(lambda: slow.call("POST", "/v1/tickets", body, token="ma"))
+    assert held.fired.wait(5)
+    first = direct.call("POST", "/v1/tickets", body, token="ma")
+    assert first.json()["status"] == "partial", first.text
+    path = f"/v1/tickets/{body['ticket_id']}"
+    assert direct.call("POST", path + "/cancel", token="ma").json()["released"] == 2500
+    release.set()
+    thread.join(10)
+    assert answers[0].status_code in (200, 503), answers[0].text
+    spent = direct.call("GET", "/v1/players/P-LATE", token="ma").json()["spent"]
+    assert spent == 50000  # the filler ticket only
