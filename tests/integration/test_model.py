@@ -279,3 +279,44 @@ def test_the_service_behaves_as_the_model(world: Fixture) -> None:
     run_state_machine_as_test(SaleMachine, settings=settings(
         max_examples=6, stateful_step_count=50, deadline=None,
         suppress_health_check=list(HealthCheck)))
+
+
+def test_a_ticket_id_used_again_after_its_retention_is_a_new_sale(world: Fixture) -> None:
+    """Sold on draw d; once d closed and its retention passed, the same ticket id is a new
+    sale: on a later draw filled to the cap by another channel it is refused (counted
+    afresh, not taken for the old sale), and cancelling it gives back nothing."""
+    world.db.flushall()
+    rules = world.settings.games[GAME]
+    calendar = DrawCalendar(rules)
+    http = world.http
+    base = world.service.base_url
+
+    def post(path: str, body: Any, channel: str) -> requests.Response:
+        return http.post(base + path, json=body, timeout=10,
+                         headers={"Authorization": f"Bearer {TOKENS[channel]}"})
+
+    def now() -> int:
+        sec, usec = world.db.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    grid = [{"numbers": list(COMBOS[0]), "stake": 500}]
+    first = calendar.current(now()) + 1
+    old = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "first_draw": first,
+                               "grids": grid}, "fr")
+    assert old.json()["status"] == "accepted"
+    time.sleep((calendar.close_ms(first) + rules.retention_ms - now()) / 1000 + 0.5)
+    later = calendar.current(now()) + 2
+    for i in range(4):  # 4 x 500 fills the 2000 cap
+        filler = post("/v1/tickets", {"ticket_id": f"FILL-{i}", "game": GAME,
+                                      "first_draw": later, "grids": grid}, "pf")
+        assert filler.json()["status"] == "accepted"
+    again = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "first_draw": later,
+                                 "grids": grid}, "fr")
+    assert again.status_code == 200, again.text
+    assert again.headers.get("Idempotent-Replayed") is None
+    assert again.json()["status"] == "rejected"
+    assert again.json()["grids"][0]["remaining"] == 0
+    cancel = post("/v1/tickets/REUSED/cancel", None, "fr")
+    assert (cancel.status_code, cancel.json()["error"]["code"]) == (409, "not_cancellable")
+    (key,) = bucket_keys(GAME, combination.encode(COMBOS[0]), later, 1)
+    assert int(world.db.hget(key, combination.encode(COMBOS[0])) or 0) == 2000
