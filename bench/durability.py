@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
 
-from run import Result, config_file, cpu_seconds, wrk
+from run import Result, config_file, cpu_seconds, tools_present, wrk
 
 from capsvc.testing import RedisServer, ServiceProcess
 
@@ -46,11 +45,8 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    for tool in ("wrk", "taskset"):
-        if shutil.which(tool) is None:
-            package = "wrk" if tool == "wrk" else "util-linux"
-            print(f"{tool} is needed: apt-get install -y {package}")
-            return 2
+    if not tools_present():
+        return 2
     replica_cpu = "2" if (os.cpu_count() or 1) >= 3 else "1"
     primary = RedisServer().start()
     replica = RedisServer(replica_of=primary).start()

@@ -158,17 +158,24 @@ def mix(before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
     return "; ".join(parts)
 
 
+def tools_present() -> bool:
+    """wrk and taskset are on the PATH (else say how to get them)."""
+    for tool in ("wrk", "taskset"):
+        if shutil.which(tool) is None:
+            package = "wrk" if tool == "wrk" else "util-linux"
+            print(f"{tool} is needed: apt-get install -y {package}")
+            return False
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    for tool in ("wrk", "taskset"):
-        if shutil.which(tool) is None:
-            package = "wrk" if tool == "wrk" else "util-linux"
-            print(f"{tool} is needed: apt-get install -y {package}")
-            return 2
+    if not tools_present():
+        return 2
     redis = RedisServer().start()
     assert redis.process is not None
     subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
