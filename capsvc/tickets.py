@@ -127,7 +127,9 @@ class Tickets:
                     if stopped is None:
                         return await self._decide(channel, game, key, stored, sale_id, at,
                                                   close_ms, replayed=False)
-                    await self.store.unclaim(key, sale_id)  # nothing was counted
+                    # Nothing counted yet, but a duplicate may already be resuming it.
+                    await self.ledger.conclude(channel.id, game, key, stored, sale_id, at,
+                                               void=True)
                     raise _Stopped(stopped)
                 if kind == b"final":
                     return SaleOutcome(body=claim[1], replayed=True)
