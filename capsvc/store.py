@@ -190,9 +190,7 @@ class Store:
 
     def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int) -> None:
         """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
-        key = capped_key(game, draw)
-        self.redis.send("SADD", key, combo)
-        self.redis.send("PEXPIREAT", key, expire_at)
+        self.redis.send("FCALL", "capsvc_sold_out", 1, capped_key(game, draw), combo, expire_at)
 
     def unmark_sold_out(self, game: str, draw: int, combo: str) -> None:
         self.redis.send("SREM", capped_key(game, draw), combo)

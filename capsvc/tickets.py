@@ -208,10 +208,12 @@ class Tickets:
                     sold_out += 1
                     self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
         settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
+        if settled is not None:
+            # Before the decision: once the decision is written nothing settles the budget
+            # again (on a cluster the two are on different nodes, and either may be lost).
+            await settled
         body = _encode(out)
         written = await self.store.finalize(key, sale_id, body)
-        if settled is not None:
-            await settled
         if not written:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,

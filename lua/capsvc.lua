@@ -332,6 +332,15 @@ local function release(keys, args)
   return out
 end
 
+--[[ sold_out: KEYS sold-out list; ARGV combo, expire_at
+Adds a combination to a draw's sold-out list with the draw's expiry, in one step (a list
+without its TTL would outlive its draw). ]]
+local function sold_out_add(keys, args)
+  redis.call('SADD', keys[1], args[1])
+  redis.call('PEXPIREAT', keys[1], tonumber(args[2]))
+  return 1
+end
+
 --[[ stop: KEYS stops; ARGV field, expire_at
 An admin stops sales of a draw now (Redis TIME; the first stop wins): in the game's stops
 hash (field: the draw), and in a copy per ticket slot (field "<game>:<draw>") that the
@@ -533,6 +542,7 @@ redis.register_function('capsvc_cancelled', cancelled)
 redis.register_function('capsvc_reserve', reserve)
 redis.register_function('capsvc_release', release)
 redis.register_function('capsvc_stop', stop)
+redis.register_function('capsvc_sold_out', sold_out_add)
 redis.register_function('capsvc_budget', budget)
 redis.register_function('capsvc_stake', stake)
 redis.register_function('capsvc_settle', settle)

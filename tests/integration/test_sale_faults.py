@@ -24,7 +24,7 @@ from capsvc import combination
 from capsvc.coalesce import Coalescer
 from capsvc.config import load_settings
 from capsvc.faults import Command, FaultProxy, command
-from capsvc.store import Store, lua_source
+from capsvc.store import Store, lua_source, ticket_key
 from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
 from tests.conftest import TEN, TOKENS, new_id
@@ -357,3 +357,41 @@ def test_a_duplicates_late_settle_does_not_charge_a_cancelled_ticket_again(
     assert answers[0].status_code in (200, 503), answers[0].text
     spent = direct.call("GET", "/v1/players/P-LATE", token="ma").json()["spent"]
     assert spent == 50000  # the filler ticket only
+
+
+def test_the_sold_out_list_keeps_its_ttl_when_its_reply_is_lost(
+        api: Api, proxy: FaultProxy, standalone_db: redis.Redis) -> None:
+    """The sale that fills a combination adds it to the draw's sold-out list; with that
+    step's reply lost, the list still expires with its draw (one atomic step)."""
+    draw = api.current()
+    for _ in range(4):
+        assert api.sell(sale((TEN[:8], 1000))).status_code == 200
+    rule = proxy.drop_reply(command("FCALL", "capsvc_sold_out"))
+    api.sell(sale((TEN[:8], 1000)))
+    assert rule.fired.wait(5)
+    key = f"x:{{fdj-keno}}:{draw}"
+    eventually(lambda: standalone_db.exists(key) == 1)
+    assert standalone_db.pttl(key) > 0
+
+
+def test_a_partial_sale_settles_the_budget_before_writing_its_decision(
+        api: Api, proxy: FaultProxy, standalone_db: redis.Redis) -> None:
+    """A partial LNM sale gives the refused grid's cost back before its decision is
+    written: while that settle is held the ticket is still pending (a lost settle leaves
+    it to a retry or the janitor, never a decision with the budget overcharged)."""
+    full = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-ORDER",
+            "grids": [{"numbers": TEN[:8], "stake": 2500}] * 20}
+    assert api.call("POST", "/v1/tickets", full, token="ma").json()["total_cost"] == 50000
+    body = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-ORDER",
+            "grids": [{"numbers": TEN[:8], "stake": 2500}, {"numbers": TEN[:9], "stake": 2500}]}
+    release = threading.Event()
+    held = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
+    thread, answers = in_background(lambda: api.call("POST", "/v1/tickets", body, token="ma"))
+    assert held.fired.wait(5)
+    time.sleep(0.1)
+    assert standalone_db.hget(ticket_key("ma-retail", body["ticket_id"]), "st") == b"p"
+    release.set()
+    thread.join(10)
+    assert answers[0].json()["status"] == "partial", answers[0].text
+    spent = api.call("GET", "/v1/players/P-ORDER", token="ma").json()["spent"]
+    assert spent == 50000 + 2500
