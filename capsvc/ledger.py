@@ -86,12 +86,25 @@ class Ledger:
                                game.expire_at(first + sale.draws - 1))
             for g in grids
         ])
-        released = 0
-        for g, reply in zip(grids, replies, strict=True):
-            released += int(reply[0])
-            for offset in reply[1:]:
-                self.store.unmark_sold_out(rules.id, first + offset, g.combo)
-        return released
+        # A combination that leaves its cap stays on the sold-out list (readers filter it
+        # by its counter): a removal racing another process's re-fill could hide one at cap.
+        return sum(int(reply[0]) for reply in replies)
+
+    def mark_sold_out(self, game: Game, sale: Sale, replies: list[Any]
+                      ) -> tuple[int, list[asyncio.Future[Any]]]:
+        """Add the combinations that the accepted grids brought to their cap to their
+        draws' sold-out lists. Returns the counters brought to 80 % of the cap, and the
+        queued additions (one per counter at its cap)."""
+        first = sale.first_draw
+        assert first is not None
+        near_cap, marks = 0, []
+        for g, reply in zip(sale.grids, replies, strict=True):
+            if reply is not None and reply[0] == ACCEPTED:
+                near_cap += reply[1]
+                marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
+                                                   game.expire_at(first + offset))
+                          for offset in reply[2:]]
+        return near_cap, marks
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, *, void: bool = False) -> TicketOut | None:
@@ -116,9 +129,8 @@ class Ledger:
         if not void and held and all(r is None or r[0] in (ACCEPTED, REJECTED)
                                      for r in replies):
             out = build_decision(channel_id, game.rules, sale, sale_id, at, replies)
-            settled = self.settle_budget(plan, sale, accepted_grids(out))
-            if settled is not None:
-                await settled
+            _, marks = self.mark_sold_out(game, sale, replies)
+            await replies_of([self.settle_budget(plan, sale, accepted_grids(out)), *marks])
             await self.store.finalize(key, sale_id, msgspec.json.encode(out))
             return out
         await self.give_back(game, sale, sale_id, plan)

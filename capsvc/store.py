@@ -188,12 +188,10 @@ class Store:
         """Counters of several combinations for one draw."""
         return [self.redis.submit("HGET", bucket_keys(game, c, draw, 1)[0], c) for c in combos]
 
-    def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int) -> None:
+    def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int
+                      ) -> asyncio.Future[Any]:
         """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
-        self.redis.send("FCALL", "capsvc_sold_out", 1, capped_key(game, draw), combo, expire_at)
-
-    def unmark_sold_out(self, game: str, draw: int, combo: str) -> None:
-        self.redis.send("SREM", capped_key(game, draw), combo)
+        return self.fcall("capsvc_sold_out", [capped_key(game, draw)], [combo, expire_at])
 
     def sold_out(self, game: str, draw: int) -> asyncio.Future[Any]:
         return self.redis.submit("SMEMBERS", capped_key(game, draw))

@@ -37,7 +37,7 @@ from capsvc.decisions import (
 from capsvc.draws import Draws
 from capsvc.errors import ApiError, not_found, rule_error, unavailable
 from capsvc.games import Catalog, Game, require_scope
-from capsvc.ledger import Ledger
+from capsvc.ledger import Ledger, replies_of
 from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, stop_instants, ticket_key
 from capsvc.validator import Sale, validate_ticket
@@ -199,25 +199,19 @@ class Tickets:
                 raise _closed(first)
             return SaleOutcome(body=_encode(concluded), replayed=True)
         out = build_decision(channel.id, rules, sale, sale_id, at, replies)
-        expire_at = game.expiries(first, sale.draws)
-        near_cap = sold_out = 0
-        for g, reply in zip(sale.grids, replies, strict=True):
-            if reply is not None and reply[0] == ACCEPTED:
-                near_cap += reply[1]
-                for offset in reply[2:]:
-                    sold_out += 1
-                    self.store.mark_sold_out(rules.id, first + offset, g.combo, expire_at[offset])
+        near_cap, marks = self.ledger.mark_sold_out(game, sale, replies)
         settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
-        if settled is not None:
-            # Before the decision: once the decision is written nothing settles the budget
-            # again (on a cluster the two are on different nodes, and either may be lost).
-            await settled
+        if marks or settled is not None:
+            # Before the decision: once it is written, a replay answers it and nothing
+            # settles the budget or marks the sold-out list again (on a cluster they are on
+            # other nodes, and either write may be lost).
+            await replies_of([settled, *marks])
         body = _encode(out)
         written = await self.store.finalize(key, sale_id, body)
         if not written:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
-                           sold_out=sold_out)
+                           sold_out=len(marks))
 
     async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
                            sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:

@@ -395,3 +395,19 @@ def test_a_partial_sale_settles_the_budget_before_writing_its_decision(
     assert answers[0].json()["status"] == "partial", answers[0].text
     spent = api.call("GET", "/v1/players/P-ORDER", token="ma").json()["spent"]
     assert spent == 50000 + 2500
+
+
+def test_a_sale_concluded_by_the_janitor_puts_its_capped_combination_on_the_list(
+        api: Api, proxy: FaultProxy) -> None:
+    """The sale that fills a combination is answered 503 (its reserve reply came too late)
+    and never retried: once the janitor has written its decision, the draw's sold-out list
+    has the combination."""
+    draw = api.current()
+    for _ in range(4):
+        assert api.sell(sale((TEN[:8], 1000))).status_code == 200
+    body = sale((TEN[:8], 1000))
+    proxy.delay_reply(RESERVE, 1.0)
+    unknown_outcome(api.sell(body))
+    eventually(lambda: api.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 200)
+    capped = api.call("GET", f"/v1/games/fdj-keno/draws/{draw}/capped").json()
+    assert capped["combinations"] == [sorted(TEN[:8])]
