@@ -30,16 +30,13 @@ from capsvc.config import Settings
 from capsvc.errors import ApiError, Unavailable
 from capsvc.games import Catalog
 from capsvc.ledger import Ledger
-from capsvc.models import TicketOut
 from capsvc.store import TICKET_BUCKETS, Store, channel_of, stop_instants
 from capsvc.tickets import Tickets, first_stopped
 from capsvc.validator import Sale
 
 log = logging.getLogger(__name__)
 
-_encode = msgspec.json.encode
 _sale_decoder = msgspec.json.Decoder(Sale)
-_ticket_decoder = msgspec.json.Decoder(TicketOut)
 
 
 class Janitor:
