@@ -6,6 +6,7 @@ Everything here is pure: it turns text into frozen settings or into a list of
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -267,9 +268,7 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
     if preset not in PRESETS:
         c.fail(f"{where}.preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
         return None
-    unknown = sorted(set(raw) - _GAME_FIELDS)
-    for k in unknown:
-        c.fail(f"{where}.{k}", "unknown field")
+    unknown_keys(c, where, raw, frozenset(_GAME_FIELDS))
     g = load_preset(str(preset))
     if "draw_times" in raw:
         for k in ("draw_every", "draw_from", "draw_until"):
@@ -342,18 +341,44 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
     return rules
 
 
-def _channel(raw: dict[str, Any], where: str, games: dict[str, GameRules], c: _Checker) -> Channel:
+_SECTIONS = {
+    "redis": frozenset({"url", "timeout", "durability", "wait_timeout"}),
+    "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
+                         "max_in_flight", "drain_delay", "access_log"}),
+    "janitor": frozenset({"pending_deadline", "interval"}),
+}
+_TOP_LEVEL = frozenset({*_SECTIONS, "games", "channels", "channels_file"})
+_CHANNEL_FIELDS = frozenset({"id", "token_sha256", "games", "scopes"})
+
+
+def unknown_keys(c: _Checker, where: str, raw: dict[str, Any], known: frozenset[str],
+                 what: str = "field") -> None:
+    """Every key of `raw` that is not `known` is an error naming its path, with the known
+    key it most resembles (a typo such as `urll` or `intervall`)."""
+    for k in sorted(set(raw) - known):
+        close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        c.fail(f"{where}.{k}" if where else k, f"unknown {what}{hint}")
+
+
+def _channel(raw: dict[str, Any], where: str, games: set[str], c: _Checker) -> Channel:
+    """A `[[channels]]` entry; `games` are the ids of every game declared (even one with
+    errors of its own, so that they are not reported again here)."""
     cid = raw.get("id")
     if not isinstance(cid, str) or not ID_RE.fullmatch(cid):
         c.fail(f"{where}.id", f"expected a channel id of [A-Za-z0-9._:-] (max 64), got {cid!r}")
         cid = "?"
     digest = raw.get("token_sha256")
-    if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+    if digest is None:
+        c.fail(f"{where}.token_sha256", "missing: the sha256 hex of the channel's bearer token")
+        digest = "0" * 64
+    elif not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
         c.fail(f"{where}.token_sha256", "expected the sha256 of the token, 64 lowercase hex digits")
         digest = "0" * 64
-    for k in sorted(set(raw) - {"id", "token_sha256", "games", "scopes"}):
-        hint = " (clear tokens never go in the config: use token_sha256)" if k == "token" else ""
-        c.fail(f"{where}.{k}", f"unknown field{hint}")
+    if "token" in raw:
+        c.fail(f"{where}.token", "unknown field (clear tokens never go in the config: use "
+               "token_sha256)")
+    unknown_keys(c, where, {k: v for k, v in raw.items() if k != "token"}, _CHANNEL_FIELDS)
     chan_games = raw.get("games", [])
     if not isinstance(chan_games, list):
         c.fail(f"{where}.games", "expected a list of game ids")
@@ -379,12 +404,16 @@ def _channel(raw: dict[str, Any], where: str, games: dict[str, GameRules], c: _C
 def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
     """Validate a decoded TOML document; raise ConfigError listing every problem."""
     c = _Checker()
-    for k in sorted(set(doc) - {"redis", "server", "janitor", "games", "channels",
-                                "channels_file"}):
-        c.fail(k, "unknown section")
-    redis = doc.get("redis", {})
-    server = doc.get("server", {})
-    janitor = doc.get("janitor", {})
+    unknown_keys(c, "", doc, _TOP_LEVEL, "section")
+    sections: dict[str, dict[str, Any]] = {}
+    for name, known in _SECTIONS.items():
+        section = doc.get(name, {})
+        if not isinstance(section, dict):
+            c.fail(name, f"expected a [{name}] table")
+            section = {}
+        unknown_keys(c, name, section, known)
+        sections[name] = section
+    redis, server, janitor = sections["redis"], sections["server"], sections["janitor"]
     raw_games = doc.get("games", [])
     if not isinstance(raw_games, list) or not raw_games:
         c.fail("games", "at least one [[games]] entry is needed")
@@ -401,7 +430,8 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
     if not isinstance(raw_channels, list):
         c.fail("channels", "expected [[channels]] entries")
         raw_channels = []
-    channels = [_channel(r, f"channels[{i}]", games, c) for i, r in enumerate(raw_channels)]
+    declared = {str(r.get("id")) for r in raw_games if isinstance(r, dict)}
+    channels = [_channel(r, f"channels[{i}]", declared, c) for i, r in enumerate(raw_channels)]
     seen: set[bytes] = set()
     for i, ch in enumerate(channels):
         if ch.token_sha256 in seen:

@@ -127,3 +127,58 @@ def test_schedule_errors_name_the_field(game: dict[str, Any], where: str) -> Non
     with pytest.raises(ConfigError) as e:
         parse_settings(doc(**game))
     assert any(p.startswith(f"games[0].{where}") for p in e.value.problems), e.value.problems
+
+
+def problems(document: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        parse_settings(document)
+    return e.value.problems
+
+
+@pytest.mark.parametrize(("section", "typo", "meant"), [
+    ("redis", "urll", "url"), ("redis", "timout", "timeout"),
+    ("server", "prot", "port"), ("server", "timeout", "request_timeout"),
+    ("redis", "cluster", None),
+    ("janitor", "intervall", "interval"), ("janitor", "pending_deadlines", "pending_deadline"),
+])
+def test_an_unknown_key_in_a_section_is_an_error_naming_its_path(
+        section: str, typo: str, meant: str | None) -> None:
+    """A typo anywhere ([redis] urll = …) is an error with its path, and the key it most
+    resembles when there is one: never a silently ignored setting."""
+    document = {**doc(), section: {typo: "x"}}
+    (problem,) = [p for p in problems(document) if typo in p]
+    assert problem.startswith(f"{section}.{typo}")
+    assert (f"did you mean {meant!r}" in problem) if meant else ("did you mean" not in problem)
+
+
+def test_unknown_keys_of_games_channels_and_sections_are_named() -> None:
+    """Unknown keys of a game, of a channel and at the top level are reported the same way."""
+    document = doc(cap_limt=100)
+    document["channels"][0]["scope"] = ["sell"]
+    document["janitr"] = {}
+    found = problems(document)
+    assert any(p.startswith("games[0].cap_limt") and "'cap_limit'" in p for p in found)
+    assert any(p.startswith("channels[0].scope") and "'scopes'" in p for p in found)
+    assert any(p.startswith("janitr") and "'janitor'" in p for p in found)
+
+
+def test_a_missing_token_hash_says_missing() -> None:
+    """A channel without token_sha256 is told it is missing, not that it is malformed."""
+    document = doc()
+    del document["channels"][0]["token_sha256"]
+    (problem,) = problems(document)
+    assert problem.startswith("channels[0].token_sha256")
+    assert "missing" in problem
+
+
+def test_a_bad_preset_is_reported_once() -> None:
+    """A game with an unknown preset is one error, not followed by "no game …" for every
+    channel that sells it."""
+    (problem,) = problems(doc(preset="fdj-keno-2009"))
+    assert problem.startswith("games[0].preset")
+
+
+def test_a_section_that_is_not_a_table_is_an_error() -> None:
+    """`redis = "…"` instead of a [redis] table is explained, never a crash."""
+    assert any(p.startswith("redis") and "table" in p
+               for p in problems({**doc(), "redis": "redis://x"}))
