@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -142,7 +143,8 @@ class Coalescer(asyncio.Protocol):
         self._buffer: list[bytes] = []
         self._queued: list[_Pending] = []
         self._inflight: deque[_Pending] = deque()
-        self._batches: deque[list[float]] = deque()  # [commands left, started, size, deadline]
+        self._batches: deque[list[float]] = deque()
+        """[commands left, started (perf_counter), size, deadline (loop time)]"""
         self._waits: dict[tuple[int, int], asyncio.Future[Any]] = {}
         """The WAITs asked for in this tick, by (replicas, timeout): sent last in its batch."""
         self._blocked_until = 0.0
@@ -236,7 +238,10 @@ class Coalescer(asyncio.Protocol):
         ready = max(now, self._blocked_until) + hold
         if hold:
             self._blocked_until = ready
-        self._batches.append([len(queued), now, len(queued), ready + self._timeout])
+        # The batch's duration is timed on perf_counter: loop.time() under uvloop has a
+        # millisecond resolution, which would put most batches in the first bucket.
+        self._batches.append([len(queued), time.perf_counter(), len(queued),
+                              ready + self._timeout])
         self._transport.write(data)
         if self._timer is None:
             self._timer = loop.call_later(self._timeout, self._check_deadline)
@@ -331,7 +336,7 @@ class Coalescer(asyncio.Protocol):
             head[0] -= 1
             if head[0] == 0:
                 batches.popleft()
-                self._on_batch(int(head[2]), (self._loop or self._bind()).time() - head[1])
+                self._on_batch(int(head[2]), time.perf_counter() - head[1])
             if isinstance(reply, ResponseError):
                 self._error_reply(p, reply)
             elif p.fut is not None and not p.fut.done():

@@ -290,7 +290,8 @@ class Api:
                              status=200 if ready else 503)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
-        self.metrics.in_flight.set(self.health.in_flight)
+        # Not counting this scrape: what a worker publishes stays until its next update.
+        self.metrics.in_flight.set(self.health.in_flight - 1)
         return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

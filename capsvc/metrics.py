@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter as Tally
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,7 +21,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from capsvc import __version__
+from capsvc.config import GameRules
 from capsvc.models import TicketOut
+
+ERROR_KINDS = ("timeout", "connection", "reply")
+"""What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -78,6 +83,26 @@ class Metrics:
               multiprocess_mode="max").labels(__version__).set(1)
         self._http_children: dict[tuple[str, str, int], Any] = {}
         self._tally: Tally[tuple[str, ...]] = Tally()
+
+    def declare(self, games: Iterable[GameRules]) -> None:
+        """Create every series a dashboard panel or an alert uses, at 0, so that each one
+        exists from the start (`rate()` then sees the first increment, and an expression
+        over a series not seen yet is not empty)."""
+        for kind in ERROR_KINDS:
+            self.redis_errors.labels(kind)
+        for g in games:
+            self.stake.labels(g.id)
+            self.capped.labels(g.id)
+            self.near_cap.labels(g.id)
+            for status in ("accepted", "partial", "rejected"):
+                self.tickets.labels(g.id, status)
+            self.grids.labels(g.id, "accepted", "")
+            for reason in ("combination_capped", "player_limit"):
+                self.grids.labels(g.id, "rejected", reason)
+            for picks in sorted(g.capped_picks):
+                self.cap_rejections.labels(g.id, str(picks))
+            if g.daily_limit is not None:
+                self.limit_rejections.labels(g.id)
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         key = (route, method, status)

@@ -53,11 +53,14 @@ async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> Non
             metrics.janitor.inc(settled)
 
 
-async def _flush_metrics(metrics: Metrics) -> None:
-    """Apply the hot path's tallies to the Prometheus counters once a second."""
+async def _flush_metrics(metrics: Metrics, health: Health) -> None:
+    """Apply the hot path's tallies to the Prometheus counters once a second, and publish
+    this process's requests in flight (summed over live workers), whether or not it is the
+    one that serves /metrics."""
     while True:
         await asyncio.sleep(1)
         metrics.flush()
+        metrics.in_flight.set(health.in_flight)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Service:
 
 def build(settings: Settings, redis_url: str) -> Service:
     metrics = Metrics()
+    metrics.declare(settings.games.values())
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error, library=lua_source())
     store = Store(redis)
@@ -100,7 +104,7 @@ async def serve(settings: Settings, redis_url: str, host: str, port: int) -> Non
         asyncio.create_task(usecases.clock.run(CLOCK_REFRESH_S)),
         asyncio.create_task(_janitor(usecases.janitor, metrics,
                                      settings.janitor_interval_ms / 1000)),
-        asyncio.create_task(_flush_metrics(metrics)),
+        asyncio.create_task(_flush_metrics(metrics, health)),
     ]
     runner = web.AppRunner(
         app, access_log=logging.getLogger("capsvc.access") if settings.access_log else None,

@@ -59,3 +59,16 @@ async def test_counters_move_by_what_was_sold(service: tuple[Service, str],
     text = (await client.get("/metrics", token=None)).raw.decode()
     assert "P-M" not in text  # no player as a label
     assert "T-" not in text  # no ticket as a label
+
+
+async def test_every_series_of_the_dashboards_exists_from_the_start(
+        service: tuple[Service, str], client: Client) -> None:
+    """Before any sale or error, the series the dashboard and the alerts use are exported
+    at 0: Redis errors by kind, player-limit rejections, decisions by game and status."""
+    metrics = await scrape(client)
+    for kind in ("timeout", "connection", "reply"):
+        assert metrics[("capsvc_redis_errors_total", (("kind", kind),))] == 0
+    assert metrics[("capsvc_player_limit_rejections_total", (("game", "lnm-keno"),))] == 0
+    for status in ("accepted", "partial", "rejected"):
+        assert ("capsvc_tickets_total", (("game", "fdj-keno"), ("status", status))) in metrics
+    assert ("capsvc_cap_rejections_total", (("game", "fdj-keno"), ("picks", "8"))) in metrics

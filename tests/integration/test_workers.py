@@ -78,3 +78,18 @@ async def test_two_workers_one_view_one_drain(
             assert tickets[(("game", "fdj-keno"), ("status", "accepted"))] == 40
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 30) == 0
+
+
+async def test_an_idle_pair_of_workers_reports_no_request_in_flight(
+        workers: tuple[subprocess.Popen[bytes], str]) -> None:
+    """In-flight requests are each worker's own, summed over the live ones (scrapes not
+    counted): idle, the view says 0, whichever worker answers."""
+    _, url = workers
+    connector = aiohttp.TCPConnector(force_close=True)  # new connections: both workers
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await wait_ready(session, url)
+        await asyncio.sleep(1.5)  # every worker publishes its count once a second
+        for _ in range(4):
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+            assert sum(samples(text, "capsvc_http_requests_in_flight").values()) == 0
