@@ -50,6 +50,9 @@ class Players:
             return game
         limited = [g for gid, g in self.games.items()
                    if g.rules.daily_limit is not None and gid in channel.games]
+        if not limited:  # as with ?game= naming a game without limits
+            raise rule_error("no_player_limits",
+                             f"channel {channel.id} sells no game with player limits", "game")
         if len(limited) != 1:
             raise ApiError(422, "invalid_request",
                            "name the game with ?game= (the channel has "

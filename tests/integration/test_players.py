@@ -141,8 +141,10 @@ async def test_player_errors(client: Client) -> None:
     assert (await client.get("/v1/players/P%20X", token="ma")).status == 422
     reply = await client.get("/v1/players/P-1?game=fdj-keno", token="admin")
     assert (reply.status, reply.body["error"]["code"]) == (422, "no_player_limits")
-    assert (await client.get("/v1/players/P-1", token="fr")).status == 422
-    assert (await client.get("/v1/players/P-1", token="mt")).status == 422  # two games
+    no_limits = await client.get("/v1/players/P-1", token="fr")  # FDJ only: no limits
+    assert (no_limits.status, no_limits.body["error"]["code"]) == (422, "no_player_limits")
+    two = await client.get("/v1/players/P-1", token="mt")  # two limited games: name one
+    assert (two.status, two.body["error"]["code"]) == (422, "invalid_request")
     bad = await client.request("PUT", "/v1/players/P-1/limit", {"daily": -1}, token="ma")
     assert (bad.status, bad.body["error"]["path"]) == (422, "$.daily")
 
