@@ -90,11 +90,14 @@ class Ledger:
         # by its counter): a removal racing another process's re-fill could hide one at cap.
         return sum(int(reply[0]) for reply in replies)
 
-    def mark_sold_out(self, game: Game, sale: Sale, replies: list[Any]
-                      ) -> tuple[int, list[asyncio.Future[Any]]]:
-        """Add the combinations that the accepted grids brought to their cap to their
-        draws' sold-out lists. Returns the counters brought to 80 % of the cap, and the
-        queued additions (one per counter at its cap)."""
+    async def write_decision(self, game: Game, key: str, sale: Sale, sale_id: str,
+                             plan: BudgetPlan | None, replies: list[Any], out: TicketOut,
+                             body: bytes) -> tuple[int, int] | None:
+        """Write a decision built from `replies`: first the budget's settlement and the
+        draws' sold-out lists (once the decision is written, a replay answers it and nothing
+        does them again; on a cluster they are on other nodes, and either may be lost),
+        then the decision. Returns (counters brought to 80 % of the cap, counters brought to
+        their cap), or None when the ticket is no longer this sale's pending claim."""
         first = sale.first_draw
         assert first is not None
         near_cap, marks = 0, []
@@ -104,7 +107,12 @@ class Ledger:
                 marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
                                                    game.expire_at(first + offset))
                           for offset in reply[2:]]
-        return near_cap, marks
+        settled = self.settle_budget(plan, sale, accepted_grids(out))
+        if marks or settled is not None:
+            await replies_of([settled, *marks])
+        if not await self.store.finalize(key, sale_id, body):
+            return None
+        return near_cap, len(marks)
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, *, void: bool = False) -> TicketOut | None:
@@ -129,9 +137,8 @@ class Ledger:
         if not void and held and all(r is None or r[0] in (ACCEPTED, REJECTED)
                                      for r in replies):
             out = build_decision(channel_id, game.rules, sale, sale_id, at, replies)
-            _, marks = self.mark_sold_out(game, sale, replies)
-            await replies_of([self.settle_budget(plan, sale, accepted_grids(out)), *marks])
-            await self.store.finalize(key, sale_id, msgspec.json.encode(out))
+            await self.write_decision(game, key, sale, sale_id, plan, replies, out,
+                                      msgspec.json.encode(out))
             return out
         await self.give_back(game, sale, sale_id, plan)
         await self.store.unclaim(key, sale_id)

@@ -28,7 +28,6 @@ from capsvc.decisions import (
     ACCEPTED,
     CLOSED,
     RELEASED,
-    accepted_grids,
     build_decision,
     cancel_refusal,
     player_limit_decision,
@@ -37,7 +36,7 @@ from capsvc.decisions import (
 from capsvc.draws import Draws
 from capsvc.errors import ApiError, not_found, rule_error, unavailable
 from capsvc.games import Catalog, Game, require_scope
-from capsvc.ledger import Ledger, replies_of
+from capsvc.ledger import Ledger
 from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, stop_instants, ticket_key
 from capsvc.validator import Sale, validate_ticket
@@ -111,26 +110,17 @@ class Tickets:
             stored = msgspec.structs.replace(sale, first_draw=first)
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
-            # One round trip: index the ticket for the janitor, read the admin stops,
-            # claim. The claim is the only write that decides.
+            # One round trip: index the ticket for the janitor, claim. The claim is the
+            # only write that decides; admin stops are checked once it has been made.
             indexed = self.store.index(key, self.clock.now(), expire_at)
-            stops_reply = self.store.stops(game.rules.id, first, sale.draws)
             claim = await self.store.claim(key, sale.fingerprint, _encode(stored), close_ms,
                                            expire_at, self.stale_after_ms)
             await indexed
-            stops = stop_instants(await stops_reply)
             kind = claim[0]
             try:
                 if kind == b"new":
-                    at, sale_id = int(claim[1]), claim[2].decode()
-                    stopped = first_stopped(stops, at)
-                    if stopped is None:
-                        return await self._decide(channel, game, key, stored, sale_id, at,
-                                                  close_ms, replayed=False)
-                    # Nothing counted yet, but a duplicate may already be resuming it.
-                    await self.ledger.conclude(channel.id, game, key, stored, sale_id, at,
-                                               void=True)
-                    raise _Stopped(stopped)
+                    return await self._decide(channel, game, key, stored, claim[2].decode(),
+                                              int(claim[1]), close_ms, replayed=False)
                 if kind == b"final":
                     return SaleOutcome(body=claim[1], replayed=True)
                 if kind == b"pending":
@@ -199,19 +189,14 @@ class Tickets:
                 raise _closed(first)
             return SaleOutcome(body=_encode(concluded), replayed=True)
         out = build_decision(channel.id, rules, sale, sale_id, at, replies)
-        near_cap, marks = self.ledger.mark_sold_out(game, sale, replies)
-        settled = self.ledger.settle_budget(plan, sale, accepted_grids(out))
-        if marks or settled is not None:
-            # Before the decision: once it is written, a replay answers it and nothing
-            # settles the budget or marks the sold-out list again (on a cluster they are on
-            # other nodes, and either write may be lost).
-            await replies_of([settled, *marks])
         body = _encode(out)
-        written = await self.store.finalize(key, sale_id, body)
-        if not written:  # decided (or forgotten) by another actor meanwhile: ask again
+        written = await self.ledger.write_decision(game, key, sale, sale_id, plan, replies,
+                                                   out, body)
+        if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
+        near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
-                           sold_out=len(marks))
+                           sold_out=sold_out)
 
     async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
                            sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:

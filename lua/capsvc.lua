@@ -90,8 +90,8 @@ end
 --[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
 Returns {'new', at, sid} | {'final', body} | {'pending', at, sid, sale} | {'conflict'}
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
-ticket replays at any time. Admin stops live in another slot: the caller reads them in
-the same round trip and forgets a new claim (`unclaim`) when a draw was stopped. ]]
+ticket replays at any time. Admin stops live in another slot: the caller reads them with
+its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
 local function claim(keys, args)
   local ticket = keys[1]
   local t = redis.call('TIME')

@@ -333,17 +333,24 @@ def test_a_cancel_decided_after_an_admin_stop_is_refused(
     assert direct.staked(TEN[:8], draw) == 500
 
 
+def partial_lnm_ticket(api: Api, player: str) -> dict[str, Any]:
+    """Fill an LNM combination to its cap (50,000, charged to `player`) and return a ticket
+    of that player that the cap will accept in part: one grid on the full combination, one
+    on another (2,500 each)."""
+    full = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": player,
+            "grids": [{"numbers": TEN[:8], "stake": 2500}] * 20}
+    assert api.call("POST", "/v1/tickets", full, token="ma").json()["total_cost"] == 50000
+    return {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": player,
+            "grids": [{"numbers": TEN[:8], "stake": 2500}, {"numbers": TEN[:9], "stake": 2500}]}
+
+
 def test_a_duplicates_late_settle_does_not_charge_a_cancelled_ticket_again(
         pair: tuple[Api, Api], proxy: FaultProxy) -> None:
     """A partial LNM ticket: a duplicate's budget settle is held on the wire; the ticket is
     decided and cancelled meanwhile (budget given back); the late settle then lands and
     charges nothing."""
     slow, direct = pair
-    full = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-LATE",
-            "grids": [{"numbers": TEN[:8], "stake": 2500}] * 20}
-    assert direct.call("POST", "/v1/tickets", full, token="ma").json()["total_cost"] == 50000
-    body = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-LATE",
-            "grids": [{"numbers": TEN[:8], "stake": 2500}, {"numbers": TEN[:9], "stake": 2500}]}
+    body = partial_lnm_ticket(direct, "P-LATE")
     release = threading.Event()
     held = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
     thread, answers = in_background(lambda: slow.call("POST", "/v1/tickets", body, token="ma"))
@@ -379,11 +386,7 @@ def test_a_partial_sale_settles_the_budget_before_writing_its_decision(
     """A partial LNM sale gives the refused grid's cost back before its decision is
     written: while that settle is held the ticket is still pending (a lost settle leaves
     it to a retry or the janitor, never a decision with the budget overcharged)."""
-    full = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-ORDER",
-            "grids": [{"numbers": TEN[:8], "stake": 2500}] * 20}
-    assert api.call("POST", "/v1/tickets", full, token="ma").json()["total_cost"] == 50000
-    body = {"ticket_id": new_id("F"), "game": "lnm-keno", "player_id": "P-ORDER",
-            "grids": [{"numbers": TEN[:8], "stake": 2500}, {"numbers": TEN[:9], "stake": 2500}]}
+    body = partial_lnm_ticket(api, "P-ORDER")
     release = threading.Event()
     held = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
     thread, answers = in_background(lambda: api.call("POST", "/v1/tickets", body, token="ma"))
