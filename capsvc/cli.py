@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -39,13 +41,26 @@ def check_config(path: str) -> int:
     return 0
 
 
+def _listener(host: str, port: int) -> socket.socket:
+    """The socket to serve on: inherited from the supervisor (a worker), else bound here."""
+    inherited = os.environ.pop("CAPSVC_LISTEN_FD", None)
+    if inherited is not None:
+        return socket.socket(fileno=int(inherited))
+    from capsvc.workers import ListenError, listen
+
+    try:
+        return listen(host, port)
+    except ListenError as e:
+        print(f"capsvc: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
     workers = args.workers or settings.workers
-    port = settings.port if args.port is None else args.port
-    if workers > 1 and port == 0:
-        print("--workers needs a fixed --port (the workers share it)", file=sys.stderr)
-        return 2
+    host = args.host or settings.host
+    sock = _listener(host, settings.port if args.port is None else args.port)
+    port = sock.getsockname()[1]
     url = args.redis_url or settings.redis_url
     embedded = None
     if url is None:
@@ -54,16 +69,15 @@ def serve(args: argparse.Namespace) -> int:
         embedded = EmbeddedRedis()
         url = embedded.start()
         log.info("embedded redis started", extra={"dir": str(embedded.dir)})
-    host = args.host or settings.host
     try:
         if workers > 1:
-            from capsvc.workers import supervise
+            from capsvc.workers import supervise, worker_command
 
             worker_args = ["--redis-url", url, "--host", host, "--port", str(port),
                            "--log-level", args.log_level]
             if args.config:
                 worker_args += ["--config", args.config]
-            return supervise(worker_args, workers)
+            return supervise(worker_command(worker_args), workers, sock)
         try:
             import uvloop
 
@@ -72,8 +86,9 @@ def serve(args: argparse.Namespace) -> int:
             pass
         from capsvc.server import serve as run
 
-        asyncio.run(run(settings, url, host, port))
+        asyncio.run(run(settings, url, sock))
     finally:
+        sock.close()
         if embedded is not None:
             embedded.stop()
     return 0

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -26,6 +27,7 @@ from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
 from capsvc.usecases import UseCases, build_usecases
+from capsvc.workers import BACKLOG, announce_started
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,8 @@ def build(settings: Settings, redis_url: str) -> Service:
     return Service(settings, redis, store, usecases, metrics, health, app)
 
 
-async def serve(settings: Settings, redis_url: str, host: str, port: int) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and return."""
+async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None:
+    """Serve on a listening socket until SIGTERM/SIGINT, then drain and return."""
     svc = build(settings, redis_url)
     app, redis, store, usecases, metrics, health = (
         svc.app, svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
@@ -116,8 +118,10 @@ async def serve(settings: Settings, redis_url: str, host: str, port: int) -> Non
     # allocates many short-lived, acyclic objects).
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    site = web.TCPSite(runner, host, port, reuse_port=True, backlog=4096)
+    site = web.SockSite(runner, sock, backlog=BACKLOG)
     await site.start()
+    announce_started()
+    host, port = sock.getsockname()[:2]
     log.info("capsvc listening", extra={"host": host, "port": port, "games": list(settings.games)})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,60 +1,220 @@
-"""`capsvc serve --workers N`: a supervisor of N worker processes sharing one port.
+"""The listening socket, and `capsvc serve --workers N`: a supervisor of N worker processes.
 
-Each worker is a plain `capsvc serve` process; they all bind the same port with
-SO_REUSEPORT, so the kernel spreads connections over them. The supervisor gives them one
-Prometheus multiprocess directory (one `/metrics` view from any worker), restarts a worker
-that dies, and on SIGTERM or SIGINT passes the signal on and waits for every worker to
-drain and exit.
+The socket is bound once, by the process the user started, without SO_REUSEPORT: a port
+already held by anything else (another capsvc included) is a one-line error, never a port
+silently shared with a stranger whose counters are not ours. With several workers, the
+supervisor hands that one socket to each of them (an inherited file descriptor) and the
+workers accept from it in turn.
+
+Workers are `python -P -m capsvc serve …` processes: `-P` keeps the current directory off
+the import path, so a `capsvc/` folder that is not this package (the clone's parent
+directory, say) cannot replace it. The supervisor gives them one Prometheus multiprocess
+directory (one `/metrics` view from any worker) and restarts a worker that dies. A worker
+says it has started (it listens) by writing to a pipe; one that dies before saying so died
+at start: it is restarted after a delay that doubles each time, and when it keeps dying at
+start the supervisor gives up with exit status 1 (so that systemd or Kubernetes sees a
+failed service rather than a crash loop). On SIGTERM or SIGINT it passes the signal on and
+waits for every worker to drain and exit.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 from prometheus_client import multiprocess
 
 log = logging.getLogger(__name__)
 
+BACKLOG = 4096
 
-def supervise(worker_args: list[str], workers: int) -> int:
-    """Run `workers` processes of `python -m capsvc serve <worker_args>` until signalled."""
+
+class ListenError(Exception):
+    """The service cannot listen where it was asked to (one line, for the user)."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, bound by this process alone."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ListenError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from e
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # SO_REUSEADDR lets a restart bind while old connections sit in TIME_WAIT; on Linux
+        # it never lets two sockets listen on one port (SO_REUSEPORT would, so it is off).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"port {port} on {host} is already in use: stop what is listening there, "
+                f"or choose another port with --port") from e
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """When to restart a worker that exited, and when to give up."""
+
+    first_delay_s: float = 0.5
+    """The delay before restarting a worker after its first start failure; it doubles with
+    every further one in a row, up to `max_delay_s`."""
+    max_delay_s: float = 30.0
+    give_up_after: int = 5
+    """Start failures in a row, of one worker, after which the supervisor stops them all
+    and exits 1."""
+
+    def delay(self, failures: int) -> float:
+        if failures == 0:
+            return 0.0
+        return float(min(self.first_delay_s * 2 ** (failures - 1), self.max_delay_s))
+
+
+def worker_command(worker_args: list[str]) -> list[str]:
+    return [sys.executable, "-P", "-m", "capsvc", "serve", *worker_args, "--workers", "1"]
+
+
+def announce_started() -> None:
+    """In a worker: tell the supervisor that this worker has started (it listens)."""
+    fd = os.environ.pop("CAPSVC_STARTED_FD", None)
+    if fd is not None:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+
+
+class _Worker:
+    """One worker process, and the pipe on which it says it has started."""
+
+    def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket) -> None:
+        started_r, started_w = os.pipe()
+        os.set_blocking(started_r, False)
+        try:
+            self.process = subprocess.Popen(
+                command, env={**env, "CAPSVC_STARTED_FD": str(started_w)},
+                stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(), started_w))
+        except BaseException:
+            os.close(started_r)
+            raise
+        finally:
+            os.close(started_w)
+        self._started_r: int | None = started_r
+        self.started = False
+
+    def poll(self) -> int | None:
+        """The exit status, None while the worker runs; `started` is up to date after."""
+        code = self.process.poll()
+        # Read after the exit check: once it exited, what it wrote (if anything) is there.
+        if self._started_r is not None:
+            try:
+                said = os.read(self._started_r, 1)
+            except BlockingIOError:
+                return code
+            self.started = said == b"1"  # b"": it closed the pipe, or died, without a word
+            os.close(self._started_r)
+            self._started_r = None
+        return code
+
+    def close(self) -> None:
+        if self._started_r is not None:
+            os.close(self._started_r)
+            self._started_r = None
+
+
+
+@dataclass
+class _Slot:
+    """A place for one worker: the running one, or when to start the next."""
+
+    worker: _Worker | None
+    failures: int = 0
+    """Deaths at start in a row."""
+    restart_at: float = 0.0
+
+
+def supervise(command: list[str], workers: int, sock: socket.socket,
+              restarts: Restarts = Restarts(),
+              clock: Callable[[], float] = time.monotonic) -> int:
+    """Run `workers` processes of `command` until signalled; 0 when they all stopped
+    cleanly, 1 when one kept dying at start or did not stop cleanly.
+
+    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD` and calls
+    `announce_started` once it listens."""
     metrics_dir = tempfile.mkdtemp(prefix="capsvc-metrics-")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-    command = [sys.executable, "-m", "capsvc", "serve", *worker_args, "--workers", "1"]
-
-    def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
-
-    procs = [spawn() for _ in range(workers)]
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+           "CAPSVC_LISTEN_FD": str(sock.fileno())}
+    slots = [_Slot(_Worker(command, env, sock)) for _ in range(workers)]
     stopping = False
+    gave_up = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        sock.close()  # the workers' copies stay open until each has drained
+        for slot in slots:
+            if slot.worker is not None and slot.worker.process.poll() is None:
+                slot.worker.process.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    log.info("workers started", extra={"workers": workers, "pids": [p.pid for p in procs]})
-    while not (stopping and all(p.poll() is not None for p in procs)):
-        for i, p in enumerate(procs):
-            rc = p.poll()
-            if rc is not None and not stopping:
-                log.warning("worker exited: restarting it", extra={"pid": p.pid, "code": rc})
-                multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
-                procs[i] = spawn()
-        time.sleep(0.1)
-    failed = any(p.returncode not in (0, -signal.SIGTERM) for p in procs)
-    shutil.rmtree(metrics_dir, ignore_errors=True)
+    def running() -> bool:
+        return any(s.worker is not None and s.worker.poll() is None for s in slots)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("workers started", extra={"workers": workers, "pids": [
+        s.worker.process.pid for s in slots if s.worker is not None]})
+    try:
+        while not stopping or running():
+            for slot in slots:
+                if stopping:
+                    break
+                worker = slot.worker
+                if worker is None:
+                    if clock() >= slot.restart_at:
+                        slot.worker = _Worker(command, env, sock)
+                    continue
+                code = worker.poll()
+                if code is None:
+                    continue
+                worker.close()
+                multiprocess.mark_process_dead(worker.process.pid, metrics_dir)  # type: ignore[no-untyped-call]
+                slot.failures = 0 if worker.started else slot.failures + 1
+                if slot.failures >= restarts.give_up_after:
+                    log.error("a worker keeps dying at start: giving up",
+                              extra={"pid": worker.process.pid, "code": code,
+                                     "failures": slot.failures})
+                    gave_up = True
+                    stop(signal.SIGTERM, None)
+                    break
+                delay = restarts.delay(slot.failures)
+                log.warning("worker exited: restarting it",
+                            extra={"pid": worker.process.pid, "code": code,
+                                   "at_start": not worker.started, "restart_in_s": delay})
+                slot.worker, slot.restart_at = None, clock() + delay
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for slot in slots:
+            if slot.worker is not None:
+                slot.worker.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    unclean = any(s.worker is not None and s.worker.process.returncode not in (0, -signal.SIGTERM)
+                  for s in slots)
     log.info("workers stopped")
-    return 1 if failed else 0
+    return 1 if gave_up or unclean else 0

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from capsvc.testing import RedisCluster, RedisServer, free_port
+from capsvc.workers import Restarts, supervise
 from tests.conftest import CONFIG, TEN, Client, ticket
 
 
@@ -93,3 +98,139 @@ async def test_an_idle_pair_of_workers_reports_no_request_in_flight(
             async with session.get(url + "/metrics") as resp:
                 text = await resp.text()
             assert sum(samples(text, "capsvc_http_requests_in_flight").values()) == 0
+
+
+def run_capsvc(*args: str, cwd: Path | None = None, log: Path | None = None,
+               safe_path: bool = False) -> subprocess.Popen[bytes]:
+    """`capsvc serve ARGS` in the background, its output in `log`."""
+    python = [sys.executable, "-P"] if safe_path else [sys.executable]
+    with (log or Path(os.devnull)).open("wb") as out:
+        return subprocess.Popen([*python, "-m", "capsvc", "serve", *args], cwd=cwd,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+
+async def test_workers_start_whatever_the_current_directory_holds(
+        redis_server: RedisServer, standalone_db: redis.Redis, tmp_path: Path) -> None:
+    """A `capsvc/` folder in the current directory that is not the package (the clone's
+    parent directory, say) does not replace the package in the workers."""
+    bogus = tmp_path / "capsvc"
+    bogus.mkdir()
+    (bogus / "__init__.py").write_text("raise ImportError('not the capsvc package')\n")
+    port = free_port()
+    # The supervisor itself is started with -P, as the `capsvc` console script would be.
+    proc = run_capsvc("--workers", "2", "--config", str(CONFIG), "--redis-url",
+                      redis_server.url, "--port", str(port), cwd=tmp_path, safe_path=True)
+    try:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await wait_ready(session, f"http://127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("holder", ["reuseport", "plain"])
+def test_a_port_in_use_is_one_line_and_a_failure(
+        redis_server: RedisServer, workers: str, holder: str) -> None:
+    """Whatever listens on the port (even a socket that would share it with SO_REUSEPORT),
+    `capsvc serve` says so in one line and exits non-zero, never sharing the port."""
+    with socket.socket() as stranger:
+        if holder == "reuseport":
+            stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        port = stranger.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "capsvc", "serve", "--workers", workers, "--config",
+             str(CONFIG), "--redis-url", redis_server.url, "--port", str(port)],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"port {port}" in lines[0]
+    assert "already in use" in lines[0]
+    assert "--port" in lines[0]
+
+
+async def test_a_second_capsvc_on_the_same_port_is_refused(
+        workers: tuple[subprocess.Popen[bytes], str], redis_server: RedisServer) -> None:
+    """Two instances never split the traffic of one port (and so never split a cap)."""
+    proc, url = workers
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        await wait_ready(s, url)
+    port = url.rsplit(":", 1)[1]
+    for n in ("1", "2"):
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "capsvc", "serve", "--workers", n,
+                             "--config", str(CONFIG), "--port", port],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        assert done.returncode == 1
+        assert "already in use" in done.stderr
+    assert proc.poll() is None
+
+
+def test_the_supervisor_gives_up_on_a_worker_that_keeps_dying_at_start(
+        tmp_path: Path) -> None:
+    """Restarts of a worker that dies young come after a doubling delay; after
+    `give_up_after` of them in a row the supervisor exits 1 (no endless crash loop)."""
+    starts = tmp_path / "starts"
+    command = [sys.executable, "-c",
+               f"import time; open({str(starts)!r}, 'a').write(f'{{time.monotonic()}}\\n');"
+               " raise SystemExit(3)"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        rc = supervise(command, 1, sock, Restarts(first_delay_s=0.1, give_up_after=4))
+    assert rc == 1
+    times = [float(t) for t in starts.read_text().split()]
+    assert len(times) == 4  # the first start and three restarts
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    for gap, delay in zip(gaps, (0.1, 0.2, 0.4), strict=True):
+        assert gap >= delay  # never sooner than the backoff
+
+
+def test_a_worker_that_dies_after_a_good_run_is_restarted_at_once(tmp_path: Path) -> None:
+    """Only deaths at start (before a worker says it listens) count toward giving up: a
+    worker that started and died is restarted without delay, however many times."""
+    starts = tmp_path / "starts"
+    command = [sys.executable, "-c",
+               "from capsvc.workers import announce_started; import time;"
+               f" open({str(starts)!r}, 'a').write('x\\n'); announce_started(); time.sleep(0.3)"]
+    threading.Timer(4, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        rc = supervise(command, 2, sock, Restarts(give_up_after=2))
+    assert rc == 0
+    assert len(starts.read_text().split()) >= 2 * 6  # far more than give_up_after
+
+
+async def test_serve_exits_non_zero_when_restarted_workers_cannot_start(
+        redis_server: RedisServer, standalone_db: redis.Redis, tmp_path: Path) -> None:
+    """The configuration file disappears under a running service and a worker crashes:
+    its replacements cannot start; the supervisor retries with backoff, then stops the
+    other worker and exits 1, so systemd or Kubernetes sees a failed service."""
+    config = tmp_path / "capsvc.toml"
+    config.write_text(CONFIG.read_text())
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = run_capsvc("--workers", "2", "--config", str(config), "--redis-url",
+                      redis_server.url, "--port", str(port), log=log)
+    try:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await wait_ready(session, f"http://127.0.0.1:{port}")
+            async with session.get(f"http://127.0.0.1:{port}/readyz") as resp:
+                worker = int(resp.headers["X-Request-ID"].split("-")[0], 16)  # its pid
+        config.unlink()
+        os.kill(worker, signal.SIGKILL)
+        assert await asyncio.to_thread(proc.wait, 60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert text.count("worker exited: restarting it") == 5  # the crash, then 4 at start
+    assert "a worker keeps dying at start: giving up" in text
