@@ -377,6 +377,32 @@ def _middleware(api: Api) -> Middleware:
     return middleware
 
 
+class Protocol(web.RequestHandler):
+    """aiohttp's connection handler, answering HTTP it cannot parse (a NUL byte in a header,
+    a broken request line, …) in the API's error format, counted in the request metrics
+    under the route `malformed`, with one warning line instead of a traceback. The
+    connection is closed after the answer, as aiohttp does."""
+
+    __slots__ = ("metrics",)
+
+    def __init__(self, manager: web.Server, *, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.metrics = metrics
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:  # not a parse error: aiohttp's own handling (and traceback)
+            return super().handle_error(request, status, exc, message)
+        what = (message or str(exc or "") or "unparseable").splitlines()[0].rstrip(":")
+        log.warning("malformed HTTP request from %s: %s", request.remote, what)
+        self.metrics.request("malformed", "-", status, 0.0)
+        resp = error_response(ApiError(status, "malformed_request",
+                                       f"the request is not valid HTTP: {what}"))
+        resp.force_close()
+        return resp
+
+
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 _request_ids = itertools.count(1)
 _ID_PREFIX = f"{os.getpid():x}-{int(time.time()) & 0xFFFFFF:x}-"

@@ -22,7 +22,7 @@ from capsvc.coalesce import Transport
 from capsvc.config import Settings
 from capsvc.durability import Durability
 from capsvc.errors import Unavailable
-from capsvc.http import Health, create_app
+from capsvc.http import Health, Protocol, create_app
 from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
@@ -65,6 +65,29 @@ async def _flush_metrics(metrics: Metrics, health: Health) -> None:
         metrics.in_flight.set(health.in_flight)
 
 
+class _Site(web.SockSite):
+    """The application on the listening socket, each connection served by `Protocol`."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, metrics: Metrics,
+                 access_log: logging.Logger | None) -> None:
+        super().__init__(runner, sock, backlog=BACKLOG)
+        self._metrics = metrics
+        self._access_log = access_log
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+
+        def connection() -> Protocol:
+            return Protocol(server, loop=loop, metrics=self._metrics,
+                            access_log=self._access_log)
+
+        self._server = await loop.create_server(connection, sock=self._sock,
+                                                backlog=self._backlog)
+
+
 @dataclass
 class Service:
     """Everything one service process is made of, wired together."""
@@ -92,11 +115,21 @@ def build(settings: Settings, redis_url: str) -> Service:
     return Service(settings, redis, store, usecases, metrics, health, app)
 
 
+async def start_serving(svc: Service, sock: socket.socket) -> web.AppRunner:
+    """Serve `svc` on a listening socket (until the returned runner is cleaned up)."""
+    access_log = logging.getLogger("capsvc.access") if svc.settings.access_log else None
+    runner = web.AppRunner(svc.app, access_log=access_log,
+                           shutdown_timeout=svc.settings.request_timeout_ms / 1000 + 1)
+    await runner.setup()
+    await _Site(runner, sock, svc.metrics, access_log).start()
+    return runner
+
+
 async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None:
     """Serve on a listening socket until SIGTERM/SIGINT, then drain and return."""
     svc = build(settings, redis_url)
-    app, redis, store, usecases, metrics, health = (
-        svc.app, svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
+    redis, store, usecases, metrics, health = (
+        svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
     try:
         await store.load_library()
         await usecases.clock.sync()
@@ -108,18 +141,12 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
                                      settings.janitor_interval_ms / 1000)),
         asyncio.create_task(_flush_metrics(metrics, health)),
     ]
-    runner = web.AppRunner(
-        app, access_log=logging.getLogger("capsvc.access") if settings.access_log else None,
-        shutdown_timeout=settings.request_timeout_ms / 1000 + 1,
-    )
-    await runner.setup()
+    runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path
     # allocates many short-lived, acyclic objects).
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    site = web.SockSite(runner, sock, backlog=BACKLOG)
-    await site.start()
     announce_started()
     host, port = sock.getsockname()[:2]
     log.info("capsvc listening", extra={"host": host, "port": port, "games": list(settings.games)})

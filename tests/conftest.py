@@ -14,8 +14,9 @@ import redis
 from aiohttp import web
 
 from capsvc.config import Settings, load_settings
-from capsvc.server import Service, build
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess, free_port
+from capsvc.server import Service, build, start_serving
+from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
+from capsvc.workers import listen
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
 TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",
@@ -146,11 +147,9 @@ def two_services(redis_backend: RedisServer | RedisCluster, redis_db: Any) -> It
 async def start_service(svc: Service) -> tuple[web.AppRunner, str]:
     await svc.store.load_library()
     await svc.usecases.clock.sync()
-    runner = web.AppRunner(svc.app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    sock = listen("127.0.0.1", 0)
+    runner = await start_serving(svc, sock)  # as `capsvc serve` does
+    return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture

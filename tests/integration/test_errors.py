@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
 import redis
 
+from capsvc.server import Service
 from tests.conftest import TEN, Client, ticket
 
 GRID = {"numbers": TEN[:8], "stake": 500}
@@ -238,3 +241,39 @@ async def test_draw_and_numbers_path_parameters_are_matched_whole(client: Client
         assert (reply.status, reply.body["error"]["code"]) == (404, "not_found"), path
     assert (await client.get(base + numbers)).status == 200
     assert redis_db.dbsize() == 0
+
+
+MALFORMED = [
+    ("NUL byte in a header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n"),
+    ("not HTTP", b"GARBAGE\r\n\r\n"),
+    ("header line too long", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: "
+     + b"a" * 9000 + b"\r\n\r\n"),
+]
+
+
+@pytest.mark.parametrize(("name", "raw"), MALFORMED, ids=[m[0] for m in MALFORMED])
+async def test_malformed_http_is_a_json_error_counted_and_logged_once(
+        service: tuple[Service, str], caplog: pytest.LogCaptureFixture, name: str,
+        raw: bytes) -> None:
+    """HTTP that cannot be parsed gets the API's JSON error (not aiohttp's text/plain), is
+    counted in the request metrics, and is one warning line, not a traceback."""
+    svc, url = service
+    host, port = url.removeprefix("http://").split(":")
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(raw)
+    head, _, body = (await asyncio.wait_for(reader.read(), 5)).partition(b"\r\n\r\n")
+    writer.close()
+    assert head.split(b"\r\n")[0].split(b" ")[1] == b"400"
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_request"
+    assert error["message"].startswith("the request is not valid HTTP: ")
+    assert "\n" not in error["message"]
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.levelname for r in problems] == ["WARNING"]
+    assert problems[0].exc_info is None
+    assert "\n" not in problems[0].getMessage()
+    text = svc.metrics.exposition().decode()
+    assert ('capsvc_http_request_duration_seconds_count{method="-",route="malformed",'
+            'status="400"} 1.0') in text
