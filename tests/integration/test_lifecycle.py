@@ -99,6 +99,23 @@ scopes = ["sell", "fly"]
     assert "secret" not in result.stderr
 
 
+def test_serve_refuses_a_misspelt_key_before_starting_anything(tmp_path: Path) -> None:
+    """`[redis] urll = …` (a typo) is an error for `serve` as for `check-config`: the
+    service does not quietly start on an embedded store under ./var instead."""
+    config = tmp_path / "capsvc.toml"
+    config.write_text(CONFIG.read_text().replace("[janitor]\n", '[janitor]\nintervall = "1s"\n')
+                      + '\n[redis]\nurll = "redis://10.0.0.1:6379/0"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSVC_")}
+    for command in (["serve", "--config", str(config), "--port", str(free_port())],
+                    ["check-config", str(config)]):
+        result = subprocess.run([sys.executable, "-m", "capsvc", *command], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, command
+        assert "redis.urll: unknown field (did you mean 'url'?)" in result.stderr
+        assert "janitor.intervall: unknown field (did you mean 'interval'?)" in result.stderr
+    assert not (tmp_path / "var").exists()
+
+
 def test_serve_with_embedded_redis(tmp_path: Path) -> None:
     """`capsvc serve` with no Redis configured runs on an embedded, persistent server."""
     port = free_port()
