@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from capsvc import combination
 from capsvc.draws import Draws
+from capsvc.errors import rule_error
 from capsvc.games import Game
 from capsvc.ledger import replies_of
 from capsvc.models import (
@@ -16,7 +17,7 @@ from capsvc.models import (
     CappedOut,
     CombinationOut,
 )
-from capsvc.store import Store
+from capsvc.store import Store, stop_instants
 from capsvc.validator import parse_numbers_path, validate_availability
 
 
@@ -47,8 +48,14 @@ class Availability:
         first = a.first_draw if a.first_draw is not None else await self.draws.current_draw(game)
         self.draws.check_window(game, first)
         cap = rules.cap_limit or 0
+        stops = self.store.stops(rules.id, first, a.draws)  # every read in one round trip
         queued = [self.store.counters(rules.id, p.combo, first, a.draws) if p.capped else None
-                  for p in probes]  # every read in one round trip
+                  for p in probes]
+        stopped = next((first + i for i, s in enumerate(stop_instants(await stops))
+                        if s is not None), None)
+        if stopped is not None:  # a sale would be refused for the whole ticket
+            raise rule_error("draw_closed", f"draw {stopped} is closed for sales",
+                             "$.first_draw")
         counters = [None if q is None else await replies_of(q) for q in queued]
         grids = []
         for p, values in zip(probes, counters, strict=True):

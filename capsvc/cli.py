@@ -43,11 +43,12 @@ def check_config(path: str) -> int:
 
 def _listener(host: str, port: int) -> socket.socket:
     """The socket to serve on: inherited from the supervisor (a worker), else bound here."""
+    from capsvc.workers import ListenError, follow_supervisor, listen
+
     inherited = os.environ.pop("CAPSVC_LISTEN_FD", None)
     if inherited is not None:
+        follow_supervisor()
         return socket.socket(fileno=int(inherited))
-    from capsvc.workers import ListenError, listen
-
     try:
         return listen(host, port)
     except ListenError as e:

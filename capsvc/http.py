@@ -145,12 +145,14 @@ async def _watchdog(health: Health, timeout_s: float) -> None:
 
 
 def _draw(request: web.Request) -> int:
-    """The draw number of the path (the route admits digits only); absurdly long numbers
-    become 0, which the use-cases answer with 404."""
+    """The draw number of the path (the route admits digits only); an absurdly long one is
+    a 404 at once."""
     text = request.match_info["draw"]
     if not _DRAW_RE.fullmatch(text):  # int() would take " 5\n", "5_0", Arabic digits
         raise not_found(f"draw {text!r}")
-    return int(text) if len(text) <= 12 else 0
+    if len(text) > 12:
+        raise not_found(f"draw {text[:20]}…")
+    return int(text)
 
 
 def _ticket_id(request: web.Request) -> str:
@@ -290,8 +292,6 @@ class Api:
                              status=200 if ready else 503)
 
     async def prometheus(self, request: web.Request) -> web.StreamResponse:
-        # Not counting this scrape: what a worker publishes stays until its next update.
-        self.metrics.in_flight.set(self.health.in_flight - 1)
         return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -318,6 +318,7 @@ def game_out(r: GameRules) -> GameOut:
 def _middleware(api: Api) -> Middleware:
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
+    in_flight = metrics.in_flight
 
     def busy(message: str) -> web.Response:
         return error_response(unavailable(message, settings.retry_after_s))
@@ -334,6 +335,9 @@ def _middleware(api: Api) -> Middleware:
             task = asyncio.current_task()
             assert task is not None
             requests[task] = started
+            counted = template != "/metrics"  # a scrape does not count itself
+            if counted:
+                in_flight.inc()
             try:
                 resp = await handler(request)
             except asyncio.CancelledError:
@@ -370,6 +374,8 @@ def _middleware(api: Api) -> Middleware:
                 resp = error_response(ApiError(500, "internal", "internal error"))
             finally:
                 del requests[task]
+                if counted:
+                    in_flight.dec()
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
         resp.headers["X-Request-ID"] = rid
         return resp
@@ -399,6 +405,7 @@ class Protocol(web.RequestHandler):
         self.metrics.request("malformed", "-", status, 0.0)
         resp = error_response(ApiError(status, "malformed_request",
                                        f"the request is not valid HTTP: {what}"))
+        resp.headers["X-Request-ID"] = request_id(request)
         resp.force_close()
         return resp
 
@@ -408,7 +415,7 @@ _request_ids = itertools.count(1)
 _ID_PREFIX = f"{os.getpid():x}-{int(time.time()) & 0xFFFFFF:x}-"
 
 
-def request_id(request: web.Request) -> str:
+def request_id(request: web.BaseRequest) -> str:
     """The caller's X-Request-ID if it is sane (1-128 visible ASCII), else a new one
     (process prefix + counter: unique, and cheaper than a UUID)."""
     given = request.headers.get("X-Request-ID")

@@ -75,7 +75,8 @@ class Metrics:
         self.redis_latency = Histogram("capsvc_redis_batch_duration_seconds",
                                        "Redis round trip of one coalesced pipeline",
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("capsvc_http_requests_in_flight", "Requests being served",
+        self.in_flight = Gauge("capsvc_http_requests_in_flight",
+                               "Requests being served (scrapes of /metrics not counted)",
                                registry=r, multiprocess_mode="livesum")
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
@@ -90,6 +91,9 @@ class Metrics:
         over a series not seen yet is not empty)."""
         for kind in ERROR_KINDS:
             self.redis_errors.labels(kind)
+        # The 5xx panels and alerts select these before the first failure.
+        for route, method in (("/v1/tickets", "POST"), ("/readyz", "GET")):
+            self.http.labels(route, method, "503")
         for g in games:
             self.stake.labels(g.id)
             self.capped.labels(g.id)

@@ -34,7 +34,8 @@ _TYPES: tuple[Any, ...] = (
     StakeIn, StakeOut,
 )
 _ERRORS = {
-    "400": "Malformed JSON, or not an object",
+    "400": "Malformed JSON, or not an object (malformed_json); not valid HTTP "
+           "(malformed_request)",
     "401": "No token, or unknown token",
     "403": "The channel may not use this game, or lacks the scope",
     "404": "Unknown game, ticket or draw",
@@ -54,16 +55,28 @@ def _json(t: Any) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": _ref(t)}}}
 
 
+_REQUEST_ID = {"X-Request-ID": {
+    "description": "the caller's X-Request-ID when it is 1-128 visible ASCII characters, "
+                   "else one the service made; also in the service's log lines",
+    "schema": {"type": "string"}}}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before sending the same "
+                                               "request again",
+                                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+
+
+def _error(code: str) -> dict[str, Any]:
+    headers = {**_REQUEST_ID, **(_RETRY_AFTER if code == "503" else {})}
+    return {"description": _ERRORS[code], "headers": headers, **_json(ErrorOut)}
+
+
 def _op(summary: str, out: Any, *, body: Any = None, params: tuple[str, ...] = (),
         errors: tuple[str, ...] = ("401", "403", "404", "503"), auth: bool = True,
         headers: dict[str, Any] | None = None) -> dict[str, Any]:
-    ok: dict[str, Any] = {"description": "OK", **_json(out)}
-    if headers:
-        ok["headers"] = headers
+    ok: dict[str, Any] = {"description": "OK", "headers": {**_REQUEST_ID, **(headers or {})},
+                          **_json(out)}
     op: dict[str, Any] = {
         "summary": summary,
-        "responses": {"200": ok, **{c: {"description": _ERRORS[c], **_json(ErrorOut)}
-                                   for c in errors}},
+        "responses": {"200": ok, **{c: _error(c) for c in errors}},
     }
     if body is not None:
         op["requestBody"] = {"required": True, **_json(body)}
@@ -96,6 +109,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
 def openapi_document() -> dict[str, Any]:
     (_, components) = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     sell_errors = ("400", "401", "403", "404", "409", "413", "422", "503")
+    write_errors = ("400", "401", "403", "404", "413", "422", "503")  # no 409
     draw = "/v1/games/{game}/draws/{draw}"
     replayed = {"Idempotent-Replayed": {"description": "true on a replay",
                                         "schema": {"type": "string", "enum": ["true"]}}}
@@ -122,24 +136,34 @@ def openapi_document() -> dict[str, Any]:
                                       params=("game", "draw"))},
         "/v1/games/{game}/availability": {"post": _op(
             "Whether grids could be sold (advisory, counts nothing)", AvailabilityOut,
-            body=AvailabilityIn, params=("game",), errors=sell_errors)},
+            body=AvailabilityIn, params=("game",), errors=write_errors)},
         "/v1/players/{player_id}": {"get": _op(
             "A player's day: spent, limits, remaining", PlayerOut,
             params=("player_id", "game_query"), errors=("401", "403", "404", "422", "503"))},
         "/v1/players/{player_id}/limit": {"put": _op(
             "Set (or remove, with null) the player's own daily limit: lowering applies at "
             "once, raising or removing from the next day", PlayerOut, body=LimitIn,
-            params=("player_id", "game_query"), errors=sell_errors)},
+            params=("player_id", "game_query"), errors=write_errors)},
         "/v1/players/{player_id}/stakes": {"post": _op(
             "Record a stake played on another game against the same daily budget "
             "(idempotent by ref)", StakeOut, body=StakeIn, params=("player_id", "game_query"),
-            errors=sell_errors)},
+            errors=write_errors)},
         "/healthz": {"get": _op("Liveness", HealthOut, errors=(), auth=False)},
         "/readyz": {"get": _op("Readiness: Redis answers and the scripts are loaded",
                                HealthOut, errors=(), auth=False)},
     }
     paths["/readyz"]["get"]["responses"]["503"] = {"description": "Not ready, or draining",
-                                                   **_json(HealthOut)}
+                                                   "headers": _REQUEST_ID, **_json(HealthOut)}
+    paths["/metrics"] = {"get": {
+        "summary": "Prometheus metrics (text format 0.0.4); with several workers, all of them",
+        "security": [],
+        "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
+            "text/plain": {"schema": {"type": "string"}}}}}}}
+    paths["/openapi.json"] = {"get": {
+        "summary": "This document",
+        "security": [],
+        "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
+            "application/json": {"schema": {"type": "object"}}}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "capsvc", "version": __version__,

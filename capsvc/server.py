@@ -55,14 +55,12 @@ async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> Non
             metrics.janitor.inc(settled)
 
 
-async def _flush_metrics(metrics: Metrics, health: Health) -> None:
-    """Apply the hot path's tallies to the Prometheus counters once a second, and publish
-    this process's requests in flight (summed over live workers), whether or not it is the
-    one that serves /metrics."""
+async def _flush_metrics(metrics: Metrics) -> None:
+    """Apply the hot path's tallies to the Prometheus counters once a second (also done on
+    every scrape), so that a worker that never serves /metrics is seen too."""
     while True:
         await asyncio.sleep(1)
         metrics.flush()
-        metrics.in_flight.set(health.in_flight)
 
 
 class _Site(web.SockSite):
@@ -139,7 +137,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(usecases.clock.run(CLOCK_REFRESH_S)),
         asyncio.create_task(_janitor(usecases.janitor, metrics,
                                      settings.janitor_interval_ms / 1000)),
-        asyncio.create_task(_flush_metrics(metrics, health)),
+        asyncio.create_task(_flush_metrics(metrics)),
     ]
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic

@@ -14,11 +14,14 @@ says it has started (it listens) by writing to a pipe; one that dies before sayi
 at start: it is restarted after a delay that doubles each time, and when it keeps dying at
 start the supervisor gives up with exit status 1 (so that systemd or Kubernetes sees a
 failed service rather than a crash loop). On SIGTERM or SIGINT it passes the signal on and
-waits for every worker to drain and exit.
+waits for every worker to drain and exit; if it dies itself, even by SIGKILL, the kernel
+sends its workers SIGTERM, so none serves on as an orphan.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -92,6 +95,22 @@ def worker_command(worker_args: list[str]) -> list[str]:
     return [sys.executable, "-P", "-m", "capsvc", "serve", *worker_args, "--workers", "1"]
 
 
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal a process receives when its parent dies."""
+
+
+def follow_supervisor() -> None:
+    """In a worker: get SIGTERM (and so drain and exit) when the supervisor dies, even by
+    SIGKILL, rather than serving on as an orphan nobody restarts or stops."""
+    supervisor = os.environ.pop("CAPSVC_SUPERVISOR_PID", None)
+    if supervisor is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(supervisor):  # it died before the call above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def announce_started() -> None:
     """In a worker: tell the supervisor that this worker has started (it listens)."""
     fd = os.environ.pop("CAPSVC_STARTED_FD", None)
@@ -155,11 +174,11 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
     """Run `workers` processes of `command` until signalled; 0 when they all stopped
     cleanly, 1 when one kept dying at start or did not stop cleanly.
 
-    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD` and calls
-    `announce_started` once it listens."""
+    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD`, calls
+    `follow_supervisor` first and `announce_started` once it listens."""
     metrics_dir = tempfile.mkdtemp(prefix="capsvc-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
-           "CAPSVC_LISTEN_FD": str(sock.fileno())}
+           "CAPSVC_LISTEN_FD": str(sock.fileno()), "CAPSVC_SUPERVISOR_PID": str(os.getpid())}
     slots = [_Slot(_Worker(command, env, sock)) for _ in range(workers)]
     stopping = False
     gave_up = False

@@ -89,3 +89,21 @@ async def test_sold_out_list(client: Client) -> None:
     await client.post(f"/v1/tickets/{sellers[0]['ticket_id']}/cancel")
     reply = await client.get(f"/v1/games/fdj-keno/draws/{draw}/capped")
     assert reply.body == {"draw": draw, "combinations": []}
+
+
+async def test_batch_availability_of_a_draw_an_admin_stopped_is_draw_closed(
+        client: Client) -> None:
+    """Availability does not promise what a sale would refuse: a window holding a draw an
+    admin stopped is 422 draw_closed, as the sale of that ticket is."""
+    draw = await client.current()
+    stopped = draw + 2
+    assert (await client.post(f"/v1/games/fdj-keno/draws/{stopped}/close",
+                              token="admin")).status == 200
+    for first, draws in ((stopped, 1), (draw + 1, 2)):
+        body = {"first_draw": first, "draws": draws, "grids": [{"numbers": TEN, "stake": 100}]}
+        probe = await client.post("/v1/games/fdj-keno/availability", body)
+        sale = await client.sell(ticket(body["grids"], first_draw=first, draws=draws))
+        assert (probe.status, sale.status) == (422, 422)
+        assert probe.body["error"]["code"] == sale.body["error"]["code"] == "draw_closed"
+    open_window = {"first_draw": draw, "draws": 2, "grids": [{"numbers": TEN, "stake": 100}]}
+    assert (await client.post("/v1/games/fdj-keno/availability", open_window)).status == 200

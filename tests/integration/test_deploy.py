@@ -97,3 +97,24 @@ def test_compose_stack() -> None:
     assert "appendonly yes" in redis_conf
     (prom,) = load_all(DEPLOY / "prometheus" / "prometheus.yml")
     assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["capsvc:8080"]
+
+
+def test_promtool_checks_the_prometheus_config_from_anywhere(tmp_path: Path) -> None:
+    """The shipped prometheus.yml names its rule files relative to itself: promtool accepts
+    it from any working directory, and the compose stack mounts every rule file beside the
+    config, so the same file works in the container."""
+    config = DEPLOY / "prometheus" / "prometheus.yml"
+    result = subprocess.run(["promtool", "check", "config", str(config)], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rule_files = load_all(config)[0]["rule_files"]
+    assert rule_files
+    assert not any(Path(f).is_absolute() for f in rule_files), rule_files
+    (compose,) = load_all(DEPLOY / "docker-compose.yml")
+    prometheus = compose["services"]["prometheus"]
+    assert "command" not in prometheus  # the image's --config.file: /etc/prometheus/...
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in prometheus["volumes"]}
+    in_container = Path(mounts["./prometheus/prometheus.yml"])
+    assert in_container == Path("/etc/prometheus/prometheus.yml")
+    for name in rule_files:
+        assert mounts.get(f"./prometheus/{name}") == str(in_container.parent / name), name

@@ -269,6 +269,7 @@ async def test_malformed_http_is_a_json_error_counted_and_logged_once(
     error = json.loads(body)["error"]
     assert error["code"] == "malformed_request"
     assert error["message"].startswith("the request is not valid HTTP: ")
+    assert b"x-request-id: " in head.lower()
     assert "\n" not in error["message"]
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.levelname for r in problems] == ["WARNING"]
