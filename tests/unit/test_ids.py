@@ -134,10 +134,14 @@ def test_draw_path_parameter_is_digits_only(value: str) -> None:
 
 
 def test_draw_path_parameter_parses_digits() -> None:
-    """Plain digits parse; absurdly long numbers become 0 as before."""
-    for text, draw in (("4711", 4711), ("-3", -3), ("1" * 13, 0)):
+    """Plain digits parse; an absurdly long number is a 404 naming it."""
+    for text, draw in (("4711", 4711), ("-3", -3)):
         request = make_mocked_request("GET", "/v1/games/g/draws/x", match_info={"draw": text})
         assert _draw(request) == draw
+    request = make_mocked_request("GET", "/v1/games/g/draws/x", match_info={"draw": "1" * 13})
+    err = refused(lambda: _draw(request))
+    assert (err.status, err.code) == (404, "not_found")
+    assert "draw 1111111111111" in err.message
 
 
 @pytest.mark.parametrize("value", BAD)
