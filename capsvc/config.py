@@ -15,6 +15,7 @@ from datetime import date, time
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 PRESETS = ("fdj-keno-2008", "lnm-keno")
@@ -30,6 +31,9 @@ _HHMM_RE = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])\Z")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _DURABILITY_RE = re.compile(r"^replicas:([1-9][0-9]{0,2})\Z")
 MAX_AMOUNT = 10**12
+DAY_MS = 86_400_000
+MAX_DURATION_MS = 3660 * DAY_MS
+"""No duration of the configuration goes beyond ten years (Redis TTLs stay in range)."""
 """Upper bound of any amount in minor units: far above any real stake, far below 2**53."""
 
 
@@ -192,7 +196,7 @@ class _Checker:
             return ""
         return value
 
-    def duration(self, where: str, value: object, lo: int = 0) -> int:
+    def duration(self, where: str, value: object, lo: int = 0, hi: int = MAX_DURATION_MS) -> int:
         try:
             ms = parse_duration_ms(value)
         except ValueError as e:
@@ -200,6 +204,8 @@ class _Checker:
             return 0
         if ms < lo:
             self.fail(where, f"must be at least {lo}ms, got {value!r}")
+        elif ms > hi:
+            self.fail(where, f"must be at most {hi // DAY_MS} days, got {value!r}")
         return ms
 
     def durability(self, where: str, value: object) -> int:
@@ -264,11 +270,11 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
     if not isinstance(gid, str) or not GAME_ID_RE.fullmatch(gid):
         c.fail(f"{where}.id", f"expected a game id of [a-z0-9-] (max 32), got {gid!r}")
         gid = "?"
+    unknown_keys(c, where, raw, frozenset(_GAME_FIELDS))
     preset = raw.get("preset")
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         c.fail(f"{where}.preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
         return None
-    unknown_keys(c, where, raw, frozenset(_GAME_FIELDS))
     g = load_preset(str(preset))
     if "draw_times" in raw:
         for k in ("draw_every", "draw_from", "draw_until"):
@@ -299,14 +305,17 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
     tzname = c.text(f"{w}.time_zone", g.get("time_zone"))
     try:
         tz = ZoneInfo(tzname)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # "America" is a directory
         c.fail(f"{w}.time_zone", f"unknown IANA time zone {tzname!r}")
         tz = ZoneInfo("UTC")
     draw_times = _schedule(c, w, g)
     try:
         epoch = date.fromisoformat(str(g.get("draw_epoch", "2000-01-01")))
+        if not date(1970, 1, 1) <= epoch <= date(2100, 12, 31):
+            raise ValueError("out of range")
     except ValueError:
-        c.fail(f"{w}.draw_epoch", f"expected a date YYYY-MM-DD, got {g.get('draw_epoch')!r}")
+        c.fail(f"{w}.draw_epoch",
+               f"expected a date YYYY-MM-DD from 1970 to 2100, got {g.get('draw_epoch')!r}")
         epoch = date(2000, 1, 1)
     joker = g.get("joker_plus_price")
     rules = GameRules(
@@ -326,7 +335,7 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
         draw_times=draw_times,
         draw_epoch=epoch,
         cancel=c.choice(f"{w}.cancel", g.get("cancel"), CANCEL_POLICIES),
-        retention_ms=c.duration(f"{w}.retention", g.get("retention", "24h")),
+        retention_ms=c.duration(f"{w}.retention", g.get("retention", "24h"), 0, 366 * DAY_MS),
         max_grids=c.integer(f"{w}.max_grids", g.get("max_grids", 20), 1, 100),
         sales_horizon=c.integer(f"{w}.sales_horizon", g.get("sales_horizon", 30), 0, 10_000),
         subscription_accounting=c.choice(
@@ -384,14 +393,14 @@ def _channel(raw: dict[str, Any], where: str, games: set[str], c: _Checker) -> C
         c.fail(f"{where}.games", "expected a list of game ids")
         chan_games = []
     for i, g in enumerate(chan_games):
-        if g not in games:
+        if not isinstance(g, str) or g not in games:
             c.fail(f"{where}.games[{i}]", f"no game {g!r} is defined")
     scopes = raw.get("scopes", [])
     if not isinstance(scopes, list) or not scopes:
         c.fail(f"{where}.scopes", f"expected a non-empty list of {', '.join(SCOPES)}")
         scopes = []
     for i, s in enumerate(scopes):
-        if s not in SCOPES:
+        if not isinstance(s, str) or s not in SCOPES:
             c.fail(f"{where}.scopes[{i}]", f"must be one of {', '.join(SCOPES)}, got {s!r}")
     return Channel(
         id=cid,
@@ -420,6 +429,9 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         raw_games = []
     games: dict[str, GameRules] = {}
     for i, raw in enumerate(raw_games):
+        if not isinstance(raw, dict):
+            c.fail(f"games[{i}]", "expected a [[games]] table")
+            continue
         g = build_game(raw, f"games[{i}]", c)
         if g is None:
             continue
@@ -431,22 +443,27 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         c.fail("channels", "expected [[channels]] entries")
         raw_channels = []
     declared = {str(r.get("id")) for r in raw_games if isinstance(r, dict)}
-    channels = [_channel(r, f"channels[{i}]", declared, c) for i, r in enumerate(raw_channels)]
+    channels = []
+    for i, r in enumerate(raw_channels):
+        if isinstance(r, dict):
+            channels.append(_channel(r, f"channels[{i}]", declared, c))
+        else:
+            c.fail(f"channels[{i}]", "expected a [[channels]] table")
     seen: set[bytes] = set()
     for i, ch in enumerate(channels):
         if ch.token_sha256 in seen:
             c.fail(f"channels[{i}].token_sha256", "the same token is used by two channels")
         seen.add(ch.token_sha256)
     url = redis.get("url")
-    schemes = r"^(redis|rediss|unix|redis\+cluster)://"
-    if url is not None and not (isinstance(url, str) and re.match(schemes, url)):
-        c.fail("redis.url",
-               f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}")
+    if url is not None:
+        problem = redis_url_problem(url)
+        if problem:
+            c.fail("redis.url", problem)
     settings = Settings(
         games=games,
         channels=tuple(channels),
         redis_url=url,
-        redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms")),
+        redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms"), 1),
         durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
         # At least 1ms: WAIT with timeout 0 blocks for ever.
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
@@ -456,7 +473,7 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         max_body_bytes=c.integer("server.max_body_bytes", server.get("max_body_bytes", 65536),
                                  256),
         request_timeout_ms=c.duration("server.request_timeout",
-                                      server.get("request_timeout", "5s")),
+                                      server.get("request_timeout", "5s"), 50),
         max_in_flight=c.integer("server.max_in_flight", server.get("max_in_flight", 4096), 1),
         drain_delay_ms=c.duration("server.drain_delay", server.get("drain_delay", "1s")),
         access_log=c.boolean("server.access_log", server.get("access_log", False)),
@@ -476,6 +493,22 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
     return settings
 
 
+def redis_url_problem(url: object) -> str | None:
+    """What is wrong with a Redis URL, or None."""
+    schemes = r"^(redis|rediss|unix|redis\+cluster)://"
+    if not (isinstance(url, str) and re.match(schemes, url)):
+        return f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}"
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 (raises ValueError when not a port number)
+    except ValueError as e:
+        return f"not a valid URL ({e}): {url!r}"
+    db = u.path.strip("/")
+    if u.scheme != "unix" and db and not db.isdigit():
+        return f"the database after the host must be a number, got {db!r}"
+    return None
+
+
 def default_config_path() -> Path:
     return Path(str(resources.files("capsvc").joinpath("default.toml")))
 
@@ -485,18 +518,25 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     path = path or os.environ.get("CAPSVC_CONFIG") or default_config_path()
     p = Path(path)
     doc = load_document(p)
-    env_url = os.environ.get("CAPSVC_REDIS_URL")
-    if env_url:
-        doc.setdefault("redis", {})["url"] = env_url
-    env_durability = os.environ.get("CAPSVC_DURABILITY")
-    if env_durability:
-        doc.setdefault("redis", {})["durability"] = env_durability
+    redis = doc.get("redis", {})
+    for env, key in (("CAPSVC_REDIS_URL", "url"), ("CAPSVC_DURABILITY", "durability")):
+        value = os.environ.get(env)
+        if value and isinstance(redis, dict):  # else parse_settings says [redis] is wrong
+            doc["redis"] = redis = {**redis, key: value}
     channels_file = doc.get("channels_file")
     if channels_file is not None:
         # The channels (with their token hashes) may live in a file of their own, e.g. a
         # Kubernetes Secret mounted beside a ConfigMap holding the rest.
-        extra = load_document(p.parent / str(channels_file))
-        doc["channels"] = [*doc.get("channels", []), *extra.get("channels", [])]
+        path = p.parent / str(channels_file)
+        extra = load_document(path)
+        checker = _Checker()
+        unknown_keys(checker, "", extra, frozenset({"channels"}), "section")
+        listed, theirs = doc.get("channels", []), extra.get("channels", [])
+        if not isinstance(theirs, list):
+            checker.fail("channels", "expected [[channels]] entries")
+        if checker.problems:
+            raise ConfigError([f"{path}: {problem}" for problem in checker.problems])
+        doc["channels"] = [*(listed if isinstance(listed, list) else [listed]), *theirs]
     return parse_settings(doc, source=str(p))
 
 
@@ -505,5 +545,7 @@ def load_document(p: Path) -> dict[str, Any]:
         return tomllib.loads(p.read_text("utf-8"))
     except OSError as e:
         raise ConfigError([f"{p}: cannot read: {e.strerror}"]) from e
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not UTF-8 text ({e.reason} at byte {e.start})"]) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{p}: not valid TOML: {e}"]) from e

@@ -182,3 +182,64 @@ def test_a_section_that_is_not_a_table_is_an_error() -> None:
     """`redis = "…"` instead of a [redis] table is explained, never a crash."""
     assert any(p.startswith("redis") and "table" in p
                for p in problems({**doc(), "redis": "redis://x"}))
+
+
+def _channel_games(value: Any) -> dict[str, Any]:
+    document = doc()
+    document["channels"][0]["games"] = value
+    return document
+
+
+ODD_DOCUMENTS = [
+    ("a game that is not a table", {**doc(), "games": [1]}, "games[0]"),
+    ("a channel that is not a table", {**doc(), "channels": ["x"]}, "channels[0]"),
+    ("a channel game that is a table", _channel_games([{"a": 1}]), "channels[0].games[0]"),
+    ("a zone that is a directory", doc(time_zone="America"), "games[0].time_zone"),
+    ("an epoch out of range", doc(draw_epoch="9999-12-31"), "games[0].draw_epoch"),
+    ("a retention of ages", doc(retention="999999999999d"), "games[0].retention"),
+    ("no request time", {**doc(), "server": {"request_timeout": "0s"}},
+     "server.request_timeout"),
+    ("a port that is not one", {**doc(), "redis": {"url": "redis://localhost:notaport"}},
+     "redis.url"),
+    ("a port out of range", {**doc(), "redis": {"url": "redis://localhost:99999"}},
+     "redis.url"),
+    ("a broken host", {**doc(), "redis": {"url": "redis://[::1"}}, "redis.url"),
+    ("a database that is not a number", {**doc(), "redis": {"url": "redis://h:1/abc"}},
+     "redis.url"),
+    ("a typo beside a bad preset", doc(preset="nope", typo_key=1), "games[0].typo_key"),
+]
+
+
+@pytest.mark.parametrize(("name", "document", "where"), ODD_DOCUMENTS,
+                         ids=[d[0] for d in ODD_DOCUMENTS])
+def test_odd_documents_are_explained_never_a_crash(name: str, document: dict[str, Any],
+                                                   where: str) -> None:
+    """Whatever the TOML holds, the answer is a list of problems naming where they are (a
+    value that passed here but broke `serve` later, or a traceback, is a bug)."""
+    assert any(p.startswith(where) for p in problems(document)), problems(document)
+
+
+def test_files_that_are_not_text_or_hold_unknown_sections_are_explained(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that is not UTF-8, a channels file with other sections or a bad `channels`,
+    and `redis = 5` with CAPSVC_REDIS_URL set: each a ConfigError, not a traceback."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[server]\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(binary)
+    main = tmp_path / "capsvc.toml"
+    main.write_text('channels_file = "channels.toml"\n' + CONFIG.read_text())
+    channels = tmp_path / "channels.toml"
+    for text, expected in (('[server]\nport = 1\n', "server: unknown section"),
+                           ('[[channel]]\nid = "typo"\n', "did you mean 'channels'"),
+                           ('channels = "oops"\n', "channels: expected")):
+        channels.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_settings(main)
+        assert any(expected in p for p in e.value.problems), e.value.problems
+    odd = tmp_path / "odd.toml"
+    odd.write_text("redis = 5\n" + CONFIG.read_text())
+    monkeypatch.setenv("CAPSVC_REDIS_URL", "redis://127.0.0.1:6379/0")
+    with pytest.raises(ConfigError) as e:
+        load_settings(odd)
+    assert any(p.startswith("redis") for p in e.value.problems)
