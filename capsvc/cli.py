@@ -11,9 +11,21 @@ import sys
 from collections.abc import Sequence
 
 from capsvc import logs
-from capsvc.config import ConfigError, Settings, load_settings
+from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
 
 log = logging.getLogger("capsvc")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def _workers(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"expected 1 to 256 workers, got {text!r}")
+    return int(text)
 
 
 def _settings(path: str | None) -> Settings:
@@ -63,6 +75,9 @@ def serve(args: argparse.Namespace) -> int:
     sock = _listener(host, settings.port if args.port is None else args.port)
     port = sock.getsockname()[1]
     url = args.redis_url or settings.redis_url
+    if args.redis_url and (problem := redis_url_problem(args.redis_url)):
+        print(f"capsvc: --redis-url: {problem}", file=sys.stderr)
+        return 2
     embedded = None
     if url is None:
         from capsvc.embedded import EmbeddedRedis
@@ -102,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
                          "else the built-in local configuration)")
     p_serve.add_argument("--host")
-    p_serve.add_argument("--port", type=int)
+    p_serve.add_argument("--port", type=_port, help="0 to 65535 (0: any free port)")
     p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
                          "url, else an embedded Redis under ./var/)")
-    p_serve.add_argument("--workers", type=int)
+    p_serve.add_argument("--workers", type=_workers, help="1 to 256 worker processes")
     p_serve.add_argument("--log-level", default="INFO")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
     p_check.add_argument("path")

@@ -311,11 +311,11 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
     draw_times = _schedule(c, w, g)
     try:
         epoch = date.fromisoformat(str(g.get("draw_epoch", "2000-01-01")))
-        if not date(1970, 1, 1) <= epoch <= date(2100, 12, 31):
+        if not date(1900, 1, 1) <= epoch <= date(2100, 12, 31):
             raise ValueError("out of range")
     except ValueError:
         c.fail(f"{w}.draw_epoch",
-               f"expected a date YYYY-MM-DD from 1970 to 2100, got {g.get('draw_epoch')!r}")
+               f"expected a date YYYY-MM-DD from 1900 to 2100, got {g.get('draw_epoch')!r}")
         epoch = date(2000, 1, 1)
     joker = g.get("joker_plus_price")
     rules = GameRules(

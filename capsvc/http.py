@@ -104,7 +104,8 @@ class Authenticator:
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "unauthorized", "missing bearer token",
                            headers={"WWW-Authenticate": "Bearer"})
-        digest = hashlib.sha256(token.strip().encode()).digest()
+        # Header bytes that are not UTF-8 arrive as surrogates: hash them as they came.
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
         found: Channel | None = None
         for ch in self.channels:  # no early exit: the time taken does not depend on the match
             if hmac.compare_digest(ch.token_sha256, digest):
@@ -358,6 +359,16 @@ def _middleware(api: Api) -> Middleware:
                 log.error("redis refused a command: %s", e,
                           extra={"request_id": rid, "route": template})
                 resp = busy(OUTCOME_UNKNOWN.format("Redis refused an operation"))
+            except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad gzip, …)
+                log.warning("unreadable request body: %s", _first_line(e),
+                            extra={"request_id": rid, "route": template})
+                resp = error_response(ApiError(400, "malformed_request",
+                                               f"the body cannot be read: {_first_line(e)}"))
+            except ConnectionResetError:  # the client left before sending its whole body
+                log.info("client went away before its body was read",
+                         extra={"request_id": rid, "route": template})
+                resp = error_response(ApiError(400, "malformed_request",
+                                               "the body was cut short"))
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
                     413, "payload_too_large",
@@ -383,6 +394,19 @@ def _middleware(api: Api) -> Middleware:
     return middleware
 
 
+_BYTES_RE = re.compile(r":? *b(['\"]).*", re.DOTALL)
+_STATUS_RE = re.compile(r"^[0-9]{3}, message: *")
+
+
+def _first_line(problem: object) -> str:
+    """A parse error in one line, without the bytes aiohttp quotes (they may hold a token:
+    nothing of a request's headers goes to the log or back to the client)."""
+    lines = [line.strip() for line in str(problem).splitlines()]
+    kept = [line for line in lines if line and not line.startswith(("b'", 'b"', "^"))]
+    text = _STATUS_RE.sub("", " ".join(kept))
+    return _BYTES_RE.sub("", text).rstrip(" :.") or "unparseable"
+
+
 class Protocol(web.RequestHandler):
     """aiohttp's connection handler, answering HTTP it cannot parse (a NUL byte in a header,
     a broken request line, …) in the API's error format, counted in the request metrics
@@ -395,12 +419,20 @@ class Protocol(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self.metrics = metrics
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # After answering a body it could not decode, aiohttp reads the rest of it and
+        # meets the same error: already answered (400) and logged by the middleware.
+        if isinstance(kw.get("exc_info"), web.RequestPayloadError):
+            log.debug("the rest of an unreadable body was dropped")
+            return
+        super().log_exception(*args, **kw)
+
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status >= 500:  # not a parse error: aiohttp's own handling (and traceback)
             return super().handle_error(request, status, exc, message)
-        what = (message or str(exc or "") or "unparseable").splitlines()[0].rstrip(":")
+        what = _first_line(message or exc or "unparseable")
         log.warning("malformed HTTP request from %s: %s", request.remote, what)
         self.metrics.request("malformed", "-", status, 0.0)
         resp = error_response(ApiError(status, "malformed_request",

@@ -12,6 +12,8 @@ latency is observed directly (one cached histogram child per route and status).
 from __future__ import annotations
 
 import os
+import struct
+import time
 from collections import Counter as Tally
 from collections.abc import Iterable
 from typing import Any
@@ -30,6 +32,8 @@ ERROR_KINDS = ("timeout", "connection", "reply")
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )
+_READ_ATTEMPTS = 5
+"""Reads of the multiprocess files before a scrape gives up (see `exposition`)."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -153,5 +157,12 @@ class Metrics:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            for _ in range(_READ_ATTEMPTS - 1):
+                try:
+                    return generate_latest(registry)
+                except struct.error:
+                    # A worker being started has created its file but not yet sized it:
+                    # read again (the file is complete a moment later).
+                    time.sleep(0.005)
             return generate_latest(registry)
         return generate_latest(self.registry)

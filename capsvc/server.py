@@ -161,5 +161,6 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await runner.cleanup()
+    metrics.flush()  # the decisions of the last second count too
     await redis.aclose()
     log.info("stopped")

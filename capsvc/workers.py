@@ -54,6 +54,8 @@ def listen(host: str, port: int) -> socket.socket:
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ListenError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from e
+    except (UnicodeError, ValueError) as e:  # "..", a label over 63 characters
+        raise ListenError(f"cannot listen on {host!r}: not a host name or address") from e
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -136,6 +138,7 @@ class _Worker:
             os.close(started_w)
         self._started_r: int | None = started_r
         self.started = False
+        self.told_to_stop = False
 
     def poll(self) -> int | None:
         """The exit status, None while the worker runs; `started` is up to date after."""
@@ -184,12 +187,19 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
     gave_up = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the loop passes SIGTERM on, so that a worker being started at the
+        # moment the signal arrives is not missed.
         nonlocal stopping
         stopping = True
-        sock.close()  # the workers' copies stay open until each has drained
+
+    def pass_stop_on() -> None:
+        if sock.fileno() != -1:
+            sock.close()  # the workers' copies stay open until each has drained
         for slot in slots:
-            if slot.worker is not None and slot.worker.process.poll() is None:
-                slot.worker.process.send_signal(signal.SIGTERM)
+            worker = slot.worker
+            if worker is not None and not worker.told_to_stop and worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+                worker.told_to_stop = True
 
     def running() -> bool:
         return any(s.worker is not None and s.worker.poll() is None for s in slots)
@@ -199,6 +209,8 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
         s.worker.process.pid for s in slots if s.worker is not None]})
     try:
         while not stopping or running():
+            if stopping:
+                pass_stop_on()
             for slot in slots:
                 if stopping:
                     break
@@ -217,8 +229,7 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
                     log.error("a worker keeps dying at start: giving up",
                               extra={"pid": worker.process.pid, "code": code,
                                      "failures": slot.failures})
-                    gave_up = True
-                    stop(signal.SIGTERM, None)
+                    gave_up = stopping = True
                     break
                 delay = restarts.delay(slot.failures)
                 log.warning("worker exited: restarting it",

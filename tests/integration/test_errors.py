@@ -278,3 +278,53 @@ async def test_malformed_http_is_a_json_error_counted_and_logged_once(
     text = svc.metrics.exposition().decode()
     assert ('capsvc_http_request_duration_seconds_count{method="-",route="malformed",'
             'status="400"} 1.0') in text
+
+
+async def _raw(url: str, data: bytes) -> tuple[bytes, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    head, _, body = (await asyncio.wait_for(reader.read(), 5)).partition(b"\r\n\r\n")
+    writer.close()
+    return head, body
+
+
+async def test_what_a_client_sends_never_makes_a_500(
+        service: tuple[Service, str], caplog: pytest.LogCaptureFixture) -> None:
+    """A token that is not UTF-8, a gzip body that is not gzip, a body cut short: 4xx in
+    the JSON format, never a 500 (which would page someone), never a traceback."""
+    svc, url = service
+    caplog.set_level(logging.INFO)
+    head, body = await _raw(url, b"GET /v1/games HTTP/1.1\r\nHost: x\r\n"
+                                 b"Authorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+    assert b" 401 " in head.split(b"\r\n")[0]
+    assert json.loads(body)["error"]["code"] == "unauthorized"
+    sale = json.dumps(ticket([GRID])).encode()
+    head, body = await _raw(url, b"POST /v1/tickets HTTP/1.1\r\nHost: x\r\n"
+                                 b"Authorization: Bearer t-fr\r\nContent-Encoding: gzip\r\n"
+                                 b"Connection: close\r\nContent-Length: "
+                                 + str(len(sale)).encode() + b"\r\n\r\n" + sale)
+    assert b" 400 " in head.split(b"\r\n")[0]
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+    host, port = url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/tickets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t-fr\r\n"
+                 b"Content-Length: 100\r\n\r\n{}")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()  # gone before the rest of the body
+    await asyncio.sleep(0.3)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info] == []
+    assert 'status="500"' not in svc.metrics.exposition().decode()
+
+
+async def test_a_token_in_an_oversized_header_is_neither_logged_nor_answered(
+        service: tuple[Service, str], caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp quotes the start of a header line it refuses: that may be a bearer token."""
+    _, url = service
+    caplog.set_level(logging.DEBUG)
+    _head, body = await _raw(url, b"GET /v1/games HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                 b"SECRET-TOKEN-abc123" + b"x" * 9000 + b"\r\n\r\n")
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+    assert b"SECRET" not in body
+    assert "SECRET" not in caplog.text

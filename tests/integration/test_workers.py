@@ -269,3 +269,59 @@ async def test_workers_do_not_outlive_a_killed_supervisor(
     assert not any(_alive(pid) for pid in pids)
     port = int(url.rsplit(":", 1)[1])
     listen("127.0.0.1", port).close()  # nobody listens there any more
+
+
+def _children(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return {int(p) for p in path.read_text().split()} if path.exists() else set()
+
+
+async def test_a_sigterm_while_a_worker_is_being_replaced_stops_everything(
+        workers: tuple[subprocess.Popen[bytes], str]) -> None:
+    """SIGTERM that lands while the supervisor starts a replacement worker still stops
+    every worker, the new one included, and the supervisor exits."""
+    proc, url = workers
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        await wait_ready(s, url)
+    first = _children(proc.pid)
+    os.kill(next(iter(first)), signal.SIGKILL)
+    for _ in range(2000):  # as soon as the replacement exists
+        if _children(proc.pid) - first:
+            break
+        await asyncio.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) in (0, 1)
+    assert not any(_alive(pid) for pid in _children(proc.pid) | first)
+
+
+async def test_a_drained_worker_leaves_its_last_decisions_in_the_counters(
+        workers: tuple[subprocess.Popen[bytes], str]) -> None:
+    """Decisions tallied in the second before a worker drains are in the counters after it
+    is gone (its replacement serves the view)."""
+    proc, url = workers
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        await wait_ready(s, url)
+        client = Client(s, url)
+        replies = await asyncio.gather(*[
+            client.sell(ticket([{"numbers": TEN[:4], "stake": 100}])) for _ in range(30)])
+        assert {r.status for r in replies} == {200}
+        for pid in _children(proc.pid):  # at once: well within the one-second flush
+            os.kill(pid, signal.SIGTERM)
+        await wait_ready(s, url)
+        text = (await client.get("/metrics", token=None)).raw.decode()
+    tickets = samples(text, "capsvc_tickets_total")
+    assert tickets[(("game", "fdj-keno"), ("status", "accepted"))] == 30
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--port", "-1"],
+                                  ["--port", "99999999999999999999"], ["--workers", "0"],
+                                  ["--host", ".."], ["--redis-url", "redis://h:notaport"]])
+def test_bad_command_line_values_are_one_line(args: list[str]) -> None:
+    """No value of --port, --workers, --host or --redis-url gives a traceback or a port
+    other than the one asked."""
+    done = subprocess.run([sys.executable, "-m", "capsvc", "serve", "--config", str(CONFIG),
+                           "--port", "0", *args], capture_output=True, text=True, timeout=30,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode in (1, 2)
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(("capsvc", "usage", "capsvc serve"))
