@@ -97,9 +97,15 @@ class Authenticator:
 
     def __init__(self, channels: tuple[Channel, ...]) -> None:
         self.channels = channels
+        self._known: dict[str, Channel] = {}
+        """Authorization headers already matched to a channel (at most one per channel: a
+        token is only cached once proven, so strangers cannot grow it)."""
 
     def channel(self, request: web.Request) -> Channel:
         header = request.headers.get("Authorization", "")
+        known = self._known.get(header)
+        if known is not None:
+            return known
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "unauthorized", "missing bearer token",
@@ -113,6 +119,8 @@ class Authenticator:
         if found is None:
             raise ApiError(401, "unauthorized", "unknown token",
                            headers={"WWW-Authenticate": "Bearer"})
+        if len(self._known) < 4 * len(self.channels):  # "Bearer t", "bearer  t", …: bounded
+            self._known[header] = found
         return found
 
 
