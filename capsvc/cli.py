@@ -53,17 +53,16 @@ def check_config(path: str) -> int:
     return 0
 
 
-def _listeners(host: str, port: int, workers: int) -> list[socket.socket]:
-    """The sockets to serve on: inherited from the supervisor (a worker), else bound here
-    (one per worker)."""
-    from capsvc.workers import ListenError, follow_supervisor, listen_group
+def _listener(host: str, port: int) -> socket.socket:
+    """The socket to serve on: inherited from the supervisor (a worker), else bound here."""
+    from capsvc.workers import ListenError, follow_supervisor, listen
 
     inherited = os.environ.pop("CAPSVC_LISTEN_FD", None)
     if inherited is not None:
         follow_supervisor()
-        return [socket.socket(fileno=int(inherited))]
+        return socket.socket(fileno=int(inherited))
     try:
-        return listen_group(host, port, workers)
+        return listen(host, port)
     except ListenError as e:
         print(f"capsvc: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -73,8 +72,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
     workers = args.workers or settings.workers
     host = args.host or settings.host
-    socks = _listeners(host, settings.port if args.port is None else args.port, workers)
-    port = socks[0].getsockname()[1]
+    sock = _listener(host, settings.port if args.port is None else args.port)
+    port = sock.getsockname()[1]
     url = args.redis_url or settings.redis_url
     if args.redis_url and (problem := redis_url_problem(args.redis_url)):
         print(f"capsvc: --redis-url: {problem}", file=sys.stderr)
@@ -94,7 +93,7 @@ def serve(args: argparse.Namespace) -> int:
                            "--log-level", args.log_level]
             if args.config:
                 worker_args += ["--config", args.config]
-            return supervise(worker_command(worker_args), socks)
+            return supervise(worker_command(worker_args), workers, sock)
         try:
             import uvloop
 
@@ -103,10 +102,9 @@ def serve(args: argparse.Namespace) -> int:
             pass
         from capsvc.server import serve as run
 
-        asyncio.run(run(settings, url, socks[0]))
+        asyncio.run(run(settings, url, sock))
     finally:
-        for sock in socks:
-            sock.close()
+        sock.close()
         if embedded is not None:
             embedded.stop()
     return 0

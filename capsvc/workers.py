@@ -1,11 +1,10 @@
 """The listening socket, and `capsvc serve --workers N`: a supervisor of N worker processes.
 
-The port is bound by the process the user started, and by it alone: a port already held by
-anything else (another capsvc included) is a one-line error, never a port silently shared
-with a stranger whose counters are not ours. One worker gets a plain socket. Several get
-one socket each of an SO_REUSEPORT group that the supervisor binds, checks to be its own,
-and closes to strangers with a selector that only picks its sockets (`listen_group`); the
-kernel spreads connections evenly over them.
+The socket is bound once, by the process the user started, without SO_REUSEPORT: a port
+already held by anything else (another capsvc included) is a one-line error, never a port
+silently shared with a stranger whose counters are not ours. With several workers, the
+supervisor hands that one socket to each of them (an inherited file descriptor) and the
+workers accept from it in turn.
 
 Workers are `python -P -m capsvc serve …` processes: `-P` keeps the current directory off
 the import path, so a `capsvc/` folder that is not this package (the clone's parent
@@ -29,16 +28,13 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from prometheus_client import multiprocess
 
@@ -53,10 +49,6 @@ class ListenError(Exception):
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port, bound by this process alone."""
-    return listen_group(host, port, 1)[0]
-
-
-def _address(host: str, port: int) -> tuple[int, int, int, Any]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
@@ -65,90 +57,22 @@ def _address(host: str, port: int) -> tuple[int, int, int, Any]:
     except (UnicodeError, ValueError) as e:  # "..", a label over 63 characters
         raise ListenError(f"cannot listen on {host!r}: not a host name or address") from e
     family, kind, proto, _, address = infos[0]
-    return family, kind, proto, address
-
-
-def _in_use(host: str, port: int) -> ListenError:
-    return ListenError(f"port {port} on {host} is already in use: stop what is listening "
-                       f"there, or choose another port with --port")
-
-
-def listen_group(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` listening sockets on host:port, that only this process may listen on.
-
-    One socket is a plain one (SO_REUSEADDR lets a restart bind while old connections sit
-    in TIME_WAIT; on Linux it never lets two sockets listen on one port). Several are an
-    SO_REUSEPORT group, one per worker, so that the kernel spreads connections evenly over
-    the workers (one shared socket gave one worker twice the other's share); the group is
-    checked to hold nothing but these sockets, and a selector attached to it only ever
-    picks one of them, so a stranger that joins later (same user, SO_REUSEPORT) gets no
-    connection and cannot split the service's traffic, and its caps, in two."""
-    family, kind, proto, address = _address(host, port)
-    group: list[socket.socket] = []
+    sock = socket.socket(family, kind, proto)
     try:
-        for _ in range(count):
-            sock = socket.socket(family, kind, proto)
-            group.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if count > 1:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(address)
-            address = sock.getsockname()  # port 0: every socket on the port the first got
-            sock.listen(BACKLOG)
-        if count > 1:
-            if _foreign_listeners(address[1], group):
-                raise _in_use(host, port)
-            _select_only(group)
+        # SO_REUSEADDR lets a restart bind while old connections sit in TIME_WAIT; on Linux
+        # it never lets two sockets listen on one port (SO_REUSEPORT would, so it is off).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
     except OSError as e:
-        for sock in group:
-            sock.close()
+        sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise _in_use(host, port) from e
+            raise ListenError(
+                f"port {port} on {host} is already in use: stop what is listening there, "
+                f"or choose another port with --port") from e
         raise ListenError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    except ListenError:
-        for sock in group:
-            sock.close()
-        raise
-    for sock in group:
-        sock.set_inheritable(True)
-    return group
-
-
-def _foreign_listeners(port: int, ours: list[socket.socket]) -> bool:
-    """Whether a socket that is not one of `ours` listens on `port` (Linux /proc)."""
-    inodes = {os.fstat(s.fileno()).st_ino for s in ours}
-    wanted = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            # local address, remote, state (0A: LISTEN), …, inode
-            if fields[1].endswith(wanted) and fields[3] == "0A" and int(fields[9]) not in inodes:
-                return True
-    return False
-
-
-SO_ATTACH_REUSEPORT_CBPF = 51
-_SKF_AD_RANDOM = (-0x1000 + 56) & 0xFFFFFFFF
-"""Classic BPF: load a random number (SKF_AD_OFF + SKF_AD_RANDOM)."""
-
-
-def _select_only(group: list[socket.socket]) -> None:
-    """Attach to the SO_REUSEPORT group a classic BPF program returning a random index
-    below len(group): the kernel then only ever picks one of these sockets (they joined
-    first, so they hold indices 0..n-1), and anything joining later gets nothing."""
-    program = [
-        (0x20, 0, 0, _SKF_AD_RANDOM),  # BPF_LD | BPF_W | BPF_ABS: A = random
-        (0x94, 0, 0, len(group)),  # BPF_ALU | BPF_MOD | BPF_K: A %= n
-        (0x16, 0, 0, 0),  # BPF_RET | BPF_A
-    ]
-    code = b"".join(struct.pack("=HBBI", *insn) for insn in program)
-    buffer = ctypes.create_string_buffer(code, len(code))
-    fprog = struct.pack("@HP", len(program), ctypes.addressof(buffer))
-    group[0].setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
+    sock.set_inheritable(True)
+    return sock
 
 
 @dataclass(frozen=True)
@@ -201,7 +125,6 @@ class _Worker:
     """One worker process, and the pipe on which it says it has started."""
 
     def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket) -> None:
-        env = {**env, "CAPSVC_LISTEN_FD": str(sock.fileno())}
         started_r, started_w = os.pipe()
         os.set_blocking(started_r, False)
         try:
@@ -243,27 +166,23 @@ class _Slot:
     """A place for one worker: the running one, or when to start the next."""
 
     worker: _Worker | None
-    sock: socket.socket
-    """The slot's listening socket (of the group), handed to each of its workers."""
     failures: int = 0
     """Deaths at start in a row."""
     restart_at: float = 0.0
 
 
-def supervise(command: list[str], socks: list[socket.socket],
+def supervise(command: list[str], workers: int, sock: socket.socket,
               restarts: Restarts = Restarts(),
               clock: Callable[[], float] = time.monotonic) -> int:
-    """Run one process of `command` per listening socket until signalled (a worker that
-    dies is replaced on the same socket); 0 when they all stopped cleanly, 1 when one kept
-    dying at start or did not stop cleanly.
+    """Run `workers` processes of `command` until signalled; 0 when they all stopped
+    cleanly, 1 when one kept dying at start or did not stop cleanly.
 
-    A worker finds its socket's descriptor in `CAPSVC_LISTEN_FD`, calls
+    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD`, calls
     `follow_supervisor` first and `announce_started` once it listens."""
     metrics_dir = tempfile.mkdtemp(prefix="capsvc-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
-           "CAPSVC_SUPERVISOR_PID": str(os.getpid())}
-    slots = [_Slot(_Worker(command, env, sock), sock) for sock in socks]
-    workers = len(socks)
+           "CAPSVC_LISTEN_FD": str(sock.fileno()), "CAPSVC_SUPERVISOR_PID": str(os.getpid())}
+    slots = [_Slot(_Worker(command, env, sock)) for _ in range(workers)]
     stopping = False
     gave_up = False
 
@@ -274,7 +193,7 @@ def supervise(command: list[str], socks: list[socket.socket],
         stopping = True
 
     def pass_stop_on() -> None:
-        for sock in socks:
+        if sock.fileno() != -1:
             sock.close()  # the workers' copies stay open until each has drained
         for slot in slots:
             worker = slot.worker
@@ -298,7 +217,7 @@ def supervise(command: list[str], socks: list[socket.socket],
                 worker = slot.worker
                 if worker is None:
                     if clock() >= slot.restart_at:
-                        slot.worker = _Worker(command, env, slot.sock)
+                        slot.worker = _Worker(command, env, sock)
                     continue
                 code = worker.poll()
                 if code is None:

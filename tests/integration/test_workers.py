@@ -19,7 +19,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from capsvc.testing import RedisCluster, RedisServer, free_port
-from capsvc.workers import Restarts, listen, listen_group, supervise
+from capsvc.workers import Restarts, listen, supervise
 from tests.conftest import CONFIG, TEN, Client, ticket
 
 
@@ -187,7 +187,7 @@ def test_the_supervisor_gives_up_on_a_worker_that_keeps_dying_at_start(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        rc = supervise(command, [sock], Restarts(first_delay_s=0.1, give_up_after=4))
+        rc = supervise(command, 1, sock, Restarts(first_delay_s=0.1, give_up_after=4))
     assert rc == 1
     times = [float(t) for t in starts.read_text().split()]
     assert len(times) == 4  # the first start and three restarts
@@ -204,8 +204,10 @@ def test_a_worker_that_dies_after_a_good_run_is_restarted_at_once(tmp_path: Path
                "from capsvc.workers import announce_started; import time;"
                f" open({str(starts)!r}, 'a').write('x\\n'); announce_started(); time.sleep(0.3)"]
     threading.Timer(4, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    socks = listen_group("127.0.0.1", 0, 2)
-    rc = supervise(command, socks, Restarts(give_up_after=2))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        rc = supervise(command, 2, sock, Restarts(give_up_after=2))
     assert rc == 0
     assert len(starts.read_text().split()) >= 2 * 6  # far more than give_up_after
 
@@ -323,52 +325,3 @@ def test_bad_command_line_values_are_one_line(args: list[str]) -> None:
     assert done.returncode in (1, 2)
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(("capsvc", "usage", "capsvc serve"))
-
-
-async def test_connections_are_spread_evenly_over_the_workers(
-        workers: tuple[subprocess.Popen[bytes], str]) -> None:
-    """64 keep-alive connections opened at once land on both workers in about equal shares
-    (one shared socket gave one worker twice the other's)."""
-    _, url = workers
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        await wait_ready(s, url)
-    shares: dict[str, int] = {}
-    connector = aiohttp.TCPConnector(limit=64, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        async def one() -> None:
-            async with session.get(url + "/healthz") as resp:
-                worker = resp.headers["X-Request-ID"].split("-")[0]
-                shares[worker] = shares.get(worker, 0) + 1
-        await asyncio.gather(*[one() for _ in range(256)])
-    assert len(shares) == 2
-    assert min(shares.values()) >= 256 * 0.3, shares  # each a random half: 128 ± 8
-
-
-def test_a_stranger_joining_the_port_later_gets_no_connection(
-        redis_server: RedisServer, standalone_db: redis.Redis, tmp_path: Path) -> None:
-    """The workers' SO_REUSEPORT group admits a later socket of the same user (the kernel
-    allows it), but the group's selector never hands it a connection: the service's traffic
-    is never split with a stranger."""
-    port = free_port()
-    proc = run_capsvc("--workers", "2", "--config", str(CONFIG), "--redis-url",
-                      redis_server.url, "--port", str(port))
-    try:
-        asyncio.run(_ready(f"http://127.0.0.1:{port}"))
-        with socket.socket() as stranger:
-            stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            stranger.bind(("127.0.0.1", port))
-            stranger.listen()
-            stranger.setblocking(False)
-            for _ in range(100):
-                with socket.create_connection(("127.0.0.1", port), timeout=2):
-                    pass
-            with pytest.raises(BlockingIOError):
-                stranger.accept()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-
-
-async def _ready(url: str) -> None:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        await wait_ready(s, url)
