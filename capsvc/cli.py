@@ -69,6 +69,9 @@ def _listener(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from capsvc.workers import remember_stop
+
+    remember_stop()
     settings = _settings(args.config)
     workers = args.workers or settings.workers
     host = args.host or settings.host

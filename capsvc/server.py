@@ -27,7 +27,7 @@ from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
 from capsvc.usecases import UseCases, build_usecases
-from capsvc.workers import BACKLOG, announce_started
+from capsvc.workers import BACKLOG, announce_started, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stop_requested():  # during the start: drain now (what was accepted is served)
+        stop.set()
     await stop.wait()
     health.draining = True
     log.info("draining", extra={"in_flight": health.in_flight})

@@ -97,6 +97,29 @@ def worker_command(worker_args: list[str]) -> list[str]:
     return [sys.executable, "-P", "-m", "capsvc", "serve", *worker_args, "--workers", "1"]
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_stop_requested = False
+
+
+def remember_stop() -> None:
+    """Until the server installs its own handlers: remember a SIGTERM or SIGINT (the
+    server then drains as soon as it is up), and accept them from now on (a worker starts
+    with them blocked)."""
+    def remember(signum: int, frame: FrameType | None) -> None:
+        global _stop_requested
+        _stop_requested = True
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, remember)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def stop_requested() -> bool:
+    """Whether a stop arrived before the server installed its handlers."""
+    return _stop_requested
+
+
 PR_SET_PDEATHSIG = 1
 """Linux prctl option: the signal a process receives when its parent dies."""
 
@@ -127,6 +150,10 @@ class _Worker:
     def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket) -> None:
         started_r, started_w = os.pipe()
         os.set_blocking(started_r, False)
+        # The worker starts with SIGTERM and SIGINT blocked (the mask is inherited), and
+        # unblocks them once it has a handler (`remember_stop`): a stop sent while it
+        # starts is then drained, not the default death that drops accepted connections.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.process = subprocess.Popen(
                 command, env={**env, "CAPSVC_STARTED_FD": str(started_w)},
@@ -135,6 +162,7 @@ class _Worker:
             os.close(started_r)
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(started_w)
         self._started_r: int | None = started_r
         self.started = False
@@ -182,9 +210,9 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
     metrics_dir = tempfile.mkdtemp(prefix="capsvc-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
            "CAPSVC_LISTEN_FD": str(sock.fileno()), "CAPSVC_SUPERVISOR_PID": str(os.getpid())}
-    slots = [_Slot(_Worker(command, env, sock)) for _ in range(workers)]
-    stopping = False
+    stopping = stop_requested()  # a stop sent before this supervisor had its handler
     gave_up = False
+    slots: list[_Slot] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
         # Only a flag: the loop passes SIGTERM on, so that a worker being started at the
@@ -204,7 +232,8 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
     def running() -> bool:
         return any(s.worker is not None and s.worker.poll() is None for s in slots)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    slots.extend(_Slot(_Worker(command, env, sock)) for _ in range(workers))
     log.info("workers started", extra={"workers": workers, "pids": [
         s.worker.process.pid for s in slots if s.worker is not None]})
     try:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -325,3 +326,36 @@ def test_bad_command_line_values_are_one_line(args: list[str]) -> None:
     assert done.returncode in (1, 2)
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(("capsvc", "usage", "capsvc serve"))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_stop_during_the_start_drains_what_was_accepted(
+        redis_server: RedisServer, standalone_db: redis.Redis, workers: str) -> None:
+    """SIGTERM as soon as the port accepts (before any handler of the server is in place):
+    the request already sent is answered and the exit status is 0 (a worker starts with
+    the stop signals blocked until it can remember them)."""
+    port = free_port()
+    proc = run_capsvc("--workers", workers, "--config", str(CONFIG), "--redis-url",
+                      redis_server.url, "--port", str(port))
+    try:
+        for _ in range(1000):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=0.05)
+                break
+            except OSError:
+                time.sleep(0.01)
+        else:
+            raise AssertionError("the port never accepted")
+        with conn:
+            conn.settimeout(30)
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            proc.send_signal(signal.SIGTERM)
+            answer = b""
+            while chunk := conn.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
