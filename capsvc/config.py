@@ -100,6 +100,10 @@ class Settings:
     redis_url: str | None = None
     redis_timeout_ms: int = 250
     durability_replicas: int = 0
+    one_call_sales: bool = True
+    """On a standalone Redis, sell a ticket of a game without player limits in one atomic
+    call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
+    protocol a Redis Cluster always uses, whose keys are spread over slots)."""
     """Replicas that must acknowledge a sale's writes before it is answered (0: default)."""
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
@@ -351,7 +355,7 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
 
 
 _SECTIONS = {
-    "redis": frozenset({"url", "timeout", "durability", "wait_timeout"}),
+    "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval"}),
@@ -465,6 +469,8 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         redis_url=url,
         redis_timeout_ms=c.duration("redis.timeout", redis.get("timeout", "250ms"), 1),
         durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
+        one_call_sales=c.choice("redis.sale_calls", redis.get("sale_calls", "one"),
+                                ("one", "steps")) == "one",
         # At least 1ms: WAIT with timeout 0 blocks for ever.
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),

@@ -22,7 +22,7 @@ import zlib
 from importlib import resources
 from typing import Any
 
-from capsvc.coalesce import Transport
+from capsvc.coalesce import Coalescer, Transport
 
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
@@ -95,6 +95,8 @@ class Store:
     def __init__(self, redis: Transport) -> None:
         self.redis = redis
         self._source = lua_source()
+        self.single_node = isinstance(redis, Coalescer)
+        """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
 
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
@@ -153,9 +155,27 @@ class Store:
         await self.unindex(ticket)
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, body, sale, sale id, claim instant, cancelled at, released] of a ticket
-        record (all None when unknown)."""
-        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "sid", "at", "ca", "rel")
+        """[state, body, sale, sale id, claim instant, cancelled at, released, results] of a
+        ticket record (all None when unknown; a one-call sale has results, not a body)."""
+        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "sid", "at", "ca", "rel",
+                                 "res")
+
+    def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+             stale_after_ms: int, game: str, first_draw: int, draws: int, cap: int,
+             min_stake: int, grids: list[tuple[str, int]], expiries: list[int]
+             ) -> asyncio.Future[Any]:
+        """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
+        (combo, stake) of each grid, combo "" when the grid is not capped."""
+        keys = [ticket, stops_key(game)]
+        for combo, _ in grids:
+            if combo:
+                keys += bucket_keys(game, combo, first_draw, draws)
+        keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
+        args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
+                           os.urandom(8).hex(), first_draw, draws, cap, min_stake, len(grids)]
+        for combo, stake in grids:
+            args += (combo, stake)
+        return self.fcall("capsvc_sell", keys, [*args, *expiries])
 
     def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(

@@ -23,10 +23,11 @@ from typing import Any
 import msgspec
 
 from capsvc.clock import RedisClock
-from capsvc.config import Channel, Settings
+from capsvc.config import Channel, GameRules, Settings
 from capsvc.decisions import (
     ACCEPTED,
     CLOSED,
+    REJECTED,
     RELEASED,
     build_decision,
     cancel_refusal,
@@ -105,24 +106,38 @@ class Tickets:
         assert first is not None
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
+        one_call = (self.settings.one_call_sales and self.store.single_node
+                    and game.rules.daily_limit is None)
         for _ in range(_ATTEMPTS):
             self.draws.check_horizon(game, first)
             stored = msgspec.structs.replace(sale, first_draw=first)
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
-            # One round trip: index the ticket for the janitor, claim. The claim is the
-            # only write that decides; admin stops are checked once it has been made.
-            indexed = self.store.index(key, self.clock.now(), expire_at)
-            claim = await self.store.claim(key, sale.fingerprint, _encode(stored), close_ms,
-                                           expire_at, self.stale_after_ms)
-            await indexed
+            if one_call:
+                claim = await self._sell_in_one_call(game, key, stored, close_ms, expire_at)
+            else:
+                # One round trip: index the ticket for the janitor, claim. The claim is the
+                # only write that decides; admin stops are checked once it has been made.
+                indexed = self.store.index(key, self.clock.now(), expire_at)
+                claim = await self.store.claim(key, sale.fingerprint, _encode(stored),
+                                               close_ms, expire_at, self.stale_after_ms)
+                await indexed
             kind = claim[0]
             try:
+                if kind == b"sold":
+                    out = decision_of(channel.id, game.rules, stored, claim[2].decode(),
+                                      int(claim[1]), claim[3])
+                    return SaleOutcome(body=_encode(out), replayed=False, ticket=out,
+                                       near_cap=int(claim[4]), sold_out=int(claim[5]))
+                if kind == b"stopped":
+                    raise _Stopped(int(claim[1]))
                 if kind == b"new":
                     return await self._decide(channel, game, key, stored, claim[2].decode(),
                                               int(claim[1]), close_ms, replayed=False)
                 if kind == b"final":
-                    return SaleOutcome(body=claim[1], replayed=True)
+                    return SaleOutcome(body=claim[1] or _derived_body(
+                        channel.id, game.rules, claim[4], claim[3], claim[2], claim[5]),
+                        replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
                     # they recorded.
@@ -150,6 +165,21 @@ class Tickets:
             first = max(first + 1, game.calendar.current(self.clock.now()))
         raise unavailable(f"ticket {t.ticket_id} could not be settled; retry shortly",
                           self.settings.retry_after_s)
+
+    async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
+                                expire_at: int) -> list[Any]:
+        """The sale as one atomic call (standalone Redis, no player limits); the claim's
+        answers, with `sold` for a sale just made: [b"sold", at, sid, results, near, sold]."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        reply: list[Any] = await self.store.sell(
+            key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
+            rules.id, sale.first_draw, sale.draws, rules.cap_limit or 0, rules.min_stake,
+            [(g.combo if g.capped else "", g.stake) for g in sale.grids],
+            game.expiries(sale.first_draw, sale.draws))
+        if reply[0] == b"new":
+            reply[0] = b"sold"
+        return reply
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
                       at: int, close_ms: int, *, replayed: bool) -> SaleOutcome:
@@ -211,17 +241,19 @@ class Tickets:
     async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
         """The stored decision, with `cancelled` once the ticket is cancelled."""
         require_scope(channel, "sell", "read")
-        state, body, raw_sale, _, _, cancelled_at, released = await self.store.ticket(
-            ticket_key(channel.id, ticket_id))
+        state, body, raw_sale, sale_id, at, cancelled_at, released, results = (
+            await self.store.ticket(ticket_key(channel.id, ticket_id)))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
+        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
+        if body is None and results is not None and game is not None:
+            body = _derived_body(channel.id, game.rules, raw_sale, sale_id, at, results)
         if body is None:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
         if cancelled_at is None:
             return bytes(body)
-        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
         tz = game.rules.tz if game is not None else UTC
         return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
 
@@ -233,16 +265,17 @@ class Tickets:
         its retry, or by the janitor."""
         require_scope(channel, "sell")
         key = ticket_key(channel.id, ticket_id)
-        state, body, raw_sale, sale_id, claimed_at, _, _ = await self.store.ticket(key)
+        state, body, raw_sale, sale_id, claimed_at, _, _, results = await self.store.ticket(key)
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
-        if body is None:
+        if body is None and results is None:
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
         sale = _sale_decoder.decode(raw_sale)
-        decision = _ticket_decoder.decode(body)
         game = self.catalog.get(sale.game)
         if game is None:
             raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
+        decision = (_ticket_decoder.decode(body) if body is not None else decision_of(
+            channel.id, game.rules, sale, sale_id.decode(), int(claimed_at), results))
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and state == b"f":
@@ -272,6 +305,29 @@ class Tickets:
         plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
         await self.ledger.give_back(game, sale, sale_id, plan)
         await self.store.cancelled(key, sale_id)
+
+
+def decision_of(channel_id: str, rules: GameRules, sale: Sale, sale_id: str, at: int,
+                results: bytes) -> TicketOut:
+    """The decision of a sale made in one call, from the grids' results it stored ("-" not
+    capped, "1" accepted, "0:<offset>:<room>" rejected; see lua/capsvc.lua, sell)."""
+    replies: list[Any] = []
+    for r in results.decode().split(";"):
+        if r == "-":
+            replies.append(None)
+        elif r == "1":
+            replies.append([ACCEPTED])
+        else:
+            _, offset, room = r.split(":")
+            replies.append([REJECTED, int(offset), int(room)])
+    return build_decision(channel_id, rules, sale, sale_id, at, replies)
+
+
+def _derived_body(channel_id: str, rules: GameRules, raw_sale: bytes, sale_id: bytes,
+                  at: bytes | int, results: bytes) -> bytes:
+    """The body of a decision stored as results: what the sale answered, byte for byte."""
+    return _encode(decision_of(channel_id, rules, _sale_decoder.decode(raw_sale),
+                               sale_id.decode(), int(at), results))
 
 
 def _closed(draw: int) -> ApiError:

@@ -7,7 +7,8 @@ cluster pipeline accepts FCALL.
 
 THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}).
 
-  ticket record  t:{t:NN}:<channel>/<ticket id>  hash   st, fp, at, sid, sale, body, ca, rel
+  ticket record  t:{t:NN}:<channel>/<ticket id>  hash   st, fp, at, sid, sale, body | res,
+                                                         ca, rel
                  TTL: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor (claimed, or being cancelled)
@@ -49,7 +50,8 @@ and every step that acts for a sale (reserve, release, finalize, unclaim, settle
 names it and does nothing to another sale.
 
 Ticket states (field st): p = pending (claimed, decision not written), x = expired (the
-janitor is settling it), f = final (body holds the decision), k = cancelling (decided at
+janitor is settling it), f = final (body holds the decision; or `res` the grids' results, from
+which the body is derived: see sell), k = cancelling (decided at
 `ca`, giving back `rel`; a retry or the janitor finishes it), c = cancelled.
 
 RECORDS (one per grid of a sale, in the bucket of the ticket's LAST draw, so a record lives
@@ -532,6 +534,146 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
+-- Set a key's expiry to `at` unless it is already that: a read (PEXPIRETIME) is not
+-- propagated to the AOF and replicas, a PEXPIREAT is.
+local function expire_at(key, at)
+  if redis.call('PEXPIRETIME', key) ~= at then
+    redis.call('PEXPIREAT', key, at)
+  end
+end
+
+-- `reserve` for a sale just claimed in the same call: no record can exist yet and the
+-- close was checked, so neither is looked up again. Same records, same reply.
+local function reserve_new(buckets, field, combo, stake, cap, min_stake, expiries)
+  local n = #buckets
+  local last = buckets[n]
+  for i = 1, n do
+    local room = cap - tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    if stake > room then
+      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
+      expire_at(last, tonumber(expiries[n]))
+      return {0, i - 1, room}
+    end
+  end
+  local out = {1, 0}
+  local near = cap * 0.8
+  for i = 1, n do
+    local total = redis.call('HINCRBY', buckets[i], combo, stake)
+    expire_at(buckets[i], tonumber(expiries[i]))
+    if total >= near and total - stake < near then
+      out[2] = out[2] + 1
+    end
+    if cap - total < min_stake then
+      out[#out + 1] = i - 1
+    end
+  end
+  redis.call('HSET', last, field, stake)
+  return out
+end
+
+--[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
+list of each draw;
+ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, cap,
+min_stake, G, then combo ("" if not capped) and stake of each of the G grids, then
+expire_at of each draw.
+The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
+for a game without player limits: the claim's answers for a known ticket id, else the close
+and the admin stops (nothing is written if a draw is stopped), then every capped grid is
+reserved as `reserve` does, the combinations it brought to their cap go on the sold-out
+lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
+"-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by ";"; the body is a
+function of them, the sale, sid and at). No pending state, nothing for the janitor. Returns
+{'new', at, sid, res, near, sold} | {'final', body or false, at, sid, sale, res or false}
+| {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
+local function sell(keys, args)
+  local ticket = keys[1]
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res')
+  local st = rec[1]
+  if st then
+    if rec[2] ~= args[1] then
+      return {'conflict'}
+    end
+    if st == 'f' or st == 'k' or st == 'c' then
+      return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
+    end
+    if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
+      return {'pending', tonumber(rec[3]), rec[4], rec[5]}
+    end
+    return {'stale'}
+  end
+  local close_ms = tonumber(args[3])
+  if now >= close_ms then
+    return {'closed'}
+  end
+  local first, n = tonumber(args[7]), tonumber(args[8])
+  local draws = {}
+  for i = 1, n do
+    draws[i] = first + i - 1
+  end
+  local stops = redis.call('HMGET', keys[2], unpack(draws))
+  for i = 1, n do
+    if stops[i] then
+      return {'stopped', i - 1}
+    end
+  end
+  -- The caller's nonce (8 random bytes, hex) is the sale id: nothing else is needed to
+  -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
+  local sid = args[6]
+  local sid_bytes = nil
+  local cap, min_stake, grids = args[9], args[10], tonumber(args[11])
+  local expiries = {}
+  for i = 1, n do
+    expiries[i] = args[11 + 2 * grids + i]
+  end
+  local lists = {}
+  local capped = 0
+  for g = 1, grids do
+    if args[10 + 2 * g] ~= '' then
+      capped = capped + 1
+    end
+  end
+  for i = 1, n do
+    lists[i] = keys[2 + capped * n + i]
+  end
+  local res, near, sold = {}, 0, 0
+  local k = 3
+  for g = 1, grids do
+    local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
+    if combo == '' then
+      res[g] = '-'
+    else
+      local buckets = {}
+      for i = 1, n do
+        buckets[i] = keys[k + i - 1]
+      end
+      k = k + n
+      sid_bytes = sid_bytes or string.gsub(sid, '..', function(h)
+        return string.char(tonumber(h, 16))
+      end)
+      local out = reserve_new(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
+                              tonumber(stake), tonumber(cap), tonumber(min_stake), expiries)
+      if out[1] == 1 then
+        res[g] = '1'
+        near = near + out[2]
+        for j = 3, #out do
+          redis.call('SADD', lists[out[j] + 1], combo)
+          redis.call('PEXPIREAT', lists[out[j] + 1], expiries[out[j] + 1])
+          sold = sold + 1
+        end
+      else
+        res[g] = '0:' .. out[2] .. ':' .. out[3]
+      end
+    end
+  end
+  local results = table.concat(res, ';')
+  redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
+             'sale', args[2], 'res', results)
+  redis.call('PEXPIREAT', ticket, tonumber(args[4]))
+  return {'new', now, sid, results, near, sold}
+end
+
 redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
@@ -548,3 +690,4 @@ redis.register_function('capsvc_stake', stake)
 redis.register_function('capsvc_settle', settle)
 redis.register_function('capsvc_set_limit', set_limit)
 redis.register_function('capsvc_player', player)
+redis.register_function('capsvc_sell', sell)

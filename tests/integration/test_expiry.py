@@ -31,7 +31,9 @@ async def test_every_key_written_has_a_ttl(
         raise Unavailable("simulated")
 
     monkeypatch.setattr(svc.store, "reserve", down)
-    assert (await client.sell(ticket([{"numbers": TEN[:9], "stake": 100}]))).status == 503
+    # A game with player limits sells in steps: this one stays pending.
+    pending = ticket([{"numbers": TEN[:9], "stake": 250}], game="lnm-keno", player_id="P-2")
+    assert (await client.sell(pending, token="ma")).status == 503
     keys = list(redis_db.scan_iter(count=1000))
     kinds = {k.split(b":")[0] for k in keys}
     assert kinds == {b"c", b"t", b"p", b"s", b"x", b"b"}

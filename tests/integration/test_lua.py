@@ -841,3 +841,71 @@ async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
     assert await players.settle(PLAYER, "t", [(d1, 250)]) == 0
     assert redis_db.hget(budget_key(PLAYER, d1), "spent") == b"0"
     assert (await players.reserve(PLAYER, "t", REGULATORY, now + DAY, [(d1, 400)]))[0] == -2
+
+
+# -- sell: the whole sale in one call (standalone Redis) --------------------------------------
+
+@pytest.fixture
+async def one_node(redis_server: RedisServer, standalone_db: redis.Redis
+                   ) -> AsyncIterator[Store]:
+    coalescer = connect(redis_server.url, timeout_s=2, library=lua_source())
+    s = Store(coalescer)
+    await s.load_library()
+    yield s
+    await coalescer.aclose()
+
+
+async def test_sell_counts_decides_and_replays_in_one_call(
+        one_node: Store, standalone_db: redis.Redis) -> None:
+    """One call claims, counts every capped grid on every draw (all or nothing per grid),
+    marks what reached the cap as sold out, and writes the ticket decided with its results;
+    the same call again answers them; another body is a conflict; nothing is pending."""
+    db, now = standalone_db, redis_ms(standalone_db)
+    close, expire = now + HOUR, now + DAY
+    key = ticket_key("ch", secrets.token_hex(4))
+    db.hset(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], COMBO, CAP - 200)
+    grids = [(COMBO, 300), ("", 500), (OTHER, CAP)]
+
+    def sell(fingerprint: str = "fp") -> Any:
+        return one_node.sell(key, fingerprint, b"{}", close, expire, 60_000, GAME, FIRST, 2,
+                             CAP, MIN, grids, [expire, expire])
+
+    new = await sell()
+    assert new[0] == b"new"
+    at, sid, results = int(new[1]), new[2].decode(), new[3].decode()
+    assert results == "0:1:200;-;1"  # draw FIRST+1 had 200 left; OTHER filled both draws
+    assert [int(new[4]), int(new[5])] == [2, 2]  # OTHER crossed 80 % and its cap, twice
+    assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], COMBO) is None  # all or nothing
+    for draw in (FIRST, FIRST + 1):
+        assert db.hget(bucket_keys(GAME, OTHER, draw, 1)[0], OTHER) == str(CAP).encode()
+        assert db.smembers(f"x:{{{GAME}}}:{draw}") == {OTHER.encode()}
+        assert db.pttl(f"x:{{{GAME}}}:{draw}") > 0
+    last = bucket_keys(GAME, OTHER, FIRST + 1, 1)[0]
+    assert db.hget(last, record_field(sid, 2)) == str(CAP).encode()
+    assert db.hget(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], record_field(sid, 0)) == b"R1:200"
+    assert db.hget(key, "st") == b"f"
+    assert db.pttl(key) > 0
+    again = await sell()
+    assert again[0] == b"final"
+    assert again[1] is None
+    assert [int(again[2]), again[3].decode(), again[5].decode()] == [at, sid, results]
+    assert (await sell("other"))[0] == b"conflict"
+    assert not list(db.scan_iter(pending_key_of(key)))
+
+
+async def test_sell_writes_nothing_when_closed_or_stopped(
+        one_node: Store, standalone_db: redis.Redis) -> None:
+    """Past the close, or with a draw of the ticket stopped by an admin, the call answers so
+    and writes nothing at all."""
+    db, now = standalone_db, redis_ms(standalone_db)
+    key = ticket_key("ch", secrets.token_hex(4))
+    before = set(db.scan_iter())
+    closed = await one_node.sell(key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
+                                 1, CAP, MIN, [(COMBO, 100)], [now + DAY])
+    assert closed[0] == b"closed"
+    await one_node.stop(GAME, FIRST + 1, now + DAY)
+    before = set(db.scan_iter())
+    stopped = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
+                                  FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY])
+    assert [stopped[0], int(stopped[1])] == [b"stopped", 1]
+    assert set(db.scan_iter()) == before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,12 @@ from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
 from tests.conftest import TEN, TOKENS, new_id
 
-CONFIG = Path(__file__).parent.parent / "capsvc-faults.toml"
+ONE_CALL = Path(__file__).parent.parent / "capsvc-faults.toml"
+"""Short deadlines; a sale of a game without player limits is one call on standalone."""
+CONFIG = Path(tempfile.mkdtemp(prefix="capsvc-steps-")) / "capsvc-faults-steps.toml"
+"""The same, but every sale in steps, as on a Redis Cluster: most tests here inject their
+faults between those steps, on a standalone Redis."""
+CONFIG.write_text(ONE_CALL.read_text().replace("[redis]\n", '[redis]\nsale_calls = "steps"\n', 1))
 RESERVE = command("FCALL", "capsvc_reserve")
 RELEASE = command("FCALL", "capsvc_release")
 FINALIZE = command("FCALL", "capsvc_finalize")
@@ -414,3 +420,65 @@ def test_a_sale_concluded_by_the_janitor_puts_its_capped_combination_on_the_list
     eventually(lambda: api.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 200)
     capped = api.call("GET", f"/v1/games/fdj-keno/draws/{draw}/capped").json()
     assert capped["combinations"] == [sorted(TEN[:8])]
+
+
+# -- the one-call sale (standalone Redis, games without player limits) ----------------------
+
+SELL = command("FCALL", "capsvc_sell")
+
+
+@pytest.fixture
+def one_call(proxy: FaultProxy) -> Iterator[Api]:
+    """The service selling in one call, through the proxy."""
+    service = ServiceProcess(str(ONE_CALL), proxy.url).start()
+    yield Api(service.base_url)
+    service.stop()
+
+
+@pytest.mark.parametrize("fault", ["reply lost", "reply late", "request lost"])
+def test_a_one_call_sale_whose_call_fails_converges_on_retry(
+        one_call: Api, proxy: FaultProxy, redis_server: RedisServer, fault: str) -> None:
+    """The one call ran and its reply was lost or came too late, or it never reached Redis:
+    503 (outcome unknown); the retry answers one decision, counted once; GET says the same;
+    nothing is left for the janitor (no pending state)."""
+    api = one_call
+    draw = api.current()
+    body = sale((TEN[:8], 500), (TEN[:9], 300), (TEN[:3], 200))
+    rule = {"reply lost": lambda: proxy.drop_reply(SELL),
+            "reply late": lambda: proxy.delay_reply(SELL, 1.0),
+            "request lost": lambda: proxy.drop_request(SELL)}[fault]()
+    unknown_outcome(api.sell(body))
+    assert rule.fired.wait(5)
+    time.sleep(1.2)
+    retry = api.sell(body)
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["status"] == "accepted"
+    ran = fault != "request lost"
+    assert retry.headers.get("Idempotent-Replayed") == ("true" if ran else None)
+    assert (api.staked(TEN[:8], draw), api.staked(TEN[:9], draw)) == (500, 300)
+    assert api.call("GET", f"/v1/tickets/{body['ticket_id']}").content == retry.content
+    db = redis_server.client()  # no pending state: nothing in the janitor's index
+    assert not [k for k in db.scan_iter("p:*") if db.zscore(k, ticket_key("fr", body["ticket_id"]))]
+
+
+def test_a_one_call_sale_cancelled_and_replayed_gives_back_once(
+        one_call: Api, proxy: FaultProxy) -> None:
+    """A one-call sale's decision is derived from its results: cancel it (its reply lost,
+    then retried), replay it, GET it: the counters are given back once, the replay is the
+    original decision and GET shows the cancellation."""
+    api = one_call
+    draw = api.current()
+    body = sale((TEN[:8], 500), (TEN[:10], 1000))
+    first = api.sell(body)
+    assert first.status_code == 200
+    rule = proxy.drop_reply(command("FCALL", "capsvc_cancel"))
+    unknown_outcome(api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel"))
+    assert rule.fired.wait(5)
+    done = api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel")
+    assert done.json() == {"ticket_id": body["ticket_id"], "status": "cancelled",
+                           "released": 1500}
+    assert (api.staked(TEN[:8], draw), api.staked(TEN[:10], draw)) == (0, 0)
+    assert api.sell(body).content == first.content
+    got = api.call("GET", f"/v1/tickets/{body['ticket_id']}").json()
+    assert got["cancelled"]["released"] == 1500
+    assert {k: v for k, v in got.items() if k != "cancelled"} == first.json()
