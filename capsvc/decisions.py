@@ -79,7 +79,7 @@ def receipt_id(channel_id: str, ticket_id: str, sale_id: str) -> str:
                            digest_size=10).hexdigest()
 
 
-def build_decision(channel_id: str, rules: GameRules, sale: Sale, sale_id: str, at: int,
+def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: int,
                    replies: list[Any]) -> TicketOut:
     """The ticket's decision from its sale and the reserve replies (None: uncapped grid),
     every one of them accepted or rejected; a draw that closed while the sale ran is a 422.
@@ -111,7 +111,7 @@ def build_decision(channel_id: str, rules: GameRules, sale: Sale, sale_id: str, 
     if accepted:
         receipt = Receipt(
             receipt_id=receipt_id(channel_id, sale.ticket_id, sale_id),
-            issued_at=rfc3339(datetime.fromtimestamp(at / 1000, rules.tz)),
+            issued_at=rfc3339(datetime.fromtimestamp(at / 1000, tz)),
         )
     return TicketOut(
         ticket_id=sale.ticket_id, game=sale.game, status=status,

@@ -136,7 +136,7 @@ class Ledger:
         replies = await self.reserve_all(game, sale, sale_id, 0)
         if not void and held and all(r is None or r[0] in (ACCEPTED, REJECTED)
                                      for r in replies):
-            out = build_decision(channel_id, game.rules, sale, sale_id, at, replies)
+            out = build_decision(channel_id, game.rules.tz, sale, sale_id, at, replies)
             await self.write_decision(game, key, sale, sale_id, plan, replies, out,
                                       msgspec.json.encode(out))
             return out

@@ -162,8 +162,8 @@ class Store:
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, cap: int,
-             min_stake: int, grids: list[tuple[str, int]], expiries: list[int]
-             ) -> asyncio.Future[Any]:
+             min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
+             time_zone: str) -> asyncio.Future[Any]:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
         (combo, stake) of each grid, combo "" when the grid is not capped."""
         keys = [ticket, stops_key(game)]
@@ -175,7 +175,7 @@ class Store:
                            os.urandom(8).hex(), first_draw, draws, cap, min_stake, len(grids)]
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc_sell", keys, [*args, *expiries])
+        return self.fcall("capsvc_sell", keys, [*args, *expiries, time_zone])
 
     def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(

@@ -19,11 +19,12 @@ import asyncio
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import msgspec
 
 from capsvc.clock import RedisClock
-from capsvc.config import Channel, GameRules, Settings
+from capsvc.config import Channel, Settings
 from capsvc.decisions import (
     ACCEPTED,
     CLOSED,
@@ -125,8 +126,8 @@ class Tickets:
             kind = claim[0]
             try:
                 if kind == b"sold":
-                    out = decision_of(channel.id, game.rules, stored, claim[2].decode(),
-                                      int(claim[1]), claim[3])
+                    out = decision_of(channel.id, stored, claim[2].decode(), int(claim[1]),
+                                      claim[3])
                     return SaleOutcome(body=_encode(out), replayed=False, ticket=out,
                                        near_cap=int(claim[4]), sold_out=int(claim[5]))
                 if kind == b"stopped":
@@ -136,8 +137,7 @@ class Tickets:
                                               int(claim[1]), close_ms, replayed=False)
                 if kind == b"final":
                     return SaleOutcome(body=claim[1] or _derived_body(
-                        channel.id, game.rules, claim[4], claim[3], claim[2], claim[5]),
-                        replayed=True)
+                        channel.id, claim[4], claim[3], claim[2], claim[5]), replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
                     # they recorded.
@@ -151,7 +151,9 @@ class Tickets:
             except _Stopped as e:
                 if not defaulted or e.offset > 0:
                     raise _closed(first + e.offset) from None
-                first += 1
+                # On to the next draw that is neither past nor stopped (one read, however
+                # many draws in a row an admin stopped).
+                first = max(first + 1, await self.draws.current_draw(game))
                 continue
             if kind == b"conflict":
                 raise ApiError(409, "idempotency_conflict",
@@ -176,7 +178,7 @@ class Tickets:
             key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, rules.cap_limit or 0, rules.min_stake,
             [(g.combo if g.capped else "", g.stake) for g in sale.grids],
-            game.expiries(sale.first_draw, sale.draws))
+            game.expiries(sale.first_draw, sale.draws), rules.time_zone)
         if reply[0] == b"new":
             reply[0] = b"sold"
         return reply
@@ -218,7 +220,7 @@ class Tickets:
             if concluded is None:
                 raise _closed(first)
             return SaleOutcome(body=_encode(concluded), replayed=True)
-        out = build_decision(channel.id, rules, sale, sale_id, at, replies)
+        out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
         body = _encode(out)
         written = await self.ledger.write_decision(game, key, sale, sale_id, plan, replies,
                                                    out, body)
@@ -246,8 +248,8 @@ class Tickets:
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
         game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
-        if body is None and results is not None and game is not None:
-            body = _derived_body(channel.id, game.rules, raw_sale, sale_id, at, results)
+        if body is None and results is not None:
+            body = _derived_body(channel.id, raw_sale, sale_id, at, results)
         if body is None:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
@@ -275,7 +277,7 @@ class Tickets:
         if game is None:
             raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
         decision = (_ticket_decoder.decode(body) if body is not None else decision_of(
-            channel.id, game.rules, sale, sale_id.decode(), int(claimed_at), results))
+            channel.id, sale, sale_id.decode(), int(claimed_at), results))
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and state == b"f":
@@ -307,12 +309,15 @@ class Tickets:
         await self.store.cancelled(key, sale_id)
 
 
-def decision_of(channel_id: str, rules: GameRules, sale: Sale, sale_id: str, at: int,
-                results: bytes) -> TicketOut:
-    """The decision of a sale made in one call, from the grids' results it stored ("-" not
-    capped, "1" accepted, "0:<offset>:<room>" rejected; see lua/capsvc.lua, sell)."""
+def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
+                ) -> TicketOut:
+    """The decision of a sale made in one call, from what it stored: the time zone of the
+    sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
+    rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
+    so the body is the one first answered, byte for byte, for as long as it is kept."""
+    zone, _, grids = results.decode().partition("|")
     replies: list[Any] = []
-    for r in results.decode().split(";"):
+    for r in grids.split(";"):
         if r == "-":
             replies.append(None)
         elif r == "1":
@@ -320,14 +325,14 @@ def decision_of(channel_id: str, rules: GameRules, sale: Sale, sale_id: str, at:
         else:
             _, offset, room = r.split(":")
             replies.append([REJECTED, int(offset), int(room)])
-    return build_decision(channel_id, rules, sale, sale_id, at, replies)
+    return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
 
 
-def _derived_body(channel_id: str, rules: GameRules, raw_sale: bytes, sale_id: bytes,
-                  at: bytes | int, results: bytes) -> bytes:
+def _derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
+                  results: bytes) -> bytes:
     """The body of a decision stored as results: what the sale answered, byte for byte."""
-    return _encode(decision_of(channel_id, rules, _sale_decoder.decode(raw_sale),
-                               sale_id.decode(), int(at), results))
+    return _encode(decision_of(channel_id, _sale_decoder.decode(raw_sale), sale_id.decode(),
+                               int(at), results))
 
 
 def _closed(draw: int) -> ApiError:

@@ -90,7 +90,8 @@ local function index(keys, args)
 end
 
 --[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
-Returns {'new', at, sid} | {'final', body} | {'pending', at, sid, sale} | {'conflict'}
+Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false} (a
+decision of `sell` has results, not a body) | {'pending', at, sid, sale} | {'conflict'}
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
 ticket replays at any time. Admin stops live in another slot: the caller reads them with
 its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
@@ -98,7 +99,7 @@ local function claim(keys, args)
   local ticket = keys[1]
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body')
+  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res')
   local st = rec[1]
   if not st then
     if now >= tonumber(args[3]) then
@@ -117,7 +118,7 @@ local function claim(keys, args)
     return {'conflict'}
   end
   if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[6]}
+    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
   end
   if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
     return {'pending', tonumber(rec[3]), rec[4], rec[5]}
@@ -575,13 +576,15 @@ end
 list of each draw;
 ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, cap,
 min_stake, G, then combo ("" if not capped) and stake of each of the G grids, then
-expire_at of each draw.
+expire_at of each draw, then the game's time zone (kept with the results: the receipt's
+time is rendered in the zone of the sale, whatever the configuration says later).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
 reserved as `reserve` does, the combinations it brought to their cap go on the sold-out
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
-"-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by ";"; the body is a
+"<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
+";"; the body is a
 function of them, the sale, sid and at). No pending state, nothing for the janitor. Returns
 {'new', at, sid, res, near, sold} | {'final', body or false, at, sid, sale, res or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
@@ -667,7 +670,7 @@ local function sell(keys, args)
       end
     end
   end
-  local results = table.concat(res, ';')
+  local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
   redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))

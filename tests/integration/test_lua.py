@@ -478,7 +478,7 @@ async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
     assert await claim(store, key, now, fp="fp2") == [b"conflict"]
     assert await claim(store, key, now, stale_after=0) == [b"stale"]
     assert await finalize(store, key, sid) == 1
-    assert await claim(store, key, now, close=now - 1) == [b"final", b"body"]
+    assert (await claim(store, key, now, close=now - 1))[:2] == [b"final", b"body"]
     assert await claim(store, key, now, fp="fp2") == [b"conflict"]
 
 
@@ -588,7 +588,7 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     ca = reply[1]
     assert reply == [b"k", ca, 10, sid.encode()]
     assert await store.cancel(key, now - 1, "g", 99, 99) == [b"k", ca, 10, sid.encode()]
-    assert await claim(store, key, now) == [b"final", b"body"]
+    assert (await claim(store, key, now))[:2] == [b"final", b"body"]
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
     assert await store.cancel(key, now - 1, "g", 99, 99) == [b"c", ca, 10]
     assert await store.cancel(key, now + HOUR, "g", 100, 99) == [b"c", ca, 10]
@@ -868,12 +868,13 @@ async def test_sell_counts_decides_and_replays_in_one_call(
 
     def sell(fingerprint: str = "fp") -> Any:
         return one_node.sell(key, fingerprint, b"{}", close, expire, 60_000, GAME, FIRST, 2,
-                             CAP, MIN, grids, [expire, expire])
+                             CAP, MIN, grids, [expire, expire], "Europe/Paris")
 
     new = await sell()
     assert new[0] == b"new"
     at, sid, results = int(new[1]), new[2].decode(), new[3].decode()
-    assert results == "0:1:200;-;1"  # draw FIRST+1 had 200 left; OTHER filled both draws
+    # The sale's time zone, then: draw FIRST+1 had 200 left; OTHER filled both draws.
+    assert results == "Europe/Paris|0:1:200;-;1"
     assert [int(new[4]), int(new[5])] == [2, 2]  # OTHER crossed 80 % and its cap, twice
     assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], COMBO) is None  # all or nothing
     for draw in (FIRST, FIRST + 1):
@@ -901,11 +902,12 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
     key = ticket_key("ch", secrets.token_hex(4))
     before = set(db.scan_iter())
     closed = await one_node.sell(key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
-                                 1, CAP, MIN, [(COMBO, 100)], [now + DAY])
+                                 1, CAP, MIN, [(COMBO, 100)], [now + DAY], "UTC")
     assert closed[0] == b"closed"
     await one_node.stop(GAME, FIRST + 1, now + DAY)
     before = set(db.scan_iter())
     stopped = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
-                                  FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY])
+                                  FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY],
+                                  "UTC")
     assert [stopped[0], int(stopped[1])] == [b"stopped", 1]
     assert set(db.scan_iter()) == before
