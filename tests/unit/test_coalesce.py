@@ -13,7 +13,7 @@ import pytest
 from fakeredis import TcpFakeServer
 from redis.exceptions import ResponseError
 
-from capsvc.coalesce import Coalescer, encode_command
+from capsvc.coalesce import FLUSH_EVERY, Coalescer, encode_command
 from capsvc.errors import Unavailable
 from capsvc.testing import free_port
 
@@ -34,15 +34,17 @@ def test_encode_command() -> None:
     assert encode_command(("GET", "é")) == b"*2\r\n$3\r\nGET\r\n$2\r\n\xc3\xa9\r\n"
 
 
-async def test_one_tick_is_one_batch(fake_url: str) -> None:
-    """50 commands submitted in one tick travel in one batch, replies in order."""
+async def test_one_tick_is_written_as_it_fills(fake_url: str) -> None:
+    """50 commands submitted in one tick travel in batches of FLUSH_EVERY (written as they
+    fill, so that Redis works while the loop goes on), the rest at the end of the tick;
+    replies come back in order."""
     batches: list[int] = []
     c = Coalescer(fake_url, timeout_s=2, on_batch=lambda size, s: batches.append(size))
     await c.call("DEL", "k")
     batches.clear()
     futures = [c.submit("INCRBY", "k", 1) for _ in range(50)]
     assert [await f for f in futures] == list(range(1, 51))
-    assert batches == [50]
+    assert batches == [FLUSH_EVERY] * (50 // FLUSH_EVERY) + [50 % FLUSH_EVERY]
     await c.aclose()
 
 
