@@ -128,6 +128,7 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
     grids: list[SaleGrid] = []
     low, high, top = rules.picks_min, rules.picks_max, rules.numbers
     stakes, draws, multiplier = rules.stakes, t.draws, rules.multiplier
+    capped_sizes = rules.capped_picks if rules.cap_limit is not None else ()
     for i, g in enumerate(t.grids):
         numbers = g.numbers
         n = len(numbers)
@@ -138,15 +139,9 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
                 and (multiplier or not g.multiplier)):
             _grid_error(rules, g.numbers, g.stake, g.multiplier, f"$.grids[{i}]")
         ordered = tuple(sorted(numbers))
-        grids.append(SaleGrid(
-            index=i,
-            numbers=ordered,
-            combo=combination.encode(ordered),
-            stake=g.stake,
-            multiplier=g.multiplier,
-            cost=g.stake * (2 if g.multiplier else 1) * draws,
-            capped=rules.is_capped(n),
-        ))
+        # index, numbers, combo, stake, multiplier, cost, capped (positional: the hot path)
+        grids.append(SaleGrid(i, ordered, combination.encode(ordered), g.stake, g.multiplier,
+                              g.stake * (2 if g.multiplier else 1) * draws, n in capped_sizes))
     joker_cost = (rules.joker_plus_price or 0) * draws if t.joker_plus else 0
     canonical = _encode((t.game, t.player_id, t.first_draw, draws, t.joker_plus,
                          [(g.combo, g.stake, g.multiplier) for g in grids]))
