@@ -7,7 +7,8 @@ EVALSHA per grid, no coalescing) and the bare handler (bench/bare.py: no Redis),
 each with wrk and the same seeded generator of realistic tickets (bench/tickets.lua),
 alternating the targets round by round. Each server is pinned to CPU 0; wrk and Redis
 share CPU 1. Then capsvc again with fewer connections until its rate falls to about 70 %
-of its peak (wrk 4 cannot pace a fixed rate), for its latency below saturation.
+of its peak (wrk 4 cannot pace a fixed rate), for its latency below saturation. Last,
+`capsvc serve --workers 2` on the CPUs wrk and Redis leave free, against one worker.
 
 Prints throughput, p50/p95/p99, errors, server CPU per ticket, the rejection mix, and the
 Redis side per ticket (commands sent, commands executed including those inside Lua, Redis
@@ -168,6 +169,28 @@ def tools_present() -> bool:
     return True
 
 
+def two_workers(redis_url: str, args: argparse.Namespace) -> tuple[float, str]:
+    """Throughput of `capsvc serve --workers 2`, on every CPU but the one wrk and Redis
+    use (CPU 0 alone on a machine of two)."""
+    cpus = os.cpu_count() or 1
+    cores = ",".join(str(c) for c in range(cpus) if c != 1) if cpus >= 3 else "0"
+    port = free_port()
+    proc = subprocess.Popen(pinned([sys.executable, "-m", "capsvc", "serve", "--workers", "2",
+                                    "--config", config_file(), "--redis-url", redis_url,
+                                    "--port", str(port)], cores),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port)
+        url = f"http://127.0.0.1:{port}"
+        wrk(url, 2, args.connections, "warm-two")
+        runs = [wrk(url, args.seconds, args.connections, f"two-{r}").rps
+                for r in range(args.rounds)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return statistics.median(runs), cores
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=10)
@@ -215,6 +238,7 @@ def main() -> int:
                     mixes.append(mix(metrics_before, capsvc_counters(svc.base_url)))
                 results[name].append(res)
         peak = statistics.median(r.rps for r in results["capsvc"])
+        two = two_workers(redis.url, args)
         # Below saturation: fewer connections until the rate is about 70 % of the peak.
         paced: Result | None = None
         for connections in (16, 8, 4, 2, 1):
@@ -254,6 +278,12 @@ def main() -> int:
               f"p95 {paced.p95_ms:.2f} ms, p99 {paced.p99_ms:.2f} ms")
     for i, text in enumerate(mixes):
         print(f"capsvc round {i}: {text}")
+    rps, cores = two
+    note = "" if (os.cpu_count() or 0) >= 3 else (
+        " (this machine has no core to spare for the second worker: wrk and Redis hold the "
+        "other one, so this says nothing of scaling)")
+    print(f"capsvc --workers 2 on CPUs {cores}: {rps:.0f} tickets/s = "
+          f"{rps / med['capsvc']:.2f} x one worker{note}")
     return 0
 
 
