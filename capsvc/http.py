@@ -7,7 +7,6 @@ use-cases, and encodes what they return.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import itertools
@@ -15,13 +14,12 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from redis.exceptions import ResponseError
 
 from capsvc.config import ID_RE, Channel, GameRules, Settings
@@ -47,7 +45,7 @@ from capsvc.usecases import UseCases
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _encode = msgspec.json.encode
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
@@ -101,7 +99,7 @@ class Authenticator:
         """Authorization headers already matched to a channel (at most one per channel: a
         token is only cached once proven, so strangers cannot grow it)."""
 
-    def channel(self, request: web.Request) -> Channel:
+    def channel(self, request: web.BaseRequest) -> Channel:
         header = request.headers.get("Authorization", "")
         known = self._known.get(header)
         if known is not None:
@@ -153,10 +151,10 @@ async def _watchdog(health: Health, timeout_s: float) -> None:
                 task.cancel()
 
 
-def _draw(request: web.Request) -> int:
+def _draw(request: web.BaseRequest) -> int:
     """The draw number of the path (the route admits digits only); an absurdly long one is
     a 404 at once."""
-    text = request.match_info["draw"]
+    text = _param(request, "draw")
     if not _DRAW_RE.fullmatch(text):  # int() would take " 5\n", "5_0", Arabic digits
         raise not_found(f"draw {text!r}")
     if len(text) > 12:
@@ -164,9 +162,17 @@ def _draw(request: web.Request) -> int:
     return int(text)
 
 
-def _ticket_id(request: web.Request) -> str:
+PARAMS = web.RequestKey("params", dict[str, str])
+"""The parameters of the request's path, as the router matched them."""
+
+
+def _param(request: web.BaseRequest, name: str) -> str:
+    return request[PARAMS][name]
+
+
+def _ticket_id(request: web.BaseRequest) -> str:
     """The ticket id of the path, matched whole like the body's (no trailing newline)."""
-    text = request.match_info["ticket_id"]
+    text = _param(request, "ticket_id")
     if not ID_RE.fullmatch(text):
         raise ApiError(422, "invalid_request", f"ticket ids: {_ID_MESSAGE}", "ticket_id")
     return text
@@ -195,7 +201,7 @@ class Api:
 
     # -- tickets ---------------------------------------------------------------------------
 
-    async def post_ticket(self, request: web.Request) -> web.StreamResponse:
+    async def post_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         ticket = decode_body(await request.read(), TicketIn)
         outcome = await self.tickets.sell(channel, ticket)
@@ -208,12 +214,12 @@ class Api:
             resp.headers["Idempotent-Replayed"] = "true"
         return resp
 
-    async def get_ticket(self, request: web.Request) -> web.StreamResponse:
+    async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = await self.tickets.ticket(channel, _ticket_id(request))
         return web.Response(body=body, content_type=_JSON)
 
-    async def cancel_ticket(self, request: web.Request) -> web.StreamResponse:
+    async def cancel_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         out = await self.tickets.cancel(channel, _ticket_id(request))
         await self.durability.confirm()
@@ -221,67 +227,67 @@ class Api:
 
     # -- games, draws, availability --------------------------------------------------------
 
-    async def games(self, request: web.Request) -> web.StreamResponse:
+    async def games(self, request: web.BaseRequest) -> web.StreamResponse:
         self.auth.channel(request)
         return web.Response(body=self._games, content_type=_JSON)
 
-    async def current_draw(self, request: web.Request) -> web.StreamResponse:
+    async def current_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         return json_response(await self.draws.current(game))
 
-    async def draw(self, request: web.Request) -> web.StreamResponse:
+    async def draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "sell", "read", "admin")
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read", "admin")
         return json_response(await self.draws.draw(game, _draw(request)))
 
-    async def close_draw(self, request: web.Request) -> web.StreamResponse:
+    async def close_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "admin")
+        game = self.catalog.game(_param(request, "game"), channel, "admin")
         return json_response(await self.draws.close(game, _draw(request)))
 
-    async def combination(self, request: web.Request) -> web.StreamResponse:
+    async def combination(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         return json_response(await self.availability_of.combination(
-            game, _draw(request), request.match_info["numbers"]))
+            game, _draw(request), _param(request, "numbers")))
 
-    async def capped(self, request: web.Request) -> web.StreamResponse:
+    async def capped(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         return json_response(await self.availability_of.sold_out(game, _draw(request)))
 
-    async def availability(self, request: web.Request) -> web.StreamResponse:
+    async def availability(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        game = self.catalog.game(request.match_info["game"], channel, "sell", "read")
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         query = decode_body(await request.read(), AvailabilityIn)
         return json_response(await self.availability_of.availability(game, query))
 
     # -- players ---------------------------------------------------------------------------
 
-    async def player(self, request: web.Request) -> web.StreamResponse:
+    async def player(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         return json_response(await self.players.state(
-            channel, request.match_info["player_id"], request.query.get("game")))
+            channel, _param(request, "player_id"), request.query.get("game")))
 
-    async def player_limit(self, request: web.Request) -> web.StreamResponse:
+    async def player_limit(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), LimitIn)
         return json_response(await self.players.set_limit(
-            channel, request.match_info["player_id"], request.query.get("game"), body))
+            channel, _param(request, "player_id"), request.query.get("game"), body))
 
-    async def player_stake(self, request: web.Request) -> web.StreamResponse:
+    async def player_stake(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), StakeIn)
         return json_response(await self.players.stake(
-            channel, request.match_info["player_id"], request.query.get("game"), body))
+            channel, _param(request, "player_id"), request.query.get("game"), body))
 
     # -- operations ------------------------------------------------------------------------
 
-    async def healthz(self, request: web.Request) -> web.StreamResponse:
+    async def healthz(self, request: web.BaseRequest) -> web.StreamResponse:
         return json_response(HealthOut(status="ok"))
 
-    async def readyz(self, request: web.Request) -> web.StreamResponse:
+    async def readyz(self, request: web.BaseRequest) -> web.StreamResponse:
         checks = {"draining": self.health.draining, "redis": False, "scripts": False}
         if not self.health.draining:
             try:
@@ -300,11 +306,11 @@ class Api:
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 
-    async def prometheus(self, request: web.Request) -> web.StreamResponse:
+    async def prometheus(self, request: web.BaseRequest) -> web.StreamResponse:
         return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def openapi(self, request: web.Request) -> web.StreamResponse:
+    async def openapi(self, request: web.BaseRequest) -> web.StreamResponse:
         if self._openapi is None:
             self._openapi = _encode(openapi_document())
         return web.Response(body=self._openapi, content_type=_JSON)
@@ -324,7 +330,62 @@ def game_out(r: GameRules) -> GameOut:
     )
 
 
-def _middleware(api: Api) -> Middleware:
+class Router:
+    """Method and path to a handler, its path parameters and its route template (the
+    `route` label of the metrics). Fixed paths are one dict lookup (the sale's among them);
+    the others are matched segment by segment, in the order they were added, a literal
+    segment before a parameter. A GET route answers HEAD too."""
+
+    def __init__(self) -> None:
+        self._fixed: dict[str, dict[str, Handler]] = {}
+        self._patterns: list[tuple[tuple[str, ...], str, dict[str, Handler]]] = []
+        self.routes: list[tuple[str, str]] = []
+        """(method, template) of every route, HEAD aside."""
+
+    def add(self, method: str, template: str, handler: Handler) -> None:
+        self.routes.append((method, template))
+        methods = {method: handler, **({"HEAD": handler} if method == "GET" else {})}
+        if "{" not in template:
+            self._fixed.setdefault(template, {}).update(methods)
+            return
+        segments = tuple(template[1:].split("/"))
+        for known, _, handlers in self._patterns:
+            if known == segments:
+                handlers.update(methods)
+                return
+        self._patterns.append((segments, template, methods))
+
+    def resolve(self, method: str, path: str
+                ) -> tuple[Handler | None, str, dict[str, str], tuple[str, ...]]:
+        """(handler, template, parameters, allowed methods): handler None when the path is
+        unknown (template "unmatched") or the method is not allowed there."""
+        handlers = self._fixed.get(path)
+        template, params = path, {}
+        if handlers is None:
+            parts = path[1:].split("/")
+            for segments, pattern, candidates in self._patterns:
+                if len(segments) != len(parts):
+                    continue
+                found: dict[str, str] = {}
+                for segment, part in zip(segments, parts, strict=True):
+                    if segment[0] == "{":
+                        if not part:
+                            break
+                        found[segment[1:-1]] = part
+                    elif segment != part:
+                        break
+                else:
+                    handlers, template, params = candidates, pattern, found
+                    break
+            else:
+                return None, "unmatched", {}, ()
+        handler = handlers.get(method)
+        return handler, template, params, tuple(m for m in handlers if m != "HEAD")
+
+
+def _dispatch(api: Api, router: Router) -> Handler:
+    """Every request: route, count in flight, shed, time out, map errors to the API's
+    format, time the request, stamp X-Request-ID (one function: no middleware chain)."""
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
     in_flight = metrics.in_flight
@@ -332,14 +393,21 @@ def _middleware(api: Api) -> Middleware:
     def busy(message: str) -> web.Response:
         return error_response(unavailable(message, settings.retry_after_s))
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         rid = request_id(request)
-        route = request.match_info.route.resource
-        template = route.canonical if route is not None else "unmatched"
-        if health.in_flight >= settings.max_in_flight:
-            resp: web.StreamResponse = busy("too many requests in flight")
+        handler, template, params, allowed = router.resolve(request.method, request.path)
+        request[PARAMS] = params
+        if handler is None:
+            if template == "unmatched":
+                resp: web.StreamResponse = error_response(
+                    ApiError(404, "not_found", f"no route {request.path}"))
+            else:
+                resp = error_response(ApiError(
+                    405, "method_not_allowed", f"{request.method} is not allowed here",
+                    headers={"Allow": ",".join(allowed)}))
+        elif health.in_flight >= settings.max_in_flight:
+            resp = busy("too many requests in flight")
         else:
             task = asyncio.current_task()
             assert task is not None
@@ -381,12 +449,6 @@ def _middleware(api: Api) -> Middleware:
                 resp = error_response(ApiError(
                     413, "payload_too_large",
                     f"the body is larger than {settings.max_body_bytes} bytes"))
-            except web.HTTPNotFound:
-                resp = error_response(ApiError(404, "not_found", f"no route {request.path}"))
-            except web.HTTPMethodNotAllowed as e:
-                resp = error_response(ApiError(405, "method_not_allowed",
-                                               f"{request.method} is not allowed here",
-                                               headers={"Allow": ",".join(e.allowed_methods)}))
             except Exception:
                 log.exception("unhandled error on %s %s", request.method, template,
                               extra={"request_id": rid})
@@ -399,7 +461,7 @@ def _middleware(api: Api) -> Middleware:
         resp.headers["X-Request-ID"] = rid
         return resp
 
-    return middleware
+    return dispatch
 
 
 _BYTES_RE = re.compile(r":? *b(['\"]).*", re.DOTALL)
@@ -464,36 +526,42 @@ def request_id(request: web.BaseRequest) -> str:
     return f"{_ID_PREFIX}{next(_request_ids):x}"
 
 
+@dataclass
+class App:
+    """The HTTP side of a service: one handler for every request (aiohttp's low-level
+    server calls it), the routes, and the request watchdog to run beside it."""
+
+    handle: Handler
+    router: Router
+    health: Health
+    request_timeout_s: float
+    max_body_bytes: int
+
+    async def watchdog(self) -> None:
+        await _watchdog(self.health, self.request_timeout_s)
+
+
 def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Metrics,
-               health: Health, durability: Durability) -> web.Application:
+               health: Health, durability: Durability) -> App:
     api = Api(settings, usecases, store, metrics, health, durability)
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[_middleware(api)])
-
-    async def watchdog(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(_watchdog(health, settings.request_timeout_ms / 1000))
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app.cleanup_ctx.append(watchdog)
-    draw = "/v1/games/{game}/draws/{draw:-?[0-9]+}"
-    app.router.add_post("/v1/tickets", api.post_ticket)
-    app.router.add_get("/v1/tickets/{ticket_id}", api.get_ticket)
-    app.router.add_post("/v1/tickets/{ticket_id}/cancel", api.cancel_ticket)
-    app.router.add_get("/v1/games", api.games)
-    app.router.add_get("/v1/games/{game}/draws/current", api.current_draw)
-    app.router.add_get(draw, api.draw)
-    app.router.add_post(draw + "/close", api.close_draw)
-    app.router.add_get(draw + "/combinations/{numbers}", api.combination)
-    app.router.add_get(draw + "/capped", api.capped)
-    app.router.add_post("/v1/games/{game}/availability", api.availability)
-    app.router.add_get("/v1/players/{player_id}", api.player)
-    app.router.add_put("/v1/players/{player_id}/limit", api.player_limit)
-    app.router.add_post("/v1/players/{player_id}/stakes", api.player_stake)
-    app.router.add_get("/healthz", api.healthz)
-    app.router.add_get("/readyz", api.readyz)
-    app.router.add_get("/metrics", api.prometheus)
-    app.router.add_get("/openapi.json", api.openapi)
-    return app
+    router = Router()
+    draw = "/v1/games/{game}/draws/{draw}"
+    router.add("POST", "/v1/tickets", api.post_ticket)
+    router.add("GET", "/v1/tickets/{ticket_id}", api.get_ticket)
+    router.add("POST", "/v1/tickets/{ticket_id}/cancel", api.cancel_ticket)
+    router.add("GET", "/v1/games", api.games)
+    router.add("GET", "/v1/games/{game}/draws/current", api.current_draw)
+    router.add("GET", draw, api.draw)
+    router.add("POST", draw + "/close", api.close_draw)
+    router.add("GET", draw + "/combinations/{numbers}", api.combination)
+    router.add("GET", draw + "/capped", api.capped)
+    router.add("POST", "/v1/games/{game}/availability", api.availability)
+    router.add("GET", "/v1/players/{player_id}", api.player)
+    router.add("PUT", "/v1/players/{player_id}/limit", api.player_limit)
+    router.add("POST", "/v1/players/{player_id}/stakes", api.player_stake)
+    router.add("GET", "/healthz", api.healthz)
+    router.add("GET", "/readyz", api.readyz)
+    router.add("GET", "/metrics", api.prometheus)
+    router.add("GET", "/openapi.json", api.openapi)
+    return App(_dispatch(api, router), router, health, settings.request_timeout_ms / 1000,
+               settings.max_body_bytes)

@@ -14,6 +14,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -22,7 +23,7 @@ from capsvc.coalesce import Transport
 from capsvc.config import Settings
 from capsvc.durability import Durability
 from capsvc.errors import Unavailable
-from capsvc.http import Health, Protocol, create_app
+from capsvc.http import App, Health, Protocol, create_app
 from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
@@ -66,7 +67,7 @@ async def _flush_metrics(metrics: Metrics) -> None:
 class _Site(web.SockSite):
     """The application on the listening socket, each connection served by `Protocol`."""
 
-    def __init__(self, runner: web.AppRunner, sock: socket.socket, metrics: Metrics,
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, metrics: Metrics,
                  access_log: logging.Logger | None) -> None:
         super().__init__(runner, sock, backlog=BACKLOG)
         self._metrics = metrics
@@ -96,7 +97,7 @@ class Service:
     usecases: UseCases
     metrics: Metrics
     health: Health
-    app: web.Application
+    app: App
 
 
 def build(settings: Settings, redis_url: str) -> Service:
@@ -113,14 +114,39 @@ def build(settings: Settings, redis_url: str) -> Service:
     return Service(settings, redis, store, usecases, metrics, health, app)
 
 
-async def start_serving(svc: Service, sock: socket.socket) -> web.AppRunner:
-    """Serve `svc` on a listening socket (until the returned runner is cleaned up)."""
-    access_log = logging.getLogger("capsvc.access") if svc.settings.access_log else None
-    runner = web.AppRunner(svc.app, access_log=access_log,
-                           shutdown_timeout=svc.settings.request_timeout_ms / 1000 + 1)
+class Serving:
+    """A service serving on its socket: `cleanup` stops the listener, lets the requests in
+    flight finish and stops the request watchdog."""
+
+    def __init__(self, runner: web.ServerRunner, watchdog: asyncio.Task[None]) -> None:
+        self.runner = runner
+        self._watchdog = watchdog
+
+    async def cleanup(self) -> None:
+        await self.runner.cleanup()
+        self._watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watchdog
+
+
+async def start_serving(svc: Service, sock: socket.socket) -> Serving:
+    """Serve `svc` on a listening socket (until the returned Serving is cleaned up), on
+    aiohttp's low-level server: every request goes to one handler (`App.handle`)."""
+    loop = asyncio.get_running_loop()
+    max_body = svc.app.max_body_bytes
+
+    def request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+                ) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task, loop,
+                               client_max_size=max_body)
+
+    server = web.Server(svc.app.handle, request_factory=request)
+    runner = web.ServerRunner(server,
+                              shutdown_timeout=svc.settings.request_timeout_ms / 1000 + 1)
     await runner.setup()
+    access_log = logging.getLogger("capsvc.access") if svc.settings.access_log else None
     await _Site(runner, sock, svc.metrics, access_log).start()
-    return runner
+    return Serving(runner, asyncio.create_task(svc.app.watchdog()))
 
 
 async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None:

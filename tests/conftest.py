@@ -11,10 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
-from aiohttp import web
 
 from capsvc.config import Settings, load_settings
-from capsvc.server import Service, build, start_serving
+from capsvc.server import Service, Serving, build, start_serving
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from capsvc.workers import listen
 
@@ -144,7 +143,7 @@ def two_services(redis_backend: RedisServer | RedisCluster, redis_db: Any) -> It
         s.stop()
 
 
-async def start_service(svc: Service) -> tuple[web.AppRunner, str]:
+async def start_service(svc: Service) -> tuple[Serving, str]:
     await svc.store.load_library()
     await svc.usecases.clock.sync()
     sock = listen("127.0.0.1", 0)

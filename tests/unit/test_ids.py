@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from jsonschema import Draft202012Validator
 
@@ -24,7 +25,7 @@ from capsvc.config import (
     parse_settings,
 )
 from capsvc.errors import ApiError
-from capsvc.http import _draw, _ticket_id, decode_body, request_id
+from capsvc.http import PARAMS, _draw, _ticket_id, decode_body, request_id
 from capsvc.models import ID_PATTERN, StakeIn, TicketIn
 from capsvc.openapi import openapi_document
 from capsvc.players import Players
@@ -35,6 +36,13 @@ GOOD = ["X", "N-4", "P-9", "a.b_c:d-E9", "A" * 64, "0", "...", "-", ":"]
 BAD = ["X\n", "N-4\n", "X\r", "X\r\n", "X\x00", "\x00X", "\nX", "X\nY", "X\t", "X ", " X",
        "X\x7f", "X\u2028", "X\u0085", "é", "X/1", "X?", "X#", "", "A" * 65, "N-4\n\n"]
 SHA = "0" * 64
+
+
+def routed(path: str, params: dict[str, str]) -> web.BaseRequest:
+    """A request as the router hands it to a handler, with its path parameters."""
+    request = make_mocked_request("GET", path)
+    request[PARAMS] = params
+    return request
 
 
 def body(**fields: Any) -> bytes:
@@ -113,7 +121,7 @@ def test_game_id_regex_is_whole(value: str) -> None:
 @pytest.mark.parametrize("value", BAD)
 def test_ticket_id_path_parameter_is_matched_whole(value: str) -> None:
     """A bad ticket id from the URL path is 422 invalid_request at `ticket_id`."""
-    request = make_mocked_request("GET", "/v1/tickets/x", match_info={"ticket_id": value})
+    request = routed("/v1/tickets/x", {"ticket_id": value})
     err = refused(lambda: _ticket_id(request))
     assert (err.status, err.code, err.path) == (422, "invalid_request", "ticket_id")
 
@@ -121,14 +129,14 @@ def test_ticket_id_path_parameter_is_matched_whole(value: str) -> None:
 @pytest.mark.parametrize("value", GOOD)
 def test_valid_ticket_id_path_parameter_passes(value: str) -> None:
     """A valid ticket id from the URL path comes back unchanged."""
-    request = make_mocked_request("GET", "/v1/tickets/x", match_info={"ticket_id": value})
+    request = routed("/v1/tickets/x", {"ticket_id": value})
     assert _ticket_id(request) == value
 
 
 @pytest.mark.parametrize("value", ["5\n", " 5", "5 ", "5_0", "\u0665", "+5", "0x5", "", "5\x00"])
 def test_draw_path_parameter_is_digits_only(value: str) -> None:
     """A draw that is not plain ASCII digits is 404 not_found, never int()'s lenient parse."""
-    request = make_mocked_request("GET", "/v1/games/g/draws/x", match_info={"draw": value})
+    request = routed("/v1/games/g/draws/x", {"draw": value})
     err = refused(lambda: _draw(request))
     assert (err.status, err.code) == (404, "not_found")
 
@@ -136,9 +144,9 @@ def test_draw_path_parameter_is_digits_only(value: str) -> None:
 def test_draw_path_parameter_parses_digits() -> None:
     """Plain digits parse; an absurdly long number is a 404 naming it."""
     for text, draw in (("4711", 4711), ("-3", -3)):
-        request = make_mocked_request("GET", "/v1/games/g/draws/x", match_info={"draw": text})
+        request = routed("/v1/games/g/draws/x", {"draw": text})
         assert _draw(request) == draw
-    request = make_mocked_request("GET", "/v1/games/g/draws/x", match_info={"draw": "1" * 13})
+    request = routed("/v1/games/g/draws/x", {"draw": "1" * 13})
     err = refused(lambda: _draw(request))
     assert (err.status, err.code) == (404, "not_found")
     assert "draw 1111111111111" in err.message
