@@ -49,7 +49,7 @@ class Durability:
             acked = await self.redis.wait_replicas(self.replicas, self.wait_timeout_ms)
         except (Unavailable, ResponseError) as e:
             # What went before the WAIT may have run: an unknown outcome, not "nothing
-            # recorded" (the middleware's answer to Unavailable).
+            # recorded" (the dispatcher's answer to Unavailable).
             log.debug("WAIT failed: %s", e)
             acked = -1
         if acked >= self.replicas:

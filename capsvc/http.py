@@ -141,7 +141,7 @@ class Health:
 
 
 async def _watchdog(health: Health, timeout_s: float) -> None:
-    """Cancel requests running longer than the timeout (the middleware answers 503)."""
+    """Cancel requests running longer than the timeout (the dispatcher answers 503)."""
     while True:
         await asyncio.sleep(timeout_s / 4)
         limit = time.perf_counter() - timeout_s
@@ -491,7 +491,7 @@ class Protocol(web.RequestHandler):
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         # After answering a body it could not decode, aiohttp reads the rest of it and
-        # meets the same error: already answered (400) and logged by the middleware.
+        # meets the same error: already answered (400) and logged by the dispatcher.
         if isinstance(kw.get("exc_info"), web.RequestPayloadError):
             log.debug("the rest of an unreadable body was dropped")
             return
