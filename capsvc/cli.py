@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from capsvc import logs
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
@@ -16,16 +16,15 @@ from capsvc.config import ConfigError, Settings, load_settings, redis_url_proble
 log = logging.getLogger("capsvc")
 
 
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
-    return int(text)
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a decimal integer from `low` to `high`, else a one-line error."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"expected {what} from {low} to {high}, "
+                                             f"got {text!r}")
+        return int(text)
 
-
-def _workers(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 256:
-        raise argparse.ArgumentTypeError(f"expected 1 to 256 workers, got {text!r}")
-    return int(text)
+    return parse
 
 
 def _settings(path: str | None) -> Settings:
@@ -120,10 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
                          "else the built-in local configuration)")
     p_serve.add_argument("--host")
-    p_serve.add_argument("--port", type=_port, help="0 to 65535 (0: any free port)")
+    p_serve.add_argument("--port", type=_int_in(0, 65535, "a port number"),
+                         help="0 to 65535 (0: any free port)")
     p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
                          "url, else an embedded Redis under ./var/)")
-    p_serve.add_argument("--workers", type=_workers, help="1 to 256 worker processes")
+    p_serve.add_argument("--workers", type=_int_in(1, 256, "a number of workers"),
+                         help="1 to 256 worker processes")
     p_serve.add_argument("--log-level", default="INFO")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
     p_check.add_argument("path")

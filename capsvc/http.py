@@ -330,6 +330,10 @@ def game_out(r: GameRules) -> GameOut:
     )
 
 
+_NO_PARAMS: dict[str, str] = {}
+"""The parameters of a fixed path (shared, never written)."""
+
+
 class Router:
     """Method and path to a handler, its path parameters and its route template (the
     `route` label of the metrics). Fixed paths are one dict lookup (the sale's among them);
@@ -356,11 +360,12 @@ class Router:
         self._patterns.append((segments, template, methods))
 
     def resolve(self, method: str, path: str
-                ) -> tuple[Handler | None, str, dict[str, str], tuple[str, ...]]:
-        """(handler, template, parameters, allowed methods): handler None when the path is
-        unknown (template "unmatched") or the method is not allowed there."""
+                ) -> tuple[Handler | None, str, dict[str, str], dict[str, Handler]]:
+        """(handler, template, parameters, the path's handlers by method): handler None
+        when the path is unknown (template "unmatched") or the method is not allowed
+        there."""
         handlers = self._fixed.get(path)
-        template, params = path, {}
+        template, params = path, _NO_PARAMS
         if handlers is None:
             parts = path[1:].split("/")
             for segments, pattern, candidates in self._patterns:
@@ -378,9 +383,8 @@ class Router:
                     handlers, template, params = candidates, pattern, found
                     break
             else:
-                return None, "unmatched", {}, ()
-        handler = handlers.get(method)
-        return handler, template, params, tuple(m for m in handlers if m != "HEAD")
+                return None, "unmatched", _NO_PARAMS, {}
+        return handlers.get(method), template, params, handlers
 
 
 def _dispatch(api: Api, router: Router) -> Handler:
@@ -396,7 +400,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         rid = request_id(request)
-        handler, template, params, allowed = router.resolve(request.method, request.path)
+        handler, template, params, handlers = router.resolve(request.method, request.path)
         request[PARAMS] = params
         if handler is None:
             if template == "unmatched":
@@ -405,7 +409,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
             else:
                 resp = error_response(ApiError(
                     405, "method_not_allowed", f"{request.method} is not allowed here",
-                    headers={"Allow": ",".join(allowed)}))
+                    headers={"Allow": ",".join(m for m in handlers if m != "HEAD")}))
         elif health.in_flight >= settings.max_in_flight:
             resp = busy("too many requests in flight")
         else:

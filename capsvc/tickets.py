@@ -125,7 +125,7 @@ class Tickets:
                 await indexed
             kind = claim[0]
             try:
-                if kind == b"sold":
+                if kind == b"new" and one_call:  # decided in that same call
                     out = decision_of(channel.id, stored, claim[2].decode(), int(claim[1]),
                                       claim[3])
                     return SaleOutcome(body=_encode(out), replayed=False, ticket=out,
@@ -170,8 +170,8 @@ class Tickets:
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
                                 expire_at: int) -> list[Any]:
-        """The sale as one atomic call (standalone Redis, no player limits); the claim's
-        answers, with `sold` for a sale just made: [b"sold", at, sid, results, near, sold]."""
+        """The sale as one atomic call (standalone Redis, no player limits): the claim's
+        answers, a sale just made being [b"new", at, sid, results, near, sold]."""
         rules = game.rules
         assert sale.first_draw is not None
         reply: list[Any] = await self.store.sell(
@@ -179,8 +179,6 @@ class Tickets:
             rules.id, sale.first_draw, sale.draws, rules.cap_limit or 0, rules.min_stake,
             [(g.combo if g.capped else "", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone)
-        if reply[0] == b"new":
-            reply[0] = b"sold"
         return reply
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
@@ -247,7 +245,6 @@ class Tickets:
             await self.store.ticket(ticket_key(channel.id, ticket_id)))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
-        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
         if body is None and results is not None:
             body = _derived_body(channel.id, raw_sale, sale_id, at, results)
         if body is None:
@@ -256,6 +253,7 @@ class Tickets:
                            "same body to complete it")
         if cancelled_at is None:
             return bytes(body)
+        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
         tz = game.rules.tz if game is not None else UTC
         return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
 

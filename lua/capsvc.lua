@@ -95,6 +95,22 @@ decision of `sell` has results, not a body) | {'pending', at, sid, sale} | {'con
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
 ticket replays at any time. Admin stops live in another slot: the caller reads them with
 its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
+-- The answer of a claim (or a sale) for a ticket id already recorded: `rec` is its
+-- st, fp, at, sid, sale, body, res.
+local function known_ticket(rec, fingerprint, now, stale_after_ms)
+  local st = rec[1]
+  if rec[2] ~= fingerprint then
+    return {'conflict'}
+  end
+  if st == 'f' or st == 'k' or st == 'c' then
+    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
+  end
+  if st == 'p' and now - tonumber(rec[3]) < stale_after_ms then
+    return {'pending', tonumber(rec[3]), rec[4], rec[5]}
+  end
+  return {'stale'}
+end
+
 local function claim(keys, args)
   local ticket = keys[1]
   local t = redis.call('TIME')
@@ -114,16 +130,7 @@ local function claim(keys, args)
     redis.call('PEXPIREAT', ticket, tonumber(args[4]))
     return {'new', now, sid}
   end
-  if rec[2] ~= args[1] then
-    return {'conflict'}
-  end
-  if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
-  end
-  if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
-    return {'pending', tonumber(rec[3]), rec[4], rec[5]}
-  end
-  return {'stale'}
+  return known_ticket(rec, args[1], now, tonumber(args[5]))
 end
 
 --[[ finalize: KEYS ticket; ARGV sid, body
@@ -248,6 +255,45 @@ local function recorded(buckets, combo, rec, cap, min_stake)
   return out
 end
 
+local function slice_from(list, from)
+  local out = {}
+  for i = from, #list do
+    out[#out + 1] = list[i]
+  end
+  return out
+end
+
+-- Count `stake` for a grid with no record yet on every draw (`buckets`, `expiries`), or
+-- none: record what it took, or why it was refused, in the last draw's bucket. The reply
+-- is `reserve`'s. A TTL is written only when it grows (`extend`: a read is not propagated
+-- to the AOF and the replicas, a write is).
+local function count(buckets, field, combo, stake, cap, min_stake, expiries)
+  local n = #buckets
+  local last = buckets[n]
+  for i = 1, n do
+    local room = cap - tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    if stake > room then
+      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
+      extend(last, tonumber(expiries[n]))
+      return {0, i - 1, room}
+    end
+  end
+  local out = {1, 0}
+  local near = cap * 0.8
+  for i = 1, n do
+    local total = redis.call('HINCRBY', buckets[i], combo, stake)
+    extend(buckets[i], tonumber(expiries[i]))
+    if total >= near and total - stake < near then
+      out[2] = out[2] + 1
+    end
+    if cap - total < min_stake then
+      out[#out + 1] = i - 1
+    end
+  end
+  redis.call('HSET', last, field, stake)
+  return out
+end
+
 --[[ reserve: KEYS bucket(draw 1), …, bucket(draw n);
 ARGV record, combo, stake, cap, close_ms, min_stake, expire_at(draw 1), …, expire_at(draw n)
 All or nothing over the n draws of one grid of one sale. Returns
@@ -275,28 +321,7 @@ local function reserve(keys, args)
   if now_ms() >= close_ms then
     return {-1}
   end
-  for i = 1, #keys do
-    local room = cap - tonumber(redis.call('HGET', keys[i], combo) or '0')
-    if stake > room then
-      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
-      redis.call('PEXPIREAT', last, last_expiry)
-      return {0, i - 1, room}
-    end
-  end
-  local out = {1, 0}
-  local near = cap * 0.8
-  for i = 1, #keys do
-    local total = redis.call('HINCRBY', keys[i], combo, stake)
-    redis.call('PEXPIREAT', keys[i], tonumber(args[6 + i]))
-    if total >= near and total - stake < near then
-      out[2] = out[2] + 1
-    end
-    if cap - total < min_stake then
-      out[#out + 1] = i - 1
-    end
-  end
-  redis.call('HSET', last, field, stake)
-  return out
+  return count(keys, field, combo, stake, cap, min_stake, slice_from(args, 7))
 end
 
 --[[ release: KEYS bucket(draw 1), …, bucket(draw n);
@@ -535,43 +560,6 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
--- Set a key's expiry to `at` unless it is already that: a read (PEXPIRETIME) is not
--- propagated to the AOF and replicas, a PEXPIREAT is.
-local function expire_at(key, at)
-  if redis.call('PEXPIRETIME', key) ~= at then
-    redis.call('PEXPIREAT', key, at)
-  end
-end
-
--- `reserve` for a sale just claimed in the same call: no record can exist yet and the
--- close was checked, so neither is looked up again. Same records, same reply.
-local function reserve_new(buckets, field, combo, stake, cap, min_stake, expiries)
-  local n = #buckets
-  local last = buckets[n]
-  for i = 1, n do
-    local room = cap - tonumber(redis.call('HGET', buckets[i], combo) or '0')
-    if stake > room then
-      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
-      expire_at(last, tonumber(expiries[n]))
-      return {0, i - 1, room}
-    end
-  end
-  local out = {1, 0}
-  local near = cap * 0.8
-  for i = 1, n do
-    local total = redis.call('HINCRBY', buckets[i], combo, stake)
-    expire_at(buckets[i], tonumber(expiries[i]))
-    if total >= near and total - stake < near then
-      out[2] = out[2] + 1
-    end
-    if cap - total < min_stake then
-      out[#out + 1] = i - 1
-    end
-  end
-  redis.call('HSET', last, field, stake)
-  return out
-end
-
 --[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
 list of each draw;
 ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, cap,
@@ -581,7 +569,7 @@ time is rendered in the zone of the sale, whatever the configuration says later)
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
-reserved as `reserve` does, the combinations it brought to their cap go on the sold-out
+counted as `reserve` counts it, the combinations it brought to their cap go on the sold-out
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a
@@ -593,18 +581,8 @@ local function sell(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res')
-  local st = rec[1]
-  if st then
-    if rec[2] ~= args[1] then
-      return {'conflict'}
-    end
-    if st == 'f' or st == 'k' or st == 'c' then
-      return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
-    end
-    if st == 'p' and now - tonumber(rec[3]) < tonumber(args[5]) then
-      return {'pending', tonumber(rec[3]), rec[4], rec[5]}
-    end
-    return {'stale'}
+  if rec[1] then
+    return known_ticket(rec, args[1], now, tonumber(args[5]))
   end
   local close_ms = tonumber(args[3])
   if now >= close_ms then
@@ -630,16 +608,7 @@ local function sell(keys, args)
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  local lists = {}
-  local capped = 0
-  for g = 1, grids do
-    if args[10 + 2 * g] ~= '' then
-      capped = capped + 1
-    end
-  end
-  for i = 1, n do
-    lists[i] = keys[2 + capped * n + i]
-  end
+  local lists = #keys - n  -- the sold-out list of draw i is keys[lists + i]
   local res, near, sold = {}, 0, 0
   local k = 3
   for g = 1, grids do
@@ -655,14 +624,15 @@ local function sell(keys, args)
       sid_bytes = sid_bytes or string.gsub(sid, '..', function(h)
         return string.char(tonumber(h, 16))
       end)
-      local out = reserve_new(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
-                              tonumber(stake), tonumber(cap), tonumber(min_stake), expiries)
+      -- No record can exist for a sale claimed in this call, and the close was checked:
+      -- straight to counting.
+      local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
+                        tonumber(stake), tonumber(cap), tonumber(min_stake), expiries)
       if out[1] == 1 then
         res[g] = '1'
         near = near + out[2]
         for j = 3, #out do
-          redis.call('SADD', lists[out[j] + 1], combo)
-          redis.call('PEXPIREAT', lists[out[j] + 1], expiries[out[j] + 1])
+          sold_out_add({keys[lists + out[j] + 1]}, {combo, expiries[out[j] + 1]})
           sold = sold + 1
         end
       else

@@ -56,14 +56,20 @@ def new_sale() -> str:
     return secrets.token_hex(8)
 
 
-@pytest.fixture
-async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
-                ) -> AsyncIterator[Store]:
-    coalescer = connect(redis_backend.url, timeout_s=2, library=lua_source())
+async def store_on(url: str) -> AsyncIterator[Store]:
+    """A store on `url` with the library loaded, closed afterwards."""
+    coalescer = connect(url, timeout_s=2, library=lua_source())
     s = Store(coalescer)
     await s.load_library()
     yield s
     await coalescer.aclose()
+
+
+@pytest.fixture
+async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
+                ) -> AsyncIterator[Store]:
+    async for s in store_on(redis_backend.url):
+        yield s
 
 
 @pytest.fixture
@@ -848,11 +854,8 @@ async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
 @pytest.fixture
 async def one_node(redis_server: RedisServer, standalone_db: redis.Redis
                    ) -> AsyncIterator[Store]:
-    coalescer = connect(redis_server.url, timeout_s=2, library=lua_source())
-    s = Store(coalescer)
-    await s.load_library()
-    yield s
-    await coalescer.aclose()
+    async for s in store_on(redis_server.url):
+        yield s
 
 
 async def test_sell_counts_decides_and_replays_in_one_call(

@@ -34,6 +34,7 @@ import yaml
 
 from capsvc.testing import RedisServer, free_port
 from tests.conftest import CONFIG, TOKENS
+from tests.integration.test_workers import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "capsvc.json"
@@ -329,25 +330,6 @@ class Seller:
             step += 1
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path) -> None:
-    """Until two different workers have answered /readyz (generated request ids start
-    with the worker's pid); retried for a while, the service may be restarting."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url + "/readyz") as resp:
-                if resp.status == 200:
-                    seen.add(resp.headers["X-Request-ID"].split("-")[0])
-        except aiohttp.ClientError:
-            pass
-        if len(seen) == 2:
-            return
-        await asyncio.sleep(0.05)
-    output = await asyncio.to_thread(log.read_text)
-    raise AssertionError(f"workers not ready ({seen}): {output[-3000:]}")
-
-
 # -- the expressions of deploy/ ------------------------------------------------------------
 
 
@@ -398,7 +380,7 @@ async def test_prometheus_scrapes_every_series_of_the_dashboard_and_the_alerts(
     and Redis round trips spread over several buckets."""
     url, log = capsvc_workers
     prom = Prom(session, prometheus)
-    await wait_ready(session, url, log)
+    await wait_ready(session, url, log, timeout_s=30)  # the service may be restarting
     await prom.wait_ready()
 
     # Warm up (every series the traffic moves exists), then wait for a scrape of it.

@@ -91,12 +91,19 @@ def proxy(redis_server: RedisServer, standalone_db: redis.Redis) -> Iterator[Fau
         yield p
 
 
+def serve(config: Path, proxy: FaultProxy) -> Iterator[Api]:
+    """A service on `config`, talking to the session's Redis through the proxy."""
+    service = ServiceProcess(str(config), proxy.url).start()
+    try:
+        yield Api(service.base_url)
+    finally:
+        service.stop()
+
+
 @pytest.fixture
 def api(proxy: FaultProxy) -> Iterator[Api]:
-    """The service, talking to the session's Redis through the proxy."""
-    service = ServiceProcess(str(CONFIG), proxy.url).start()
-    yield Api(service.base_url)
-    service.stop()
+    """The service selling in steps, through the proxy."""
+    yield from serve(CONFIG, proxy)
 
 
 def sale(*grids: tuple[list[int], int], **fields: Any) -> dict[str, Any]:
@@ -430,9 +437,7 @@ SELL = command("FCALL", "capsvc_sell")
 @pytest.fixture
 def one_call(proxy: FaultProxy) -> Iterator[Api]:
     """The service selling in one call, through the proxy."""
-    service = ServiceProcess(str(ONE_CALL), proxy.url).start()
-    yield Api(service.base_url)
-    service.stop()
+    yield from serve(ONE_CALL, proxy)
 
 
 @pytest.mark.parametrize("fault", ["reply lost", "reply late", "request lost"])

@@ -46,11 +46,13 @@ def workers(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
         proc.wait()
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path | None = None,
+                     timeout_s: float = 20) -> None:
     """Until two different workers have answered /readyz (generated request ids start
-    with the worker's pid)."""
+    with the worker's pid); else fail with the end of the service's `log`."""
     seen: set[str] = set()
-    for _ in range(400):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             async with session.get(url + "/readyz") as resp:
                 if resp.status == 200:
@@ -60,7 +62,8 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
         if len(seen) == 2:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"workers not ready: {seen}")
+    output = "" if log is None else (await asyncio.to_thread(log.read_text))[-3000:]
+    raise AssertionError(f"workers not ready ({seen}): {output}")
 
 
 async def test_two_workers_one_view_one_drain(
