@@ -392,7 +392,6 @@ def _dispatch(api: Api, router: Router) -> Handler:
     format, time the request, stamp X-Request-ID (one function: no middleware chain)."""
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
-    in_flight = metrics.in_flight
 
     def busy(message: str) -> web.Response:
         return error_response(unavailable(message, settings.retry_after_s))
@@ -418,7 +417,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
             requests[task] = started
             counted = template != "/metrics"  # a scrape does not count itself
             if counted:
-                in_flight.inc()
+                metrics.serving += 1
             try:
                 resp = await handler(request)
             except asyncio.CancelledError:
@@ -460,7 +459,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
             finally:
                 del requests[task]
                 if counted:
-                    in_flight.dec()
+                    metrics.serving -= 1
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
         resp.headers["X-Request-ID"] = rid
         return resp
