@@ -9,7 +9,6 @@ from capsvc import combination
 from capsvc.draws import Draws
 from capsvc.errors import rule_error
 from capsvc.games import Game
-from capsvc.ledger import replies_of
 from capsvc.models import (
     AvailabilityGridOut,
     AvailabilityIn,
@@ -17,7 +16,7 @@ from capsvc.models import (
     CappedOut,
     CombinationOut,
 )
-from capsvc.store import Store, stop_instants
+from capsvc.store import Store, replies_of, stop_instants
 from capsvc.validator import parse_numbers_path, validate_availability
 
 
@@ -35,9 +34,9 @@ class Availability:
         if not rules.is_capped(len(numbers)):
             return CombinationOut(numbers=list(numbers), draw=draw, cap=None, staked=None,
                                   remaining=None, selectable=True)
-        cap = rules.cap_limit or 0
-        (raw,) = await replies_of(self.store.counters(rules.id, combination.encode(numbers),
-                                                      draw, 1))
+        queued = self.store.counters(rules.id, combination.encode(numbers), draw, 1)
+        ((cap, _),) = await self.draws.caps.in_force(game, draw, 1)
+        (raw,) = await replies_of(queued)
         staked = int(raw or 0)
         return CombinationOut(numbers=list(numbers), draw=draw, cap=cap, staked=staked,
                               remaining=cap - staked, selectable=cap - staked >= rules.min_stake)
@@ -47,10 +46,11 @@ class Availability:
         probes = validate_availability(rules, a)
         first = a.first_draw if a.first_draw is not None else await self.draws.current_draw(game)
         self.draws.check_window(game, first)
-        cap = rules.cap_limit or 0
         stops = self.store.stops(rules.id, first, a.draws)  # every read in one round trip
         queued = [self.store.counters(rules.id, p.combo, first, a.draws) if p.capped else None
                   for p in probes]
+        caps = ([c for c, _ in await self.draws.caps.in_force(game, first, a.draws)]
+                if any(p.capped for p in probes) else [])
         stopped = next((first + i for i, s in enumerate(stop_instants(await stops))
                         if s is not None), None)
         if stopped is not None:  # a sale would be refused for the whole ticket
@@ -61,7 +61,7 @@ class Availability:
         for p, values in zip(probes, counters, strict=True):
             out = AvailabilityGridOut(index=p.index, available=True)
             for offset, raw in enumerate(values or ()):
-                room = cap - int(raw or 0)
+                room = caps[offset] - int(raw or 0)
                 if p.stake > room:
                     out = AvailabilityGridOut(index=p.index, available=False,
                                               draw=first + offset, remaining=room)
@@ -74,9 +74,11 @@ class Availability:
         rules = game.rules
         game.check_draw(draw)
         members = sorted(await self.store.sold_out(rules.id, draw))
+        if not members:
+            return CappedOut(draw=draw, combinations=[])
         values = await replies_of(self.store.counters_of(rules.id, draw,
                                                          [m.decode() for m in members]))
-        cap = rules.cap_limit or 0
+        ((cap, _),) = await self.draws.caps.in_force(game, draw, 1)
         return CappedOut(draw=draw, combinations=[
             combination.decode(m) for m, v in zip(members, values, strict=True)
             if cap - int(v or 0) < rules.min_stake

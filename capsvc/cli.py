@@ -1,4 +1,4 @@
-"""The `capsvc` command: `serve` and `check-config`."""
+"""The `capsvc` command: `serve`, `check-config` and `watch`."""
 
 from __future__ import annotations
 
@@ -112,6 +112,20 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    from capsvc.watch import watch
+
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"capsvc watch: set {args.token_env} to a token with scope sell or read",
+              file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(watch(args.url, args.game, token, args.draw))
+    except KeyboardInterrupt:
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,9 +142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--log-level", default="INFO")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
     p_check.add_argument("path")
+    p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
+                             "a disconnection)")
+    p_watch.add_argument("game")
+    p_watch.add_argument("--url", default="http://127.0.0.1:8080",
+                         help="the service (default http://127.0.0.1:8080)")
+    p_watch.add_argument("--draw", type=_int_in(1, 10**9, "a draw number"),
+                         help="follow one draw only")
+    p_watch.add_argument("--token-env", default="CAPSVC_TOKEN",
+                         help="environment variable holding the bearer token "
+                              "(default CAPSVC_TOKEN; a token on the command line would "
+                              "show in the process list)")
     args = parser.parse_args(argv)
     if args.command == "check-config":
         return check_config(args.path)
+    if args.command == "watch":
+        return _watch(args)
     logs.setup(args.log_level)
     return serve(args)
 

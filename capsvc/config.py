@@ -72,6 +72,8 @@ class GameRules:
     multiplier: bool
     joker_plus_price: int | None
     tz: ZoneInfo = field(compare=False, repr=False)
+    shadow_cap_limit: int | None = None
+    """A lower cap evaluated on every capped grid and never enforced (to try it first)."""
 
     @property
     def min_stake(self) -> int:
@@ -225,6 +227,7 @@ _GAME_FIELDS = {
     "durations", "cap_limit", "capped_picks", "daily_limit", "time_zone", "draw_times",
     "draw_every", "draw_from", "draw_until", "draw_epoch", "cancel", "retention", "max_grids",
     "sales_horizon", "subscription_accounting", "multiplier", "joker_plus_price",
+    "shadow_cap_limit",
 }
 
 
@@ -304,6 +307,12 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
                f"must lie within picks_min..picks_max ({picks_min}..{picks_max})")
     if cap_limit is not None and stakes and stakes[0] > cap_limit:
         c.fail(f"{w}.cap_limit", "is below the smallest stake: nothing could ever be sold")
+    shadow = g.get("shadow_cap_limit")
+    shadow_cap = None if shadow is None else c.integer(f"{w}.shadow_cap_limit", shadow, 1)
+    if shadow_cap is not None and (cap_limit is None or shadow_cap >= cap_limit):
+        c.fail(f"{w}.shadow_cap_limit",
+               "must be below cap_limit (a lower cap to try before enforcing it)")
+        shadow_cap = None
     daily = g.get("daily_limit")
     daily_limit = None if daily is None else c.integer(f"{w}.daily_limit", daily, 1)
     tzname = c.text(f"{w}.time_zone", g.get("time_zone"))
@@ -350,6 +359,7 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
         multiplier=c.boolean(f"{w}.multiplier", g.get("multiplier", False)),
         joker_plus_price=None if joker is None else c.integer(f"{w}.joker_plus_price", joker, 1),
         tz=tz,
+        shadow_cap_limit=shadow_cap,
     )
     return rules
 

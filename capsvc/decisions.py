@@ -24,6 +24,8 @@ from capsvc.validator import Sale, budget_shares
 DAY_MS = 86_400_000
 
 ACCEPTED, REJECTED, CLOSED, RELEASED = 1, 0, -1, -2
+SHADOWED = 2
+"""A reserve's reply: accepted, and the shadow cap would have refused it."""
 """The first element of a reserve reply (see lua/capsvc.lua, reserve)."""
 
 
@@ -90,7 +92,7 @@ def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: in
     total = 0
     accepted = 0
     for g, reply in zip(sale.grids, replies, strict=True):
-        if reply is None or reply[0] == ACCEPTED:
+        if reply is None or reply[0] >= ACCEPTED:  # SHADOWED is accepted too
             grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="accepted",
                                  cost=g.cost))
             total += g.cost

@@ -8,6 +8,7 @@ Redis clock, never the host's.
 from __future__ import annotations
 
 from capsvc.calendar import rfc3339
+from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
 from capsvc.errors import rule_error
 from capsvc.games import Game
@@ -18,9 +19,10 @@ from capsvc.store import Store, stop_instants
 class Draws:
     """Draw status and stops, over the store and the Redis clock."""
 
-    def __init__(self, store: Store, clock: RedisClock) -> None:
+    def __init__(self, store: Store, clock: RedisClock, caps: DrawCaps) -> None:
         self.store = store
         self.clock = clock
+        self.caps = caps
 
     def check_horizon(self, game: Game, first: int) -> None:
         """`first` is not beyond the sales horizon, or a 422."""
@@ -59,11 +61,15 @@ class Draws:
         game.check_draw(draw)
         (stop,) = await self.stops(game, draw, 1)
         closed = stop is not None or game.calendar.is_past(draw, self.clock.now())
+        cap, fixed = None, False
+        if game.rules.cap_limit is not None:
+            ((cap, fixed),) = await self.caps.in_force(game, draw, 1)
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
-                       status="closed" if closed else "open")
+                       status="closed" if closed else "open", cap=cap, cap_fixed=fixed)
 
     async def close(self, game: Game, draw: int) -> DrawOut:
         game.check_draw(draw)
         await self.store.stop(game.rules.id, draw, game.expire_at(draw))
+        await self.store.feed_closed(game.rules.id, draw, game.expire_at(draw))
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed")

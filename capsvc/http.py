@@ -16,15 +16,19 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from redis.exceptions import ResponseError
 
+from capsvc.calendar import rfc3339
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
 from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
+from capsvc.feed import HEARTBEAT, Event, Subscriber, frame, parse_id
+from capsvc.games import Game
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
@@ -54,6 +58,7 @@ _ID_MESSAGE = "expected 1-64 characters of [A-Za-z0-9._:-] (no spaces or control
 _ID_MISMATCH = f"Expected `str` matching regex {ID_PATTERN!r}"
 _DRAW_RE = re.compile(r"^-?[0-9]+\Z")
 _JSON = "application/json"
+STREAM_ROUTE = "/v1/games/{game}/capped/stream"
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
     t: msgspec.json.Decoder(t) for t in (TicketIn, AvailabilityIn, LimitIn, StakeIn)
 }
@@ -191,6 +196,9 @@ class Api:
         self.draws = usecases.draws
         self.availability_of = usecases.availability
         self.players = usecases.players
+        self.feed = usecases.feed
+        self.feed.on_drop = metrics.feed_dropped
+        self.clock = usecases.clock
         self.store = store
         self.metrics = metrics
         self.health = health
@@ -206,12 +214,15 @@ class Api:
         ticket = decode_body(await request.read(), TicketIn)
         outcome = await self.tickets.sell(channel, ticket)
         if outcome.ticket is not None and not outcome.replayed:
-            self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out)
+            self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
+                                  outcome.shadowed)
         # Replays too: the decision replayed may be one whose confirmation failed.
         await self.durability.confirm()
         resp = web.Response(body=outcome.body, content_type=_JSON)
         if outcome.replayed:
             resp.headers["Idempotent-Replayed"] = "true"
+        elif outcome.shadowed:
+            resp.headers["Capsvc-Shadow"] = "would_reject"
         return resp
 
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -256,6 +267,72 @@ class Api:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         return json_response(await self.availability_of.sold_out(game, _draw(request)))
+
+    async def capped_stream(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The live sold-out feed (server-sent events; see capsvc/feed.py)."""
+        channel = self.auth.channel(request)
+        game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
+        only = request.query.get("draw")
+        draw = None
+        if only is not None:
+            if not _DRAW_RE.fullmatch(only) or len(only) > 12:
+                raise ApiError(422, "invalid_request", "draw must be a draw number", "draw")
+            draw = int(only)
+            game.check_draw(draw)
+        sub = Subscriber(draw)
+        feed = self.feed
+        # Subscribed before reading what came before: whatever is appended from now on is
+        # either in what is read below or in the queue (and skipped there if it was sent).
+        newest = await feed.last_id(game.rules.id)
+        feed.subscribe(game, sub, newest)
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-Request-ID": request_id(request)})
+        try:
+            first = await self._feed_start(game, sub, request.headers.get("Last-Event-ID"),
+                                           newest)
+            await resp.prepare(request)
+            # A subscription is not a request in flight: no timeout, not shed.
+            self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            sent = (0, 0)
+            for event in first:
+                await resp.write(event.data)
+                sent = max(sent, event.key)
+            while True:
+                live = await sub.queue.get()
+                if live is None:  # dropped (too far behind) or the service is draining
+                    break
+                if live.key > sent or live is HEARTBEAT:
+                    await resp.write(live.data)
+                    sent = max(sent, live.key)
+        except ConnectionResetError:
+            log.debug("a feed subscriber left")
+        finally:
+            feed.unsubscribe(game, sub)
+        return resp
+
+    async def _feed_start(self, game: Game, sub: Subscriber, last: str | None, newest: str
+                          ) -> list[Event]:
+        """What a subscription starts with: the events after `Last-Event-ID` while the
+        stream still holds them, else a snapshot of every combination at its cap on the
+        draws on sale, as of the newest event."""
+        feed, gid = self.feed, game.rules.id
+        after = parse_id(last)
+        if after is not None:
+            events = await feed.backlog(game, last or "", after, sub.draw)
+            if events is not None:
+                return events
+        current = await self.draws.current_draw(game)
+        draws = ([sub.draw] if sub.draw is not None else
+                 list(range(current, current + game.rules.sales_horizon + 1)))
+        lists = await asyncio.gather(*(self.availability_of.sold_out(game, d) for d in draws))
+        snapshot = {"draws": [{"draw": c.draw, "combinations": c.combinations}
+                              for c in lists if c.combinations or sub.draw is not None],
+                    "at": rfc3339(datetime.fromtimestamp(self.clock.now() / 1000,
+                                                         game.rules.tz))}
+        key = parse_id(newest) or (0, 0)
+        log.debug("feed snapshot of %s: %d draws", gid, len(lists))
+        return [Event(key, 0, frame("snapshot", newest, snapshot))]
 
     async def availability(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -320,7 +397,8 @@ def game_out(r: GameRules) -> GameOut:
     return GameOut(
         id=r.id, preset=r.preset, description=r.description, currency=r.currency,
         numbers=r.numbers, picks_min=r.picks_min, picks_max=r.picks_max, stakes=list(r.stakes),
-        durations=list(r.durations), cap_limit=r.cap_limit, capped_picks=sorted(r.capped_picks),
+        durations=list(r.durations), cap_limit=r.cap_limit,
+        shadow_cap_limit=r.shadow_cap_limit, capped_picks=sorted(r.capped_picks),
         daily_limit=r.daily_limit, time_zone=r.time_zone,
         draw_times=[t.strftime("%H:%M:%S" if t.second else "%H:%M") for t in r.draw_times],
         cancel=r.cancel,
@@ -415,7 +493,8 @@ def _dispatch(api: Api, router: Router) -> Handler:
             task = asyncio.current_task()
             assert task is not None
             requests[task] = started
-            counted = template != "/metrics"  # a scrape does not count itself
+            # Neither a scrape nor a feed subscription counts itself.
+            counted = template != "/metrics" and template != STREAM_ROUTE
             if counted:
                 metrics.serving += 1
             try:
@@ -457,11 +536,12 @@ def _dispatch(api: Api, router: Router) -> Handler:
                               extra={"request_id": rid})
                 resp = error_response(ApiError(500, "internal", "internal error"))
             finally:
-                del requests[task]
+                requests.pop(task, None)  # a feed subscription took itself out
                 if counted:
                     metrics.serving -= 1
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
-        resp.headers["X-Request-ID"] = rid
+        if not resp.prepared:  # a stream has sent its headers (with its id)
+            resp.headers["X-Request-ID"] = rid
         return resp
 
     return dispatch
@@ -558,6 +638,7 @@ def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Me
     router.add("POST", draw + "/close", api.close_draw)
     router.add("GET", draw + "/combinations/{numbers}", api.combination)
     router.add("GET", draw + "/capped", api.capped)
+    router.add("GET", STREAM_ROUTE, api.capped_stream)
     router.add("POST", "/v1/games/{game}/availability", api.availability)
     router.add("GET", "/v1/players/{player_id}", api.player)
     router.add("PUT", "/v1/players/{player_id}/limit", api.player_limit)

@@ -8,14 +8,15 @@ of another sale, even under the same ticket id, is never touched.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from capsvc.caps import DrawCaps
 from capsvc.decisions import (
     ACCEPTED,
     REJECTED,
+    SHADOWED,
     BudgetPlan,
     accepted_grids,
     budget_plan,
@@ -24,15 +25,16 @@ from capsvc.decisions import (
 )
 from capsvc.games import Game
 from capsvc.models import TicketOut
-from capsvc.store import PlayerStore, Store, record_field
+from capsvc.store import PlayerStore, Store, record_field, replies_of
 from capsvc.validator import Sale
 
 
 class Ledger:
     """A sale's budget and grid records, over the store."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, caps: DrawCaps) -> None:
         self.store = store
+        self.caps = caps
         self.players = PlayerStore(store)
 
     def plan(self, channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
@@ -60,15 +62,20 @@ class Ledger:
 
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
                           ) -> list[Any]:
-        """Reserve every capped grid at once; one reply per grid (None: not capped).
-        `close_ms=0` seals instead: a grid not decided yet can no longer be counted."""
+        """Reserve every capped grid at once, against the draws' caps (fixed by this sale if
+        it is their first); one reply per grid (None: not capped). An accepted grid that
+        the shadow cap would have refused replies SHADOWED, an accepted one that it would
+        not, ACCEPTED. `close_ms=0` seals instead: a grid not decided yet can no longer be
+        counted."""
         rules = game.rules
         assert sale.first_draw is not None
+        if not any(g.capped for g in sale.grids):
+            return [None] * len(sale.grids)
+        caps = await self.caps.argument(game, sale.first_draw, sale.draws, fix=close_ms != 0)
         expire_at = game.expiries(sale.first_draw, sale.draws)
         return await replies_of([
             self.store.reserve(rules.id, g.combo, record_field(sale_id, g.index), g.stake,
-                               rules.cap_limit or 0, rules.min_stake, sale.first_draw,
-                               expire_at, close_ms)
+                               caps, rules.min_stake, sale.first_draw, expire_at, close_ms)
             if g.capped else None
             for g in sale.grids
         ])
@@ -80,14 +87,23 @@ class Ledger:
         first = sale.first_draw
         assert first is not None
         grids = [g for g in sale.grids if g.capped]
+        if not grids:
+            return 0
+        caps = await self.caps.argument(game, first, sale.draws, fix=False)
         replies = await replies_of([
-            self.store.release(rules.id, g.combo, record_field(sale_id, g.index),
-                               rules.cap_limit or 0, rules.min_stake, first, sale.draws,
+            self.store.release(rules.id, g.combo, record_field(sale_id, g.index), caps,
+                               rules.min_stake, first, sale.draws,
                                game.expire_at(first + sale.draws - 1))
             for g in grids
         ])
         # A combination that leaves its cap stays on the sold-out list (readers filter it
         # by its counter): a removal racing another process's re-fill could hide one at cap.
+        # The feed says it reopened (the counters' transition, reported once by release).
+        reopened = [self.store.feed_reopened(rules.id, first + int(offset), g.combo,
+                                             game.expire_at(first + int(offset)))
+                    for g, reply in zip(grids, replies, strict=True) for offset in reply[1:]]
+        if reopened:
+            await replies_of(reopened)
         return sum(int(reply[0]) for reply in replies)
 
     async def write_decision(self, game: Game, key: str, sale: Sale, sale_id: str,
@@ -102,7 +118,7 @@ class Ledger:
         assert first is not None
         near_cap, marks = 0, []
         for g, reply in zip(sale.grids, replies, strict=True):
-            if reply is not None and reply[0] == ACCEPTED:
+            if reply is not None and reply[0] >= ACCEPTED:  # or SHADOWED
                 near_cap += reply[1]
                 marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
                                                    game.expire_at(first + offset))
@@ -134,7 +150,7 @@ class Ledger:
                 return out
             held = taken[0] == ACCEPTED
         replies = await self.reserve_all(game, sale, sale_id, 0)
-        if not void and held and all(r is None or r[0] in (ACCEPTED, REJECTED)
+        if not void and held and all(r is None or r[0] in (ACCEPTED, SHADOWED, REJECTED)
                                      for r in replies):
             out = build_decision(channel_id, game.rules.tz, sale, sale_id, at, replies)
             await self.write_decision(game, key, sale, sale_id, plan, replies, out,
@@ -151,18 +167,3 @@ class Ledger:
         settled = self.settle_budget(plan, sale, set())
         if settled is not None:
             await settled
-
-
-async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:
-    """Await queued calls together (None stays None). Every failure is retrieved; the
-    first one is raised once all have settled."""
-    queued = [f for f in futures if f is not None]
-    if len(queued) == 1:  # the common case: no gathering needed
-        await queued[0]
-    elif queued:
-        await asyncio.gather(*queued, return_exceptions=True)
-        for f in queued:
-            error = f.exception()
-            if error is not None:
-                raise error
-    return [None if f is None else f.result() for f in futures]

@@ -67,6 +67,10 @@ class Metrics:
         self.cap_rejections = Counter("capsvc_cap_rejections",
                                       "Grids refused by the combination cap, by pick size",
                                       ["game", "picks"], registry=r)
+        self.shadow_rejections = Counter(
+            "capsvc_shadow_cap_rejections",
+            "Grids accepted that the game's shadow cap (shadow_cap_limit) would have refused",
+            ["game"], registry=r)
         self.limit_rejections = Counter("capsvc_player_limit_rejections",
                                         "Tickets refused by a player's daily limit", ["game"],
                                         registry=r)
@@ -85,6 +89,9 @@ class Metrics:
         self.in_flight = Gauge("capsvc_http_requests_in_flight",
                                "Requests being served (scrapes of /metrics not counted)",
                                registry=r, multiprocess_mode="livesum")
+        self.feed_drops = Counter("capsvc_feed_dropped",
+                                  "Feed subscribers dropped for not reading their events",
+                                  ["game"], registry=r)
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
         Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
@@ -120,6 +127,8 @@ class Metrics:
                 self.cap_rejections.labels(g.id, str(picks))
             if g.daily_limit is not None:
                 self.limit_rejections.labels(g.id)
+            if g.shadow_cap_limit is not None:
+                self.shadow_rejections.labels(g.id)
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         """Tally one request's latency (applied to the histogram by `flush`)."""
@@ -130,7 +139,8 @@ class Metrics:
         counts[0] += seconds
         counts[bisect_left(_LATENCY_BUCKETS, seconds) + 1] += 1
 
-    def decision(self, t: TicketOut, near_cap: int = 0, sold_out: int = 0) -> None:
+    def decision(self, t: TicketOut, near_cap: int = 0, sold_out: int = 0,
+                 shadowed: int = 0) -> None:
         """Tally a ticket's decision (applied to the counters by `flush`)."""
         tally, game = self._tally, t.game
         tally["t", game, t.status] += 1
@@ -146,13 +156,15 @@ class Metrics:
             tally["n", game] += near_cap
         if sold_out:
             tally["c", game] += sold_out
+        if shadowed:
+            tally["w", game] += shadowed
 
     def flush(self) -> None:
         """Apply the tallies to the Prometheus metrics."""
         tally, self._tally = self._tally, Tally()
         counters = {"t": self.tickets, "g": self.grids, "r": self.cap_rejections,
                     "l": self.limit_rejections, "s": self.stake, "n": self.near_cap,
-                    "c": self.capped}
+                    "c": self.capped, "w": self.shadow_rejections}
         for (kind, *labels), n in tally.items():
             counters[kind].labels(*labels).inc(n)
         latency, self._latency = self._latency, {}
@@ -167,6 +179,9 @@ class Metrics:
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
         self.in_flight.set(self.serving)
+
+    def feed_dropped(self, game: str) -> None:
+        self.feed_drops.labels(game).inc()
 
     def redis_error(self, kind: str) -> None:
         self.redis_errors.labels(kind).inc()

@@ -135,6 +135,11 @@ class DrawOut(Struct):
     draw: int
     closes_at: str
     status: Literal["open", "closed"]
+    cap: int | None = None
+    """The cap in force for the draw (minor units; null for a game without a cap): fixed
+    by the draw's first sale, else the configured one, which the first sale will fix."""
+    cap_fixed: bool = False
+    """Whether a sale has fixed the draw's cap (a configuration change no longer moves it)."""
 
 
 class CurrentDrawOut(Struct):
@@ -153,6 +158,7 @@ class GameOut(Struct):
     stakes: list[int]
     durations: list[int]
     cap_limit: int | None
+    shadow_cap_limit: int | None
     capped_picks: list[int]
     daily_limit: int | None
     time_zone: str

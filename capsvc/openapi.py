@@ -154,6 +154,21 @@ def openapi_document() -> dict[str, Any]:
     }
     paths["/readyz"]["get"]["responses"]["503"] = {"description": "Not ready, or draining",
                                                    "headers": _REQUEST_ID, **_json(HealthOut)}
+    paths["/v1/games/{game}/capped/stream"] = {"get": {
+        "summary": "The live sold-out feed, as server-sent events: a `snapshot` (or, with "
+                   "Last-Event-ID, the events missed), then `capped`, `reopened` and `closed` "
+                   "events and a comment heartbeat every 15 s",
+        "parameters": [_PARAMS["game"], {
+            "name": "draw", "in": "query", "required": False,
+            "schema": {"type": "integer", "minimum": 1},
+            "description": "follow this draw only"}, {
+            "name": "Last-Event-ID", "in": "header", "required": False,
+            "schema": {"type": "string", "pattern": r"^[0-9]+-[0-9]+(?!\n)$"},
+            "description": "resume after this event"}],
+        "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
+            "text/event-stream": {"schema": {
+                "description": "events of fields event, id and data (JSON); see docs/api.md"}}}},
+            **{c: _error(c) for c in ("401", "403", "404", "422", "503")}}}}
     paths["/metrics"] = {"get": {
         "summary": "Prometheus metrics (text format 0.0.4); with several workers, all of them",
         "security": [],

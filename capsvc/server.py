@@ -23,6 +23,7 @@ from capsvc.coalesce import Transport
 from capsvc.config import Settings
 from capsvc.durability import Durability
 from capsvc.errors import Unavailable
+from capsvc.feed import Feed
 from capsvc.http import App, Health, Protocol, create_app
 from capsvc.janitor import Janitor
 from capsvc.metrics import Metrics
@@ -118,11 +119,14 @@ class Serving:
     """A service serving on its socket: `cleanup` stops the listener, lets the requests in
     flight finish and stops the request watchdog."""
 
-    def __init__(self, runner: web.ServerRunner, watchdog: asyncio.Task[None]) -> None:
+    def __init__(self, runner: web.ServerRunner, watchdog: asyncio.Task[None], feed: Feed
+                 ) -> None:
         self.runner = runner
         self._watchdog = watchdog
+        self.feed = feed
 
     async def cleanup(self) -> None:
+        await self.feed.close()
         await self.runner.cleanup()
         self._watchdog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -146,7 +150,7 @@ async def start_serving(svc: Service, sock: socket.socket) -> Serving:
     await runner.setup()
     access_log = logging.getLogger("capsvc.access") if svc.settings.access_log else None
     await _Site(runner, sock, svc.metrics, access_log).start()
-    return Serving(runner, asyncio.create_task(svc.app.watchdog()))
+    return Serving(runner, asyncio.create_task(svc.app.watchdog()), svc.usecases.feed)
 
 
 async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None:
@@ -188,6 +192,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await usecases.feed.close()  # feed subscriptions end: they would hold the drain
     await runner.cleanup()
     metrics.flush()  # the decisions of the last second count too
     await redis.aclose()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
@@ -82,6 +83,21 @@ def stop_copy_of(ticket: str) -> str:
 
 def capped_key(game: str, draw: int) -> str:
     return f"x:{{{game}}}:{draw}"
+
+
+def cap_key(game: str, draw: int) -> str:
+    """The cap in force for a draw, fixed by its first sale (same slot as the stops)."""
+    return f"k:{{{game}}}:{draw}"
+
+
+def feed_key(game: str) -> str:
+    """The game's event stream (the live sold-out feed; same slot as the sold-out lists)."""
+    return f"f:{{{game}}}"
+
+
+def feed_closes_key(game: str) -> str:
+    """The draws whose close the feed has announced (draw -> expiry)."""
+    return f"e:{{{game}}}"
 
 
 def stop_instants(replies: list[Any]) -> list[int | None]:
@@ -161,7 +177,7 @@ class Store:
                                  "res")
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
-             stale_after_ms: int, game: str, first_draw: int, draws: int, cap: int,
+             stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
              min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
              time_zone: str) -> asyncio.Future[Any]:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
@@ -171,8 +187,9 @@ class Store:
             if combo:
                 keys += bucket_keys(game, combo, first_draw, draws)
         keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
+        keys.append(feed_key(game))
         args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
-                           os.urandom(8).hex(), first_draw, draws, cap, min_stake, len(grids)]
+                           os.urandom(8).hex(), first_draw, draws, caps, min_stake, len(grids)]
         for combo, stake in grids:
             args += (combo, stake)
         return self.fcall("capsvc_sell", keys, [*args, *expiries, time_zone])
@@ -185,18 +202,18 @@ class Store:
 
     # -- combinations ----------------------------------------------------------------------
 
-    def reserve(self, game: str, combo: str, record: bytes, stake: int, cap: int,
+    def reserve(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
                 min_stake: int, first_draw: int, expire_at: list[int], close_ms: int
                 ) -> asyncio.Future[Any]:
         """Count `stake` on every draw of the grid, or none; `close_ms=0` seals instead."""
         keys = bucket_keys(game, combo, first_draw, len(expire_at))
         return self.fcall("capsvc_reserve", keys,
-                          [record, combo, stake, cap, close_ms, min_stake, *expire_at])
+                          [record, combo, stake, caps, close_ms, min_stake, *expire_at])
 
-    def release(self, game: str, combo: str, record: bytes, cap: int, min_stake: int,
+    def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
                 first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Any]:
         keys = bucket_keys(game, combo, first_draw, draws)
-        return self.fcall("capsvc_release", keys, [record, combo, cap, min_stake, expire_at])
+        return self.fcall("capsvc_release", keys, [record, combo, caps, min_stake, expire_at])
 
     def counters(self, game: str, combo: str, first_draw: int, draws: int
                  ) -> list[asyncio.Future[Any]]:
@@ -211,10 +228,45 @@ class Store:
     def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int
                       ) -> asyncio.Future[Any]:
         """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
-        return self.fcall("capsvc_sold_out", [capped_key(game, draw)], [combo, expire_at])
+        return self.fcall("capsvc_sold_out", [capped_key(game, draw), feed_key(game)],
+                          [combo, expire_at, draw])
 
     def sold_out(self, game: str, draw: int) -> asyncio.Future[Any]:
         return self.redis.submit("SMEMBERS", capped_key(game, draw))
+
+    def read_feed(self, game: str, after: str, count: int) -> asyncio.Future[Any]:
+        """Up to `count` events of the game's stream after the id `after` (non-blocking)."""
+        return self.redis.submit("XREAD", "COUNT", count, "STREAMS", feed_key(game), after)
+
+    def feed_range(self, game: str, after: str, count: int) -> asyncio.Future[Any]:
+        """Up to `count` events after the id `after`, oldest first."""
+        return self.redis.submit("XRANGE", feed_key(game), f"({after}", "+", "COUNT", count)
+
+    def newest_feed_entry(self, game: str) -> asyncio.Future[Any]:
+        return self.redis.submit("XREVRANGE", feed_key(game), "+", "-", "COUNT", 1)
+
+    def oldest_feed_entry(self, game: str) -> asyncio.Future[Any]:
+        return self.redis.submit("XRANGE", feed_key(game), "-", "+", "COUNT", 1)
+
+    def feed_closed(self, game: str, draw: int, expire_at: int) -> asyncio.Future[Any]:
+        """Announce on the feed that a draw closed, once (whoever calls first)."""
+        return self.fcall("capsvc_feed_closed", [feed_key(game), feed_closes_key(game)],
+                          [draw, expire_at])
+
+    def feed_reopened(self, game: str, draw: int, combo: str, expire_at: int
+                      ) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_feed_event", [feed_key(game)],
+                          ["reopened", draw, combo, expire_at])
+
+    def fix_cap(self, game: str, draw: int, cap: int, expire_at: int) -> asyncio.Future[Any]:
+        """Fix the draw's cap at `cap` unless a sale fixed it already: the cap fixed before
+        (bytes), or None when this call fixed it. It expires with the draw."""
+        return self.redis.submit("SET", cap_key(game, draw), cap, "NX", "GET", "PXAT",
+                                 expire_at)
+
+    def fixed_cap(self, game: str, draw: int) -> asyncio.Future[Any]:
+        """The draw's fixed cap (bytes), or None while no sale has fixed it."""
+        return self.redis.submit("GET", cap_key(game, draw))
 
     # -- draws -----------------------------------------------------------------------------
 
@@ -288,3 +340,18 @@ class PlayerStore:
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
                           [today])
+
+
+async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:
+    """Await queued calls together (None stays None). Every failure is retrieved; the
+    first one is raised once all have settled."""
+    queued = [f for f in futures if f is not None]
+    if len(queued) == 1:  # the common case: no gathering needed
+        await queued[0]
+    elif queued:
+        await asyncio.gather(*queued, return_exceptions=True)
+        for f in queued:
+            error = f.exception()
+            if error is not None:
+                raise error
+    return [None if f is None else f.result() for f in futures]

@@ -30,6 +30,7 @@ from capsvc.decisions import (
     CLOSED,
     REJECTED,
     RELEASED,
+    SHADOWED,
     build_decision,
     cancel_refusal,
     player_limit_decision,
@@ -63,6 +64,8 @@ class SaleOutcome:
     """Counters this sale brought to 80 % of their cap."""
     sold_out: int = 0
     """Counters at their cap after this sale (room below the smallest stake)."""
+    shadowed: int = 0
+    """Grids accepted that the game's shadow cap would have refused."""
 
 
 class _TakenOver(Exception):
@@ -129,7 +132,8 @@ class Tickets:
                     out = decision_of(channel.id, stored, claim[2].decode(), int(claim[1]),
                                       claim[3])
                     return SaleOutcome(body=_encode(out), replayed=False, ticket=out,
-                                       near_cap=int(claim[4]), sold_out=int(claim[5]))
+                                       near_cap=int(claim[4]), sold_out=int(claim[5]),
+                                       shadowed=int(claim[6]))
                 if kind == b"stopped":
                     raise _Stopped(int(claim[1]))
                 if kind == b"new":
@@ -174,9 +178,15 @@ class Tickets:
         answers, a sale just made being [b"new", at, sid, results, near, sold]."""
         rules = game.rules
         assert sale.first_draw is not None
+        caps: str | int = 0
+        if any(g.capped for g in sale.grids):
+            # A draw already closed is not fixed by a sale that will be refused.
+            open_now = not game.calendar.is_past(sale.first_draw, self.clock.now())
+            caps = await self.ledger.caps.argument(game, sale.first_draw, sale.draws,
+                                                   fix=open_now)
         reply: list[Any] = await self.store.sell(
             key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
-            rules.id, sale.first_draw, sale.draws, rules.cap_limit or 0, rules.min_stake,
+            rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else "", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone)
         return reply
@@ -226,7 +236,8 @@ class Tickets:
             raise _TakenOver
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
-                           sold_out=sold_out)
+                           sold_out=sold_out,
+                           shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
 
     async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
                            sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from capsvc.availability import Availability
+from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
 from capsvc.config import Settings
 from capsvc.draws import Draws
+from capsvc.feed import Feed
 from capsvc.games import Catalog
 from capsvc.janitor import Janitor
 from capsvc.ledger import Ledger
@@ -29,6 +31,7 @@ class UseCases:
     availability: Availability
     players: Players
     janitor: Janitor
+    feed: Feed
 
 
 def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None
@@ -36,12 +39,14 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
     """The use-cases over `store`; the clock reads Redis TIME through the same store."""
     clock = clock or RedisClock(store.time_ms)
     catalog = Catalog(settings.games)
-    draws = Draws(store, clock)
-    ledger = Ledger(store)
+    caps = DrawCaps(store)
+    draws = Draws(store, clock, caps)
+    ledger = Ledger(store, caps)
     tickets = Tickets(settings, catalog, draws, store, ledger, clock)
     return UseCases(
         catalog=catalog, clock=clock, draws=draws, tickets=tickets,
         availability=Availability(store, draws),
         players=Players(catalog, ledger.players, clock),
         janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
+        feed=Feed(store, clock),
     )

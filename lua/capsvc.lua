@@ -18,8 +18,12 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
                  TTL: close of <draw> + retention.
   stops          s:{<game>}                        hash   <draw> -> "<instant>:<expiry>"
   stop copies    s:{t:NN}                          hash   <game>:<draw> -> "<instant>:<expiry>"
+  draw cap       k:{<game>}:<draw>                 string the cap in force for the draw, fixed
+                 by its first sale (SET NX, by the caller); TTL: close + retention
                  (read by cancel only: the claim never depends on a key that may not exist)
   sold-out list  x:{<game>}:<draw>                 set    advisory, filtered on read
+  feed           f:{<game>}                        stream the game's events (see FEED)
+  feed closes    e:{<game>}                        hash   <draw> -> expiry: closes announced
   budgets        b:{pl:<player>}:<YYYY-MM-DD>      hash   spent, <ref> -> amount | R<room> | X
   self-limit     l:{pl:<player>}                   hash   limit, next, from
 
@@ -227,12 +231,35 @@ local function cancelled(keys, args)
   return 0
 end
 
+--[[ CAPS. A draw's cap is fixed when the draw is first sold (k:{<game>}:<draw>, by the
+caller), so the draws of one subscription may have different caps. The caller passes them
+as one argument: "<cap>" for every draw, or "<cap 1>,<cap 2>,…" one per draw, optionally
+followed by "/<shadow cap>": a lower cap evaluated on every grid and never enforced. ]]
+local function caps_of(arg, n)
+  local single = tonumber(arg)
+  local caps = {}
+  if single then
+    for i = 1, n do
+      caps[i] = single
+    end
+    return caps, nil
+  end
+  local list, shadow = string.match(arg, '^([%d,]+)/?(%d*)$')
+  for c in string.gmatch(list, '%d+') do
+    caps[#caps + 1] = tonumber(c)
+  end
+  for i = #caps + 1, n do
+    caps[i] = caps[#caps]
+  end
+  return caps, tonumber(shadow)
+end
+
 -- Offsets of the draws whose room for `combo` is now below the smallest stake.
-local function sold_out(buckets, combo, cap, min_stake)
+local function sold_out(buckets, combo, caps, min_stake)
   local out = {}
   for i = 1, #buckets do
     local total = tonumber(redis.call('HGET', buckets[i], combo) or '0')
-    if cap - total < min_stake then
+    if caps[i] - total < min_stake then
       out[#out + 1] = i - 1
     end
   end
@@ -240,7 +267,7 @@ local function sold_out(buckets, combo, cap, min_stake)
 end
 
 -- The reply for an existing record of a grid.
-local function recorded(buckets, combo, rec, cap, min_stake)
+local function recorded(buckets, combo, rec, caps, min_stake)
   local kind = string.sub(rec, 1, 1)
   if kind == 'X' then
     return {-2}
@@ -249,7 +276,7 @@ local function recorded(buckets, combo, rec, cap, min_stake)
     local off, room = string.match(rec, '^R(%d+):(%-?%d+)$')
     return {0, tonumber(off), tonumber(room)}
   end
-  local out = sold_out(buckets, combo, cap, min_stake)
+  local out = sold_out(buckets, combo, caps, min_stake)
   table.insert(out, 1, 0)
   table.insert(out, 1, 1)
   return out
@@ -267,20 +294,26 @@ end
 -- none: record what it took, or why it was refused, in the last draw's bucket. The reply
 -- is `reserve`'s. A TTL is written only when it grows (`extend`: a read is not propagated
 -- to the AOF and the replicas, a write is).
-local function count(buckets, field, combo, stake, cap, min_stake, expiries)
+local function count(buckets, field, combo, stake, caps, min_stake, expiries, shadow)
   local n = #buckets
   local last = buckets[n]
+  local shadowed = false
   for i = 1, n do
-    local room = cap - tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    local total = tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    local room = caps[i] - total
     if stake > room then
       redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
       extend(last, tonumber(expiries[n]))
       return {0, i - 1, room}
     end
+    if shadow and stake > shadow - total then
+      shadowed = true
+    end
   end
-  local out = {1, 0}
-  local near = cap * 0.8
+  local out = {shadowed and 2 or 1, 0}
   for i = 1, n do
+    local cap = caps[i]
+    local near = cap * 0.8
     local total = redis.call('HINCRBY', buckets[i], combo, stake)
     extend(buckets[i], tonumber(expiries[i]))
     if total >= near and total - stake < near then
@@ -295,23 +328,26 @@ local function count(buckets, field, combo, stake, cap, min_stake, expiries)
 end
 
 --[[ reserve: KEYS bucket(draw 1), …, bucket(draw n);
-ARGV record, combo, stake, cap, close_ms, min_stake, expire_at(draw 1), …, expire_at(draw n)
+ARGV record, combo, stake, caps (see CAPS), close_ms, min_stake, expire_at(draw 1), …,
+expire_at(draw n)
 All or nothing over the n draws of one grid of one sale. Returns
   {1, near, sold-out offsets…}  accepted (now or by an earlier run of the same sale): every
                                 counter grew by stake; `near` counts the counters this call
                                 brought to 80 % of the cap
+  {2, near, sold-out offsets…}  accepted, and the shadow cap would have refused it
   {0, offset, room}             rejected: the draw at `offset` would overflow
   {-1}                          no record and sales are closed: nothing counted
   {-2}                          the sale's record was released or sealed: nothing counted
 With close_ms = 0 it seals instead (the janitor): a grid with no record gets "X" and {-2}. ]]
 local function reserve(keys, args)
   local last, field, combo = keys[#keys], args[1], args[2]
-  local stake, cap, min_stake = tonumber(args[3]), tonumber(args[4]), tonumber(args[6])
+  local stake, min_stake = tonumber(args[3]), tonumber(args[6])
+  local caps, shadow = caps_of(args[4], #keys)
   local close_ms = tonumber(args[5])
   local last_expiry = tonumber(args[6 + #keys])
   local rec = redis.call('HGET', last, field)
   if rec then
-    return recorded(keys, combo, rec, cap, min_stake)
+    return recorded(keys, combo, rec, caps, min_stake)
   end
   if close_ms == 0 then
     redis.call('HSET', last, field, 'X')
@@ -321,17 +357,17 @@ local function reserve(keys, args)
   if now_ms() >= close_ms then
     return {-1}
   end
-  return count(keys, field, combo, stake, cap, min_stake, slice_from(args, 7))
+  return count(keys, field, combo, stake, caps, min_stake, slice_from(args, 7), shadow)
 end
 
 --[[ release: KEYS bucket(draw 1), …, bucket(draw n);
-ARGV record, combo, cap, min_stake, expire_at(draw n)
+ARGV record, combo, caps (see CAPS), min_stake, expire_at(draw n)
 Gives back what the sale's grid took, once, and leaves "X" so that a late reserve of the
 same sale cannot count it again (a grid never reserved is sealed the same way). Returns
 {released stake, offsets that left the sold-out state…}; {0} when nothing is given back. ]]
 local function release(keys, args)
   local last, field, combo = keys[#keys], args[1], args[2]
-  local cap, min_stake = tonumber(args[3]), tonumber(args[4])
+  local caps, min_stake = caps_of(args[3], #keys), tonumber(args[4])
   local rec = redis.call('HGET', last, field)
   if not rec then
     redis.call('HSET', last, field, 'X')
@@ -352,7 +388,7 @@ local function release(keys, args)
       if total <= 0 then
         redis.call('HDEL', keys[i], combo)
       end
-      if cap - total >= min_stake and cap - (total + stake) < min_stake then
+      if caps[i] - total >= min_stake and caps[i] - (total + stake) < min_stake then
         out[#out + 1] = i - 1
       end
     end
@@ -360,12 +396,58 @@ local function release(keys, args)
   return out
 end
 
---[[ sold_out: KEYS sold-out list; ARGV combo, expire_at
+--[[ FEED. Each game has a stream of events (f:{<game>}): `capped` (a combination reached
+its cap on a draw), `reopened` (a cancellation gave room back below the smallest stake),
+`closed` (a draw stopped selling). Entries: type, draw, combo (capped, reopened), at (Redis
+TIME, ms). Written in the same call as what they report, so an answered sale's event is
+never lost; trimmed to ~100,000 entries, and the stream expires with the last draw it
+reported. ]]
+local function feed_add(stream, kind, draw, combo, expire_at)
+  if combo then
+    redis.call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw,
+               'combo', combo, 'at', now_ms())
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw,
+               'at', now_ms())
+  end
+  extend(stream, tonumber(expire_at))
+end
+
+--[[ sold_out: KEYS sold-out list, feed stream (optional); ARGV combo, expire_at, draw
 Adds a combination to a draw's sold-out list with the draw's expiry, in one step (a list
-without its TTL would outlive its draw). ]]
+without its TTL would outlive its draw), and its `capped` event to the game's feed. ]]
 local function sold_out_add(keys, args)
   redis.call('SADD', keys[1], args[1])
   redis.call('PEXPIREAT', keys[1], tonumber(args[2]))
+  if keys[2] then
+    feed_add(keys[2], 'capped', args[3], args[1], args[2])
+  end
+  return 1
+end
+
+--[[ feed_event: KEYS feed stream; ARGV type, draw, combo, expire_at ]]
+local function feed_event(keys, args)
+  feed_add(keys[1], args[1], args[2], args[3], args[4])
+  return 1
+end
+
+--[[ feed_closed: KEYS feed stream, announced closes (hash draw -> expiry); ARGV draw,
+expire_at. Announces that a draw closed, once whoever calls (every process notices the
+calendar's closes; an admin's stop calls it too). Entries whose expiry passed are pruned.
+Returns 1 when this call announced it. ]]
+local function feed_closed(keys, args)
+  local now = now_ms()
+  if redis.call('HSETNX', keys[2], args[1], args[2]) == 0 then
+    return 0
+  end
+  local all = redis.call('HGETALL', keys[2])
+  for i = 1, #all, 2 do
+    if tonumber(all[i + 1]) <= now then
+      redis.call('HDEL', keys[2], all[i])
+    end
+  end
+  extend(keys[2], tonumber(args[2]))
+  feed_add(keys[1], 'closed', args[1], nil, args[2])
   return 1
 end
 
@@ -561,8 +643,8 @@ local function player(keys, args)
 end
 
 --[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
-list of each draw;
-ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, cap,
+list of each draw, the game's feed stream;
+ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, caps (see CAPS),
 min_stake, G, then combo ("" if not capped) and stake of each of the G grids, then
 expire_at of each draw, then the game's time zone (kept with the results: the receipt's
 time is rendered in the zone of the sale, whatever the configuration says later).
@@ -574,7 +656,8 @@ lists, and the ticket is written decided, its decision kept as the grids' result
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a
 function of them, the sale, sid and at). No pending state, nothing for the janitor. Returns
-{'new', at, sid, res, near, sold} | {'final', body or false, at, sid, sale, res or false}
+{'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
+| {'final', body or false, at, sid, sale, res or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
 local function sell(keys, args)
   local ticket = keys[1]
@@ -603,13 +686,15 @@ local function sell(keys, args)
   -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
   local sid = args[6]
   local sid_bytes = nil
-  local cap, min_stake, grids = args[9], args[10], tonumber(args[11])
+  local caps, shadow = caps_of(args[9], n)
+  local min_stake, grids = args[10], tonumber(args[11])
   local expiries = {}
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  local lists = #keys - n  -- the sold-out list of draw i is keys[lists + i]
-  local res, near, sold = {}, 0, 0
+  local feed = keys[#keys]
+  local lists = #keys - n - 1  -- the sold-out list of draw i is keys[lists + i]
+  local res, near, sold, shadowed = {}, 0, 0, 0
   local k = 3
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
@@ -627,12 +712,16 @@ local function sell(keys, args)
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting.
       local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
-                        tonumber(stake), tonumber(cap), tonumber(min_stake), expiries)
-      if out[1] == 1 then
+                        tonumber(stake), caps, tonumber(min_stake), expiries, shadow)
+      if out[1] >= 1 then
         res[g] = '1'
         near = near + out[2]
+        if out[1] == 2 then
+          shadowed = shadowed + 1
+        end
         for j = 3, #out do
-          sold_out_add({keys[lists + out[j] + 1]}, {combo, expiries[out[j] + 1]})
+          sold_out_add({keys[lists + out[j] + 1], feed},
+                       {combo, expiries[out[j] + 1], first + out[j]})
           sold = sold + 1
         end
       else
@@ -644,7 +733,7 @@ local function sell(keys, args)
   redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
-  return {'new', now, sid, results, near, sold}
+  return {'new', now, sid, results, near, sold, shadowed}
 end
 
 redis.register_function('capsvc_index', index)
@@ -658,6 +747,8 @@ redis.register_function('capsvc_reserve', reserve)
 redis.register_function('capsvc_release', release)
 redis.register_function('capsvc_stop', stop)
 redis.register_function('capsvc_sold_out', sold_out_add)
+redis.register_function('capsvc_feed_event', feed_event)
+redis.register_function('capsvc_feed_closed', feed_closed)
 redis.register_function('capsvc_budget', budget)
 redis.register_function('capsvc_stake', stake)
 redis.register_function('capsvc_settle', settle)

@@ -29,7 +29,7 @@ async def test_current_draw_closes_in_the_future(client: Client) -> None:
     assert closes.timestamp() > datetime.now().timestamp()
     draw = await client.get(f"/v1/games/fdj-keno/draws/{reply.body['draw']}")
     assert draw.body == {"draw": reply.body["draw"], "closes_at": reply.body["closes_at"],
-                         "status": "open"}
+                         "status": "open", "cap": 5000, "cap_fixed": False}
     past = await client.get(f"/v1/games/fdj-keno/draws/{reply.body['draw'] - 1}")
     assert past.body["status"] == "closed"
 

@@ -389,6 +389,34 @@ async def test_release_reports_the_draws_leaving_sold_out(combos: Combos) -> Non
     assert await combos.release(a, draws=3) == [4900]
 
 
+async def test_each_draw_is_judged_by_its_own_cap_and_the_shadow_cap_refuses_none(
+        combos: Combos) -> None:
+    """Caps given per draw ("C1,C2,…") judge each draw by its own, the last one repeated for
+    the draws after it; a shadow cap ("…/S") flags an accepted grid (2) without refusing."""
+    store, expires = combos.store, combos.expires
+
+    def reserve(sale: str, stake: int, caps: str | int, draws: int = 3) -> Any:
+        return store.reserve(GAME, COMBO, record_field(sale, 0), stake, caps, MIN, FIRST,
+                             expires[:draws], combos.close)
+
+    # Draws 1 and 2 reach their cap (and 80 % of it), draw 0 neither.
+    assert await reserve(new_sale(), 3000, "5000,3000") == [1, 2, 1, 2]
+    assert await reserve(new_sale(), 100, "5000,3000,3100") == [0, 1, 0]
+    assert await reserve(new_sale(), 100, "5000,3100,3100") == [1, 0, 1, 2]
+    assert combos.counters() == [3100, 3100, 3100]
+    # The shadow cap: accepted either way, 2 when it would have refused.
+    assert await reserve(new_sale(), 900, "5000/4000") == [1, 3]  # 4000: up to the shadow
+    assert await reserve(new_sale(), 100, "5000/4000") == [2, 0]  # beyond it
+    assert await reserve(new_sale(), 900, "5000/6000") == [1, 0, 0, 1, 2]
+    assert await reserve(new_sale(), 100, "5000/1000") == [0, 0, 0]  # the real cap refuses
+    assert combos.counters() == [5000, 5000, 5000]
+    # A release reports the draws leaving the sold-out state by each draw's cap.
+    sale = new_sale()
+    assert await reserve(sale, 100, "5100,5200,5100", 3) == [1, 0, 0, 2]
+    assert await store.release(GAME, COMBO, record_field(sale, 0), "5100,5200,5100", MIN,
+                               FIRST, 3, expires[2]) == [100, 0, 2]
+
+
 async def test_release_deletes_counters_that_reach_zero(combos: Combos,
                                                         redis_db: redis.Redis) -> None:
     """A counter given back to 0 is deleted (the bucket shrinks or goes; tombstones stay)."""

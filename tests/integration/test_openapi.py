@@ -86,11 +86,14 @@ def live(redis_server: RedisServer, standalone_db: redis.Redis) -> Iterator[Serv
 
 
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(live: ServiceProcess) -> None:
-    """schemathesis fuzzes every operation: no server error, every response on schema."""
+    """schemathesis fuzzes every operation (but the never-ending feed): no server error,
+    every response on schema."""
     result = subprocess.run(
         ["schemathesis", "run", live.base_url + "/openapi.json",
          "-c", "not_a_server_error,response_schema_conformance",
          "-H", "Authorization: Bearer t-fr", "-n", "25", "--phases", "examples,fuzzing",
-         "--suppress-health-check", "all", "--seed", "1"],
+         "--suppress-health-check", "all", "--seed", "1",
+         # A feed subscription never ends: tests/integration/test_feed.py covers it.
+         "--exclude-path", "/v1/games/{game}/capped/stream"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]

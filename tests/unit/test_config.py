@@ -61,6 +61,9 @@ def test_environment_overrides_redis_url(monkeypatch: pytest.MonkeyPatch) -> Non
     ({"retention": "soon"}, "games[0].retention"),
     ({"subscription_accounting": "monthly"}, "games[0].subscription_accounting"),
     ({"colour": "red"}, "games[0].colour"),
+    ({"shadow_cap_limit": 5000}, "games[0].shadow_cap_limit"),  # not below the cap
+    ({"shadow_cap_limit": 0}, "games[0].shadow_cap_limit"),
+    ({"shadow_cap_limit": 3000, "cap_limit": None}, "games[0].shadow_cap_limit"),
 ])
 def test_errors_name_the_field(game: dict[str, Any], where: str) -> None:
     """Each invalid field is reported where it is."""

@@ -1,0 +1,90 @@
+"""The cap in force for each draw: fixed by the draw's first sale.
+
+A new `cap_limit` in the configuration applies to draws no sale has reached yet, never to
+one already selling: two players of one draw are judged by one cap, and a draw's threshold
+is never raised (or lowered) under the sales already made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from capsvc.games import Game
+from capsvc.store import Store, replies_of
+
+_CACHED_CAPS = 4096
+"""Fixed caps a process remembers (a few games times the draws on sale); beyond, it forgets
+them all and reads them again: they never change once fixed."""
+
+
+class DrawCaps:
+    """The cap in force for each draw. A draw's cap is fixed by its first sale, in Redis
+    (shared by every process), and never changes after that: a new `cap_limit` in the
+    configuration applies to draws that have not been sold yet, never to one already
+    selling (two players of one draw are judged by one cap; a curtailed draw's threshold is
+    not raised). A process remembers the caps it has seen fixed, so a sale pays the round
+    trip once per draw and process."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._fixed: dict[tuple[str, int], int] = {}
+
+    def known(self, game: Game, first: int, draws: int) -> list[int] | None:
+        """The caps of draws first..first+draws-1 if this process has seen them all fixed
+        (no round trip: the common case of a sale), else None."""
+        fixed, gid = self._fixed, game.rules.id
+        caps = []
+        for d in range(first, first + draws):
+            cap = fixed.get((gid, d))
+            if cap is None:
+                return None
+            caps.append(cap)
+        return caps
+
+    async def fix(self, game: Game, first: int, draws: int) -> list[int]:
+        """The caps of draws first..first+draws-1, fixing at the configured cap those that
+        no sale has fixed yet (the game has a cap)."""
+        rules = game.rules
+        assert rules.cap_limit is not None
+        fixed, gid = self._fixed, rules.id
+        missing = [d for d in range(first, first + draws) if (gid, d) not in fixed]
+        replies = await replies_of([self.store.fix_cap(gid, d, rules.cap_limit,
+                                                       game.expire_at(d)) for d in missing])
+        if len(fixed) + len(missing) > _CACHED_CAPS:
+            fixed.clear()
+        caps = {d: rules.cap_limit if r is None else int(r)
+                for d, r in zip(missing, replies, strict=True)}
+        for d, cap in caps.items():
+            fixed[gid, d] = cap
+        return [caps[d] if d in caps else fixed[gid, d] for d in range(first, first + draws)]
+
+    async def argument(self, game: Game, first: int, draws: int, *, fix: bool) -> str | int:
+        """The caps of a grid's draws as the Lua functions take them (lua/capsvc.lua,
+        CAPS): fixed first when `fix` (a sale), else as in force (a release, a seal), with
+        the shadow cap of the game."""
+        caps = self.known(game, first, draws)
+        if caps is None:
+            caps = (await self.fix(game, first, draws) if fix else
+                    [c for c, _ in await self.in_force(game, first, draws)])
+        return caps_argument(caps, game.rules.shadow_cap_limit)
+
+    async def in_force(self, game: Game, first: int, draws: int) -> list[tuple[int, bool]]:
+        """(cap, fixed) of each draw, fixing nothing: a draw no sale has fixed yet has the
+        configured cap, which its first sale will fix."""
+        rules = game.rules
+        assert rules.cap_limit is not None
+        gid = rules.id
+        known = [self._fixed.get((gid, d)) for d in range(first, first + draws)]
+        if None not in known:
+            return [(c, True) for c in known if c is not None]
+        replies = await replies_of([self.store.fixed_cap(gid, d)
+                                    for d in range(first, first + draws)])
+        return [(rules.cap_limit, False) if r is None else (int(r), True) for r in replies]
+
+
+def caps_argument(caps: Sequence[int], shadow: int | None) -> str | int:
+    """The caps of a grid's draws as the Lua functions take them (lua/capsvc.lua, CAPS)."""
+    if shadow is None and all(c == caps[0] for c in caps):
+        return caps[0]
+    text = ",".join(map(str, caps))
+    return text if shadow is None else f"{text}/{shadow}"

@@ -1,0 +1,248 @@
+"""The live sold-out feed: what terminals subscribe to instead of polling `…/capped`.
+
+THE EVENTS live in Redis, in one stream per game (`f:{<game>}`, lua/capsvc.lua, FEED),
+written atomically with what they report: `capped` by the call that brought a combination
+to its cap (the one-call sale, or the sold-out mark a sale in steps writes before its
+decision), `reopened` after a cancellation gave room back below the smallest stake,
+`closed` when a draw stops selling (an admin's stop, or its close by the calendar, written
+once by whichever process notices it first). So a sale answered as having capped a
+combination is on the feed even if its process dies right after answering, and on a
+Redis Cluster every process reads the same stream. The stream keeps the last
+`STREAM_LENGTH` events and expires with the last draw it reported.
+
+EACH PROCESS reads each game's stream once, while it has subscribers (a non-blocking
+XREAD on the shared pipelined connection every `POLL_S`), and fans every event out to its
+subscribers: one bounded queue each. A subscriber that does not read falls behind; when its
+queue is full it is dropped (a log line, `capsvc_feed_dropped_total`), never buffered
+without limit: it reconnects with `Last-Event-ID` and resumes.
+
+RESUMING. Event ids are the stream's entry ids, increasing. A subscriber that reconnects
+with `Last-Event-ID` gets every event after it, when the stream still holds it; otherwise
+(or without the header) it starts with a `snapshot` event: every combination at its cap,
+for every draw on sale, as of the snapshot's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from capsvc import combination
+from capsvc.calendar import rfc3339
+from capsvc.clock import RedisClock
+from capsvc.games import Game
+from capsvc.store import Store
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+"""How often a process reads a stream it has subscribers for."""
+READ_COUNT = 1000
+"""Events read per poll at most."""
+QUEUE_EVENTS = 1024
+"""Events a subscriber may be behind before it is dropped."""
+BACKLOG_EVENTS = 10_000
+"""Events a resuming subscriber may have missed; further behind, it gets a snapshot."""
+HEARTBEAT_S = 15.0
+STREAM_LENGTH = 100_000
+"""Events a stream keeps (approximately: Redis trims whole nodes)."""
+
+_ID_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
+_encode = msgspec.json.encode
+
+
+def parse_id(text: str | None) -> tuple[int, int] | None:
+    """A stream entry id ("<ms>-<seq>") as a comparable pair, or None if it is not one."""
+    if text is None or not _ID_RE.match(text):
+        return None
+    ms, seq = text.split("-")
+    return int(ms), int(seq)
+
+
+@dataclass(slots=True)
+class Event:
+    """One event as sent: its id (comparable), the draw it is about, its SSE bytes."""
+
+    key: tuple[int, int]
+    draw: int
+    data: bytes
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One connection on the feed: the draw it follows (None: all), its queue."""
+
+    draw: int | None
+    queue: asyncio.Queue[Event | None] = field(
+        default_factory=lambda: asyncio.Queue(QUEUE_EVENTS))
+    dropped: bool = False
+
+
+HEARTBEAT = Event((0, 0), 0, b": heartbeat\n\n")
+"""A comment line every HEARTBEAT_S: proxies keep the connection, clients see it alive."""
+
+
+def frame(kind: str, event_id: str, payload: Any) -> bytes:
+    """One server-sent event."""
+    return (f"event: {kind}\nid: {event_id}\ndata: ".encode() + _encode(payload) + b"\n\n")
+
+
+class _GameFeed:
+    """The readers of one game's stream in this process."""
+
+    def __init__(self, feed: Feed, game: Game) -> None:
+        self.feed = feed
+        self.game = game
+        self.subscribers: set[Subscriber] = set()
+        self.last_id = "0-0"
+        self.task: asyncio.Task[None] | None = None
+
+    def event(self, entry_id: bytes, fields: list[bytes]) -> Event:
+        values = dict(zip(fields[::2], fields[1::2], strict=True))
+        kind = values[b"type"].decode()
+        draw = int(values[b"draw"])
+        at = rfc3339(datetime.fromtimestamp(int(values[b"at"]) / 1000, self.game.rules.tz))
+        payload: dict[str, Any] = {"draw": draw}
+        if b"combo" in values:
+            payload["numbers"] = combination.decode(values[b"combo"])
+        payload["at"] = at
+        text = entry_id.decode()
+        key = parse_id(text)
+        assert key is not None
+        return Event(key, draw, frame(kind, text, payload))
+
+    async def run(self) -> None:
+        store, gid = self.feed.store, self.game.rules.id
+        loop = asyncio.get_running_loop()
+        beat = loop.time() + HEARTBEAT_S
+        while self.subscribers:
+            try:
+                reply = await store.read_feed(gid, self.last_id, READ_COUNT)
+            except Exception as e:  # Redis away: subscribers keep their connection
+                log.warning("feed of %s not readable: %s", gid, e)
+                await asyncio.sleep(1)
+                continue
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    self.last_id = entry_id.decode()
+                    self.publish(self.event(entry_id, fields))
+            self.feed.check_closes(self.game)
+            if loop.time() >= beat:
+                beat = loop.time() + HEARTBEAT_S
+                self.publish(HEARTBEAT)
+            await asyncio.sleep(POLL_S)
+        self.task = None
+
+    def publish(self, event: Event) -> None:
+        for sub in list(self.subscribers):
+            if sub.draw is not None and event.draw and sub.draw != event.draw:
+                continue
+            try:
+                sub.queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self.drop(sub)
+
+    def drop(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+        sub.dropped = True
+        self.feed.on_drop(self.game.rules.id)
+        log.warning("feed subscriber of %s dropped: %d events behind", self.game.rules.id,
+                    sub.queue.qsize())
+        with contextlib.suppress(asyncio.QueueEmpty):
+            sub.queue.get_nowait()  # room for the end marker
+        sub.queue.put_nowait(None)
+
+
+class Feed:
+    """Every game's feed in this process."""
+
+    def __init__(self, store: Store, clock: RedisClock) -> None:
+        self.store = store
+        self.clock = clock
+        self.on_drop: Callable[[str], None] = lambda game: None
+        """Called with the game when a subscriber is dropped (the metrics count it)."""
+        self._games: dict[str, _GameFeed] = {}
+        self._announced: dict[str, int] = {}
+        self._closing: set[asyncio.Task[Any]] = set()
+
+    def subscribers(self) -> int:
+        return sum(len(g.subscribers) for g in self._games.values())
+
+    async def last_id(self, game: str) -> str:
+        """The id of the newest event of a game's stream ("0-0" when it has none)."""
+        newest = await self.store.newest_feed_entry(game)
+        return newest[0][0].decode() if newest else "0-0"
+
+    async def backlog(self, game: Game, last: str, after: tuple[int, int], draw: int | None
+                      ) -> list[Event] | None:
+        """The events after `last` for a subscriber resuming, or None when the stream no
+        longer holds that point (trimmed, expired) or it is too far behind: start afresh."""
+        gid = game.rules.id
+        oldest = await self.store.oldest_feed_entry(gid)
+        if not oldest or (parse_id(oldest[0][0].decode()) or (0, 0)) > after:
+            return None
+        entries = await self.store.feed_range(gid, last, BACKLOG_EVENTS + 1)
+        if len(entries) > BACKLOG_EVENTS:
+            return None
+        gf = self._games.get(gid) or _GameFeed(self, game)
+        events = [gf.event(entry_id, fields) for entry_id, fields in entries]
+        return [e for e in events if draw is None or e.draw == draw]
+
+    def subscribe(self, game: Game, sub: Subscriber, after: str) -> None:
+        """Add a subscriber; the reader starts (after `after`) if it is not running."""
+        gf = self._games.get(game.rules.id)
+        if gf is None:
+            gf = self._games[game.rules.id] = _GameFeed(self, game)
+        gf.subscribers.add(sub)
+        if gf.task is None:
+            gf.last_id = after
+            gf.task = asyncio.create_task(gf.run())
+
+    def unsubscribe(self, game: Game, sub: Subscriber) -> None:
+        gf = self._games.get(game.rules.id)
+        if gf is not None:
+            gf.subscribers.discard(sub)
+
+    def reader_position(self, game: Game) -> str | None:
+        gf = self._games.get(game.rules.id)
+        return None if gf is None or gf.task is None else gf.last_id
+
+    def check_closes(self, game: Game) -> None:
+        """Announce, once for all processes, the draws the calendar has closed since the
+        last look (the stream's `closed` events)."""
+        gid = game.rules.id
+        current = game.calendar.current(self.clock.now())
+        last = self._announced.get(gid)
+        self._announced[gid] = current
+        if last is None or current <= last:
+            return
+        for draw in range(last, current):
+            task = asyncio.create_task(self.announce_closed(game, draw))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def announce_closed(self, game: Game, draw: int) -> None:
+        try:
+            await self.store.feed_closed(game.rules.id, draw, game.expire_at(draw))
+        except Exception as e:  # the next process to look announces it
+            log.warning("closing draw %d of %s not announced: %s", draw, game.rules.id, e)
+
+    async def close(self) -> None:
+        """End every subscription (a drain): each connection gets its end and closes."""
+        for gf in self._games.values():
+            for sub in list(gf.subscribers):
+                with contextlib.suppress(asyncio.QueueFull):
+                    sub.queue.put_nowait(None)
+            gf.subscribers.clear()
+            if gf.task is not None:
+                gf.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gf.task

@@ -1,0 +1,269 @@
+"""The live sold-out feed (`GET /v1/games/{game}/capped/stream`), through HTTP, on a
+standalone Redis (one-call sales) and on a Redis Cluster (sales in steps): a snapshot, then
+`capped`, `reopened` and `closed` events; resuming with `Last-Event-ID` without a gap or a
+duplicate; events that outlive the process that sold; subscribers dropped, not buffered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from capsvc import feed as feed_module
+from capsvc.server import Service
+from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
+from tests.conftest import CONFIG, TEN, TOKENS, Client, ticket
+
+STREAM = "/v1/games/fdj-keno/capped/stream"
+
+
+class Events:
+    """A subscriber's events as they come: (kind, id, data)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.comments = 0
+
+    async def next(self, within: float = 5.0) -> tuple[str, str, Any]:
+        kind, event_id, data = "", "", ""
+        async with asyncio.timeout(within):
+            while True:
+                raw = await self.resp.content.readline()
+                if not raw:
+                    raise EOFError("the stream ended")
+                line = raw.decode().rstrip("\n")
+                if line.startswith(":"):
+                    self.comments += 1
+                elif line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: "):
+                    data = line[6:]
+                elif line == "" and kind:
+                    return kind, event_id, json.loads(data)
+
+    async def until(self, kind: str, within: float = 5.0) -> tuple[str, str, Any]:
+        while True:
+            event = await self.next(within)
+            if event[0] == kind:
+                return event
+
+
+@asynccontextmanager
+async def subscribe(base_url: str, *, last: str | None = None, query: str = "",
+                    token: str = "fr") -> AsyncIterator[Events]:
+    headers = {"Authorization": f"Bearer {TOKENS[token]}"}
+    if last is not None:
+        headers["Last-Event-ID"] = last
+    async with aiohttp.ClientSession() as session, session.get(
+            base_url + STREAM + query, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=30)) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        yield Events(resp)
+
+
+async def fill(client: Client, numbers: list[int], draw: int, stake: int = 1000,
+               grids: int = 5) -> dict[str, Any]:
+    """Sell `grids` grids of `numbers` on `draw` in one ticket (5 x 10 €: FDJ's cap)."""
+    reply = await client.sell(ticket([{"numbers": numbers, "stake": stake}] * grids,
+                                     first_draw=draw))
+    assert reply.status == 200, reply.body
+    body: dict[str, Any] = reply.body
+    return body
+
+
+async def test_snapshot_then_capped_reopened_and_closed(
+        service: tuple[Service, str], client: Client) -> None:
+    _, url = service
+    d = await client.current() + 1
+    numbers = TEN[:8]
+    first = await fill(client, numbers, d, grids=4)  # 40 €: not at the cap yet
+    async with subscribe(url) as events:
+        kind, _, snap = await events.next()
+        assert kind == "snapshot"
+        assert snap["draws"] == []
+        last = await fill(client, numbers, d, grids=1)  # 50 €: at the cap
+        kind, capped_id, data = await events.next()
+        assert kind == "capped"
+        assert (data["draw"], data["numbers"]) == (d, numbers)
+        assert "T" in data["at"]
+        cancel = await client.post(f"/v1/tickets/{last['ticket_id']}/cancel")
+        assert cancel.status == 200, cancel.body
+        kind, reopened_id, data = await events.next()
+        assert (kind, data["draw"], data["numbers"]) == ("reopened", d, numbers)
+        assert reopened_id > capped_id
+        assert (await client.post(f"/v1/games/fdj-keno/draws/{d + 2}/close",
+                                  token="admin")).status == 200
+        kind, _, data = await events.until("closed")
+        assert data["draw"] == d + 2
+    # A new subscriber's snapshot shows what is at its cap now.
+    await fill(client, numbers, d, grids=1)
+    async with subscribe(url) as events:
+        kind, _, snap = await events.next()
+        assert kind == "snapshot"
+        assert snap["draws"] == [{"draw": d, "combinations": [numbers]}]
+    assert first["status"] == "accepted"
+
+
+async def test_resuming_with_last_event_id_has_no_gap_and_no_duplicate(
+        service: tuple[Service, str], client: Client) -> None:
+    _, url = service
+    d = await client.current() + 1
+    combos = [TEN[i:i + 8] for i in range(3)]
+    async with subscribe(url) as events:
+        await events.next()  # the snapshot
+        await fill(client, combos[0], d)
+        _, seen, _ = await events.next()
+    # Missed while away: two more combinations reach their cap.
+    await fill(client, combos[1], d)
+    await fill(client, combos[2], d)
+    async with subscribe(url, last=seen) as events:
+        missed = [await events.next(), await events.next()]
+        assert [(k, e["numbers"]) for k, _, e in missed] == [
+            ("capped", combos[1]), ("capped", combos[2])]
+        await fill(client, TEN[2:10][::-1], d + 1)
+        kind, _, live = await events.next()
+        assert (kind, live["draw"]) == ("capped", d + 1)
+    # A point the stream no longer holds (older than its first event): a fresh snapshot.
+    async with subscribe(url, last="1-0") as events:
+        kind, _, snap = await events.next()
+        assert kind == "snapshot"
+        assert sorted(c for x in snap["draws"] for c in x["combinations"]) == sorted(
+            [*combos, sorted(TEN[2:10])])
+
+
+async def test_a_subscriber_of_one_draw_gets_only_that_draw(
+        service: tuple[Service, str], client: Client) -> None:
+    _, url = service
+    d = await client.current() + 1
+    async with subscribe(url, query=f"?draw={d + 1}") as events:
+        kind, _, snap = await events.next()
+        assert (kind, snap["draws"]) == ("snapshot", [{"draw": d + 1, "combinations": []}])
+        await fill(client, TEN[:8], d)
+        await fill(client, TEN[1:9], d + 1)
+        kind, _, data = await events.next()
+        assert (kind, data["draw"], data["numbers"]) == ("capped", d + 1, TEN[1:9])
+    for bad, status in (("?draw=x", 422), ("?draw=0", 404)):
+        async with aiohttp.ClientSession() as session, session.get(
+                url + STREAM + bad, headers={"Authorization": f"Bearer {TOKENS['fr']}"}) as r:
+            assert r.status == status
+    assert (await client.get(STREAM, token=None)).status == 401
+    assert (await client.get(STREAM.replace("fdj-keno", "lnm-keno"))).status == 403
+
+
+async def test_a_capped_sale_is_on_the_feed_even_if_its_process_dies_after_answering(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """The seller is SIGKILLed as soon as it answered; a subscriber on another process
+    gets the event all the same (it was written to Redis with the sale)."""
+    seller = ServiceProcess(str(CONFIG), redis_backend.url).start()
+    watcher = ServiceProcess(str(CONFIG), redis_backend.url).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, seller.base_url)
+            d = await client.current() + 1
+            async with subscribe(watcher.base_url) as events:
+                await events.next()  # the snapshot
+                answered = await fill(client, TEN[:8], d)
+                assert seller.process is not None
+                seller.process.send_signal(signal.SIGKILL)
+                assert answered["status"] == "accepted"
+                kind, _, data = await events.next()
+                assert (kind, data["draw"], data["numbers"]) == ("capped", d, TEN[:8])
+    finally:
+        seller.stop()
+        watcher.stop()
+
+
+async def test_the_service_ends_subscriptions_when_it_stops(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    svc = ServiceProcess(str(CONFIG), redis_backend.url).start()
+    try:
+        async with subscribe(svc.base_url) as events:
+            await events.next()
+            svc.terminate()
+            with pytest.raises((EOFError, aiohttp.ClientPayloadError)):
+                await events.next(within=10)
+            assert svc.wait(10) == 0
+    finally:
+        svc.stop()
+
+
+def test_a_subscriber_that_does_not_read_is_dropped_not_buffered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its queue is bounded: once full, the subscriber is dropped (and counted), told to end,
+    and the others still get every event."""
+
+    async def scenario() -> None:
+        monkeypatch.setattr(feed_module, "QUEUE_EVENTS", 3)
+        dropped: list[str] = []
+        feed = feed_module.Feed(store=None, clock=None)  # type: ignore[arg-type]
+        feed.on_drop = dropped.append
+
+        class FakeGame:
+            class rules:
+                id = "g"
+
+        game_feed = feed_module._GameFeed(feed, FakeGame())  # type: ignore[arg-type]
+        slow, fast = feed_module.Subscriber(None), feed_module.Subscriber(None)
+        game_feed.subscribers |= {slow, fast}
+        for i in range(1, 6):
+            game_feed.publish(feed_module.Event((i, 0), 7, b"x"))
+            if fast.queue.qsize():
+                await fast.queue.get()
+        assert dropped == ["g"]
+        assert slow.dropped
+        assert not fast.dropped
+        assert game_feed.subscribers == {fast}
+        assert slow.queue.qsize() <= 3
+        items = [slow.queue.get_nowait() for _ in range(slow.queue.qsize())]
+        assert items[-1] is None  # told to end
+
+    asyncio.run(scenario())
+
+
+async def test_capsvc_watch_prints_events_and_resumes_after_a_restart(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """The reference subscriber prints one line per event and, when the service restarts,
+    reconnects with Last-Event-ID: the events sold meanwhile come once, with no snapshot."""
+    svc = ServiceProcess(str(CONFIG), redis_backend.url).start()
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "capsvc", "watch", "fdj-keno", "--url", svc.base_url,
+        env={**os.environ, "CAPSVC_TOKEN": TOKENS["read"]},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert watcher.stdout is not None
+
+    async def line() -> list[str]:
+        async with asyncio.timeout(15):
+            return (await watcher.stdout.readline()).decode().split(" ", 2)  # type: ignore[union-attr]
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, svc.base_url)
+            d = await client.current() + 1
+            assert (await line())[0] == "snapshot"
+            await fill(client, TEN[:8], d)
+            kind, _, data = await line()
+            assert (kind, json.loads(data)["numbers"]) == ("capped", TEN[:8])
+            svc.stop()
+            svc = ServiceProcess(str(CONFIG), redis_backend.url, port=svc.port).start()
+        async with aiohttp.ClientSession() as session:  # no connection to the old process
+            client = Client(session, svc.base_url)
+            await fill(client, TEN[1:9], d)  # sold while the watcher may be away
+            await fill(client, TEN[2:10], d)
+            got = [await line(), await line()]
+            assert [(k, json.loads(x)["numbers"]) for k, _, x in got] == [
+                ("capped", TEN[1:9]), ("capped", TEN[2:10])]
+    finally:
+        watcher.kill()
+        await watcher.wait()
+        svc.stop()
