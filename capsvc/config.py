@@ -74,6 +74,10 @@ class GameRules:
     tz: ZoneInfo = field(compare=False, repr=False)
     shadow_cap_limit: int | None = None
     """A lower cap evaluated on every capped grid and never enforced (to try it first)."""
+    top_prizes: tuple[tuple[int, int], ...] = ()
+    """(picks, prize) of the top rank (all numbers right) for a stake of
+    `prize_base_stake`, minor units: what a draw's exposure reports as liability."""
+    prize_base_stake: int = 0
 
     @property
     def min_stake(self) -> int:
@@ -227,7 +231,7 @@ _GAME_FIELDS = {
     "durations", "cap_limit", "capped_picks", "daily_limit", "time_zone", "draw_times",
     "draw_every", "draw_from", "draw_until", "draw_epoch", "cancel", "retention", "max_grids",
     "sales_horizon", "subscription_accounting", "multiplier", "joker_plus_price",
-    "shadow_cap_limit",
+    "shadow_cap_limit", "top_prizes", "prize_base_stake",
 }
 
 
@@ -313,6 +317,9 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
         c.fail(f"{w}.shadow_cap_limit",
                "must be below cap_limit (a lower cap to try before enforcing it)")
         shadow_cap = None
+    top_prizes = _top_prizes(c, w, g.get("top_prizes", {}), picks_min, picks_max)
+    base = c.integer(f"{w}.prize_base_stake", g.get("prize_base_stake", stakes[0] if stakes else 1),
+                     1)
     daily = g.get("daily_limit")
     daily_limit = None if daily is None else c.integer(f"{w}.daily_limit", daily, 1)
     tzname = c.text(f"{w}.time_zone", g.get("time_zone"))
@@ -360,8 +367,25 @@ def build_game(raw: dict[str, Any], where: str, c: _Checker) -> GameRules | None
         joker_plus_price=None if joker is None else c.integer(f"{w}.joker_plus_price", joker, 1),
         tz=tz,
         shadow_cap_limit=shadow_cap,
+        top_prizes=top_prizes,
+        prize_base_stake=base,
     )
     return rules
+
+
+def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
+                ) -> tuple[tuple[int, int], ...]:
+    """`top_prizes = { "10" = 100000000, … }`: picks (as TOML keys) to the top prize."""
+    if not isinstance(raw, dict):
+        c.fail(f"{w}.top_prizes", 'expected a table of picks to prizes, e.g. { "10" = 100000 }')
+        return ()
+    out = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and low <= int(key) <= high):
+            c.fail(f"{w}.top_prizes.{key}", f"expected a number of picks from {low} to {high}")
+            continue
+        out.append((int(key), c.integer(f"{w}.top_prizes.{key}", value, 1, 10**15)))
+    return tuple(sorted(out))
 
 
 _SECTIONS = {

@@ -220,9 +220,11 @@ class Feed:
         last look (the stream's `closed` events)."""
         gid = game.rules.id
         current = game.calendar.current(self.clock.now())
-        last = self._announced.get(gid)
+        # The first look announces the last close too, in case no process was reading
+        # when it happened (announcing is idempotent).
+        last = self._announced.get(gid, current - 1)
         self._announced[gid] = current
-        if last is None or current <= last:
+        if current <= last:
             return
         for draw in range(last, current):
             task = asyncio.create_task(self.announce_closed(game, draw))

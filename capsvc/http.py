@@ -197,6 +197,7 @@ class Api:
         self.availability_of = usecases.availability
         self.players = usecases.players
         self.feed = usecases.feed
+        self.exposure_of = usecases.exposure
         self.feed.on_drop = metrics.feed_dropped
         self.clock = usecases.clock
         self.store = store
@@ -268,6 +269,11 @@ class Api:
         game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         return json_response(await self.availability_of.sold_out(game, _draw(request)))
 
+    async def exposure(self, request: web.BaseRequest) -> web.StreamResponse:
+        channel = self.auth.channel(request)
+        game = self.catalog.game(_param(request, "game"), channel, "read", "admin")
+        return json_response(await self.exposure_of.of(game, _draw(request)))
+
     async def capped_stream(self, request: web.BaseRequest) -> web.StreamResponse:
         """The live sold-out feed (server-sent events; see capsvc/feed.py)."""
         channel = self.auth.channel(request)
@@ -284,6 +290,13 @@ class Api:
         # Subscribed before reading what came before: whatever is appended from now on is
         # either in what is read below or in the queue (and skipped there if it was sent).
         newest = await feed.last_id(game.rules.id)
+        # The events the reader published before this subscriber joined are not in its
+        # queue: a snapshot stands for them (it is read after), so its id is the later of
+        # the newest event and the reader's position.
+        position = feed.reader_position(game)
+        if position is not None and (parse_id(position) or (0, 0)) > (parse_id(newest)
+                                                                    or (0, 0)):
+            newest = position
         feed.subscribe(game, sub, newest)
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -405,6 +418,8 @@ def game_out(r: GameRules) -> GameOut:
         retention_seconds=r.retention_ms // 1000, max_grids=r.max_grids,
         sales_horizon=r.sales_horizon, subscription_accounting=r.subscription_accounting,
         multiplier=r.multiplier, joker_plus_price=r.joker_plus_price,
+        top_prizes={str(p): prize for p, prize in r.top_prizes},
+        prize_base_stake=r.prize_base_stake,
     )
 
 
@@ -639,6 +654,7 @@ def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Me
     router.add("GET", draw + "/combinations/{numbers}", api.combination)
     router.add("GET", draw + "/capped", api.capped)
     router.add("GET", STREAM_ROUTE, api.capped_stream)
+    router.add("GET", draw + "/exposure", api.exposure)
     router.add("POST", "/v1/games/{game}/availability", api.availability)
     router.add("GET", "/v1/players/{player_id}", api.player)
     router.add("PUT", "/v1/players/{player_id}/limit", api.player_limit)

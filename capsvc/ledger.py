@@ -25,7 +25,12 @@ from capsvc.decisions import (
 )
 from capsvc.games import Game
 from capsvc.models import TicketOut
-from capsvc.store import PlayerStore, Store, record_field, replies_of
+from capsvc.store import (
+    PlayerStore,
+    Store,
+    record_field,
+    replies_of,
+)
 from capsvc.validator import Sale
 
 
@@ -123,12 +128,28 @@ class Ledger:
                 marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
                                                    game.expire_at(first + offset))
                           for offset in reply[2:]]
-        settled = self.settle_budget(plan, sale, accepted_grids(out))
-        if marks or settled is not None:
-            await replies_of([settled, *marks])
+        accepted = accepted_grids(out)
+        settled = self.settle_budget(plan, sale, accepted)
+        aggregates = self.aggregates(key, game, sale, sale_id, accepted)
+        if marks or settled is not None or aggregates:
+            await replies_of([settled, *marks, *aggregates])
         if not await self.store.finalize(key, sale_id, body):
             return None
         return near_cap, len(marks)
+
+    def aggregates(self, key: str, game: Game, sale: Sale, sale_id: str, accepted: set[int]
+                   ) -> list[asyncio.Future[Any]]:
+        """Record on each of its draws what the sale accepted (base stake by number of
+        picks; nothing when it accepted nothing), or, `accepted` empty, remove it."""
+        amounts: dict[int, int] = {}
+        for g in sale.grids:
+            if g.index in accepted:
+                amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
+        value = ",".join(f"{p}:{a}" for p, a in sorted(amounts.items()))
+        first = sale.first_draw
+        assert first is not None
+        return [self.store.aggregate(key, game.rules.id, d, sale_id, value, game.expire_at(d))
+                for d in range(first, first + sale.draws)]
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, *, void: bool = False) -> TicketOut | None:
@@ -156,13 +177,14 @@ class Ledger:
             await self.write_decision(game, key, sale, sale_id, plan, replies, out,
                                       msgspec.json.encode(out))
             return out
-        await self.give_back(game, sale, sale_id, plan)
+        await self.give_back(key, game, sale, sale_id, plan)
         await self.store.unclaim(key, sale_id)
         return None
 
-    async def give_back(self, game: Game, sale: Sale, sale_id: str, plan: BudgetPlan | None
-                        ) -> None:
-        """Release every grid and the whole budget of a sale."""
+    async def give_back(self, key: str, game: Game, sale: Sale, sale_id: str,
+                        plan: BudgetPlan | None) -> None:
+        """Release every grid, the whole budget and the draws' aggregates of a sale."""
+        await replies_of(self.aggregates(key, game, sale, sale_id, set()))
         await self.release_all(game, sale, sale_id)
         settled = self.settle_budget(plan, sale, set())
         if settled is not None:

@@ -92,6 +92,19 @@ class Metrics:
         self.feed_drops = Counter("capsvc_feed_dropped",
                                   "Feed subscribers dropped for not reading their events",
                                   ["game"], registry=r)
+        self.draw_played = Gauge(
+            "capsvc_draw_combinations_played",
+            "Combinations of the capped sizes with a stake on the draw on sale now", ["game"],
+            registry=r, multiprocess_mode="livemostrecent")
+        self.draw_at_cap = Gauge(
+            "capsvc_draw_combinations_at_cap",
+            "Combinations at their cap on the draw on sale now", ["game"], registry=r,
+            multiprocess_mode="livemostrecent")
+        self.draw_liability = Gauge(
+            "capsvc_draw_top_liability",
+            "Top-rank liability of the most exposed combination of the draw on sale now "
+            "(minor units; the prize it would pay if drawn)", ["game"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
         Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
@@ -127,8 +140,11 @@ class Metrics:
                 self.cap_rejections.labels(g.id, str(picks))
             if g.daily_limit is not None:
                 self.limit_rejections.labels(g.id)
-            if g.shadow_cap_limit is not None:
+            self.feed_drops.labels(g.id)
+            if g.cap_limit is not None:
                 self.shadow_rejections.labels(g.id)
+                for gauge in (self.draw_played, self.draw_at_cap, self.draw_liability):
+                    gauge.labels(g.id).set(0)
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         """Tally one request's latency (applied to the histogram by `flush`)."""
@@ -179,6 +195,12 @@ class Metrics:
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
         self.in_flight.set(self.serving)
+
+    def exposure(self, game: str, played: int, at_cap: int, liability: int) -> None:
+        """The current draw's exposure figures of a game (refreshed in the background)."""
+        self.draw_played.labels(game).set(played)
+        self.draw_at_cap.labels(game).set(at_cap)
+        self.draw_liability.labels(game).set(liability)
 
     def feed_dropped(self, game: str) -> None:
         self.feed_drops.labels(game).inc()

@@ -142,6 +142,45 @@ class DrawOut(Struct):
     """Whether a sale has fixed the draw's cap (a configuration change no longer moves it)."""
 
 
+class PicksStake(Struct):
+    picks: int
+    stake: int
+    """Base stake accepted on the draw by grids of `picks` numbers (minor units)."""
+
+
+class CappedPicks(Struct):
+    picks: int
+    played: int
+    """Combinations of this size with a stake on the draw."""
+    at_cap: int
+    """Of those, combinations at their cap (the smallest stake no longer fits)."""
+    near_cap: int
+    """Of those, combinations at 80 % of the cap or more (those at the cap included)."""
+    stake: int
+
+
+class TopCombination(Struct):
+    numbers: list[int]
+    staked: int
+    liability: int | None
+    """The top-rank prize it would pay if drawn: staked / prize_base_stake x the game's top
+    prize for its size (minor units); null when the game has no top prize for that size."""
+
+
+class ExposureOut(Struct):
+    draw: int
+    cap: int | None
+    cap_fixed: bool
+    computed_at: str
+    """When these figures were computed (they are kept a few seconds)."""
+    stakes: list[PicksStake]
+    capped: list[CappedPicks]
+    top: list[TopCombination]
+    """The 20 combinations with the largest stake on the draw, largest first."""
+    top_liability: int | None
+    """The largest `liability` of `top`."""
+
+
 class CurrentDrawOut(Struct):
     draw: int
     closes_at: str
@@ -172,6 +211,9 @@ class GameOut(Struct):
     subscription_accounting: str
     multiplier: bool
     joker_plus_price: int | None
+    top_prizes: dict[str, int]
+    """Top-rank prize by number of picks, for a stake of `prize_base_stake`."""
+    prize_base_stake: int
 
 
 class GamesOut(Struct):

@@ -17,6 +17,7 @@ from capsvc.models import (
     CurrentDrawOut,
     DrawOut,
     ErrorOut,
+    ExposureOut,
     GamesOut,
     HealthOut,
     LimitIn,
@@ -31,7 +32,7 @@ _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     TicketIn, TicketOut, CancelOut, AvailabilityIn, AvailabilityOut, CombinationOut,
     CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut, LimitIn, PlayerOut,
-    StakeIn, StakeOut,
+    StakeIn, StakeOut, ExposureOut,
 )
 _ERRORS = {
     "400": "Malformed JSON, or not an object (malformed_json); not valid HTTP "
@@ -134,6 +135,10 @@ def openapi_document() -> dict[str, Any]:
             params=("game", "draw", "numbers"), errors=("401", "403", "404", "422", "503"))},
         draw + "/capped": {"get": _op("The combinations at their cap for a draw", CappedOut,
                                       params=("game", "draw"))},
+        draw + "/exposure": {"get": _op(
+            "What is at stake on a draw: stakes by size, combinations at or near their cap, "
+            "the 20 most played and their top-rank liability", ExposureOut,
+            params=("game", "draw"))},
         "/v1/games/{game}/availability": {"post": _op(
             "Whether grids could be sold (advisory, counts nothing)", AvailabilityOut,
             body=AvailabilityIn, params=("game",), errors=write_errors)},

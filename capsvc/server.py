@@ -57,6 +57,32 @@ async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> Non
             metrics.janitor.inc(settled)
 
 
+EXPOSURE_GAUGES_S = 15.0
+"""How often each process refreshes the current draws' exposure gauges."""
+
+
+async def _exposure_gauges(usecases: UseCases, metrics: Metrics) -> None:
+    """Keep the exposure gauges of each capped game's draw on sale up to date."""
+    reachable = True
+    while True:
+        try:
+            for game in usecases.catalog.games.values():
+                if game.rules.cap_limit is None:
+                    continue
+                draw = await usecases.draws.current_draw(game)
+                out = await usecases.exposure.of(game, draw)
+                metrics.exposure(game.rules.id, sum(c.played for c in out.capped),
+                                 sum(c.at_cap for c in out.capped), out.top_liability or 0)
+            reachable = True
+        except Unavailable as e:
+            if reachable:
+                log.warning("exposure gauges: redis unavailable: %s", e)
+            reachable = False
+        except Exception:
+            log.exception("exposure gauges failed")
+        await asyncio.sleep(EXPOSURE_GAUGES_S)
+
+
 async def _flush_metrics(metrics: Metrics) -> None:
     """Apply the hot path's tallies to the Prometheus counters once a second (also done on
     every scrape), so that a worker that never serves /metrics is seen too."""
@@ -168,6 +194,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_janitor(usecases.janitor, metrics,
                                      settings.janitor_interval_ms / 1000)),
         asyncio.create_task(_flush_metrics(metrics)),
+        asyncio.create_task(_exposure_gauges(usecases, metrics)),
     ]
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic

@@ -52,6 +52,17 @@ def pending_key_of(ticket: str) -> str:
     return "p:" + ticket[2 : ticket.index("}") + 1]
 
 
+def aggregate_key(ticket: str, game: str, draw: int) -> str:
+    """What the tickets of `ticket`'s slot accepted on a draw, by number of picks (the
+    draw's exposure adds the 64 slots up)."""
+    return f"a:{ticket[2 : ticket.index('}') + 1]}:{game}:{draw}"
+
+
+def aggregate_keys(game: str, draw: int) -> list[str]:
+    """A draw's aggregates, one per ticket slot."""
+    return [f"a:{{t:{b}}}:{game}:{draw}" for b in range(TICKET_BUCKETS)]
+
+
 def pending_key(bucket: int) -> str:
     return f"p:{{t:{bucket}}}"
 
@@ -170,6 +181,11 @@ class Store:
         await self.fcall("capsvc_cancelled", [ticket], [sale_id])
         await self.unindex(ticket)
 
+    def recorded(self, ticket: str) -> asyncio.Future[Any]:
+        """[state, fingerprint, body, sale, sale id, claim instant, results] of a ticket
+        record (all None when unknown)."""
+        return self.redis.submit("HMGET", ticket, "st", "fp", "body", "sale", "sid", "at", "res")
+
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
         """[state, body, sale, sale id, claim instant, cancelled at, released, results] of a
         ticket record (all None when unknown; a one-call sale has results, not a body)."""
@@ -181,13 +197,15 @@ class Store:
              min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
              time_zone: str) -> asyncio.Future[Any]:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
-        (combo, stake) of each grid, combo "" when the grid is not capped."""
+        (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
+        combination never holds a zero byte)."""
         keys = [ticket, stops_key(game)]
         for combo, _ in grids:
-            if combo:
+            if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
         keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
         keys.append(feed_key(game))
+        keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
         args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
                            os.urandom(8).hex(), first_draw, draws, caps, min_stake, len(grids)]
         for combo, stake in grids:
@@ -257,6 +275,23 @@ class Store:
                       ) -> asyncio.Future[Any]:
         return self.fcall("capsvc_feed_event", [feed_key(game)],
                           ["reopened", draw, combo, expire_at])
+
+    def exposure_of(self, game: str, combo_bucket: int, draw: int, cap: int, min_stake: int
+                    ) -> asyncio.Future[Any]:
+        """One counter bucket's share of a draw's exposure (lua/capsvc.lua, exposure)."""
+        return self.fcall("capsvc_exposure", [f"c:{{{game}:{combo_bucket}}}:{draw}"],
+                          [cap, min_stake])
+
+    def aggregate(self, ticket: str, game: str, draw: int, sale_id: str, value: str,
+                  expire_at: int) -> asyncio.Future[Any]:
+        """Record what a sale accepted on a draw ("<picks>:<stake>,…"), or with value ""
+        remove it (lua/capsvc.lua, AGGREGATES)."""
+        return self.fcall("capsvc_aggregate", [aggregate_key(ticket, game, draw)],
+                          [sale_id, value, expire_at])
+
+    def aggregate_sums(self, game: str, draw: int) -> list[asyncio.Future[Any]]:
+        """[picks, stake, …] of each ticket slot's aggregate of a draw."""
+        return [self.fcall("capsvc_aggregate_sum", [k], []) for k in aggregate_keys(game, draw)]
 
     def fix_cap(self, game: str, draw: int, cap: int, expire_at: int) -> asyncio.Future[Any]:
         """Fix the draw's cap at `cap` unless a sale fixed it already: the cap fixed before

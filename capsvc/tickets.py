@@ -42,7 +42,7 @@ from capsvc.games import Catalog, Game, require_scope
 from capsvc.ledger import Ledger
 from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, stop_instants, ticket_key
-from capsvc.validator import Sale, validate_ticket
+from capsvc.validator import Sale, request_fingerprint, validate_ticket
 
 _encode = msgspec.json.encode
 _sale_decoder = msgspec.json.Decoder(Sale)
@@ -102,6 +102,37 @@ class Tickets:
     # -- sell ------------------------------------------------------------------------------
 
     async def sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
+        """Judge and record a sale, or answer the decision already recorded for its ticket
+        id. A request refused (4xx) before its ticket id was looked up is looked up then:
+        a retry of a sale whose answer was lost still gets its decision when the
+        configuration has changed since (a stake, a duration, a game no longer offered)."""
+        try:
+            return await self._sell(channel, t)
+        except ApiError as e:
+            if e.status >= 500 or e.code == "idempotency_conflict":
+                raise
+            recorded = await self._recorded(channel, t)
+            if recorded is None:
+                raise
+            return recorded
+
+    async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
+        """The decision recorded for this request's ticket id, if it is this request's;
+        409 if the id holds another request; None when there is none."""
+        key = ticket_key(channel.id, t.ticket_id)
+        state, fingerprint, body, raw_sale, sale_id, at, results = await self.store.recorded(
+            key)
+        if state is None:
+            return None
+        if fingerprint is None or fingerprint.decode() != request_fingerprint(t):
+            raise _conflict(t.ticket_id)
+        if state == b"f" or state == b"k" or state == b"c":
+            return SaleOutcome(body=body or _derived_body(channel.id, raw_sale, sale_id, at,
+                                                          results), replayed=True)
+        raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
+                          "retry shortly", self.settings.retry_after_s)
+
+    async def _sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
         game = self.catalog.game(t.game, channel, "sell")
         sale = validate_ticket(game.rules, t)
         key = ticket_key(channel.id, t.ticket_id)
@@ -160,9 +191,7 @@ class Tickets:
                 first = max(first + 1, await self.draws.current_draw(game))
                 continue
             if kind == b"conflict":
-                raise ApiError(409, "idempotency_conflict",
-                               f"ticket {t.ticket_id} was already used with a different request",
-                               "$.ticket_id")
+                raise _conflict(t.ticket_id)
             if kind == b"stale":
                 raise unavailable(f"ticket {t.ticket_id} is being settled after an "
                                   "interrupted sale; retry shortly", self.settings.retry_after_s)
@@ -187,7 +216,7 @@ class Tickets:
         reply: list[Any] = await self.store.sell(
             key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
-            [(g.combo if g.capped else "", g.stake) for g in sale.grids],
+            [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone)
         return reply
 
@@ -314,7 +343,7 @@ class Tickets:
                             sale_id: str, at: int) -> None:
         """Give back what a cancelled sale took, then mark the cancel complete."""
         plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
-        await self.ledger.give_back(game, sale, sale_id, plan)
+        await self.ledger.give_back(key, game, sale, sale_id, plan)
         await self.store.cancelled(key, sale_id)
 
 
@@ -342,6 +371,12 @@ def _derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | 
     """The body of a decision stored as results: what the sale answered, byte for byte."""
     return _encode(decision_of(channel_id, _sale_decoder.decode(raw_sale), sale_id.decode(),
                                int(at), results))
+
+
+def _conflict(ticket_id: str) -> ApiError:
+    return ApiError(409, "idempotency_conflict",
+                    f"ticket {ticket_id} was already used with a different request",
+                    "$.ticket_id")
 
 
 def _closed(draw: int) -> ApiError:

@@ -13,6 +13,7 @@ from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
 from capsvc.config import Settings
 from capsvc.draws import Draws
+from capsvc.exposure import Exposure
 from capsvc.feed import Feed
 from capsvc.games import Catalog
 from capsvc.janitor import Janitor
@@ -32,6 +33,7 @@ class UseCases:
     players: Players
     janitor: Janitor
     feed: Feed
+    exposure: Exposure
 
 
 def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None
@@ -49,4 +51,5 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
         players=Players(catalog, ledger.players, clock),
         janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
         feed=Feed(store, clock),
+        exposure=Exposure(store, caps, clock),
     )

@@ -112,6 +112,28 @@ def _grid_error(rules: GameRules, numbers: list[int], stake: int, multiplier: bo
                          f"{path}.multiplier")
 
 
+def _fingerprint(t: TicketIn, combos: list[str]) -> str:
+    """The request's identity for idempotency: what it asks, with each grid's numbers as a
+    set (3-7-12 is 12-3-7)."""
+    canonical = _encode((t.game, t.player_id, t.first_draw, t.draws, t.joker_plus,
+                         [(c, g.stake, g.multiplier) for c, g in zip(combos, t.grids,
+                                                                        strict=True)]))
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+def request_fingerprint(t: TicketIn) -> str | None:
+    """The fingerprint `validate_ticket` gives a ticket, without any game's rules (a retry
+    must find its recorded decision even once the configuration would refuse it); None
+    when its numbers could never have made a valid grid."""
+    combos = []
+    for g in t.grids:
+        numbers = sorted(g.numbers)
+        if not numbers or numbers[0] < 1 or numbers[-1] > 99 or len(set(numbers)) < len(numbers):
+            return None
+        combos.append(combination.encode(numbers))
+    return _fingerprint(t, combos)
+
+
 def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
     """Apply every rule of `rules` to the ticket; raise ApiError(422) on the first break."""
     check_grid_count(rules, len(t.grids))
@@ -143,8 +165,7 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
         grids.append(SaleGrid(i, ordered, combination.encode(ordered), g.stake, g.multiplier,
                               g.stake * (2 if g.multiplier else 1) * draws, n in capped_sizes))
     joker_cost = (rules.joker_plus_price or 0) * draws if t.joker_plus else 0
-    canonical = _encode((t.game, t.player_id, t.first_draw, draws, t.joker_plus,
-                         [(g.combo, g.stake, g.multiplier) for g in grids]))
+    fingerprint = _fingerprint(t, [g.combo for g in grids])
     return Sale(
         ticket_id=t.ticket_id,
         game=t.game,
@@ -154,7 +175,7 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
         grids=tuple(grids),
         joker_plus=t.joker_plus,
         joker_cost=joker_cost,
-        fingerprint=hashlib.blake2b(canonical, digest_size=16).hexdigest(),
+        fingerprint=fingerprint,
     )
 
 

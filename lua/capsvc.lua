@@ -12,6 +12,7 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
                  TTL: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor (claimed, or being cancelled)
+  aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
                    "\0" <sale id> <grid>     -> that grid's record (see RECORDS)
@@ -137,6 +138,40 @@ local function claim(keys, args)
   return known_ticket(rec, args[1], now, tonumber(args[5]))
 end
 
+--[[ AGGREGATES. a:{t:NN}:<game>:<draw> (hash, in the slot of the tickets it counts):
+<sale id> -> "<picks>:<stake>,…", the base stake each sale standing on that draw accepted,
+by number of picks; a draw's exposure adds them up over the 64 ticket slots. A sale's field
+is written (`sell`; `aggregate` by a sale in steps, before its decision) and removed
+(`aggregate` with no value: the sale was given back or cancelled) whole, so a step run
+again never counts twice: one key per call, as the ticket's own steps. TTL: the draw's
+close + retention. ]]
+local function aggregate(keys, args)
+  if args[2] == '' then
+    redis.call('HDEL', keys[1], args[1])
+  else
+    redis.call('HSET', keys[1], args[1], args[2])
+    extend(keys[1], tonumber(args[3]))
+  end
+  return 1
+end
+
+--[[ aggregate_sum: KEYS an aggregate (read only). Returns {picks, stake, …}: the sum of
+its sales. ]]
+local function aggregate_sum(keys, args)
+  local sums = {}
+  for _, value in ipairs(redis.call('HVALS', keys[1])) do
+    for picks, stake in string.gmatch(value, '(%d+):(%d+)') do
+      sums[picks] = (sums[picks] or 0) + tonumber(stake)
+    end
+  end
+  local out = {}
+  for picks, stake in pairs(sums) do
+    out[#out + 1] = picks
+    out[#out + 1] = stake
+  end
+  return out
+end
+
 --[[ finalize: KEYS ticket; ARGV sid, body
 Writes the decision of sale `sid` if it is still pending (or being settled).
 Returns 1 if written. ]]
@@ -229,6 +264,50 @@ local function cancelled(keys, args)
     return 1
   end
   return 0
+end
+
+--[[ exposure: KEYS one counter bucket of a draw; ARGV cap, min_stake (read only)
+What a draw's exposure needs of one bucket: {stats, top} where stats is, per number of
+picks, picks, combinations played, at their cap, at 80 % of it or more, their stake; and
+top the bucket's 20 largest counters, combo, total, largest first. ]]
+local function exposure(keys, args)
+  local cap, min_stake = tonumber(args[1]), tonumber(args[2])
+  local all = redis.call('HGETALL', keys[1])
+  local stats, top = {}, {}
+  for i = 1, #all, 2 do
+    local field = all[i]
+    if string.byte(field, 1) ~= 0 then
+      local total = tonumber(all[i + 1])
+      if total > 0 then
+        local s = stats[#field]
+        if not s then
+          s = {0, 0, 0, 0}
+          stats[#field] = s
+        end
+        s[1] = s[1] + 1
+        s[4] = s[4] + total
+        if cap - total < min_stake then
+          s[2] = s[2] + 1
+        end
+        if total >= cap * 0.8 then
+          s[3] = s[3] + 1
+        end
+        top[#top + 1] = {field, total}
+      end
+    end
+  end
+  table.sort(top, function(x, y) return x[2] > y[2] or (x[2] == y[2] and x[1] < y[1]) end)
+  local flat_stats, flat_top = {}, {}
+  for picks, s in pairs(stats) do
+    for _, v in ipairs({picks, s[1], s[2], s[3], s[4]}) do
+      flat_stats[#flat_stats + 1] = v
+    end
+  end
+  for i = 1, math.min(20, #top) do
+    flat_top[#flat_top + 1] = top[i][1]
+    flat_top[#flat_top + 1] = top[i][2]
+  end
+  return {flat_stats, flat_top}
 end
 
 --[[ CAPS. A draw's cap is fixed when the draw is first sold (k:{<game>}:<draw>, by the
@@ -643,9 +722,9 @@ local function player(keys, args)
 end
 
 --[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
-list of each draw, the game's feed stream;
+list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES);
 ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, caps (see CAPS),
-min_stake, G, then combo ("" if not capped) and stake of each of the G grids, then
+min_stake, G, then combo ("\0<picks>" if not capped) and stake of each of the G grids, then
 expire_at of each draw, then the game's time zone (kept with the results: the receipt's
 time is rendered in the zone of the sale, whatever the configuration says later).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
@@ -692,14 +771,18 @@ local function sell(keys, args)
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  local feed = keys[#keys]
-  local lists = #keys - n - 1  -- the sold-out list of draw i is keys[lists + i]
+  local aggregates = #keys - n  -- the aggregate of draw i is keys[aggregates + i]
+  local feed = keys[aggregates]
+  local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
   local res, near, sold, shadowed = {}, 0, 0, 0
+  local accepted = {}  -- picks -> base stake accepted (per draw)
   local k = 3
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
-    if combo == '' then
+    if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
       res[g] = '-'
+      local picks = tonumber(string.sub(combo, 2))
+      accepted[picks] = (accepted[picks] or 0) + tonumber(stake)
     else
       local buckets = {}
       for i = 1, n do
@@ -715,6 +798,7 @@ local function sell(keys, args)
                         tonumber(stake), caps, tonumber(min_stake), expiries, shadow)
       if out[1] >= 1 then
         res[g] = '1'
+        accepted[#combo] = (accepted[#combo] or 0) + tonumber(stake)
         near = near + out[2]
         if out[1] == 2 then
           shadowed = shadowed + 1
@@ -733,6 +817,17 @@ local function sell(keys, args)
   redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
+  if next(accepted) then
+    local parts = {}
+    for picks, amount in pairs(accepted) do
+      parts[#parts + 1] = picks .. ':' .. amount
+    end
+    table.sort(parts)
+    local value = table.concat(parts, ',')
+    for i = 1, n do
+      aggregate({keys[aggregates + i]}, {sid, value, expiries[i]})
+    end
+  end
   return {'new', now, sid, results, near, sold, shadowed}
 end
 
@@ -749,6 +844,11 @@ redis.register_function('capsvc_stop', stop)
 redis.register_function('capsvc_sold_out', sold_out_add)
 redis.register_function('capsvc_feed_event', feed_event)
 redis.register_function('capsvc_feed_closed', feed_closed)
+redis.register_function{function_name = 'capsvc_exposure', callback = exposure,
+                        flags = {'no-writes'}}
+redis.register_function('capsvc_aggregate', aggregate)
+redis.register_function{function_name = 'capsvc_aggregate_sum', callback = aggregate_sum,
+                        flags = {'no-writes'}}
 redis.register_function('capsvc_budget', budget)
 redis.register_function('capsvc_stake', stake)
 redis.register_function('capsvc_settle', settle)

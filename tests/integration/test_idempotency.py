@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any
 
-from tests.conftest import TEN, Client, ticket
+import aiohttp
+
+from capsvc.config import GameRules, Settings
+from capsvc.server import build
+from capsvc.testing import RedisCluster, RedisServer
+from tests.conftest import TEN, Client, start_service, ticket
+
+
+def with_game(settings: Settings, rules: GameRules) -> Settings:
+    return dataclasses.replace(settings, games={**settings.games, rules.id: rules})
 
 
 async def test_replay_returns_identical_body_with_header(client: Client) -> None:
@@ -91,3 +102,50 @@ async def test_replay_after_the_draw_closed_returns_the_decision(client: Client)
     assert replay.headers["Idempotent-Replayed"] == "true"
     late = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw))
     assert (late.status, late.body["error"]["code"]) == (422, "draw_closed")
+
+
+async def test_a_retry_finds_its_decision_after_the_configuration_changed(
+        settings: Settings, redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """A sale answered (its answer lost, say), then the service restarted with rules that
+    would refuse it: fewer stakes, durations, grids and horizon, no multiplier, the game no
+    longer sold by the channel. The same request gets the recorded decision (200, replayed);
+    another body on the id is 409; a new ticket is judged by the new rules."""
+    fdj = settings.games["fdj-keno"]
+    narrowed = with_game(settings, dataclasses.replace(
+        fdj, stakes=(100, 200), durations=(1,), max_grids=1, sales_horizon=0, multiplier=False))
+    channels = tuple(dataclasses.replace(c, games=frozenset(c.games - {"fdj-keno"}))
+                     if c.id == "pf-retail" else c for c in settings.channels)
+    narrowed = dataclasses.replace(narrowed, channels=channels)
+    async with aiohttp.ClientSession() as session:
+        svc = build(settings, redis_backend.url)
+        runner, url = await start_service(svc)
+        client = Client(session, url)
+        d = await client.current() + 2
+        bodies = [
+            ticket([{"numbers": TEN[:8], "stake": 1000, "multiplier": True}] * 2,
+                   first_draw=d, draws=2),
+            ticket([{"numbers": TEN[1:9], "stake": 500}]),
+        ]
+        first = [await client.sell(b, token="pf") for b in bodies]
+        assert [r.status for r in first] == [200, 200]
+        await runner.cleanup()
+        await svc.redis.aclose()
+
+        svc = build(narrowed, redis_backend.url)
+        runner, url = await start_service(svc)
+        try:
+            client = Client(session, url)
+            for body, before in zip(bodies, first, strict=True):
+                permuted = [{**g, "numbers": g["numbers"][::-1]} for g in body["grids"]]
+                again = await client.sell({**body, "grids": permuted}, token="pf")
+                assert (again.status, again.raw) == (200, before.raw)
+                assert again.headers["Idempotent-Replayed"] == "true"
+            other = await client.sell({**bodies[1], "draws": 2}, token="pf")
+            assert (other.status, other.body["error"]["code"]) == (409, "idempotency_conflict")
+            new = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]), token="fr")
+            assert (new.status, new.body["error"]["code"]) == (422, "stake_not_allowed")
+            assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 100}]),
+                                      token="pf")).status == 403
+        finally:
+            await runner.cleanup()
+            await svc.redis.aclose()

@@ -129,3 +129,42 @@ async def test_janitor_gives_an_abandoned_sale_budget_back(
     state = await client.get("/v1/players/P-J", token="ma")
     assert state.body["spent"] == 0
     assert await client.staked(TEN, await client.current("lnm-keno"), game="lnm-keno") == 0
+
+
+async def test_a_draws_stakes_count_a_settled_sale_once_and_an_abandoned_one_never(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exposure's stakes by size: a sale whose decision write failed is counted once
+    whether its retry or the janitor completes it; a sale the janitor gives back, never."""
+    from capsvc import exposure
+
+    monkeypatch.setattr(exposure, "CACHE_S", 0.0)
+    svc, _ = service
+    draw = await client.current() + 1
+
+    async def stakes() -> list[dict[str, int]]:
+        reply = await client.get(f"/v1/games/fdj-keno/draws/{draw}/exposure", token="admin")
+        assert reply.status == 200, reply.body
+        got: list[dict[str, int]] = reply.body["stakes"]
+        return got
+
+    original = svc.store.finalize
+
+    async def lost(*args: Any, **kwargs: Any) -> bool:
+        raise Unavailable("simulated outage")
+
+    settled = ticket([{"numbers": TEN, "stake": 500}, {"numbers": TEN[:3], "stake": 200}],
+                     first_draw=draw)
+    monkeypatch.setattr(svc.store, "finalize", lost)
+    assert (await client.sell(settled)).status == 503
+    monkeypatch.setattr(svc.store, "finalize", original)
+    assert await janitor_later(svc).run_once() == 1
+    assert (await client.sell(settled)).status == 200  # the retry: replayed, not counted again
+    assert await stakes() == [{"picks": 3, "stake": 200}, {"picks": 10, "stake": 500}]
+    abandoned = ticket([{"numbers": TEN, "stake": 500}, {"numbers": TEN[:8], "stake": 300}],
+                       first_draw=draw)
+    fail_second_reserve(svc, monkeypatch)
+    assert (await client.sell(abandoned)).status == 503
+    monkeypatch.undo()
+    monkeypatch.setattr(exposure, "CACHE_S", 0.0)
+    assert await janitor_later(svc).run_once() == 1
+    assert await stakes() == [{"picks": 3, "stake": 200}, {"picks": 10, "stake": 500}]

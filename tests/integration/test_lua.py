@@ -25,6 +25,7 @@ from capsvc.store import (
     COUNTER_BUCKETS,
     PlayerStore,
     Store,
+    aggregate_key,
     bucket_keys,
     budget_key,
     limit_key,
@@ -39,6 +40,7 @@ from capsvc.testing import RedisCluster, RedisServer
 GAME = "g"
 COMBO = encode([3, 7, 12, 18, 25, 33, 41, 56, 60, 70])
 OTHER = encode([1, 2, 3])
+HASH = encode(range(35, 43))  # its first byte is "#"
 CAP, MIN = 5000, 100
 FIRST = 100
 HOUR, DAY = 3_600_000, 86_400_000
@@ -895,7 +897,8 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     close, expire = now + HOUR, now + DAY
     key = ticket_key("ch", secrets.token_hex(4))
     db.hset(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], COMBO, CAP - 200)
-    grids = [(COMBO, 300), ("", 500), (OTHER, CAP)]
+    # "\0" "4": four numbers, not capped; HASH starts with 35, "#" (an old marker's bug).
+    grids = [(COMBO, 300), ("\0" "4", 500), (OTHER, CAP), (HASH, 200)]
 
     def sell(fingerprint: str = "fp") -> Any:
         return one_node.sell(key, fingerprint, b"{}", close, expire, 60_000, GAME, FIRST, 2,
@@ -905,11 +908,12 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert new[0] == b"new"
     at, sid, results = int(new[1]), new[2].decode(), new[3].decode()
     # The sale's time zone, then: draw FIRST+1 had 200 left; OTHER filled both draws.
-    assert results == "Europe/Paris|0:1:200;-;1"
+    assert results == "Europe/Paris|0:1:200;-;1;1"
     assert [int(new[4]), int(new[5])] == [2, 2]  # OTHER crossed 80 % and its cap, twice
     assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], COMBO) is None  # all or nothing
     for draw in (FIRST, FIRST + 1):
         assert db.hget(bucket_keys(GAME, OTHER, draw, 1)[0], OTHER) == str(CAP).encode()
+        assert db.hget(bucket_keys(GAME, HASH, draw, 1)[0], HASH) == b"200"
         assert db.smembers(f"x:{{{GAME}}}:{draw}") == {OTHER.encode()}
         assert db.pttl(f"x:{{{GAME}}}:{draw}") > 0
     last = bucket_keys(GAME, OTHER, FIRST + 1, 1)[0]
@@ -917,6 +921,15 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert db.hget(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], record_field(sid, 0)) == b"R1:200"
     assert db.hget(key, "st") == b"f"
     assert db.pttl(key) > 0
+    for draw in (FIRST, FIRST + 1):  # what the sale accepted on each draw, by size
+        aggregate = aggregate_key(key, GAME, draw)
+        assert db.hgetall(aggregate) == {sid.encode(): f"3:{CAP},4:500,8:200".encode()}
+        assert db.pexpiretime(aggregate) == expire
+    # The feed has OTHER capped on both draws, in the same call.
+    events = db.xrange(f"f:{{{GAME}}}")
+    assert [(e[b"type"], e[b"draw"], e[b"combo"]) for _, e in events] == [
+        (b"capped", str(d).encode(), OTHER.encode()) for d in (FIRST, FIRST + 1)]
+    assert db.pttl(f"f:{{{GAME}}}") > 0
     again = await sell()
     assert again[0] == b"final"
     assert again[1] is None
@@ -942,3 +955,24 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
                                   "UTC")
     assert [stopped[0], int(stopped[1])] == [b"stopped", 1]
     assert set(db.scan_iter()) == before
+
+
+async def test_aggregates_hold_each_sale_once_and_sum_by_size(
+        store: Store, redis_db: redis.Redis, now: int) -> None:
+    """A sale's share of a draw is written whole (written again: no change), removed whole,
+    and the sum adds the sales up by number of picks; one key per call."""
+    key = ticket_key("ch", "T-1")
+    a, b = new_sale(), new_sale()
+    await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY)
+    await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY)  # a step run again
+    await store.aggregate(key, GAME, FIRST, b, "8:1000", now + HOUR)
+    aggregate = aggregate_key(key, GAME, FIRST)
+    slot = key[key.index("{") + 1: key.index("}")]
+    assert aggregate == f"a:{{{slot}}}:{GAME}:{FIRST}"
+    assert redis_db.pexpiretime(aggregate) == now + DAY  # never shortened
+    sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
+    assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"3": 200, b"8": 1500}
+    await store.aggregate(key, GAME, FIRST, a, "", 0)  # given back or cancelled
+    await store.aggregate(key, GAME, FIRST, a, "", 0)
+    sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
+    assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}

@@ -1,0 +1,97 @@
+"""A draw's exposure: what is at stake on it, and what its most played combinations would
+cost the operator if drawn.
+
+Keno is a fixed-odds game: the operator carries the risk the cap bounds. The figures come
+from Redis, for every process alike:
+- the base stake accepted by number of picks, from the draw's aggregates (one small hash
+  per ticket slot, written with each decision and each completed cancel: exact);
+- for the capped sizes, the combinations played, at their cap and at 80 % of it, and the
+  20 largest counters, from the counters themselves: one read-only function call per
+  counter bucket (4096 per draw), sent in chunks so that sales queued meanwhile are not
+  held behind them, and kept `CACHE_S` seconds (concurrent requests share one computation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from datetime import datetime
+
+from capsvc import combination
+from capsvc.calendar import rfc3339
+from capsvc.caps import DrawCaps
+from capsvc.clock import RedisClock
+from capsvc.games import Game
+from capsvc.models import CappedPicks, ExposureOut, PicksStake, TopCombination
+from capsvc.store import COUNTER_BUCKETS, Store, replies_of
+
+CACHE_S = 5.0
+"""How long a computed exposure is served again."""
+CHUNK = 256
+"""Counter buckets read per round trip."""
+TOP = 20
+
+
+class Exposure:
+    """Exposure per draw, computed on demand and kept a few seconds."""
+
+    def __init__(self, store: Store, caps: DrawCaps, clock: RedisClock) -> None:
+        self.store = store
+        self.caps = caps
+        self.clock = clock
+        self._cache: dict[tuple[str, int], tuple[float, asyncio.Task[ExposureOut]]] = {}
+
+    async def of(self, game: Game, draw: int) -> ExposureOut:
+        game.check_draw(draw)
+        key = (game.rules.id, draw)
+        now = time.monotonic()
+        cached = self._cache.get(key)
+        if cached is None or now - cached[0] > CACHE_S or (
+                cached[1].done() and cached[1].exception() is not None):
+            for k in [k for k, (at, _) in self._cache.items() if now - at > CACHE_S]:
+                del self._cache[k]
+            cached = (now, asyncio.ensure_future(self._compute(game, draw)))
+            self._cache[key] = cached
+        return await asyncio.shield(cached[1])
+
+    async def _compute(self, game: Game, draw: int) -> ExposureOut:
+        rules, gid = game.rules, game.rules.id
+        cap, fixed = None, False
+        if rules.cap_limit is not None:
+            ((cap, fixed),) = await self.caps.in_force(game, draw, 1)
+        stakes: dict[int, int] = {}
+        for reply in await replies_of(self.store.aggregate_sums(gid, draw)):
+            for i in range(0, len(reply), 2):
+                picks = int(reply[i])
+                stakes[picks] = stakes.get(picks, 0) + int(reply[i + 1])
+        capped: dict[int, list[int]] = {}
+        top: list[tuple[int, bytes]] = []
+        if cap is not None:
+            for start in range(0, COUNTER_BUCKETS, CHUNK):
+                replies = await replies_of([
+                    self.store.exposure_of(gid, b, draw, cap, rules.min_stake)
+                    for b in range(start, min(start + CHUNK, COUNTER_BUCKETS))])
+                for stats, largest in replies:
+                    for i in range(0, len(stats), 5):
+                        row = capped.setdefault(int(stats[i]), [0, 0, 0, 0])
+                        for j in range(4):
+                            row[j] += int(stats[i + 1 + j])
+                    top += [(int(largest[i + 1]), largest[i]) for i in range(0, len(largest), 2)]
+                top = heapq.nlargest(TOP, top, key=lambda t: (t[0], [-b for b in t[1]]))
+        prizes = dict(rules.top_prizes)
+        best = []
+        for staked, combo in top:
+            prize = prizes.get(len(combo))
+            best.append(TopCombination(
+                numbers=combination.decode(combo), staked=staked,
+                liability=None if prize is None else staked * prize // rules.prize_base_stake))
+        liabilities = [t.liability for t in best if t.liability is not None]
+        return ExposureOut(
+            draw=draw, cap=cap, cap_fixed=fixed,
+            computed_at=rfc3339(datetime.fromtimestamp(self.clock.now() / 1000, rules.tz)),
+            stakes=[PicksStake(picks=p, stake=v) for p, v in sorted(stakes.items()) if v],
+            capped=[CappedPicks(picks=p, played=r[0], at_cap=r[1], near_cap=r[2], stake=r[3])
+                    for p, r in sorted(capped.items())],
+            top=best, top_liability=max(liabilities, default=None))
+
