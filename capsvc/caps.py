@@ -79,6 +79,9 @@ class DrawCaps:
             return [(c, True) for c in known if c is not None]
         replies = await replies_of([self.store.fixed_cap(gid, d)
                                     for d in range(first, first + draws)])
+        for d, r in zip(range(first, first + draws), replies, strict=True):
+            if r is not None:  # fixed: for good
+                self._fixed[gid, d] = int(r)
         return [(rules.cap_limit, False) if r is None else (int(r), True) for r in replies]
 
 

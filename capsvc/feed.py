@@ -34,6 +34,7 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from capsvc import combination
 from capsvc.calendar import rfc3339
@@ -56,6 +57,7 @@ STREAM_LENGTH = 100_000
 """Events a stream keeps (approximately: Redis trims whole nodes)."""
 
 _ID_RE = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}\Z")
+_ID_MAX = 2**64 - 1
 _encode = msgspec.json.encode
 
 
@@ -63,8 +65,11 @@ def parse_id(text: str | None) -> tuple[int, int] | None:
     """A stream entry id ("<ms>-<seq>") as a comparable pair, or None if it is not one."""
     if text is None or not _ID_RE.match(text):
         return None
-    ms, seq = text.split("-")
-    return int(ms), int(seq)
+    ms, seq = (int(part) for part in text.split("-"))
+    # Beyond what Redis takes as the start of a range after it: not an id it gave.
+    if ms > _ID_MAX or seq >= _ID_MAX:
+        return None
+    return ms, seq
 
 
 @dataclass(slots=True)
@@ -78,12 +83,24 @@ class Event:
 
 @dataclass(eq=False)
 class Subscriber:
-    """One connection on the feed: the draw it follows (None: all), its queue."""
+    """One connection on the feed: the draw it follows (None: all), its queue, its
+    transport (aborted when it is dropped: a write to a reader that does not read would
+    never end)."""
 
     draw: int | None
+    transport: asyncio.Transport | None = None
     queue: asyncio.Queue[Event | None] = field(
         default_factory=lambda: asyncio.Queue(QUEUE_EVENTS))
     dropped: bool = False
+
+    def end(self, *, abort: bool) -> None:
+        """Tell the connection to end; `abort`: close it now, whatever it has not read."""
+        with contextlib.suppress(asyncio.QueueEmpty):
+            if self.queue.full():
+                self.queue.get_nowait()  # room for the end marker
+        self.queue.put_nowait(None)
+        if abort and self.transport is not None:
+            self.transport.abort()
 
 
 HEARTBEAT = Event((0, 0), 0, b": heartbeat\n\n")
@@ -156,9 +173,7 @@ class _GameFeed:
         self.feed.on_drop(self.game.rules.id)
         log.warning("feed subscriber of %s dropped: %d events behind", self.game.rules.id,
                     sub.queue.qsize())
-        with contextlib.suppress(asyncio.QueueEmpty):
-            sub.queue.get_nowait()  # room for the end marker
-        sub.queue.put_nowait(None)
+        sub.end(abort=True)
 
 
 class Feed:
@@ -189,7 +204,10 @@ class Feed:
         oldest = await self.store.oldest_feed_entry(gid)
         if not oldest or (parse_id(oldest[0][0].decode()) or (0, 0)) > after:
             return None
-        entries = await self.store.feed_range(gid, last, BACKLOG_EVENTS + 1)
+        try:
+            entries = await self.store.feed_range(gid, last, BACKLOG_EVENTS + 1)
+        except ResponseError:  # an id Redis does not take: start afresh
+            return None
         if len(entries) > BACKLOG_EVENTS:
             return None
         gf = self._games.get(gid) or _GameFeed(self, game)
@@ -238,11 +256,11 @@ class Feed:
             log.warning("closing draw %d of %s not announced: %s", draw, game.rules.id, e)
 
     async def close(self) -> None:
-        """End every subscription (a drain): each connection gets its end and closes."""
+        """End every subscription (a drain): each connection gets its end and closes; one
+        that has not read what it was sent is closed at once."""
         for gf in self._games.values():
             for sub in list(gf.subscribers):
-                with contextlib.suppress(asyncio.QueueFull):
-                    sub.queue.put_nowait(None)
+                sub.end(abort=not sub.queue.empty())
             gf.subscribers.clear()
             if gf.task is not None:
                 gf.task.cancel()

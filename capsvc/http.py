@@ -285,7 +285,7 @@ class Api:
                 raise ApiError(422, "invalid_request", "draw must be a draw number", "draw")
             draw = int(only)
             game.check_draw(draw)
-        sub = Subscriber(draw)
+        sub = Subscriber(draw, request.transport)
         feed = self.feed
         # Subscribed before reading what came before: whatever is appended from now on is
         # either in what is read below or in the queue (and skipped there if it was sent).
@@ -302,12 +302,11 @@ class Api:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-ID": request_id(request)})
         try:
-            first = await self._feed_start(game, sub, request.headers.get("Last-Event-ID"),
-                                           newest)
+            first, sent = await self._feed_start(
+                game, sub, request.headers.get("Last-Event-ID"), newest)
             await resp.prepare(request)
             # A subscription is not a request in flight: no timeout, not shed.
             self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            sent = (0, 0)
             for event in first:
                 await resp.write(event.data)
                 sent = max(sent, event.key)
@@ -325,16 +324,17 @@ class Api:
         return resp
 
     async def _feed_start(self, game: Game, sub: Subscriber, last: str | None, newest: str
-                          ) -> list[Event]:
+                          ) -> tuple[list[Event], tuple[int, int]]:
         """What a subscription starts with: the events after `Last-Event-ID` while the
         stream still holds them, else a snapshot of every combination at its cap on the
-        draws on sale, as of the newest event."""
+        draws on sale, as of the newest event; and the id the subscriber has everything up
+        to (the queue's events up to it are not sent again)."""
         feed, gid = self.feed, game.rules.id
         after = parse_id(last)
         if after is not None:
             events = await feed.backlog(game, last or "", after, sub.draw)
             if events is not None:
-                return events
+                return events, max([after, *(e.key for e in events)])
         current = await self.draws.current_draw(game)
         draws = ([sub.draw] if sub.draw is not None else
                  list(range(current, current + game.rules.sales_horizon + 1)))
@@ -345,7 +345,7 @@ class Api:
                                                          game.rules.tz))}
         key = parse_id(newest) or (0, 0)
         log.debug("feed snapshot of %s: %d draws", gid, len(lists))
-        return [Event(key, 0, frame("snapshot", newest, snapshot))]
+        return [Event(key, 0, frame("snapshot", newest, snapshot))], key
 
     async def availability(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)

@@ -206,6 +206,7 @@ class Store:
         keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
         keys.append(feed_key(game))
         keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
+        keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
         args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
                            os.urandom(8).hex(), first_draw, draws, caps, min_stake, len(grids)]
         for combo, stake in grids:
@@ -276,11 +277,12 @@ class Store:
         return self.fcall("capsvc_feed_event", [feed_key(game)],
                           ["reopened", draw, combo, expire_at])
 
-    def exposure_of(self, game: str, combo_bucket: int, draw: int, cap: int, min_stake: int
-                    ) -> asyncio.Future[Any]:
-        """One counter bucket's share of a draw's exposure (lua/capsvc.lua, exposure)."""
-        return self.fcall("capsvc_exposure", [f"c:{{{game}:{combo_bucket}}}:{draw}"],
-                          [cap, min_stake])
+    def exposure_of(self, game: str, buckets: range, draw: int, cap: int, min_stake: int,
+                    floor: int) -> asyncio.Future[Any]:
+        """Counter buckets' share of a draw's exposure (lua/capsvc.lua, exposure): one call
+        for all of `buckets` (they must be on one node)."""
+        return self.fcall("capsvc_exposure", [f"c:{{{game}:{b}}}:{draw}" for b in buckets],
+                          [cap, min_stake, floor])
 
     def aggregate(self, ticket: str, game: str, draw: int, sale_id: str, value: str,
                   expire_at: int) -> asyncio.Future[Any]:

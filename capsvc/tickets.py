@@ -23,6 +23,7 @@ from zoneinfo import ZoneInfo
 
 import msgspec
 
+from capsvc.caps import caps_argument
 from capsvc.clock import RedisClock
 from capsvc.config import Channel, Settings
 from capsvc.decisions import (
@@ -207,12 +208,9 @@ class Tickets:
         answers, a sale just made being [b"new", at, sid, results, near, sold]."""
         rules = game.rules
         assert sale.first_draw is not None
-        caps: str | int = 0
-        if any(g.capped for g in sale.grids):
-            # A draw already closed is not fixed by a sale that will be refused.
-            open_now = not game.calendar.is_past(sale.first_draw, self.clock.now())
-            caps = await self.ledger.caps.argument(game, sale.first_draw, sale.draws,
-                                                   fix=open_now)
+        # The configured cap: the call fixes it on the draws no sale has fixed yet, and
+        # judges each draw by its own (lua/capsvc.lua, CAPS), once nothing refused the sale.
+        caps = caps_argument([rules.cap_limit or 0], rules.shadow_cap_limit)
         reply: list[Any] = await self.store.sell(
             key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
@@ -244,6 +242,10 @@ class Tickets:
             if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
             return SaleOutcome(body=body, replayed=replayed, ticket=out)
+        if (taken is None and any(g.capped for g in sale.grids)
+                and self.ledger.caps.known(game, first, sale.draws) is None):
+            # A draw's cap is fixed by its first sale, not by one an admin's stop voids.
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
         replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
         if taken is None:
             await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)

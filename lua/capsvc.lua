@@ -266,33 +266,40 @@ local function cancelled(keys, args)
   return 0
 end
 
---[[ exposure: KEYS one counter bucket of a draw; ARGV cap, min_stake (read only)
-What a draw's exposure needs of one bucket: {stats, top} where stats is, per number of
+--[[ exposure: KEYS counter buckets of one draw (one on a cluster, many on one node);
+ARGV cap, min_stake, floor (read only)
+What a draw's exposure needs of those buckets: {stats, top} where stats is, per number of
 picks, picks, combinations played, at their cap, at 80 % of it or more, their stake; and
-top the bucket's 20 largest counters, combo, total, largest first. ]]
+top the 20 largest counters above `floor`, combo, total, largest first (the caller passes
+the 20th largest it already has, so that replies stay small). ]]
 local function exposure(keys, args)
-  local cap, min_stake = tonumber(args[1]), tonumber(args[2])
-  local all = redis.call('HGETALL', keys[1])
+  local cap, min_stake, floor = tonumber(args[1]), tonumber(args[2]), tonumber(args[3])
+  local near = cap * 0.8
   local stats, top = {}, {}
-  for i = 1, #all, 2 do
-    local field = all[i]
-    if string.byte(field, 1) ~= 0 then
-      local total = tonumber(all[i + 1])
-      if total > 0 then
-        local s = stats[#field]
-        if not s then
-          s = {0, 0, 0, 0}
-          stats[#field] = s
+  for k = 1, #keys do
+    local all = redis.call('HGETALL', keys[k])
+    for i = 1, #all, 2 do
+      local field = all[i]
+      if string.byte(field, 1) ~= 0 then
+        local total = tonumber(all[i + 1])
+        if total > 0 then
+          local s = stats[#field]
+          if not s then
+            s = {0, 0, 0, 0}
+            stats[#field] = s
+          end
+          s[1] = s[1] + 1
+          s[4] = s[4] + total
+          if cap - total < min_stake then
+            s[2] = s[2] + 1
+          end
+          if total >= near then
+            s[3] = s[3] + 1
+          end
+          if total > floor then
+            top[#top + 1] = {field, total}
+          end
         end
-        s[1] = s[1] + 1
-        s[4] = s[4] + total
-        if cap - total < min_stake then
-          s[2] = s[2] + 1
-        end
-        if total >= cap * 0.8 then
-          s[3] = s[3] + 1
-        end
-        top[#top + 1] = {field, total}
       end
     end
   end
@@ -310,8 +317,9 @@ local function exposure(keys, args)
   return {flat_stats, flat_top}
 end
 
---[[ CAPS. A draw's cap is fixed when the draw is first sold (k:{<game>}:<draw>, by the
-caller), so the draws of one subscription may have different caps. The caller passes them
+--[[ CAPS. A draw's cap is fixed when the draw is first sold (k:{<game>}:<draw>: by `sell`
+itself, or by the caller of `reserve` once the sale's claim and stops are checked), so the
+draws of one subscription may have different caps. The caller passes them
 as one argument: "<cap>" for every draw, or "<cap 1>,<cap 2>,…" one per draw, optionally
 followed by "/<shadow cap>": a lower cap evaluated on every grid and never enforced. ]]
 local function caps_of(arg, n)
@@ -722,8 +730,10 @@ local function player(keys, args)
 end
 
 --[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
-list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES);
-ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, caps (see CAPS),
+list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES), the
+cap key of each draw (see CAPS: fixed here, once the sale is known to stand);
+ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, the
+configured cap (and shadow cap, see CAPS),
 min_stake, G, then combo ("\0<picks>" if not capped) and stake of each of the G grids, then
 expire_at of each draw, then the game's time zone (kept with the results: the receipt's
 time is rendered in the zone of the sale, whatever the configuration says later).
@@ -771,9 +781,21 @@ local function sell(keys, args)
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  local aggregates = #keys - n  -- the aggregate of draw i is keys[aggregates + i]
+  local fixed = #keys - n  -- the cap key of draw i is keys[fixed + i]
+  local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
   local feed = keys[aggregates]
   local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
+  if lists > 2 then
+    -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
+    -- sale fixed them before (see CAPS); a draw is judged by its own.
+    for i = 1, n do
+      local cap = redis.call('SET', keys[fixed + i], caps[i], 'NX', 'GET', 'PXAT',
+                             expiries[i])
+      if cap then
+        caps[i] = tonumber(cap)
+      end
+    end
+  end
   local res, near, sold, shadowed = {}, 0, 0, 0
   local accepted = {}  -- picks -> base stake accepted (per draw)
   local k = 3

@@ -220,3 +220,27 @@ async def test_a_shadow_cap_is_judged_on_every_grid_and_refuses_none(
     assert await client.staked(numbers, d) == 5000
     assert (await client.get("/v1/games", token="fr")).body["games"][0][
         "shadow_cap_limit"] == 3000
+
+
+async def test_a_refused_request_fixes_no_cap(
+        two_caps: tuple[Client, Client], redis_db: Any) -> None:
+    """A 409 (the id taken by another request) and a 422 (a subscription over a draw an
+    admin stopped) fix nothing: the draws are still fixed by their first real sale, by the
+    cap of the process that makes it."""
+    high, low = two_caps
+    d = await high.current() + 5
+    taken = ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=d)
+    assert (await high.sell(taken)).status == 200
+    conflict = await high.sell({**taken, "first_draw": d + 2, "draws": 5})
+    assert conflict.status == 409
+    assert (await high.post(f"/v1/games/fdj-keno/draws/{d + 10}/close", token="admin")
+            ).status == 200
+    closed = await high.sell(ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=d + 10,
+                                    draws=5))
+    assert (closed.status, closed.body["error"]["code"]) == (422, "draw_closed")
+    for draw in [*range(d + 2, d + 7), *range(d + 10, d + 15)]:
+        assert (await draw_of(low, draw))["cap_fixed"] is False, draw
+    assert not [k for k in redis_db.scan_iter("k:*") if not k.endswith(f":{d}".encode())]
+    # The first real sale of d+2 is the 30 € process's: its 4th 10 € grid is refused.
+    first = await low.sell(ticket([{"numbers": TEN[1:9], "stake": 1000}] * 4, first_draw=d + 2))
+    assert [g["status"] for g in first.body["grids"]] == ["accepted"] * 3 + ["rejected"]

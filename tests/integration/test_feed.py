@@ -6,9 +6,11 @@ duplicate; events that outlive the process that sold; subscribers dropped, not b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ import aiohttp
 import pytest
 
 from capsvc import feed as feed_module
+from capsvc.faults import FaultProxy, command
 from capsvc.server import Service
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, TOKENS, Client, ticket
@@ -301,3 +304,82 @@ async def test_the_last_close_is_announced_once_when_a_reader_starts(
     finally:
         for svc in services:
             svc.stop()
+
+
+async def test_resuming_on_a_process_whose_reader_lags_sends_nothing_twice(
+        redis_server: RedisServer, standalone_db: Any) -> None:
+    """The events a subscriber had (up to its Last-Event-ID) are not sent again by a process
+    whose reader has not read them yet (its Redis replies come late): ids keep
+    increasing across the two connections."""
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        a = ServiceProcess(str(CONFIG), proxy.url).start()
+        b = ServiceProcess(str(CONFIG), redis_server.url).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                d = await Client(session, b.base_url).current() + 1
+                async with subscribe(a.base_url) as keep, subscribe(b.base_url) as on_b:
+                    await keep.next()  # A's reader runs
+                    await on_b.next()
+                    proxy.delay_reply(command("XREAD"), 0.2, count=10**6)  # < the timeout
+                    await asyncio.sleep(0.5)
+                    await fill(Client(session, b.base_url), TEN[:8], d)
+                    _, last, _ = await on_b.next()
+                    async with subscribe(a.base_url, last=last) as resumed:
+                        await fill(Client(session, b.base_url), TEN[1:9], d)
+                        kind, event_id, data = await resumed.next(within=10)
+                        assert (kind, data["numbers"]) == ("capped", TEN[1:9])
+                        assert feed_module.parse_id(event_id) > feed_module.parse_id(last)
+        finally:
+            a.stop()
+            b.stop()
+
+
+@pytest.mark.parametrize("last", ["99999999999999999999-0", "18446744073709551616-0",
+                                  "18446744073709551615-18446744073709551615", "abc", "",
+                                  "0-0", "1-99999999999999999999"])
+async def test_a_last_event_id_redis_would_not_take_starts_with_a_snapshot(
+        service: tuple[Service, str], client: Client, last: str) -> None:
+    _, url = service
+    async with subscribe(url, last=last) as events:
+        kind, _, _ = await events.next()
+        assert kind == "snapshot"
+
+
+async def test_a_subscriber_that_stops_reading_is_dropped_and_its_connection_closed(
+        service: tuple[Service, str], client: Client, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events pour in; one subscriber reads them all, another reads nothing: that one is
+    dropped (counted, its connection closed), the reader misses nothing."""
+    # Small queues, reads of at most half a queue, read often: a reader keeps up, a
+    # connection that reads nothing fills its socket buffers and then its queue.
+    monkeypatch.setattr(feed_module, "QUEUE_EVENTS", 400)
+    monkeypatch.setattr(feed_module, "READ_COUNT", 200)
+    monkeypatch.setattr(feed_module, "POLL_S", 0.001)
+    _, url = service
+    host, port = url.removeprefix("http://").split(":")
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    silent.connect((host, int(port)))
+    silent.sendall(f"GET {STREAM} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                   f"{TOKENS['fr']}\r\n\r\n".encode())
+    async with subscribe(url) as reader:
+        await reader.next()  # the snapshot
+        stream = "f:{fdj-keno}"
+        events = 60_000
+        pipe = redis_db.pipeline(transaction=False)
+        for i in range(events):
+            pipe.xadd(stream, {"type": "capped", "draw": 7, "combo": bytes(range(1, 9)),
+                               "at": i})
+        pipe.execute()
+        got = 0
+        async with asyncio.timeout(60):
+            while got < events:
+                kind, _, _ = await reader.next()
+                got += kind == "capped"
+    text = (await client.get("/metrics", token=None)).raw.decode()
+    assert 'capsvc_feed_dropped_total{game="fdj-keno"} 1.0' in text
+    silent.settimeout(5)
+    with contextlib.suppress(ConnectionResetError):  # the end (aborted), after what it had
+        while silent.recv(1 << 20):
+            pass
+    silent.close()
