@@ -39,7 +39,7 @@ import aiohttp
 from capsvc.testing import RedisServer, ServiceProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import TOKEN, config_file, wrk
+from run import TOKEN, config_file, cpu_seconds, wrk
 
 STREAM = "/v1/games/fdj-keno/capped/stream"
 
@@ -116,6 +116,7 @@ async def feed_bench(url: str, pid: int, subscribers: int, seconds: int) -> None
         print(f"feed: {subscribers} subscribers connected; worker RSS {base_rss / 1024:.1f} MiB "
               f"before, +{per_sub / 1024:.1f} KiB per idle subscriber")
         loop = asyncio.get_running_loop()
+        cpu_before = cpu_seconds(pid)
         sales = loop.run_in_executor(None, wrk, url, seconds, 16, "feed-mix")
         probes: list[tuple[bytes, float]] = []
         seq = itertools.count()
@@ -126,6 +127,7 @@ async def feed_bench(url: str, pid: int, subscribers: int, seconds: int) -> None
                 probes.append(got)
             await asyncio.sleep(0.1)
         result = await sales
+        cpu_with = 1e6 * (cpu_seconds(pid) - cpu_before) / max(result.requests, 1)
         await asyncio.sleep(1)
         delays, missing = [], 0
         for key, answered in probes:
@@ -142,9 +144,13 @@ async def feed_bench(url: str, pid: int, subscribers: int, seconds: int) -> None
               f"fan-out from the sale's answer to each subscriber: p50 "
               f"{percentile(delays, 0.5):.1f} ms, p99 {percentile(delays, 0.99):.1f} ms, "
               f"max {max(delays):.1f} ms; events missing: {missing}")
+    cpu_before = cpu_seconds(pid)
     alone = wrk(url, seconds, 16, "feed-alone")
+    cpu_alone = 1e6 * (cpu_seconds(pid) - cpu_before) / max(alone.requests, 1)
     print(f"feed: the same load without subscribers: {alone.rps:.0f} tickets/s "
-          f"({result.rps / alone.rps:.2f} x with them)")
+          f"({result.rps / alone.rps:.2f} x with them; this client shares wrk's CPU); the "
+          f"worker's CPU per ticket sold: {cpu_with:.0f} µs with the subscribers (events "
+          f"written included), {cpu_alone:.0f} µs without")
 
 
 async def exposure_bench(url: str, seconds: int) -> None:

@@ -11,10 +11,12 @@ Redis Cluster every process reads the same stream. The stream keeps the last
 `STREAM_LENGTH` events and expires with the last draw it reported.
 
 EACH PROCESS reads each game's stream once, while it has subscribers (a non-blocking
-XREAD on the shared pipelined connection every `POLL_S`), and fans every event out to its
-subscribers: one bounded queue each. A subscriber that does not read falls behind; when its
-queue is full it is dropped (a log line, `capsvc_feed_dropped_total`), never buffered
-without limit: it reconnects with `Last-Event-ID` and resumes.
+XREAD on the shared pipelined connection every `POLL_S`), and writes every event, framed
+once, straight to each subscriber's connection: no task wakes up per subscriber and event.
+A subscriber that does not read falls behind; once more than `WRITE_BUFFER_LIMIT` bytes
+wait for it in the process, it is dropped (a log line, `capsvc_feed_dropped_total`) and its
+connection closed, never buffered without limit: it reconnects with `Last-Event-ID` and
+resumes.
 
 RESUMING. Event ids are the stream's entry ids, increasing. A subscriber that reconnects
 with `Last-Event-ID` gets every event after it, when the stream still holds it; otherwise
@@ -49,7 +51,11 @@ POLL_S = 0.02
 READ_COUNT = 1000
 """Events read per poll at most."""
 QUEUE_EVENTS = 1024
-"""Events a subscriber may be behind before it is dropped."""
+"""Events a subscriber may receive while its snapshot or backlog is being written (beyond,
+it is dropped)."""
+WRITE_BUFFER_LIMIT = 256 * 1024
+"""Bytes waiting in the process for a subscriber (beyond what its socket holds) before it
+is dropped."""
 BACKLOG_EVENTS = 10_000
 """Events a resuming subscriber may have missed; further behind, it gets a snapshot."""
 HEARTBEAT_S = 15.0
@@ -74,31 +80,62 @@ def parse_id(text: str | None) -> tuple[int, int] | None:
 
 @dataclass(slots=True)
 class Event:
-    """One event as sent: its id (comparable), the draw it is about, its SSE bytes."""
+    """One event as sent: its id (comparable), the draw it is about, its SSE bytes, and
+    the same as one HTTP/1.1 chunk (framed once for every subscriber)."""
 
     key: tuple[int, int]
     draw: int
     data: bytes
+    chunk: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.chunk = b"%x\r\n%s\r\n" % (len(self.data), self.data)
 
 
 @dataclass(eq=False)
 class Subscriber:
-    """One connection on the feed: the draw it follows (None: all), its queue, its
-    transport (aborted when it is dropped: a write to a reader that does not read would
-    never end)."""
+    """One connection on the feed: the draw it follows (None: all), its transport, the id
+    it has everything up to, and whether the response is chunked (HTTP/1.1).
+
+    While its start (snapshot or backlog) is written, live events wait in `pending`; then
+    `go_live` sends them and every later event is written at once by `deliver`."""
 
     draw: int | None
     transport: asyncio.Transport | None = None
-    queue: asyncio.Queue[Event | None] = field(
-        default_factory=lambda: asyncio.Queue(QUEUE_EVENTS))
+    chunked: bool = True
+    sent: tuple[int, int] = (0, 0)
+    pending: list[Event] | None = field(default_factory=list)
     dropped: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def deliver(self, event: Event) -> bool:
+        """Send an event (or keep it while the start is written). False when the
+        subscriber cannot take it: too far behind, or gone."""
+        if self.pending is not None:
+            if len(self.pending) >= QUEUE_EVENTS:
+                return False
+            self.pending.append(event)
+            return True
+        if event is not HEARTBEAT and event.key <= self.sent:
+            return True  # already in its start
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        if transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            return False
+        transport.write(event.chunk if self.chunked else event.data)
+        if event is not HEARTBEAT:
+            self.sent = event.key
+        return True
+
+    def go_live(self) -> bool:
+        """The start is written: send what came meanwhile, then every event as it comes."""
+        pending, self.pending = self.pending or [], None
+        return all(self.deliver(e) for e in pending)
 
     def end(self, *, abort: bool) -> None:
-        """Tell the connection to end; `abort`: close it now, whatever it has not read."""
-        with contextlib.suppress(asyncio.QueueEmpty):
-            if self.queue.full():
-                self.queue.get_nowait()  # room for the end marker
-        self.queue.put_nowait(None)
+        """End the connection; `abort`: close it now, whatever it has not read."""
+        self.ended.set()
         if abort and self.transport is not None:
             self.transport.abort()
 
@@ -162,17 +199,20 @@ class _GameFeed:
         for sub in list(self.subscribers):
             if sub.draw is not None and event.draw and sub.draw != event.draw:
                 continue
-            try:
-                sub.queue.put_nowait(event)
-            except asyncio.QueueFull:
+            if not sub.deliver(event):
                 self.drop(sub)
 
     def drop(self, sub: Subscriber) -> None:
+        """Drop a subscriber that cannot take an event: one gone quietly; one that does
+        not read, counted and logged."""
         self.subscribers.discard(sub)
-        sub.dropped = True
-        self.feed.on_drop(self.game.rules.id)
-        log.warning("feed subscriber of %s dropped: %d events behind", self.game.rules.id,
-                    sub.queue.qsize())
+        transport = sub.transport
+        if transport is not None and not transport.is_closing():
+            sub.dropped = True
+            self.feed.on_drop(self.game.rules.id)
+            log.warning("feed subscriber of %s dropped: it does not read its events "
+                        "(%d bytes waiting)", self.game.rules.id,
+                        transport.get_write_buffer_size())
         sub.end(abort=True)
 
 
@@ -229,6 +269,11 @@ class Feed:
         if gf is not None:
             gf.subscribers.discard(sub)
 
+    def drop(self, game: Game, sub: Subscriber) -> None:
+        gf = self._games.get(game.rules.id)
+        if gf is not None:
+            gf.drop(sub)
+
     def reader_position(self, game: Game) -> str | None:
         gf = self._games.get(game.rules.id)
         return None if gf is None or gf.task is None else gf.last_id
@@ -260,7 +305,8 @@ class Feed:
         that has not read what it was sent is closed at once."""
         for gf in self._games.values():
             for sub in list(gf.subscribers):
-                sub.end(abort=not sub.queue.empty())
+                transport = sub.transport
+                sub.end(abort=transport is not None and transport.get_write_buffer_size() > 0)
             gf.subscribers.clear()
             if gf.task is not None:
                 gf.task.cancel()

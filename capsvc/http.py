@@ -27,7 +27,7 @@ from capsvc.calendar import rfc3339
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
 from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
-from capsvc.feed import HEARTBEAT, Event, Subscriber, frame, parse_id
+from capsvc.feed import Event, Subscriber, frame, parse_id
 from capsvc.games import Game
 from capsvc.metrics import Metrics
 from capsvc.models import (
@@ -288,11 +288,11 @@ class Api:
         sub = Subscriber(draw, request.transport)
         feed = self.feed
         # Subscribed before reading what came before: whatever is appended from now on is
-        # either in what is read below or in the queue (and skipped there if it was sent).
+        # either in what is read below or kept for it (and skipped if it was sent).
         newest = await feed.last_id(game.rules.id)
-        # The events the reader published before this subscriber joined are not in its
-        # queue: a snapshot stands for them (it is read after), so its id is the later of
-        # the newest event and the reader's position.
+        # The events the reader published before this subscriber joined are not kept for
+        # it: a snapshot stands for them (it is read after), so its id is the later of the
+        # newest event and the reader's position.
         position = feed.reader_position(game)
         if position is not None and (parse_id(position) or (0, 0)) > (parse_id(newest)
                                                                     or (0, 0)):
@@ -310,13 +310,14 @@ class Api:
             for event in first:
                 await resp.write(event.data)
                 sent = max(sent, event.key)
-            while True:
-                live = await sub.queue.get()
-                if live is None:  # dropped (too far behind) or the service is draining
-                    break
-                if live.key > sent or live is HEARTBEAT:
-                    await resp.write(live.data)
-                    sent = max(sent, live.key)
+            # From now on the feed writes each event to the connection itself, framed as
+            # aiohttp frames this response (chunked on HTTP/1.1).
+            sub.chunked = bool(getattr(request.writer, "chunked", True))
+            sub.sent = sent
+            if sub.go_live():
+                await sub.ended.wait()  # dropped, gone, or the service is draining
+            else:
+                feed.drop(game, sub)
         except ConnectionResetError:
             log.debug("a feed subscriber left")
         finally:
@@ -328,7 +329,7 @@ class Api:
         """What a subscription starts with: the events after `Last-Event-ID` while the
         stream still holds them, else a snapshot of every combination at its cap on the
         draws on sale, as of the newest event; and the id the subscriber has everything up
-        to (the queue's events up to it are not sent again)."""
+        to (the live events up to it are not sent again)."""
         feed, gid = self.feed, game.rules.id
         after = parse_id(last)
         if after is not None:

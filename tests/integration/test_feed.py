@@ -212,11 +212,29 @@ async def test_the_service_ends_subscriptions_when_it_stops(
 
 def test_a_subscriber_that_does_not_read_is_dropped_not_buffered(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its queue is bounded: once full, the subscriber is dropped (and counted), told to end,
-    and the others still get every event."""
+    """What waits for a subscriber in the process is bounded: past the limit it is dropped
+    (counted), its connection aborted; the others get every event, each written once."""
+
+    class Transport:
+        def __init__(self, reads: bool) -> None:
+            self.reads, self.waiting, self.aborted = reads, 0, False
+            self.written: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.written.append(data)
+            self.waiting += 0 if self.reads else len(data)
+
+        def get_write_buffer_size(self) -> int:
+            return self.waiting
+
+        def is_closing(self) -> bool:
+            return self.aborted
+
+        def abort(self) -> None:
+            self.aborted = True
 
     async def scenario() -> None:
-        monkeypatch.setattr(feed_module, "QUEUE_EVENTS", 3)
+        monkeypatch.setattr(feed_module, "WRITE_BUFFER_LIMIT", 100)
         dropped: list[str] = []
         feed = feed_module.Feed(store=None, clock=None)  # type: ignore[arg-type]
         feed.on_drop = dropped.append
@@ -226,19 +244,23 @@ def test_a_subscriber_that_does_not_read_is_dropped_not_buffered(
                 id = "g"
 
         game_feed = feed_module._GameFeed(feed, FakeGame())  # type: ignore[arg-type]
-        slow, fast = feed_module.Subscriber(None), feed_module.Subscriber(None)
+        slow_t, fast_t = Transport(reads=False), Transport(reads=True)
+        slow = feed_module.Subscriber(None, slow_t)  # type: ignore[arg-type]
+        fast = feed_module.Subscriber(None, fast_t)  # type: ignore[arg-type]
         game_feed.subscribers |= {slow, fast}
-        for i in range(1, 6):
-            game_feed.publish(feed_module.Event((i, 0), 7, b"x"))
-            if fast.queue.qsize():
-                await fast.queue.get()
+        for sub in (slow, fast):
+            assert sub.go_live()
+        events = [feed_module.Event((i, 0), 7, b"x" * 40) for i in range(1, 11)]
+        for event in events:
+            game_feed.publish(event)
         assert dropped == ["g"]
         assert slow.dropped
+        assert slow_t.aborted
+        assert slow.ended.is_set()
         assert not fast.dropped
         assert game_feed.subscribers == {fast}
-        assert slow.queue.qsize() <= 3
-        items = [slow.queue.get_nowait() for _ in range(slow.queue.qsize())]
-        assert items[-1] is None  # told to end
+        assert sum(map(len, slow_t.written)) <= 100 + len(events[0].chunk)
+        assert fast_t.written == [e.chunk for e in events]
 
     asyncio.run(scenario())
 
@@ -350,10 +372,9 @@ async def test_a_subscriber_that_stops_reading_is_dropped_and_its_connection_clo
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Events pour in; one subscriber reads them all, another reads nothing: that one is
     dropped (counted, its connection closed), the reader misses nothing."""
-    # Small queues, reads of at most half a queue, read often: a reader keeps up, a
-    # connection that reads nothing fills its socket buffers and then its queue.
-    monkeypatch.setattr(feed_module, "QUEUE_EVENTS", 400)
-    monkeypatch.setattr(feed_module, "READ_COUNT", 200)
+    # Read often: a connection that reads nothing fills its socket buffers, then what
+    # waits for it in the process passes the limit.
+    monkeypatch.setattr(feed_module, "WRITE_BUFFER_LIMIT", 64 * 1024)
     monkeypatch.setattr(feed_module, "POLL_S", 0.001)
     _, url = service
     host, port = url.removeprefix("http://").split(":")
