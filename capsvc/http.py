@@ -305,6 +305,8 @@ class Api:
             first, sent = await self._feed_start(
                 game, sub, request.headers.get("Last-Event-ID"), newest)
             await resp.prepare(request)
+            if request.method == "HEAD":  # the headers a subscription would get, no events
+                return resp
             # A subscription is not a request in flight: no timeout, not shed.
             self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             for event in first:

@@ -404,3 +404,28 @@ async def test_a_subscriber_that_stops_reading_is_dropped_and_its_connection_clo
         while silent.recv(1 << 20):
             pass
     silent.close()
+
+
+async def test_head_and_http_1_0_subscriptions(service: tuple[Service, str], client: Client
+                                               ) -> None:
+    """HEAD gets the stream's headers and no body; an HTTP/1.0 subscriber (no chunked
+    encoding) gets plain events, the live ones included."""
+    _, url = service
+    head = await client.request("HEAD", STREAM)
+    assert (head.status, head.headers["Content-Type"], head.raw) == (
+        200, "text/event-stream", b"")
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET {STREAM} HTTP/1.0\r\nAuthorization: Bearer {TOKENS['fr']}\r\n\r\n"
+                 .encode())
+    async with asyncio.timeout(10):
+        head_lines = (await reader.readuntil(b"\r\n\r\n")).decode()
+        assert "Transfer-Encoding" not in head_lines
+        assert (await reader.readline()).startswith(b"event: snapshot")
+        d = await client.current() + 1
+        await fill(client, TEN[:8], d)
+        while (line := await reader.readline()) != b"event: capped\n":
+            assert line, "the stream ended"
+        assert (await reader.readline()).startswith(b"id: ")
+        assert b'"numbers":[3,7,12,18,25,33,41,56]' in await reader.readline()
+    writer.close()
