@@ -41,6 +41,13 @@ class DrawCaps:
             caps.append(cap)
         return caps
 
+    def remember(self, game: Game, first: int, caps: list[int]) -> None:
+        """Caps a sale found fixed (they never change)."""
+        if len(self._fixed) + len(caps) > _CACHED_CAPS:
+            self._fixed.clear()
+        for i, cap in enumerate(caps):
+            self._fixed[game.rules.id, first + i] = cap
+
     async def fix(self, game: Game, first: int, draws: int) -> list[int]:
         """The caps of draws first..first+draws-1, fixing at the configured cap those that
         no sale has fixed yet (the game has a cap)."""

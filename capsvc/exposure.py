@@ -3,12 +3,14 @@ cost the operator if drawn.
 
 Keno is a fixed-odds game: the operator carries the risk the cap bounds. The figures come
 from Redis, for every process alike:
-- the base stake accepted by number of picks, from the draw's aggregates (one small hash
-  per ticket slot, written with each decision and each completed cancel: exact);
-- for the capped sizes, the combinations played, at their cap and at 80 % of it, and the
-  20 largest counters, from the counters themselves: one read-only function call per
-  counter bucket (4096 per draw), sent in chunks so that sales queued meanwhile are not
-  held behind them, and kept `CACHE_S` seconds (concurrent requests share one computation).
+- for the capped sizes, the stake, the combinations played, at their cap and at 80 % of
+  it, and the 20 largest counters, from the counters themselves: read-only function calls
+  over the draw's 4096 counter buckets, a chunk at a time so that the sales queued
+  meanwhile are not held behind them;
+- for the other sizes, the base stake accepted, from the draw's aggregates (one small hash
+  per ticket slot, added to by each sale and taken back by each cancel, exactly once: see
+  lua/capsvc.lua, AGGREGATES).
+A computation is kept `CACHE_S` seconds (concurrent requests share it).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Exposure:
                 top = heapq.nlargest(TOP, top, key=lambda t: (t[0], [-b for b in t[1]]))
                 if len(top) == TOP:
                     floor = top[-1][0] - 1  # ties with the 20th may still displace it
+        for picks, row in capped.items():  # the capped sizes' stakes are their counters'
+            stakes[picks] = stakes.get(picks, 0) + row[3]
         prizes = dict(rules.top_prizes)
         best = []
         for staked, combo in top:

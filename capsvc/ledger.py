@@ -28,6 +28,7 @@ from capsvc.models import TicketOut
 from capsvc.store import (
     PlayerStore,
     Store,
+    aggregate_key,
     record_field,
     replies_of,
 )
@@ -139,17 +140,33 @@ class Ledger:
 
     def aggregates(self, key: str, game: Game, sale: Sale, sale_id: str, accepted: set[int]
                    ) -> list[asyncio.Future[Any]]:
-        """Record on each of its draws what the sale accepted (base stake by number of
-        picks; nothing when it accepted nothing), or, `accepted` empty, remove it."""
-        amounts: dict[int, int] = {}
-        for g in sale.grids:
-            if g.index in accepted:
-                amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
+        """Record on each of its draws what the sale accepted of the sizes not capped (base
+        stake by number of picks), or, `accepted` empty, remove it."""
+        if all(g.capped for g in sale.grids):  # the capped sizes' stakes are the counters'
+            return []
+        amounts = _uncapped(sale, accepted)
+        if not amounts and accepted:
+            return []
         value = ",".join(f"{p}:{a}" for p, a in sorted(amounts.items()))
         first = sale.first_draw
         assert first is not None
         return [self.store.aggregate(key, game.rules.id, d, sale_id, value, game.expire_at(d))
                 for d in range(first, first + sale.draws)]
+
+    def one_call_aggregates(self, key: str, game: Game, sale: Sale
+                            ) -> tuple[list[str], list[Any]] | None:
+        """What a ticket sold in one call added to its draws' aggregates (its grids not
+        capped, all accepted): their keys and picks, stake pairs."""
+        amounts = _uncapped(sale, {g.index for g in sale.grids})
+        if not amounts:
+            return None
+        first = sale.first_draw
+        assert first is not None
+        args: list[Any] = []
+        for picks, amount in sorted(amounts.items()):
+            args += (picks, amount)
+        draws = range(first, first + sale.draws)
+        return [aggregate_key(key, game.rules.id, d) for d in draws], args
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, *, void: bool = False) -> TicketOut | None:
@@ -189,3 +206,12 @@ class Ledger:
         settled = self.settle_budget(plan, sale, set())
         if settled is not None:
             await settled
+
+
+def _uncapped(sale: Sale, accepted: set[int]) -> dict[int, int]:
+    """Base stake of the accepted grids not capped, by number of picks."""
+    amounts: dict[int, int] = {}
+    for g in sale.grids:
+        if g.index in accepted and not g.capped:
+            amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
+    return amounts

@@ -57,17 +57,23 @@ async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> Non
             metrics.janitor.inc(settled)
 
 
-EXPOSURE_GAUGES_S = 15.0
-"""How often each process refreshes the current draws' exposure gauges."""
+EXPOSURE_GAUGES_S = 30.0
+"""How often the exposure gauges of the draws on sale are refreshed (by one process of all
+those on the Redis: a draw of 100,000 combinations is ~0.5 s of Redis time to read)."""
 
 
-async def _exposure_gauges(usecases: UseCases, metrics: Metrics) -> None:
-    """Keep the exposure gauges of each capped game's draw on sale up to date."""
+async def _exposure_gauges(usecases: UseCases, metrics: Metrics, store: Store) -> None:
+    """Keep the exposure gauges of each capped game's draw on sale up to date: every
+    EXPOSURE_GAUGES_S, the process that takes the game's turn first computes them (the
+    gauges export the most recent value of the live processes)."""
     reachable = True
     while True:
         try:
             for game in usecases.catalog.games.values():
                 if game.rules.cap_limit is None:
+                    continue
+                if not await store.take_turn(f"exposure-gauges:{game.rules.id}",
+                                             int(EXPOSURE_GAUGES_S * 1000) - 500):
                     continue
                 draw = await usecases.draws.current_draw(game)
                 out = await usecases.exposure.of(game, draw)
@@ -194,7 +200,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_janitor(usecases.janitor, metrics,
                                      settings.janitor_interval_ms / 1000)),
         asyncio.create_task(_flush_metrics(metrics)),
-        asyncio.create_task(_exposure_gauges(usecases, metrics)),
+        asyncio.create_task(_exposure_gauges(usecases, metrics, store)),
     ]
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic

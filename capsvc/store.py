@@ -177,8 +177,12 @@ class Store:
         return self.fcall("capsvc_cancel", [ticket, stop_copy_of(ticket)],
                           [close_ms, f"{game}:{first_draw}", released])
 
-    async def cancelled(self, ticket: str, sale_id: str) -> None:
-        await self.fcall("capsvc_cancelled", [ticket], [sale_id])
+    async def cancelled(self, ticket: str, sale_id: str,
+                        aggregates: tuple[list[str], list[Any]] | None = None) -> None:
+        """Mark a cancel complete; `aggregates` (a ticket sold in one call): its draws'
+        aggregate keys and the picks, stake pairs to take out of them."""
+        keys, args = aggregates or ([], [])
+        await self.fcall("capsvc_cancelled", [ticket, *keys], [sale_id, *args])
         await self.unindex(ticket)
 
     def recorded(self, ticket: str) -> asyncio.Future[Any]:
@@ -195,7 +199,7 @@ class Store:
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
              min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
-             time_zone: str) -> asyncio.Future[Any]:
+             time_zone: str, fix_caps: bool = True) -> asyncio.Future[Any]:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
         (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
         combination never holds a zero byte)."""
@@ -206,12 +210,14 @@ class Store:
         keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
         keys.append(feed_key(game))
         keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
-        keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
+        if fix_caps:
+            keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
         args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
                            os.urandom(8).hex(), first_draw, draws, caps, min_stake, len(grids)]
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc_sell", keys, [*args, *expiries, time_zone])
+        return self.fcall("capsvc_sell", keys,
+                          [*args, *expiries, time_zone, "fix" if fix_caps else ""])
 
     def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(
@@ -294,6 +300,12 @@ class Store:
     def aggregate_sums(self, game: str, draw: int) -> list[asyncio.Future[Any]]:
         """[picks, stake, …] of each ticket slot's aggregate of a draw."""
         return [self.fcall("capsvc_aggregate_sum", [k], []) for k in aggregate_keys(game, draw)]
+
+    async def take_turn(self, task: str, ttl_ms: int) -> bool:
+        """Whether this process does `task` now: the first of all processes to ask in each
+        `ttl_ms` (a key that expires by itself)."""
+        return bool(await self.redis.submit("SET", f"g:{{{task}}}", os.getpid(), "NX", "PX",
+                                            ttl_ms))
 
     def fix_cap(self, game: str, draw: int, cap: int, expire_at: int) -> asyncio.Future[Any]:
         """Fix the draw's cap at `cap` unless a sale fixed it already: the cap fixed before

@@ -208,14 +208,21 @@ class Tickets:
         answers, a sale just made being [b"new", at, sid, results, near, sold]."""
         rules = game.rules
         assert sale.first_draw is not None
-        # The configured cap: the call fixes it on the draws no sale has fixed yet, and
-        # judges each draw by its own (lua/capsvc.lua, CAPS), once nothing refused the sale.
-        caps = caps_argument([rules.cap_limit or 0], rules.shadow_cap_limit)
+        # The draws' caps when this process has seen them fixed; else the configured cap,
+        # which the call fixes on the draws no sale has fixed yet, once nothing refused the
+        # sale, judging each draw by its own (lua/capsvc.lua, CAPS).
+        capped = any(g.capped for g in sale.grids)
+        known = self.ledger.caps.known(game, sale.first_draw, sale.draws) if capped else None
+        fix = capped and known is None
+        caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
         reply: list[Any] = await self.store.sell(
             key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            game.expiries(sale.first_draw, sale.draws), rules.time_zone)
+            game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)
+        if fix and reply[0] == b"new":
+            self.ledger.caps.remember(game, sale.first_draw,
+                                      [int(c) for c in reply[7].split(b",")])
         return reply
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
@@ -338,15 +345,20 @@ class Tickets:
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
         if kind == b"k":
             await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
-                                     int(claimed_at))
+                                     int(claimed_at), results is not None)
         return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
 
     async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,
-                            sale_id: str, at: int) -> None:
-        """Give back what a cancelled sale took, then mark the cancel complete."""
+                            sale_id: str, at: int, one_call: bool | None = None) -> None:
+        """Give back what a cancelled sale took, then mark the cancel complete (a ticket
+        sold in one call, `one_call`, read from the ticket when None, is taken out of its
+        draws' aggregates then)."""
         plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
         await self.ledger.give_back(key, game, sale, sale_id, plan)
-        await self.store.cancelled(key, sale_id)
+        if one_call is None:
+            one_call = (await self.store.ticket(key))[7] is not None
+        await self.store.cancelled(
+            key, sale_id, self.ledger.one_call_aggregates(key, game, sale) if one_call else None)
 
 
 def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes

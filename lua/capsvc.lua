@@ -138,13 +138,17 @@ local function claim(keys, args)
   return known_ticket(rec, args[1], now, tonumber(args[5]))
 end
 
---[[ AGGREGATES. a:{t:NN}:<game>:<draw> (hash, in the slot of the tickets it counts):
-<sale id> -> "<picks>:<stake>,…", the base stake each sale standing on that draw accepted,
-by number of picks; a draw's exposure adds them up over the 64 ticket slots. A sale's field
-is written (`sell`; `aggregate` by a sale in steps, before its decision) and removed
-(`aggregate` with no value: the sale was given back or cancelled) whole, so a step run
-again never counts twice: one key per call, as the ticket's own steps. TTL: the draw's
-close + retention. ]]
+--[[ AGGREGATES. a:{t:NN}:<game>:<draw> (hash, in the slot of the tickets it counts): the
+base stake accepted on that draw by grids of the sizes the game does not cap (the capped
+sizes' are in the counters), by number of picks; a draw's exposure adds the 64 ticket
+slots up. Two kinds of fields:
+  <picks>     -> stake   added by `sell` (one atomic call: counted once), taken back by
+                         `cancelled` when the ticket was sold so
+  <sale id>   -> "<picks>:<stake>,…"  a sale in steps: written whole (`aggregate`, before
+                         its decision) and removed whole (`aggregate` with no value: given
+                         back or cancelled), so a step run again never counts twice; one key
+                         per call, as the ticket's own steps
+TTL: the draw's close + retention. ]]
 local function aggregate(keys, args)
   if args[2] == '' then
     redis.call('HDEL', keys[1], args[1])
@@ -155,13 +159,18 @@ local function aggregate(keys, args)
   return 1
 end
 
---[[ aggregate_sum: KEYS an aggregate (read only). Returns {picks, stake, …}: the sum of
-its sales. ]]
+--[[ aggregate_sum: KEYS an aggregate (read only). Returns {picks, stake, …}: its totals
+and its sales' shares added up. ]]
 local function aggregate_sum(keys, args)
   local sums = {}
-  for _, value in ipairs(redis.call('HVALS', keys[1])) do
-    for picks, stake in string.gmatch(value, '(%d+):(%d+)') do
-      sums[picks] = (sums[picks] or 0) + tonumber(stake)
+  local all = redis.call('HGETALL', keys[1])
+  for i = 1, #all, 2 do
+    if #all[i] <= 2 then  -- a total by number of picks
+      sums[all[i]] = (sums[all[i]] or 0) + tonumber(all[i + 1])
+    else
+      for picks, stake in string.gmatch(all[i + 1], '(%d+):(%-?%d+)') do
+        sums[picks] = (sums[picks] or 0) + tonumber(stake)
+      end
     end
   end
   local out = {}
@@ -255,12 +264,19 @@ local function cancel(keys, args)
   return {'k', now, tonumber(args[3]), rec[4]}
 end
 
---[[ cancelled: KEYS ticket; ARGV sid
-Marks the cancel of sale `sid` complete (every record released). ]]
+--[[ cancelled: KEYS ticket, then (a ticket sold in one call, on one node) the aggregates
+of its draws; ARGV sid, then picks, stake pairs
+Marks the cancel of sale `sid` complete (every record released), and takes a ticket sold in
+one call out of its draws' aggregates (see AGGREGATES). ]]
 local function cancelled(keys, args)
   local rec = redis.call('HMGET', keys[1], 'st', 'sid')
   if rec[1] == 'k' and rec[2] == args[1] then
     redis.call('HSET', keys[1], 'st', 'c')
+    for k = 2, #keys do
+      for j = 2, #args, 2 do
+        redis.call('HINCRBY', keys[k], args[j], -tonumber(args[j + 1]))
+      end
+    end
     return 1
   end
   return 0
@@ -736,7 +752,9 @@ ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, 
 configured cap (and shadow cap, see CAPS),
 min_stake, G, then combo ("\0<picks>" if not capped) and stake of each of the G grids, then
 expire_at of each draw, then the game's time zone (kept with the results: the receipt's
-time is rendered in the zone of the sale, whatever the configuration says later).
+time is rendered in the zone of the sale, whatever the configuration says later), then
+"fix" when the caller does not know the draws' caps (the last n keys are then their cap
+keys, fixed here; the reply's last element gives the caps the sale was judged by).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
@@ -781,11 +799,14 @@ local function sell(keys, args)
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  local fixed = #keys - n  -- the cap key of draw i is keys[fixed + i]
+  -- With "fix", the caller does not know the draws' caps yet: the last n keys are the
+  -- draws' cap keys.
+  local fix = args[13 + 2 * grids + n] == 'fix'
+  local fixed = fix and #keys - n or #keys  -- the cap key of draw i is keys[fixed + i]
   local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
   local feed = keys[aggregates]
   local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
-  if lists > 2 then
+  if fix and lists > 2 then
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do
@@ -797,7 +818,7 @@ local function sell(keys, args)
     end
   end
   local res, near, sold, shadowed = {}, 0, 0, 0
-  local accepted = {}  -- picks -> base stake accepted (per draw)
+  local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
   local k = 3
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
@@ -820,7 +841,6 @@ local function sell(keys, args)
                         tonumber(stake), caps, tonumber(min_stake), expiries, shadow)
       if out[1] >= 1 then
         res[g] = '1'
-        accepted[#combo] = (accepted[#combo] or 0) + tonumber(stake)
         near = near + out[2]
         if out[1] == 2 then
           shadowed = shadowed + 1
@@ -839,18 +859,17 @@ local function sell(keys, args)
   redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
-  if next(accepted) then
-    local parts = {}
+  -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
+  for i = 1, n do
+    local key = keys[aggregates + i]
     for picks, amount in pairs(accepted) do
-      parts[#parts + 1] = picks .. ':' .. amount
+      redis.call('HINCRBY', key, picks, amount)
     end
-    table.sort(parts)
-    local value = table.concat(parts, ',')
-    for i = 1, n do
-      aggregate({keys[aggregates + i]}, {sid, value, expiries[i]})
+    if next(accepted) then
+      extend(key, tonumber(expiries[i]))
     end
   end
-  return {'new', now, sid, results, near, sold, shadowed}
+  return {'new', now, sid, results, near, sold, shadowed, table.concat(caps, ',')}
 end
 
 redis.register_function('capsvc_index', index)

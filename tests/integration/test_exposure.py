@@ -5,11 +5,14 @@ they would cost if drawn; cancellations and refusals taken into account."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 
 from capsvc import exposure as exposure_module
+from capsvc.errors import Unavailable
+from capsvc.server import Service
 from tests.conftest import Client, ticket
 
 A, B, C, D = ([1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19],
@@ -93,3 +96,32 @@ async def test_the_top_keeps_the_twenty_largest(client: Client) -> None:
     assert stakes == sorted(stakes, reverse=True)
     assert stakes.count(100) == 0
     assert stakes.count(1000) == 5
+
+
+async def test_a_cancel_the_janitor_finishes_takes_the_ticket_out_once(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel interrupted after its decision (503) is finished by the janitor: the
+    ticket's stakes leave the draw's exposure once, whichever way it was sold."""
+    svc, _ = service
+    d = await client.current() + 1
+    sold = await client.sell(ticket([{"numbers": C, "stake": 500},
+                                     {"numbers": A[:3], "stake": 200}], first_draw=d))
+    assert sold.status == 200
+    kept = await client.sell(ticket([{"numbers": A[:4], "stake": 300}], first_draw=d))
+    assert kept.status == 200
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise Unavailable("simulated outage")
+
+    monkeypatch.setattr(svc.store, "cancelled", lost)
+    assert (await client.post(f"/v1/tickets/{sold.body['ticket_id']}/cancel")).status == 503
+    monkeypatch.undo()
+    monkeypatch.setattr(exposure_module, "CACHE_S", 0.0)
+    janitor = copy.copy(svc.usecases.janitor)
+    janitor.deadline_ms = 0
+    assert await janitor.run_once() == 1
+    assert await janitor.run_once() == 0
+    assert (await exposure(client, d))["stakes"] == [{"picks": 4, "stake": 300}]
+    again = await client.post(f"/v1/tickets/{sold.body['ticket_id']}/cancel")
+    assert again.status == 200
+    assert (await exposure(client, d))["stakes"] == [{"picks": 4, "stake": 300}]

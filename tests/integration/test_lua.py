@@ -921,9 +921,9 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert db.hget(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], record_field(sid, 0)) == b"R1:200"
     assert db.hget(key, "st") == b"f"
     assert db.pttl(key) > 0
-    for draw in (FIRST, FIRST + 1):  # what the sale accepted on each draw, by size
+    for draw in (FIRST, FIRST + 1):  # what the sale accepted of the sizes not capped
         aggregate = aggregate_key(key, GAME, draw)
-        assert db.hgetall(aggregate) == {sid.encode(): f"3:{CAP},4:500,8:200".encode()}
+        assert db.hgetall(aggregate) == {b"4": b"500"}  # the capped sizes: in the counters
         assert db.pexpiretime(aggregate) == expire
     # The feed has OTHER capped on both draws, in the same call.
     events = db.xrange(f"f:{{{GAME}}}")
@@ -976,3 +976,6 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     await store.aggregate(key, GAME, FIRST, a, "", 0)
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}
+    redis_db.hincrby(aggregate, "3", 250)  # a total, as a sale in one call adds it
+    sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
+    assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000, b"3": 250}
