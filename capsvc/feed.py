@@ -41,6 +41,7 @@ from redis.exceptions import ResponseError
 from capsvc import combination
 from capsvc.calendar import rfc3339
 from capsvc.clock import RedisClock
+from capsvc.errors import unavailable
 from capsvc.games import Game
 from capsvc.store import Store
 
@@ -56,8 +57,14 @@ it is dropped)."""
 WRITE_BUFFER_LIMIT = 256 * 1024
 """Bytes waiting in the process for a subscriber (beyond what its socket holds) before it
 is dropped."""
-BACKLOG_EVENTS = 10_000
+BACKLOG_EVENTS = 2_000
 """Events a resuming subscriber may have missed; further behind, it gets a snapshot."""
+BACKLOG_PAGE = 250
+"""Events read per round trip for a resuming subscriber (the connection is shared with the
+sales: no reply of megabytes on it)."""
+STARTS = 4
+"""Subscriptions a process starts at once (snapshots and backlogs read from Redis); the
+others wait their turn, so that a crowd reconnecting does not crowd out the sales."""
 HEARTBEAT_S = 15.0
 STREAM_LENGTH = 100_000
 """Events a stream keeps (approximately: Redis trims whole nodes)."""
@@ -174,26 +181,43 @@ class _GameFeed:
         return Event(key, draw, frame(kind, text, payload))
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.task = None
+
+    async def _run(self) -> None:
         store, gid = self.feed.store, self.game.rules.id
         loop = asyncio.get_running_loop()
         beat = loop.time() + HEARTBEAT_S
         while self.subscribers:
+            pause = POLL_S
             try:
                 reply = await store.read_feed(gid, self.last_id, READ_COUNT)
+                for _, entries in reply or ():
+                    for entry_id, fields in entries:
+                        self.last_id = entry_id.decode()
+                        event = self.parse(entry_id, fields)
+                        if event is not None:
+                            self.publish(event)
+                self.feed.check_closes(self.game)
             except Exception as e:  # Redis away: subscribers keep their connection
                 log.warning("feed of %s not readable: %s", gid, e)
-                await asyncio.sleep(1)
-                continue
-            for _, entries in reply or ():
-                for entry_id, fields in entries:
-                    self.last_id = entry_id.decode()
-                    self.publish(self.event(entry_id, fields))
-            self.feed.check_closes(self.game)
-            if loop.time() >= beat:
+                pause = 1.0
+            if loop.time() >= beat:  # heartbeats go on while Redis is away
                 beat = loop.time() + HEARTBEAT_S
                 self.publish(HEARTBEAT)
-            await asyncio.sleep(POLL_S)
-        self.task = None
+            await asyncio.sleep(pause)
+
+    def parse(self, entry_id: bytes, fields: list[bytes]) -> Event | None:
+        """The event of a stream entry; None (and a warning) for an entry that is not one
+        (written by something else than capsvc's functions): it is skipped."""
+        try:
+            return self.event(entry_id, fields)
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            log.warning("feed of %s: entry %s skipped, not an event: %r", self.game.rules.id,
+                        entry_id, e)
+            return None
 
     def publish(self, event: Event) -> None:
         for sub in list(self.subscribers):
@@ -224,6 +248,9 @@ class Feed:
         self.clock = clock
         self.on_drop: Callable[[str], None] = lambda game: None
         """Called with the game when a subscriber is dropped (the metrics count it)."""
+        self.closed = False
+        self.starts = asyncio.Semaphore(STARTS)
+        """Taken while a subscription's start is read (see STARTS)."""
         self._games: dict[str, _GameFeed] = {}
         self._announced: dict[str, int] = {}
         self._closing: set[asyncio.Task[Any]] = set()
@@ -236,26 +263,40 @@ class Feed:
         newest = await self.store.newest_feed_entry(game)
         return newest[0][0].decode() if newest else "0-0"
 
-    async def backlog(self, game: Game, last: str, after: tuple[int, int], draw: int | None
-                      ) -> list[Event] | None:
-        """The events after `last` for a subscriber resuming, or None when the stream no
-        longer holds that point (trimmed, expired) or it is too far behind: start afresh."""
+    async def backlog(self, game: Game, last: str, after: tuple[int, int],
+                      newest: tuple[int, int], draw: int | None) -> list[Event] | None:
+        """The events after `last` for a subscriber resuming, or None to start afresh: the
+        stream no longer holds that point (trimmed, expired), or never held it (an id
+        beyond its newest), or the subscriber is more than BACKLOG_EVENTS behind."""
         gid = game.rules.id
+        if after > newest:
+            return None
         oldest = await self.store.oldest_feed_entry(gid)
         if not oldest or (parse_id(oldest[0][0].decode()) or (0, 0)) > after:
             return None
-        try:
-            entries = await self.store.feed_range(gid, last, BACKLOG_EVENTS + 1)
-        except ResponseError:  # an id Redis does not take: start afresh
-            return None
-        if len(entries) > BACKLOG_EVENTS:
-            return None
         gf = self._games.get(gid) or _GameFeed(self, game)
-        events = [gf.event(entry_id, fields) for entry_id, fields in entries]
-        return [e for e in events if draw is None or e.draw == draw]
+        events: list[Event] = []
+        cursor = last
+        while True:
+            try:
+                entries = await self.store.feed_range(gid, cursor, BACKLOG_PAGE)
+            except ResponseError:  # an id Redis does not take: start afresh
+                return None
+            for entry_id, fields in entries:
+                event = gf.parse(entry_id, fields)
+                if event is not None and (draw is None or event.draw == draw):
+                    events.append(event)
+            if len(events) > BACKLOG_EVENTS:
+                return None
+            if len(entries) < BACKLOG_PAGE:
+                return events
+            cursor = entries[-1][0].decode()
 
     def subscribe(self, game: Game, sub: Subscriber, after: str) -> None:
-        """Add a subscriber; the reader starts (after `after`) if it is not running."""
+        """Add a subscriber; the reader starts (after `after`) if it is not running. Once
+        the feed is closed (the service drains), a 503."""
+        if self.closed:
+            raise unavailable("the service is stopping: subscribe to another instance", 1)
         gf = self._games.get(game.rules.id)
         if gf is None:
             gf = self._games[game.rules.id] = _GameFeed(self, game)
@@ -301,8 +342,9 @@ class Feed:
             log.warning("closing draw %d of %s not announced: %s", draw, game.rules.id, e)
 
     async def close(self) -> None:
-        """End every subscription (a drain): each connection gets its end and closes; one
-        that has not read what it was sent is closed at once."""
+        """End every subscription (a drain) and take no new one: each connection gets its
+        end and closes; one that has not read what it was sent is closed at once."""
+        self.closed = True
         for gf in self._games.values():
             for sub in list(gf.subscribers):
                 transport = sub.transport

@@ -302,8 +302,11 @@ class Api:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-ID": request_id(request)})
         try:
-            first, sent = await self._feed_start(
-                game, sub, request.headers.get("Last-Event-ID"), newest)
+            async with feed.starts:
+                first, sent = await self._feed_start(
+                    game, sub, request.headers.get("Last-Event-ID"), newest)
+            if feed.closed:  # the service began to drain meanwhile
+                raise unavailable("the service is stopping: subscribe to another instance", 1)
             await resp.prepare(request)
             if request.method == "HEAD":  # the headers a subscription would get, no events
                 return resp
@@ -335,7 +338,8 @@ class Api:
         feed, gid = self.feed, game.rules.id
         after = parse_id(last)
         if after is not None:
-            events = await feed.backlog(game, last or "", after, sub.draw)
+            events = await feed.backlog(game, last or "", after, parse_id(newest) or (0, 0),
+                                        sub.draw)
             if events is not None:
                 return events, max([after, *(e.key for e in events)])
         current = await self.draws.current_draw(game)

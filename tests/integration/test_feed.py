@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from capsvc import feed as feed_module
+from capsvc.errors import Unavailable
 from capsvc.faults import FaultProxy, command
 from capsvc.server import Service
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
@@ -358,7 +359,8 @@ async def test_resuming_on_a_process_whose_reader_lags_sends_nothing_twice(
 
 @pytest.mark.parametrize("last", ["99999999999999999999-0", "18446744073709551616-0",
                                   "18446744073709551615-18446744073709551615", "abc", "",
-                                  "0-0", "1-99999999999999999999"])
+                                  "0-0", "1-99999999999999999999",
+                                  "9999999999999-0"])  # well formed, but never issued
 async def test_a_last_event_id_redis_would_not_take_starts_with_a_snapshot(
         service: tuple[Service, str], client: Client, last: str) -> None:
     _, url = service
@@ -429,3 +431,89 @@ async def test_head_and_http_1_0_subscriptions(service: tuple[Service, str], cli
         assert (await reader.readline()).startswith(b"id: ")
         assert b'"numbers":[3,7,12,18,25,33,41,56]' in await reader.readline()
     writer.close()
+
+
+async def test_a_subscription_after_the_feed_closed_is_refused(
+        service: tuple[Service, str], client: Client) -> None:
+    """Once the service drains (its feed closed), a new subscription is a 503, not a stream
+    that nothing will end."""
+    svc, _ = service
+    await svc.usecases.feed.close()
+    reply = await client.get(STREAM)
+    assert (reply.status, reply.body["error"]["code"]) == (503, "unavailable")
+
+
+async def test_many_resuming_at_once_leave_the_sales_alone(
+        service: tuple[Service, str], client: Client, redis_db: Any) -> None:
+    """Thirty subscribers resume 1,500 events back at once while tickets are sold: each
+    gets exactly its 1,500 events (read a page at a time), and every sale is answered."""
+    _, url = service
+    async with subscribe(url) as first:
+        await first.next()
+        pipe = redis_db.pipeline(transaction=False)
+        pipe.xadd("f:{fdj-keno}", {"type": "capped", "draw": 7, "combo": bytes(range(1, 9)),
+                                   "at": 0})
+        pipe.execute()
+        _, last, _ = await first.next()
+    pipe = redis_db.pipeline(transaction=False)
+    for i in range(1500):
+        pipe.xadd("f:{fdj-keno}", {"type": "capped", "draw": 7, "combo": bytes(range(1, 9)),
+                                   "at": i})
+    pipe.execute()
+
+    async def resume() -> int:
+        async with subscribe(url, last=last) as events:
+            got = 0
+            while got < 1500:
+                kind, _, _ = await events.next(within=30)
+                assert kind == "capped"
+                got += 1
+            return got
+
+    d = await client.current() + 1
+    resumed, sales = await asyncio.gather(
+        asyncio.gather(*(resume() for _ in range(30))),
+        asyncio.gather(*(client.sell(ticket([{"numbers": TEN[:8], "stake": 100}],
+                                            first_draw=d)) for _ in range(40))))
+    assert resumed == [1500] * 30
+    assert [s.status for s in sales] == [200] * 40
+
+
+async def test_far_behind_resumes_with_a_snapshot(service: tuple[Service, str],
+                                                  redis_db: Any) -> None:
+    _, url = service
+    first_id = redis_db.xadd("f:{fdj-keno}", {"type": "capped", "draw": 7,
+                                               "combo": bytes(range(1, 9)), "at": 0})
+    pipe = redis_db.pipeline(transaction=False)
+    for i in range(feed_module.BACKLOG_EVENTS + 10):
+        pipe.xadd("f:{fdj-keno}", {"type": "capped", "draw": 7, "combo": bytes(range(1, 9)),
+                                   "at": i})
+    pipe.execute()
+    async with subscribe(url, last=first_id.decode()) as events:
+        kind, _, _ = await events.next()
+        assert kind == "snapshot"
+
+
+async def test_heartbeats_go_on_while_redis_is_away_and_a_bad_entry_is_skipped(
+        service: tuple[Service, str], client: Client, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, url = service
+    monkeypatch.setattr(feed_module, "HEARTBEAT_S", 0.2)
+    original = svc.store.read_feed
+    async with subscribe(url) as events:
+        await events.next()  # the snapshot (the reader is running)
+
+        def away(*args: Any, **kwargs: Any) -> Any:
+            raise Unavailable("simulated outage")
+
+        monkeypatch.setattr(svc.store, "read_feed", away)
+        await asyncio.sleep(2.5)
+        assert events.comments == 0  # nothing read yet: comments are counted as read
+        monkeypatch.setattr(svc.store, "read_feed", original)
+        # An entry that is not an event (no instant), then a real one.
+        redis_db.xadd("f:{fdj-keno}", {"type": "capped", "draw": 7})
+        d = await client.current() + 1
+        await fill(client, TEN[:8], d)
+        kind, _, data = await events.next(within=10)
+        assert (kind, data["numbers"]) == ("capped", TEN[:8])
+        assert events.comments >= 2  # the heartbeats sent while Redis was away
