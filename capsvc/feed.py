@@ -255,9 +255,6 @@ class Feed:
         self._announced: dict[str, int] = {}
         self._closing: set[asyncio.Task[Any]] = set()
 
-    def subscribers(self) -> int:
-        return sum(len(g.subscribers) for g in self._games.values())
-
     async def last_id(self, game: str) -> str:
         """The id of the newest event of a game's stream ("0-0" when it has none)."""
         newest = await self.store.newest_feed_entry(game)
@@ -276,7 +273,7 @@ class Feed:
             return None
         gf = self._games.get(gid) or _GameFeed(self, game)
         events: list[Event] = []
-        cursor = last
+        cursor, scanned = last, 0
         while True:
             try:
                 entries = await self.store.feed_range(gid, cursor, BACKLOG_PAGE)
@@ -286,7 +283,8 @@ class Feed:
                 event = gf.parse(entry_id, fields)
                 if event is not None and (draw is None or event.draw == draw):
                     events.append(event)
-            if len(events) > BACKLOG_EVENTS:
+            scanned += len(entries)
+            if scanned > BACKLOG_EVENTS:  # counted in entries read, whatever `draw` keeps
                 return None
             if len(entries) < BACKLOG_PAGE:
                 return events
