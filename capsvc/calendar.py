@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from array import array
 from bisect import bisect_right
-from datetime import date, datetime, timedelta
+from datetime import date, datetime, timedelta, tzinfo
 
 from capsvc.config import GameRules
 
@@ -182,3 +182,8 @@ def now_ms() -> int:
 def rfc3339(dt: datetime) -> str:
     """RFC 3339 with offset and at most millisecond precision."""
     return dt.isoformat(timespec="milliseconds") if dt.microsecond else dt.isoformat()
+
+
+def instant(ms: int, tz: tzinfo) -> str:
+    """An instant (ms since the Unix epoch) in RFC 3339, in the time zone `tz`."""
+    return rfc3339(datetime.fromtimestamp(ms / 1000, tz))

@@ -42,7 +42,7 @@ class DrawCaps:
         return caps
 
     def remember(self, game: Game, first: int, caps: list[int]) -> None:
-        """Caps a sale found fixed (they never change)."""
+        """Caps found fixed for draws first, first+1, … (they never change)."""
         if len(self._fixed) + len(caps) > _CACHED_CAPS:
             self._fixed.clear()
         for i, cap in enumerate(caps):
@@ -53,17 +53,12 @@ class DrawCaps:
         no sale has fixed yet (the game has a cap)."""
         rules = game.rules
         assert rules.cap_limit is not None
-        fixed, gid = self._fixed, rules.id
-        missing = [d for d in range(first, first + draws) if (gid, d) not in fixed]
-        replies = await replies_of([self.store.fix_cap(gid, d, rules.cap_limit,
-                                                       game.expire_at(d)) for d in missing])
-        if len(fixed) + len(missing) > _CACHED_CAPS:
-            fixed.clear()
-        caps = {d: rules.cap_limit if r is None else int(r)
-                for d, r in zip(missing, replies, strict=True)}
-        for d, cap in caps.items():
-            fixed[gid, d] = cap
-        return [caps[d] if d in caps else fixed[gid, d] for d in range(first, first + draws)]
+        replies = await replies_of([self.store.fix_cap(rules.id, d, rules.cap_limit,
+                                                       game.expire_at(d))
+                                    for d in range(first, first + draws)])
+        caps = [rules.cap_limit if r is None else int(r) for r in replies]
+        self.remember(game, first, caps)
+        return caps
 
     async def argument(self, game: Game, first: int, draws: int, *, fix: bool) -> str | int:
         """The caps of a grid's draws as the Lua functions take them (lua/capsvc.lua,
@@ -80,15 +75,14 @@ class DrawCaps:
         configured cap, which its first sale will fix."""
         rules = game.rules
         assert rules.cap_limit is not None
-        gid = rules.id
-        known = [self._fixed.get((gid, d)) for d in range(first, first + draws)]
-        if None not in known:
-            return [(c, True) for c in known if c is not None]
-        replies = await replies_of([self.store.fixed_cap(gid, d)
+        known = self.known(game, first, draws)
+        if known is not None:
+            return [(c, True) for c in known]
+        replies = await replies_of([self.store.fixed_cap(rules.id, d)
                                     for d in range(first, first + draws)])
         for d, r in zip(range(first, first + draws), replies, strict=True):
             if r is not None:  # fixed: for good
-                self._fixed[gid, d] = int(r)
+                self.remember(game, d, [int(r)])
         return [(rules.cap_limit, False) if r is None else (int(r), True) for r in replies]
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from datetime import datetime, tzinfo
+from datetime import tzinfo
 from typing import Any
 
 import msgspec
 
-from capsvc.calendar import DrawCalendar, rfc3339
+from capsvc.calendar import DrawCalendar, instant
 from capsvc.config import GameRules
 from capsvc.errors import rule_error
 from capsvc.models import Cancellation, GridOut, Receipt, TicketOut, TicketStatus
@@ -113,7 +113,7 @@ def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: in
     if accepted:
         receipt = Receipt(
             receipt_id=receipt_id(channel_id, sale.ticket_id, sale_id),
-            issued_at=rfc3339(datetime.fromtimestamp(at / 1000, tz)),
+            issued_at=instant(at, tz),
         )
     return TicketOut(
         ticket_id=sale.ticket_id, game=sale.game, status=status,
@@ -149,5 +149,5 @@ def with_cancellation(body: bytes, tz: tzinfo, at: int, released: int) -> bytes:
     """A stored decision's body with its `cancelled` member added (the decision itself is
     kept byte for byte: it is an object, so the member goes before its closing brace)."""
     member = msgspec.json.encode(Cancellation(
-        at=rfc3339(datetime.fromtimestamp(at / 1000, tz)), released=released))
+        at=instant(at, tz), released=released))
     return body[:-1] + b',"cancelled":' + member + b"}"

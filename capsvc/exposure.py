@@ -18,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from datetime import datetime
 
 from capsvc import combination
-from capsvc.calendar import rfc3339
+from capsvc.calendar import instant
 from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
 from capsvc.games import Game
@@ -106,7 +105,7 @@ class Exposure:
         liabilities = [t.liability for t in best if t.liability is not None]
         return ExposureOut(
             draw=draw, cap=cap, cap_fixed=fixed,
-            computed_at=rfc3339(datetime.fromtimestamp(self.clock.now() / 1000, rules.tz)),
+            computed_at=instant(self.clock.now(), rules.tz),
             stakes=[PicksStake(picks=p, stake=v) for p, v in sorted(stakes.items()) if v],
             capped=[CappedPicks(picks=p, played=r[0], at_cap=r[1], near_cap=r[2], stake=r[3])
                     for p, r in sorted(capped.items())],

@@ -32,15 +32,16 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import msgspec
 from redis.exceptions import ResponseError
 
 from capsvc import combination
-from capsvc.calendar import rfc3339
+from capsvc.availability import Availability
+from capsvc.calendar import instant
 from capsvc.clock import RedisClock
+from capsvc.draws import Draws
 from capsvc.errors import unavailable
 from capsvc.games import Game
 from capsvc.store import Store
@@ -170,7 +171,7 @@ class _GameFeed:
         values = dict(zip(fields[::2], fields[1::2], strict=True))
         kind = values[b"type"].decode()
         draw = int(values[b"draw"])
-        at = rfc3339(datetime.fromtimestamp(int(values[b"at"]) / 1000, self.game.rules.tz))
+        at = instant(int(values[b"at"]), self.game.rules.tz)
         payload: dict[str, Any] = {"draw": draw}
         if b"combo" in values:
             payload["numbers"] = combination.decode(values[b"combo"])
@@ -243,9 +244,12 @@ class _GameFeed:
 class Feed:
     """Every game's feed in this process."""
 
-    def __init__(self, store: Store, clock: RedisClock) -> None:
+    def __init__(self, store: Store, clock: RedisClock, draws: Draws,
+                 availability: Availability) -> None:
         self.store = store
         self.clock = clock
+        self.draws = draws
+        self.availability = availability
         self.on_drop: Callable[[str], None] = lambda game: None
         """Called with the game when a subscriber is dropped (the metrics count it)."""
         self.closed = False
@@ -259,6 +263,48 @@ class Feed:
         """The id of the newest event of a game's stream ("0-0" when it has none)."""
         newest = await self.store.newest_feed_entry(game)
         return newest[0][0].decode() if newest else "0-0"
+
+    async def open(self, game: Game, sub: Subscriber, last: str | None) -> list[Event]:
+        """Subscribe `sub` to the game's feed, and what it starts with: the events after
+        `last` (its Last-Event-ID) while the stream still holds them, else a snapshot of
+        every combination at its cap on the draws on sale. Events that come meanwhile wait
+        for `Subscriber.go_live`; those up to where the start stands are not sent again.
+        A 503 once the feed is closed (the service drains)."""
+        newest = await self.last_id(game.rules.id)
+        # The events the reader published before this subscriber joined are not kept for
+        # it: a snapshot stands for them (it is read after), so its id is the later of the
+        # newest event and the reader's position.
+        position = self.reader_position(game)
+        if position is not None and (parse_id(position) or (0, 0)) > (parse_id(newest)
+                                                                    or (0, 0)):
+            newest = position
+        # Subscribed before reading what came before: whatever is appended from now on is
+        # either in what is read below or kept for it (and skipped if it was sent).
+        self.subscribe(game, sub, newest)
+        async with self.starts:
+            first, sub.sent = await self._start(game, sub, last, newest)
+        if self.closed:  # the service began to drain meanwhile
+            raise unavailable("the service is stopping: subscribe to another instance", 1)
+        return first
+
+    async def _start(self, game: Game, sub: Subscriber, last: str | None, newest: str
+                     ) -> tuple[list[Event], tuple[int, int]]:
+        """The events a subscription starts with, and the id it then has everything up to."""
+        after = parse_id(last)
+        if after is not None:
+            events = await self.backlog(game, last or "", after, parse_id(newest) or (0, 0),
+                                        sub.draw)
+            if events is not None:
+                return events, max([after, *(e.key for e in events)])
+        current = await self.draws.current_draw(game)
+        draws = ([sub.draw] if sub.draw is not None else
+                 list(range(current, current + game.rules.sales_horizon + 1)))
+        lists = await asyncio.gather(*(self.availability.sold_out(game, d) for d in draws))
+        snapshot = {"draws": [{"draw": c.draw, "combinations": c.combinations}
+                              for c in lists if c.combinations or sub.draw is not None],
+                    "at": instant(self.clock.now(), game.rules.tz)}
+        key = parse_id(newest) or (0, 0)
+        return [Event(key, 0, frame("snapshot", newest, snapshot))], key
 
     async def backlog(self, game: Game, last: str, after: tuple[int, int],
                       newest: tuple[int, int], draw: int | None) -> list[Event] | None:

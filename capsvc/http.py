@@ -16,19 +16,16 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from redis.exceptions import ResponseError
 
-from capsvc.calendar import rfc3339
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
 from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
-from capsvc.feed import Event, Subscriber, frame, parse_id
-from capsvc.games import Game
+from capsvc.feed import Subscriber
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
@@ -199,7 +196,6 @@ class Api:
         self.feed = usecases.feed
         self.exposure_of = usecases.exposure
         self.feed.on_drop = metrics.feed_dropped
-        self.clock = usecases.clock
         self.store = store
         self.metrics = metrics
         self.health = health
@@ -287,26 +283,11 @@ class Api:
             game.check_draw(draw)
         sub = Subscriber(draw, request.transport)
         feed = self.feed
-        # Subscribed before reading what came before: whatever is appended from now on is
-        # either in what is read below or kept for it (and skipped if it was sent).
-        newest = await feed.last_id(game.rules.id)
-        # The events the reader published before this subscriber joined are not kept for
-        # it: a snapshot stands for them (it is read after), so its id is the later of the
-        # newest event and the reader's position.
-        position = feed.reader_position(game)
-        if position is not None and (parse_id(position) or (0, 0)) > (parse_id(newest)
-                                                                    or (0, 0)):
-            newest = position
-        feed.subscribe(game, sub, newest)
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-ID": request_id(request)})
         try:
-            async with feed.starts:
-                first, sent = await self._feed_start(
-                    game, sub, request.headers.get("Last-Event-ID"), newest)
-            if feed.closed:  # the service began to drain meanwhile
-                raise unavailable("the service is stopping: subscribe to another instance", 1)
+            first = await feed.open(game, sub, request.headers.get("Last-Event-ID"))
             await resp.prepare(request)
             if request.method == "HEAD":  # the headers a subscription would get, no events
                 return resp
@@ -314,11 +295,9 @@ class Api:
             self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             for event in first:
                 await resp.write(event.data)
-                sent = max(sent, event.key)
             # From now on the feed writes each event to the connection itself, framed as
             # aiohttp frames this response (chunked on HTTP/1.1).
             sub.chunked = bool(getattr(request.writer, "chunked", True))
-            sub.sent = sent
             if sub.go_live():
                 await sub.ended.wait()  # dropped, gone, or the service is draining
             else:
@@ -328,31 +307,6 @@ class Api:
         finally:
             feed.unsubscribe(game, sub)
         return resp
-
-    async def _feed_start(self, game: Game, sub: Subscriber, last: str | None, newest: str
-                          ) -> tuple[list[Event], tuple[int, int]]:
-        """What a subscription starts with: the events after `Last-Event-ID` while the
-        stream still holds them, else a snapshot of every combination at its cap on the
-        draws on sale, as of the newest event; and the id the subscriber has everything up
-        to (the live events up to it are not sent again)."""
-        feed, gid = self.feed, game.rules.id
-        after = parse_id(last)
-        if after is not None:
-            events = await feed.backlog(game, last or "", after, parse_id(newest) or (0, 0),
-                                        sub.draw)
-            if events is not None:
-                return events, max([after, *(e.key for e in events)])
-        current = await self.draws.current_draw(game)
-        draws = ([sub.draw] if sub.draw is not None else
-                 list(range(current, current + game.rules.sales_horizon + 1)))
-        lists = await asyncio.gather(*(self.availability_of.sold_out(game, d) for d in draws))
-        snapshot = {"draws": [{"draw": c.draw, "combinations": c.combinations}
-                              for c in lists if c.combinations or sub.draw is not None],
-                    "at": rfc3339(datetime.fromtimestamp(self.clock.now() / 1000,
-                                                         game.rules.tz))}
-        key = parse_id(newest) or (0, 0)
-        log.debug("feed snapshot of %s: %d draws", gid, len(lists))
-        return [Event(key, 0, frame("snapshot", newest, snapshot))], key
 
     async def availability(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)

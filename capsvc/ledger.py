@@ -147,7 +147,7 @@ class Ledger:
         amounts = _uncapped(sale, accepted)
         if not amounts and accepted:
             return []
-        value = ",".join(f"{p}:{a}" for p, a in sorted(amounts.items()))
+        value = ",".join(f"{p}:{a}" for p, a in amounts)
         first = sale.first_draw
         assert first is not None
         return [self.store.aggregate(key, game.rules.id, d, sale_id, value, game.expire_at(d))
@@ -162,11 +162,9 @@ class Ledger:
             return None
         first = sale.first_draw
         assert first is not None
-        args: list[Any] = []
-        for picks, amount in sorted(amounts.items()):
-            args += (picks, amount)
         draws = range(first, first + sale.draws)
-        return [aggregate_key(key, game.rules.id, d) for d in draws], args
+        return ([aggregate_key(key, game.rules.id, d) for d in draws],
+                [x for pair in amounts for x in pair])
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, *, void: bool = False) -> TicketOut | None:
@@ -208,10 +206,10 @@ class Ledger:
             await settled
 
 
-def _uncapped(sale: Sale, accepted: set[int]) -> dict[int, int]:
-    """Base stake of the accepted grids not capped, by number of picks."""
+def _uncapped(sale: Sale, accepted: set[int]) -> list[tuple[int, int]]:
+    """(picks, base stake) of the accepted grids not capped, by number of picks ascending."""
     amounts: dict[int, int] = {}
     for g in sale.grids:
         if g.index in accepted and not g.capped:
             amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
-    return amounts
+    return sorted(amounts.items())

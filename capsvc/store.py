@@ -52,6 +52,11 @@ def pending_key_of(ticket: str) -> str:
     return "p:" + ticket[2 : ticket.index("}") + 1]
 
 
+def counter_key(game: str, bucket: int, draw: int) -> str:
+    """One counter bucket of a draw (see lua/capsvc.lua, THE KEYS)."""
+    return f"c:{{{game}:{bucket}}}:{draw}"
+
+
 def aggregate_key(ticket: str, game: str, draw: int) -> str:
     """What the tickets of `ticket`'s slot accepted on a draw, by number of picks (the
     draw's exposure adds the 64 slots up)."""
@@ -69,8 +74,8 @@ def pending_key(bucket: int) -> str:
 
 def bucket_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]:
     """The counter buckets holding `combo` on draws first_draw..first_draw+draws-1."""
-    prefix = f"c:{{{game}:{zlib.crc32(combo.encode()) % COUNTER_BUCKETS}}}:"
-    return [f"{prefix}{d}" for d in range(first_draw, first_draw + draws)]
+    bucket = zlib.crc32(combo.encode()) % COUNTER_BUCKETS
+    return [counter_key(game, bucket, d) for d in range(first_draw, first_draw + draws)]
 
 
 def record_field(sale_id: str, grid: int) -> bytes:
@@ -185,16 +190,12 @@ class Store:
         await self.fcall("capsvc_cancelled", [ticket, *keys], [sale_id, *args])
         await self.unindex(ticket)
 
-    def recorded(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, fingerprint, body, sale, sale id, claim instant, results] of a ticket
-        record (all None when unknown)."""
-        return self.redis.submit("HMGET", ticket, "st", "fp", "body", "sale", "sid", "at", "res")
-
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, body, sale, sale id, claim instant, cancelled at, released, results] of a
-        ticket record (all None when unknown; a one-call sale has results, not a body)."""
+        """[state, body, sale, sale id, claim instant, cancelled at, released, results,
+        fingerprint] of a ticket record (all None when unknown; a one-call sale has results,
+        not a body)."""
         return self.redis.submit("HMGET", ticket, "st", "body", "sale", "sid", "at", "ca", "rel",
-                                 "res")
+                                 "res", "fp")
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
@@ -287,7 +288,7 @@ class Store:
                     floor: int) -> asyncio.Future[Any]:
         """Counter buckets' share of a draw's exposure (lua/capsvc.lua, exposure): one call
         for all of `buckets` (they must be on one node)."""
-        return self.fcall("capsvc_exposure", [f"c:{{{game}:{b}}}:{draw}" for b in buckets],
+        return self.fcall("capsvc_exposure", [counter_key(game, b, draw) for b in buckets],
                           [cap, min_stake, floor])
 
     def aggregate(self, ticket: str, game: str, draw: int, sale_id: str, value: str,

@@ -121,8 +121,8 @@ class Tickets:
         """The decision recorded for this request's ticket id, if it is this request's;
         409 if the id holds another request; None when there is none."""
         key = ticket_key(channel.id, t.ticket_id)
-        state, fingerprint, body, raw_sale, sale_id, at, results = await self.store.recorded(
-            key)
+        state, body, raw_sale, sale_id, at, _, _, results, fingerprint = (
+            await self.store.ticket(key))
         if state is None:
             return None
         if fingerprint is None or fingerprint.decode() != request_fingerprint(t):
@@ -290,7 +290,7 @@ class Tickets:
     async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
         """The stored decision, with `cancelled` once the ticket is cancelled."""
         require_scope(channel, "sell", "read")
-        state, body, raw_sale, sale_id, at, cancelled_at, released, results = (
+        state, body, raw_sale, sale_id, at, cancelled_at, released, results, _ = (
             await self.store.ticket(ticket_key(channel.id, ticket_id)))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
@@ -314,7 +314,8 @@ class Tickets:
         its retry, or by the janitor."""
         require_scope(channel, "sell")
         key = ticket_key(channel.id, ticket_id)
-        state, body, raw_sale, sale_id, claimed_at, _, _, results = await self.store.ticket(key)
+        state, body, raw_sale, sale_id, claimed_at, _, _, results, _ = (
+            await self.store.ticket(key))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
         if body is None and results is None:

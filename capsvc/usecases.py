@@ -45,11 +45,12 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
     draws = Draws(store, clock, caps)
     ledger = Ledger(store, caps)
     tickets = Tickets(settings, catalog, draws, store, ledger, clock)
+    availability = Availability(store, draws)
     return UseCases(
         catalog=catalog, clock=clock, draws=draws, tickets=tickets,
-        availability=Availability(store, draws),
+        availability=availability,
         players=Players(catalog, ledger.players, clock),
         janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
-        feed=Feed(store, clock),
+        feed=Feed(store, clock, draws, availability),
         exposure=Exposure(store, caps, clock),
     )

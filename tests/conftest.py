@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,25 @@ def two_services(redis_backend: RedisServer | RedisCluster, redis_db: Any) -> It
     yield [s.base_url for s in services]
     for s in services:
         s.stop()
+
+
+@asynccontextmanager
+async def services(variants: list[Settings], redis_url: str) -> AsyncIterator[list[Client]]:
+    """One service in this process per settings, on one Redis, each with its client."""
+    started = []
+    async with aiohttp.ClientSession() as session:
+        try:
+            clients = []
+            for variant in variants:
+                svc = build(variant, redis_url)
+                runner, url = await start_service(svc)
+                started.append((runner, svc))
+                clients.append(Client(session, url))
+            yield clients
+        finally:
+            for runner, svc in started:
+                await runner.cleanup()
+                await svc.redis.aclose()
 
 
 async def start_service(svc: Service) -> tuple[Serving, str]:

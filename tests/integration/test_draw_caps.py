@@ -15,9 +15,8 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
-from capsvc.server import build
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
-from tests.conftest import CONFIG, TEN, Client, start_service, ticket
+from tests.conftest import CONFIG, TEN, Client, services, ticket
 
 FDJ = 'id = "fdj-keno"\npreset = "fdj-keno-2008"\n'
 
@@ -106,18 +105,9 @@ async def test_a_new_cap_limit_applies_to_draws_not_sold_yet_across_two_runs(
 async def two_caps(settings: Settings, redis_backend: RedisServer | RedisCluster, redis_db: Any
                    ) -> AsyncIterator[tuple[Client, Client]]:
     """Two services on one Redis, configured with caps of 50 € and 30 €."""
-    runners = []
-    clients = []
-    async with aiohttp.ClientSession() as session:
-        for cap in (5000, 3000):
-            svc = build(with_fdj(settings, cap_limit=cap), redis_backend.url)
-            runner, url = await start_service(svc)
-            runners.append((runner, svc))
-            clients.append(Client(session, url))
-        yield clients[0], clients[1]
-        for runner, svc in runners:
-            await runner.cleanup()
-            await svc.redis.aclose()
+    variants = [with_fdj(settings, cap_limit=cap) for cap in (5000, 3000)]
+    async with services(variants, redis_backend.url) as (high, low):
+        yield high, low
 
 
 async def test_processes_with_different_caps_racing_a_new_draw_judge_it_by_one(
@@ -178,12 +168,9 @@ async def test_a_subscription_is_judged_by_the_cap_of_each_of_its_draws(
 @pytest.fixture
 async def shadowed(settings: Settings, redis_backend: RedisServer | RedisCluster, redis_db: Any
                    ) -> AsyncIterator[Client]:
-    svc = build(with_fdj(settings, shadow_cap_limit=3000), redis_backend.url)
-    runner, url = await start_service(svc)
-    async with aiohttp.ClientSession() as session:
-        yield Client(session, url)
-    await runner.cleanup()
-    await svc.redis.aclose()
+    async with services([with_fdj(settings, shadow_cap_limit=3000)], redis_backend.url) as (
+            client,):
+        yield client
 
 
 async def shadow_count(client: Client) -> float:

@@ -237,7 +237,7 @@ def test_a_subscriber_that_does_not_read_is_dropped_not_buffered(
     async def scenario() -> None:
         monkeypatch.setattr(feed_module, "WRITE_BUFFER_LIMIT", 100)
         dropped: list[str] = []
-        feed = feed_module.Feed(store=None, clock=None)  # type: ignore[arg-type]
+        feed = feed_module.Feed(None, None, None, None)  # type: ignore[arg-type]
         feed.on_drop = dropped.append
 
         class FakeGame:

@@ -6,12 +6,9 @@ import asyncio
 import dataclasses
 from typing import Any
 
-import aiohttp
-
 from capsvc.config import GameRules, Settings
-from capsvc.server import build
 from capsvc.testing import RedisCluster, RedisServer
-from tests.conftest import TEN, Client, start_service, ticket
+from tests.conftest import TEN, Client, services, ticket
 
 
 def with_game(settings: Settings, rules: GameRules) -> Settings:
@@ -116,10 +113,7 @@ async def test_a_retry_finds_its_decision_after_the_configuration_changed(
     channels = tuple(dataclasses.replace(c, games=frozenset(c.games - {"fdj-keno"}))
                      if c.id == "pf-retail" else c for c in settings.channels)
     narrowed = dataclasses.replace(narrowed, channels=channels)
-    async with aiohttp.ClientSession() as session:
-        svc = build(settings, redis_backend.url)
-        runner, url = await start_service(svc)
-        client = Client(session, url)
+    async with services([settings], redis_backend.url) as (client,):
         d = await client.current() + 2
         bodies = [
             ticket([{"numbers": TEN[:8], "stake": 1000, "multiplier": True}] * 2,
@@ -128,24 +122,15 @@ async def test_a_retry_finds_its_decision_after_the_configuration_changed(
         ]
         first = [await client.sell(b, token="pf") for b in bodies]
         assert [r.status for r in first] == [200, 200]
-        await runner.cleanup()
-        await svc.redis.aclose()
-
-        svc = build(narrowed, redis_backend.url)
-        runner, url = await start_service(svc)
-        try:
-            client = Client(session, url)
-            for body, before in zip(bodies, first, strict=True):
-                permuted = [{**g, "numbers": g["numbers"][::-1]} for g in body["grids"]]
-                again = await client.sell({**body, "grids": permuted}, token="pf")
-                assert (again.status, again.raw) == (200, before.raw)
-                assert again.headers["Idempotent-Replayed"] == "true"
-            other = await client.sell({**bodies[1], "draws": 2}, token="pf")
-            assert (other.status, other.body["error"]["code"]) == (409, "idempotency_conflict")
-            new = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]), token="fr")
-            assert (new.status, new.body["error"]["code"]) == (422, "stake_not_allowed")
-            assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 100}]),
-                                      token="pf")).status == 403
-        finally:
-            await runner.cleanup()
-            await svc.redis.aclose()
+    async with services([narrowed], redis_backend.url) as (client,):
+        for body, before in zip(bodies, first, strict=True):
+            permuted = [{**g, "numbers": g["numbers"][::-1]} for g in body["grids"]]
+            again = await client.sell({**body, "grids": permuted}, token="pf")
+            assert (again.status, again.raw) == (200, before.raw)
+            assert again.headers["Idempotent-Replayed"] == "true"
+        other = await client.sell({**bodies[1], "draws": 2}, token="pf")
+        assert (other.status, other.body["error"]["code"]) == (409, "idempotency_conflict")
+        new = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]), token="fr")
+        assert (new.status, new.body["error"]["code"]) == (422, "stake_not_allowed")
+        assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 100}]),
+                                  token="pf")).status == 403

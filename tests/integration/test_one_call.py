@@ -15,25 +15,17 @@ import redis
 from capsvc.config import Settings
 from capsvc.server import build
 from capsvc.testing import RedisServer
-from tests.conftest import TEN, Client, start_service, ticket
+from tests.conftest import TEN, Client, services, start_service, ticket
 
 
 @pytest.fixture
 async def pair(settings: Settings, redis_server: RedisServer, standalone_db: redis.Redis
                ) -> AsyncIterator[tuple[Client, Client]]:
     """Two services on one standalone Redis: one sells in one call, the other in steps."""
-    runners = []
-    clients = []
-    async with aiohttp.ClientSession() as session:
-        for one_call in (True, False):
-            svc = build(dataclasses.replace(settings, one_call_sales=one_call), redis_server.url)
-            runner, url = await start_service(svc)
-            runners.append((runner, svc))
-            clients.append(Client(session, url))
-        yield clients[0], clients[1]
-        for runner, svc in runners:
-            await runner.cleanup()
-            await svc.redis.aclose()
+    variants = [dataclasses.replace(settings, one_call_sales=one_call)
+                for one_call in (True, False)]
+    async with services(variants, redis_server.url) as (one, steps):
+        yield one, steps
 
 
 async def test_a_ticket_answers_the_same_whichever_protocol_replays_it(

@@ -85,6 +85,18 @@ def unknown_outcome(resp: requests.Response) -> None:
     assert "Retry-After" in resp.headers
 
 
+def retried(api: Api, body: dict[str, Any], rule: Any) -> requests.Response:
+    """The sale meets the fault (503, outcome unknown); once the fault has fired and the
+    late reply would have come, the same request again: accepted."""
+    unknown_outcome(api.sell(body))
+    assert rule.fired.wait(5)
+    time.sleep(1.2)
+    retry = api.sell(body)
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["status"] == "accepted"
+    return retry
+
+
 @pytest.fixture
 def proxy(redis_server: RedisServer, standalone_db: redis.Redis) -> Iterator[FaultProxy]:
     with FaultProxy("127.0.0.1", redis_server.port) as p:
@@ -118,12 +130,7 @@ def test_delayed_reserve_reply_is_503_then_the_retry_converges(
     draw = api.current()
     body = sale((TEN[:8], 500))
     rule = proxy.delay_reply(RESERVE, 1.0)
-    unknown_outcome(api.sell(body))
-    assert rule.fired.wait(5)
-    time.sleep(1.2)
-    retry = api.sell(body)
-    assert retry.status_code == 200, retry.text
-    assert retry.json()["status"] == "accepted"
+    retry = retried(api, body, rule)
     assert api.staked(TEN[:8], draw) == 500
     assert api.call("GET", f"/v1/tickets/{body['ticket_id']}").content == retry.content
 
@@ -452,12 +459,7 @@ def test_a_one_call_sale_whose_call_fails_converges_on_retry(
     rule = {"reply lost": lambda: proxy.drop_reply(SELL),
             "reply late": lambda: proxy.delay_reply(SELL, 1.0),
             "request lost": lambda: proxy.drop_request(SELL)}[fault]()
-    unknown_outcome(api.sell(body))
-    assert rule.fired.wait(5)
-    time.sleep(1.2)
-    retry = api.sell(body)
-    assert retry.status_code == 200, retry.text
-    assert retry.json()["status"] == "accepted"
+    retry = retried(api, body, rule)
     ran = fault != "request lost"
     assert retry.headers.get("Idempotent-Replayed") == ("true" if ran else None)
     assert (api.staked(TEN[:8], draw), api.staked(TEN[:9], draw)) == (500, 300)
