@@ -446,6 +446,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
     format, time the request, stamp X-Request-ID (one function: no middleware chain)."""
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
+    in_flight = metrics.in_flight  # exact: a once-a-second sample per worker, summed, is not
 
     def busy(message: str) -> web.Response:
         return error_response(unavailable(message, settings.retry_after_s))
@@ -472,7 +473,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
             # Neither a scrape nor a feed subscription counts itself.
             counted = template != "/metrics" and template != STREAM_ROUTE
             if counted:
-                metrics.serving += 1
+                in_flight.inc()
             try:
                 resp = await handler(request)
             except asyncio.CancelledError:
@@ -514,7 +515,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
             finally:
                 requests.pop(task, None)  # a feed subscription took itself out
                 if counted:
-                    metrics.serving -= 1
+                    in_flight.dec()
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
         if not resp.prepared:  # a stream has sent its headers (with its id)
             resp.headers["X-Request-ID"] = rid

@@ -5,10 +5,11 @@ combination, ticket, token or player.
 
 The hot path does not touch prometheus-client objects per ticket: decisions are tallied in
 a plain dict (one increment per key, no lock: everything runs on the event loop), request
-latencies and Redis batches into plain per-bucket counts, and the requests in flight into
-an integer; all are applied to the Prometheus metrics in bulk when `/metrics` is scraped and
-once a second (`flush`). A prometheus-client observation takes a lock and, with several
-workers, writes a shared file: two of them per request were ~3 % of the server's CPU.
+latencies and Redis batches into plain per-bucket counts; all are applied to the Prometheus
+metrics in bulk when `/metrics` is scraped and once a second (`flush`). A prometheus-client
+observation takes a lock and, with several workers, writes a shared file. The requests in
+flight are the exception, kept exact per request: once-a-second samples of several
+workers, taken at different instants, add up to more than were ever in flight at once.
 """
 
 from __future__ import annotations
@@ -114,9 +115,6 @@ class Metrics:
         self._latency: dict[tuple[str, str, int], list[float]] = {}
         self._batches: list[list[float]] = [_observations(_BATCH_BUCKETS),
                                              _observations(_LATENCY_BUCKETS)]
-        self.serving = 0
-        """Requests being served now, scrapes of /metrics not counted (the dispatcher keeps
-        it; `flush` publishes it as `capsvc_http_requests_in_flight`)."""
 
     def declare(self, games: Iterable[GameRules]) -> None:
         """Create every series a dashboard panel or an alert uses, at 0, so that each one
@@ -194,7 +192,6 @@ class Metrics:
         self._batches = [_observations(_BATCH_BUCKETS), _observations(_LATENCY_BUCKETS)]
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
-        self.in_flight.set(self.serving)
 
     def exposure(self, game: str, played: int, at_cap: int, liability: int) -> None:
         """The current draw's exposure figures of a game (refreshed in the background)."""

@@ -1,5 +1,5 @@
-"""The hot path tallies latencies, Redis batches and requests in flight in plain numbers and
-applies them in bulk (`Metrics.flush`): the exposition must be what as many
+"""The hot path tallies latencies and Redis batches in plain numbers and applies them in
+bulk (`Metrics.flush`): the exposition must be what as many
 prometheus-client `observe` calls would have given, bucket bounds included."""
 
 from __future__ import annotations
@@ -51,12 +51,3 @@ def test_tallied_observations_expose_as_observe_would(seconds: list[float],
         for key, value in want.items():
             assert abs(got[key] - value) < 1e-9 * max(1.0, abs(value)), key
 
-
-def test_requests_in_flight_are_published_on_flush() -> None:
-    metrics = Metrics()
-    metrics.serving = 3
-    metrics.flush()
-    assert samples(metrics.registry, "capsvc_http_requests_in_flight") == {
-        ("capsvc_http_requests_in_flight",): 3.0}
-    metrics.serving = 0
-    assert b"capsvc_http_requests_in_flight 0.0" in metrics.exposition()
