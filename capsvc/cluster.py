@@ -14,8 +14,12 @@ requests find the promoted replica. Every primary gets the Lua library
 (`FUNCTION LOAD REPLACE` on all of them) and reloads it on "Function not found".
 
 `wait_replicas` sends `WAIT` on every primary's connection, after whatever this tick queued
-there: a ticket's writes are spread over several primaries, and each primary's WAIT counts
-only its own replicas.
+there and behind a fence write to a key of a slot that primary owns (capsvc.coalesce): a
+ticket's writes are spread over several primaries, and each primary's WAIT counts only its
+own replicas.
+
+A failover is counted when a primary leaves the slot map (its replica took its slots); the
+coalescers of nodes no longer in the map are closed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from urllib.parse import urlsplit
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from capsvc.coalesce import BatchObserver, Coalescer, ErrorObserver, ignore_batch, ignore_error
+from capsvc.coalesce import (
+    BatchObserver,
+    Coalescer,
+    ErrorObserver,
+    PrimaryObserver,
+    ignore_batch,
+    ignore_error,
+    ignore_primary,
+)
 from capsvc.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -69,6 +81,7 @@ class ClusterCoalescer:
         timeout_s: float,
         on_batch: BatchObserver = ignore_batch,
         on_error: ErrorObserver = ignore_error,
+        on_primary: PrimaryObserver = ignore_primary,
         library: str | None = None,
     ) -> None:
         u = urlsplit(url)
@@ -77,6 +90,7 @@ class ClusterCoalescer:
         self._timeout = timeout_s
         self._on_batch = on_batch
         self._on_error = on_error
+        self._on_primary = on_primary
         self._library = library
         self._nodes: dict[Node, Coalescer] = {}
         self._slots: list[Node | None] = [None] * SLOTS
@@ -107,9 +121,27 @@ class ClusterCoalescer:
         """WAIT on every primary; the fewest acknowledgements of any of them."""
         await self._ensure_map()  # no suspension once the map is known: same tick as the writes
         primaries = sorted({n for n in self._slots if n is not None})
-        acks = await asyncio.gather(*[
-            asyncio.shield(self._node(n).submit_wait(replicas, timeout_ms)) for n in primaries])
+        waits = []
+        for n in primaries:
+            node = self._node(n)
+            node.fence_key = self._fence_key(n, node.fence_key)
+            waits.append(asyncio.shield(node.submit_wait(replicas, timeout_ms)))
+        try:
+            acks = await asyncio.gather(*waits)
+        except ResponseError:  # a fence MOVED: the map is out of date
+            self._refresh_soon()
+            raise
         return min(int(a) for a in acks)
+
+    def _fence_key(self, node: Node, current: str) -> str:
+        """A fence key in a slot `node` serves (the current one while it still does)."""
+        if self._slots[slot_of(current)] == node:
+            return current
+        for i in range(SLOTS * 64):
+            key = f"w:{{fence:{i}}}"
+            if self._slots[slot_of(key)] == node:
+                return key
+        return current  # a node without slots gets no WAIT (it is no primary in the map)
 
     async def aclose(self) -> None:
         if self._tasks:
@@ -188,7 +220,8 @@ class ClusterCoalescer:
             auth = f":{self._password}@" if self._password else ""
             coalescer = self._nodes[node] = Coalescer(
                 f"redis://{auth}{node[0]}:{node[1]}/0", timeout_s=self._timeout,
-                on_batch=self._on_batch, on_error=self._on_error, library=self._library)
+                on_batch=self._on_batch, on_error=self._on_error, on_primary=self._on_primary,
+                library=self._library, primary_only=False)
         return coalescer
 
     def _later(self, coro: Any) -> None:
@@ -218,6 +251,19 @@ class ClusterCoalescer:
         except Unavailable as e:
             log.warning("cannot refresh the Redis Cluster slot map: %s", e)
 
+    def _adopt(self, slots: list[Node | None]) -> None:
+        """Take a new slot map; a primary gone from it was failed over (or emptied)."""
+        before = {n for n in self._slots if n is not None}
+        self._slots = slots
+        after = {n for n in slots if n is not None}
+        for gone in before - after:
+            log.warning("redis cluster: %s:%s serves no slot any more", *gone)
+            self._on_primary(f"{gone[0]}:{gone[1]}", "switched")
+            self._on_primary(f"{gone[0]}:{gone[1]}", "forgotten")
+            old = self._nodes.pop(gone, None)
+            if old is not None:
+                self._later(old.aclose())
+
     async def _refresh(self) -> None:
         """Ask the known nodes, then the seeds, for CLUSTER SLOTS until one answers."""
         candidates = [*{n for n in self._slots if n is not None}, *self._seeds]
@@ -233,16 +279,17 @@ class ClusterCoalescer:
                 host = primary[0].decode() or node[0]
                 for s in range(int(start), int(end) + 1):
                     slots[s] = (host, int(primary[1]))
-            self._slots = slots
+            self._adopt(slots)
             return
         raise Unavailable(f"no Redis Cluster node answers CLUSTER SLOTS: {last}")
 
 
 def connect(url: str, *, timeout_s: float, on_batch: BatchObserver = ignore_batch,
-            on_error: ErrorObserver = ignore_error, library: str | None = None
-            ) -> Coalescer | ClusterCoalescer:
-    """The transport for a Redis URL: one node, or a cluster (`redis+cluster://`)."""
+            on_error: ErrorObserver = ignore_error, on_primary: PrimaryObserver = ignore_primary,
+            library: str | None = None) -> Coalescer | ClusterCoalescer:
+    """The transport for a Redis URL: one node (found by the sentinels with
+    `redis+sentinel://`), or a cluster (`redis+cluster://`)."""
     factory: Callable[..., Coalescer | ClusterCoalescer] = (
         ClusterCoalescer if url.startswith("redis+cluster://") else Coalescer)
     return factory(url, timeout_s=timeout_s, on_batch=on_batch, on_error=on_error,
-                   library=library)
+                   on_primary=on_primary, library=library)

@@ -19,15 +19,26 @@ command reconnects. Error replies (`-ERR …`) fail only their own command.
 Replica acknowledgements (`wait_replicas`, capsvc.durability): Redis `WAIT` counts the
 replicas that have every earlier write *of the connection it is sent on*, so it must travel
 on this pipeline, after the writes. The WAITs asked for during one tick are one command,
-sent last in that tick's batch: it covers every write queued before it, whoever queued it.
-While it blocks, Redis holds the rest of the pipeline behind it, so batches behind a WAIT
-get their deadline counted from the end of the WAIT's own timeout.
+sent last in that tick's batch, right behind a write of its own (the *fence*, `SET` of a
+short-lived key): replication is one ordered stream, so replicas that have the fence have
+everything Redis had run before it — the writes of this tick, and whatever another
+connection or process wrote that this tick's reads saw (a replay, a GET). Without the
+fence, what WAIT waits for depends on how the Redis version counts a connection's writes
+(a read alone may not raise it). While a WAIT blocks, Redis holds the rest of the pipeline
+behind it, so batches behind a WAIT get their deadline counted from the end of its timeout.
+
+Only a primary is talked to: every new connection first asks `ROLE` (a node that answers
+"slave" is left at once), a `READONLY` reply (the node was demoted under us) drops the
+connection, and with a `redis+sentinel://` URL the primary's address is asked of the
+sentinels before each connection and a `+switch-master` drops the connection at once
+(capsvc.sentinel). Reconnections are spaced by RECONNECT_S; commands queued meanwhile wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 import time
@@ -40,13 +51,19 @@ import hiredis
 from redis.exceptions import ResponseError
 
 from capsvc.errors import Unavailable
+from capsvc.sentinel import Address, Sentinels, is_sentinel_url, parse_sentinel_url
 
 log = logging.getLogger(__name__)
 
 BatchObserver = Callable[[int, float], None]
 """Called with (commands in the batch, seconds until its last reply) after each batch."""
 ErrorObserver = Callable[[str], None]
-"""Called with the kind of failure ("timeout", "connection", "reply")."""
+"""Called with the kind of failure ("timeout", "connection", "reply", "readonly")."""
+PrimaryObserver = Callable[[str, str], None]
+"""Called with (node, event): "lost" when the connection to the primary failed, "up" when a
+primary answers again, "switched" when the one that answers is another node than before
+(or the same one after it was demoted: a failover), "forgotten" when the node is no longer
+used (a cluster node removed from the slot map)."""
 
 _MISSING_FUNCTION = "Function not found"
 
@@ -63,6 +80,17 @@ def ignore_batch(size: int, seconds: float) -> None:
 
 def ignore_error(kind: str) -> None:
     return None
+
+
+def ignore_primary(node: str, event: str) -> None:
+    return None
+
+
+RECONNECT_S = 0.05
+"""Least time between two connection attempts: during an outage, requests share attempts
+instead of each opening one (and asking the sentinels) per event-loop tick."""
+FENCE_TTL_MS = 10_000
+"""Life of the fence key written before each WAIT (one key per node, rewritten per tick)."""
 
 
 class Transport(Protocol):
@@ -89,9 +117,19 @@ encode_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 
 class _Target:
-    """Where and how to connect, from a redis://, rediss:// or unix:// URL."""
+    """Where and how to connect, from a redis://, rediss://, unix:// or redis+sentinel://
+    URL (`sentinels` set for the last: the address is theirs to give)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.sentinels: Sentinels | None = None
+        if is_sentinel_url(url):
+            s = parse_sentinel_url(url)
+            self.sentinels = Sentinels(s, timeout_s)
+            self.scheme = "rediss" if s.tls else "redis"
+            self.host, self.port = s.sentinels[0]
+            self.path = ""
+            self.username, self.password, self.db = s.username, s.password, s.db
+            return
         u = urlsplit(url)
         self.scheme = u.scheme
         self.host = u.hostname or "127.0.0.1"
@@ -102,6 +140,10 @@ class _Target:
         db = self.path.strip("/") if self.scheme != "unix" else ""
         query = dict(p.split("=", 1) for p in u.query.split("&") if "=" in p)
         self.db = int(query.get("db", db or 0))
+
+    @property
+    def name(self) -> str:
+        return self.path if self.scheme == "unix" else f"{self.host}:{self.port}"
 
     def greeting(self) -> list[tuple[Any, ...]]:
         """Commands sent first on every new connection."""
@@ -135,16 +177,40 @@ class Coalescer(asyncio.Protocol):
         timeout_s: float,
         on_batch: BatchObserver = ignore_batch,
         on_error: ErrorObserver = ignore_error,
+        on_primary: PrimaryObserver = ignore_primary,
         library: str | None = None,
+        fence_key: str = "w:{fence}",
+        primary_only: bool = True,
     ) -> None:
-        self._target = _Target(url)
+        self._target = _Target(url, timeout_s)
         self._timeout = timeout_s
         self._on_batch = on_batch
         self._on_error = on_error
+        self._on_primary = on_primary
         self._library = library
         """Lua library source to reload when Redis answers "Function not found"."""
+        self.fence_key = fence_key
+        """The key written right before each WAIT (see the module's docstring)."""
+        self._primary_only = primary_only
+        """Refuse a node whose ROLE is not master (a cluster's nodes are judged by the
+        cluster's own redirections instead)."""
         self._transport: asyncio.Transport | None = None
         self._connecting: asyncio.Task[None] | None = None
+        self._handshaking = False
+        """Connected, but the greeting's replies (AUTH, SELECT, ROLE) are still awaited:
+        nothing queued is written before the node is known to be the primary."""
+        self._next_attempt = 0.0
+        """Loop time before which no new connection is attempted (RECONNECT_S)."""
+        self._address: Address | None = None
+        """The node of the current (or last) connection."""
+        self._lost = False
+        """The last connection failed and no primary has answered since."""
+        self._demoted = False
+        """The node we talked to was demoted (READONLY, a sentinel's switch): the next
+        primary that answers is a failover, even at the same address."""
+        self._watcher: asyncio.Task[None] | None = None
+        self._failure: Unavailable | None = None
+        """The error the last failure gave its commands."""
         self._reader = hiredis.Reader(replyError=ResponseError)
         self._buffer: list[bytes] = []
         self._queued: list[_Pending] = []
@@ -205,6 +271,11 @@ class Coalescer(asyncio.Protocol):
 
     async def aclose(self) -> None:
         """Deliver what is queued and wait for its replies (bounded), then disconnect."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         if self._queued or self._waits:
             self._flush()
         if self._inflight or self._connecting:
@@ -220,7 +291,8 @@ class Coalescer(asyncio.Protocol):
     def _enqueue(self, p: _Pending) -> None:
         self._buffer.append(encode_command(p.args))
         self._queued.append(p)
-        if len(self._queued) >= FLUSH_EVERY and self._transport is not None and not self._waits:
+        if (len(self._queued) >= FLUSH_EVERY and self._transport is not None
+                and not self._waits and not self._handshaking):
             self._flush()  # Redis starts on these while the loop prepares the next ones
         elif not self._scheduled:
             self._scheduled = True
@@ -232,11 +304,17 @@ class Coalescer(asyncio.Protocol):
             if self._connecting is None:
                 self._connecting = (self._loop or self._bind()).create_task(self._connect())
             return  # flushed once connected
+        if self._handshaking:
+            return  # flushed once the node is known to be the primary
         hold = self._queue_waits() if self._waits else 0.0
-        if not self._queued:
-            return
-        data, queued = b"".join(self._buffer), self._queued
-        self._buffer, self._queued = [], []
+        if self._queued:
+            self._write(self._buffer, self._queued, hold)
+            self._buffer, self._queued = [], []
+
+    def _write(self, buffer: list[bytes], queued: list[_Pending], hold: float = 0.0) -> None:
+        """Put a batch on the wire, its replies awaited in order, under one deadline."""
+        assert self._transport is not None
+        data = b"".join(buffer)
         self._inflight.extend(queued)
         loop = self._loop or self._bind()
         now = loop.time()
@@ -255,13 +333,22 @@ class Coalescer(asyncio.Protocol):
             self._timer = loop.call_later(self._timeout, self._check_deadline)
 
     def _queue_waits(self) -> float:
-        """Put this tick's WAITs last in the batch; the seconds they may block."""
+        """Put this tick's WAITs last in the batch, behind the fence; the seconds they may
+        block. A WAIT answers its callers only if its fence was written: otherwise what it
+        counted is not known to cover their reads."""
         waits, self._waits = self._waits, {}
+        loop = self._loop or self._bind()
+        fence: asyncio.Future[Any] = loop.create_future()
+        self._enqueue_now(_Pending(("SET", self.fence_key, "1", "PX", FENCE_TTL_MS), fence))
         for (replicas, timeout_ms), fut in waits.items():
-            args = ("WAIT", replicas, timeout_ms)
-            self._buffer.append(encode_command(args))
-            self._queued.append(_Pending(args, fut))
+            acked: asyncio.Future[Any] = loop.create_future()
+            acked.add_done_callback(functools.partial(_after_fence, fence, fut=fut))
+            self._enqueue_now(_Pending(("WAIT", replicas, timeout_ms), acked))
         return sum(timeout_ms for _, timeout_ms in waits) / 1000
+
+    def _enqueue_now(self, p: _Pending) -> None:
+        self._buffer.append(encode_command(p.args))
+        self._queued.append(p)
 
     def _check_deadline(self) -> None:
         self._timer = None
@@ -279,23 +366,83 @@ class Coalescer(asyncio.Protocol):
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
         t = self._target
+        pause = self._next_attempt - loop.time()
+        if pause > 0:
+            await asyncio.sleep(pause)
+        self._next_attempt = loop.time() + RECONNECT_S
         try:
+            if t.sentinels is not None:
+                if self._watcher is None:
+                    self._watcher = loop.create_task(t.sentinels.watch(self._switched))
+                t.host, t.port = await t.sentinels.locate()
             async with asyncio.timeout(self._timeout):
                 if t.scheme == "unix":
                     await loop.create_unix_connection(lambda: self, t.path)
                 else:
                     context = ssl.create_default_context() if t.scheme == "rediss" else None
                     await loop.create_connection(lambda: self, t.host, t.port, ssl=context)
-        except (OSError, TimeoutError) as e:
+                await self._handshake()
+        except (OSError, TimeoutError, ResponseError, Unavailable) as e:
             self._connecting = None
-            self._fail("connection", Unavailable(f"cannot connect to redis: {e}"))
+            self._handshaking = False
+            if e is not self._failure:  # else the connection's own failure, counted already
+                kind = "timeout" if isinstance(e, TimeoutError) else "connection"
+                reason = e if isinstance(e, Unavailable) else f"cannot connect to redis: {e}"
+                self._fail(kind, Unavailable(str(reason) or "redis did not answer in time"))
             return
         self._connecting = None
-        greeting = [_Pending(args, None) for args in self._target.greeting()]
-        if greeting:  # AUTH / SELECT go before anything queued meanwhile
-            self._buffer[:0] = [encode_command(p.args) for p in greeting]
-            self._queued[:0] = greeting
+        self._primary_up((t.host, t.port))
         self._flush()
+
+    async def _handshake(self) -> None:
+        """AUTH and SELECT, and ROLE: is this node the primary? Their replies are awaited
+        before anything queued goes out."""
+        commands = self._target.greeting()
+        if self._primary_only:
+            commands.append(("ROLE",))
+        if not commands:
+            return
+        loop = self._loop or self._bind()
+        pending = [_Pending(args, loop.create_future()) for args in commands]
+        self._handshaking = True
+        self._write([encode_command(p.args) for p in pending], pending)
+        replies = await asyncio.gather(*[p.fut for p in pending if p.fut is not None],
+                                       return_exceptions=True)
+        self._handshaking = False
+        if self._primary_only and isinstance(replies[-1], ResponseError) and (
+                "unknown command" in str(replies[-1])):
+            return  # a proxy or a stand-in that has no ROLE: its node cannot be judged
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        if not self._primary_only:
+            return
+        role = cast(list[bytes], replies[-1])[0]
+        if role != b"master":
+            self._demoted = True
+            raise Unavailable(f"redis at {self._target.name} is a {role.decode()}, "
+                              "not the primary")
+
+    def _primary_up(self, address: Address) -> None:
+        event = "switched" if self._demoted or (
+            self._address is not None and address != self._address) else "up"
+        if event == "switched":
+            log.warning("redis primary is now %s:%s", *address)
+        elif self._lost:
+            log.info("redis primary %s:%s answers again", *address)
+        if self._lost or event == "switched":
+            self._on_primary(self._target.name, event)
+        self._address, self._lost, self._demoted = address, False, False
+
+    def _switched(self, address: Address) -> None:
+        """A sentinel announced a new primary: leave the old one now (anything in flight
+        there is an unknown outcome), the next command connects to the new one."""
+        if address == self._address and self._transport is not None:
+            return
+        self._demoted = True
+        if self._transport is not None:
+            self._fail("connection", Unavailable(
+                f"the redis primary moved to {address[0]}:{address[1]} (sentinel)"))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -310,6 +457,10 @@ class Coalescer(asyncio.Protocol):
     def _fail(self, kind: str, error: Unavailable) -> None:
         """Fail everything in flight and queued; drop the connection (its replies are lost)."""
         self._on_error(kind)
+        self._failure = error
+        if not self._lost:
+            self._lost = True
+            self._on_primary(self._target.name, "lost")
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.abort()
@@ -347,10 +498,23 @@ class Coalescer(asyncio.Protocol):
                 self._on_batch(int(head[2]), time.perf_counter() - head[1])
             if isinstance(reply, ResponseError):
                 self._error_reply(p, reply)
+                if self._transport is None:
+                    return  # the reply dropped the connection: the rest is not read
             elif p.fut is not None and not p.fut.done():
                 p.fut.set_result(reply)
 
     def _error_reply(self, p: _Pending, reply: ResponseError) -> None:
+        if str(reply).startswith("READONLY"):
+            # The node was demoted under us: nothing more goes to it. What else is in flight
+            # on this connection has an unknown outcome, like any lost connection.
+            log.warning("redis at %s is read-only now (demoted): finding the primary again",
+                        self._target.name)
+            self._demoted = True
+            self._fail("readonly", Unavailable(
+                f"redis at {self._target.name} was demoted to a replica: {reply}"))
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(Unavailable(str(reply)))
+            return
         if (self._library is not None and not p.retried and p.args[0] == "FCALL"
                 and _MISSING_FUNCTION in str(reply)):
             # Redis lost the library (FUNCTION FLUSH, a replica promoted without it): nothing
@@ -365,3 +529,19 @@ class Coalescer(asyncio.Protocol):
             log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
         elif not p.fut.done():
             p.fut.set_exception(reply)
+
+
+def _after_fence(fence: asyncio.Future[Any], acked: asyncio.Future[Any], *,
+                 fut: asyncio.Future[Any]) -> None:
+    """Hand a WAIT's reply to its callers, unless its fence failed (then that error).
+    Replies come in order: the fence is settled before its WAIT."""
+    errors = [f.exception() for f in (fence, acked) if f.done() and not f.cancelled()]
+    if fut.done():
+        return
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        fut.set_exception(error)
+    elif not fence.done() or fence.cancelled() or acked.cancelled():
+        fut.set_exception(Unavailable("the replicas' acknowledgement was not received"))
+    else:
+        fut.set_result(acked.result())

@@ -18,6 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from capsvc.sentinel import is_sentinel_url, parse_sentinel_url
+
 PRESETS = ("fdj-keno-2008", "lnm-keno")
 CANCEL_POLICIES = ("before_first_draw", "single_draw_only", "never")
 ACCOUNTING_POLICIES = ("purchase_day", "draw_day")
@@ -536,8 +538,15 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
 def redis_url_problem(url: object) -> str | None:
     """What is wrong with a Redis URL, or None."""
     schemes = r"^(redis|rediss|unix|redis\+cluster)://"
+    if isinstance(url, str) and is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ValueError as e:
+            return str(e)
+        return None
     if not (isinstance(url, str) and re.match(schemes, url)):
-        return f"expected redis://, rediss://, unix:// or redis+cluster://, got {url!r}"
+        return (f"expected redis://, rediss://, unix://, redis+cluster:// or "
+                f"redis+sentinel://, got {url!r}")
     try:
         u = urlsplit(url)
         u.port  # noqa: B018 (raises ValueError when not a port number)

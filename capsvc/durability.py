@@ -1,19 +1,25 @@
-"""Durability modes: when a sale or a cancellation may be answered.
+"""Durability modes: when an answer that reports a decision may be sent.
 
 `default`: as soon as Redis has run the writes, i.e. they are in the primary's memory (and
 in its AOF within `appendfsync`'s delay). A host crash or a failover to a replica that had
 not yet received them loses those accepted stakes.
 
-`replicas:N`: after the writes, Redis `WAIT N wait_timeout` on the same connection(s)
-(capsvc.coalesce: every WAIT of a tick is one command that follows every write queued
-before it). Fewer than N acknowledgements in time means the outcome is unknown: the writes
-are on the primary and may or may not survive it, so the answer is 503 and the client
-sends the same request again, which converges to the one recorded decision.
+`replicas:N`: every answer that reports a decision — a sale's first answer, its replay,
+`GET` of a ticket, a cancel and its replay, an admin stop, a player's limit or stake — is
+sent only once N replicas have everything Redis had run when the decision was read or
+made: Redis `WAIT N wait_timeout` behind a fence write of the same connection
+(capsvc.coalesce: the WAITs of a tick are one command, after every write queued before it).
+The fence makes it independent of how a Redis version counts a connection's writes: a
+replay or a GET reads a decision another connection (another process, or this one before a
+reconnection) wrote, and a read alone may not raise what WAIT waits for. Fewer than N
+acknowledgements in time means the outcome is unknown: the decision is on the primary and
+may or may not survive it, so the answer is 503 and the client sends the same request
+again, which converges to the one recorded decision (or finds none, after a failover that
+lost it: then the sale is judged anew).
 
-What `replicas:N` does not cover: WAIT counts the writes of its own connection, so the
-replay of a decision recorded through another connection (another worker process, or before
-a reconnection) is confirmed only as far as this connection has written; and a replica
-acknowledges receipt, not an fsync of its own AOF.
+What `replicas:N` does not cover: a replica acknowledges receipt, not an fsync of its own
+AOF; and WAIT does not make Redis refuse a write (a decision answered 503 may still be on
+the primary, and survive it).
 """
 
 from __future__ import annotations

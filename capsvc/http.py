@@ -225,6 +225,7 @@ class Api:
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = await self.tickets.ticket(channel, _ticket_id(request))
+        await self.durability.confirm()  # what it reports may be on the primary alone
         return web.Response(body=body, content_type=_JSON)
 
     async def cancel_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -252,7 +253,9 @@ class Api:
     async def close_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "admin")
-        return json_response(await self.draws.close(game, _draw(request)))
+        out = await self.draws.close(game, _draw(request))
+        await self.durability.confirm()
+        return json_response(out)
 
     async def combination(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -324,14 +327,18 @@ class Api:
     async def player_limit(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), LimitIn)
-        return json_response(await self.players.set_limit(
-            channel, _param(request, "player_id"), request.query.get("game"), body))
+        out = await self.players.set_limit(
+            channel, _param(request, "player_id"), request.query.get("game"), body)
+        await self.durability.confirm()
+        return json_response(out)
 
     async def player_stake(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), StakeIn)
-        return json_response(await self.players.stake(
-            channel, _param(request, "player_id"), request.query.get("game"), body))
+        out = await self.players.stake(
+            channel, _param(request, "player_id"), request.query.get("game"), body)
+        await self.durability.confirm()
+        return json_response(out)
 
     # -- operations ------------------------------------------------------------------------
 

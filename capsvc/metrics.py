@@ -30,7 +30,7 @@ from capsvc import __version__
 from capsvc.config import GameRules
 from capsvc.models import TicketOut
 
-ERROR_KINDS = ("timeout", "connection", "reply")
+ERROR_KINDS = ("timeout", "connection", "reply", "readonly")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""
 
 _LATENCY_BUCKETS = (
@@ -81,6 +81,14 @@ class Metrics:
                               registry=r)
         self.redis_errors = Counter("capsvc_redis_errors", "Redis failures by kind", ["kind"],
                                     registry=r)
+        self.failovers = Counter(
+            "capsvc_redis_failovers",
+            "Redis failovers seen: another node (or the same one after a demotion) answering "
+            "as the primary", registry=r)
+        self.no_primary = Counter(
+            "capsvc_redis_no_primary_seconds",
+            "Time this process spent with a Redis primary it needs unreachable (no sale can "
+            "be decided meanwhile)", registry=r)
         self.redis_batch = Histogram("capsvc_redis_batch_size",
                                      "Commands per coalesced Redis pipeline",
                                      buckets=_BATCH_BUCKETS, registry=r)
@@ -115,6 +123,10 @@ class Metrics:
         self._latency: dict[tuple[str, str, int], list[float]] = {}
         self._batches: list[list[float]] = [_observations(_BATCH_BUCKETS),
                                              _observations(_LATENCY_BUCKETS)]
+        self._lost: set[str] = set()
+        """Redis nodes (primaries) this process has lost and not found again."""
+        self._lost_mark = 0.0
+        """monotonic() up to which the time without a primary has been counted."""
 
     def declare(self, games: Iterable[GameRules]) -> None:
         """Create every series a dashboard panel or an alert uses, at 0, so that each one
@@ -192,6 +204,7 @@ class Metrics:
         self._batches = [_observations(_BATCH_BUCKETS), _observations(_LATENCY_BUCKETS)]
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
+        self._count_lost()
 
     def exposure(self, game: str, played: int, at_cap: int, liability: int) -> None:
         """The current draw's exposure figures of a game (refreshed in the background)."""
@@ -204,6 +217,24 @@ class Metrics:
 
     def redis_error(self, kind: str) -> None:
         self.redis_errors.labels(kind).inc()
+
+    def primary(self, node: str, event: str) -> None:
+        """A transport's news of a primary (capsvc.coalesce.PrimaryObserver)."""
+        if event == "switched":
+            self.failovers.inc()
+        if event == "lost":
+            if not self._lost:
+                self._lost_mark = time.monotonic()
+            self._lost.add(node)
+        elif node in self._lost:
+            self._count_lost()
+            self._lost.discard(node)
+
+    def _count_lost(self) -> None:
+        if self._lost:
+            now = time.monotonic()
+            self.no_primary.inc(now - self._lost_mark)
+            self._lost_mark = now
 
     def batch(self, size: int, seconds: float) -> None:
         """Tally one Redis pipeline: its commands and its round trip."""

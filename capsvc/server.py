@@ -137,7 +137,8 @@ def build(settings: Settings, redis_url: str) -> Service:
     metrics = Metrics()
     metrics.declare(settings.games.values())
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
-                    on_batch=metrics.batch, on_error=metrics.redis_error, library=lua_source())
+                    on_batch=metrics.batch, on_error=metrics.redis_error,
+                    on_primary=metrics.primary, library=lua_source())
     store = Store(redis)
     usecases = build_usecases(settings, store)
     health = Health()

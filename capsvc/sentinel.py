@@ -1,0 +1,208 @@
+"""Redis Sentinel: which node is the primary of a service now, and when that changes.
+
+The only module that speaks to sentinels. `capsvc.coalesce` asks `Sentinels.locate()` for
+the primary's address before every connection (and checks `ROLE` on the node itself, as
+the Sentinel client protocol asks: a sentinel's answer can be stale), and runs
+`Sentinels.watch()` to hear `+switch-master` as soon as a failover is decided, so that no
+command goes on to a demoted node. It knows nothing of capsvc's keys or steps.
+
+The URL is the one the `limits` library and redis-py's Sentinel support use::
+
+    redis+sentinel://[user:password@]host:port[,host:port…]/service_name[?db=N]
+    rediss+sentinel://…      (TLS to the sentinels and to the primary)
+
+The credentials are the data nodes'; sentinels that need their own are given
+`sentinel_username` / `sentinel_password` in the query.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import hiredis
+from redis.exceptions import ResponseError
+
+from capsvc.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("redis+sentinel", "rediss+sentinel")
+DEFAULT_PORT = 26379
+_QUERY_KEYS = frozenset({"db", "sentinel_username", "sentinel_password"})
+_WATCH_RETRY_S = 0.5
+"""Pause before the switch watcher tries the next sentinel after losing one."""
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed `redis+sentinel://` URL."""
+
+    sentinels: tuple[Address, ...]
+    service: str
+    tls: bool = False
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.split("://", 1)[0] in SCHEMES
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """The parts of a Sentinel URL; raises ValueError saying what is wrong."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in SCHEMES or not sep:
+        raise ValueError(f"expected redis+sentinel:// or rediss+sentinel://, got {url!r}")
+    # urlsplit cannot take several host:port pairs: the netloc is split here.
+    netloc, _, path_query = rest.partition("/")
+    path, _, query = path_query.partition("?")
+    creds, at, hosts = netloc.rpartition("@")
+    if not at:
+        creds, hosts = "", netloc
+    username = password = None
+    if creds:
+        user, colon, secret = creds.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+        if not colon:  # "password@host" is read as a password, as redis-py does
+            username, password = None, unquote(user)
+    sentinels: list[Address] = []
+    for part in hosts.split(","):
+        if not part:
+            raise ValueError(f"an empty sentinel address in {url!r}")
+        u = urlsplit("//" + part)
+        try:
+            port = u.port or DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"not a host:port: {part!r}") from None
+        if not u.hostname:
+            raise ValueError(f"not a host:port: {part!r}")
+        sentinels.append((u.hostname, port))
+    service = unquote(path)
+    if not service or "/" in service:
+        raise ValueError("the service name (the primary's name in the sentinels' "
+                         f"configuration) must follow the addresses: …/mymaster, got {url!r}")
+    params = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = set(params) - _QUERY_KEYS
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))} in {url!r} "
+                         f"(known: {', '.join(sorted(_QUERY_KEYS))})")
+    db = params.get("db", "0")
+    if not db.isdigit():
+        raise ValueError(f"db must be a number, got {db!r}")
+    return SentinelURL(tuple(sentinels), service, scheme == "rediss+sentinel", int(db),
+                       username, password, params.get("sentinel_username"),
+                       params.get("sentinel_password"))
+
+
+def _tls(on: bool) -> ssl.SSLContext | None:
+    return ssl.create_default_context() if on else None
+
+
+class _Conversation:
+    """One plain connection to a sentinel: commands in, replies out (hiredis)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.parser = hiredis.Reader(replyError=ResponseError)
+
+    async def reply(self) -> Any:
+        while (reply := self.parser.gets()) is False:
+            data = await self.reader.read(65536)
+            if not data:
+                raise ConnectionResetError("the sentinel closed the connection")
+            self.parser.feed(data)
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    async def ask(self, *args: Any) -> Any:
+        self.writer.write(hiredis.pack_command(args))
+        return await self.reply()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Sentinels:
+    """The sentinels of one service: where its primary is, and a watch on its switches."""
+
+    def __init__(self, url: SentinelURL, timeout_s: float) -> None:
+        self.url = url
+        self._order = list(url.sentinels)
+        """Sentinels in the order they are asked: the last one that answered first."""
+        self._timeout = timeout_s
+
+    async def _open(self, address: Address) -> _Conversation:
+        reader, writer = await asyncio.open_connection(*address, ssl=_tls(self.url.tls))
+        talk = _Conversation(reader, writer)
+        u = self.url
+        if u.sentinel_password is not None:
+            auth = (u.sentinel_password,) if u.sentinel_username is None else (
+                u.sentinel_username, u.sentinel_password)
+            await talk.ask("AUTH", *auth)
+        return talk
+
+    async def locate(self) -> Address:
+        """The primary's address as the first sentinel that knows the service says; raises
+        Unavailable when none does (no primary known: the caller answers 503)."""
+        problems = []
+        for address in list(self._order):
+            talk = None
+            try:
+                async with asyncio.timeout(self._timeout):
+                    talk = await self._open(address)
+                    reply = await talk.ask("SENTINEL", "GET-MASTER-ADDR-BY-NAME",
+                                           self.url.service)
+            except (OSError, TimeoutError, ResponseError) as e:
+                problems.append(f"{address[0]}:{address[1]}: {e or type(e).__name__}")
+                continue
+            finally:
+                if talk is not None:
+                    talk.close()
+            if not reply:
+                problems.append(f"{address[0]}:{address[1]}: does not know "
+                                f"{self.url.service!r}")
+                continue
+            self._order.remove(address)
+            self._order.insert(0, address)  # the client protocol: ask it first next time
+            return reply[0].decode(), int(reply[1])
+        raise Unavailable(f"no sentinel gives a primary for {self.url.service!r}: "
+                          + "; ".join(problems))
+
+    async def watch(self, on_switch: Callable[[Address], None]) -> None:
+        """Forever: subscribe to `+switch-master` on one sentinel after another and call
+        `on_switch(new primary)` for this service's switches."""
+        while True:
+            for address in list(self._order):
+                talk = None
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        talk = await self._open(address)
+                        await talk.ask("SUBSCRIBE", "+switch-master")
+                    while True:
+                        kind, _, payload = await talk.reply()
+                        if kind != b"message":
+                            continue
+                        name, _old_host, _old_port, host, port = payload.decode().split(" ")
+                        if name == self.url.service:
+                            on_switch((host, int(port)))
+                except (OSError, TimeoutError, ResponseError, ValueError) as e:
+                    log.debug("sentinel %s:%s: %s", *address, e)
+                finally:
+                    if talk is not None:
+                        with contextlib.suppress(Exception):
+                            talk.close()
+                await asyncio.sleep(_WATCH_RETRY_S)
