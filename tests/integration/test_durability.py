@@ -5,6 +5,7 @@ retry; `default` never sends WAIT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -16,6 +17,7 @@ import redis
 
 from capsvc.cluster import ClusterCoalescer
 from capsvc.coalesce import Coalescer
+from capsvc.embedded import server_binary
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import Client, ticket
 
@@ -251,3 +253,72 @@ async def test_cluster_waits_on_every_primary(redis_cluster: RedisCluster) -> No
     assert await cluster.wait_replicas(1, 10) == 0
     assert [wait_calls(c) for c in clients] == [1] * len(clients)
     await cluster.aclose()
+
+
+@pytest.fixture(scope="module", params=["redis", "valkey"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A primary and its replica of the Redis the project ships against (Debian's 7.0) and
+    of the embedded valkey (8.1), which count a connection's writes for WAIT differently."""
+    binary = None if request.param == "redis" else server_binary()
+    primary = RedisServer(binary=binary).start()
+    replica = RedisServer(binary=binary, replica_of=primary).start()
+    yield primary, replica
+    replica.stop()
+    primary.stop()
+
+
+@contextlib.contextmanager
+def frozen(replica: RedisServer) -> Iterator[None]:
+    """The replica stopped: still connected to its primary, acknowledging nothing (what a
+    frozen replication link looks like from the primary)."""
+    assert replica.process is not None
+    replica.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        replica.process.send_signal(signal.SIGCONT)
+
+
+async def test_a_read_is_confirmed_only_once_the_replica_has_what_it_saw(
+        pair: tuple[RedisServer, RedisServer]) -> None:
+    """What one connection read of another's write is confirmed only when the replica has
+    that write: a connection that never wrote gets 0 acknowledgements, not a free pass."""
+    primary, replica = pair
+    writer = Coalescer(primary.url, timeout_s=1)
+    reader = Coalescer(primary.url, timeout_s=1)
+    assert await reader.call("GET", "durability:seen") is None  # connected, nothing written
+    with frozen(replica):
+        await writer.call("SET", "durability:seen", "1")
+        assert await reader.call("GET", "durability:seen") == b"1"
+        assert await reader.wait_replicas(1, 100) == 0
+    assert await reader.wait_replicas(1, 1000) == 1
+    await writer.aclose()
+    await reader.aclose()
+
+
+async def test_no_answer_reports_what_the_replica_lacks(
+        pair: tuple[RedisServer, RedisServer], config: str,
+        http: aiohttp.ClientSession) -> None:
+    """The issue's case: with the replica frozen, the sale is 503, and so are its GET, its
+    replay and its cancel on the selling process and on another one; once the replica has
+    it, they all answer the one decision."""
+    primary, replica = pair
+    one, two = (ServiceProcess(config, primary.url).start() for _ in range(2))
+    try:
+        a, b = Client(http, one.base_url), Client(http, two.base_url)
+        body = ticket(grid(41))
+        path = f"/v1/tickets/{body['ticket_id']}"
+        with frozen(replica):
+            replies = [await a.sell(body), await a.get(path), await b.get(path),
+                       await b.sell(body), await b.post(f"{path}/cancel")]
+        assert [r.status for r in replies] == [503] * 5, [r.body for r in replies]
+        stored = await b.get(path)
+        assert stored.status == 200, stored.body
+        assert stored.body["status"] == "accepted"
+        cancelled = stored.body.pop("cancelled", None)  # the cancel's outcome was unknown
+        assert (await a.sell(body)).body == stored.body
+        staked = await a.staked(body["grids"][0]["numbers"], stored.body["draws"][0])
+        assert staked == (0 if cancelled else 500)
+    finally:
+        one.stop()
+        two.stop()

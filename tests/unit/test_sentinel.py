@@ -1,0 +1,58 @@
+"""Sentinel URLs: every documented form is read as meant, and every malformed one is
+refused with a message that says what is wrong (for `serve`, `check-config` and the
+configuration alike)."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsvc.config import redis_url_problem
+from capsvc.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("redis+sentinel://h1:26379/mymaster",
+     SentinelURL((("h1", 26379),), "mymaster")),
+    ("redis+sentinel://h1,h2:26380,[::1]:26381/mymaster",
+     SentinelURL((("h1", 26379), ("h2", 26380), ("::1", 26381)), "mymaster")),
+    ("redis+sentinel://:s%40cret@h1:26379/m?db=3",
+     SentinelURL((("h1", 26379),), "m", db=3, password="s@cret")),
+    ("redis+sentinel://app:pw@h1:26379/m",
+     SentinelURL((("h1", 26379),), "m", username="app", password="pw")),
+    ("redis+sentinel://pw@h1/m",
+     SentinelURL((("h1", 26379),), "m", password="pw")),
+    ("rediss+sentinel://h1:26379/m?sentinel_password=x&sentinel_username=s",
+     SentinelURL((("h1", 26379),), "m", tls=True, sentinel_username="s",
+                 sentinel_password="x")),
+])
+def test_documented_forms_are_read_as_meant(url: str, want: SentinelURL) -> None:
+    """Addresses (default port 26379, IPv6 in brackets), service, db, TLS, credentials."""
+    assert is_sentinel_url(url)
+    assert parse_sentinel_url(url) == want
+    assert redis_url_problem(url) is None
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+sentinel://h1:26379", "service name"),
+    ("redis+sentinel://h1:26379/", "service name"),
+    ("redis+sentinel://h1:26379/a/b", "service name"),
+    ("redis+sentinel://h1:notaport/m", "not a host:port"),
+    ("redis+sentinel://h1:26379,,h2/m", "empty sentinel address"),
+    ("redis+sentinel://:26379/m", "not a host:port"),
+    ("redis+sentinel://h1/m?db=x", "db must be a number"),
+    ("redis+sentinel://h1/m?timeout=1", "unknown parameter"),
+])
+def test_malformed_urls_are_refused_with_the_reason(url: str, says: str) -> None:
+    """A bad Sentinel URL is a clear configuration error, never a traceback at start."""
+    problem = redis_url_problem(url)
+    assert problem is not None
+    assert says in problem
+
+
+def test_other_schemes_are_not_sentinel_urls() -> None:
+    """Plain and cluster URLs keep their own parsing; the error names the sentinel form."""
+    assert not is_sentinel_url("redis://h1:6379/0")
+    assert not is_sentinel_url("redis+cluster://h1:6379")
+    problem = redis_url_problem("http://h1")
+    assert problem is not None
+    assert "redis+sentinel://" in problem
