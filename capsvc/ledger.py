@@ -8,6 +8,7 @@ of another sale, even under the same ticket id, is never touched.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,6 +34,16 @@ from capsvc.store import (
     replies_of,
 )
 from capsvc.validator import Sale
+
+
+@dataclass(slots=True)
+class Concluded:
+    """A sale concluded with a decision (`Ledger.conclude`)."""
+
+    decision: TicketOut
+    written: bool
+    """Whether this call wrote the decision; False: another actor of the sale had (a
+    request answers it then as a replay)."""
 
 
 class Ledger:
@@ -167,12 +178,13 @@ class Ledger:
                 [x for pair in amounts for x in pair])
 
     async def conclude(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
-                       at: int, *, void: bool = False) -> TicketOut | None:
+                       at: int, *, void: bool = False) -> Concluded | None:
         """Settle a sale whatever its requests are doing: seal its budget and every grid
         not decided yet (a request can then no longer count them), then either write the
-        decision the records make (every grid decided: an answer may have been sent) or
-        give back everything and forget the claim (returns None). `void`: the sale must not
-        stand (claimed after an admin stop): always give back.
+        decision the records make (every grid decided: an answer may have been sent; it
+        says whether this call wrote it) or give back everything and forget the claim
+        (returns None). `void`: the sale must not stand (claimed after an admin stop):
+        always give back.
 
         Every actor that concludes a sale sees the same sealed records, so the janitors and
         the requests of one sale all reach the same end."""
@@ -182,16 +194,16 @@ class Ledger:
             taken = await self.take_budget(plan, seal=True)
             if taken[0] == REJECTED and not void:  # refused by the limit: the decision
                 out = player_limit_decision(sale)
-                await self.store.finalize(key, sale_id, msgspec.json.encode(out))
-                return out
+                return Concluded(out, await self.store.finalize(key, sale_id,
+                                                                msgspec.json.encode(out)))
             held = taken[0] == ACCEPTED
         replies = await self.reserve_all(game, sale, sale_id, 0)
         if not void and held and all(r is None or r[0] in (ACCEPTED, SHADOWED, REJECTED)
                                      for r in replies):
             out = build_decision(channel_id, game.rules.tz, sale, sale_id, at, replies)
-            await self.write_decision(game, key, sale, sale_id, plan, replies, out,
-                                      msgspec.json.encode(out))
-            return out
+            written = await self.write_decision(game, key, sale, sale_id, plan, replies, out,
+                                                msgspec.json.encode(out))
+            return Concluded(out, written is not None)
         await self.give_back(key, game, sale, sale_id, plan)
         await self.store.unclaim(key, sale_id)
         return None

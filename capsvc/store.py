@@ -330,12 +330,11 @@ class Store:
         copy the stop into every ticket slot, where a cancel checks it atomically. Returns
         once every copy is written (a cancel decided after that is refused) with the instant
         sales stopped (a sale claimed from then on does not stand)."""
-        instant = self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at])
-        copies = [self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at])
-                  for b in range(TICKET_BUCKETS)]
-        for copy in copies:
-            await copy
-        return int(await instant)
+        instant, *_ = await replies_of([
+            self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at]),
+            *[self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at])
+              for b in range(TICKET_BUCKETS)]])
+        return int(instant)
 
 
 def limit_key(player: str) -> str:
@@ -390,6 +389,20 @@ class PlayerStore:
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
                           [today])
+
+
+def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """`call`, its failure retrieved even if nobody awaits it: for a call queued ahead of
+    the step that needs it, which a failure of an earlier step (or a cancellation of the
+    request) may never reach. Awaiting it still raises its failure; unawaited, it is not
+    logged as "Future exception was never retrieved"."""
+    call.add_done_callback(_retrieve)
+    return call
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:

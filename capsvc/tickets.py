@@ -42,7 +42,7 @@ from capsvc.errors import ApiError, not_found, rule_error, unavailable
 from capsvc.games import Catalog, Game, require_scope
 from capsvc.ledger import Ledger
 from capsvc.models import CancelOut, TicketIn, TicketOut
-from capsvc.store import Store, stop_instants, ticket_key
+from capsvc.store import Store, replies_of, retrieving, stop_instants, ticket_key
 from capsvc.validator import Sale, request_fingerprint, validate_ticket
 
 _encode = msgspec.json.encode
@@ -154,10 +154,11 @@ class Tickets:
             else:
                 # One round trip: index the ticket for the janitor, claim. The claim is the
                 # only write that decides; admin stops are checked once it has been made.
-                indexed = self.store.index(key, self.clock.now(), expire_at)
-                claim = await self.store.claim(key, sale.fingerprint, _encode(stored),
-                                               close_ms, expire_at, self.stale_after_ms)
-                await indexed
+                # Awaited together: when Redis fails, both fail, and both are retrieved.
+                _, claim = await replies_of([
+                    self.store.index(key, self.clock.now(), expire_at),
+                    self.store.claim(key, sale.fingerprint, _encode(stored), close_ms,
+                                     expire_at, self.stale_after_ms)])
             kind = claim[0]
             try:
                 if kind == b"new" and one_call:  # decided in that same call
@@ -170,18 +171,20 @@ class Tickets:
                     raise _Stopped(int(claim[1]))
                 if kind == b"new":
                     return await self._decide(channel, game, key, stored, claim[2].decode(),
-                                              int(claim[1]), close_ms, replayed=False)
+                                              int(claim[1]), close_ms)
                 if kind == b"final":
                     return SaleOutcome(body=claim[1] or _derived_body(
                         channel.id, claim[4], claim[3], claim[2], claim[5]), replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
-                    # they recorded.
+                    # they recorded. Whichever request of the sale writes the decision
+                    # answers it first (the claim's own request or not); the others find it
+                    # written and answer it as a replay.
                     resumed = _sale_decoder.decode(claim[3])
                     assert resumed.first_draw is not None
                     return await self._decide(
                         channel, game, key, resumed, claim[2].decode(), int(claim[1]),
-                        game.calendar.close_ms(resumed.first_draw), replayed=True)
+                        game.calendar.close_ms(resumed.first_draw))
             except _TakenOver:
                 continue
             except _Stopped as e:
@@ -226,9 +229,14 @@ class Tickets:
         return reply
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
-                      at: int, close_ms: int, *, replayed: bool) -> SaleOutcome:
+                      at: int, close_ms: int) -> SaleOutcome:
         """Take the player's budget (games with a daily limit), reserve every capped grid
         (concurrently), build the decision, write it back with the budget settled.
+
+        The request whose step writes the decision (capsvc_finalize reports it) answers it
+        first, and only that one counts it: the request that made the claim, or a duplicate
+        or a retry resuming it. A request that finds the decision written by another (its
+        finalize writes nothing) claims again and answers the stored decision as a replay.
 
         The admin stops are read again after the claim (with the first step, no extra
         round trip): a sale claimed once a draw of it was stopped does not stand, whatever
@@ -236,7 +244,9 @@ class Tickets:
         rules = game.rules
         assert sale.first_draw is not None
         first = sale.first_draw
-        stops = self.store.stops(rules.id, first, sale.draws)
+        # Read with the first step; awaited by whichever check comes first, or by none when
+        # a step fails (or the request is cancelled) before: its failure is retrieved then.
+        stops = retrieving(self.store.stops(rules.id, first, sale.draws))
         plan = self.ledger.plan(channel.id, game, sale, sale_id, at)
         taken = None if plan is None else await self.ledger.take_budget(plan)
         if taken is not None and taken[0] == RELEASED:
@@ -248,7 +258,7 @@ class Tickets:
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
-            return SaleOutcome(body=body, replayed=replayed, ticket=out)
+            return SaleOutcome(body=body, replayed=False, ticket=out)
         if (taken is None and any(g.capped for g in sale.grids)
                 and self.ledger.caps.known(game, first, sale.draws) is None):
             # A draw's cap is fixed by its first sale, not by one an admin's stop voids.
@@ -265,7 +275,9 @@ class Tickets:
             concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
             if concluded is None:
                 raise _closed(first)
-            return SaleOutcome(body=_encode(concluded), replayed=True)
+            out = concluded.decision
+            return SaleOutcome(body=_encode(out), replayed=not concluded.written,
+                               ticket=out if concluded.written else None)
         out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
         body = _encode(out)
         written = await self.ledger.write_decision(game, key, sale, sale_id, plan, replies,
@@ -273,7 +285,7 @@ class Tickets:
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
         near_cap, sold_out = written
-        return SaleOutcome(body=body, replayed=replayed, ticket=out, near_cap=near_cap,
+        return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,
                            shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
 

@@ -183,7 +183,8 @@ end
 
 --[[ finalize: KEYS ticket; ARGV sid, body
 Writes the decision of sale `sid` if it is still pending (or being settled).
-Returns 1 if written. ]]
+Returns 1 if written: of the requests of one sale, the one whose finalize writes answers
+the decision first (and counts it); the others find it written (0) and replay it. ]]
 local function finalize(keys, args)
   local rec = redis.call('HMGET', keys[1], 'st', 'sid')
   if (rec[1] == 'p' or rec[1] == 'x') and rec[2] == args[1] then
