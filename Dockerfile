@@ -10,18 +10,25 @@ COPY lua lua
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --create-home --home-dir /app capsvc
+RUN groupadd --system --gid 10001 capsvc \
+ && useradd --system --uid 10001 --gid capsvc --create-home --home-dir /app capsvc
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# Named for readability; its uid and gid are fixed (10001) and the Kubernetes manifests set
+# runAsUser/runAsGroup: 10001, so runAsNonRoot is verified on the number (deploy/k8s/README.md).
+# hadolint ignore=DL3066
 USER capsvc
 WORKDIR /app
 # The configuration (games, channels with token hashes) is mounted here; the Redis URL
-# comes from the environment. There is deliberately no default: the built-in local
+# comes from the environment (CAPSVC_REDIS_URL) or from the file's [redis] url (as in
+# deploy/k8s/, where it is a Secret). There is deliberately no default: the built-in local
 # configuration has public example tokens.
 ENV CAPSVC_CONFIG=/etc/capsvc/capsvc.toml \
     PYTHONUNBUFFERED=1
 EXPOSE 8080
+# Exec form (no shell): the image's own python; any exception (refused, timeout, non-2xx)
+# exits 1, which Docker counts as unhealthy.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"]
 STOPSIGNAL SIGTERM
 CMD ["capsvc", "serve", "--host", "0.0.0.0", "--port", "8080"]
