@@ -16,7 +16,7 @@ from capsvc.models import (
     CappedOut,
     CombinationOut,
 )
-from capsvc.store import Store, replies_of, stop_instants
+from capsvc.store import Store, replies_of, retrieving, stop_instants
 from capsvc.validator import parse_numbers_path, validate_availability
 
 
@@ -34,7 +34,8 @@ class Availability:
         if not rules.is_capped(len(numbers)):
             return CombinationOut(numbers=list(numbers), draw=draw, cap=None, staked=None,
                                   remaining=None, selectable=True)
-        queued = self.store.counters(rules.id, combination.encode(numbers), draw, 1)
+        queued = [retrieving(f) for f in
+                  self.store.counters(rules.id, combination.encode(numbers), draw, 1)]
         ((cap, _),) = await self.draws.caps.in_force(game, draw, 1)
         (raw,) = await replies_of(queued)
         staked = int(raw or 0)
@@ -46,9 +47,11 @@ class Availability:
         probes = validate_availability(rules, a)
         first = a.first_draw if a.first_draw is not None else await self.draws.current_draw(game)
         self.draws.check_window(game, first)
-        stops = self.store.stops(rules.id, first, a.draws)  # every read in one round trip
-        queued = [self.store.counters(rules.id, p.combo, first, a.draws) if p.capped else None
-                  for p in probes]
+        # Every read in one round trip; a failure of one that is not awaited (an earlier
+        # one failed, or the draw is stopped) is retrieved all the same.
+        stops = retrieving(self.store.stops(rules.id, first, a.draws))
+        queued = [[retrieving(f) for f in self.store.counters(rules.id, p.combo, first, a.draws)]
+                  if p.capped else None for p in probes]
         caps = ([c for c, _ in await self.draws.caps.in_force(game, first, a.draws)]
                 if any(p.capped for p in probes) else [])
         stopped = next((first + i for i, s in enumerate(stop_instants(await stops))

@@ -49,7 +49,22 @@ def check_config(path: str) -> int:
               f"{limit}, {len(g.draw_times)} draws/day ({g.time_zone}), cancel {g.cancel}")
     for ch in settings.channels:
         print(f"  channel {ch.id}: games {sorted(ch.games)}, scopes {sorted(ch.scopes)}")
+    if settings.redis_url is not None:
+        print(f"  redis: {_redis_target(settings.redis_url)}")
     return 0
+
+
+def _redis_target(url: str) -> str:
+    """Where a (valid) Redis URL leads, without its credentials."""
+    from capsvc.sentinel import is_sentinel_url, parse_sentinel_url
+
+    if is_sentinel_url(url):
+        s = parse_sentinel_url(url)
+        sentinels = ", ".join(f"{host}:{port}" for host, port in s.sentinels)
+        return (f"the primary of {s.service!r} as sentinels {sentinels} name it (db {s.db}"
+                f"{', TLS' if s.tls else ''})")
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
 def _listener(host: str, port: int) -> socket.socket:

@@ -166,9 +166,15 @@ class ClusterCoalescer:
 
     def _settle(self, done: asyncio.Future[Any], args: tuple[Any, ...],
                 fut: asyncio.Future[Any], hops: int) -> None:
+        # The node's failure is retrieved even when the caller's future is done already
+        # (cancelled: its request timed out): else, once collected, asyncio logs it as
+        # "Future exception was never retrieved".
+        error = None if done.cancelled() else done.exception()
         if fut.done():
             return
-        error = done.exception()
+        if done.cancelled():
+            fut.cancel()
+            return
         if error is None:
             fut.set_result(done.result())
             return

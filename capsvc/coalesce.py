@@ -167,7 +167,30 @@ class _Pending:
         self.retried = False
 
 
-class Coalescer(asyncio.Protocol):
+class _Wire(asyncio.Protocol):
+    """One connection of a coalescer. Events of a connection it has already left (the
+    `connection_lost` of one it aborted, data still arriving on it) are not its business."""
+
+    __slots__ = ("owner", "transport")
+
+    def __init__(self, owner: Coalescer) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.owner.connection_made(self.transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is self.owner._transport:
+            self.owner.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is self.owner._transport:
+            self.owner.connection_lost(exc)
+
+
+class Coalescer:
     """One pipelined connection to one Redis; commands of a tick travel in one write."""
 
     def __init__(
@@ -209,6 +232,8 @@ class Coalescer(asyncio.Protocol):
         """The node we talked to was demoted (READONLY, a sentinel's switch): the next
         primary that answers is a failover, even at the same address."""
         self._watcher: asyncio.Task[None] | None = None
+        self._announced: Address | None = None
+        """The primary a sentinel's switch announced, its failover counted already."""
         self._failure: Unavailable | None = None
         """The error the last failure gave its commands."""
         self._reader = hiredis.Reader(replyError=ResponseError)
@@ -377,10 +402,11 @@ class Coalescer(asyncio.Protocol):
                 t.host, t.port = await t.sentinels.locate()
             async with asyncio.timeout(self._timeout):
                 if t.scheme == "unix":
-                    await loop.create_unix_connection(lambda: self, t.path)
+                    await loop.create_unix_connection(lambda: _Wire(self), t.path)
                 else:
                     context = ssl.create_default_context() if t.scheme == "rediss" else None
-                    await loop.create_connection(lambda: self, t.host, t.port, ssl=context)
+                    await loop.create_connection(lambda: _Wire(self), t.host, t.port,
+                                                 ssl=context)
                 await self._handshake()
         except (OSError, TimeoutError, ResponseError, Unavailable) as e:
             self._connecting = None
@@ -426,6 +452,9 @@ class Coalescer(asyncio.Protocol):
     def _primary_up(self, address: Address) -> None:
         event = "switched" if self._demoted or (
             self._address is not None and address != self._address) else "up"
+        if event == "switched" and address == self._announced:
+            event = "up"  # counted when the sentinels announced it
+        self._announced = None
         if event == "switched":
             log.warning("redis primary is now %s:%s", *address)
         elif self._lost:
@@ -439,13 +468,17 @@ class Coalescer(asyncio.Protocol):
         there is an unknown outcome), the next command connects to the new one."""
         if address == self._address and self._transport is not None:
             return
+        if address != self._announced:
+            log.warning("the sentinels switched the redis primary to %s:%s", *address)
+            self._on_primary(self._target.name, "switched")
+            self._announced = address
         self._demoted = True
         if self._transport is not None:
             self._fail("connection", Unavailable(
                 f"the redis primary moved to {address[0]}:{address[1]} (sentinel)"))
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
         self._reader = hiredis.Reader(replyError=ResponseError)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -60,11 +60,24 @@ def is_sentinel_url(url: str) -> bool:
     return url.split("://", 1)[0] in SCHEMES
 
 
+def redacted(url: str) -> str:
+    """The URL with its password (if any) hidden, for messages."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    creds, at, hosts = netloc.rpartition("@")
+    if not at:
+        return url
+    user = creds.partition(":")[0] if ":" in creds else ""
+    return f"{scheme}{sep}{user}:***@{hosts}{slash}{tail}"
+
+
 def parse_sentinel_url(url: str) -> SentinelURL:
-    """The parts of a Sentinel URL; raises ValueError saying what is wrong."""
+    """The parts of a Sentinel URL; raises ValueError saying what is wrong (never with the
+    password)."""
+    shown = redacted(url)
     scheme, sep, rest = url.partition("://")
     if scheme not in SCHEMES or not sep:
-        raise ValueError(f"expected redis+sentinel:// or rediss+sentinel://, got {url!r}")
+        raise ValueError(f"expected redis+sentinel:// or rediss+sentinel://, got {shown!r}")
     # urlsplit cannot take several host:port pairs: the netloc is split here.
     netloc, _, path_query = rest.partition("/")
     path, _, query = path_query.partition("?")
@@ -81,7 +94,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     sentinels: list[Address] = []
     for part in hosts.split(","):
         if not part:
-            raise ValueError(f"an empty sentinel address in {url!r}")
+            raise ValueError(f"an empty sentinel address in {shown!r}")
         u = urlsplit("//" + part)
         try:
             port = u.port or DEFAULT_PORT
@@ -93,11 +106,11 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     service = unquote(path)
     if not service or "/" in service:
         raise ValueError("the service name (the primary's name in the sentinels' "
-                         f"configuration) must follow the addresses: …/mymaster, got {url!r}")
+                         f"configuration) must follow the addresses: …/mymaster, got {shown!r}")
     params = dict(parse_qsl(query, keep_blank_values=True))
     unknown = set(params) - _QUERY_KEYS
     if unknown:
-        raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))} in {url!r} "
+        raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))} in {shown!r} "
                          f"(known: {', '.join(sorted(_QUERY_KEYS))})")
     db = params.get("db", "0")
     if not db.isdigit():

@@ -88,16 +88,10 @@ async def test_no_unretrieved_future_during_a_write_pause(
 
 async def test_no_unretrieved_future_when_requests_time_out_during_a_write_pause(
         settings: Settings, redis_backend: RedisServer | RedisCluster, redis_db: Any,
-        caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     """A request timeout (300 ms) shorter than the Redis timeout (1 s): requests are
     cancelled while their Redis calls are in flight, and those calls fail afterwards,
     awaited by nobody; asyncio logs no unretrieved future."""
-    if isinstance(redis_backend, RedisCluster):
-        # capsvc/cluster.py: ClusterCoalescer._settle drops a node's failure unretrieved
-        # when the caller's future was cancelled (the patch is in the report of issue 16.4).
-        request.applymarker(pytest.mark.xfail(
-            reason="ClusterCoalescer._settle does not retrieve the failure of a call "
-                   "whose caller was cancelled", strict=False))
     await sell_through_a_pause(
         dataclasses.replace(settings, one_call_sales=False, request_timeout_ms=300,
                             redis_timeout_ms=1000), redis_backend, caplog)

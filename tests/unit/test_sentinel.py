@@ -56,3 +56,11 @@ def test_other_schemes_are_not_sentinel_urls() -> None:
     problem = redis_url_problem("http://h1")
     assert problem is not None
     assert "redis+sentinel://" in problem
+
+
+def test_a_refused_url_never_shows_its_password() -> None:
+    """The error message of a bad Sentinel URL hides the password it carries."""
+    problem = redis_url_problem("redis+sentinel://app:hunter2@h1:26379/?db=1")
+    assert problem is not None
+    assert "hunter2" not in problem
+    assert "app:***@h1:26379" in problem
