@@ -106,8 +106,10 @@ def serve(args: argparse.Namespace) -> int:
         if workers > 1:
             from capsvc.workers import supervise, worker_command
 
-            worker_args = ["--redis-url", url, "--host", host, "--port", str(port),
-                           "--log-level", args.log_level]
+            # The URL reaches the workers in their environment, not on their command line,
+            # where any local user could read its password (ps).
+            os.environ["CAPSVC_REDIS_URL"] = url
+            worker_args = ["--host", host, "--port", str(port), "--log-level", args.log_level]
             if args.config:
                 worker_args += ["--config", args.config]
             return supervise(worker_command(worker_args), workers, sock)

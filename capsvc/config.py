@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from capsvc.sentinel import is_sentinel_url, parse_sentinel_url
+from capsvc.sentinel import is_sentinel_url, parse_sentinel_url, redacted
 
 PRESETS = ("fdj-keno-2008", "lnm-keno")
 CANCEL_POLICIES = ("before_first_draw", "single_draw_only", "never")
@@ -546,12 +546,12 @@ def redis_url_problem(url: object) -> str | None:
         return None
     if not (isinstance(url, str) and re.match(schemes, url)):
         return (f"expected redis://, rediss://, unix://, redis+cluster:// or "
-                f"redis+sentinel://, got {url!r}")
+                f"redis+sentinel://, got {redacted(url) if isinstance(url, str) else url!r}")
     try:
         u = urlsplit(url)
         u.port  # noqa: B018 (raises ValueError when not a port number)
     except ValueError as e:
-        return f"not a valid URL ({e}): {url!r}"
+        return f"not a valid URL ({e}): {redacted(url)!r}"
     db = u.path.strip("/")
     if u.scheme != "unix" and db and not db.isdigit():
         return f"the database after the host must be a number, got {db!r}"

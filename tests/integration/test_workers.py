@@ -362,3 +362,29 @@ def test_a_stop_during_the_start_drains_what_was_accepted(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_workers_are_not_given_the_redis_password_on_their_command_line(
+        tmp_path: Path) -> None:
+    """With --workers N the Redis URL, password included, reaches the workers in their
+    environment, never in their command line (readable by any local user through ps)."""
+    server = RedisServer().start()
+    server.client().config_set("requirepass", "s3cr3t-pw")
+    port = free_port()
+    proc = run_capsvc("--workers", "2", "--config", str(CONFIG), "--redis-url",
+                      f"redis://:s3cr3t-pw@127.0.0.1:{server.port}/0", "--port", str(port),
+                      log=tmp_path / "log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            await wait_ready(s, url, tmp_path / "log")
+            reply = await Client(s, url).sell(ticket())
+            assert reply.status == 200, reply.body  # the workers did authenticate
+        children = _children(proc.pid)
+        assert len(children) == 2
+        for pid in children:
+            assert b"s3cr3t-pw" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 30)
+        server.stop()
