@@ -27,9 +27,9 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
   feed closes    e:{<game>}                        hash   <draw> -> expiry: closes announced
   budgets        b:{pl:<player>}:<YYYY-MM-DD>      hash   spent, <ref> -> amount | R<room> | X
   self-limit     l:{pl:<player>}                   hash   limit, next, from
-  WAIT fence     w:{fence} (cluster: w:{fence:<n>}, string "1", TTL 10 s: written by the transport
-                 one per node)                      right before each WAIT of `replicas:N`, never
-                                                    by a function (see capsvc/coalesce.py)
+  WAIT fence     w:{fence}                         string "1", TTL 10 s; on a cluster one per
+                 primary, w:{fence:<n>} in a slot it owns. Written by the transport right
+                 before each WAIT of `replicas:N`, never by a function (capsvc/coalesce.py)
 
 A combination is its sorted numbers, one byte each (1..99: never a zero byte), so a record
 field (which starts with a zero byte) can never be taken for a counter.
