@@ -142,8 +142,17 @@ class _Target:
         self.db = int(query.get("db", db or 0))
 
     @property
-    def name(self) -> str:
+    def address(self) -> str:
+        """The node connected to (or last tried), for messages."""
         return self.path if self.scheme == "unix" else f"{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """What stays the same across failovers: the node's address, or the service the
+        sentinels name a primary for (for the observer of primaries)."""
+        if self.sentinels is not None:
+            return f"sentinel:{self.sentinels.url.service}"
+        return self.address
 
     def greeting(self) -> list[tuple[Any, ...]]:
         """Commands sent first on every new connection."""
@@ -446,7 +455,7 @@ class Coalescer:
         role = cast(list[bytes], replies[-1])[0]
         if role != b"master":
             self._demoted = True
-            raise Unavailable(f"redis at {self._target.name} is a {role.decode()}, "
+            raise Unavailable(f"redis at {self._target.address} is a {role.decode()}, "
                               "not the primary")
 
     def _primary_up(self, address: Address) -> None:
@@ -541,10 +550,10 @@ class Coalescer:
             # The node was demoted under us: nothing more goes to it. What else is in flight
             # on this connection has an unknown outcome, like any lost connection.
             log.warning("redis at %s is read-only now (demoted): finding the primary again",
-                        self._target.name)
+                        self._target.address)
             self._demoted = True
             self._fail("readonly", Unavailable(
-                f"redis at {self._target.name} was demoted to a replica: {reply}"))
+                f"redis at {self._target.address} was demoted to a replica: {reply}"))
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(Unavailable(str(reply)))
             return
