@@ -475,3 +475,180 @@ class FaultProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
         await self._loop.shutdown_default_executor()  # getaddrinfo's threads, if any
+
+
+class PartitionProxy:
+    """A plain TCP proxy to one server on 127.0.0.1, a free port, that can be partitioned.
+
+    Bytes are forwarded as they come, both ways, with no parsing: put it between a replica
+    and its primary (`RedisServer(replica_of=primary, via=proxy)`) and the replication
+    stream goes through it. `freeze()` is a network partition: nothing flows either way,
+    yet every TCP connection stays up, so the primary still counts the replica as connected
+    and the replica still believes in its primary; a connection opened meanwhile is accepted
+    but not carried on until `thaw()`. What was read before or during the freeze is delivered
+    after the thaw, as TCP would retransmit it once the partition heals. `cut()` closes every
+    connection at once. Threaded like FaultProxy: every public method is called from the
+    test's thread::
+
+        with PartitionProxy("127.0.0.1", primary.port) as proxy:
+            replica = RedisServer(replica_of=primary, via=proxy).start()
+            proxy.freeze()  # WAIT 1 on the primary now times out
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.Server | None = None
+        self._open: asyncio.Event | None = None
+        """Set while bytes flow (cleared by freeze())."""
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._frozen = False
+        self._closing = False
+        self.port = 0
+        """Known once started."""
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @property
+    def connections(self) -> int:
+        """Connections carried now (each counts its two sides once)."""
+        return len(self._writers) // 2
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> PartitionProxy:
+        assert self._loop is None, "PartitionProxy already started"
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name=f"PartitionProxy-{self.port}", daemon=True)
+        self._thread.start()
+        self._run(self._listen(sock))
+        return self
+
+    def stop(self) -> None:
+        """Close the listening port and every connection; end the thread."""
+        if self._loop is None or self._thread is None:
+            return
+        self._run(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> PartitionProxy:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- the partition ---------------------------------------------------------------------
+
+    def freeze(self) -> None:
+        """Stop every byte, both ways, on every connection; close none."""
+        self._frozen = True
+        self._run(self._set_open(False))
+
+    def thaw(self) -> None:
+        """Let the bytes flow again, those held by the freeze first."""
+        self._frozen = False
+        self._run(self._set_open(True))
+
+    def cut(self) -> None:
+        """Close every connection now, both sides (new ones are still accepted)."""
+        self._run(self._cut())
+
+    # -- inside the loop -------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None, "PartitionProxy is not started"
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)
+
+    async def _set_open(self, flowing: bool) -> None:
+        assert self._open is not None
+        if flowing:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    async def _flowing(self) -> None:
+        assert self._open is not None
+        while not self._open.is_set():  # freeze() may come between wake-up and running
+            await self._open.wait()
+
+    async def _listen(self, sock: socket.socket) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server = await asyncio.start_server(self._serve, sock=sock)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._writers.add(writer)
+        upstream_w: asyncio.StreamWriter | None = None
+        try:
+            await self._flowing()  # a partition lets no connection through either
+            if self._closing:
+                return
+            try:
+                upstream_r, upstream_w = await asyncio.open_connection(*self.upstream)
+            except OSError as e:
+                log.debug("partition proxy: cannot reach %s:%s: %s", *self.upstream, e)
+                return
+            self._writers.add(upstream_w)
+            pumps = [asyncio.create_task(self._pump(reader, upstream_w)),
+                     asyncio.create_task(self._pump(upstream_r, writer))]
+            self._pumps.update(pumps)
+            try:
+                await asyncio.gather(*pumps, return_exceptions=True)
+            finally:
+                self._pumps.difference_update(pumps)
+        finally:
+            for w in (writer, upstream_w):
+                if w is not None:
+                    self._writers.discard(w)
+                    w.close()
+            self._tasks.discard(task)
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        """One direction, byte for byte; passes the end of the stream on (half-close)."""
+        try:
+            while True:
+                await self._flowing()
+                data = await source.read(_CHUNK)
+                if not data:
+                    break
+                await self._flowing()  # read just before a freeze: held until the thaw
+                sink.write(data)
+                await sink.drain()
+            await self._flowing()
+            if sink.can_write_eof():
+                sink.write_eof()
+        except (ConnectionError, OSError) as e:
+            log.debug("partition proxy: connection ends: %r", e)
+            sink.transport.abort()
+
+    async def _cut(self) -> None:
+        for w in list(self._writers):
+            w.transport.abort()
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        assert self._loop is not None
+        self._closing = True
+        self._server.close()
+        await self._cut()
+        for pump in list(self._pumps):  # frozen ones too
+            pump.cancel()
+        await self._set_open(True)  # connections held before reaching upstream: let go
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
