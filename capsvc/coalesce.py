@@ -417,7 +417,7 @@ class Coalescer:
                     await loop.create_connection(lambda: _Wire(self), t.host, t.port,
                                                  ssl=context)
                 await self._handshake()
-        except (OSError, TimeoutError, ResponseError, Unavailable) as e:
+        except Exception as e:  # refused, reset, slow, a replica, a reply that makes no sense
             self._connecting = None
             self._handshaking = False
             if e is not self._failure:  # else the connection's own failure, counted already

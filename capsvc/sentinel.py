@@ -179,19 +179,20 @@ class Sentinels:
                     talk = await self._open(address)
                     reply = await talk.ask("SENTINEL", "GET-MASTER-ADDR-BY-NAME",
                                            self.url.service)
-            except (OSError, TimeoutError, ResponseError) as e:
+                if not reply:
+                    problems.append(f"{address[0]}:{address[1]}: does not know "
+                                    f"{self.url.service!r}")
+                    continue
+                primary = _address(reply)
+            except Exception as e:  # a sentinel down, slow, refusing or talking nonsense
                 problems.append(f"{address[0]}:{address[1]}: {e or type(e).__name__}")
                 continue
             finally:
                 if talk is not None:
                     talk.close()
-            if not reply:
-                problems.append(f"{address[0]}:{address[1]}: does not know "
-                                f"{self.url.service!r}")
-                continue
             self._order.remove(address)
             self._order.insert(0, address)  # the client protocol: ask it first next time
-            return reply[0].decode(), int(reply[1])
+            return primary
         raise Unavailable(f"no sentinel gives a primary for {self.url.service!r}: "
                           + "; ".join(problems))
 
@@ -206,16 +207,30 @@ class Sentinels:
                         talk = await self._open(address)
                         await talk.ask("SUBSCRIBE", "+switch-master")
                     while True:
-                        kind, _, payload = await talk.reply()
-                        if kind != b"message":
+                        message = await talk.reply()
+                        if message[0] != b"message":
                             continue
-                        name, _old_host, _old_port, host, port = payload.decode().split(" ")
+                        name, _old_host, _old_port, host, port = message[2].decode().split(" ")
                         if name == self.url.service:
-                            on_switch((host, int(port)))
-                except (OSError, TimeoutError, ResponseError, ValueError) as e:
-                    log.debug("sentinel %s:%s: %s", *address, e)
+                            on_switch(_address([host.encode(), port.encode()]))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # down, gone, or talking nonsense: the next one
+                    log.debug("sentinel %s:%s: %r", *address, e)
                 finally:
                     if talk is not None:
                         with contextlib.suppress(Exception):
                             talk.close()
                 await asyncio.sleep(_WATCH_RETRY_S)
+
+
+def _address(reply: Any) -> Address:
+    """A primary's address as a sentinel gives it (`[host, port]`); ValueError if it is
+    not one."""
+    if not (isinstance(reply, list) and len(reply) == 2
+            and all(isinstance(part, bytes) for part in reply)):
+        raise ValueError(f"not an address: {reply!r:.80}")
+    host, port = reply[0].decode("utf-8", "replace"), int(reply[1])
+    if not host or not 0 < port < 65536:
+        raise ValueError(f"not an address: {reply!r:.80}")
+    return host, port

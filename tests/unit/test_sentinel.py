@@ -4,9 +4,14 @@ configuration alike)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+from capsvc.coalesce import Coalescer
 from capsvc.config import redis_url_problem
+from capsvc.errors import Unavailable
 from capsvc.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 
@@ -64,3 +69,36 @@ def test_a_refused_url_never_shows_its_password() -> None:
     assert problem is not None
     assert "hunter2" not in problem
     assert "app:***@h1:26379" in problem
+
+
+async def _fake_sentinel(answer: bytes) -> asyncio.Server:
+    """A server on loopback that answers every command with `answer` (or never, if empty)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            if answer:
+                writer.write(answer)
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("answer", [
+    b":5\r\n",                           # a number, not an address
+    b"*2\r\n$9\r\n127.0.0.1\r\n$3\r\nabc\r\n",   # a port that is no number
+    b"*1\r\n$9\r\n127.0.0.1\r\n",        # half an address
+    b"\x00\xffnot RESP at all\r\n",      # not the protocol
+    b"",                                 # silence
+])
+async def test_a_sentinel_talking_nonsense_is_no_primary_and_no_hang(answer: bytes) -> None:
+    """Whatever a sentinel answers, a sale's connection fails with Unavailable (a 503)
+    within the timeout, every time: the client is never left stuck on a dead attempt."""
+    server = await _fake_sentinel(answer)
+    port = server.sockets[0].getsockname()[1]
+    c = Coalescer(f"redis+sentinel://127.0.0.1:{port}/mymaster", timeout_s=0.2)
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await c.call("PING")
+        assert time.monotonic() - started < 2
+    await c.aclose()
+    server.close()
