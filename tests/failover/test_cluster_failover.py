@@ -1,0 +1,33 @@
+"""Scenario d: a Redis Cluster of three primaries with a replica each, capsvc on the
+`redis+cluster://` URL in `replicas:1`, sellers selling. A primary killed (SIGKILL; its
+replica promoted by the cluster, the killed node restarted as its replica), or a replica
+promoted by `CLUSTER FAILOVER`: no sale answered is lost, none beyond the cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsvc.testing import cluster_scenario
+from tests.failover.conftest import assert_harness_worked, report
+
+pytestmark = pytest.mark.slow
+
+
+def test_cluster_primary_killed(binary: str, record_property: pytest.RecordProperty) -> None:
+    run = cluster_scenario("replicas:1", "kill", binary=binary)
+    report(run, record_property)
+    assert_harness_worked(run, "kill", "rejoined")
+    assert run.audit.lost == {}
+    assert run.audit.over_cap == []
+    assert run.audit.mismatched == []
+
+
+def test_cluster_manual_failover(binary: str, record_property: pytest.RecordProperty) -> None:
+    run = cluster_scenario("replicas:1", "failover", binary=binary)
+    report(run, record_property)
+    assert not run.sellers.unexpected, run.sellers.unexpected[:5]
+    assert not run.sellers.unanswered, run.sellers.unanswered[:5]
+    assert any(s.sent_at > run.sellers.marks["promoted"] for s in run.sellers.acknowledged)
+    assert run.audit.lost == {}
+    assert run.audit.over_cap == []
+    assert run.audit.mismatched == []

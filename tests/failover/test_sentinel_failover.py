@@ -1,0 +1,44 @@
+"""Scenario c: three sentinels (quorum 2, down after 1 s) watch a primary and its two
+replicas; capsvc (two workers) runs on the `redis+sentinel://` URL in `replicas:1`. The
+primary is killed under load; the sentinels promote a replica and capsvc follows the switch
+by itself (it is not restarted): sales are answered again within 10 s of the kill, none
+answered is lost, none beyond the cap, and /readyz is 503 while no primary is known, 200
+after.
+
+Two replicas, not one: with `replicas:1` a primary whose only replica is promoted has no
+replica left, and no sale could be confirmed again until another one joins (a sentinel
+turns the old primary, restarted, into a replica only 8 s after it is back)."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsvc.testing import sentinel_scenario
+from tests.failover.conftest import assert_harness_worked, report
+
+pytestmark = pytest.mark.slow
+
+
+def test_sentinel_failover_followed_without_restart(
+        binary: str, record_property: pytest.RecordProperty) -> None:
+    run = sentinel_scenario("replicas:1", binary=binary, workers=2)
+    report(run, record_property)
+    assert_harness_worked(run, "kill", "switched")
+    resumed = run.resumed_after_s("kill")
+    assert resumed is not None
+    assert resumed <= 10, f"sales resumed {resumed:.1f} s after the kill"
+    assert run.audit.lost == {}
+    assert run.audit.over_cap == []
+    assert run.audit.mismatched == []
+
+    kill, switched = run.sellers.marks["kill"], run.sellers.marks["switched"]
+    during = [status for at, status in run.readiness if kill + 0.5 <= at <= switched]
+    assert 503 in during, f"/readyz while no primary: {sorted(set(during))}"
+    assert set(during) <= {200, 503}, during  # the process answered all along
+    after = [status for at, status in run.readiness if at >= kill + resumed]
+    assert after, "no readiness sample after the sales resumed"
+    assert after[-1] == 200, after[-10:]
+    back = next((at for at, status in run.readiness if at > switched and status == 200),
+                None)
+    assert back is not None, "/readyz never 200 again"
+    assert back - kill <= 10, f"/readyz 200 again {back - kill:.1f} s after the kill"
