@@ -213,8 +213,6 @@ class Api:
         if outcome.ticket is not None and not outcome.replayed:
             self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
                                   outcome.shadowed)
-        # Replays too: the decision replayed may be one whose confirmation failed.
-        await self.durability.confirm()
         resp = web.Response(body=outcome.body, content_type=_JSON)
         if outcome.replayed:
             resp.headers["Idempotent-Replayed"] = "true"
@@ -225,14 +223,11 @@ class Api:
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = await self.tickets.ticket(channel, _ticket_id(request))
-        await self.durability.confirm()  # what it reports may be on the primary alone
         return web.Response(body=body, content_type=_JSON)
 
     async def cancel_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        out = await self.tickets.cancel(channel, _ticket_id(request))
-        await self.durability.confirm()
-        return json_response(out)
+        return json_response(await self.tickets.cancel(channel, _ticket_id(request)))
 
     # -- games, draws, availability --------------------------------------------------------
 
@@ -253,9 +248,7 @@ class Api:
     async def close_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "admin")
-        out = await self.draws.close(game, _draw(request))
-        await self.durability.confirm()
-        return json_response(out)
+        return json_response(await self.draws.close(game, _draw(request)))
 
     async def combination(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -327,18 +320,14 @@ class Api:
     async def player_limit(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), LimitIn)
-        out = await self.players.set_limit(
-            channel, _param(request, "player_id"), request.query.get("game"), body)
-        await self.durability.confirm()
-        return json_response(out)
+        return json_response(await self.players.set_limit(
+            channel, _param(request, "player_id"), request.query.get("game"), body))
 
     async def player_stake(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         body = decode_body(await request.read(), StakeIn)
-        out = await self.players.stake(
-            channel, _param(request, "player_id"), request.query.get("game"), body)
-        await self.durability.confirm()
-        return json_response(out)
+        return json_response(await self.players.stake(
+            channel, _param(request, "player_id"), request.query.get("game"), body))
 
     # -- operations ------------------------------------------------------------------------
 
@@ -448,11 +437,21 @@ class Router:
         return handlers.get(method), template, params, handlers
 
 
+_CONFIRMED = frozenset({200, 409, 422})
+"""The statuses of answers that may rest on state a Redis failover can lose."""
+_STATELESS = frozenset({"/v1/games", STREAM_ROUTE})
+"""/v1 routes whose answers rest on no Redis state (the configuration), or are no answer
+but a stream."""
+
+
 def _dispatch(api: Api, router: Router) -> Handler:
     """Every request: route, count in flight, shed, time out, map errors to the API's
     format, time the request, stamp X-Request-ID (one function: no middleware chain)."""
     settings, metrics, health = api.settings, api.metrics, api.health
     requests, timed_out = health.requests, health.timed_out
+    confirm = api.durability.confirm if api.durability.replicas else None
+    stateful = frozenset(t for _, t in router.routes
+                         if t.startswith("/v1/") and t not in _STATELESS)
     in_flight = metrics.in_flight  # exact: a once-a-second sample per worker, summed, is not
 
     def busy(message: str) -> web.Response:
@@ -482,7 +481,15 @@ def _dispatch(api: Api, router: Router) -> Handler:
             if counted:
                 in_flight.inc()
             try:
-                resp = await handler(request)
+                try:
+                    resp = await handler(request)
+                except ApiError as e:
+                    resp = error_response(e)
+                if confirm is not None and resp.status in _CONFIRMED and template in stateful:
+                    # replicas:N: no answer reports what a failover could take back — a
+                    # decision, a replay, a GET, and a refusal (409, 422 draw_closed) that
+                    # rests on one — until the replicas have everything it read.
+                    await confirm()
             except asyncio.CancelledError:
                 if task not in timed_out:  # the client went away, or shutdown: let it go
                     raise

@@ -322,3 +322,41 @@ async def test_no_answer_reports_what_the_replica_lacks(
     finally:
         one.stop()
         two.stop()
+
+
+async def test_no_refusal_rests_on_what_the_replica_lacks(
+        pair: tuple[RedisServer, RedisServer], config: str,
+        http: aiohttp.ClientSession) -> None:
+    """A refusal reports a decision too: with the replica frozen, a stop that is on the
+    primary alone refuses nothing on another process (503, not 422 draw_closed or 409
+    not_cancellable), a ticket id held by an unconfirmed sale is no 409 conflict, and a
+    draw is not shown closed; once the replica has it all, they answer as recorded."""
+    primary, replica = pair
+    one, two = (ServiceProcess(config, primary.url).start() for _ in range(2))
+    try:
+        a, b = Client(http, one.base_url), Client(http, two.base_url)
+        draw = await a.current() + 1
+        held = ticket(grid(51), first_draw=draw)
+        assert (await a.sell(held)).status == 200
+        unconfirmed = ticket(grid(61), first_draw=draw)
+        other = {**unconfirmed, "grids": grid(61, stake=1000)}
+        with frozen(replica):
+            replies = [
+                await a.sell(unconfirmed),
+                await b.sell(other),
+                await a.post(f"/v1/games/fdj-keno/draws/{draw}/close", token="admin"),
+                await b.sell(ticket(grid(31), first_draw=draw)),
+                await b.post(f"/v1/tickets/{held['ticket_id']}/cancel"),
+                await b.get(f"/v1/games/fdj-keno/draws/{draw}", token="admin"),
+            ]
+        assert [r.status for r in replies] == [503] * len(replies), [r.body for r in replies]
+        closed = await b.get(f"/v1/games/fdj-keno/draws/{draw}", token="admin")
+        assert closed.body["status"] == "closed"
+        refused = await b.sell(ticket(grid(31), first_draw=draw))
+        assert (refused.status, refused.body["error"]["code"]) == (422, "draw_closed")
+        conflict = await b.sell(other)
+        assert (conflict.status, conflict.body["error"]["code"]) == (
+            409, "idempotency_conflict")
+    finally:
+        one.stop()
+        two.stop()
