@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SLOTS = 16384
 _KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
+_REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -195,6 +196,10 @@ class ClusterCoalescer:
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
                 self._later(self._retry(args, fut, hops + 1))
                 return
+        if isinstance(error, ResponseError) and str(error).startswith(_REDIRECTED):
+            # Still redirected or down after every retry (a failover under way): nothing
+            # ran, and the cluster may serve it shortly. Unavailable (503), not a refusal.
+            error = Unavailable(f"redis cluster: {error}")
         fut.set_exception(error)
 
     async def _retry(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int) -> None:

@@ -66,6 +66,8 @@ primary answers again, "switched" when the one that answers is another node than
 used (a cluster node removed from the slot map)."""
 
 _MISSING_FUNCTION = "Function not found"
+_NOT_NOW = ("LOADING", "MASTERDOWN", "BUSY ")
+"""Error replies that mean "not now": nothing ran."""
 
 FLUSH_EVERY = 8
 """Commands after which a batch is written without waiting for the end of the tick. With
@@ -567,6 +569,12 @@ class Coalescer:
             self._enqueue(p)
             return
         self._on_error("reply")
+        if str(reply).startswith(_NOT_NOW):
+            # Redis ran nothing and may later: loading its data, a replica cut from its
+            # primary, a script running. Unavailable (503), not a refusal.
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(Unavailable(f"redis is not serving: {reply}"))
+            return
         if p.fut is None:
             log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
         elif not p.fut.done():

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import hiredis
 import pytest
 from fakeredis import TcpFakeServer
 from redis.exceptions import ResponseError
 
+from capsvc.cluster import ClusterCoalescer
 from capsvc.coalesce import FLUSH_EVERY, Coalescer, encode_command
 from capsvc.errors import Unavailable
 from capsvc.testing import free_port
@@ -92,4 +94,59 @@ async def test_silent_redis_times_out() -> None:
     with pytest.raises(Unavailable):
         await c.call("PING")
     assert errors == ["timeout"]
+    server.close()
+
+
+
+Script = Callable[[list[bytes], int], bytes]
+"""What a scripted server answers to a command, given its own port."""
+
+
+async def _scripted(script: Script) -> tuple[asyncio.Server, int]:
+    """A server on loopback answering each command as `script` says; it and its port."""
+    port = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = hiredis.Reader()
+        while data := await reader.read(65536):
+            parser.feed(data)
+            while (cmd := parser.gets()) is not False:
+                writer.write(script(cmd, port))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, port
+
+
+@pytest.mark.parametrize("reply", [b"-LOADING Redis is loading the dataset in memory\r\n",
+                                   b"-MASTERDOWN Link with MASTER is down\r\n",
+                                   b"-BUSY Redis is busy running a script\r\n"])
+async def test_a_redis_not_serving_yet_is_unavailable(reply: bytes) -> None:
+    """LOADING, MASTERDOWN, BUSY: nothing ran and Redis may serve it shortly: the command
+    fails with Unavailable (a 503 with Retry-After), not as a refusal (an error log)."""
+    def script(cmd: list[bytes], port: int) -> bytes:
+        return b"*1\r\n$6\r\nmaster\r\n" if cmd[0].upper() == b"ROLE" else reply
+
+    server, port = await _scripted(script)
+    c = Coalescer(f"redis://127.0.0.1:{port}/0", timeout_s=1)
+    with pytest.raises(Unavailable):
+        await c.call("FCALL", "capsvc_sell", 0)
+    await c.aclose()
+    server.close()
+
+
+async def test_a_cluster_still_down_after_its_retries_is_unavailable() -> None:
+    """CLUSTERDOWN on every try (a failover under way): once the retries are spent the
+    command fails with Unavailable, not with the cluster's refusal."""
+    def script(cmd: list[bytes], port: int) -> bytes:
+        if cmd[0].upper() == b"CLUSTER":  # every slot on this node
+            return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+        return b"-CLUSTERDOWN The cluster is down\r\n"
+
+    server, port = await _scripted(script)
+    c = ClusterCoalescer(f"redis+cluster://127.0.0.1:{port}", timeout_s=1)
+    with pytest.raises(Unavailable):
+        await c.call("GET", "k")
+    await c.aclose()
     server.close()
