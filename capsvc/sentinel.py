@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,15 +61,21 @@ def is_sentinel_url(url: str) -> bool:
     return url.split("://", 1)[0] in SCHEMES
 
 
+_SECRET_PARAM = re.compile(r"((?:^|[?&])[^=&]*password=)[^&]*", re.IGNORECASE)
+
+
 def redacted(url: str) -> str:
-    """The URL with its password (if any) hidden, for messages."""
+    """The URL with its passwords (credentials, `…password=` parameters) hidden, for
+    messages."""
     scheme, sep, rest = url.partition("://")
     netloc, slash, tail = rest.partition("/")
+    path, question, query = tail.partition("?")
+    query = _SECRET_PARAM.sub(r"\1***", query)
     creds, at, hosts = netloc.rpartition("@")
-    if not at:
-        return url
-    user = creds.partition(":")[0] if ":" in creds else ""
-    return f"{scheme}{sep}{user}:***@{hosts}{slash}{tail}"
+    if at:
+        user = creds.partition(":")[0] if ":" in creds else ""
+        netloc = f"{user}:***@{hosts}"
+    return f"{scheme}{sep}{netloc}{slash}{path}{question}{query}"
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:

@@ -102,3 +102,11 @@ async def test_a_sentinel_talking_nonsense_is_no_primary_and_no_hang(answer: byt
         assert time.monotonic() - started < 2
     await c.aclose()
     server.close()
+
+
+def test_a_sentinel_password_in_the_query_is_hidden_too() -> None:
+    """`sentinel_password=` in the query is as secret as the one before the `@`."""
+    problem = redis_url_problem("redis+sentinel://h1:26379/s?sentinel_password=hunter2&x=1")
+    assert problem is not None
+    assert "unknown parameter" in problem
+    assert "hunter2" not in problem
