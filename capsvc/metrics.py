@@ -81,14 +81,18 @@ class Metrics:
                               registry=r)
         self.redis_errors = Counter("capsvc_redis_errors", "Redis failures by kind", ["kind"],
                                     registry=r)
-        self.failovers = Counter(
-            "capsvc_redis_failovers",
-            "Redis failovers seen: another node (or the same one after a demotion) answering "
-            "as the primary", registry=r)
-        self.no_primary = Counter(
+        # Every worker sees the same failover: these two are per process and cumulative,
+        # and with several workers /metrics shows the most any worker counted, not a sum.
+        self.failovers = Gauge(
+            "capsvc_redis_failovers_seen",
+            "Redis failovers seen since start (another node, or the same one after a "
+            "demotion, answering as the primary); of several workers, the most any saw",
+            registry=r, multiprocess_mode="max")
+        self.no_primary = Gauge(
             "capsvc_redis_no_primary_seconds",
-            "Time this process spent with a Redis primary it needs unreachable (no sale can "
-            "be decided meanwhile)", registry=r)
+            "Seconds since start with a needed Redis primary unreachable (no sale can be "
+            "decided meanwhile); of several workers, the most any counted", registry=r,
+            multiprocess_mode="max")
         self.redis_batch = Histogram("capsvc_redis_batch_size",
                                      "Commands per coalesced Redis pipeline",
                                      buckets=_BATCH_BUCKETS, registry=r)
