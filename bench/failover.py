@@ -37,9 +37,9 @@ from capsvc.testing import (
 )
 
 MODES = ("default", "replicas:1")
-SCENARIOS = ("partition", "sentinel", "cluster-kill", "cluster-failover")
-FAILURE_MARK = {"partition": "freeze", "sentinel": "kill", "cluster-kill": "kill",
-                "cluster-failover": "failover"}
+SCENARIOS = ("partition", "sentinel", "sentinel-manual", "cluster-kill", "cluster-failover")
+FAILURE_MARK = {"partition": "freeze", "sentinel": "kill", "sentinel-manual": "kill",
+                "cluster-kill": "kill", "cluster-failover": "failover"}
 
 
 def run(scenario: str, mode: str, binary: str) -> FailoverRun:
@@ -47,6 +47,8 @@ def run(scenario: str, mode: str, binary: str) -> FailoverRun:
         return partition_scenario(mode, binary=binary)
     if scenario == "sentinel":
         return sentinel_scenario(mode, binary=binary)
+    if scenario == "sentinel-manual":
+        return sentinel_scenario(mode, "manual", binary=binary)
     return cluster_scenario(mode, scenario.removeprefix("cluster-"), binary=binary)
 
 

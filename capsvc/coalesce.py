@@ -91,6 +91,9 @@ def ignore_primary(node: str, event: str) -> None:
 RECONNECT_S = 0.05
 """Least time between two connection attempts: during an outage, requests share attempts
 instead of each opening one (and asking the sentinels) per event-loop tick."""
+FAILOVER_HOLD_S = 10.0
+"""Longest wait for the switch once the sentinels have started a failover (past it, the
+sentinels are asked again: an announcement may have been missed)."""
 FENCE_TTL_MS = 10_000
 """Life of the fence key written before each WAIT (one key per node, rewritten per tick)."""
 
@@ -243,6 +246,8 @@ class Coalescer:
         """The node we talked to was demoted (READONLY, a sentinel's switch): the next
         primary that answers is a failover, even at the same address."""
         self._watcher: asyncio.Task[None] | None = None
+        self._held_until = 0.0
+        """Loop time until which no connection is made: a failover is under way."""
         self._announced: Address | None = None
         """The primary a sentinel's switch announced, its failover counted already."""
         self._failure: Unavailable | None = None
@@ -409,7 +414,9 @@ class Coalescer:
         try:
             if t.sentinels is not None:
                 if self._watcher is None:
-                    self._watcher = loop.create_task(t.sentinels.watch(self._switched))
+                    self._watcher = loop.create_task(t.sentinels.watch(self))
+                if loop.time() < self._held_until:
+                    raise Unavailable("a Redis failover is under way: no primary to use yet")
                 t.host, t.port = await t.sentinels.locate()
             async with asyncio.timeout(self._timeout):
                 if t.scheme == "unix":
@@ -474,11 +481,32 @@ class Coalescer:
             self._on_primary(self._target.name, event)
         self._address, self._lost, self._demoted = address, False, False
 
-    def _switched(self, address: Address) -> None:
+    # -- a Sentinel failover (capsvc.sentinel.FailoverEvents) -----------------------------
+
+    def starting(self) -> None:
+        """The sentinels chose a replica to promote: from that moment the old primary may
+        go on being acknowledged by a replica that will follow the new one and drop what it
+        got, so nothing more is answered from it (in flight: an unknown outcome). New
+        connections wait for the switch, at most FAILOVER_HOLD_S."""
+        loop = self._loop or self._bind()
+        if loop.time() < self._held_until:
+            return
+        log.warning("the sentinels are failing the redis primary over: holding its use")
+        self._held_until = loop.time() + FAILOVER_HOLD_S
+        if self._transport is not None:
+            self._fail("connection", Unavailable("a Redis failover is under way"))
+
+    def aborted(self) -> None:
+        if self._held_until:
+            log.info("the sentinels gave the failover up: the primary is used again")
+        self._held_until = 0.0
+
+    def switched(self, address: Address) -> None:
         """A sentinel announced a new primary: leave the old one now (anything in flight
         there is an unknown outcome), the next command connects to the new one."""
-        if address == self._address and self._transport is not None:
-            return
+        self._held_until = 0.0
+        if address == self._address:
+            return  # already there (each sentinel announces the same switch)
         if address != self._announced:
             log.warning("the sentinels switched the redis primary to %s:%s", *address)
             self._on_primary(self._target.name, "switched")

@@ -22,9 +22,8 @@ import contextlib
 import logging
 import re
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
@@ -203,32 +202,70 @@ class Sentinels:
         raise Unavailable(f"no sentinel gives a primary for {self.url.service!r}: "
                           + "; ".join(problems))
 
-    async def watch(self, on_switch: Callable[[Address], None]) -> None:
-        """Forever: subscribe to `+switch-master` on one sentinel after another and call
-        `on_switch(new primary)` for this service's switches."""
+    async def watch(self, events: FailoverEvents) -> None:
+        """Forever: listen to every sentinel (a failover's early steps are announced by
+        its leader alone, and each sentinel announces the switch when it learns it) and
+        tell `events` of this service's failovers."""
+        await asyncio.gather(*(self._listen(address, events) for address in self._order))
+
+    async def _listen(self, address: Address, events: FailoverEvents) -> None:
         while True:
-            for address in list(self._order):
-                talk = None
-                try:
-                    async with asyncio.timeout(self._timeout):
-                        talk = await self._open(address)
-                        await talk.ask("SUBSCRIBE", "+switch-master")
-                    while True:
-                        message = await talk.reply()
-                        if message[0] != b"message":
-                            continue
-                        name, _old_host, _old_port, host, port = message[2].decode().split(" ")
-                        if name == self.url.service:
-                            on_switch(_address([host.encode(), port.encode()]))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # down, gone, or talking nonsense: the next one
-                    log.debug("sentinel %s:%s: %r", *address, e)
-                finally:
-                    if talk is not None:
-                        with contextlib.suppress(Exception):
-                            talk.close()
-                await asyncio.sleep(_WATCH_RETRY_S)
+            talk = None
+            try:
+                async with asyncio.timeout(self._timeout):
+                    talk = await self._open(address)
+                    await talk.ask("SUBSCRIBE", *_CHANNELS)
+                while True:
+                    message = await talk.reply()
+                    if message[0] == b"message":
+                        self._tell(events, message[1].decode(), message[2].decode())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # down, gone, or talking nonsense: try it again later
+                log.debug("sentinel %s:%s: %r", *address, e)
+            finally:
+                if talk is not None:
+                    with contextlib.suppress(Exception):
+                        talk.close()
+            await asyncio.sleep(_WATCH_RETRY_S)
+
+    def _tell(self, events: FailoverEvents, channel: str, payload: str) -> None:
+        words = payload.split(" ")
+        if channel == "+switch-master":
+            name, _old_host, _old_port, host, port = words
+            if name == self.url.service:
+                events.switched(_address([host.encode(), port.encode()]))
+            return
+        # "<type> <name> <ip> <port> @ <master> <master ip> <master port>" (a replica), or
+        # "master <name> <ip> <port>" (the failover's own primary).
+        master = words[5] if len(words) >= 8 and words[4] == "@" else words[1]
+        if master != self.url.service:
+            return
+        if channel in _STARTING:
+            events.starting()
+        else:
+            events.aborted()
+
+
+class FailoverEvents(Protocol):
+    """What a failover's listener is told (capsvc.coalesce acts on it)."""
+
+    def starting(self) -> None:
+        """A replica was chosen to be promoted: from now on the old primary's answers can
+        be lost with it (another replica may still acknowledge writes the promoted one
+        never gets): stop using it."""
+
+    def switched(self, address: Address) -> None:
+        """The sentinels name this primary now."""
+
+    def aborted(self) -> None:
+        """The failover was given up: the old primary stays."""
+
+
+_STARTING = ("+selected-slave", "+failover-state-send-slaveof-noone", "+promoted-slave")
+_CHANNELS = ("+switch-master", *_STARTING, "-failover-abort-not-elected",
+             "-failover-abort-no-good-slave", "-failover-abort-slave-timeout",
+             "+failover-end-for-timeout")
 
 
 def _address(reply: Any) -> Address:

@@ -1077,15 +1077,17 @@ def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: 
                            service_restarted=True)
 
 
-def sentinel_scenario(durability: str, *, binary: str | None = None, replicas: int = 2,
-                      warmup_s: float = 1.5, after_s: float = 3.0, sellers: int = 8,
-                      n_draws: int = 30, workers: int = 2, seed: int = 0,
+def sentinel_scenario(durability: str, how: str = "kill", *, binary: str | None = None,
+                      replicas: int = 2, warmup_s: float = 1.5, after_s: float = 3.0,
+                      sellers: int = 8, n_draws: int = 30, workers: int = 2, seed: int = 0,
                       failover_timeout_s: float = 30) -> FailoverRun:
     """Scenario c: a primary and `replicas` replicas under 3 sentinels (quorum 2, down
     after 1 s); capsvc (`--workers`) on the `redis+sentinel://` URL, sellers selling and a
-    readiness probe. The primary is killed (SIGKILL); the sentinels promote a replica;
-    capsvc is not restarted: it must follow the switch itself. Sales go on for `after_s`
-    after the sentinels agree on the new primary, then the audit.
+    readiness probe. `how`: "kill", the primary is killed (SIGKILL); "manual", `SENTINEL
+    FAILOVER` while it stays up (it becomes a replica of the promoted one; meanwhile the
+    other replica still acknowledges its writes). The sentinels promote a replica; capsvc
+    is not restarted: it must follow the switch itself. Sales go on for `after_s` after the
+    sentinels agree on the new primary, then the audit.
 
     Two replicas by default: with `replicas:1`, a primary with one replica has none left
     once it is promoted, and no sale could be confirmed until another replica joins.
@@ -1109,7 +1111,11 @@ def sentinel_scenario(durability: str, *, binary: str | None = None, replicas: i
         crowd.wait_acknowledged(1)
         time.sleep(warmup_s)
         old = primary.port
-        primary.kill()
+        if how == "kill":
+            primary.kill()
+        else:
+            sentinels.client().execute_command(  # type: ignore[no-untyped-call]
+                "SENTINEL", "FAILOVER", sentinels.service)
         crowd.mark("kill")
         sentinels.wait_failover(old, failover_timeout_s)
         crowd.mark("switched")
@@ -1117,7 +1123,8 @@ def sentinel_scenario(durability: str, *, binary: str | None = None, replicas: i
         crowd.stop()
         probe.stop()
         result = audit(service.base_url, crowd)
-        run = FailoverRun("sentinel", durability, primary.binary, crowd, result,
+        name = "sentinel" if how == "kill" else "sentinel-manual"
+        run = FailoverRun(name, durability, primary.binary, crowd, result,
                           readiness=list(probe.samples))
         assert service.process is not None
         if service.process.poll() is not None:

@@ -383,7 +383,8 @@ async def test_workers_are_not_given_the_redis_password_on_their_command_line(
         children = _children(proc.pid)
         assert len(children) == 2
         for pid in children:
-            assert b"s3cr3t-pw" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            line = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
+            assert b"s3cr3t-pw" not in line
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 30)
