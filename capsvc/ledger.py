@@ -77,6 +77,17 @@ class Ledger:
             return None
         return self.players.settle(plan.player, plan.ref, shares, final=not accepted)
 
+    async def uncounted(self, game: Game, sale: Sale, sale_id: str, accepted: set[int]
+                        ) -> set[int]:
+        """Of the `accepted` capped grids, those whose record is gone (a Redis Cluster
+        shard that lost writes the others kept: the decision survived its counters)."""
+        assert sale.first_draw is not None
+        grids = [g for g in sale.grids if g.capped and g.index in accepted]
+        records = await replies_of([
+            self.store.record(game.rules.id, g.combo, record_field(sale_id, g.index),
+                              sale.first_draw, sale.draws) for g in grids])
+        return {g.index for g, record in zip(grids, records, strict=True) if record is None}
+
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
                           ) -> list[Any]:
         """Reserve every capped grid at once, against the draws' caps (fixed by this sale if

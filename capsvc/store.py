@@ -236,6 +236,12 @@ class Store:
         return self.fcall("capsvc_reserve", keys,
                           [record, combo, stake, caps, close_ms, min_stake, *expire_at])
 
+    def record(self, game: str, combo: str, record: bytes, first_draw: int, draws: int
+               ) -> asyncio.Future[Any]:
+        """A grid's record (see lua/capsvc.lua, RECORDS), None if there is none."""
+        return self.redis.submit("HGET", bucket_keys(game, combo, first_draw, draws)[-1],
+                                 record)
+
     def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
                 first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Any]:
         keys = bucket_keys(game, combo, first_draw, draws)

@@ -16,6 +16,7 @@ and answers what the janitor decided, or runs as a new sale if the janitor forgo
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
@@ -45,6 +46,7 @@ from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, replies_of, retrieving, stop_instants, ticket_key
 from capsvc.validator import Sale, request_fingerprint, validate_ticket
 
+log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
 _sale_decoder = msgspec.json.Decoder(Sale)
 _ticket_decoder = msgspec.json.Decoder(TicketOut)
@@ -173,6 +175,8 @@ class Tickets:
                     return await self._decide(channel, game, key, stored, claim[2].decode(),
                                               int(claim[1]), close_ms)
                 if kind == b"final":
+                    if claim[1] is not None and claim[6] == b"f" and not self.store.single_node:
+                        await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
                     return SaleOutcome(body=claim[1] or _derived_body(
                         channel.id, claim[4], claim[3], claim[2], claim[5]), replayed=True)
                 if kind == b"pending":
@@ -289,6 +293,42 @@ class Tickets:
                            sold_out=sold_out,
                            shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
 
+    async def _still_counted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
+                             ) -> None:
+        """Before a replay on Redis Cluster: every grid the decision accepted still has its
+        record. A shard can lose writes the others keep (its primary and the replica that
+        had not yet confirmed them both lost: a decision never confirmed, answered 503);
+        the retry must not answer "accepted" for a stake no counter holds. The missing
+        grids are counted again, under the same sale, against the cap; if one no longer
+        fits, the decision cannot be answered (503, an error logged for the operator)."""
+        decision, sale, missing = await self._uncounted(game, raw_sale, sale_id, body)
+        if not missing:
+            return
+        assert sale.first_draw is not None
+        lost = msgspec.structs.replace(
+            sale, grids=[g for g in sale.grids if g.index in missing])
+        replies = await self.ledger.reserve_all(game, lost, sale_id,
+                                                game.calendar.close_ms(sale.first_draw))
+        if all(r is not None and r[0] >= ACCEPTED for r in replies):
+            log.warning("ticket %s: %d accepted grid(s) had lost their counters in Redis "
+                        "(a shard lost writes): counted again", decision.ticket_id,
+                        len(missing))
+            return
+        log.error("ticket %s: %d accepted grid(s) lost their counters in Redis and no longer "
+                  "fit the cap: the decision cannot be answered; cancel the ticket",
+                  decision.ticket_id, len(missing))
+        raise unavailable(f"ticket {decision.ticket_id}: its decision lost part of its "
+                          "counters in a Redis failure and cannot be answered",
+                          self.settings.retry_after_s)
+
+    async def _uncounted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
+                         ) -> tuple[TicketOut, Sale, set[int]]:
+        """A decision, its sale, and the grids it accepted whose record is gone."""
+        decision = _ticket_decoder.decode(body)
+        sale = _sale_decoder.decode(raw_sale)
+        accepted = {g.index for g in decision.grids if g.status == "accepted"}
+        return decision, sale, await self.ledger.uncounted(game, sale, sale_id, accepted)
+
     async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
                            sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:
         """Void the sale if a draw of it was stopped at or before its claim."""
@@ -308,13 +348,20 @@ class Tickets:
             raise not_found(f"ticket {ticket_id!r}")
         if body is None and results is not None:
             body = _derived_body(channel.id, raw_sale, sale_id, at, results)
-        if body is None:
+        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
+        pending = body is None
+        if not pending and state == b"f" and results is None and game is not None \
+                and not self.store.single_node:
+            # Redis Cluster: a decision whose counters a shard lost is no decision to show;
+            # the POST sent again counts them again (see _still_counted).
+            _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
+            pending = bool(missing)
+        if pending:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
         if cancelled_at is None:
             return bytes(body)
-        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
         tz = game.rules.tz if game is not None else UTC
         return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
 

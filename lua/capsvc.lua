@@ -111,7 +111,7 @@ local function known_ticket(rec, fingerprint, now, stale_after_ms)
     return {'conflict'}
   end
   if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7]}
+    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7], st}
   end
   if st == 'p' and now - tonumber(rec[3]) < stale_after_ms then
     return {'pending', tonumber(rec[3]), rec[4], rec[5]}

@@ -1,0 +1,83 @@
+"""A Redis Cluster shard that lost a sale's counters while the others kept its decision
+(its primary and the replica that had not confirmed them both lost: a decision answered
+503, never confirmed). The retry must not answer "accepted" for a stake no counter holds:
+it counts the lost grids again under the same sale, against the cap, or, if they no longer
+fit, answers 503; a GET meanwhile says the ticket is pending, not decided.
+
+The loss is made by hand (the record and the counter removed, as the shard's failover
+would), so that the case runs in a second."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from capsvc import combination
+from capsvc.config import Settings
+from capsvc.store import bucket_keys, record_field, ticket_key
+from capsvc.testing import RedisCluster
+from tests.conftest import TEN, Client, services, ticket
+
+STAKE = 1000
+
+
+@pytest.fixture
+async def seller(settings: Settings, redis_cluster: RedisCluster) -> AsyncIterator[Client]:
+    async with services([settings], redis_cluster.url) as (client,):
+        yield client
+
+
+@pytest.fixture
+def db(redis_cluster: RedisCluster) -> Any:
+    return redis_cluster.client()
+
+
+def lose_counters(db: Any, body: dict[str, Any], draw: int) -> None:
+    """What the shard's failover took: the grid's record and its stake on the counter."""
+    key = ticket_key("fr-retail", body["ticket_id"])
+    sale_id = db.hget(key, "sid").decode()
+    combo = combination.encode(body["grids"][0]["numbers"])
+    bucket = bucket_keys("fdj-keno", combo, draw, 1)[-1]
+    assert db.hdel(bucket, record_field(sale_id, 0)) == 1
+    db.hincrby(bucket, combo, -STAKE)
+
+
+async def test_the_retry_counts_again_what_a_shard_lost(seller: Client, db: Any) -> None:
+    """GET says pending (409) while the counters are missing; the POST sent again counts
+    the grid again and answers the decision as a replay."""
+    draw = await seller.current() + 1
+    body = ticket([{"numbers": TEN[:8], "stake": STAKE}], first_draw=draw)
+    first = await seller.sell(body)
+    assert first.status == 200, first.body
+    lose_counters(db, body, draw)
+    assert await seller.staked(TEN[:8], draw) == 0
+    pending = await seller.get(f"/v1/tickets/{body['ticket_id']}")
+    assert (pending.status, pending.body["error"]["code"]) == (409, "ticket_pending")
+    again = await seller.sell(body)
+    assert again.status == 200, again.body
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.body == first.body
+    assert await seller.staked(TEN[:8], draw) == STAKE
+    assert (await seller.sell(body)).body == first.body
+    assert await seller.staked(TEN[:8], draw) == STAKE  # counted once
+    assert (await seller.get(f"/v1/tickets/{body['ticket_id']}")).body == first.body
+
+
+async def test_a_lost_grid_that_no_longer_fits_is_not_answered(seller: Client, db: Any
+                                                                ) -> None:
+    """Others sold the combination to its cap meanwhile: the retry is 503, never a 200 for
+    a stake beyond the cap."""
+    draw = await seller.current() + 2
+    numbers = [*TEN[:7], 44]
+    body = ticket([{"numbers": numbers, "stake": STAKE}], first_draw=draw)
+    assert (await seller.sell(body)).status == 200
+    lose_counters(db, {**body, "grids": [{"numbers": numbers}]}, draw)
+    for _ in range(5):
+        other = await seller.sell(ticket([{"numbers": numbers, "stake": STAKE}],
+                                         first_draw=draw))
+        assert other.body["status"] == "accepted"
+    again = await seller.sell(body)
+    assert again.status == 503, again.body
+    assert await seller.staked(numbers, draw) == 5 * STAKE
