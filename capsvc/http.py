@@ -282,13 +282,15 @@ class Api:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", "X-Request-ID": request_id(request)})
+        # A subscription is not a request in flight: no request timeout, not shed. Its start
+        # waits its turn (feed.STARTS at a time, each Redis read under Redis's timeout): a
+        # crowd resuming after a restart is served in turn, not sent back to reconnect.
+        self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         try:
             first = await feed.open(game, sub, request.headers.get("Last-Event-ID"))
             await resp.prepare(request)
             if request.method == "HEAD":  # the headers a subscription would get, no events
                 return resp
-            # A subscription is not a request in flight: no timeout, not shed.
-            self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             for event in first:
                 await resp.write(event.data)
             # From now on the feed writes each event to the connection itself, framed as
