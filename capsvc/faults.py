@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import hiredis
 
@@ -260,7 +260,81 @@ class _Link:
         return True
 
 
-class FaultProxy:
+class _BackgroundProxy:
+    """A proxy on 127.0.0.1, a free port, whose connections live in an event loop of its
+    own in a background thread, so that a synchronous test drives it: every public method
+    is called from the test's thread. Subclasses say how to listen and how to shut down."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.Server | None = None
+        self._open: asyncio.Event | None = None
+        """Set while traffic flows (cleared by a pause or a freeze)."""
+        self.port = 0
+        """Known once started."""
+
+    def start(self) -> Self:
+        assert self._loop is None, f"{type(self).__name__} already started"
+        # Bound here, in the caller's thread: the port is known, and a failure raised, at once.
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name=f"{type(self).__name__}-{self.port}", daemon=True)
+        self._thread.start()
+        self._run(self._listen(sock))
+        return self
+
+    def stop(self) -> None:
+        """Close the listening port and every connection; end the thread."""
+        if self._loop is None or self._thread is None:
+            return
+        self._run(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None, f"{type(self).__name__} is not started"
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)
+
+    async def _listen(self, sock: socket.socket) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server = await asyncio.start_server(self._serve, sock=sock)
+
+    async def _set_open(self, flowing: bool) -> None:
+        assert self._open is not None
+        if flowing:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    async def _flowing(self) -> None:
+        """Until traffic may flow (a pause or a freeze may come between wake-up and
+        running: looked at again)."""
+        assert self._open is not None
+        while not self._open.is_set():
+            await self._open.wait()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class FaultProxy(_BackgroundProxy):
     """A TCP proxy to one Redis on 127.0.0.1, a free port, with faults added at run time.
 
     Every public method is called from the test's thread; the proxy's connections live in an
@@ -269,60 +343,26 @@ class FaultProxy:
 
     def __init__(self, upstream_host: str, upstream_port: int, *,
                  log_size: int = 10_000) -> None:
-        self.upstream = (upstream_host, upstream_port)
+        super().__init__(upstream_host, upstream_port)
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
         self._seen: deque[Command] = deque(maxlen=log_size)
         self._seen_cond = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.Server | None = None
-        self._open: asyncio.Event | None = None
-        """Set while traffic flows (cleared by pause())."""
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._errors: list[Exception] = []
-        self.port = 0
-        """Known once started."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    # -- life cycle ------------------------------------------------------------------------
-
-    def start(self) -> FaultProxy:
-        assert self._loop is None, "FaultProxy already started"
-        # Bound here, in the caller's thread: the port is known, and a failure raised, at once.
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name=f"FaultProxy-{self.port}", daemon=True)
-        self._thread.start()
-        self._run(self._listen(sock))
-        return self
-
     def stop(self) -> None:
         """Close the listening port and every connection; end the thread. Raises the first
         error the proxy itself met, if any."""
-        if self._loop is None or self._thread is None:
-            return
-        self._run(self._shutdown())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-        self._loop = self._thread = None
+        super().stop()
         if self._errors:
             raise RuntimeError("the fault proxy failed") from self._errors[0]
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -390,10 +430,6 @@ class FaultProxy:
 
     # -- inside the loop -------------------------------------------------------------------
 
-    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
-        assert self._loop is not None, "FaultProxy is not started"
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)
-
     def _add(self, rule: Rule) -> Rule:
         with self._lock:
             self._rules.append(rule)
@@ -417,23 +453,6 @@ class FaultProxy:
         with self._seen_cond:
             self._seen.append(cmd)
             self._seen_cond.notify_all()
-
-    async def _flowing(self) -> None:
-        assert self._open is not None
-        while not self._open.is_set():  # pause() may come between wake-up and running
-            await self._open.wait()
-
-    async def _set_open(self, flowing: bool) -> None:
-        assert self._open is not None
-        if flowing:
-            self._open.set()
-        else:
-            self._open.clear()
-
-    async def _listen(self, sock: socket.socket) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._server = await asyncio.start_server(self._serve, sock=sock)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -477,7 +496,7 @@ class FaultProxy:
         await self._loop.shutdown_default_executor()  # getaddrinfo's threads, if any
 
 
-class PartitionProxy:
+class PartitionProxy(_BackgroundProxy):
     """A plain TCP proxy to one server on 127.0.0.1, a free port, that can be partitioned.
 
     Bytes are forwarded as they come, both ways, with no parsing: put it between a replica
@@ -496,19 +515,12 @@ class PartitionProxy:
     """
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.Server | None = None
-        self._open: asyncio.Event | None = None
-        """Set while bytes flow (cleared by freeze())."""
+        super().__init__(upstream_host, upstream_port)
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pumps: set[asyncio.Task[None]] = set()
         self._frozen = False
         self._closing = False
-        self.port = 0
-        """Known once started."""
 
     @property
     def frozen(self) -> bool:
@@ -518,36 +530,6 @@ class PartitionProxy:
     def connections(self) -> int:
         """Connections carried now (each counts its two sides once)."""
         return len(self._writers) // 2
-
-    # -- life cycle ------------------------------------------------------------------------
-
-    def start(self) -> PartitionProxy:
-        assert self._loop is None, "PartitionProxy already started"
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name=f"PartitionProxy-{self.port}", daemon=True)
-        self._thread.start()
-        self._run(self._listen(sock))
-        return self
-
-    def stop(self) -> None:
-        """Close the listening port and every connection; end the thread."""
-        if self._loop is None or self._thread is None:
-            return
-        self._run(self._shutdown())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-        self._loop = self._thread = None
-
-    def __enter__(self) -> PartitionProxy:
-        return self.start()
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     # -- the partition ---------------------------------------------------------------------
 
@@ -566,27 +548,6 @@ class PartitionProxy:
         self._run(self._cut())
 
     # -- inside the loop -------------------------------------------------------------------
-
-    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
-        assert self._loop is not None, "PartitionProxy is not started"
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)
-
-    async def _set_open(self, flowing: bool) -> None:
-        assert self._open is not None
-        if flowing:
-            self._open.set()
-        else:
-            self._open.clear()
-
-    async def _flowing(self) -> None:
-        assert self._open is not None
-        while not self._open.is_set():  # freeze() may come between wake-up and running
-            await self._open.wait()
-
-    async def _listen(self, sock: socket.socket) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._server = await asyncio.start_server(self._serve, sock=sock)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -1033,6 +1033,19 @@ def _sell_around(service: ServiceProcess, stack: ExitStack, *, sellers: int, n_d
     return crowd.start()
 
 
+def partitioned_pair(stack: ExitStack, binary: str | None = None
+                     ) -> tuple[RedisServer, PartitionProxy, RedisServer]:
+    """A primary and its replica replicating through a PartitionProxy, stopped with
+    `stack`."""
+    primary = RedisServer(binary=binary).start()
+    stack.callback(primary.stop)
+    proxy = PartitionProxy("127.0.0.1", primary.port).start()
+    stack.callback(proxy.stop)
+    replica = RedisServer(binary=binary, replica_of=primary, via=proxy).start()
+    stack.callback(replica.stop)
+    return primary, proxy, replica
+
+
 def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: float = 1.5,
                        freeze_s: float = 2.0, after_s: float = 2.0, sellers: int = 8,
                        n_draws: int = 30, seed: int = 0) -> FailoverRun:
@@ -1047,12 +1060,7 @@ def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: 
     with _stack() as stack:
         tmp = tempfile.mkdtemp(prefix="capsvc-failover-")
         config = write_failover_config(tmp, durability)
-        primary = RedisServer(binary=binary).start()
-        stack.callback(primary.stop)
-        proxy = PartitionProxy("127.0.0.1", primary.port).start()
-        stack.callback(proxy.stop)
-        replica = RedisServer(binary=binary, replica_of=primary, via=proxy).start()
-        stack.callback(replica.stop)
+        primary, proxy, replica = partitioned_pair(stack, binary)
         services = [ServiceProcess(config, primary.url).start()]
         stack.callback(lambda: services[-1].stop())
         crowd = _sell_around(services[0], stack, sellers=sellers, n_draws=n_draws, seed=seed)

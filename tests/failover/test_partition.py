@@ -22,13 +22,12 @@ from capsvc.testing import (
     HOT_COMBINATIONS,
     SELLER_TOKEN,
     HttpClient,
-    PartitionProxy,
-    RedisServer,
     ServiceProcess,
     Transport,
     combination_key,
     current_draw,
     partition_scenario,
+    partitioned_pair,
     write_failover_config,
 )
 from tests.failover.conftest import assert_harness_worked, report
@@ -113,12 +112,7 @@ def test_a_sale_answered_503_in_a_partition_is_not_shown_decided(
     config = write_failover_config(tmp_path, "replicas:1")
     api = Api()
     with ExitStack() as stack:
-        primary = RedisServer(binary=binary).start()
-        stack.callback(primary.stop)
-        proxy = PartitionProxy("127.0.0.1", primary.port).start()
-        stack.callback(proxy.stop)
-        replica = RedisServer(binary=binary, replica_of=primary, via=proxy).start()
-        stack.callback(replica.stop)
+        primary, proxy, replica = partitioned_pair(stack, binary)
         one = ServiceProcess(config, primary.url).start()
         stack.callback(one.stop)
         two = ServiceProcess(config, primary.url).start()
