@@ -10,6 +10,8 @@ sellers retrying every 503 with the same ticket id and body) in `default` and in
   killed, the replica promoted by hand and capsvc restarted on it (issue 16's a and b);
 - sentinel: three sentinels, a primary and two replicas, the primary killed; capsvc on the
   `redis+sentinel://` URL follows the switch without a restart (c);
+- sentinel-manual: the same, by `SENTINEL FAILOVER` with the old primary alive (its second
+  replica acknowledges its writes until it is re-pointed);
 - cluster-kill, cluster-failover: a 3-primary Redis Cluster with a replica each, a primary
   killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica (d).
 
