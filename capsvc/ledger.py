@@ -79,14 +79,17 @@ class Ledger:
 
     async def uncounted(self, game: Game, sale: Sale, sale_id: str, accepted: set[int]
                         ) -> set[int]:
-        """Of the `accepted` capped grids, those whose record is gone (a Redis Cluster
-        shard that lost writes the others kept: the decision survived its counters)."""
+        """Of the `accepted` capped grids, those whose record does not say their stake was
+        counted: gone (a Redis Cluster shard lost writes the others kept: the decision
+        survived its counters), or a refusal left by counting them again when they no
+        longer fitted."""
         assert sale.first_draw is not None
         grids = [g for g in sale.grids if g.capped and g.index in accepted]
         records = await replies_of([
             self.store.record(game.rules.id, g.combo, record_field(sale_id, g.index),
                               sale.first_draw, sale.draws) for g in grids])
-        return {g.index for g, record in zip(grids, records, strict=True) if record is None}
+        return {g.index for g, record in zip(grids, records, strict=True)
+                if record != str(g.stake).encode()}
 
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
                           ) -> list[Any]:
