@@ -163,8 +163,10 @@ def test_a_demoted_node_is_left_at_once() -> None:
             reply = post(service.base_url, sale(first))
             assert reply.status_code == 503, reply.text
         assert ready(service.base_url) == 503
-        readonly = metric(service.base_url, 'capsvc_redis_errors_total{kind="readonly"}')
-        assert readonly >= 1
+        # READONLY, or the connection dropped by the role change (as a Redis version may)
+        left = sum(metric(service.base_url, f'capsvc_redis_errors_total{{kind="{kind}"}}')
+                   for kind in ("readonly", "connection"))
+        assert left >= 1
         assert "Traceback" not in service.log.read_text()
     finally:
         service.stop()
