@@ -98,8 +98,9 @@ local function index(keys, args)
 end
 
 --[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
-Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false} (a
-decision of `sell` has results, not a body) | {'pending', at, sid, sale} | {'conflict'}
+Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st} (a
+decision of `sell` has results, not a body; st: f, k or c) | {'pending', at, sid, sale}
+| {'conflict'}
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
 ticket replays at any time. Admin stops live in another slot: the caller reads them with
 its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
@@ -768,7 +769,7 @@ lists, and the ticket is written decided, its decision kept as the grids' result
 ";"; the body is a
 function of them, the sale, sid and at). No pending state, nothing for the janitor. Returns
 {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
-| {'final', body or false, at, sid, sale, res or false}
+| {'final', body or false, at, sid, sale, res or false, st}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
 local function sell(keys, args)
   local ticket = keys[1]
