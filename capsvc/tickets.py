@@ -175,7 +175,7 @@ class Tickets:
                     return await self._decide(channel, game, key, stored, claim[2].decode(),
                                               int(claim[1]), close_ms)
                 if kind == b"final":
-                    if claim[1] is not None and claim[6] == b"f" and not self.store.single_node:
+                    if self._may_have_lost_counters(claim[6], claim[1]):
                         await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
                     return SaleOutcome(body=claim[1] or _derived_body(
                         channel.id, claim[4], claim[3], claim[2], claim[5]), replayed=True)
@@ -321,6 +321,13 @@ class Tickets:
                           "counters in a Redis failure and cannot be answered",
                           self.settings.retry_after_s)
 
+    def _may_have_lost_counters(self, state: bytes | None, body: bytes | None
+                                ) -> bool:
+        """Whether a stored decision's counters may sit on other shards than it, and be
+        lost apart from it: a sale in steps (a body, not results) on Redis Cluster, still
+        standing (not being cancelled or cancelled)."""
+        return body is not None and state == b"f" and not self.store.single_node
+
     async def _uncounted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
                          ) -> tuple[TicketOut, Sale, set[int]]:
         """A decision, its sale, and the grids it accepted whose record is gone."""
@@ -346,17 +353,16 @@ class Tickets:
             await self.store.ticket(ticket_key(channel.id, ticket_id)))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
+        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
+        lost = False
+        if game is not None and self._may_have_lost_counters(state, body):
+            # A decision whose counters a shard lost is no decision to show: the POST sent
+            # again counts them again (see _still_counted).
+            _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
+            lost = bool(missing)
         if body is None and results is not None:
             body = _derived_body(channel.id, raw_sale, sale_id, at, results)
-        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
-        pending = body is None
-        if not pending and state == b"f" and results is None and game is not None \
-                and not self.store.single_node:
-            # Redis Cluster: a decision whose counters a shard lost is no decision to show;
-            # the POST sent again counts them again (see _still_counted).
-            _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
-            pending = bool(missing)
-        if pending:
+        if lost or body is None:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
