@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from capsvc.games import Game
+from capsvc.journal.recorder import Recorder
 from capsvc.store import Store, replies_of
 
 _CACHED_CAPS = 4096
@@ -25,8 +26,9 @@ class DrawCaps:
     not raised). A process remembers the caps it has seen fixed, so a sale pays the round
     trip once per draw and process."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, journal: Recorder | None = None) -> None:
         self.store = store
+        self.journal = journal
         self._fixed: dict[tuple[str, int], int] = {}
 
     def known(self, game: Game, first: int, draws: int) -> list[int] | None:
@@ -45,8 +47,12 @@ class DrawCaps:
         """Caps found fixed for draws first, first+1, … (they never change)."""
         if len(self._fixed) + len(caps) > _CACHED_CAPS:
             self._fixed.clear()
+        journal, fixed = self.journal, self._fixed
         for i, cap in enumerate(caps):
-            self._fixed[game.rules.id, first + i] = cap
+            key = (game.rules.id, first + i)
+            if journal is not None and key not in fixed:
+                journal.cap(game.rules.id, first + i, cap, game.expire_at(first + i))
+            fixed[key] = cap
 
     async def fix(self, game: Game, first: int, draws: int) -> list[int]:
         """The caps of draws first..first+draws-1, fixing at the configured cap those that

@@ -43,6 +43,7 @@ from capsvc.coalesce import (
     ignore_primary,
 )
 from capsvc.errors import Unavailable
+from capsvc.journal.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,10 @@ class ClusterCoalescer:
         on_error: ErrorObserver = ignore_error,
         on_primary: PrimaryObserver = ignore_primary,
         library: str | None = None,
+        gate: Gate | None = None,
     ) -> None:
         u = urlsplit(url)
+        self._gate = gate
         self._seeds: list[Node] = [(u.hostname or "127.0.0.1", u.port or 6379)]
         self._password = u.password
         self._timeout = timeout_s
@@ -232,7 +235,7 @@ class ClusterCoalescer:
             coalescer = self._nodes[node] = Coalescer(
                 f"redis://{auth}{node[0]}:{node[1]}/0", timeout_s=self._timeout,
                 on_batch=self._on_batch, on_error=self._on_error, on_primary=self._on_primary,
-                library=self._library, primary_only=False)
+                library=self._library, primary_only=False, gate=self._gate)
         return coalescer
 
     def _later(self, coro: Any) -> None:
@@ -297,10 +300,12 @@ class ClusterCoalescer:
 
 def connect(url: str, *, timeout_s: float, on_batch: BatchObserver = ignore_batch,
             on_error: ErrorObserver = ignore_error, on_primary: PrimaryObserver = ignore_primary,
-            library: str | None = None) -> Coalescer | ClusterCoalescer:
+            library: str | None = None, gate: Gate | None = None
+            ) -> Coalescer | ClusterCoalescer:
     """The transport for a Redis URL: one node (found by the sentinels with
-    `redis+sentinel://`), or a cluster (`redis+cluster://`)."""
+    `redis+sentinel://`), or a cluster (`redis+cluster://`). `gate`: holds every command
+    to a server whose identity the journal has not been reconciled with."""
     factory: Callable[..., Coalescer | ClusterCoalescer] = (
         ClusterCoalescer if url.startswith("redis+cluster://") else Coalescer)
     return factory(url, timeout_s=timeout_s, on_batch=on_batch, on_error=on_error,
-                   on_primary=on_primary, library=library)
+                   on_primary=on_primary, library=library, gate=gate)

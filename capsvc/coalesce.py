@@ -51,6 +51,7 @@ import hiredis
 from redis.exceptions import ResponseError
 
 from capsvc.errors import Unavailable
+from capsvc.journal.gate import Gate, identity
 from capsvc.sentinel import Address, Sentinels, is_sentinel_url, parse_sentinel_url
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ class Coalescer:
         library: str | None = None,
         fence_key: str = "w:{fence}",
         primary_only: bool = True,
+        gate: Gate | None = None,
     ) -> None:
         self._target = _Target(url, timeout_s)
         self._timeout = timeout_s
@@ -231,6 +233,10 @@ class Coalescer:
         self._primary_only = primary_only
         """Refuse a node whose ROLE is not master (a cluster's nodes are judged by the
         cluster's own redirections instead)."""
+        self._gate = gate
+        """What says whether this process may use the server it reached (its journal
+        reconciled with that server's identity: capsvc.journal.restore); None: always."""
+        self._identity: str | None = None
         self._transport: asyncio.Transport | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._handshaking = False
@@ -347,6 +353,9 @@ class Coalescer:
             return  # flushed once connected
         if self._handshaking:
             return  # flushed once the node is known to be the primary
+        if self._gate is not None and not self._gate.admits(self._identity):
+            self._refuse()
+            return
         hold = self._queue_waits() if self._waits else 0.0
         if self._queued:
             self._write(self._buffer, self._queued, hold)
@@ -386,6 +395,19 @@ class Coalescer:
             acked.add_done_callback(functools.partial(_after_fence, fence, fut=fut))
             self._enqueue_now(_Pending(("WAIT", replicas, timeout_ms), acked))
         return sum(timeout_ms for _, timeout_ms in waits) / 1000
+
+    def _refuse(self) -> None:
+        """Fail what is queued, nothing sent: this server is not reconciled with the
+        journal yet (a restore is under way)."""
+        error = Unavailable("Redis is being restored from the journal (a new server, or one "
+                            "that may have lost writes): nothing is sold until it is done")
+        failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
+        self._queued, self._buffer, self._waits = [], [], {}
+        for p in failed:
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(error)
+        if self._gate is not None:
+            self._gate.seen(self._identity)  # restored while the server changed: again
 
     def _enqueue_now(self, p: _Pending) -> None:
         self._buffer.append(encode_command(p.args))
@@ -442,6 +464,9 @@ class Coalescer:
         """AUTH and SELECT, and ROLE: is this node the primary? Their replies are awaited
         before anything queued goes out."""
         commands = self._target.greeting()
+        asks_identity = self._gate is not None
+        if asks_identity:
+            commands.append(("INFO", "server", "replication"))
         if self._primary_only:
             commands.append(("ROLE",))
         if not commands:
@@ -453,6 +478,11 @@ class Coalescer:
         replies = await asyncio.gather(*[p.fut for p in pending if p.fut is not None],
                                        return_exceptions=True)
         self._handshaking = False
+        if asks_identity:
+            info = replies[-2] if self._primary_only else replies[-1]
+            self._identity = None if isinstance(info, BaseException) else identity(info)
+            if isinstance(info, ResponseError) and "unknown command" in str(info):
+                replies = [r for r in replies if r is not info]  # a stand-in without INFO
         if self._primary_only and isinstance(replies[-1], ResponseError) and (
                 "unknown command" in str(replies[-1])):
             return  # a proxy or a stand-in that has no ROLE: its node cannot be judged
@@ -460,12 +490,16 @@ class Coalescer:
             if isinstance(reply, BaseException):
                 raise reply
         if not self._primary_only:
+            if self._gate is not None:
+                self._gate.seen(self._identity)
             return
         role = cast(list[bytes], replies[-1])[0]
         if role != b"master":
             self._demoted = True
             raise Unavailable(f"redis at {self._target.address} is a {role.decode()}, "
                               "not the primary")
+        if self._gate is not None:
+            self._gate.seen(self._identity)
 
     def _primary_up(self, address: Address) -> None:
         event = "switched" if self._demoted or (

@@ -125,6 +125,15 @@ class Settings:
     retry_after_s: int = 1
     drain_delay_ms: int = 1000
     access_log: bool = False
+    journal_enabled: bool = True
+    """Every answered decision appended to the journal before the answer (capsvc.journal)."""
+    journal_dir: str = "var/journal"
+    """Where this host's processes keep their journal files (relative: to the working
+    directory)."""
+    journal_keep_ms: int = 90 * DAY_MS
+    """Journal files are deleted once their last write is older than this."""
+    journal_max_file_bytes: int = 64 * 1024 * 1024
+    """A journal file is closed and a new one opened past this size (and every UTC day)."""
     source: str = "<defaults>"
 
 
@@ -395,6 +404,7 @@ _SECTIONS = {
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval"}),
+    "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes"}),
 }
 _TOP_LEVEL = frozenset({*_SECTIONS, "games", "channels", "channels_file"})
 _CHANNEL_FIELDS = frozenset({"id", "token_sha256", "games", "scopes"})
@@ -463,6 +473,7 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         unknown_keys(c, name, section, known)
         sections[name] = section
     redis, server, janitor = sections["redis"], sections["server"], sections["janitor"]
+    journal = sections["journal"]
     raw_games = doc.get("games", [])
     if not isinstance(raw_games, list) or not raw_games:
         c.fail("games", "at least one [[games]] entry is needed")
@@ -522,6 +533,12 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         pending_deadline_ms=c.duration("janitor.pending_deadline",
                                        janitor.get("pending_deadline", "60s")),
         janitor_interval_ms=c.duration("janitor.interval", janitor.get("interval", "5s")),
+        journal_enabled=c.boolean("journal.enabled", journal.get("enabled", True)),
+        journal_dir=c.text("journal.dir", journal.get("dir", "var/journal")),
+        journal_keep_ms=c.duration("journal.keep", journal.get("keep", "90d"), DAY_MS),
+        journal_max_file_bytes=c.integer("journal.max_file_bytes",
+                                         journal.get("max_file_bytes", 64 * 1024 * 1024),
+                                         4096, 1 << 40),
         source=source,
     )
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:
@@ -572,6 +589,10 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         value = os.environ.get(env)
         if value and isinstance(redis, dict):  # else parse_settings says [redis] is wrong
             doc["redis"] = redis = {**redis, key: value}
+    journal = doc.get("journal", {})
+    journal_dir = os.environ.get("CAPSVC_JOURNAL_DIR")
+    if journal_dir and isinstance(journal, dict):
+        doc["journal"] = {**journal, "dir": journal_dir}
     channels_file = doc.get("channels_file")
     if channels_file is not None:
         # The channels (with their token hashes) may live in a file of their own, e.g. a

@@ -12,6 +12,7 @@ from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
 from capsvc.errors import rule_error
 from capsvc.games import Game
+from capsvc.journal.recorder import Recorder
 from capsvc.models import CurrentDrawOut, DrawOut
 from capsvc.store import Store, stop_instants
 
@@ -19,10 +20,12 @@ from capsvc.store import Store, stop_instants
 class Draws:
     """Draw status and stops, over the store and the Redis clock."""
 
-    def __init__(self, store: Store, clock: RedisClock, caps: DrawCaps) -> None:
+    def __init__(self, store: Store, clock: RedisClock, caps: DrawCaps, journal: Recorder
+                 ) -> None:
         self.store = store
         self.clock = clock
         self.caps = caps
+        self.journal = journal
 
     def check_horizon(self, game: Game, first: int) -> None:
         """`first` is not beyond the sales horizon, or a 422."""
@@ -67,9 +70,11 @@ class Draws:
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed" if closed else "open", cap=cap, cap_fixed=fixed)
 
-    async def close(self, game: Game, draw: int) -> DrawOut:
+    async def close(self, game: Game, draw: int, channel_id: str) -> DrawOut:
         game.check_draw(draw)
-        await self.store.stop(game.rules.id, draw, game.expire_at(draw))
-        await self.store.feed_closed(game.rules.id, draw, game.expire_at(draw))
+        until = game.expire_at(draw)
+        instant = await self.store.stop(game.rules.id, draw, until)
+        await self.store.feed_closed(game.rules.id, draw, until)
+        await self.journal.stop(channel_id, game.rules.id, draw, instant, until)
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed")

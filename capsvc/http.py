@@ -26,6 +26,8 @@ from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
 from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
 from capsvc.feed import Subscriber
+from capsvc.journal.gate import Gate
+from capsvc.journal.writer import Journal
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
@@ -184,8 +186,11 @@ class Api:
     """Route handlers over the use-cases."""
 
     def __init__(self, settings: Settings, usecases: UseCases, store: Store, metrics: Metrics,
-                 health: Health, durability: Durability) -> None:
+                 health: Health, durability: Durability, journal: Journal | None = None,
+                 gate: Gate | None = None) -> None:
         self.settings = settings
+        self.journal = journal
+        self.gate = gate
         self.durability = durability
         self.catalog = usecases.catalog
         self.clock = usecases.clock
@@ -248,7 +253,7 @@ class Api:
     async def close_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "admin")
-        return json_response(await self.draws.close(game, _draw(request)))
+        return json_response(await self.draws.close(game, _draw(request), channel.id))
 
     async def combination(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -338,7 +343,11 @@ class Api:
 
     async def readyz(self, request: web.BaseRequest) -> web.StreamResponse:
         checks = {"draining": self.health.draining, "redis": False, "scripts": False}
-        if not self.health.draining:
+        if self.journal is not None:
+            checks["journal"] = await self.journal.probe()
+        if self.gate is not None:
+            checks["restored"] = not self.gate.restoring
+        if not self.health.draining and checks.get("restored", True):
             try:
                 loaded = await self.store.library_loaded()
                 checks["redis"] = True
@@ -351,7 +360,8 @@ class Api:
             except Exception as e:  # Redis down, slow or odd: not ready, never a 500
                 log.debug("readiness check failed: %s", e)
         ready = (checks["redis"] and checks["scripts"] and self.clock.synced
-                 and not checks["draining"])
+                 and not checks["draining"] and checks.get("journal", True)
+                 and checks.get("restored", True))
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 
@@ -618,8 +628,9 @@ class App:
 
 
 def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Metrics,
-               health: Health, durability: Durability) -> App:
-    api = Api(settings, usecases, store, metrics, health, durability)
+               health: Health, durability: Durability, journal: Journal | None = None,
+               gate: Gate | None = None) -> App:
+    api = Api(settings, usecases, store, metrics, health, durability, journal, gate)
     router = Router()
     draw = "/v1/games/{game}/draws/{draw}"
     router.add("POST", "/v1/tickets", api.post_ticket)

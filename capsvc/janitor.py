@@ -31,7 +31,7 @@ from capsvc.errors import ApiError, Unavailable
 from capsvc.games import Catalog
 from capsvc.ledger import Ledger
 from capsvc.store import TICKET_BUCKETS, Store, channel_of, stop_instants
-from capsvc.tickets import Tickets, first_stopped
+from capsvc.tickets import Tickets, derived_body, first_stopped
 from capsvc.validator import Sale
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,13 @@ class Janitor:
             log.warning("janitor: ticket of a game no longer served", extra={"ticket_key": key})
             return 0
         channel_id = channel_of(key)
+        journal = self.tickets.journal
+        until = game.expire_at(sale.first_draw + sale.draws - 1)
         if reply[0] == b"k":
             await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
+            body = reply[4] or derived_body(channel_id, reply[3], reply[2], at, reply[7])
+            await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
+                                 int(reply[5]), int(reply[6]))
             log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
             return 1
         stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
@@ -90,7 +95,12 @@ class Janitor:
         void = first_stopped(stops, at) is not None
         out = await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=void)
         if out is not None:
+            await journal.sale("janitor", channel_id, sale, sale_id, at,
+                               msgspec.json.encode(out.decision), until,
+                               self.ledger.caps.known(game, sale.first_draw, sale.draws))
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
+            await journal.void("stopped" if void else "abandoned", channel_id, sale, sale_id,
+                               at, until)
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
         return 1

@@ -39,6 +39,8 @@ _LATENCY_BUCKETS = (
 _READ_ATTEMPTS = 5
 """Reads of the multiprocess files before a scrape gives up (see `exposition`)."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_JOURNAL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RESTORED_KINDS = ("sale", "cancel", "void", "stop", "cap", "limit", "stake")
 
 
 class Metrics:
@@ -120,6 +122,43 @@ class Metrics:
             multiprocess_mode="livemostrecent")
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
+        self.journal_write = Histogram(
+            "capsvc_journal_write_duration_seconds",
+            "One batch of the journal: from its start to its fdatasync (what a decision's "
+            "answer waits for)", buckets=_JOURNAL_BUCKETS, registry=r)
+        self.journal_records = Counter("capsvc_journal_records",
+                                       "Records written to the journal", registry=r)
+        self.journal_bytes = Counter("capsvc_journal_bytes", "Bytes written to the journal",
+                                     registry=r)
+        self.journal_errors = Counter(
+            "capsvc_journal_errors",
+            "Journal batches that could not be written (their decisions answered 503)",
+            registry=r)
+        self.journal_files = Gauge("capsvc_journal_files",
+                                   "Journal files in the journal directory", registry=r,
+                                   multiprocess_mode="max")
+        self.journal_healthy = Gauge(
+            "capsvc_journal_writable",
+            "1 while the journal's last write succeeded; 0: decisions answer 503", registry=r,
+            multiprocess_mode="min")
+        self.journal_healthy.set(1)
+        self.restoring = Gauge(
+            "capsvc_journal_restoring",
+            "1 while this process restores its journal into a Redis it has not reconciled "
+            "(no sale meanwhile)", registry=r, multiprocess_mode="max")
+        self.restores = Counter("capsvc_journal_restores",
+                                "Restores of the journal into Redis completed", registry=r)
+        self.restored = Counter("capsvc_journal_restored",
+                                "Journal records that put back into Redis what it had lost",
+                                ["kind"], registry=r)
+        self.restore_seconds = Gauge("capsvc_journal_restore_seconds",
+                                     "Duration of the last restore", registry=r,
+                                     multiprocess_mode="max")
+        self.over_cap = Counter(
+            "capsvc_journal_restore_over_cap",
+            "Counters a restore left above their cap (sales answered, lost by Redis, and sold "
+            "again past them before the restore): an overshoot to report", ["game"],
+            registry=r)
         Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
               multiprocess_mode="max").labels(__version__).set(1)
         self._http_children: dict[tuple[str, str, int], Any] = {}
@@ -138,6 +177,8 @@ class Metrics:
         over a series not seen yet is not empty)."""
         for kind in ERROR_KINDS:
             self.redis_errors.labels(kind)
+        for kind in RESTORED_KINDS:
+            self.restored.labels(kind)
         # The 5xx panels and alerts select these before the first failure.
         for route, method in (("/v1/tickets", "POST"), ("/readyz", "GET")):
             self.http.labels(route, method, "503")
@@ -155,6 +196,7 @@ class Metrics:
             if g.daily_limit is not None:
                 self.limit_rejections.labels(g.id)
             self.feed_drops.labels(g.id)
+            self.over_cap.labels(g.id)
             if g.cap_limit is not None:
                 self.shadow_rejections.labels(g.id)
                 for gauge in (self.draw_played, self.draw_at_cap, self.draw_liability):
@@ -215,6 +257,26 @@ class Metrics:
         self.draw_played.labels(game).set(played)
         self.draw_at_cap.labels(game).set(at_cap)
         self.draw_liability.labels(game).set(liability)
+
+    def journal_written(self, records: int, size: int, seconds: float) -> None:
+        """One journal batch made durable (capsvc.journal.writer.WriteObserver)."""
+        self.journal_write.observe(seconds)
+        self.journal_records.inc(records)
+        self.journal_bytes.inc(size)
+        self.journal_healthy.set(1)
+
+    def journal_failed(self) -> None:
+        self.journal_errors.inc()
+        self.journal_healthy.set(0)
+
+    def restored_into_redis(self, applied: dict[str, int], seconds: float) -> None:
+        self.restores.inc()
+        self.restore_seconds.set(seconds)
+        for kind, n in applied.items():
+            self.restored.labels(kind).inc(n)
+
+    def restored_over_cap(self, game: str, counters: int) -> None:
+        self.over_cap.labels(game).inc(counters)
 
     def feed_dropped(self, game: str) -> None:
         self.feed_drops.labels(game).inc()

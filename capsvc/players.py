@@ -14,6 +14,7 @@ from capsvc.clock import RedisClock
 from capsvc.config import ID_RE, Channel
 from capsvc.errors import ApiError, rule_error
 from capsvc.games import Catalog, Game, require_scope
+from capsvc.journal.recorder import Recorder
 from capsvc.models import LimitIn, PlayerOut, StakeIn, StakeOut
 from capsvc.store import PlayerStore
 
@@ -25,10 +26,12 @@ DAY_MS = 86_400_000
 class Players:
     """Player budgets and self-limits, over the same games and store as the sales."""
 
-    def __init__(self, catalog: Catalog, store: PlayerStore, clock: RedisClock) -> None:
+    def __init__(self, catalog: Catalog, store: PlayerStore, clock: RedisClock,
+                 journal: Recorder) -> None:
         self.games = catalog.games
         self.store = store
         self.clock = clock
+        self.journal = journal
 
     def game_for(self, channel: Channel, player_id: str, game_id: str | None,
                  *scopes: str) -> Game:
@@ -93,8 +96,10 @@ class Players:
                              f"a self-limit may not exceed the regulatory {regulatory}",
                              "$.daily")
         now, today, tomorrow = self._days(game)
-        reply = await self.store.set_limit(player_id, body.daily, today, tomorrow,
-                                           now + SELF_LIMIT_TTL_MS)
+        until = now + SELF_LIMIT_TTL_MS
+        reply = await self.store.set_limit(player_id, body.daily, today, tomorrow, until)
+        await self.journal.limit(channel.id, player_id, game.rules.id, body.daily, now, until,
+                                 reply)
         return self._out(game, player_id, today, reply)
 
     async def stake(self, channel: Channel, player_id: str, game_id: str | None,
@@ -106,8 +111,12 @@ class Players:
         # midnight is not charged again (idempotent for at least 48 hours).
         day = game.calendar.local_date(now)
         days = [today, *[(day - timedelta(days=n)).isoformat() for n in (1, 2)]]
+        until = now + 3 * DAY_MS + game.rules.retention_ms
         reply = await self.store.stake(
-            player_id, f"x/{channel.id}/{body.ref}", game.rules.daily_limit or 0,
-            now + 3 * DAY_MS + game.rules.retention_ms, days, body.amount)
-        return StakeOut(status="accepted" if reply[0] == 1 else "rejected",
-                        remaining=max(0, int(reply[1])))
+            player_id, f"x/{channel.id}/{body.ref}", game.rules.daily_limit or 0, until, days,
+            body.amount)
+        out = StakeOut(status="accepted" if reply[0] == 1 else "rejected",
+                       remaining=max(0, int(reply[1])))
+        await self.journal.stake(channel.id, player_id, game.rules.id, body.ref, body.amount,
+                                 today, reply[0] == 1, out.remaining, now, until)
+        return out

@@ -14,6 +14,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +27,9 @@ from capsvc.errors import Unavailable
 from capsvc.feed import Feed
 from capsvc.http import App, Health, Protocol, create_app
 from capsvc.janitor import Janitor
+from capsvc.journal.gate import Gate
+from capsvc.journal.restore import restore_once
+from capsvc.journal.writer import Journal, open_journal
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
 from capsvc.usecases import UseCases, build_usecases
@@ -120,6 +124,69 @@ class _Site(web.SockSite):
                                                 backlog=self._backlog)
 
 
+class Reconciler:
+    """Restores the journal directory into every Redis this process reaches with an
+    identity it has not reconciled (capsvc.journal.restore), on a connection of its own;
+    the gate holds every other command meanwhile."""
+
+    RETRY_S = 0.5
+
+    def __init__(self, settings: Settings, redis_url: str, gate: Gate, usecases: UseCases,
+                 metrics: Metrics) -> None:
+        self.settings = settings
+        self.url = redis_url
+        self.gate = gate
+        self.catalog = usecases.catalog
+        self.metrics = metrics
+        self.task: asyncio.Task[None] | None = None
+        gate.on_unknown = self.unknown
+
+    def unknown(self, identity: str) -> None:
+        """A connection reached a server not reconciled: restore (once at a time)."""
+        if self.task is not None and not self.task.done():
+            return
+        if not self.gate.restoring:
+            log.warning("journal: redis %s not reconciled yet: holding sales to restore the "
+                        "journal into it", identity)
+        self.start()
+
+    def start(self) -> asyncio.Task[None]:
+        if self.task is None or self.task.done():
+            self.gate.restoring = True
+            self.metrics.restoring.set(1)
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        return self.task
+
+    async def _run(self) -> None:
+        directory = Path(self.settings.journal_dir)
+        quiet = False
+        while True:
+            redis = connect(self.url, timeout_s=self.settings.redis_timeout_ms / 1000,
+                            library=lua_source())
+            try:
+                done, identities = await restore_once(
+                    directory, self.catalog, Store(redis), self.metrics.restored_over_cap)
+            except Exception as e:  # Redis unreachable, or refusing: try again
+                if not quiet:
+                    log.warning("journal: restore into redis failed (%s): retrying", e)
+                    quiet = True
+                await asyncio.sleep(self.RETRY_S)
+                continue
+            finally:
+                await redis.aclose()
+            self.gate.reconciled.update(i for i in identities if i is not None)
+            self.gate.restoring = False
+            self.metrics.restoring.set(0)
+            self.metrics.restored_into_redis(done.applied, done.seconds)
+            applied = sum(done.applied.values())
+            (log.warning if applied else log.info)(
+                "journal: redis reconciled with the journal", extra={
+                    "records": done.records, "put_back": done.applied, "grids": done.grids,
+                    "over_cap": done.over_cap, "other_sale": done.other_sale,
+                    "seconds": round(done.seconds, 3)})
+            return
+
+
 @dataclass
 class Service:
     """Everything one service process is made of, wired together."""
@@ -131,21 +198,50 @@ class Service:
     metrics: Metrics
     health: Health
     app: App
+    journal: Journal | None = None
+    reconciler: Reconciler | None = None
 
 
 def build(settings: Settings, redis_url: str) -> Service:
     metrics = Metrics()
     metrics.declare(settings.games.values())
+    journal, gate = None, None
+    if settings.journal_enabled:
+        journal = open_journal(settings.journal_dir,
+                               max_file_bytes=settings.journal_max_file_bytes,
+                               keep_ms=settings.journal_keep_ms,
+                               on_write=metrics.journal_written, on_error=metrics.journal_failed,
+                               on_files=metrics.journal_files.set)
+        gate = Gate()
+    else:
+        log.warning("the journal is off ([journal] enabled = false): decisions Redis loses "
+                    "are not restored, and nothing outlives Redis's retention")
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error,
-                    on_primary=metrics.primary, library=lua_source())
+                    on_primary=metrics.primary, library=lua_source(), gate=gate)
     store = Store(redis)
-    usecases = build_usecases(settings, store)
+    usecases = build_usecases(settings, store, journal=journal)
     health = Health()
     durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
                             settings.retry_after_s)
-    app = create_app(settings, usecases, store, metrics, health, durability)
-    return Service(settings, redis, store, usecases, metrics, health, app)
+    reconciler = (Reconciler(settings, redis_url, gate, usecases, metrics)
+                  if gate is not None else None)
+    app = create_app(settings, usecases, store, metrics, health, durability, journal,
+                     reconciler.gate if reconciler else None)
+    return Service(settings, redis, store, usecases, metrics, health, app, journal, reconciler)
+
+
+async def prepare(svc: Service, wait_s: float | None = None) -> None:
+    """Before serving: restore the journal into the Redis (nothing is sold before; a Redis
+    that does not answer yet is waited for in the background, `wait_s` at most here), load
+    the Lua library, read the Redis clock."""
+    if svc.reconciler is not None:
+        restoring = svc.reconciler.start()
+        wait = svc.settings.request_timeout_ms / 1000 if wait_s is None else wait_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(restoring), wait)
+    await svc.store.load_library()
+    await svc.usecases.clock.sync()
 
 
 class Serving:
@@ -192,8 +288,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     redis, store, usecases, metrics, health = (
         svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
     try:
-        await store.load_library()
-        await usecases.clock.sync()
+        await prepare(svc)
     except Unavailable as e:
         log.warning("redis not reachable at start (%s): not ready until it is", e)
     background = [
@@ -230,4 +325,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     await runner.cleanup()
     metrics.flush()  # the decisions of the last second count too
     await redis.aclose()
+    if svc.reconciler is not None and svc.reconciler.task is not None:
+        svc.reconciler.task.cancel()
+    if svc.journal is not None:
+        await svc.journal.aclose()
     log.info("stopped")

@@ -331,16 +331,39 @@ class Store:
         return self.redis.submit("HMGET", stops_key(game),
                                  *range(first_draw, first_draw + draws))
 
-    async def stop(self, game: str, draw: int, expire_at: int) -> int:
+    async def stop(self, game: str, draw: int, expire_at: int, instant: int | None = None
+                   ) -> int:
         """Stop sales of a draw now, by Redis TIME (the first stop wins; idempotent), and
         copy the stop into every ticket slot, where a cancel checks it atomically. Returns
         once every copy is written (a cancel decided after that is refused) with the instant
-        sales stopped (a sale claimed from then on does not stand)."""
-        instant, *_ = await replies_of([
-            self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at]),
-            *[self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at])
+        sales stopped (a sale claimed from then on does not stand). `instant`: the stop's
+        own (a journal's restore puts it back), else Redis TIME."""
+        at = [] if instant is None else [instant]
+        stopped, *_ = await replies_of([
+            self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at, *at]),
+            *[self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at, *at])
               for b in range(TICKET_BUCKETS)]])
-        return int(instant)
+        return int(stopped)
+
+    # -- a journal's restore (lua/capsvc.lua, RESTORE) ------------------------------------
+
+    def restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int, sale: bytes,
+                       body: bytes, expire_at: int, cancelled_at: int | None = None,
+                       released: int = 0) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_restore_ticket", [ticket], [
+            sale_id, fingerprint, at, sale, body, expire_at,
+            "" if cancelled_at is None else cancelled_at, released])
+
+    def restore_grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
+                     min_stake: int, first_draw: int, expire_at: list[int]
+                     ) -> asyncio.Future[Any]:
+        keys = bucket_keys(game, combo, first_draw, len(expire_at))
+        return self.fcall("capsvc_restore_grid", keys,
+                          [record, combo, stake, caps, min_stake, *expire_at])
+
+    def identities(self) -> asyncio.Future[Any]:
+        """INFO server and replication of every primary (see `identity`)."""
+        return asyncio.ensure_future(self.redis.broadcast("INFO", "server", "replication"))
 
 
 def limit_key(player: str) -> str:
@@ -366,12 +389,15 @@ class PlayerStore:
         self.redis = store.redis
 
     def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,
-                shares: list[tuple[str, int]], *, seal: bool = False) -> asyncio.Future[Any]:
+                shares: list[tuple[str, int]], *, seal: bool = False, restore: bool = False
+                ) -> asyncio.Future[Any]:
         """Take `shares` ((day, amount) pairs) from the player's budgets, all or nothing;
-        `seal=True` (the janitor) makes sure `ref` can take nothing any more."""
+        `seal=True` (the janitor) makes sure `ref` can take nothing any more; `restore=True`
+        (a journal's restore) takes them unchecked unless `ref` is recorded."""
         keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
+        mode = "seal" if seal else "restore" if restore else "take"
         return self.fcall("capsvc_budget", keys, [
-            ref, regulatory, expire_at, "seal" if seal else "take",
+            ref, regulatory, expire_at, mode,
             *[day for day, _ in shares], *[amount for _, amount in shares]])
 
     def stake(self, player: str, ref: str, regulatory: int, expire_at: int, days: list[str],
@@ -391,6 +417,12 @@ class PlayerStore:
                   expire_at: int) -> asyncio.Future[Any]:
         return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
                           ["none" if value is None else value, today, tomorrow, expire_at])
+
+    def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
+                      pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:
+        """Put back a self-limit as journaled, unless Redis has one set since."""
+        return self.fcall("capsvc_restore_limit", [limit_key(player)], [
+            at, "" if limit is None else limit, pending or "", pending_from or "", expire_at])
 
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],

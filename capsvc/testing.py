@@ -471,11 +471,13 @@ class ServiceProcess:
         self.config = config
         self.redis_url = redis_url
         self.port = port or free_port()
-        self.env = {**os.environ, **(env or {})}
         self.args = args
         """More `capsvc serve` arguments, e.g. `("--workers", "2")`."""
         self.process: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkdtemp(prefix="capsvc-svc-")) / "service.log"
+        self.env = {**os.environ, "CAPSVC_JOURNAL_DIR": str(self.log.parent / "journal"),
+                    **(env or {})}
+        """A journal directory of its own unless `env` names one (CAPSVC_JOURNAL_DIR)."""
 
     @property
     def base_url(self) -> str:

@@ -41,6 +41,8 @@ from capsvc.decisions import (
 from capsvc.draws import Draws
 from capsvc.errors import ApiError, not_found, rule_error, unavailable
 from capsvc.games import Catalog, Game, require_scope
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.records import Via
 from capsvc.ledger import Ledger
 from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, replies_of, retrieving, stop_instants, ticket_key
@@ -92,8 +94,9 @@ class Tickets:
     """Selling, looking up and cancelling tickets."""
 
     def __init__(self, settings: Settings, catalog: Catalog, draws: Draws, store: Store,
-                 ledger: Ledger, clock: RedisClock) -> None:
+                 ledger: Ledger, clock: RedisClock, journal: Recorder) -> None:
         self.settings = settings
+        self.journal = journal
         self.catalog = catalog
         self.draws = draws
         self.store = store
@@ -123,15 +126,17 @@ class Tickets:
         """The decision recorded for this request's ticket id, if it is this request's;
         409 if the id holds another request; None when there is none."""
         key = ticket_key(channel.id, t.ticket_id)
-        state, body, raw_sale, sale_id, at, _, _, results, fingerprint = (
+        state, body, raw_sale, sale_id, at, cancelled, released, results, fingerprint = (
             await self.store.ticket(key))
         if state is None:
             return None
         if fingerprint is None or fingerprint.decode() != request_fingerprint(t):
             raise _conflict(t.ticket_id)
         if state == b"f" or state == b"k" or state == b"c":
-            return SaleOutcome(body=body or _derived_body(channel.id, raw_sale, sale_id, at,
-                                                          results), replayed=True)
+            body = body or derived_body(channel.id, raw_sale, sale_id, at, results)
+            await self._journal_stored("replay", channel.id, raw_sale, sale_id, at, body,
+                                       state, cancelled, released)
+            return SaleOutcome(body=body, replayed=True)
         raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
                           "retry shortly", self.settings.retry_after_s)
 
@@ -164,9 +169,12 @@ class Tickets:
             kind = claim[0]
             try:
                 if kind == b"new" and one_call:  # decided in that same call
-                    out = decision_of(channel.id, stored, claim[2].decode(), int(claim[1]),
-                                      claim[3])
-                    return SaleOutcome(body=_encode(out), replayed=False, ticket=out,
+                    sale_id, at = claim[2].decode(), int(claim[1])
+                    out = decision_of(channel.id, stored, sale_id, at, claim[3])
+                    body = _encode(out)
+                    await self.journal.sale("answer", channel.id, stored, sale_id, at, body,
+                                            expire_at, _caps_of(claim[7]))
+                    return SaleOutcome(body=body, replayed=False, ticket=out,
                                        near_cap=int(claim[4]), sold_out=int(claim[5]),
                                        shadowed=int(claim[6]))
                 if kind == b"stopped":
@@ -177,8 +185,11 @@ class Tickets:
                 if kind == b"final":
                     if self._may_have_lost_counters(claim[6], claim[1]):
                         await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
-                    return SaleOutcome(body=claim[1] or _derived_body(
-                        channel.id, claim[4], claim[3], claim[2], claim[5]), replayed=True)
+                    body = claim[1] or derived_body(channel.id, claim[4], claim[3], claim[2],
+                                                     claim[5])
+                    await self._journal_stored("replay", channel.id, claim[4], claim[3],
+                                               claim[2], body, claim[6], claim[7], claim[8])
+                    return SaleOutcome(body=body, replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
                     # they recorded. Whichever request of the sale writes the decision
@@ -262,6 +273,8 @@ class Tickets:
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
+            await self.journal.sale("answer", channel.id, sale, sale_id, at, body,
+                                    game.expire_at(first + sale.draws - 1))
             return SaleOutcome(body=body, replayed=False, ticket=out)
         if (taken is None and any(g.capped for g in sale.grids)
                 and self.ledger.caps.known(game, first, sale.draws) is None):
@@ -280,7 +293,12 @@ class Tickets:
             if concluded is None:
                 raise _closed(first)
             out = concluded.decision
-            return SaleOutcome(body=_encode(out), replayed=not concluded.written,
+            body = _encode(out)
+            await self.journal.sale("answer" if concluded.written else "replay", channel.id,
+                                    sale, sale_id, at, body,
+                                    game.expire_at(first + sale.draws - 1),
+                                    self.ledger.caps.known(game, first, sale.draws))
+            return SaleOutcome(body=body, replayed=not concluded.written,
                                ticket=out if concluded.written else None)
         out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
         body = _encode(out)
@@ -288,6 +306,9 @@ class Tickets:
                                                    out, body)
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
+        await self.journal.sale("answer", channel.id, sale, sale_id, at, body,
+                                game.expire_at(first + sale.draws - 1),
+                                self.ledger.caps.known(game, first, sale.draws))
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,
@@ -321,6 +342,22 @@ class Tickets:
                           "counters in a Redis failure and cannot be answered",
                           self.settings.retry_after_s)
 
+    def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
+                        sale_id: bytes | str, at: bytes | int, body: bytes,
+                        state: bytes | None, cancelled_at: Any, released: Any
+                        ) -> asyncio.Future[None]:
+        """Journal a stored decision this process reports (a replay, a GET)."""
+        if not self.journal.enabled:
+            return self.journal.nothing()
+        sale = _sale_decoder.decode(raw_sale)
+        game = self.catalog.get(sale.game)
+        assert sale.first_draw is not None
+        last = sale.first_draw + sale.draws - 1
+        until = game.expire_at(last) if game is not None else 0
+        sid = sale_id if isinstance(sale_id, str) else sale_id.decode()
+        return self.journal.ticket(via, channel_id, raw_sale, sid, int(at), bytes(body), until,
+                                   state, cancelled_at, released)
+
     def _may_have_lost_counters(self, state: bytes | None, body: bytes | None
                                 ) -> bool:
         """Whether a stored decision's counters may sit on other shards than it, and be
@@ -342,6 +379,9 @@ class Tickets:
         stopped = first_stopped(stop_instants(await stops), at)
         if stopped is not None:
             await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=True)
+            assert sale.first_draw is not None
+            await self.journal.void("stopped", channel_id, sale, sale_id, at,
+                                    game.expire_at(sale.first_draw + sale.draws - 1))
             raise _Stopped(stopped)
 
     # -- look up ---------------------------------------------------------------------------
@@ -361,11 +401,13 @@ class Tickets:
             _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
             lost = bool(missing)
         if body is None and results is not None:
-            body = _derived_body(channel.id, raw_sale, sale_id, at, results)
+            body = derived_body(channel.id, raw_sale, sale_id, at, results)
         if lost or body is None:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
+        await self._journal_stored("lookup", channel.id, raw_sale, sale_id, at, body, state,
+                                   cancelled_at, released)
         if cancelled_at is None:
             return bytes(body)
         tz = game.rules.tz if game is not None else UTC
@@ -412,6 +454,11 @@ class Tickets:
         if kind == b"k":
             await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
                                      int(claimed_at), results is not None)
+        body = body or _encode(decision)
+        await self.journal.cancel("answer" if kind == b"k" else "replay", channel.id, sale,
+                                  sale_id.decode(), int(claimed_at), bytes(body),
+                                  game.expire_at(sale.first_draw + sale.draws - 1),
+                                  int(reply[1]), int(reply[2]))
         return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
 
     async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,
@@ -425,6 +472,11 @@ class Tickets:
             one_call = (await self.store.ticket(key))[7] is not None
         await self.store.cancelled(
             key, sale_id, self.ledger.one_call_aggregates(key, game, sale) if one_call else None)
+
+
+def _caps_of(reply: bytes | None) -> list[int] | None:
+    """The draws' caps a one-call sale was judged by ("5000,5000", lua/capsvc.lua)."""
+    return [int(c) for c in reply.split(b",")] if reply else None
 
 
 def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
@@ -446,7 +498,7 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
     return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
 
 
-def _derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
+def derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
                   results: bytes) -> bytes:
     """The body of a decision stored as results: what the sale answered, byte for byte."""
     return _encode(decision_of(channel_id, _sale_decoder.decode(raw_sale), sale_id.decode(),

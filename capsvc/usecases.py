@@ -17,6 +17,8 @@ from capsvc.exposure import Exposure
 from capsvc.feed import Feed
 from capsvc.games import Catalog
 from capsvc.janitor import Janitor
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.writer import Journal
 from capsvc.ledger import Ledger
 from capsvc.players import Players
 from capsvc.store import Store
@@ -34,23 +36,27 @@ class UseCases:
     janitor: Janitor
     feed: Feed
     exposure: Exposure
+    journal: Recorder
 
 
-def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None
-                   ) -> UseCases:
-    """The use-cases over `store`; the clock reads Redis TIME through the same store."""
+def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None,
+                   journal: Journal | None = None) -> UseCases:
+    """The use-cases over `store`; the clock reads Redis TIME through the same store.
+    `journal`: where answered decisions are journaled (None: not journaled)."""
     clock = clock or RedisClock(store.time_ms)
+    recorder = Recorder(journal, clock.now)
     catalog = Catalog(settings.games)
-    caps = DrawCaps(store)
-    draws = Draws(store, clock, caps)
+    caps = DrawCaps(store, recorder)
+    draws = Draws(store, clock, caps, recorder)
     ledger = Ledger(store, caps)
-    tickets = Tickets(settings, catalog, draws, store, ledger, clock)
+    tickets = Tickets(settings, catalog, draws, store, ledger, clock, recorder)
     availability = Availability(store, draws)
     return UseCases(
         catalog=catalog, clock=clock, draws=draws, tickets=tickets,
         availability=availability,
-        players=Players(catalog, ledger.players, clock),
+        players=Players(catalog, ledger.players, clock, recorder),
         janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
         feed=Feed(store, clock, draws, availability),
         exposure=Exposure(store, caps, clock),
+        journal=recorder,
     )

@@ -98,21 +98,22 @@ local function index(keys, args)
 end
 
 --[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
-Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st} (a
-decision of `sell` has results, not a body; st: f, k or c) | {'pending', at, sid, sale}
+Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st,
+cancelled at or false, released or false} (a decision of `sell` has results, not a body;
+st: f, k or c) | {'pending', at, sid, sale}
 | {'conflict'}
 | {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
 ticket replays at any time. Admin stops live in another slot: the caller reads them with
 its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
 -- The answer of a claim (or a sale) for a ticket id already recorded: `rec` is its
--- st, fp, at, sid, sale, body, res.
+-- st, fp, at, sid, sale, body, res, ca, rel.
 local function known_ticket(rec, fingerprint, now, stale_after_ms)
   local st = rec[1]
   if rec[2] ~= fingerprint then
     return {'conflict'}
   end
   if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7], st}
+    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7], st, rec[8], rec[9]}
   end
   if st == 'p' and now - tonumber(rec[3]) < stale_after_ms then
     return {'pending', tonumber(rec[3]), rec[4], rec[5]}
@@ -124,7 +125,8 @@ local function claim(keys, args)
   local ticket = keys[1]
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res')
+  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca',
+                         'rel')
   local st = rec[1]
   if not st then
     if now >= tonumber(args[3]) then
@@ -213,10 +215,12 @@ end
 --[[ expire: KEYS ticket; ARGV deadline_ms
 For the janitor. A ticket pending for deadline_ms or more becomes expired (no request
 resumes it any more); a cancel left unfinished for deadline_ms is handed over too.
-Returns {'x', at, sid, sale} | {'k', at, sid, sale, body} to settle, {'wait'} when the
+Returns {'x', at, sid, sale} | {'k', at, sid, sale, body, cancelled at, released, res} to
+settle, {'wait'} when the
 ticket is not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sid', 'sale', 'body', 'ca')
+  local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sid', 'sale', 'body', 'ca', 'rel',
+                         'res')
   local st = rec[1]
   local now, deadline = now_ms(), tonumber(args[1])
   if st == 'p' then
@@ -233,7 +237,7 @@ local function expire(keys, args)
     if now - tonumber(rec[6]) < deadline then
       return {'wait'}
     end
-    return {'k', rec[2], rec[3], rec[4], rec[5]}
+    return {'k', rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], rec[8]}
   end
   return {}
 end
@@ -559,8 +563,9 @@ local function feed_closed(keys, args)
   return 1
 end
 
---[[ stop: KEYS stops; ARGV field, expire_at
-An admin stops sales of a draw now (Redis TIME; the first stop wins): in the game's stops
+--[[ stop: KEYS stops; ARGV field, expire_at[, instant]
+An admin stops sales of a draw now (Redis TIME; the first stop wins; a journal's restore
+passes the instant the stop was answered at): in the game's stops
 hash (field: the draw), and in a copy per ticket slot (field "<game>:<draw>") that the
 cancel function checks atomically. Stops of draws whose retention has passed are pruned
 here, so a hash holds only draws still retained. Returns the instant sales stopped. ]]
@@ -577,9 +582,10 @@ local function stop(keys, args)
       redis.call('HDEL', keys[1], all[i])
     end
   end
-  redis.call('HSET', keys[1], args[1], now .. ':' .. args[2])
+  local instant = tonumber(args[3]) or now
+  redis.call('HSET', keys[1], args[1], instant .. ':' .. args[2])
   extend(keys[1], tonumber(args[2]))
-  return now
+  return instant
 end
 
 --[[ Player budgets (games with a daily limit).
@@ -631,7 +637,8 @@ ARGV ref, regulatory, expire_at, mode, day(1)…day(m), amount(1)…amount(m)
 mode "take": all or nothing over the m days. Returns {1, room left on day 1} | {0, room on
 the day that refused}; a re-run returns the recorded outcome; {-2} when the janitor sealed
 `ref`. mode "seal" (the janitor): when `ref` took nothing yet, records "X" so that a late
-take cannot charge, and returns {-2}. ]]
+take cannot charge, and returns {-2}. mode "restore" (a journal's restore): when `ref` is not
+recorded, takes the amounts without checking the limit (they were sold) and returns {1, 0}. ]]
 local function budget(keys, args)
   local ref, regulatory, expire_at = args[1], tonumber(args[2]), tonumber(args[3])
   local m = #keys - 1
@@ -644,6 +651,15 @@ local function budget(keys, args)
     redis.call('HSET', keys[2], ref, 'X')
     extend(keys[2], expire_at)
     return {-2}
+  end
+  if args[4] == 'restore' then
+    for i = 1, m do
+      local amount = tonumber(args[4 + m + i])
+      redis.call('HINCRBY', keys[1 + i], 'spent', amount)
+      redis.call('HSET', keys[1 + i], ref, amount)
+      extend(keys[1 + i], expire_at)
+    end
+    return {1, 0}
   end
   local rooms = {}
   for i = 1, m do
@@ -709,7 +725,8 @@ end
 
 --[[ set_limit: KEYS limit, today's budget; ARGV value ("none": remove), today, tomorrow,
 expire_at
-Lowering takes effect at once; raising or removing from tomorrow. Returns {limit in force
+Lowering takes effect at once; raising or removing from tomorrow. The record keeps `at`,
+the instant it was set (a journal's restore never puts an older state over it). Returns {limit in force
 today or "none", pending value or "", pending from or "", spent today}. ]]
 local function set_limit(keys, args)
   local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
@@ -728,9 +745,8 @@ local function set_limit(keys, args)
       redis.call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
     end
   end
-  if redis.call('EXISTS', keys[1]) == 1 then
-    redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
-  end
+  redis.call('HSET', keys[1], 'at', now_ms())
+  redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
   local after = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
   local in_force = self_limit(after, today)
   return {in_force and tostring(in_force) or 'none', after[2] or '', after[3] or '',
@@ -775,7 +791,8 @@ local function sell(keys, args)
   local ticket = keys[1]
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res')
+  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca',
+                         'rel')
   if rec[1] then
     return known_ticket(rec, args[1], now, tonumber(args[5]))
   end
@@ -877,6 +894,97 @@ local function sell(keys, args)
   return {'new', now, sid, results, near, sold, shadowed, table.concat(caps, ',')}
 end
 
+
+--[[ RESTORE (capsvc/journal/restore.py). A decision answered and journaled that Redis
+lost (a failover, a restart from an older file, a restored backup) is put back. Each
+function writes only what is missing, fenced by the sale id, so that restoring twice
+changes nothing; nothing is judged against the cap: the decision was answered. ]]
+
+--[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at
+("" for a decision not cancelled), released
+Writes a journaled decision: when the ticket is unknown, or this sale is still pending
+(Redis kept the claim, lost the decision), as decided, or when the journal says it was
+cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
+ticket of this sale that the journal says was cancelled becomes cancelling too. Returns
+{'written', has res} | {'cancelling', has res} | {'present'} (nothing to do) | {'other'}
+(the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
+kept as results (sold in one call: its aggregates are by number of picks). ]]
+local function restore_ticket(keys, args)
+  local rec = redis.call('HMGET', keys[1], 'st', 'sid', 'res')
+  local st = rec[1]
+  local cancel = args[7] ~= ''
+  if st and rec[2] ~= args[1] then
+    return {'other'}
+  end
+  local has_res = rec[3] and 1 or 0
+  if not st or st == 'p' or st == 'x' then
+    redis.call('HSET', keys[1], 'st', cancel and 'k' or 'f', 'fp', args[2], 'at', args[3],
+               'sid', args[1], 'sale', args[4], 'body', args[5])
+    if cancel then
+      redis.call('HSET', keys[1], 'ca', args[7], 'rel', args[8])
+    end
+    redis.call('PEXPIREAT', keys[1], tonumber(args[6]))
+    return {cancel and 'cancelling' or 'written', has_res}
+  end
+  if cancel and st == 'f' then
+    redis.call('HSET', keys[1], 'st', 'k', 'ca', args[7], 'rel', args[8])
+    return {'cancelling', has_res}
+  end
+  if cancel and st == 'k' then
+    return {'cancelling', has_res}
+  end
+  return {'present'}
+end
+
+--[[ restore_grid: KEYS bucket(draw 1), …, bucket(draw n); ARGV record, combo, stake, caps
+(see CAPS), min_stake, expire_at(draw 1), …, expire_at(draw n)
+A journaled accepted grid whose record Redis lost: its stake counted on every draw, past the
+cap if need be (it was sold), and recorded. Nothing when the grid has a record (counted,
+refused, or released: a cancel's release is never undone). Returns {1, over, sold-out
+offsets…} when counted (`over`: draws whose counter is now above its cap; the offsets: draws
+this brought to their cap), {0} when the record was there. ]]
+local function restore_grid(keys, args)
+  local last, field, combo = keys[#keys], args[1], args[2]
+  local stake, min_stake = tonumber(args[3]), tonumber(args[5])
+  local caps = caps_of(args[4], #keys)
+  if redis.call('HEXISTS', last, field) == 1 then
+    return {0}
+  end
+  local out = {1, 0}
+  for i = 1, #keys do
+    local total = redis.call('HINCRBY', keys[i], combo, stake)
+    extend(keys[i], tonumber(args[5 + i]))
+    if total > caps[i] then
+      out[2] = out[2] + 1
+    end
+    if caps[i] - total < min_stake and caps[i] - (total - stake) >= min_stake then
+      out[#out + 1] = i - 1
+    end
+  end
+  redis.call('HSET', last, field, stake)
+  return out
+end
+
+--[[ restore_limit: KEYS limit; ARGV at, limit ("" none), next ("" none), from, expire_at
+A player's self-limit as journaled when it was set at `at`, unless Redis holds one set at
+that instant or later. Returns 1 when written. ]]
+local function restore_limit(keys, args)
+  local at = tonumber(redis.call('HGET', keys[1], 'at') or '-1')
+  if at >= tonumber(args[1]) then
+    return 0
+  end
+  redis.call('DEL', keys[1])
+  redis.call('HSET', keys[1], 'at', args[1])
+  if args[2] ~= '' then
+    redis.call('HSET', keys[1], 'limit', args[2])
+  end
+  if args[3] ~= '' then
+    redis.call('HSET', keys[1], 'next', args[3], 'from', args[4])
+  end
+  redis.call('PEXPIREAT', keys[1], tonumber(args[5]))
+  return 1
+end
+
 redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
@@ -901,3 +1009,6 @@ redis.register_function('capsvc_settle', settle)
 redis.register_function('capsvc_set_limit', set_limit)
 redis.register_function('capsvc_player', player)
 redis.register_function('capsvc_sell', sell)
+redis.register_function('capsvc_restore_ticket', restore_ticket)
+redis.register_function('capsvc_restore_grid', restore_grid)
+redis.register_function('capsvc_restore_limit', restore_limit)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -14,7 +16,7 @@ import pytest
 import redis
 
 from capsvc.config import Settings, load_settings
-from capsvc.server import Service, Serving, build, start_serving
+from capsvc.server import Service, Serving, build, prepare, start_serving
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from capsvc.workers import listen
 
@@ -131,8 +133,15 @@ def standalone_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def settings() -> Settings:
+def base_settings() -> Settings:
     return load_settings(CONFIG)
+
+
+@pytest.fixture
+def settings(base_settings: Settings, tmp_path: Path) -> Settings:
+    """The test configuration, with a journal directory of the test's own (a service
+    restores its journal directory at start: another test's decisions must not come back)."""
+    return dataclasses.replace(base_settings, journal_dir=str(tmp_path / "journal"))
 
 
 @pytest.fixture
@@ -164,8 +173,7 @@ async def services(variants: list[Settings], redis_url: str) -> AsyncIterator[li
 
 
 async def start_service(svc: Service) -> tuple[Serving, str]:
-    await svc.store.load_library()
-    await svc.usecases.clock.sync()
+    await prepare(svc)
     sock = listen("127.0.0.1", 0)
     runner = await start_serving(svc, sock)  # as `capsvc serve` does
     return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -1,0 +1,103 @@
+"""Reading journal files back: their records, and whether their chains hold.
+
+A file is read line by line (memory: one line at a time). A line that does not end with a
+newline, at the end of a file, is a torn tail (what a crash or a failed write leaves): it
+is reported, not taken for tampering, and never read as a record. Anything else that does
+not chain — a line removed, altered, inserted or moved — is a break, named by file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from capsvc.journal.records import VERSION, Open, Record, chain_decoder, line_decoder
+from capsvc.journal.writer import journal_files
+
+
+@dataclass
+class FileCheck:
+    """What reading one file found."""
+
+    path: Path
+    header: Open | None = None
+    lines: int = 0
+    """Complete lines read (the tail aside)."""
+    hashes: list[str] = field(default_factory=list, repr=False)
+    """The hash of each line, in order (kept only when asked, for cross-file checks: the
+    line another file's header says it follows)."""
+    last_hash: str | None = None
+    tail: str | None = None
+    """What the end of the file holds that is not a record (a torn line)."""
+    breaks: list[str] = field(default_factory=list)
+
+
+def lines_of(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, bytes without the newline, whether it ended with a newline)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.endswith(b"\n"):
+                yield n, raw[:-1], True
+            else:
+                yield n, raw, False
+
+
+def read(path: Path, check: FileCheck | None = None, *, keep_hashes: bool = False
+         ) -> Iterator[tuple[int, Open | Record]]:
+    """The records of one file with their line numbers, checking its chain into `check`.
+    Lines that break the chain are still yielded when they decode (a reader restoring
+    decisions wants every decision; `verify` reports the break)."""
+    check = check if check is not None else FileCheck(path)
+    prev: str | None = None
+    for n, line, complete in lines_of(path):
+        if not complete:
+            check.tail = f"line {n}: a torn last line ({len(line)} bytes, no newline)"
+            return
+        try:
+            head = chain_decoder.decode(line)
+            record = line_decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            check.breaks.append(f"line {n}: not a journal record ({e})")
+            prev = hashlib.sha256(line).hexdigest()
+            check.lines = n
+            continue
+        if n == 1:
+            if not isinstance(record, Open):
+                check.breaks.append("line 1: the file does not start with its `open` line")
+            else:
+                check.header = record
+                if record.v > VERSION:
+                    check.breaks.append(f"line 1: format version {record.v} is newer than "
+                                        f"this reader's ({VERSION})")
+                if record.file != path.name:
+                    check.breaks.append(f"line 1: the file says it is {record.file!r}")
+        elif head.prev != prev:
+            check.breaks.append(f"line {n}: does not follow line {n - 1} (its prev hash "
+                                "differs: a line was removed, altered, inserted or moved)")
+        elif isinstance(record, Open):
+            check.breaks.append(f"line {n}: an `open` line inside the file")
+        prev = hashlib.sha256(line).hexdigest()
+        if keep_hashes:
+            check.hashes.append(prev)
+        check.lines = n
+        check.last_hash = prev
+        yield n, record
+
+
+def records(directory: Path, *, modified_since: float = 0.0
+            ) -> Iterator[tuple[Path, int, Open | Record]]:
+    """Every record of the directory's files last written at or after `modified_since`
+    (host clock, seconds): the files that may hold decisions still retained."""
+    for path in journal_files(directory):
+        try:
+            if os.stat(path).st_mtime < modified_since:
+                continue
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+        for n, record in read(path):
+            yield path, n, record

@@ -1,0 +1,148 @@
+"""What the use-cases journal, in their own terms: a sale's decision, a cancel, a void, an
+admin's stop, a draw's cap, a player's limit or stake.
+
+Each method builds the record and queues it on the journal; the future it returns resolves
+once the record is durable, and the use-case answers only then. With the journal off
+(`[journal] enabled = false`) every method returns a future already resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from capsvc.journal.records import (
+    CancelRecord,
+    CapRecord,
+    LimitRecord,
+    SaleRecord,
+    StakeRecord,
+    StopRecord,
+    Via,
+    VoidRecord,
+    grids_of,
+)
+from capsvc.journal.writer import Journal
+from capsvc.validator import Sale
+
+_decode_sale = msgspec.json.Decoder(Sale).decode
+
+
+class Recorder:
+    """Journals decisions for the use-cases (see the module's docstring)."""
+
+    def __init__(self, journal: Journal | None, now: Callable[[], int]) -> None:
+        self.journal = journal
+        self.now = now
+        """Redis TIME (ms), as the process's Redis clock tells it."""
+        self.proc = journal.proc if journal is not None else ""
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.journal is not None
+
+    def nothing(self) -> asyncio.Future[None]:
+        """A future already resolved: nothing to journal."""
+        return self._resolved()
+
+    def _resolved(self) -> asyncio.Future[None]:
+        done = self._done
+        if done is None:
+            done = self._done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+        return done
+
+    def sale(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
+             until: int, caps: list[int] | None = None) -> asyncio.Future[None]:
+        """A sale's decision (`body`: the answer, byte for byte)."""
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        assert sale.first_draw is not None
+        return journal.append(SaleRecord(
+            at=at, via=via, proc=self.proc, channel=channel, ticket=sale.ticket_id,
+            sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
+            fp=sale.fingerprint, until=until, grids=grids_of(sale),
+            decision=msgspec.Raw(body), player=sale.player_id, joker_plus=sale.joker_plus,
+            joker_cost=sale.joker_cost,
+            caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
+
+    def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
+               until: int, cancelled_at: int, released: int) -> asyncio.Future[None]:
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        assert sale.first_draw is not None
+        return journal.append(CancelRecord(
+            at=at, via=via, proc=self.proc, channel=channel, ticket=sale.ticket_id,
+            sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
+            fp=sale.fingerprint, until=until, grids=grids_of(sale),
+            decision=msgspec.Raw(body), player=sale.player_id, joker_plus=sale.joker_plus,
+            joker_cost=sale.joker_cost, cancelled_at=cancelled_at, released=released))
+
+    def ticket(self, via: Via, channel: str, raw_sale: bytes, sale_id: str, at: int,
+               body: bytes, until: int, state: bytes | None, cancelled_at: Any,
+               released: Any) -> asyncio.Future[None]:
+        """A stored decision reported again (a replay, a GET): as a cancel once the ticket
+        is cancelled or being cancelled, else as a sale."""
+        if self.journal is None:
+            return self._resolved()
+        sale = _decode_sale(raw_sale)
+        if state in (b"k", b"c") and cancelled_at is not None:
+            return self.cancel(via, channel, sale, sale_id, at, body, until,
+                               int(cancelled_at), int(released or 0))
+        return self.sale(via, channel, sale, sale_id, at, body, until)
+
+    def void(self, why: Any, channel: str, sale: Sale, sale_id: str, at: int, until: int
+             ) -> asyncio.Future[None]:
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        assert sale.first_draw is not None
+        return journal.append(VoidRecord(
+            at=at, why=why, proc=self.proc, channel=channel, ticket=sale.ticket_id,
+            sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
+            until=until, grids=grids_of(sale), player=sale.player_id))
+
+    def stop(self, channel: str, game: str, draw: int, at: int, until: int
+             ) -> asyncio.Future[None]:
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        return journal.append(StopRecord(at=at, proc=self.proc, channel=channel, game=game,
+                                         draw=draw, until=until))
+
+    def cap(self, game: str, draw: int, cap: int, until: int) -> None:
+        """A draw's cap, first learnt by this process (nobody waits for it: the decisions
+        judged by it carry it too, in the same batch or a later one)."""
+        if self.journal is not None:
+            self.journal.note(CapRecord(at=self.now(), proc=self.proc, game=game, draw=draw,
+                                        cap=cap, until=until))
+
+    def limit(self, channel: str, player: str, game: str, daily: int | None, at: int,
+              until: int, reply: list[Any]) -> asyncio.Future[None]:
+        """A self-limit set; `reply`: capsvc_set_limit's (in force, pending, from, spent)."""
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        in_force = None if reply[0] == b"none" else int(reply[0])
+        pending_from = reply[2].decode() if reply[2] else None
+        pending = None if not pending_from or reply[1] == b"none" else int(reply[1])
+        return journal.append(LimitRecord(
+            at=at, proc=self.proc, channel=channel, player=player, game=game, daily=daily,
+            until=until, limit=in_force, next=pending,
+            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from))
+
+    def stake(self, channel: str, player: str, game: str, ref: str, amount: int, day: str,
+              accepted: bool, remaining: int, at: int, until: int) -> asyncio.Future[None]:
+        journal = self.journal
+        if journal is None:
+            return self._resolved()
+        return journal.append(StakeRecord(
+            at=at, via="answer", proc=self.proc, channel=channel, player=player, game=game,
+            ref=ref, amount=amount, day=day, status="accepted" if accepted else "rejected",
+            remaining=remaining, until=until))

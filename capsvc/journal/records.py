@@ -1,0 +1,216 @@
+"""What a journal line holds: the record types, version 1 (docs/journal.md, field by field).
+
+A line is one JSON object: `prev` (the SHA-256, hex, of the previous line of the file, its
+bytes without the newline; null on a file's first line), then `type` and the record's
+fields. The writer puts `prev` in front of the encoded record (capsvc.journal.writer), so
+the hot path encodes a record once and never hashes.
+
+Every decision record carries what is needed to put the decision back into a Redis that
+lost it, without the request: the channel, the ticket id, the sale id the claim minted, the
+request's meaning (game, player, draws, grids with numbers, stake, multiplier, whether the
+cap counts them), its fingerprint, the decision exactly as answered (`decision`, the
+response body), the cap in force on each draw, and when it expires from Redis (`until`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import Raw, Struct
+
+from capsvc import combination
+from capsvc.validator import Sale, SaleGrid
+
+VERSION = 1
+"""The format's version (`v` of a file's `open` line); readers refuse a newer one."""
+
+Via = Literal["answer", "replay", "lookup", "janitor", "restore"]
+"""How a decision record came to be written: the answer that made it, a replay of a sale
+(or of a cancel), a GET of the ticket, the janitor's settlement, a restore's report."""
+
+
+class Grid(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False, gc=False):
+    """One grid as sold: what the request asked and whether the game's cap counts it."""
+
+    numbers: list[int]
+    stake: int
+    multiplier: bool = False
+    capped: bool = False
+
+
+class Open(Struct, tag="open", tag_field="type", forbid_unknown_fields=False):
+    """The first line of every file."""
+
+    v: int
+    file: str
+    proc: str
+    """host/pid of the process that writes the file."""
+    seq: int
+    """0 for the first file of a process, then 1, 2, …"""
+    opened: str
+    """When the file was opened, by the host's clock (RFC 3339, UTC): for people only."""
+    after: str | None = None
+    """The file of the same process this one follows (its `seq` is one less)."""
+    after_lines: int | None = None
+    """How many lines of `after` were durable when this file was opened: `prev` is the hash
+    of the last of them (lines after it are what a failed write left: a tail)."""
+
+
+class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
+                 forbid_unknown_fields=False):
+    """A sale's decision (accepted, partial or rejected), as answered."""
+
+    at: int
+    """Redis TIME (ms since the Unix epoch) when the sale was claimed: the decision's
+    instant, the receipt's issue time."""
+    via: Via
+    proc: str
+    channel: str
+    ticket: str
+    sale: str
+    """The sale id the claim minted (16 hex digits): names this sale of the ticket id."""
+    game: str
+    first_draw: int
+    draws: int
+    fp: str
+    """The request's fingerprint (a retry with another body is refused against it)."""
+    until: int
+    """When Redis forgets the ticket (ms): the close of its last draw plus retention."""
+    grids: list[Grid]
+    decision: Raw
+    """The response body of the decision, byte for byte (without `cancelled`)."""
+    player: str | None = None
+    joker_plus: bool = False
+    joker_cost: int = 0
+    caps: list[int] | None = None
+    """The cap in force on each draw of the ticket, when a grid is capped."""
+
+
+class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
+                   forbid_unknown_fields=False):
+    """A ticket cancelled: the sale's fields, and when and how much it gave back."""
+
+    cancelled_at: int = 0
+    """Redis TIME (ms) when the cancellation was decided."""
+    released: int = 0
+    """The cost given back (minor units): the decision's total cost."""
+
+
+class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
+                 forbid_unknown_fields=False):
+    """A sale that does not stand and was never answered: given back by the janitor
+    (abandoned before it was decided) or voided (claimed once a draw of it was stopped)."""
+
+    at: int
+    why: Literal["abandoned", "stopped"]
+    proc: str
+    channel: str
+    ticket: str
+    sale: str
+    game: str
+    first_draw: int
+    draws: int
+    until: int
+    grids: list[Grid]
+    player: str | None = None
+
+
+class StopRecord(Struct, tag="stop", tag_field="type", forbid_unknown_fields=False):
+    """An admin stopped the sales of a draw."""
+
+    at: int
+    """Redis TIME (ms) of the stop: sales claimed from then on do not stand."""
+    proc: str
+    channel: str
+    game: str
+    draw: int
+    until: int
+
+
+class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False):
+    """The cap in force for a draw, fixed by its first sale (written once per process and
+    draw, when the process first learns it)."""
+
+    at: int
+    proc: str
+    game: str
+    draw: int
+    cap: int
+    until: int
+
+
+class LimitRecord(Struct, tag="limit", tag_field="type", omit_defaults=True,
+                  forbid_unknown_fields=False):
+    """A player's self-limit set (what was asked, and what is in force after)."""
+
+    at: int
+    proc: str
+    channel: str
+    player: str
+    game: str
+    daily: int | None
+    """What was asked (null: remove the self-limit)."""
+    until: int
+    limit: int | None = None
+    """The self-limit in force today after the change (null: none)."""
+    next: int | None = None
+    """A raise or a removal pending from `from_day` (null: none pending)."""
+    next_none: bool = False
+    """The pending change removes the self-limit."""
+    from_day: str | None = None
+
+
+class StakeRecord(Struct, tag="stake", tag_field="type", omit_defaults=True,
+                  forbid_unknown_fields=False):
+    """A stake played on another game, against the player's daily budget."""
+
+    at: int
+    via: Via
+    proc: str
+    channel: str
+    player: str
+    game: str
+    ref: str
+    amount: int
+    day: str
+    """The player's day (in the game's time zone) the stake counted on."""
+    status: Literal["accepted", "rejected"]
+    remaining: int
+    until: int
+
+
+Record = (SaleRecord | CancelRecord | VoidRecord | StopRecord | CapRecord | LimitRecord
+          | StakeRecord)
+DecisionRecord = SaleRecord | CancelRecord
+
+_encoder = msgspec.json.Encoder()
+encode = _encoder.encode
+
+
+class Line(Struct, forbid_unknown_fields=False):
+    """What every line has, whatever its type (to read the chain)."""
+
+    prev: str | None = None
+
+
+line_decoder = msgspec.json.Decoder(Open | Record)
+"""Decodes a line's record (the `prev` field is read with `Line`)."""
+chain_decoder = msgspec.json.Decoder(Line)
+
+
+def grids_of(sale: Sale) -> list[Grid]:
+    return [Grid(list(g.numbers), g.stake, g.multiplier, g.capped) for g in sale.grids]
+
+
+def sale_of(r: SaleRecord | VoidRecord) -> Sale:
+    """The sale a record describes, as capsvc stores it in Redis."""
+    draws = r.draws
+    grids = tuple(
+        SaleGrid(i, tuple(g.numbers), combination.encode(g.numbers), g.stake, g.multiplier,
+                 g.stake * (2 if g.multiplier else 1) * draws, g.capped)
+        for i, g in enumerate(r.grids))
+    if isinstance(r, SaleRecord):
+        return Sale(r.ticket, r.game, r.player, r.first_draw, draws, grids, r.joker_plus,
+                    r.joker_cost, r.fp)
+    return Sale(r.ticket, r.game, r.player, r.first_draw, draws, grids, False, 0, "")
