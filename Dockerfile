@@ -1,6 +1,7 @@
 # capsvc: multi-stage build, slim runtime, non-root.
 # docker build -t capsvc . && docker run -p 8080:8080 \
-#   -v $PWD/capsvc.toml:/etc/capsvc/capsvc.toml:ro -e CAPSVC_REDIS_URL=redis://redis:6379/0 capsvc
+#   -v $PWD/capsvc.toml:/etc/capsvc/capsvc.toml:ro -v capsvc-journal:/var/lib/capsvc/journal \
+#   -e CAPSVC_REDIS_URL=redis://redis:6379/0 capsvc
 
 FROM python:3.11-slim AS build
 WORKDIR /src
@@ -11,7 +12,8 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
 RUN groupadd --system --gid 10001 capsvc \
- && useradd --system --uid 10001 --gid capsvc --create-home --home-dir /app capsvc
+ && useradd --system --uid 10001 --gid capsvc --create-home --home-dir /app capsvc \
+ && install -d -o capsvc -g capsvc -m 0750 /var/lib/capsvc/journal
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 # Named for readability; its uid and gid are fixed (10001) and the Kubernetes manifests set
@@ -25,6 +27,12 @@ WORKDIR /app
 # configuration has public example tokens.
 ENV CAPSVC_CONFIG=/etc/capsvc/capsvc.toml \
     PYTHONUNBUFFERED=1
+# The journal (the decisions answered): set `[journal] dir = "/var/lib/capsvc/journal"` in
+# the configuration (the default, var/journal, is relative to /app, in the container's own
+# layer) and mount a volume here (-v capsvc-journal:/var/lib/capsvc/journal), else Docker
+# makes an anonymous one that `docker rm -v` deletes. A new named volume takes this
+# directory's owner, capsvc (10001).
+VOLUME ["/var/lib/capsvc/journal"]
 EXPOSE 8080
 # Exec form (no shell): the image's own python; any exception (refused, timeout, non-2xx)
 # exits 1, which Docker counts as unhealthy.

@@ -1,20 +1,26 @@
 """The deploy/ files: alert rules pass promtool and their unit tests, the dashboard and the
-rules refer only to metrics the service exports, the manifests say what they should."""
+rules refer only to metrics the service exports, the manifests say what they should, and the
+journal directory is on a volume that outlives the pod or container wherever capsvc runs
+(Kubernetes, docker-compose, the image)."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
-from pathlib import Path
+import tomllib
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from capsvc.config import load_settings
 from capsvc.metrics import Metrics
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 METRIC_RE = re.compile(r"\b(capsvc_[a-z_]+)")
 SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info")
 
@@ -65,15 +71,52 @@ def load_all(path: Path) -> list[Any]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def k8s_docs() -> list[Any]:
+    return [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) if f.name != "kustomization.yaml"
+            for d in load_all(f)]
+
+
+def statefulset() -> dict[str, Any]:
+    (sts,) = [d for d in k8s_docs() if d["kind"] == "StatefulSet"]
+    return dict(sts)
+
+
+def configmap_toml() -> dict[str, Any]:
+    (config,) = [d for d in k8s_docs() if d["kind"] == "ConfigMap"]
+    return tomllib.loads(config["data"]["capsvc.toml"])
+
+
+def journal_dir(config: dict[str, Any], where: str) -> str:
+    """A configuration's [journal] dir: set, absolute (a relative one would be under the
+    working directory, on the container's own disk), the journal not turned off."""
+    journal = config.get("journal", {})
+    assert journal.get("enabled", True) is True, f"{where}: the journal is turned off"
+    directory = journal.get("dir")
+    assert isinstance(directory, str), f"{where}: no [journal] dir"
+    assert PurePosixPath(directory).is_absolute(), f"{where}: [journal] dir {directory!r}"
+    return directory
+
+
+def seconds(duration: str) -> float:
+    """A configuration duration ("250ms", "5s", "1m") in seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert match, duration
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
 def test_kubernetes_manifests() -> None:
-    """Deployment with probes on /healthz and /readyz, resources and a non-root user;
-    Service, PDB, HPA, ConfigMap and Secret present."""
-    docs = [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in load_all(f)]
+    """StatefulSet (no Deployment) with probes on /healthz and /readyz, resources and a
+    non-root user; Service, PDB, HPA, ConfigMap and Secret present; kustomize applies every
+    manifest of the directory, and only those."""
+    docs = k8s_docs()
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+    assert {"StatefulSet", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
             "ConfigMap", "Secret"} <= kinds
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
-    pod = deployment["spec"]["template"]["spec"]
+    assert "Deployment" not in kinds
+    (kustomization,) = load_all(DEPLOY / "k8s" / "kustomization.yaml")
+    files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(kustomization["resources"]) == sorted(files)
+    pod = statefulset()["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -82,6 +125,129 @@ def test_kubernetes_manifests() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert "token" not in config["data"]["capsvc.toml"].replace("token hashes", "")
+
+
+def test_statefulset_keeps_each_pods_journal_on_a_claim_of_its_own() -> None:
+    """The capsvc container mounts, writable, at the ConfigMap's [journal] dir, a volume
+    claim template of the StatefulSet (ReadWriteOnce, a size, the cluster's default
+    StorageClass), not a pod volume: each pod a claim of its own, kept across restarts and
+    rescheduling. The pod's group may write it (fsGroup); the root filesystem stays
+    read-only."""
+    directory = journal_dir(configmap_toml(), "configmap.yaml capsvc.toml")
+    spec = statefulset()["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    assert not mount.get("readOnly", False)
+    assert "subPath" not in mount
+    templates = {t["metadata"]["name"]: t for t in spec["volumeClaimTemplates"]}
+    assert mount["name"] in templates, f"{directory} is not on a volume claim template"
+    assert mount["name"] not in {v["name"] for v in pod.get("volumes", [])}
+    claim = templates[mount["name"]]["spec"]
+    assert claim["accessModes"] == ["ReadWriteOnce"]
+    assert claim["resources"]["requests"]["storage"]
+    assert "storageClassName" not in claim  # the cluster's default
+    # Scaling down or deleting the StatefulSet keeps the claims (the journals on them).
+    retention = spec.get("persistentVolumeClaimRetentionPolicy", {})
+    assert retention.get("whenScaled", "Retain") == "Retain"
+    assert retention.get("whenDeleted", "Retain") == "Retain"
+    security = pod["securityContext"]
+    assert security["fsGroup"] == security["runAsGroup"] == 10001
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for init in pod.get("initContainers", []):
+        assert mount["name"] not in {m["name"] for m in init["volumeMounts"]}
+
+
+def test_statefulset_services_hpa_and_pdb_fit_together() -> None:
+    """The StatefulSet's serviceName is a headless Service selecting its pods; the clients'
+    Service still has a virtual IP, port 80 to the pods' http port; the HPA scales the
+    StatefulSet, the PDB selects its pods; a pod's grace period outlasts its drain."""
+    docs = k8s_docs()
+    sts = statefulset()
+    spec = sts["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    governing = services[spec["serviceName"]]["spec"]
+    assert governing["clusterIP"] == "None"
+    assert governing["selector"].items() <= labels.items()
+    (client,) = [s["spec"] for name, s in services.items() if name != spec["serviceName"]]
+    assert client.get("clusterIP") != "None"
+    assert client["selector"].items() <= labels.items()
+    assert [(p["port"], p["targetPort"]) for p in client["ports"]] == [(80, "http")]
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        "apps/v1", "StatefulSet", sts["metadata"]["name"])
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["minAvailable"] < spec["replicas"] <= hpa["spec"]["minReplicas"]
+    server = configmap_toml()["server"]
+    drain = seconds(server.get("drain_delay", "1s")) + seconds(server.get("request_timeout",
+                                                                          "5s"))
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+
+
+def compose_file() -> dict[str, Any]:
+    (compose,) = load_all(DEPLOY / "docker-compose.yml")
+    return dict(compose)
+
+
+def test_compose_keeps_the_journal_on_a_named_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configuration compose mounts (CAPSVC_CONFIG) is deploy/capsvc.toml, valid, whose
+    [journal] dir is a named volume of the stack (`docker compose down` keeps it)."""
+    compose = compose_file()
+    capsvc = compose["services"]["capsvc"]
+    binds = {}
+    for volume in capsvc["volumes"]:
+        source, target, *_ = volume.split(":")
+        binds[target] = source
+    config_source = binds[capsvc["environment"]["CAPSVC_CONFIG"]]
+    config_path = (DEPLOY / config_source).resolve()
+    assert config_path == DEPLOY / "capsvc.toml"
+    for name in ("CAPSVC_REDIS_URL", "CAPSVC_CONFIG", "CAPSVC_DURABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    load_settings(config_path)  # as `capsvc check-config` does
+    directory = journal_dir(tomllib.loads(config_path.read_text()), "deploy/capsvc.toml")
+    assert directory in binds, f"compose mounts nothing at {directory}"
+    assert binds[directory] in compose["volumes"], f"{binds[directory]} is not a named volume"
+
+
+def dockerfile_final_stage() -> list[tuple[str, str]]:
+    """The Dockerfile's last stage: (INSTRUCTION, arguments), continuations joined and
+    comments dropped."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
+             if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    instructions = [(m.group(1).upper(), m.group(2).strip())
+                    for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.M)]
+    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    return instructions[last_from:]
+
+
+def test_dockerfile_declares_the_journal_volume() -> None:
+    """The image declares a VOLUME at the journal directory of the Kubernetes and compose
+    configurations, created owned by capsvc (uid/gid 10001) before USER and VOLUME, so a new
+    named volume, which takes the directory's owner, is writable by the service."""
+    directory = journal_dir(configmap_toml(), "configmap.yaml capsvc.toml")
+    compose_config = tomllib.loads((DEPLOY / "capsvc.toml").read_text())
+    assert journal_dir(compose_config, "deploy/capsvc.toml") == directory
+    stage = dockerfile_final_stage()
+    volumes = []
+    for i, (keyword, args) in enumerate(stage):
+        if keyword == "VOLUME":
+            paths = json.loads(args) if args.startswith("[") else args.split()
+            volumes.extend((i, p) for p in paths)
+    matches = [i for i, p in volumes if p.rstrip("/") == directory]
+    assert len(matches) == 1, f"VOLUME {directory} not declared once: {volumes}"
+    (index,) = matches
+    (user,) = [i for i, (k, _) in enumerate(stage) if k == "USER"]
+    created = [i for i, (k, args) in enumerate(stage) if k == "RUN" and directory in args
+               and re.search(r"-o capsvc -g capsvc|chown (-R )?(capsvc:capsvc|10001:10001)",
+                             args)]
+    assert created, f"{directory} is not created owned by capsvc in a RUN"
+    assert created[0] < user, "created after USER"
+    assert created[0] < index, "created after VOLUME (the change would be lost)"
 
 
 def test_compose_stack() -> None:

@@ -108,7 +108,10 @@ def test_checkov_finds_no_failed_check() -> None:
            for c in results["passed_checks"] + results["skipped_checks"]}
     for check in ONCE_FAILED:
         assert any(c == check for c, _ in ran), f"{check} was not run"
-    assert ("CKV_K8S_35", "Deployment.capsvc.capsvc") in ran
+    assert ("CKV_K8S_35", "StatefulSet.capsvc.capsvc") in ran
+    # The workload's own checks ran on the StatefulSet (read-only root, non-root, seccomp).
+    for check in ("CKV_K8S_22", "CKV_K8S_40", "CKV_K8S_31"):
+        assert (check, "StatefulSet.capsvc.capsvc") in ran, f"{check} not run on it"
     documented = skips_documented()
     for skip in results["skipped_checks"]:
         where = f"{skip['check_id']} on {skip['resource']} ({skip['file_path']})"
@@ -145,10 +148,35 @@ def test_kubernetes_validate_accepts_every_manifest() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def workload() -> dict[str, Any]:
+    """The StatefulSet (the only workload: its pods have a journal claim of their own)."""
+    assert not [d for d in docs() if d["kind"] in ("Deployment", "DaemonSet", "Pod")]
+    (statefulset,) = [d for d in docs() if d["kind"] == "StatefulSet"]
+    return statefulset
+
+
 def pod_spec() -> dict[str, Any]:
-    (deployment,) = [d for d in docs() if d["kind"] == "Deployment"]
-    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    spec: dict[str, Any] = workload()["spec"]["template"]["spec"]
     return spec
+
+
+def test_the_only_writable_mounts_are_tmp_and_the_journal() -> None:
+    """The capsvc container's root filesystem is read-only; what it may write is /tmp (an
+    emptyDir with a size limit) and its journal claim, nothing else (no hostPath, no
+    writable Secret or ConfigMap)."""
+    pod = pod_spec()
+    (main,) = pod["containers"]
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claims = {t["metadata"]["name"] for t in workload()["spec"]["volumeClaimTemplates"]}
+    assert not any("hostPath" in v for v in volumes.values())
+    writable = {m["name"]: m["mountPath"] for m in main["volumeMounts"]
+                if not m.get("readOnly", False)}
+    (journal,) = [name for name in writable if name in claims]
+    assert writable[journal] == "/var/lib/capsvc/journal"
+    others = {name: path for name, path in writable.items() if name != journal}
+    assert others == {"tmp": "/tmp"}, others
+    assert volumes["tmp"]["emptyDir"].get("sizeLimit")
 
 
 def test_every_checkov_skip_is_documented() -> None:
