@@ -1,4 +1,5 @@
-"""The `capsvc` command: `serve`, `check-config` and `watch`."""
+"""The `capsvc` command: `serve`, `check-config`, `watch`, `journal restore` and
+`journal verify`."""
 
 from __future__ import annotations
 
@@ -143,6 +144,116 @@ def _watch(args: argparse.Namespace) -> int:
         return 0
 
 
+def _journal_restore(args: argparse.Namespace) -> int:
+    """Restore the journal directory into Redis now (what a process does by itself at
+    start and on every new Redis identity)."""
+    from pathlib import Path
+
+    from capsvc.cluster import connect
+    from capsvc.games import Catalog
+    from capsvc.journal.restore import restore_once
+    from capsvc.store import Store, lua_source
+
+    settings = _settings(args.config)
+    url = args.redis_url or settings.redis_url
+    if url is None:
+        print("capsvc journal restore: no Redis: give --redis-url or [redis] url",
+              file=sys.stderr)
+        return 2
+    if problem := redis_url_problem(url):
+        print(f"capsvc journal restore: {problem}", file=sys.stderr)
+        return 2
+    directory = Path(args.dir or settings.journal_dir)
+
+    async def run() -> int:
+        redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
+                        library=lua_source())
+        try:
+            done, _ = await restore_once(directory, Catalog(settings.games),
+                                         Store(redis))
+        finally:
+            await redis.aclose()
+        rate = done.records / done.seconds if done.seconds else 0.0
+        print(f"restored {directory} into {_redis_target(url)}: {done.records} record(s) of "
+              f"decisions still retained read in {done.seconds:.2f} s ({rate:,.0f}/s)")
+        put_back = ", ".join(f"{n} {kind}" for kind, n in sorted(done.applied.items()))
+        print(f"  put back: {put_back or 'nothing (Redis had every decision)'}; "
+              f"{done.grids} grid(s) counted again")
+        if done.over_cap:
+            print(f"  {done.over_cap} counter(s) now above their cap (sold past it)")
+        if done.other_sale:
+            print(f"  {done.other_sale} ticket id(s) now held by another sale (see the log)")
+        if done.skipped:
+            print(f"  {done.skipped} record(s) of games no longer configured, skipped")
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except Exception as e:
+        print(f"capsvc journal restore: {e}", file=sys.stderr)
+        return 1
+
+
+def _journal_verify(args: argparse.Namespace) -> int:
+    """Check the chains and the caps of journal directories (and with --redis, the totals
+    against Redis); exit 0 only when intact and within the caps."""
+    import json
+    from pathlib import Path
+
+    from capsvc.journal.verify import verify
+
+    settings = _settings(args.config) if args.config or args.redis or not args.dirs else None
+    dirs = [Path(d) for d in args.dirs] or [Path(settings.journal_dir if settings else
+                                                 "var/journal")]
+    missing = [d for d in dirs if not d.is_dir()]
+    if missing:
+        print(f"capsvc journal verify: no such directory: {', '.join(map(str, missing))}",
+              file=sys.stderr)
+        return 2
+    out = verify(dirs)
+    compared = None
+    if args.redis:
+        assert settings is not None
+        url = args.redis if isinstance(args.redis, str) else settings.redis_url
+        problem = "no URL (give one, or [redis] url)" if url is None else redis_url_problem(url)
+        if problem or url is None:
+            print(f"capsvc journal verify: --redis: {problem}", file=sys.stderr)
+            return 2
+        compared = asyncio.run(_compare(out, url, settings))
+    if args.json:
+        print(json.dumps({
+            "ok": out.ok, "files": len(out.files), "records": out.records,
+            "decisions": out.decisions, "totals": len(out.totals), "breaks": out.breaks,
+            "tails": out.tails, "over_cap": out.over_cap, "mismatches": out.mismatches,
+            "compared_with_redis": compared, "notes": out.notes}, indent=2))
+        return 0 if out.ok else 1
+    print(f"{len(out.files)} file(s), {out.records} record(s), {out.decisions} sale(s), "
+          f"{len(out.totals)} (draw, combination) total(s)")
+    for title, lines in (("chain broken", out.breaks), ("over the cap", out.over_cap),
+                         ("differs from Redis", out.mismatches), ("torn tail (a crash; "
+                         "not a break)", out.tails), ("note", out.notes)):
+        for line in lines:
+            print(f"{title}: {line}")
+    if compared is not None:
+        print(f"compared with Redis: {compared} total(s) of draws still retained")
+    print("OK: every chain intact, every total within its cap" if out.ok else "FAILED")
+    return 0 if out.ok else 1
+
+
+async def _compare(out: object, url: str, settings: Settings) -> int:
+    from capsvc.cluster import connect
+    from capsvc.games import Catalog
+    from capsvc.journal.verify import Verification, compare_with_redis
+    from capsvc.store import Store
+
+    assert isinstance(out, Verification)
+    redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0))
+    try:
+        return await compare_with_redis(out, Store(redis), Catalog(settings.games))
+    finally:
+        await redis.aclose()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,7 +281,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="environment variable holding the bearer token "
                               "(default CAPSVC_TOKEN; a token on the command line would "
                               "show in the process list)")
+    p_journal = sub.add_parser("journal", help="the journal of answered decisions")
+    journal = p_journal.add_subparsers(dest="journal_command", required=True)
+    p_restore = journal.add_parser(
+        "restore", help="put back into Redis the journaled decisions it lacks (idempotent)")
+    p_restore.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_restore.add_argument("--redis-url", help="default: $CAPSVC_REDIS_URL, [redis] url")
+    p_restore.add_argument("--dir", help="journal directory (default: [journal] dir)")
+    p_verify = journal.add_parser(
+        "verify", help="check journal files' chains and caps (exit 0 only when intact and "
+                       "within every cap)")
+    p_verify.add_argument("dirs", nargs="*", metavar="DIR",
+                          help="journal directories (default: [journal] dir)")
+    p_verify.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_verify.add_argument("--redis", nargs="?", const=True, metavar="URL",
+                          help="also compare the totals with Redis for draws still retained "
+                               "(default URL: [redis] url)")
+    p_verify.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.command == "journal":
+        logs.setup("WARNING")
+        return (_journal_restore if args.journal_command == "restore" else _journal_verify)(args)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "watch":

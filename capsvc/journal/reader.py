@@ -28,9 +28,10 @@ class FileCheck:
     header: Open | None = None
     lines: int = 0
     """Complete lines read (the tail aside)."""
-    hashes: list[str] = field(default_factory=list, repr=False)
-    """The hash of each line, in order (kept only when asked, for cross-file checks: the
-    line another file's header says it follows)."""
+    captured: dict[int, str] = field(default_factory=dict, repr=False)
+    """The hash of the lines asked for (the line another file's first line follows)."""
+    first_prev: str | None = None
+    """The `prev` of the first line (the hash of the line of the file it follows)."""
     last_hash: str | None = None
     tail: str | None = None
     """What the end of the file holds that is not a record (a torn line)."""
@@ -47,7 +48,7 @@ def lines_of(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield n, raw, False
 
 
-def read(path: Path, check: FileCheck | None = None, *, keep_hashes: bool = False
+def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] = frozenset()
          ) -> Iterator[tuple[int, Open | Record]]:
     """The records of one file with their line numbers, checking its chain into `check`.
     Lines that break the chain are still yielded when they decode (a reader restoring
@@ -64,9 +65,12 @@ def read(path: Path, check: FileCheck | None = None, *, keep_hashes: bool = Fals
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             check.breaks.append(f"line {n}: not a journal record ({e})")
             prev = hashlib.sha256(line).hexdigest()
+            if n in capture:
+                check.captured[n] = prev
             check.lines = n
             continue
         if n == 1:
+            check.first_prev = head.prev
             if not isinstance(record, Open):
                 check.breaks.append("line 1: the file does not start with its `open` line")
             else:
@@ -82,8 +86,8 @@ def read(path: Path, check: FileCheck | None = None, *, keep_hashes: bool = Fals
         elif isinstance(record, Open):
             check.breaks.append(f"line {n}: an `open` line inside the file")
         prev = hashlib.sha256(line).hexdigest()
-        if keep_hashes:
-            check.hashes.append(prev)
+        if n in capture:
+            check.captured[n] = prev
         check.lines = n
         check.last_hash = prev
         yield n, record
@@ -101,3 +105,16 @@ def records(directory: Path, *, modified_since: float = 0.0
             continue
         for n, record in read(path):
             yield path, n, record
+
+
+def header_of(path: Path) -> Open | None:
+    """A file's `open` line, None if it has none."""
+    for _, line, complete in lines_of(path):
+        if not complete:
+            return None
+        try:
+            record = line_decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return record if isinstance(record, Open) else None
+    return None
