@@ -547,6 +547,12 @@ class PartitionProxy(_BackgroundProxy):
         """Close every connection now, both sides (new ones are still accepted)."""
         self._run(self._cut())
 
+    def retarget(self, host: str, port: int) -> None:
+        """Carry new connections to another server (as a DNS name or a virtual IP moved to
+        a promoted replica would); the connections already carried are left as they are
+        (`cut()` them to move everyone)."""
+        self.upstream = (host, port)
+
     # -- inside the loop -------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

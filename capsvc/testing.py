@@ -125,6 +125,17 @@ class RedisServer:
             return None
         return self.via.port if self.via is not None else self.replica_of.port
 
+    def cut_replicas(self) -> None:
+        """Cut this primary's replicas off: their replication connections are closed and
+        new connections refused (a password is set: the clients already connected, capsvc
+        among them, keep theirs), so that what it runs from now on reaches no replica, as
+        in a partition. A SIGSTOP of a replica would not do: the kernel still receives its
+        stream, and it catches up on SIGCONT."""
+        c = self.client()
+        c.config_set("requirepass", os.urandom(8).hex())
+        c.execute_command("CLIENT", "KILL", "TYPE", "replica")  # type: ignore[no-untyped-call]
+        c.close()
+
     def start(self) -> RedisServer:
         primary, upstream = self.replica_of, self._upstream_port()
         replica = ("--replicaof", "127.0.0.1", str(upstream)) if upstream else ()
@@ -543,11 +554,12 @@ HOT_COMBINATIONS: tuple[tuple[int, ...], ...] = (
 """The hot set the sellers play: combinations of 8 and 9 numbers, all capped."""
 
 
-def failover_config(durability: str = "default", *, cap: int = FAILOVER_CAP) -> str:
+def failover_config(durability: str = "default", *, cap: int = FAILOVER_CAP,
+                    journal: bool = True) -> str:
     """A `capsvc serve` configuration (TOML text) for failover runs: the game
     `FAILOVER_GAME` (FDJ rules, a cap of `cap`), channels for `SELLER_TOKEN` and
     `OPS_TOKEN`, the given `[redis] durability`, short timeouts so that a dead primary is a
-    503 within a fraction of a second."""
+    503 within a fraction of a second; `journal=False` turns the journal off."""
 
     def digest(token: str) -> str:
         return hashlib.sha256(token.encode()).hexdigest()
@@ -565,6 +577,9 @@ drain_delay = "100ms"
 [janitor]
 pending_deadline = "10s"
 interval = "1s"
+
+[journal]
+enabled = {"true" if journal else "false"}
 
 [[games]]
 id = "{FAILOVER_GAME}"
@@ -586,10 +601,10 @@ scopes = ["read", "admin"]
 
 
 def write_failover_config(directory: str | os.PathLike[str], durability: str = "default",
-                          *, cap: int = FAILOVER_CAP) -> str:
+                          *, cap: int = FAILOVER_CAP, journal: bool = True) -> str:
     """`failover_config` written to `directory`/capsvc-failover.toml; its path."""
     path = Path(directory) / "capsvc-failover.toml"
-    path.write_text(failover_config(durability, cap=cap))
+    path.write_text(failover_config(durability, cap=cap, journal=journal))
     return str(path)
 
 
@@ -1050,20 +1065,34 @@ def partitioned_pair(stack: ExitStack, binary: str | None = None
 
 def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: float = 1.5,
                        freeze_s: float = 2.0, after_s: float = 2.0, sellers: int = 8,
-                       n_draws: int = 30, seed: int = 0) -> FailoverRun:
+                       n_draws: int = 30, seed: int = 0, how: str = "restart",
+                       journal: bool = True) -> FailoverRun:
     """Scenarios a and b: a primary and one replica linked through a PartitionProxy,
     capsvc on the primary, sellers selling. The link freezes `freeze_s` before the primary
-    is killed (SIGKILL); the replica is promoted (REPLICAOF NO ONE), capsvc is restarted
-    on it (same port), and the killed primary comes back as the new primary's replica (so
-    that `replicas:1` can confirm again). Sales go on for `after_s`, then the audit.
+    is killed (SIGKILL); the replica is promoted (REPLICAOF NO ONE), and the killed primary
+    comes back as the new primary's replica (so that `replicas:1` can confirm again). Sales
+    go on for `after_s`, then the audit. `how`: "restart", capsvc is restarted on the
+    promoted replica (same port, same journal directory); "redirect", capsvc is not
+    restarted: it reaches Redis through an address (a proxy) that now leads to the promoted
+    replica, as a DNS name or a virtual IP moved over would. `journal=False`: capsvc runs
+    with `[journal] enabled = false` (what the journal is measured against).
 
-    Marks: "freeze", "kill", "promoted", "restarted" (capsvc on the new primary),
-    "rejoined" (the old primary is its replica)."""
+    Marks: "freeze", "kill", "promoted", "restarted" (capsvc on the new primary, or its
+    address moved), "rejoined" (the old primary is its replica)."""
+    if how not in ("restart", "redirect"):
+        raise ValueError(f"how is 'restart' or 'redirect', not {how!r}")
     with _stack() as stack:
         tmp = tempfile.mkdtemp(prefix="capsvc-failover-")
-        config = write_failover_config(tmp, durability)
+        config = write_failover_config(tmp, durability, journal=journal)
+        env = {"CAPSVC_JOURNAL_DIR": str(Path(tmp) / "journal")}
         primary, proxy, replica = partitioned_pair(stack, binary)
-        services = [ServiceProcess(config, primary.url).start()]
+        front: PartitionProxy | None = None
+        url = primary.url
+        if how == "redirect":
+            front = PartitionProxy("127.0.0.1", primary.port).start()
+            stack.callback(front.stop)
+            url = f"redis://127.0.0.1:{front.port}/0"
+        services = [ServiceProcess(config, url, env=env).start()]
         stack.callback(lambda: services[-1].stop())
         crowd = _sell_around(services[0], stack, sellers=sellers, n_draws=n_draws, seed=seed)
         crowd.wait_acknowledged(1)
@@ -1075,16 +1104,22 @@ def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: 
         crowd.mark("kill")
         replica.promote()
         crowd.mark("promoted")
-        services[0].stop()
-        services.append(ServiceProcess(config, replica.url, port=services[0].port).start())
+        if front is not None:
+            front.retarget("127.0.0.1", replica.port)
+            front.cut()
+        else:
+            services[0].stop()
+            services.append(ServiceProcess(config, replica.url, port=services[0].port,
+                                           env=env).start())
         crowd.mark("restarted")
         primary.follow(replica)
         crowd.mark("rejoined")
         time.sleep(after_s)
         crowd.stop()
         result = audit(services[-1].base_url, crowd)
-        return FailoverRun("partition", durability, primary.binary, crowd, result,
-                           service_restarted=True)
+        name = "partition" if how == "restart" else "partition-redirect"
+        return FailoverRun(name, durability, primary.binary, crowd, result,
+                           service_restarted=front is None)
 
 
 def sentinel_scenario(durability: str, how: str = "kill", *, binary: str | None = None,
@@ -1144,7 +1179,8 @@ def sentinel_scenario(durability: str, how: str = "kill", *, binary: str | None 
 
 def cluster_scenario(durability: str, how: str = "kill", *, binary: str | None = None,
                      warmup_s: float = 1.5, after_s: float = 2.0, sellers: int = 8,
-                     n_draws: int = 30, seed: int = 0) -> FailoverRun:
+                     n_draws: int = 30, seed: int = 0, lag_s: float = 0.0,
+                     journal: bool = True) -> FailoverRun:
     """Scenario d: a Redis Cluster of 3 primaries with a replica each, capsvc on the
     `redis+cluster://` URL, sellers selling. `how="kill"`: a primary is killed (SIGKILL),
     the cluster promotes its replica, then the killed node is restarted and rejoins as the
@@ -1152,12 +1188,16 @@ def cluster_scenario(durability: str, how: str = "kill", *, binary: str | None =
     `how="failover"`: `CLUSTER FAILOVER` on a replica. Then `after_s` more of sales and the
     audit.
 
-    Marks: "kill" (or "failover"), "promoted", "rejoined" (kill only)."""
+    `lag_s` (kill only): the victim's replica is cut off (`RedisServer.cut_replicas`) that
+    long before the kill, so that the shard loses what it was answered meanwhile (what
+    `default` durability risks); it is promoted all the same.
+
+    Marks: "lag" (lag_s), "kill" (or "failover"), "promoted", "rejoined" (kill only)."""
     if how not in ("kill", "failover"):
         raise ValueError(f"how is 'kill' or 'failover', not {how!r}")
     with _stack() as stack:
         tmp = tempfile.mkdtemp(prefix="capsvc-failover-")
-        config = write_failover_config(tmp, durability)
+        config = write_failover_config(tmp, durability, journal=journal)
         cluster = RedisCluster(primaries=3, replicas=1, binary=binary).start()
         stack.callback(cluster.stop)
         service = ServiceProcess(config, cluster.url).start()
@@ -1166,7 +1206,13 @@ def cluster_scenario(durability: str, how: str = "kill", *, binary: str | None =
         crowd.wait_acknowledged(1)
         time.sleep(warmup_s)
         if how == "kill":
-            victim, successors = cluster.kill_primary()
+            victim = cluster.primary_nodes()[-1]
+            successors = cluster.replicas_of(victim)  # asked before the victim refuses us
+            if lag_s:
+                victim.cut_replicas()
+                crowd.mark("lag")
+                time.sleep(lag_s)
+            victim.kill()
             crowd.mark("kill")
             cluster.wait_promoted(successors)
             crowd.mark("promoted")

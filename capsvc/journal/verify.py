@@ -77,10 +77,13 @@ def verify(directories: Iterable[Path]) -> Verification:
         for path in files:
             check = FileCheck(path)
             capture = frozenset(wanted.get(path.name, ()))
-            for _, record in read(path, check, capture=capture):
+            for n, record in read(path, check, capture=capture):
                 out.records += 1
                 if isinstance(record, SaleRecord):
-                    _decision_of(out, record, counted, cancelled)
+                    try:
+                        _decision_of(out, record, counted, cancelled)
+                    except msgspec.ValidationError as e:
+                        check.breaks.append(f"line {n}: its decision is not one ({e})")
                 elif isinstance(record, CapRecord):
                     out.caps.setdefault((record.game, record.draw), record.cap)
             out.files.append(check)

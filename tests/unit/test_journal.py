@@ -1,0 +1,197 @@
+"""The journal on its own (real files, no Redis): group commit, rotation, the chain, and
+`verify` finding every kind of tampering by file and line, a torn tail not taken for one,
+and the caps recomputed from the decisions alone."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from capsvc.config import load_settings
+from capsvc.errors import Unavailable
+from capsvc.journal import writer as writer_module
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.verify import verify
+from capsvc.journal.writer import Journal, journal_files, open_journal
+from capsvc.models import TicketIn
+from capsvc.validator import Sale, validate_ticket
+
+CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
+RULES = load_settings(CONFIG).games["fdj-keno"]
+HOT = [3, 7, 12, 18, 25, 33, 41, 56]
+
+
+def sale(ticket_id: str, stake: int = 500, numbers: list[int] = HOT, draws: int = 1) -> Sale:
+    t = msgspec.convert({"ticket_id": ticket_id, "game": "fdj-keno", "first_draw": 100,
+                         "draws": draws, "grids": [{"numbers": numbers, "stake": stake}]},
+                        TicketIn)
+    return msgspec.structs.replace(validate_ticket(RULES, t), first_draw=100)
+
+
+def spread(prefix: str, n: int) -> list[Sale]:
+    """`n` sales of 500 on as many combinations: no cap is reached."""
+    return [sale(f"{prefix}{i}", numbers=[*range(1, 8), 8 + i]) for i in range(n)]
+
+
+def decision(s: Sale, accepted: bool = True) -> bytes:
+    grid: dict[str, Any] = {"index": 0, "numbers": sorted(s.grids[0].numbers),
+                            "status": "accepted" if accepted else "rejected"}
+    return json.dumps({"ticket_id": s.ticket_id, "game": s.game,
+                       "status": "accepted" if accepted else "rejected",
+                       "draws": list(range(100, 100 + s.draws)), "grids": [grid],
+                       "total_cost": s.grids[0].cost if accepted else 0,
+                       "receipt": None}).encode()
+
+
+async def write(journal: Journal, sales: list[Sale], *, cancel: set[str] = frozenset(),
+                replay: bool = False) -> None:
+    rec = Recorder(journal, lambda: 1)
+    for i, s in enumerate(sales):
+        sid = f"{i:016x}"
+        waits = [rec.sale("answer", "fr-retail", s, sid, 1000 + i, decision(s), 10**13,
+                          [5000] * s.draws)]
+        if replay:
+            waits.append(rec.sale("replay", "fr-retail", s, sid, 1000 + i, decision(s),
+                                  10**13))
+        if s.ticket_id in cancel:
+            waits.append(rec.cancel("answer", "fr-retail", s, sid, 1000 + i, decision(s),
+                                    10**13, 2000 + i, s.grids[0].cost))
+        await asyncio.gather(*waits)
+
+
+def lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+async def test_group_commit_one_batch_per_tick_and_each_caller_waits_for_its_own(
+        tmp_path: Path) -> None:
+    batches: list[int] = []
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000,
+                           on_write=lambda records, size, s: batches.append(records))
+    await write(journal, spread("T", 50))
+    rec = Recorder(journal, lambda: 1)
+    # 40 decisions in one tick: one batch, one fdatasync.
+    await asyncio.gather(*[rec.sale("answer", "fr-retail", u, f"{i:016x}", 1, decision(u),
+                                    10**13) for i, u in enumerate(spread("U", 40))])
+    await journal.aclose()
+    assert batches[-1] == 40
+    (path,) = journal_files(tmp_path)
+    assert len(lines(path)) == 1 + 50 + 40
+    out = verify([tmp_path])
+    assert out.ok and not out.tails and out.decisions == 90
+
+
+async def test_files_rotate_chained_to_one_another(tmp_path: Path) -> None:
+    journal = open_journal(tmp_path, max_file_bytes=4096, keep_ms=86_400_000)
+    await write(journal, spread("T", 40))
+    await journal.aclose()
+    files = journal_files(tmp_path)
+    assert len(files) > 3
+    headers = [json.loads(lines(p)[0]) for p in files]
+    assert [h["seq"] for h in headers] == list(range(len(files)))
+    assert all(h["after"] == p.name for h, p in zip(headers[1:], files, strict=False))
+    out = verify([tmp_path])
+    assert out.ok, out.breaks
+    assert out.decisions == 40
+
+
+@pytest.mark.parametrize("how", ["altered", "removed", "swapped", "inserted"])
+async def test_verify_names_the_file_and_line_of_any_tampering(tmp_path: Path, how: str
+                                                               ) -> None:
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    await write(journal, [sale(f"T{i}") for i in range(10)])
+    await journal.aclose()
+    (path,) = journal_files(tmp_path)
+    content = lines(path)
+    if how == "altered":  # a stake lowered in line 5: still valid JSON, still a record
+        content[4] = content[4].replace(b'"stake":500', b'"stake":200')
+    elif how == "removed":
+        del content[4]
+    elif how == "swapped":
+        content[4], content[5] = content[5], content[4]
+    else:
+        content.insert(4, content[8])
+    path.write_bytes(b"".join(content))
+    out = verify([tmp_path])
+    assert not out.ok
+    assert any(str(path) in b and "line 5" in b for b in out.breaks), out.breaks
+
+
+async def test_a_torn_last_line_is_a_tail_not_a_break(tmp_path: Path) -> None:
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    await write(journal, [sale(f"T{i}") for i in range(5)])
+    await journal.aclose()
+    (path,) = journal_files(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data + data.splitlines(keepends=True)[-1][:37])  # a crash mid-write
+    out = verify([tmp_path])
+    assert out.ok, out.breaks
+    assert out.tails and "line 7" in out.tails[0]
+    assert out.decisions == 5
+
+
+async def test_a_missing_file_between_two_is_a_break_a_pruned_beginning_is_not(
+        tmp_path: Path) -> None:
+    journal = open_journal(tmp_path, max_file_bytes=4096, keep_ms=86_400_000)
+    await write(journal, spread("T", 40))
+    await journal.aclose()
+    files = journal_files(tmp_path)
+    files[0].unlink()  # pruned: nothing left before it
+    assert verify([tmp_path]).ok
+    files[2].unlink()
+    out = verify([tmp_path])
+    assert any(files[2].name in b and "missing" in b for b in out.breaks), out.breaks
+
+
+async def test_verify_recomputes_the_totals_and_names_a_combination_over_its_cap(
+        tmp_path: Path) -> None:
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    # 12 x 500 on one combination (cap 5000): 1000 over; a replay counts once; a cancel
+    # gives its stake back.
+    await write(journal, [sale(f"T{i}") for i in range(12)], replay=True)
+    out = verify([tmp_path])
+    assert out.over_cap and "6000 staked, over its cap of 5000" in out.over_cap[0]
+    await write(journal, [sale(f"C{i}") for i in range(1)], cancel={"C0"})
+    await journal.aclose()
+    out = verify([tmp_path])
+    assert out.decisions == 13
+    assert "6000 staked" in out.over_cap[0]
+
+
+async def test_a_failed_write_fails_its_callers_and_the_next_file_chains_after_what_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failures: list[int] = []
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000,
+                           on_error=lambda: failures.append(1))
+    await write(journal, [sale(f"T{i}") for i in range(3)])
+    real_write = os.write
+    calls = {"n": 0}
+
+    def full_disk(fd: int, data: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:  # half a batch reaches the disk, then ENOSPC
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(writer_module.os, "write", full_disk)
+    with pytest.raises(Unavailable):
+        await write(journal, [sale("LOST1"), sale("LOST2")])
+    assert failures and not journal.healthy
+    assert await journal.probe()
+    await write(journal, [sale("AFTER")])
+    await journal.aclose()
+    files = journal_files(tmp_path)
+    assert len(files) == 2
+    out = verify([tmp_path])
+    assert out.ok, out.breaks
+    assert out.tails  # what the failure left at the end of the first file
+    second = json.loads(lines(files[1])[0])
+    assert second["after"] == files[0].name and second["after_lines"] == 4
