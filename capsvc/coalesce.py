@@ -470,6 +470,7 @@ class Coalescer:
         if self._primary_only:
             commands.append(("ROLE",))
         if not commands:
+            self._handshaking = False
             return
         loop = self._loop or self._bind()
         pending = [_Pending(args, loop.create_future()) for args in commands]
@@ -553,6 +554,11 @@ class Coalescer:
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
         self._reader = hiredis.Reader(replyError=ResponseError)
+        # Nothing queued goes out before the handshake has judged the node (its role, its
+        # identity): other tasks run between this callback and the handshake's start, and
+        # one of them filling a batch must not write it to a node not judged yet.
+        self._handshaking = True
+        self._identity = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._transport is not None:

@@ -156,8 +156,9 @@ class Metrics:
                                      multiprocess_mode="max")
         self.over_cap = Counter(
             "capsvc_journal_restore_over_cap",
-            "Counters a restore left above their cap (sales answered, lost by Redis, and sold "
-            "again past them before the restore): an overshoot to report", ["game"],
+            "Grids a restore counted back past their cap, one per grid and draw (sales "
+            "answered, lost by Redis, their room sold again before the restore): an "
+            "overshoot to report", ["game"],
             registry=r)
         Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
               multiprocess_mode="max").labels(__version__).set(1)

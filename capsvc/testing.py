@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -478,8 +478,11 @@ class ServiceProcess:
     """`capsvc serve` in a process of its own, on a free port."""
 
     def __init__(self, config: str, redis_url: str, port: int | None = None,
-                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.config = config
+        self.preexec_fn = preexec_fn
+        """Run in the child before `capsvc serve` (e.g. a resource limit)."""
         self.redis_url = redis_url
         self.port = port or free_port()
         self.args = args
@@ -493,6 +496,10 @@ class ServiceProcess:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def journal_dir(self) -> Path:
+        return Path(self.env["CAPSVC_JOURNAL_DIR"])
 
     def _listening(self) -> bool:
         try:
@@ -509,6 +516,7 @@ class ServiceProcess:
                 [sys.executable, "-m", "capsvc", "serve", "--config", self.config,
                  "--redis-url", self.redis_url, "--port", str(self.port), *self.args],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                preexec_fn=self.preexec_fn,
             )
         try:
             _wait(self._listening, 20, f"capsvc on port {self.port}")

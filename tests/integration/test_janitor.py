@@ -16,7 +16,7 @@ from capsvc.server import Service
 from tests.conftest import TEN, Client, ticket
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def settings(settings: Settings) -> Settings:
     """Sales in steps, as on a Redis Cluster: these tests fail them between steps (a sale in
     one call has no step to fail between, and leaves nothing pending)."""

@@ -597,7 +597,7 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     assert k[0] == b"k"
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
-                                          b"body"]
+                                          b"body", str(k[1]).encode(), b"500", None]
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
     assert await store.expire(key, 0) == []
     assert await store.expire(ticket_key("ch", "T-exp-missing"), 0) == []

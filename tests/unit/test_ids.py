@@ -155,7 +155,7 @@ def test_draw_path_parameter_parses_digits() -> None:
 @pytest.mark.parametrize("value", BAD)
 def test_player_id_path_parameter_is_matched_whole(value: str) -> None:
     """A bad player id from the URL path is 422 invalid_request at `player_id`."""
-    players = Players(SimpleNamespace(games={}), None, None)  # type: ignore[arg-type]
+    players = Players(SimpleNamespace(games={}), None, None, None)  # type: ignore[arg-type]
     channel = Channel(id="c", token_sha256=b"", games=frozenset(), scopes=frozenset({"sell"}))
     err = refused(lambda: players.game_for(channel, value, None, "sell"))
     assert (err.status, err.code, err.path) == (422, "invalid_request", "player_id")

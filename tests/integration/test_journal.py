@@ -1,0 +1,261 @@
+"""The journal against real processes: `capsvc serve`, a real Redis that loses what it
+had, the journal restoring it before the next sale; restore run on demand (twice, and while
+sales go on); a worker killed with SIGKILL under load; a disk that refuses writes; verify
+against Redis; a restore that has to count past the cap, and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from capsvc.journal.reader import records
+from capsvc.journal.records import CancelRecord, SaleRecord
+from capsvc.testing import (
+    FAILOVER_GAME,
+    HOT_COMBINATIONS,
+    OPS_TOKEN,
+    SELLER_TOKEN,
+    HttpClient,
+    RedisServer,
+    Sellers,
+    ServiceProcess,
+    audit,
+    current_draw,
+    write_failover_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def lose_everything(redis: RedisServer) -> None:
+    """Redis dies and comes back empty on the same port: a restart from an older (here,
+    no) file, a backup that lacks the last hours. Its run id is new."""
+    redis.kill()
+    for p in redis.dir.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    redis.start()
+
+
+def sell_for(service: ServiceProcess, seconds: float, *, count: int = 4, seed: int = 1
+             ) -> Sellers:
+    draw = current_draw(service.base_url)
+    crowd = Sellers([service.base_url], [draw + 1 + i for i in range(6)], count=count,
+                    seed=seed).start()
+    crowd.wait_acknowledged(1)
+    time.sleep(seconds)
+    crowd.stop()
+    return crowd
+
+
+def journaled(directory: Path) -> dict[str, list[SaleRecord]]:
+    out: dict[str, list[SaleRecord]] = {}
+    for _, _, r in records(directory):
+        if isinstance(r, SaleRecord):
+            out.setdefault(r.ticket, []).append(r)
+    return out
+
+
+def capsvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "capsvc", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})},
+                          check=False)
+
+
+def metric(base_url: str, name: str) -> float:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    return sum(float(v) for v in found)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> str:
+    return write_failover_config(tmp_path)
+
+
+@pytest.fixture
+def redis() -> Any:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def test_a_redis_that_lost_everything_gets_every_answered_decision_back_before_a_sale(
+        config: str, redis: RedisServer) -> None:
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        crowd = sell_for(service, 1.5)
+        client = HttpClient()
+        cancelled = []
+        for sale in crowd.acknowledged[:40]:
+            if sale.decision["total_cost"]:
+                status, body = client.request(service.base_url, "POST",
+                                              f"/v1/tickets/{quote(sale.ticket_id)}/cancel",
+                                              token=SELLER_TOKEN)
+                assert status == 200, body
+                cancelled.append(sale)
+            if len(cancelled) == 5:
+                break
+        assert len(cancelled) == 5
+        lose_everything(redis)
+        result = audit(service.base_url, crowd)
+        assert result.lost == {}, "an answered decision did not come back"
+        released: dict[tuple[str, int], int] = {}
+        for sale in cancelled:
+            status, body = client.request(service.base_url, "GET",
+                                          f"/v1/tickets/{quote(sale.ticket_id)}",
+                                          token=SELLER_TOKEN)
+            assert status == 200 and body["cancelled"]["released"] == sale.decision["total_cost"]
+            for g in sale.decision["grids"]:
+                if g["status"] == "accepted":
+                    key = ("-".join(map(str, g["numbers"])), int(sale.request["first_draw"]))
+                    stake = int(sale.request["grids"][g["index"]]["stake"])
+                    released[key] = released.get(key, 0) + stake
+        for key, (staked, answered) in result.counters.items():
+            assert staked == answered - released.get(key, 0), key
+            assert staked <= result.cap
+        # On demand, twice: nothing more to put back, nothing counted again.
+        env = {"CAPSVC_JOURNAL_DIR": str(service.journal_dir)}
+        for _ in range(2):
+            out = capsvc("journal", "restore", "--config", config, "--redis-url", redis.url,
+                         env=env)
+            assert out.returncode == 0, out.stderr
+            assert "nothing (Redis had every decision)" in out.stdout, out.stdout
+        again = audit(service.base_url, crowd)
+        assert again.counters == result.counters
+        verified = capsvc("journal", "verify", str(service.journal_dir), "--config", config,
+                          "--redis", redis.url)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert metric(service.base_url, "capsvc_journal_restored_total") > 0
+    finally:
+        service.stop()
+
+
+def test_restore_on_demand_while_sales_go_on_counts_nothing_twice(
+        config: str, redis: RedisServer) -> None:
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        draw = current_draw(service.base_url)
+        crowd = Sellers([service.base_url], [draw + 1 + i for i in range(6)], count=4,
+                        seed=2).start()
+        crowd.wait_acknowledged(20)
+        env = {"CAPSVC_JOURNAL_DIR": str(service.journal_dir)}
+        for _ in range(3):
+            out = capsvc("journal", "restore", "--config", config, "--redis-url", redis.url,
+                         env=env)
+            assert out.returncode == 0, out.stderr
+        crowd.stop()
+        result = audit(service.base_url, crowd)
+        assert result.lost == {} and result.mismatched == [] and result.over_cap == []
+    finally:
+        service.stop()
+
+
+def test_a_worker_killed_under_load_journaled_every_decision_it_answered(
+        config: str, redis: RedisServer) -> None:
+    service = ServiceProcess(config, redis.url, args=("--workers", "2")).start()
+    try:
+        draw = current_draw(service.base_url)
+        crowd = Sellers([service.base_url], [draw + 1 + i for i in range(6)], count=6,
+                        seed=3).start()
+        crowd.wait_acknowledged(50)
+        assert service.process is not None
+        workers = [int(p) for p in subprocess.run(
+            ["pgrep", "-P", str(service.process.pid)], capture_output=True, text=True,
+            check=False).stdout.split()]
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        time.sleep(1.0)
+        crowd.stop()
+        found = journaled(service.journal_dir)
+        missing = [s.ticket_id for s in crowd.acknowledged if s.ticket_id not in found]
+        assert missing == [], f"{len(missing)} answered sale(s) not in the journal"
+        for sale in crowd.acknowledged[:200]:
+            assert any(json.loads(bytes(r.decision)) == sale.decision
+                       for r in found[sale.ticket_id])
+        verified = capsvc("journal", "verify", str(service.journal_dir))
+        assert verified.returncode == 0, verified.stdout
+    finally:
+        service.stop()
+
+
+def test_a_disk_that_refuses_writes_never_gets_an_unjournaled_decision_acknowledged(
+        config: str, redis: RedisServer) -> None:
+    """The journal's files may not grow past 96 KiB (RLIMIT_FSIZE: writes past it fail
+    with EFBIG, as a full disk fails them with ENOSPC): batches fail, their sales answer
+    503, a new file is opened; every 200 is in the journal."""
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (96 * 1024, 96 * 1024))
+
+    service = ServiceProcess(config, redis.url, preexec_fn=small_files).start()
+    try:
+        crowd = sell_for(service, 3.0, count=6, seed=4)
+        assert crowd.retries > 0, "no write failed: the limit did not bite"
+        assert metric(service.base_url, "capsvc_journal_errors_total") > 0
+        found = journaled(service.journal_dir)
+        missing = [s.ticket_id for s in crowd.acknowledged if s.ticket_id not in found]
+        assert missing == []
+        assert len(list(service.journal_dir.iterdir())) > 1
+        verified = capsvc("journal", "verify", str(service.journal_dir))
+        assert verified.returncode == 0, verified.stdout
+    finally:
+        service.stop()
+
+
+def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """Process A sells a combination to its cap; Redis loses it all while A is down; B
+    (another host, its own journal) sells it to the cap again on the empty Redis; A comes
+    back and restores what it answered: the counter goes past the cap (it was sold twice
+    over), the overshoot is logged, counted and named by verify."""
+    a_env = {"CAPSVC_JOURNAL_DIR": str(tmp_path / "a")}
+    a = ServiceProcess(config, redis.url, env=a_env).start()
+    draw = current_draw(a.base_url) + 1
+    numbers = list(HOT_COMBINATIONS[0])
+    client = HttpClient()
+
+    def fill(service: ServiceProcess, prefix: str) -> None:
+        for i in range(4):  # 4 x 500 = the cap of 2000
+            status, body = client.request(service.base_url, "POST", "/v1/tickets",
+                                          token=SELLER_TOKEN, body={
+                    "ticket_id": f"{prefix}{i}", "game": FAILOVER_GAME, "first_draw": draw,
+                    "grids": [{"numbers": numbers, "stake": 500}]})
+            assert status == 200 and body["status"] == "accepted", body
+
+    fill(a, "A")
+    a.stop()
+    lose_everything(redis)
+    b = ServiceProcess(config, redis.url, env={"CAPSVC_JOURNAL_DIR": str(tmp_path / "b")})
+    b.start()
+    try:
+        fill(b, "B")
+        a = ServiceProcess(config, redis.url, env=a_env).start()
+        path = (f"/v1/games/{FAILOVER_GAME}/draws/{draw}/combinations/"
+                f"{'-'.join(map(str, numbers))}")
+        status, body = client.request(a.base_url, "GET", path, token=OPS_TOKEN)
+        assert status == 200 and body["staked"] == 4000 and body["selectable"] is False
+        assert metric(a.base_url, "capsvc_journal_restore_over_cap_total") == 1
+        assert "past the cap" in a.log.read_text()
+        verified = capsvc("journal", "verify", str(tmp_path / "a"), str(tmp_path / "b"))
+        assert verified.returncode == 1
+        assert "4000 staked, over its cap of 2000" in verified.stdout
+    finally:
+        b.stop()
+        a.stop()
