@@ -75,7 +75,8 @@ class Restored:
     grids: int = 0
     """Accepted grids counted again."""
     over_cap: int = 0
-    """Counters a restored grid left above their cap (sold past it: logged, alerted)."""
+    """Grids counted back past their cap, one per grid and draw (sold past it: logged,
+    counted in a metric, alerted)."""
     other_sale: int = 0
     """Decisions whose ticket id Redis holds for another sale (claimed again after the loss,
     before this journal was restored): their stakes are counted, the record left as is."""

@@ -224,7 +224,8 @@ def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
     """Process A sells a combination to its cap; Redis loses it all while A is down; B
     (another host, its own journal) sells it to the cap again on the empty Redis; A comes
     back and restores what it answered: the counter goes past the cap (it was sold twice
-    over), the overshoot is logged, counted and named by verify."""
+    over: what a journal per host cannot prevent when another host sells on the Redis
+    first), the overshoot is logged, counted and named by verify."""
     a_env = {"CAPSVC_JOURNAL_DIR": str(tmp_path / "a")}
     a = ServiceProcess(config, redis.url, env=a_env).start()
     draw = current_draw(a.base_url) + 1
@@ -251,7 +252,8 @@ def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
                 f"{'-'.join(map(str, numbers))}")
         status, body = client.request(a.base_url, "GET", path, token=OPS_TOKEN)
         assert status == 200 and body["staked"] == 4000 and body["selectable"] is False
-        assert metric(a.base_url, "capsvc_journal_restore_over_cap_total") == 1
+        # A's 4 grids, each counted back on a counter B had brought to the cap.
+        assert metric(a.base_url, "capsvc_journal_restore_over_cap_total") == 4
         assert "past the cap" in a.log.read_text()
         verified = capsvc("journal", "verify", str(tmp_path / "a"), str(tmp_path / "b"))
         assert verified.returncode == 1
