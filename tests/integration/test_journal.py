@@ -5,6 +5,8 @@ against Redis; a restore that has to count past the cap, and says so."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -261,3 +263,107 @@ def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
     finally:
         b.stop()
         a.stop()
+
+
+TEST_CONFIG = str(Path(__file__).parent.parent / "capsvc-test.toml")
+
+
+def test_stops_player_budgets_limits_and_stakes_come_back_too(redis: RedisServer) -> None:
+    """What else a process answers: an admin's stop, a player's sales against the daily
+    limit, a self-limit, another game's stake. Redis loses it all; each is back, counted
+    once, before anything else is judged."""
+    service = ServiceProcess(TEST_CONFIG, redis.url).start()
+    client = HttpClient()
+    ma, ops = "t-ma", "t-admin"
+    try:
+        current = client.request(service.base_url, "GET", "/v1/games/lnm-keno/draws/current",
+                                 token=ma)[1]["draw"]
+        stopped = current + 3
+        assert client.request(service.base_url, "POST",
+                              f"/v1/games/fdj-keno/draws/{stopped}/close", token=ops)[0] == 200
+        for i in range(3):
+            status, body = client.request(service.base_url, "POST", "/v1/tickets", token=ma,
+                                          body={"ticket_id": f"M{i}", "game": "lnm-keno",
+                                                "player_id": "P-1", "draws": 2,
+                                                "grids": [{"numbers": [1, 2, 3, 4, 5],
+                                                           "stake": 1000}]})
+            assert status == 200 and body["status"] == "accepted", body
+        status, limit = client.request(service.base_url, "PUT", "/v1/players/P-1/limit",
+                                       token=ma, body={"daily": 500000})
+        assert status == 200, limit
+        status, stake = client.request(service.base_url, "POST", "/v1/players/P-1/stakes",
+                                       token=ma, body={"ref": "loto-1", "game": "loto",
+                                                       "amount": 700})
+        assert status == 200 and stake["status"] == "accepted"
+        before = client.request(service.base_url, "GET", "/v1/players/P-1", token=ma)[1]
+        assert before["spent"] == 3 * 2000 + 700
+        lose_everything(redis)
+        after = client.request(service.base_url, "GET", "/v1/players/P-1", token=ma)
+        while after[0] == 503:
+            time.sleep(0.05)
+            after = client.request(service.base_url, "GET", "/v1/players/P-1", token=ma)
+        assert after == (200, before)
+        status, draw = client.request(service.base_url, "GET",
+                                      f"/v1/games/fdj-keno/draws/{stopped}", token=ops)
+        assert status == 200 and draw["status"] == "closed"
+        # The stake's ref and the tickets' budgets are known again: a retry charges nothing.
+        status, again = client.request(service.base_url, "POST", "/v1/players/P-1/stakes",
+                                       token=ma, body={"ref": "loto-1", "game": "loto",
+                                                       "amount": 700})
+        assert status == 200 and again["remaining"] == stake["remaining"]
+        assert client.request(service.base_url, "GET", "/v1/players/P-1",
+                              token=ma)[1]["spent"] == before["spent"]
+    finally:
+        service.stop()
+
+
+async def test_nothing_is_sold_and_readyz_is_not_ready_while_the_journal_is_restored(
+        redis: RedisServer, tmp_path: Path) -> None:
+    """A journal of 6,000 decisions restored into a Redis that has none of them: while it
+    runs, /readyz says `restored: false` and a sale is a 503; then both go through."""
+    import aiohttp
+
+    from capsvc.config import load_settings
+    from capsvc.journal.recorder import Recorder
+    from capsvc.journal.writer import open_journal
+    from capsvc.server import build, prepare, start_serving
+    from capsvc.workers import listen
+    from tests.unit.test_journal import HOT, decision, sale
+
+    settings = dataclasses.replace(load_settings(TEST_CONFIG), journal_dir=str(tmp_path / "j"))
+    journal = open_journal(settings.journal_dir, max_file_bytes=1 << 30, keep_ms=86_400_000)
+    rec = Recorder(journal, lambda: 1)
+    await asyncio.gather(*[
+        rec.sale("answer", "fr-retail", s, f"{i:016x}", 1, decision(s), 10**13, [5000])
+        for i, s in enumerate(sale(f"R{i}", numbers=[1 + i % 60, *range(61, 68)])
+                              for i in range(6000))])
+    await journal.aclose()
+    svc = build(settings, redis.url)
+    sock = listen("127.0.0.1", 0)
+    assert svc.reconciler is not None
+    restoring = svc.reconciler.start()
+    serving = await start_serving(svc, sock)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/readyz") as r:
+                assert r.status == 503
+                assert (await r.json())["checks"]["restored"] is False
+            async with http.post(url + "/v1/tickets", headers={"Authorization": "Bearer t-fr"},
+                                 json={"ticket_id": "NEW", "game": "fdj-keno",
+                                       "grids": [{"numbers": HOT, "stake": 500}]}) as r:
+                assert r.status == 503
+            assert not restoring.done()
+            await restoring
+            await prepare(svc)
+            async with http.get(url + "/readyz") as r:
+                assert r.status == 200, await r.text()
+            async with http.post(url + "/v1/tickets", headers={"Authorization": "Bearer t-fr"},
+                                 json={"ticket_id": "NEW", "game": "fdj-keno",
+                                       "grids": [{"numbers": HOT, "stake": 500}]}) as r:
+                assert r.status == 200
+    finally:
+        await serving.cleanup()
+        await svc.redis.aclose()
+        assert svc.journal is not None
+        await svc.journal.aclose()
