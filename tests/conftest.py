@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager

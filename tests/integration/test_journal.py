@@ -24,7 +24,7 @@ from urllib.parse import quote
 import pytest
 
 from capsvc.journal.reader import records
-from capsvc.journal.records import CancelRecord, SaleRecord
+from capsvc.journal.records import SaleRecord
 from capsvc.testing import (
     FAILOVER_GAME,
     HOT_COMBINATIONS,
@@ -123,7 +123,8 @@ def test_a_redis_that_lost_everything_gets_every_answered_decision_back_before_a
             status, body = client.request(service.base_url, "GET",
                                           f"/v1/tickets/{quote(sale.ticket_id)}",
                                           token=SELLER_TOKEN)
-            assert status == 200 and body["cancelled"]["released"] == sale.decision["total_cost"]
+            assert status == 200
+            assert body["cancelled"]["released"] == sale.decision["total_cost"]
             for g in sale.decision["grids"]:
                 if g["status"] == "accepted":
                     key = ("-".join(map(str, g["numbers"])), int(sale.request["first_draw"]))
@@ -164,7 +165,9 @@ def test_restore_on_demand_while_sales_go_on_counts_nothing_twice(
             assert out.returncode == 0, out.stderr
         crowd.stop()
         result = audit(service.base_url, crowd)
-        assert result.lost == {} and result.mismatched == [] and result.over_cap == []
+        assert result.lost == {}
+        assert result.mismatched == []
+        assert result.over_cap == []
     finally:
         service.stop()
 
@@ -240,7 +243,8 @@ def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
                                           token=SELLER_TOKEN, body={
                     "ticket_id": f"{prefix}{i}", "game": FAILOVER_GAME, "first_draw": draw,
                     "grids": [{"numbers": numbers, "stake": 500}]})
-            assert status == 200 and body["status"] == "accepted", body
+            assert status == 200, body
+            assert body["status"] == "accepted", body
 
     fill(a, "A")
     a.stop()
@@ -253,7 +257,9 @@ def test_a_restore_that_must_count_past_the_cap_does_and_says_so(
         path = (f"/v1/games/{FAILOVER_GAME}/draws/{draw}/combinations/"
                 f"{'-'.join(map(str, numbers))}")
         status, body = client.request(a.base_url, "GET", path, token=OPS_TOKEN)
-        assert status == 200 and body["staked"] == 4000 and body["selectable"] is False
+        assert status == 200
+        assert body["staked"] == 4000
+        assert body["selectable"] is False
         # A's 4 grids, each counted back on a counter B had brought to the cap.
         assert metric(a.base_url, "capsvc_journal_restore_over_cap_total") == 4
         assert "past the cap" in a.log.read_text()
@@ -287,14 +293,16 @@ def test_stops_player_budgets_limits_and_stakes_come_back_too(redis: RedisServer
                                                 "player_id": "P-1", "draws": 2,
                                                 "grids": [{"numbers": [1, 2, 3, 4, 5],
                                                            "stake": 1000}]})
-            assert status == 200 and body["status"] == "accepted", body
+            assert status == 200, body
+            assert body["status"] == "accepted", body
         status, limit = client.request(service.base_url, "PUT", "/v1/players/P-1/limit",
                                        token=ma, body={"daily": 500000})
         assert status == 200, limit
         status, stake = client.request(service.base_url, "POST", "/v1/players/P-1/stakes",
                                        token=ma, body={"ref": "loto-1", "game": "loto",
                                                        "amount": 700})
-        assert status == 200 and stake["status"] == "accepted"
+        assert status == 200
+        assert stake["status"] == "accepted"
         before = client.request(service.base_url, "GET", "/v1/players/P-1", token=ma)[1]
         assert before["spent"] == 3 * 2000 + 700
         lose_everything(redis)
@@ -305,12 +313,14 @@ def test_stops_player_budgets_limits_and_stakes_come_back_too(redis: RedisServer
         assert after == (200, before)
         status, draw = client.request(service.base_url, "GET",
                                       f"/v1/games/fdj-keno/draws/{stopped}", token=ops)
-        assert status == 200 and draw["status"] == "closed"
+        assert status == 200
+        assert draw["status"] == "closed"
         # The stake's ref and the tickets' budgets are known again: a retry charges nothing.
         status, again = client.request(service.base_url, "POST", "/v1/players/P-1/stakes",
                                        token=ma, body={"ref": "loto-1", "game": "loto",
                                                        "amount": 700})
-        assert status == 200 and again["remaining"] == stake["remaining"]
+        assert status == 200
+        assert again["remaining"] == stake["remaining"]
         assert client.request(service.base_url, "GET", "/v1/players/P-1",
                               token=ma)[1]["spent"] == before["spent"]
     finally:

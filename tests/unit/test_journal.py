@@ -85,7 +85,9 @@ async def test_group_commit_one_batch_per_tick_and_each_caller_waits_for_its_own
     (path,) = journal_files(tmp_path)
     assert len(lines(path)) == 1 + 50 + 40
     out = verify([tmp_path])
-    assert out.ok and not out.tails and out.decisions == 90
+    assert out.ok
+    assert not out.tails
+    assert out.decisions == 90
 
 
 async def test_files_rotate_chained_to_one_another(tmp_path: Path) -> None:
@@ -133,7 +135,8 @@ async def test_a_torn_last_line_is_a_tail_not_a_break(tmp_path: Path) -> None:
     path.write_bytes(data + data.splitlines(keepends=True)[-1][:37])  # a crash mid-write
     out = verify([tmp_path])
     assert out.ok, out.breaks
-    assert out.tails and "line 7" in out.tails[0]
+    assert out.tails
+    assert "line 7" in out.tails[0]
     assert out.decisions == 5
 
 
@@ -157,7 +160,8 @@ async def test_verify_recomputes_the_totals_and_names_a_combination_over_its_cap
     # gives its stake back.
     await write(journal, [sale(f"T{i}") for i in range(12)], replay=True)
     out = verify([tmp_path])
-    assert out.over_cap and "6000 staked, over its cap of 5000" in out.over_cap[0]
+    assert out.over_cap
+    assert "6000 staked, over its cap of 5000" in out.over_cap[0]
     await write(journal, [sale(f"C{i}") for i in range(1)], cancel={"C0"})
     await journal.aclose()
     out = verify([tmp_path])
@@ -184,7 +188,8 @@ async def test_a_failed_write_fails_its_callers_and_the_next_file_chains_after_w
     monkeypatch.setattr(writer_module.os, "write", full_disk)
     with pytest.raises(Unavailable):
         await write(journal, [sale("LOST1"), sale("LOST2")])
-    assert failures and not journal.healthy
+    assert failures
+    assert not journal.healthy
     assert await journal.probe()
     await write(journal, [sale("AFTER")])
     await journal.aclose()
@@ -194,4 +199,5 @@ async def test_a_failed_write_fails_its_callers_and_the_next_file_chains_after_w
     assert out.ok, out.breaks
     assert out.tails  # what the failure left at the end of the first file
     second = json.loads(lines(files[1])[0])
-    assert second["after"] == files[0].name and second["after_lines"] == 4
+    assert second["after"] == files[0].name
+    assert second["after_lines"] == 4
