@@ -1,0 +1,319 @@
+"""Adversarial review of the journal (records, restore, the identity gate, verify), against
+real redis-server and real `capsvc serve` processes over HTTP.
+
+Each test reproduces one failure and asserts the guaranteed behaviour: it fails while the
+failure is there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capsvc.testing import HttpClient, RedisServer, ServiceProcess
+from tests.conftest import CONFIG, TEN, TOKENS
+
+pytestmark = pytest.mark.slow
+
+_ids = itertools.count(1)
+_RUN = os.urandom(3).hex()
+EIGHT = TEN[:8]
+FDJ_CAP = 5000
+
+
+def _tid() -> str:
+    return f"JR-{_RUN}-{next(_ids):05d}"
+
+
+def _req(url: str, method: str, path: str, body: Any = None, token: str | None = "fr"
+         ) -> tuple[int, Any]:
+    client = HttpClient(5.0)
+    try:
+        return client.request(url, method, path, body=body,
+                              token=None if token is None else TOKENS.get(token, token))
+    finally:
+        client.close()
+
+
+def _until_answer(url: str, method: str, path: str, body: Any = None, token: str = "fr",
+                  timeout_s: float = 20.0) -> tuple[int, Any]:
+    """The request sent again while it answers 503 (or cannot connect), as a sales
+    system must."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status, reply = _req(url, method, path, body, token)
+        except OSError:
+            status, reply = 0, None
+        if status not in (0, 503) or time.monotonic() > deadline:
+            return status, reply
+        time.sleep(0.05)
+
+
+def _sell(url: str, body: dict[str, Any], token: str = "fr") -> tuple[int, Any]:
+    return _until_answer(url, "POST", "/v1/tickets", body, token)
+
+
+def _current(url: str, game: str = "fdj-keno") -> int:
+    status, body = _until_answer(url, "GET", f"/v1/games/{game}/draws/current", token="admin")
+    assert status == 200, body
+    return int(body["draw"])
+
+
+def _staked(url: str, numbers: list[int], draw: int, game: str = "fdj-keno") -> int:
+    path = f"/v1/games/{game}/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
+    status, body = _until_answer(url, "GET", path, token="admin")
+    assert status == 200, body
+    return int(body["staked"])
+
+
+def _fdj(draw: int, stake: int = 500, numbers: list[int] = EIGHT) -> dict[str, Any]:
+    return {"ticket_id": _tid(), "game": "fdj-keno", "first_draw": draw,
+            "grids": [{"numbers": numbers, "stake": stake}]}
+
+
+def _verify(*dirs: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "capsvc", "journal", "verify",
+                           *map(str, dirs)], capture_output=True, text=True, timeout=60)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("capsvc-*.jsonl"))
+
+
+@pytest.fixture
+def volatile_redis() -> Iterator[RedisServer]:
+    """A Redis without persistence: a restart comes back empty, with a new run id."""
+    server = RedisServer(extra=("--appendonly", "no")).start()
+    yield server
+    server.stop()
+
+
+def _restart_empty(server: RedisServer) -> None:
+    server.kill()
+    server.start()
+
+
+# -- 1. restore is per process: another process sells past the cap before it ---------------
+
+def test_cap_holds_across_processes_after_redis_loses_everything(
+        volatile_redis: RedisServer) -> None:
+    """Two capsvc processes on one Redis, each with its own journal (the shipped StatefulSet:
+    one volume claim per pod). A sells a combination to its cap; Redis restarts empty (new
+    run id). B restores its own (empty) journal and sells the same combination again, to the
+    cap, before A has put its decisions back: the acknowledged accepted stakes add up to
+    twice the cap, and once A restores, the counter is above the cap too."""
+    a = ServiceProcess(str(CONFIG), volatile_redis.url).start()
+    b = ServiceProcess(str(CONFIG), volatile_redis.url).start()
+    try:
+        draw = _current(a.base_url)
+        accepted = 0
+        for _ in range(FDJ_CAP // 500):
+            status, body = _sell(a.base_url, _fdj(draw))
+            assert status == 200, body
+            assert body["status"] == "accepted", body
+            accepted += 500
+        _restart_empty(volatile_redis)
+        for _ in range(FDJ_CAP // 500):
+            status, body = _sell(b.base_url, _fdj(draw))
+            assert status == 200, body
+            if body["status"] == "accepted":
+                accepted += 500
+        # A reaches the new Redis (any request), restores its journal.
+        _current(a.base_url)
+        time.sleep(0.5)
+        staked = _staked(a.base_url, EIGHT, draw)
+        what = f"acknowledged accepted stakes {accepted}, counter {staked}, cap {FDJ_CAP}"
+        assert accepted <= FDJ_CAP, what
+        assert staked <= FDJ_CAP, what
+    finally:
+        a.stop()
+        b.stop()
+
+
+# -- 2. restore from an older file: the player's budget keeps a cap-rejected grid ----------
+
+def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> None:
+    """An lnm-keno sale (daily limit: a sale in steps: claim, take the requested cost from
+    the budget, reserve, settle the budget to the accepted cost, finalize) answered
+    `partial`: grid 0 refused by the cap, grid 1 accepted (cost 2500). Redis then restarts
+    from an older AOF, one that has the budget's take but not its settlement (the AOF cut
+    right before the settle's MULTI). The restore writes the journaled decision, but the
+    budget keeps the full requested 5000: the player is charged for a grid the cap refused
+    ("Stakes of grids rejected by the cap do not use the budget"), and as the ticket is now
+    decided, the janitor will never settle it."""
+    redis = RedisServer(extra=("--appendfsync", "always")).start()
+    svc = ServiceProcess(str(CONFIG), redis.url).start()
+    player = f"P-{_RUN}"
+    full = [1, 2, 3, 4, 5, 6, 7, 8]
+    other = [11, 12, 13, 14, 15, 16, 17, 18]
+    try:
+        draw = _current(svc.base_url, "lnm-keno") + 1
+        for i in range(20):  # the cap of lnm-keno is 50000: 20 x 2500
+            status, body = _sell(svc.base_url, {
+                "ticket_id": _tid(), "game": "lnm-keno", "player_id": f"F{_RUN}{i}",
+                "first_draw": draw, "grids": [{"numbers": full, "stake": 2500}]}, token="ma")
+            assert status == 200, body
+            assert body["status"] == "accepted", body
+        status, body = _sell(svc.base_url, {
+            "ticket_id": _tid(), "game": "lnm-keno", "player_id": player, "first_draw": draw,
+            "grids": [{"numbers": full, "stake": 2500}, {"numbers": other, "stake": 2500}]},
+            token="ma")
+        assert status == 200, body
+        assert (body["status"], body["total_cost"]) == ("partial", 2500), body
+        status, before = _req(svc.base_url, "GET", f"/v1/players/{player}?game=lnm-keno",
+                              token="ma")
+        assert status == 200, before
+        assert before["spent"] == 2500, before
+
+        redis.stop()
+        aof = sorted((redis.dir / "appendonlydir").glob("*.incr.aof"))[-1]
+        data = aof.read_bytes()
+        settle = data.rfind(b"-2500")  # the settle gives the refused grid's 2500 back
+        assert settle > 0
+        assert data.rfind(f"b:{{pl:{player}}}".encode(), 0, settle) > 0
+        cut = data.rfind(b"*1\r\n$5\r\nMULTI\r\n", 0, settle)
+        aof.write_bytes(data[:cut])  # an older file: the settle (and what follows) lost
+        redis.start()
+
+        time.sleep(0.5)
+        status, after = _until_answer(svc.base_url, "GET",
+                                      f"/v1/players/{player}?game=lnm-keno", token="ma")
+        assert status == 200, after
+        time.sleep(2.5)  # the janitor's turns (interval 1 s) change nothing either
+        status, later = _until_answer(svc.base_url, "GET",
+                                      f"/v1/players/{player}?game=lnm-keno", token="ma")
+        assert later["spent"] == 2500, (
+            f"the player's day holds {later['spent']} after the restore, for a ticket whose "
+            "decision costs 2500")
+    finally:
+        svc.stop()
+        redis.stop()
+
+
+# -- 3. a Redis emptied in place keeps its identity: nothing is restored -------------------
+
+def test_flushall_is_restored_before_the_next_sale() -> None:
+    """Redis loses everything without a restart (FLUSHALL, as an operator's mistake or a
+    restored empty backup in place): its run id and replication id stay, so the gate never
+    restores; the next sales are judged on empty counters (cap exceeded) and an answered
+    ticket is 404."""
+    redis = RedisServer().start()
+    svc = ServiceProcess(str(CONFIG), redis.url).start()
+    try:
+        draw = _current(svc.base_url)
+        first = _fdj(draw)
+        assert _sell(svc.base_url, first)[1]["status"] == "accepted"
+        for _ in range(FDJ_CAP // 500 - 1):
+            assert _sell(svc.base_url, _fdj(draw))[1]["status"] == "accepted"
+        redis.client().flushall()
+        status, body = _sell(svc.base_url, _fdj(draw))
+        looked_up = _until_answer(svc.base_url, "GET", f"/v1/tickets/{first['ticket_id']}")
+        assert (status, body["status"]) == (200, "rejected"), body
+        assert looked_up[0] == 200, looked_up
+    finally:
+        svc.stop()
+        redis.stop()
+
+
+# -- 4. a full journal disk: every failed batch leaves a new empty file --------------------
+
+def test_full_journal_disk_does_not_create_files_without_bound(tmp_path: Path) -> None:
+    """The journal directory on a 64 KiB tmpfs. Once it is full, every batch that fails
+    (each sale answering 503, as it must) and every /readyz probe rotates to a new file:
+    os.open(O_CREAT) succeeds, the `open` line's write fails with ENOSPC, and the empty
+    file is left behind (writer._rotate closes the fd but never unlinks it). The files grow
+    with the number of requests for as long as the disk stays full."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    redis = RedisServer().start()
+    journal = mount / "journal"
+    svc = ServiceProcess(str(CONFIG), redis.url, env={"CAPSVC_JOURNAL_DIR": str(journal)})
+    try:
+        svc.start()
+        draw = _current(svc.base_url)
+        statuses: dict[int, int] = {}
+        for i in range(400):
+            numbers = sorted({(i * 7 + k * 5) % 70 + 1 for k in range(8)})
+            status, _ = _req(svc.base_url, "POST", "/v1/tickets",
+                             _fdj(draw, 100, numbers if len(numbers) == 8 else EIGHT))
+            statuses[status] = statuses.get(status, 0) + 1
+        assert statuses.get(503), f"the disk never filled: {statuses}"
+        files = _files(journal)
+        empty = [p for p in files if p.stat().st_size == 0]
+        assert len(files) <= 5, (
+            f"{len(files)} journal files ({len(empty)} of them empty) after {statuses}")
+    finally:
+        svc.stop()
+        redis.stop()
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+# -- 5./6. verify: tampering it does not see --------------------------------------------
+
+@pytest.fixture
+def journal_with_sales() -> Iterator[tuple[Path, str]]:
+    """A service's journal with a few sales and small files (several of them, chained),
+    the service stopped. Yields (journal dir, the config path)."""
+    tmp = Path(tempfile.mkdtemp(prefix="jr-verify-"))
+    config = tmp / "capsvc.toml"
+    config.write_text(CONFIG.read_text() + '\n[journal]\nmax_file_bytes = 4096\n')
+    redis = RedisServer().start()
+    svc = ServiceProcess(str(config), redis.url)
+    try:
+        svc.start()
+        draw = _current(svc.base_url)
+        for _ in range(30):
+            status, _ = _sell(svc.base_url, _fdj(draw, 100))
+            assert status == 200
+        svc.stop()
+        assert len(_files(svc.journal_dir)) >= 3
+        assert _verify(svc.journal_dir).returncode == 0
+        yield svc.journal_dir, str(config)
+    finally:
+        svc.stop()
+        redis.stop()
+
+
+def test_verify_detects_an_altered_last_record(journal_with_sales: tuple[Path, str]) -> None:
+    """The last record of a process's newest file is altered (here: its decision's total
+    and a grid's stake made to look like another sale): nothing follows it in the chain, so
+    no hash names it, and verify exits 0."""
+    directory, _ = journal_with_sales
+    newest = _files(directory)[-1]
+    lines = newest.read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    last = json.loads(lines[-2])
+    assert last["type"] == "sale"
+    last["ticket"] = last["ticket"] + "-forged"
+    last["grids"][0]["stake"] = 100
+    lines[-2] = json.dumps(last, separators=(",", ":")).encode()
+    newest.write_bytes(b"\n".join(lines))
+    out = _verify(directory)
+    assert out.returncode != 0, f"verify missed an altered line:\n{out.stdout}"
+
+
+def test_verify_detects_a_missing_file_that_cannot_have_been_pruned(
+        journal_with_sales: tuple[Path, str]) -> None:
+    """The first file of a process (its decisions of the last seconds, far from `keep`,
+    90 days) is deleted: verify takes it for a file pruned past `keep` and exits 0, though
+    the next file's `open` line names it (and its name says when it was opened)."""
+    directory, _ = journal_with_sales
+    first = _files(directory)[0]
+    assert b'"seq":0' in first.read_bytes().split(b"\n")[0]
+    first.unlink()
+    out = _verify(directory)
+    assert out.returncode != 0, f"verify missed a deleted file:\n{out.stdout}"
