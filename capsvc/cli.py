@@ -210,7 +210,7 @@ def _journal_verify(args: argparse.Namespace) -> int:
         print(f"capsvc journal verify: no such directory: {', '.join(map(str, missing))}",
               file=sys.stderr)
         return 2
-    out = verify(dirs)
+    out = verify(dirs, settings.journal_keep_ms if settings else 90 * 86_400_000)
     compared = None
     if args.redis:
         assert settings is not None
@@ -225,17 +225,19 @@ def _journal_verify(args: argparse.Namespace) -> int:
             "ok": out.ok, "files": len(out.files), "records": out.records,
             "decisions": out.decisions, "totals": len(out.totals), "breaks": out.breaks,
             "tails": out.tails, "over_cap": out.over_cap, "mismatches": out.mismatches,
-            "compared_with_redis": compared, "notes": out.notes}, indent=2))
+            "compared_with_redis": compared, "notes": out.notes, "heads": out.heads},
+            indent=2))
         return 0 if out.ok else 1
     print(f"{len(out.files)} file(s), {out.records} record(s), {out.decisions} sale(s), "
           f"{len(out.totals)} (draw, combination) total(s)")
     for title, lines in (("chain broken", out.breaks), ("over the cap", out.over_cap),
                          ("differs from Redis", out.mismatches), ("torn tail (a crash; "
-                         "not a break)", out.tails), ("note", out.notes)):
+                         "not a break)", out.tails), ("note", out.notes),
+                        ("head (keep it elsewhere to anchor the chain's end)", out.heads)):
         for line in lines:
             print(f"{title}: {line}")
     if compared is not None:
-        print(f"compared with Redis: {compared} total(s) of draws still retained")
+        print(f"compared with Redis: {compared} ticket(s) and total(s) of draws still retained")
     print("OK: every chain intact, every total within its cap" if out.ok else "FAILED")
     return 0 if out.ok else 1
 

@@ -134,6 +134,10 @@ class Settings:
     """Journal files are deleted once their last write is older than this."""
     journal_max_file_bytes: int = 64 * 1024 * 1024
     """A journal file is closed and a new one opened past this size (and every UTC day)."""
+    journal_settle_ms: int = 1000
+    """After restoring into a Redis, how long (from the restore's start) a process waits
+    before selling, so that every other live process has noticed that Redis and announced
+    its own restore (capsvc.journal.reconciler)."""
     source: str = "<defaults>"
 
 
@@ -404,7 +408,7 @@ _SECTIONS = {
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval"}),
-    "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes"}),
+    "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
 }
 _TOP_LEVEL = frozenset({*_SECTIONS, "games", "channels", "channels_file"})
 _CHANNEL_FIELDS = frozenset({"id", "token_sha256", "games", "scopes"})
@@ -539,6 +543,8 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         journal_max_file_bytes=c.integer("journal.max_file_bytes",
                                          journal.get("max_file_bytes", 64 * 1024 * 1024),
                                          4096, 1 << 40),
+        journal_settle_ms=c.duration("journal.settle", journal.get("settle", "1s"), 0,
+                                     60_000),
         source=source,
     )
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:

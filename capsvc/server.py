@@ -14,7 +14,6 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +27,7 @@ from capsvc.feed import Feed
 from capsvc.http import App, Health, Protocol, create_app
 from capsvc.janitor import Janitor
 from capsvc.journal.gate import Gate
-from capsvc.journal.restore import restore_once
+from capsvc.journal.reconciler import Reconciler
 from capsvc.journal.writer import Journal, open_journal
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
@@ -124,69 +123,6 @@ class _Site(web.SockSite):
                                                 backlog=self._backlog)
 
 
-class Reconciler:
-    """Restores the journal directory into every Redis this process reaches with an
-    identity it has not reconciled (capsvc.journal.restore), on a connection of its own;
-    the gate holds every other command meanwhile."""
-
-    RETRY_S = 0.5
-
-    def __init__(self, settings: Settings, redis_url: str, gate: Gate, usecases: UseCases,
-                 metrics: Metrics) -> None:
-        self.settings = settings
-        self.url = redis_url
-        self.gate = gate
-        self.catalog = usecases.catalog
-        self.metrics = metrics
-        self.task: asyncio.Task[None] | None = None
-        gate.on_unknown = self.unknown
-
-    def unknown(self, identity: str) -> None:
-        """A connection reached a server not reconciled: restore (once at a time)."""
-        if self.task is not None and not self.task.done():
-            return
-        if not self.gate.restoring:
-            log.warning("journal: redis %s not reconciled yet: holding sales to restore the "
-                        "journal into it", identity)
-        self.start()
-
-    def start(self) -> asyncio.Task[None]:
-        if self.task is None or self.task.done():
-            self.gate.restoring = True
-            self.metrics.restoring.set(1)
-            self.task = asyncio.get_running_loop().create_task(self._run())
-        return self.task
-
-    async def _run(self) -> None:
-        directory = Path(self.settings.journal_dir)
-        quiet = False
-        while True:
-            redis = connect(self.url, timeout_s=self.settings.redis_timeout_ms / 1000,
-                            library=lua_source())
-            try:
-                done, identities = await restore_once(
-                    directory, self.catalog, Store(redis), self.metrics.restored_over_cap)
-            except Exception as e:  # Redis unreachable, or refusing: try again
-                if not quiet:
-                    log.warning("journal: restore into redis failed (%s): retrying", e)
-                    quiet = True
-                await asyncio.sleep(self.RETRY_S)
-                continue
-            finally:
-                await redis.aclose()
-            self.gate.reconciled.update(i for i in identities if i is not None)
-            self.gate.restoring = False
-            self.metrics.restoring.set(0)
-            self.metrics.restored_into_redis(done.applied, done.seconds)
-            applied = sum(done.applied.values())
-            (log.warning if applied else log.info)(
-                "journal: redis reconciled with the journal", extra={
-                    "records": done.records, "put_back": done.applied, "grids": done.grids,
-                    "over_cap": done.over_cap, "other_sale": done.other_sale,
-                    "seconds": round(done.seconds, 3)})
-            return
-
-
 @dataclass
 class Service:
     """Everything one service process is made of, wired together."""
@@ -224,8 +160,9 @@ def build(settings: Settings, redis_url: str) -> Service:
     health = Health()
     durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
                             settings.retry_after_s)
-    reconciler = (Reconciler(settings, redis_url, gate, usecases, metrics)
-                  if gate is not None else None)
+    reconciler = (Reconciler(settings, redis_url, gate, usecases.catalog, metrics,
+                             journal.proc)
+                  if gate is not None and journal is not None else None)
     app = create_app(settings, usecases, store, metrics, health, durability, journal,
                      reconciler.gate if reconciler else None)
     return Service(settings, redis, store, usecases, metrics, health, app, journal, reconciler)
@@ -298,6 +235,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_flush_metrics(metrics)),
         asyncio.create_task(_exposure_gauges(usecases, metrics, store)),
     ]
+    if svc.reconciler is not None:
+        background.append(asyncio.create_task(svc.reconciler.watch(store)))
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path

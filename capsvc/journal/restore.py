@@ -229,11 +229,17 @@ class Restorer:
                                       for i, cap in enumerate(r.caps)])
             put_back = put_back or any(f is None for f in fixed)
         plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-        if plan is not None and accepted:
-            taken = await self.ledger.players.reserve(
-                plan.player, plan.ref, plan.regulatory, plan.until, plan.shares(sale, accepted),
-                restore=True)
-            put_back = put_back or taken == [1, 0]
+        if plan is not None:
+            if accepted:
+                taken = await self.ledger.players.reserve(
+                    plan.player, plan.ref, plan.regulatory, plan.until,
+                    plan.shares(sale, accepted), restore=True)
+                put_back = put_back or taken == [1, 0]
+            # Redis may hold the budget the sale first took (its requested cost) without the
+            # settlement its decision made: the budget holds what the decision accepted.
+            settled = self.ledger.settle_budget(plan, sale, accepted)
+            if settled is not None and int(await settled):
+                put_back = True
         reply = await self.store.restore_ticket(key, r.sale, r.fp, r.at, _encode(sale),
                                                 bytes(r.decision), r.until)
         if reply[0] == b"written":

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -27,7 +29,7 @@ from capsvc.journal.reader import FileCheck, header_of, read
 from capsvc.journal.records import CancelRecord, CapRecord, SaleRecord
 from capsvc.journal.writer import journal_files
 from capsvc.models import TicketOut
-from capsvc.store import Store, replies_of
+from capsvc.store import Store, replies_of, ticket_key
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
@@ -46,10 +48,16 @@ class Verification:
     records: int = 0
     totals: dict[Total, int] = field(default_factory=dict)
     caps: dict[tuple[str, int], int] = field(default_factory=dict)
+    tickets: dict[tuple[str, str], tuple[str, str, int]] = field(default_factory=dict)
+    """(channel, ticket id) -> (sale id, game, last draw) of each decision, the last
+    journaled: checked against Redis's ticket records (`compare_with_redis`)."""
     until: dict[tuple[str, int], int] = field(default_factory=dict)
     """The latest expiry (Redis ms) of a decision on each (game, draw)."""
     over_cap: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    heads: list[str] = field(default_factory=list)
+    """The last line of each process's newest file, with its hash: nothing in the files
+    names it yet; keep it elsewhere (or ship the files) to anchor it."""
 
     @property
     def ok(self) -> bool:
@@ -60,7 +68,9 @@ def numbers_of(combo: str) -> str:
     return "-".join(str(n) for n in combination.decode(combo))
 
 
-def verify(directories: Iterable[Path]) -> Verification:
+def verify(directories: Iterable[Path], keep_ms: int = 90 * 86_400_000) -> Verification:
+    """Check `directories` (see the module's docstring); `keep_ms`: the `[journal] keep`
+    they were written with (a missing file younger than that cannot have been pruned)."""
     out = Verification()
     counted: set[tuple[str, str, str]] = set()
     cancelled: set[tuple[str, str, str]] = set()
@@ -90,7 +100,7 @@ def verify(directories: Iterable[Path]) -> Verification:
             out.breaks += [f"{path}: {b}" for b in check.breaks]
             if check.tail:
                 out.tails.append(f"{path}: {check.tail}")
-    _check_sequences(out)
+    _check_sequences(out, keep_ms)
     for (game, draw, combo), total in sorted(out.totals.items()):
         cap = out.caps.get((game, draw))
         if cap is not None and total > cap:
@@ -102,6 +112,7 @@ def verify(directories: Iterable[Path]) -> Verification:
 def _decision_of(out: Verification, r: SaleRecord, counted: set[tuple[str, str, str]],
                  cancelled: set[tuple[str, str, str]]) -> None:
     key = (r.channel, r.ticket, r.sale)
+    out.tickets[r.channel, r.ticket] = (r.sale, r.game, r.first_draw + r.draws - 1)
     if r.caps:
         for i, cap in enumerate(r.caps):
             out.caps.setdefault((r.game, r.first_draw + i), cap)
@@ -131,8 +142,18 @@ def _decision_of(out: Verification, r: SaleRecord, counted: set[tuple[str, str, 
             out.totals[k] = out.totals.get(k, 0) + sign * grid.stake
 
 
-def _check_sequences(out: Verification) -> None:
-    """Each process's files follow one another: no file missing after the first present."""
+def opened_at(name: str) -> float | None:
+    """When a journal file was opened, from its name (seconds since the epoch)."""
+    try:
+        stamp = name.split("-", 2)[1]
+        return datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ").replace(tzinfo=UTC).timestamp()
+    except (IndexError, ValueError):
+        return None
+
+
+def _check_sequences(out: Verification, keep_ms: int) -> None:
+    """Each process's files follow one another: none missing after the first present, and
+    none missing before it that is too young to have been pruned."""
     by_proc: dict[str, list[FileCheck]] = {}
     for check in out.files:
         if check.header is not None:
@@ -140,19 +161,25 @@ def _check_sequences(out: Verification) -> None:
     for proc, checks in by_proc.items():
         checks.sort(key=lambda c: c.header.seq if c.header else 0)
         names = {c.path.name: c for c in checks}
+        newest = checks[-1]
+        out.heads.append(f"{proc}: {newest.path.name} line {newest.lines} sha256 "
+                         f"{newest.last_hash}")
         for i, check in enumerate(checks):
             header = check.header
             assert header is not None
             if header.after is None:
                 continue
             before = names.get(header.after)
+            opened = opened_at(header.after)
+            prunable = opened is None or opened < time.time() - keep_ms / 1000
             if before is None:
-                if i == 0:
+                if i == 0 and prunable:
                     out.notes.append(f"{check.path}: follows {header.after}, not present "
                                      "(pruned, or kept elsewhere)")
                 else:
+                    why = "" if prunable else ", opened within [journal] keep: not pruned"
                     out.breaks.append(f"{check.path}: follows {header.after}, which is "
-                                      f"missing (process {proc})")
+                                      f"missing (process {proc}{why})")
                 continue
             wanted = header.after_lines or 0
             if before.lines < wanted:
@@ -164,9 +191,24 @@ def _check_sequences(out: Verification) -> None:
 
 
 async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) -> int:
-    """Each total of a draw still retained against Redis's counter (differences go to
-    `out.mismatches`); returns how many totals were compared."""
+    """Each ticket and each total of a draw still retained against Redis: the ticket record
+    holds the journaled sale, the counter the journal's total (differences go to
+    `out.mismatches`); returns how many tickets and totals were compared."""
     now = await store.time_ms()
+    retained = [(channel, ticket, sale) for (channel, ticket), (sale, game_id, last)
+                in out.tickets.items()
+                if (game := catalog.get(game_id)) is not None and game.expire_at(last) > now]
+    for i in range(0, len(retained), 1000):
+        chunk = retained[i:i + 1000]
+        replies = await replies_of([store.redis.submit("HGET", ticket_key(c, t), "sid")
+                                    for c, t, _ in chunk])
+        for (channel, ticket, sale), sid in zip(chunk, replies, strict=True):
+            if sid is None:
+                out.mismatches.append(f"ticket {ticket} of {channel}: decided in the journal "
+                                      f"(sale {sale}), unknown to Redis")
+            elif sid.decode() != sale:
+                out.mismatches.append(f"ticket {ticket} of {channel}: sale {sale} in the "
+                                      f"journal, {sid.decode()} in Redis")
     by_draw: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for (game_id, draw, combo), total in out.totals.items():
         game = catalog.get(game_id)
@@ -183,4 +225,4 @@ async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) 
                 out.mismatches.append(
                     f"{game_id} draw {draw}: {numbers_of(combo)}: the journal has {total}, "
                     f"Redis {counted}")
-    return compared
+    return compared + len(retained)

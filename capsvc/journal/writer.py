@@ -276,6 +276,10 @@ class Journal:
                 os.close(dfd)
         except OSError:
             os.close(fd)
+            # A file without its first line is no journal file: gone, or a disk that stays
+            # full would be left with one empty file per failed batch.
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / name)
             raise
         self._fd, self._name = fd, name
         self._seq += 1

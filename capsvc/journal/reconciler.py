@@ -1,0 +1,181 @@
+"""When a process restores its journal, and how processes on several hosts keep out of one
+another's way while they do.
+
+- **Triggers.** The process's start; every connection to a server whose identity the
+  process has not reconciled (the gate, capsvc.journal.gate); and a Redis that kept its
+  identity but lost its data in place (`FLUSHALL`, a key space swapped): each restore
+  leaves the process's field in a marker hash (`j:{journal}`), and a watch reads it every
+  WATCH_S — a missing field is a Redis to restore. The same watch keeps an idle process's
+  connection in use, so that it notices a restarted or failed-over Redis within WATCH_S
+  even when nothing is sold.
+- **Several hosts.** Each host restores its own journal. A host that restored first must
+  not sell what another host's journal is about to put back: while a process restores, it
+  keeps a field in `r:{journal}` (its name, an expiry it refreshes every second), and a
+  process that has finished its own restore waits, before selling, until `[journal] settle`
+  has passed since the restore began (every live process has noticed the new Redis by then)
+  and no other process is restoring. A process that was down when Redis lost its data
+  restores when it comes back, after others may have sold: what it puts back then may go
+  past the cap; that is counted, logged and alerted (capsvc_journal_restore_over_cap_total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from capsvc.cluster import connect
+from capsvc.config import Settings
+from capsvc.errors import Unavailable
+from capsvc.games import Catalog
+from capsvc.journal.gate import Gate
+from capsvc.journal.restore import Restored, restore_once
+from capsvc.metrics import Metrics
+from capsvc.store import Store, lua_source
+
+log = logging.getLogger(__name__)
+
+MARKER = "j:{journal}"
+"""Hash: process -> when it last restored (Redis TIME, ms); a process's field missing means
+the data was lost in place."""
+MARKER_TTL_MS = 400 * 86_400_000
+RESTORING = "r:{journal}"
+"""Hash: process -> expiry (ms, Redis TIME) while that process restores."""
+RESTORING_TTL_MS = 5_000
+WATCH_S = 0.25
+"""The watch's period; `[journal] settle` (1 s by default) should be several of them."""
+PEERS_WAIT_S = 120.0
+"""How long a process waits for the others' restores before it sells anyway (a process
+that died restoring stops refreshing its field: it expires in RESTORING_TTL_MS)."""
+RETRY_S = 0.5
+
+
+class Reconciler:
+    """Restores the journal directory into every Redis this process reaches with an
+    identity it has not reconciled, on a connection of its own; the gate holds every other
+    command meanwhile. See the module's docstring."""
+
+    def __init__(self, settings: Settings, redis_url: str, gate: Gate, catalog: Catalog,
+                 metrics: Metrics, proc: str) -> None:
+        self.settings = settings
+        self.url = redis_url
+        self.gate = gate
+        self.catalog = catalog
+        self.metrics = metrics
+        self.proc = proc
+        self.task: asyncio.Task[None] | None = None
+        gate.on_unknown = self.unknown
+
+    def unknown(self, identity: str) -> None:
+        """A connection reached a server not reconciled: restore (once at a time)."""
+        if self.task is not None and not self.task.done():
+            return
+        log.warning("journal: redis %s not reconciled yet: holding sales to restore the "
+                    "journal into it", identity)
+        self.start()
+
+    def start(self) -> asyncio.Task[None]:
+        if self.task is None or self.task.done():
+            self.gate.restoring = True
+            self.metrics.restoring.set(1)
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        return self.task
+
+    async def watch(self, store: Store) -> None:
+        """Every WATCH_S, through the process's own connection: is the marker there? (The
+        read also reconnects after a Redis restart or failover, which the gate judges.)"""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            if self.gate.restoring:
+                continue
+            try:
+                present = await store.redis.submit("HEXISTS", MARKER, self.proc)
+            except (Unavailable, Exception):  # unreachable, or held by the gate: not ours
+                continue
+            if not present and not self.gate.restoring:
+                log.warning("journal: redis lost its data in place (this process's mark of "
+                            "its last restore is gone): holding sales to restore the journal "
+                            "into it")
+                self.gate.reconciled.clear()
+                self.start()
+
+    async def _run(self) -> None:
+        directory = Path(self.settings.journal_dir)
+        quiet = False
+        while True:
+            redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
+                            library=lua_source())
+            store = Store(redis)
+            announcing: asyncio.Task[None] | None = None
+            try:
+                began = await store.time_ms()
+                announcing = asyncio.get_running_loop().create_task(self._announce(store))
+                done, identities = await restore_once(
+                    directory, self.catalog, store, self.metrics.restored_over_cap)
+                announcing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await announcing
+                await store.redis.submit("HDEL", RESTORING, self.proc)
+                await self._wait_for_peers(store, began)
+                await store.redis.submit("HSET", MARKER, self.proc, await store.time_ms())
+                await store.redis.submit("PEXPIRE", MARKER, MARKER_TTL_MS)
+            except Exception as e:  # Redis unreachable, or refusing: try again
+                if not quiet:
+                    log.warning("journal: restore into redis failed (%s): retrying", e)
+                    quiet = True
+                await asyncio.sleep(RETRY_S)
+                continue
+            finally:
+                if announcing is not None:
+                    announcing.cancel()
+                await redis.aclose()
+            self._reconciled(done, identities)
+            return
+
+    def _reconciled(self, done: Restored, identities: list[str | None]) -> None:
+        self.gate.reconciled.update(i for i in identities if i is not None)
+        self.gate.restoring = False
+        self.metrics.restoring.set(0)
+        self.metrics.restored_into_redis(done.applied, done.seconds)
+        applied = sum(done.applied.values())
+        (log.warning if applied else log.info)(
+            "journal: redis reconciled with the journal", extra={
+                "records": done.records, "put_back": done.applied, "grids": done.grids,
+                "over_cap": done.over_cap, "other_sale": done.other_sale,
+                "seconds": round(done.seconds, 3)})
+
+    async def _announce(self, store: Store) -> None:
+        """Keep this process's field in RESTORING alive while it restores."""
+        while True:
+            now = await store.time_ms()
+            await store.redis.submit("HSET", RESTORING, self.proc, now + RESTORING_TTL_MS)
+            await store.redis.submit("PEXPIRE", RESTORING, 10 * RESTORING_TTL_MS)
+            await asyncio.sleep(RESTORING_TTL_MS / 5000)
+
+    async def _wait_for_peers(self, store: Store, began: int) -> None:
+        """Until `[journal] settle` after `began` (Redis TIME) and no other process
+        restoring."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PEERS_WAIT_S
+        said = False
+        while True:
+            now = await store.time_ms()
+            wait = began + self.settings.journal_settle_ms - now
+            if wait > 0:
+                await asyncio.sleep(wait / 1000)
+                continue
+            fields = await store.redis.submit("HGETALL", RESTORING)
+            others = [fields[i].decode() for i in range(0, len(fields), 2)
+                      if fields[i].decode() != self.proc and int(fields[i + 1]) > now]
+            if not others:
+                return
+            if loop.time() > deadline:
+                log.error("journal: other processes still restoring after %.0f s (%s): "
+                          "selling anyway", PEERS_WAIT_S, ", ".join(others))
+                return
+            if not said:
+                log.info("journal: waiting for other processes' restores before selling",
+                         extra={"processes": others})
+                said = True
+            await asyncio.sleep(0.1)
