@@ -406,8 +406,16 @@ class Coalescer:
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)
-        if self._gate is not None:
-            self._gate.seen(self._identity)  # restored while the server changed: again
+        if self._gate is not None and not self._gate.restoring:
+            # Restored, and this server is still not one the restore reconciled (it changed
+            # meanwhile, or its role did: a cluster node demoted under us): look at it
+            # again on a new connection, whose handshake judges it afresh.
+            if self._inflight:  # their outcome is unknown, as on any lost connection
+                self._fail("connection", error)
+                return
+            transport, self._transport = self._transport, None
+            if transport is not None:
+                transport.abort()
 
     def _enqueue_now(self, p: _Pending) -> None:
         self._buffer.append(encode_command(p.args))
@@ -461,13 +469,16 @@ class Coalescer:
         self._flush()
 
     async def _handshake(self) -> None:
-        """AUTH and SELECT, and ROLE: is this node the primary? Their replies are awaited
+        """AUTH and SELECT; ROLE (is this node the primary?) and, with a gate, INFO (the
+        server's identity, for the journal: capsvc.journal.gate). Their replies are awaited
         before anything queued goes out."""
         commands = self._target.greeting()
-        asks_identity = self._gate is not None
-        if asks_identity:
+        greeting = len(commands)
+        gate = self._gate
+        if gate is not None:
             commands.append(("INFO", "server", "replication"))
-        if self._primary_only:
+        asks_role = self._primary_only or gate is not None
+        if asks_role:
             commands.append(("ROLE",))
         if not commands:
             self._handshaking = False
@@ -479,28 +490,29 @@ class Coalescer:
         replies = await asyncio.gather(*[p.fut for p in pending if p.fut is not None],
                                        return_exceptions=True)
         self._handshaking = False
-        if asks_identity:
-            info = replies[-2] if self._primary_only else replies[-1]
-            self._identity = None if isinstance(info, BaseException) else identity(info)
-            if isinstance(info, ResponseError) and "unknown command" in str(info):
-                replies = [r for r in replies if r is not info]  # a stand-in without INFO
-        if self._primary_only and isinstance(replies[-1], ResponseError) and (
-                "unknown command" in str(replies[-1])):
-            return  # a proxy or a stand-in that has no ROLE: its node cannot be judged
-        for reply in replies:
+        for reply in replies[:greeting]:
             if isinstance(reply, BaseException):
                 raise reply
-        if not self._primary_only:
-            if self._gate is not None:
-                self._gate.seen(self._identity)
-            return
-        role = cast(list[bytes], replies[-1])[0]
-        if role != b"master":
+        info = replies[greeting] if gate is not None else None
+        role: bytes | None = None
+        if asks_role:
+            reply = replies[-1]
+            if isinstance(reply, BaseException) and not _unknown_command(reply):
+                raise reply
+            # A proxy or a stand-in that has no ROLE: its node cannot be judged.
+            role = None if isinstance(reply, BaseException) else cast(list[bytes], reply)[0]
+        if isinstance(info, BaseException) and not _unknown_command(info):
+            raise info
+        if self._primary_only and role is not None and role != b"master":
             self._demoted = True
             raise Unavailable(f"redis at {self._target.address} is a {role.decode()}, "
                               "not the primary")
-        if self._gate is not None:
-            self._gate.seen(self._identity)
+        if gate is not None:
+            # A cluster's replica serves nothing (it redirects): only a primary's identity
+            # is judged.
+            known = role in (None, b"master") and isinstance(info, bytes | str)
+            self._identity = identity(cast(bytes, info)) if known else None
+            gate.seen(self._identity)
 
     def _primary_up(self, address: Address) -> None:
         event = "switched" if self._demoted or (
@@ -647,6 +659,10 @@ class Coalescer:
             log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
         elif not p.fut.done():
             p.fut.set_exception(reply)
+
+
+def _unknown_command(reply: BaseException) -> bool:
+    return isinstance(reply, ResponseError) and "unknown command" in str(reply)
 
 
 def _after_fence(fence: asyncio.Future[Any], acked: asyncio.Future[Any], *,

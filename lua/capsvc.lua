@@ -906,8 +906,9 @@ Writes a journaled decision: when the ticket is unknown, or this sale is still p
 (Redis kept the claim, lost the decision), as decided, or when the journal says it was
 cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
 ticket of this sale that the journal says was cancelled becomes cancelling too. Returns
-{'written', has res} | {'cancelling', has res} | {'present'} (nothing to do) | {'other'}
-(the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
+{'written', has res} | {'cancelling', has res} | {'present'} (decided, nothing to do)
+| {'cancelled'} (a decision whose ticket Redis has cancelled since: nothing to do)
+| {'other'} (the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
 kept as results (sold in one call: its aggregates are by number of picks). ]]
 local function restore_ticket(keys, args)
   local rec = redis.call('HMGET', keys[1], 'st', 'sid', 'res')
@@ -932,6 +933,9 @@ local function restore_ticket(keys, args)
   end
   if cancel and st == 'k' then
     return {'cancelling', has_res}
+  end
+  if not cancel and (st == 'k' or st == 'c') then
+    return {'cancelled'}
   end
   return {'present'}
 end

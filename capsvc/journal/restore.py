@@ -99,6 +99,8 @@ class Restorer:
         self.caps = DrawCaps(store)
         self.ledger = Ledger(store, self.caps)
         self.on_over_cap = on_over_cap
+        self._caps_fixed: set[tuple[str, int]] = set()
+        """(game, draw) whose cap this restore has put back already."""
 
     def oldest_useful(self, now_ms: int) -> float:
         """The host time (s) before which a file cannot hold a decision still retained."""
@@ -183,30 +185,57 @@ class Restorer:
         return None
 
     async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
+        """The ticket first (written decided if Redis lacks it: from then on no janitor
+        settles it), then, in one round trip, its grids, the draws' caps, the player's
+        budget and the draws' aggregates."""
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        state, sid = (await self.store.ticket(key))[0:4:3]
-        ours = state is None or sid.decode() == r.sale
-        if ours and state in (b"k", b"c"):
+        written = await self.store.restore_ticket(key, r.sale, r.fp, r.at, _encode(sale),
+                                                  bytes(r.decision), r.until)
+        kind = written[0]
+        if kind == b"cancelled":
             return None  # cancelled since: its release stands
-        if not ours:
+        if kind == b"other":
             out.other_sale += 1
             log.error("restore: ticket %s of channel %s now holds another sale than the one "
                       "journaled (claimed again after Redis lost it); the journaled sale's "
                       "stakes are counted too", r.ticket, r.channel)
+        put_back = kind == b"written"
         decision = _decision(r.decision)
         accepted = accepted_grids(decision)
-        put_back = False
         grids = [g for g in sale.grids if g.capped and g.index in accepted]
+        caps = caps_argument(r.caps or [game.rules.cap_limit or 0], None)
+        calls: list[asyncio.Future[Any] | None] = [
+            self.store.restore_grid(r.game, g.combo, record_field(r.sale, g.index), g.stake,
+                                    caps, game.rules.min_stake, r.first_draw,
+                                    game.expiries(r.first_draw, r.draws))
+            for g in grids]
+        fixing = [(r.first_draw + i, cap) for i, cap in enumerate(r.caps or ())
+                  if (r.game, r.first_draw + i) not in self._caps_fixed]
+        self._caps_fixed.update((r.game, d) for d, _ in fixing)
+        calls += [self.store.fix_cap(r.game, d, cap, game.expire_at(d)) for d, cap in fixing]
+        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
+        taking = plan is not None and bool(accepted)
+        if plan is not None and accepted:
+            calls.append(self.ledger.players.reserve(
+                plan.player, plan.ref, plan.regulatory, plan.until,
+                plan.shares(sale, accepted), restore=True))
+        if kind == b"written" and accepted:
+            calls += self.ledger.aggregates(key, game, sale, r.sale, accepted)
+        replies = await replies_of(calls)
+        n = len(grids)
+        put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
+        if taking:
+            put_back = put_back or replies[n + len(fixing)] == [1, 0]
+        if plan is not None:
+            # Redis may hold the budget the sale first took (its requested cost) without the
+            # settlement its decision made: the budget holds what the decision accepted.
+            settled = self.ledger.settle_budget(plan, sale, accepted)
+            if settled is not None and int(await settled):
+                put_back = True
         if grids:
-            caps = caps_argument(r.caps or [game.rules.cap_limit or 0], None)
-            replies = await replies_of([
-                self.store.restore_grid(r.game, g.combo, record_field(r.sale, g.index),
-                                        g.stake, caps, game.rules.min_stake, r.first_draw,
-                                        game.expiries(r.first_draw, r.draws))
-                for g in grids])
             marks = []
-            for g, reply in zip(grids, replies, strict=True):
+            for g, reply in zip(grids, replies[:n], strict=True):
                 if reply[0] != 1:
                     continue
                 put_back = True
@@ -223,30 +252,6 @@ class Restorer:
                           for o in reply[2:]]
             if marks:
                 await replies_of(marks)
-        if r.caps:
-            fixed = await replies_of([self.store.fix_cap(r.game, r.first_draw + i, cap,
-                                                         game.expire_at(r.first_draw + i))
-                                      for i, cap in enumerate(r.caps)])
-            put_back = put_back or any(f is None for f in fixed)
-        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-        if plan is not None:
-            if accepted:
-                taken = await self.ledger.players.reserve(
-                    plan.player, plan.ref, plan.regulatory, plan.until,
-                    plan.shares(sale, accepted), restore=True)
-                put_back = put_back or taken == [1, 0]
-            # Redis may hold the budget the sale first took (its requested cost) without the
-            # settlement its decision made: the budget holds what the decision accepted.
-            settled = self.ledger.settle_budget(plan, sale, accepted)
-            if settled is not None and int(await settled):
-                put_back = True
-        reply = await self.store.restore_ticket(key, r.sale, r.fp, r.at, _encode(sale),
-                                                bytes(r.decision), r.until)
-        if reply[0] == b"written":
-            put_back = True
-            aggregates = self.ledger.aggregates(key, game, sale, r.sale, accepted)
-            if aggregates and accepted:
-                await replies_of(aggregates)
         return "sale" if put_back else None
 
     async def _cancel(self, game: Game, r: CancelRecord, now: int) -> str | None:
