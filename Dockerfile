@@ -25,13 +25,15 @@ WORKDIR /app
 # comes from the environment (CAPSVC_REDIS_URL) or from the file's [redis] url (as in
 # deploy/k8s/, where it is a Secret). There is deliberately no default: the built-in local
 # configuration has public example tokens.
+# The journal (the decisions answered) is written to the volume below whatever the
+# configuration's [journal] dir says (CAPSVC_JOURNAL_DIR overrides it; the default,
+# var/journal, would be in the container's own layer, gone with the container). Mount a
+# volume here (-v capsvc-journal:/var/lib/capsvc/journal), else Docker makes an anonymous
+# one that `docker rm -v` deletes. A new named volume takes this directory's owner, capsvc
+# (10001).
 ENV CAPSVC_CONFIG=/etc/capsvc/capsvc.toml \
+    CAPSVC_JOURNAL_DIR=/var/lib/capsvc/journal \
     PYTHONUNBUFFERED=1
-# The journal (the decisions answered): set `[journal] dir = "/var/lib/capsvc/journal"` in
-# the configuration (the default, var/journal, is relative to /app, in the container's own
-# layer) and mount a volume here (-v capsvc-journal:/var/lib/capsvc/journal), else Docker
-# makes an anonymous one that `docker rm -v` deletes. A new named volume takes this
-# directory's owner, capsvc (10001).
 VOLUME ["/var/lib/capsvc/journal"]
 EXPOSE 8080
 # Exec form (no shell): the image's own python; any exception (refused, timeout, non-2xx)

@@ -168,15 +168,16 @@ def build(settings: Settings, redis_url: str) -> Service:
     return Service(settings, redis, store, usecases, metrics, health, app, journal, reconciler)
 
 
-async def prepare(svc: Service, wait_s: float | None = None) -> None:
-    """Before serving: restore the journal into the Redis (nothing is sold before; a Redis
-    that does not answer yet is waited for in the background, `wait_s` at most here), load
-    the Lua library, read the Redis clock."""
+async def prepare(svc: Service, wait_s: float = 120.0) -> None:
+    """Before serving: restore the journal into the Redis (nothing is sold before), load the
+    Lua library, read the Redis clock. The restore is waited for until it is done or has
+    failed once (a Redis that does not answer yet is then waited for in the background,
+    the process not ready), `wait_s` at most."""
     if svc.reconciler is not None:
-        restoring = svc.reconciler.start()
-        wait = svc.settings.request_timeout_ms / 1000 if wait_s is None else wait_s
+        if svc.reconciler.task is None:  # else started already (and maybe done)
+            svc.reconciler.start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(restoring), wait)
+            await asyncio.wait_for(svc.reconciler.attempted.wait(), wait_s)
     await svc.store.load_library()
     await svc.usecases.clock.sync()
 

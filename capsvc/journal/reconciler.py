@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 from pathlib import Path
 
 from capsvc.cluster import connect
@@ -31,14 +33,21 @@ from capsvc.errors import Unavailable
 from capsvc.games import Catalog
 from capsvc.journal.gate import Gate
 from capsvc.journal.restore import Restored, restore_once
+from capsvc.journal.restore import identities as _identities
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
 
 log = logging.getLogger(__name__)
 
 MARKER = "j:{journal}"
-"""Hash: process -> when it last restored (Redis TIME, ms); a process's field missing means
-the data was lost in place."""
+"""Hash: journal directory id -> when a process of it last restored (Redis TIME, ms); the
+directory's field missing means the data was lost in place (or never restored)."""
+DIRECTORY_ID = "journal-id"
+"""The file, in the journal directory, naming it (random, made once): its marker field."""
+CHECKPOINT = "reconciled.json"
+"""The file, in the journal directory, naming the Redis identities it was last reconciled
+with: a process starting on one of them, its marker field there, has nothing to restore
+(every decision its directory holds was made on that Redis or restored into it)."""
 MARKER_TTL_MS = 400 * 86_400_000
 RESTORING = "r:{journal}"
 """Hash: process -> expiry (ms, Redis TIME) while that process restores."""
@@ -65,6 +74,10 @@ class Reconciler:
         self.metrics = metrics
         self.proc = proc
         self.task: asyncio.Task[None] | None = None
+        self.attempted = asyncio.Event()
+        """Set once a restore has been tried (done, or failed: Redis unreachable)."""
+        self.dir = Path(settings.journal_dir)
+        self.dir_id = directory_id(self.dir)
         gate.on_unknown = self.unknown
 
     def unknown(self, identity: str) -> None:
@@ -90,7 +103,7 @@ class Reconciler:
             if self.gate.restoring:
                 continue
             try:
-                present = await store.redis.submit("HEXISTS", MARKER, self.proc)
+                present = await store.redis.submit("HEXISTS", MARKER, self.dir_id)
             except (Unavailable, Exception):  # unreachable, or held by the gate: not ours
                 continue
             if not present and not self.gate.restoring:
@@ -101,7 +114,7 @@ class Reconciler:
                 self.start()
 
     async def _run(self) -> None:
-        directory = Path(self.settings.journal_dir)
+        directory = self.dir
         quiet = False
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
@@ -109,6 +122,10 @@ class Reconciler:
             store = Store(redis)
             announcing: asyncio.Task[None] | None = None
             try:
+                await store.load_library()
+                if await self._already_reconciled(store):
+                    self.attempted.set()
+                    return
                 began = await store.time_ms()
                 announcing = asyncio.get_running_loop().create_task(self._announce(store))
                 done, identities = await restore_once(
@@ -118,9 +135,11 @@ class Reconciler:
                     await announcing
                 await store.redis.submit("HDEL", RESTORING, self.proc)
                 await self._wait_for_peers(store, began)
-                await store.redis.submit("HSET", MARKER, self.proc, await store.time_ms())
+                await store.redis.submit("HSET", MARKER, self.dir_id, await store.time_ms())
                 await store.redis.submit("PEXPIRE", MARKER, MARKER_TTL_MS)
+                self._checkpoint(identities)
             except Exception as e:  # Redis unreachable, or refusing: try again
+                self.attempted.set()
                 if not quiet:
                     log.warning("journal: restore into redis failed (%s): retrying", e)
                     quiet = True
@@ -131,7 +150,38 @@ class Reconciler:
                     announcing.cancel()
                 await redis.aclose()
             self._reconciled(done, identities)
+            self.attempted.set()
             return
+
+    async def _already_reconciled(self, store: Store) -> bool:
+        """Whether the directory was reconciled with this very Redis and the Redis has kept
+        the mark of it: then the gate opens at once (a process restarting on the Redis it
+        left does not read its journal again)."""
+        try:
+            known = json.loads((self.dir / CHECKPOINT).read_text())["identities"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        identities = await _identities(store)
+        if not identities or set(identities) - set(known) or None in identities:
+            return False
+        if not await store.redis.submit("HEXISTS", MARKER, self.dir_id):
+            return False
+        self.gate.reconciled.update(i for i in identities if i is not None)
+        self.gate.restoring = False
+        self.metrics.restoring.set(0)
+        log.info("journal: redis already reconciled with the journal directory",
+                 extra={"identities": identities})
+        return True
+
+    def _checkpoint(self, identities: list[str | None]) -> None:
+        """Write down (atomically) the identities the directory is reconciled with."""
+        path = self.dir / CHECKPOINT
+        tmp = path.with_name(f".{CHECKPOINT}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"identities": [i for i in identities if i]}))
+            os.replace(tmp, path)
+        except OSError as e:  # the next start restores again: slower, not wrong
+            log.warning("journal: cannot write %s: %s", path, e)
 
     def _reconciled(self, done: Restored, identities: list[str | None]) -> None:
         self.gate.reconciled.update(i for i in identities if i is not None)
@@ -179,3 +229,20 @@ class Reconciler:
                          extra={"processes": others})
                 said = True
             await asyncio.sleep(0.1)
+
+
+def directory_id(directory: Path) -> str:
+    """The journal directory's id (made once, shared by every process writing there)."""
+    path = directory / DIRECTORY_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    directory.mkdir(parents=True, exist_ok=True)
+    new = os.urandom(8).hex()
+    try:
+        with open(path, "x") as f:
+            f.write(new)
+        return new
+    except FileExistsError:  # another worker made it first
+        return path.read_text().strip()

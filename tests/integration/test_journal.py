@@ -377,3 +377,20 @@ async def test_nothing_is_sold_and_readyz_is_not_ready_while_the_journal_is_rest
         await svc.redis.aclose()
         assert svc.journal is not None
         await svc.journal.aclose()
+
+
+def test_the_journal_turned_off_says_so_and_writes_nothing(tmp_path: Path,
+                                                          redis: RedisServer) -> None:
+    config = write_failover_config(tmp_path, journal=False)
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        crowd = sell_for(service, 0.5, count=2)
+        assert crowd.acknowledged
+        with urllib.request.urlopen(service.base_url + "/readyz", timeout=5) as resp:
+            checks = json.loads(resp.read())["checks"]
+        assert "journal" not in checks
+        assert "restored" not in checks
+        assert not service.journal_dir.exists()
+        assert "the journal is off" in service.log.read_text()
+    finally:
+        service.stop()
