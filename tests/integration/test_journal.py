@@ -394,3 +394,27 @@ def test_the_journal_turned_off_says_so_and_writes_nothing(tmp_path: Path,
         assert "the journal is off" in service.log.read_text()
     finally:
         service.stop()
+
+
+def test_a_restart_on_the_same_redis_reads_nothing_a_redis_emptied_meanwhile_everything(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """The directory's checkpoint (the Redis identities it was reconciled with) and its
+    mark in that Redis: a process restarting on the Redis it left opens at once; if the
+    Redis was emptied in place meanwhile (same identity, mark gone), it restores."""
+    env = {"CAPSVC_JOURNAL_DIR": str(tmp_path / "journal")}
+    first = ServiceProcess(config, redis.url, env=env).start()
+    crowd = sell_for(first, 0.5, count=2)
+    first.stop()
+    again = ServiceProcess(config, redis.url, env=env).start()
+    again.stop()
+    log = again.log.read_text()
+    assert "already reconciled with the journal directory" in log
+    assert "put_back" not in log
+    redis.client().flushall()
+    third = ServiceProcess(config, redis.url, env=env).start()
+    try:
+        result = audit(third.base_url, crowd)
+        assert result.lost == {}
+        assert '"put_back":{' in third.log.read_text()
+    finally:
+        third.stop()

@@ -46,6 +46,12 @@ request_timeout = "2s"
 pending_deadline = "4s"
 interval = "500ms"
 
+# Each example starts from an emptied Redis (FLUSHALL under the running service): the
+# journal would rightly put the earlier examples' decisions back. Its own guarantees are
+# tested in test_journal.py and test_journal_review.py.
+[journal]
+enabled = false
+
 [[games]]
 id = "fast-keno"
 preset = "fdj-keno-2008"
