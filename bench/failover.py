@@ -3,17 +3,22 @@
     python bench/failover.py [--server redis|valkey|both] [--scenario partition ...]
 
 Runs the failover scenarios of tests/failover (capsvc.testing: the same harness, eight
-sellers retrying every 503 with the same ticket id and body) in `default` and in
-`replicas:1` mode:
+sellers retrying every 503 with the same ticket id and body) in `default` mode with the
+journal (the default), in `default` mode without it (`[journal] enabled = false`: what
+Redis alone keeps), and in `replicas:1` mode:
 
 - partition: a primary and its replica, the link frozen 2 s (TCP up), then the primary
   killed, the replica promoted by hand and capsvc restarted on it (issue 16's a and b);
+- partition-redirect: the same, capsvc not restarted, its Redis address now leading to the
+  promoted replica (issue 17's second row);
 - sentinel: three sentinels, a primary and two replicas, the primary killed; capsvc on the
   `redis+sentinel://` URL follows the switch without a restart (c);
 - sentinel-manual: the same, by `SENTINEL FAILOVER` with the old primary alive (its second
   replica acknowledges its writes until it is re-pointed);
 - cluster-kill, cluster-failover: a 3-primary Redis Cluster with a replica each, a primary
-  killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica (d).
+  killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica (d);
+- cluster-lag: cluster-kill, the killed primary's replica cut off 2 s before (its shard
+  loses those 2 s of answered sales).
 
 Prints, per scenario and mode: the sales answered (acknowledged), those the surviving
 service no longer has or shows otherwise (lost), the combination-draws sold beyond the cap
@@ -38,20 +43,29 @@ from capsvc.testing import (
     valkey_binary,
 )
 
-MODES = ("default", "replicas:1")
-SCENARIOS = ("partition", "sentinel", "sentinel-manual", "cluster-kill", "cluster-failover")
-FAILURE_MARK = {"partition": "freeze", "sentinel": "kill", "sentinel-manual": "kill",
-                "cluster-kill": "kill", "cluster-failover": "failover"}
+MODES = ("default", "default, no journal", "replicas:1")
+SCENARIOS = ("partition", "partition-redirect", "sentinel", "sentinel-manual", "cluster-kill",
+             "cluster-failover", "cluster-lag")
+FAILURE_MARK = {"partition": "freeze", "partition-redirect": "freeze", "sentinel": "kill",
+                "sentinel-manual": "kill", "cluster-kill": "kill",
+                "cluster-failover": "failover", "cluster-lag": "lag"}
 
 
 def run(scenario: str, mode: str, binary: str) -> FailoverRun:
+    durability, _, rest = mode.partition(",")
+    journal = "no journal" not in rest
     if scenario == "partition":
-        return partition_scenario(mode, binary=binary)
+        return partition_scenario(durability, binary=binary, journal=journal)
+    if scenario == "partition-redirect":
+        return partition_scenario(durability, binary=binary, how="redirect", journal=journal)
     if scenario == "sentinel":
-        return sentinel_scenario(mode, binary=binary)
+        return sentinel_scenario(durability, binary=binary, journal=journal)
     if scenario == "sentinel-manual":
-        return sentinel_scenario(mode, "manual", binary=binary)
-    return cluster_scenario(mode, scenario.removeprefix("cluster-"), binary=binary)
+        return sentinel_scenario(durability, "manual", binary=binary, journal=journal)
+    if scenario == "cluster-lag":
+        return cluster_scenario(durability, binary=binary, lag_s=2.0, journal=journal)
+    return cluster_scenario(durability, scenario.removeprefix("cluster-"), binary=binary,
+                            journal=journal)
 
 
 def main() -> int:
@@ -70,7 +84,7 @@ def main() -> int:
     if args.server in ("valkey", "both"):
         binaries.append(valkey_binary())
 
-    header = (f"{'scenario':<17} {'mode':<11} {'server':<13} {'acknowledged':>12} "
+    header = (f"{'scenario':<18} {'mode':<20} {'server':<13} {'acknowledged':>12} "
               f"{'lost':>5} {'over cap':>8} {'no sales (s)':>12} {'resumed (s)':>11} "
               f"{'retries':>7}")
     print(header)
@@ -82,7 +96,7 @@ def main() -> int:
                 try:
                     result = run(scenario, mode, binary)
                 except Exception as e:  # a broken run is reported, the others still run
-                    print(f"{scenario:<17} {mode:<11} {server_version(binary):<13} "
+                    print(f"{scenario:<18} {mode:<20} {server_version(binary):<13} "
                           f"failed: {e!r}"[:200])
                     continue
                 resumed = result.resumed_after_s(FAILURE_MARK[scenario])
@@ -91,7 +105,7 @@ def main() -> int:
                     problems.append(f"{len(result.sellers.unanswered)} unanswered")
                 if result.sellers.unexpected:
                     problems.append(f"{len(result.sellers.unexpected)} unexpected")
-                print(f"{scenario:<17} {mode:<11} {server_version(binary):<13} "
+                print(f"{scenario:<18} {mode:<20} {server_version(binary):<13} "
                       f"{result.audit.acknowledged:>12} {result.lost:>5} "
                       f"{result.over_cap:>8} {result.longest_gap_s:>12.2f} "
                       f"{'-' if resumed is None else f'{resumed:.2f}':>11} "

@@ -588,6 +588,7 @@ interval = "1s"
 
 [journal]
 enabled = {"true" if journal else "false"}
+settle = "0s"     # one capsvc (its workers share a journal): no other host to wait for
 
 [[games]]
 id = "{FAILOVER_GAME}"
@@ -1133,7 +1134,7 @@ def partition_scenario(durability: str, *, binary: str | None = None, warmup_s: 
 def sentinel_scenario(durability: str, how: str = "kill", *, binary: str | None = None,
                       replicas: int = 2, warmup_s: float = 1.5, after_s: float = 3.0,
                       sellers: int = 8, n_draws: int = 30, workers: int = 2, seed: int = 0,
-                      failover_timeout_s: float = 30) -> FailoverRun:
+                      failover_timeout_s: float = 30, journal: bool = True) -> FailoverRun:
     """Scenario c: a primary and `replicas` replicas under 3 sentinels (quorum 2, down
     after 1 s); capsvc (`--workers`) on the `redis+sentinel://` URL, sellers selling and a
     readiness probe. `how`: "kill", the primary is killed (SIGKILL); "manual", `SENTINEL
@@ -1148,7 +1149,7 @@ def sentinel_scenario(durability: str, how: str = "kill", *, binary: str | None 
     Marks: "kill", "switched" (every sentinel names the new primary)."""
     with _stack() as stack:
         tmp = tempfile.mkdtemp(prefix="capsvc-failover-")
-        config = write_failover_config(tmp, durability)
+        config = write_failover_config(tmp, durability, journal=journal)
         primary = RedisServer(binary=binary).start()
         stack.callback(primary.stop)
         for _ in range(replicas):
