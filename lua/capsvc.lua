@@ -632,6 +632,16 @@ local function budget_recorded(limit_rec, day_key, day, ref, regulatory)
   return {1, day_limit(limit_rec, day, regulatory) - spent}
 end
 
+-- Take each day's amount (budget's ARGV) into its `spent`, recorded under `ref`.
+local function charge(keys, args, m, ref, expire_at)
+  for i = 1, m do
+    local amount = tonumber(args[4 + m + i])
+    redis.call('HINCRBY', keys[1 + i], 'spent', amount)
+    redis.call('HSET', keys[1 + i], ref, amount)
+    extend(keys[1 + i], expire_at)
+  end
+end
+
 --[[ budget: KEYS limit, day(1), …, day(m);
 ARGV ref, regulatory, expire_at, mode, day(1)…day(m), amount(1)…amount(m)
 mode "take": all or nothing over the m days. Returns {1, room left on day 1} | {0, room on
@@ -653,12 +663,7 @@ local function budget(keys, args)
     return {-2}
   end
   if args[4] == 'restore' then
-    for i = 1, m do
-      local amount = tonumber(args[4 + m + i])
-      redis.call('HINCRBY', keys[1 + i], 'spent', amount)
-      redis.call('HSET', keys[1 + i], ref, amount)
-      extend(keys[1 + i], expire_at)
-    end
+    charge(keys, args, m, ref, expire_at)
     return {1, 0}
   end
   local rooms = {}
@@ -672,12 +677,7 @@ local function budget(keys, args)
     end
     rooms[i] = room
   end
-  for i = 1, m do
-    local amount = tonumber(args[4 + m + i])
-    redis.call('HINCRBY', keys[1 + i], 'spent', amount)
-    redis.call('HSET', keys[1 + i], ref, amount)
-    extend(keys[1 + i], expire_at)
-  end
+  charge(keys, args, m, ref, expire_at)
   return {1, rooms[1] - tonumber(args[5 + m])}
 end
 

@@ -62,13 +62,8 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        assert sale.first_draw is not None
         return journal.append(SaleRecord(
-            at=at, via=via, proc=self.proc, channel=channel, ticket=sale.ticket_id,
-            sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
-            fp=sale.fingerprint, until=until, grids=grids_of(sale),
-            decision=msgspec.Raw(body), player=sale.player_id, joker_plus=sale.joker_plus,
-            joker_cost=sale.joker_cost,
+            **self._ticket(via, channel, sale, sale_id, at, body, until),
             caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
@@ -76,13 +71,20 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        assert sale.first_draw is not None
         return journal.append(CancelRecord(
-            at=at, via=via, proc=self.proc, channel=channel, ticket=sale.ticket_id,
-            sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
-            fp=sale.fingerprint, until=until, grids=grids_of(sale),
-            decision=msgspec.Raw(body), player=sale.player_id, joker_plus=sale.joker_plus,
-            joker_cost=sale.joker_cost, cancelled_at=cancelled_at, released=released))
+            **self._ticket(via, channel, sale, sale_id, at, body, until),
+            cancelled_at=cancelled_at, released=released))
+
+    def _ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
+                until: int) -> dict[str, Any]:
+        """The fields a sale's and a cancel's records share: the ticket and its decision."""
+        assert sale.first_draw is not None
+        return {"at": at, "via": via, "proc": self.proc, "channel": channel,
+                "ticket": sale.ticket_id, "sale": sale_id, "game": sale.game,
+                "first_draw": sale.first_draw, "draws": sale.draws, "fp": sale.fingerprint,
+                "until": until, "grids": grids_of(sale), "decision": msgspec.Raw(body),
+                "player": sale.player_id, "joker_plus": sale.joker_plus,
+                "joker_cost": sale.joker_cost}
 
     def ticket(self, via: Via, channel: str, raw_sale: bytes, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,
