@@ -85,7 +85,8 @@ def test_backup_loaded_through_replication_is_restored(debug_redis: RedisServer)
         backup.promote()  # the backup: what the Redis held after `first`
         second = _fdj(draw)
         status, body = _sell(svc.base_url, second)
-        assert status == 200 and body["status"] == "accepted", body
+        assert status == 200, body
+        assert body["status"] == "accepted", body
         c = debug_redis.client()
         before = c.info("replication")["master_replid"]
         assert svc.process is not None
@@ -132,7 +133,8 @@ def test_reload_from_an_older_file_is_restored(debug_redis: RedisServer) -> None
         c.save()
         second = _fdj(draw)
         status, body = _sell(svc.base_url, second)
-        assert status == 200 and body["status"] == "accepted", body
+        assert status == 200, body
+        assert body["status"] == "accepted", body
         c.execute_command("DEBUG", "RELOAD", "NOSAVE")
         time.sleep(1.0)
         assert _get(svc.base_url, second["ticket_id"]) == 200, (
@@ -179,7 +181,8 @@ def test_restart_after_a_backup_restored_in_place_restores() -> None:
         saved = _dump_all(server)
         second = _fdj(draw)
         status, body = _sell(svc.base_url, second)
-        assert status == 200 and body["status"] == "accepted", body
+        assert status == 200, body
+        assert body["status"] == "accepted", body
         svc.stop()
         _restore_all(server, saved)
         again = ServiceProcess(str(CONFIG), server.url,
