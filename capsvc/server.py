@@ -237,7 +237,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_exposure_gauges(usecases, metrics, store)),
     ]
     if svc.reconciler is not None:
-        background.append(asyncio.create_task(svc.reconciler.watch(store)))
+        background.append(asyncio.create_task(svc.reconciler.watch(store,
+                                                                   usecases.journal)))
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path

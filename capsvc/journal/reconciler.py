@@ -29,13 +29,14 @@ from pathlib import Path
 
 from capsvc.cluster import connect
 from capsvc.config import Settings
-from capsvc.errors import Unavailable
 from capsvc.games import Catalog
-from capsvc.journal.gate import Gate
+from capsvc.journal.gate import Gate, identity
+from capsvc.journal.reader import newest_decisions
+from capsvc.journal.recorder import Recorder
 from capsvc.journal.restore import Restored, restore_once
 from capsvc.journal.restore import identities as _identities
 from capsvc.metrics import Metrics
-from capsvc.store import Store, lua_source
+from capsvc.store import Store, lua_source, replies_of, ticket_key
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +96,48 @@ class Reconciler:
             self.task = asyncio.get_running_loop().create_task(self._run())
         return self.task
 
-    async def watch(self, store: Store) -> None:
-        """Every WATCH_S, through the process's own connection: is the marker there? (The
-        read also reconnects after a Redis restart or failover, which the gate judges.)"""
+    async def watch(self, store: Store, recorder: Recorder | None = None) -> None:
+        """Every WATCH_S, through the process's own connection, three questions; a wrong
+        answer is a Redis to restore into:
+        - is every primary's identity still one reconciled? (A server can change it without
+          a reconnection: `REPLICAOF` a backup, then `REPLICAOF NO ONE`.)
+        - is the directory's mark there? (Gone: the data was emptied in place.)
+        - does Redis hold the newest decision this process journaled (`recorder.newest`)?
+          (Not: Redis went back to an older copy of itself, `DEBUG RELOAD` of an older
+          file, a backup put back key by key.)
+        The reads also reconnect after a Redis restart or failover, which the gate judges."""
         while True:
             await asyncio.sleep(WATCH_S)
             if self.gate.restoring:
                 continue
             try:
-                present = await store.redis.submit("HEXISTS", MARKER, self.dir_id)
-            except (Unavailable, Exception):  # unreachable, or held by the gate: not ours
+                problem = await self._lost(store, recorder)
+            except Exception:  # unreachable, or held by the gate: not the watch's to judge
                 continue
-            if not present and not self.gate.restoring:
-                log.warning("journal: redis lost its data in place (this process's mark of "
-                            "its last restore is gone): holding sales to restore the journal "
-                            "into it")
+            if problem is not None and not self.gate.restoring:
+                log.warning("journal: %s: holding sales to restore the journal into it",
+                            problem)
                 self.gate.reconciled.clear()
                 self.start()
+
+    async def _lost(self, store: Store, recorder: Recorder | None) -> str | None:
+        """Why Redis may have lost decisions of this directory (None: no sign of it)."""
+        newest = recorder.newest if recorder is not None else None
+        info, present, held = await asyncio.gather(
+            store.identities(),
+            store.redis.submit("HEXISTS", MARKER, self.dir_id),
+            store.redis.submit("HGET", ticket_key(newest[0], newest[1]), "sid")
+            if newest is not None else _nothing())
+        identities = [identity(i) for i in info]
+        if any(i is not None and i not in self.gate.reconciled for i in identities):
+            return "redis changed identity without a new connection"
+        if not present:
+            return "redis lost its data in place (the journal directory's mark is gone)"
+        if newest is not None and (held is None or held.decode() != newest[2]) and (
+                newest[3] > await store.time_ms()):
+            return (f"redis lacks the newest decision journaled (ticket {newest[1]}): it went "
+                    "back to an older copy of its data")
+        return None
 
     async def _run(self) -> None:
         directory = self.dir
@@ -165,6 +191,18 @@ class Reconciler:
         if not identities or set(identities) - set(known) or None in identities:
             return False
         if not await store.redis.submit("HEXISTS", MARKER, self.dir_id):
+            return False
+        # The newest decisions of the directory's files must be there: a Redis put back to
+        # an older copy of itself (a backup restored key by key) keeps its identity and the
+        # mark, not them.
+        now = await store.time_ms()
+        newest = [r for r in await asyncio.get_running_loop().run_in_executor(
+            None, newest_decisions, self.dir) if r.until > now]
+        held = await replies_of([store.redis.submit("HGET", ticket_key(r.channel, r.ticket),
+                                                    "sid") for r in newest])
+        if any(h is None or h.decode() != r.sale for r, h in zip(newest, held, strict=True)):
+            log.warning("journal: redis lacks the newest decisions of the journal directory "
+                        "(an older copy of its data): restoring in full")
             return False
         self.gate.reconciled.update(i for i in identities if i is not None)
         self.gate.restoring = False
@@ -246,3 +284,7 @@ def directory_id(directory: Path) -> str:
         return new
     except FileExistsError:  # another worker made it first
         return path.read_text().strip()
+
+
+async def _nothing() -> None:
+    return None

@@ -40,6 +40,9 @@ class Recorder:
         """Redis TIME (ms), as the process's Redis clock tells it."""
         self.proc = journal.proc if journal is not None else ""
         self._done: asyncio.Future[None] | None = None
+        self.newest: tuple[str, str, str, int] | None = None
+        """(channel, ticket id, sale id, until) of the newest decision journaled: Redis
+        must hold it (capsvc.journal.reconciler's watch looks)."""
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +65,7 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
+        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(SaleRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
@@ -71,6 +75,7 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
+        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(CancelRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             cancelled_at=cancelled_at, released=released))
