@@ -892,6 +892,12 @@ class Audit:
         return [k for k, (staked, acked) in self.counters.items() if staked != acked]
 
     @property
+    def undercounted(self) -> list[tuple[str, int]]:
+        """Counters below the acknowledged accepted stakes: a stake answered and not counted
+        (the loss that lets the cap be passed)."""
+        return [k for k, (staked, acked) in self.counters.items() if staked < acked]
+
+    @property
     def over_cap(self) -> list[tuple[str, int]]:
         """(combination, draw) sold beyond the cap: counted there, or acknowledged as
         accepted to the sellers (a sale answered, lost in a failover, then sold again)."""

@@ -44,6 +44,9 @@ def report(run: FailoverRun, record_property: pytest.RecordProperty) -> None:
     print(figures)
     if run.audit.lost:
         print("lost:", dict(list(run.audit.lost.items())[:10]))
+    if run.audit.mismatched:
+        print("mismatched (staked, acknowledged):",
+              {k: run.audit.counters[k] for k in run.audit.mismatched[:10]})
     if run.audit.over_cap:
         print("over the cap:", {k: run.audit.counters[k] for k in run.audit.over_cap[:10]})
 

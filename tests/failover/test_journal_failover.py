@@ -43,9 +43,15 @@ def test_default_durability_failover_loses_no_answered_sale_with_the_journal(
 
 def test_cluster_shard_losing_writes_is_restored(
         redis7: str, record_property: pytest.RecordProperty) -> None:
-    """On redis 7.0 (the standalone scenarios run on valkey 8.1 too)."""
+    """On redis 7.0 (the standalone scenarios run on valkey 8.1 too). No answered ticket
+    lost, no stake answered and not counted, nothing over the cap. A counter may hold more
+    than the stakes answered: a sale answered 503 whose ticket's shard lost its claim while
+    the counter's shard kept its stake is sold anew by its retry, and the first stake holds
+    room for nothing until the draw's retention ends (docs/durability.md, Redis Cluster)."""
     run = cluster_scenario("default", binary=redis7, lag_s=2.0)
     report(run, record_property)
     assert_harness_worked(run, "lag", "rejoined")
     assert run.sellers.sent_and_acknowledged_between("lag", "kill") > 0
-    assert_restored(run)
+    assert run.audit.lost == {}, f"{len(run.audit.lost)} answered ticket(s) lost"
+    assert run.audit.undercounted == []
+    assert run.audit.over_cap == []
