@@ -274,8 +274,8 @@ class Restorer:
         if cancelling is not None:
             one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
             await self.store.cancelled(key, r.sale, one_call)
-        else:
-            await self.store.unindex(key) if ours and state == b"c" else None
+        elif ours and state == b"c":
+            await self.store.unindex(key)  # indexed by an earlier run of this restore
         return "cancel" if cancelling is not None or released or given else None
 
     async def _void(self, game: Game, r: VoidRecord) -> str | None:
