@@ -6,6 +6,7 @@ against Redis; a restore that has to count past the cap, and says so."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -418,3 +419,66 @@ def test_a_restart_on_the_same_redis_reads_nothing_a_redis_emptied_meanwhile_eve
         assert '"put_back":{' in third.log.read_text()
     finally:
         third.stop()
+
+
+def test_a_process_killed_while_restoring_holds_the_others_back_only_until_its_mark_expires(
+        redis: RedisServer, tmp_path: Path) -> None:
+    """A restores a long journal and is killed (SIGKILL) half-way: its announcement in
+    `r:{journal}` is no longer refreshed. B, restoring its own (empty) journal on the same
+    Redis, waits for A's announcement to expire (5 s), not for ever, then sells."""
+    import threading
+
+    from capsvc.journal.reconciler import RESTORING, RESTORING_TTL_MS
+    from tests.unit.test_journal import decision, sale
+
+    long_journal = tmp_path / "a"
+
+    async def fill() -> None:
+        from capsvc.journal.recorder import Recorder
+        from capsvc.journal.writer import open_journal
+
+        journal = open_journal(long_journal, max_file_bytes=1 << 30, keep_ms=86_400_000)
+        rec = Recorder(journal, lambda: 1)
+        for start in range(0, 30_000, 5_000):  # what may wait for the disk is bounded
+            await asyncio.gather(*[
+                rec.sale("answer", "fr-retail", s, f"{i:016x}", 1, decision(s), 10**13, [5000])
+                for i, s in ((i, sale(f"K{i}", numbers=[1 + i % 60, *range(61, 68)]))
+                             for i in range(start, start + 5_000))])
+        await journal.aclose()
+
+    asyncio.run(fill())
+    config = tmp_path / "capsvc.toml"
+    config.write_text(Path(TEST_CONFIG).read_text().replace('settle = "0s"', 'settle = "1s"'))
+    a = ServiceProcess(str(config), redis.url, env={"CAPSVC_JOURNAL_DIR": str(long_journal)})
+    starting = threading.Thread(target=lambda: _start_quietly(a), daemon=True)
+    starting.start()
+    client = redis.client()
+    deadline = time.monotonic() + 20
+    while not client.hgetall(RESTORING) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.hgetall(RESTORING), "A never announced its restore"
+    time.sleep(0.3)
+    assert a.process is not None
+    a.process.kill()
+    killed = time.monotonic()
+    b = ServiceProcess(str(config), redis.url).start()
+    try:
+        http = HttpClient(timeout_s=15)  # B answers once its restore is done
+        while True:
+            status, body = http.request(b.base_url, "GET", "/v1/games/fdj-keno/draws/current",
+                                        token="t-fr")
+            if status != 503 or time.monotonic() - killed > 30:
+                break
+            time.sleep(0.1)
+        waited = time.monotonic() - killed
+        assert status == 200, body
+        assert waited < RESTORING_TTL_MS / 1000 + 5, f"B waited {waited:.1f} s"
+        assert "waiting for other processes' restores" in b.log.read_text()
+    finally:
+        b.stop()
+        a.stop()
+
+
+def _start_quietly(service: ServiceProcess) -> None:
+    with contextlib.suppress(Exception):  # killed while it starts: that is the test
+        service.start()
