@@ -223,13 +223,14 @@ class Ledger:
         return None
 
     async def give_back(self, key: str, game: Game, sale: Sale, sale_id: str,
-                        plan: BudgetPlan | None) -> None:
-        """Release every grid, the whole budget and the draws' aggregates of a sale."""
+                        plan: BudgetPlan | None) -> int:
+        """Release every grid, the whole budget and the draws' aggregates of a sale;
+        returns what this call gave back (stakes and budget: 0 when all was given back
+        before)."""
         await replies_of(self.aggregates(key, game, sale, sale_id, set()))
-        await self.release_all(game, sale, sale_id)
+        released = await self.release_all(game, sale, sale_id)
         settled = self.settle_budget(plan, sale, set())
-        if settled is not None:
-            await settled
+        return released + (int(await settled) if settled is not None else 0)
 
 
 def _uncapped(sale: Sale, accepted: set[int]) -> list[tuple[int, int]]:

@@ -106,7 +106,7 @@ class RedisServer:
         except redis.RedisError:
             return False
 
-    def _in_sync(self) -> bool:
+    def in_sync(self) -> bool:
         try:
             return self.client().info("replication").get("master_link_status") == "up"
         except redis.RedisError:
@@ -149,7 +149,7 @@ class RedisServer:
         try:
             _wait(self._answers, 10, f"redis on port {self.port}")
             if primary:
-                _wait(self._in_sync, 10, f"replica on port {self.port}")
+                _wait(self.in_sync, 10, f"replica on port {self.port}")
         except BaseException:
             self.stop()
             raise
@@ -171,7 +171,7 @@ class RedisServer:
             return self.start()
         self.client().execute_command(  # type: ignore[no-untyped-call]
             "REPLICAOF", "127.0.0.1", str(primary.port))
-        _wait(self._in_sync, timeout_s, f"replica on port {self.port}")
+        _wait(self.in_sync, timeout_s, f"replica on port {self.port}")
         return self
 
     def kill(self) -> None:
@@ -276,7 +276,7 @@ class RedisCluster:
             return False
         for p in primaries:
             replicas = self.replicas_of(p)
-            if len(replicas) != self.replicas or not all(r._in_sync() for r in replicas):
+            if len(replicas) != self.replicas or not all(r.in_sync() for r in replicas):
                 return False
         return True
 

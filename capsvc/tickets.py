@@ -355,7 +355,7 @@ class Tickets:
         last = sale.first_draw + sale.draws - 1
         until = game.expire_at(last) if game is not None else 0
         sid = sale_id if isinstance(sale_id, str) else sale_id.decode()
-        return self.journal.ticket(via, channel_id, raw_sale, sid, int(at), bytes(body), until,
+        return self.journal.ticket(via, channel_id, sale, sid, int(at), bytes(body), until,
                                    state, cancelled_at, released)
 
     def _may_have_lost_counters(self, state: bytes | None, body: bytes | None

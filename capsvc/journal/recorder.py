@@ -28,8 +28,6 @@ from capsvc.journal.records import (
 from capsvc.journal.writer import Journal
 from capsvc.validator import Sale
 
-_decode_sale = msgspec.json.Decoder(Sale).decode
-
 
 class Recorder:
     """Journals decisions for the use-cases (see the module's docstring)."""
@@ -91,14 +89,13 @@ class Recorder:
                 "player": sale.player_id, "joker_plus": sale.joker_plus,
                 "joker_cost": sale.joker_cost}
 
-    def ticket(self, via: Via, channel: str, raw_sale: bytes, sale_id: str, at: int,
+    def ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,
                released: Any) -> asyncio.Future[None]:
         """A stored decision reported again (a replay, a GET): as a cancel once the ticket
         is cancelled or being cancelled, else as a sale."""
         if self.journal is None:
             return self._resolved()
-        sale = _decode_sale(raw_sale)
         if state in (b"k", b"c") and cancelled_at is not None:
             return self.cancel(via, channel, sale, sale_id, at, body, until,
                                int(cancelled_at), int(released or 0))

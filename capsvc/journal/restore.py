@@ -266,17 +266,14 @@ class Restorer:
                                                     bytes(r.decision), r.until,
                                                     r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None
-        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-        released = await self.ledger.release_all(game, sale, r.sale)
-        await replies_of(self.ledger.aggregates(key, game, sale, r.sale, set()))
-        settled = self.ledger.settle_budget(plan, sale, set())
-        given = int(await settled) if settled is not None else 0
+        given = await self.ledger.give_back(
+            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
         if cancelling is not None:
             one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
             await self.store.cancelled(key, r.sale, one_call)
         elif ours and state == b"c":
             await self.store.unindex(key)  # indexed by an earlier run of this restore
-        return "cancel" if cancelling is not None or released or given else None
+        return "cancel" if cancelling is not None or given else None
 
     async def _void(self, game: Game, r: VoidRecord) -> str | None:
         sale = sale_of(r)
@@ -284,15 +281,11 @@ class Restorer:
         state, sid = (await self.store.ticket(key))[0:4:3]
         if state is not None and (sid.decode() != r.sale or state not in (b"p", b"x")):
             return None  # decided, or another sale: nothing of this one to give back
-        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-        released = await self.ledger.release_all(game, sale, r.sale)
-        await replies_of(self.ledger.aggregates(key, game, sale, r.sale, set()))
-        settled = self.ledger.settle_budget(plan, sale, set())
-        if settled is not None:
-            await settled
+        given = await self.ledger.give_back(
+            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
         if state is not None:
             await self.store.unclaim(key, r.sale)
-        return "void" if released or state is not None else None
+        return "void" if given or state is not None else None
 
 
 def _key_of(r: Record) -> str:

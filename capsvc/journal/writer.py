@@ -163,7 +163,7 @@ class Journal:
                 self._start()
             with contextlib.suppress(Exception):
                 await self._idle
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._close)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._abandon)
         self._executor.shutdown(wait=True)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
@@ -253,7 +253,7 @@ class Journal:
         """Close the current file, open the next one (its first line chained to the last
         durable line of the one before), prune what is past `keep`."""
         after, after_lines = self._name, self._lines if self._name else None
-        self._close()
+        self._abandon()
         self.dir.mkdir(parents=True, exist_ok=True)
         now = datetime.now(UTC)
         host = socket.gethostname().replace("/", "_")
@@ -290,14 +290,12 @@ class Journal:
         self._prune()
 
     def _abandon(self) -> None:
-        """After a failed write: nothing more goes to this file (its end is a tail)."""
+        """Close the file: nothing more goes to it (after a failed write, what it ends with
+        is a tail)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-
-    def _close(self) -> None:
-        self._abandon()
 
     def _prune(self) -> None:
         cutoff = time.time() - self.keep_s

@@ -55,10 +55,6 @@ def debug_redis() -> Iterator[RedisServer]:
     server.stop()
 
 
-def _in_sync(server: RedisServer) -> bool:
-    return server.client().info("replication").get("master_link_status") == "up"
-
-
 # -- 1. a backup given back by replication: new replid, same connection -------------------
 
 def test_backup_loaded_through_replication_is_restored(debug_redis: RedisServer) -> None:
@@ -94,7 +90,7 @@ def test_backup_loaded_through_replication_is_restored(debug_redis: RedisServer)
         try:
             c.execute_command("REPLICAOF", "127.0.0.1", str(backup.port))
             deadline = time.monotonic() + 10
-            while not _in_sync(debug_redis):
+            while not debug_redis.in_sync():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             c.execute_command("REPLICAOF", "NO", "ONE")
