@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
-    """pip wheel . puts lua/capsvc.lua, both presets and default.toml inside the package."""
+    """pip wheel . puts lua/capsvc.lua, both presets, default.toml and every subpackage
+    inside the package."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("capsvc-*.whl")
@@ -20,6 +21,10 @@ def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
     for expected in ("capsvc/lua/capsvc.lua", "capsvc/presets/fdj-keno-2008.toml",
                      "capsvc/presets/lnm-keno.toml", "capsvc/default.toml", "capsvc/py.typed"):
         assert expected in names, expected
+    # Every package of the source tree is in the wheel (the image imports them all).
+    for package in (ROOT / "capsvc").rglob("__init__.py"):
+        module = package.relative_to(ROOT).as_posix()
+        assert module in names, f"{module} is missing from the wheel (pyproject packages)"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "capsvc = capsvc.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
