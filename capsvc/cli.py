@@ -1,5 +1,5 @@
-"""The `capsvc` command: `serve`, `check-config`, `watch`, `journal restore` and
-`journal verify`."""
+"""The `capsvc` command: `serve`, `check-config`, `watch`, `journal restore`,
+`journal verify`, `report` and `reconcile`."""
 
 from __future__ import annotations
 
@@ -300,7 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="also compare the totals with Redis for draws still retained "
                                "(default URL: [redis] url)")
     p_verify.add_argument("--json", action="store_true", help="machine-readable output")
+    from capsvc.audit.commands import add_parsers, run
+
+    add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in ("report", "reconcile"):
+        logs.setup("WARNING")
+        return run(args)
     if args.command == "journal":
         logs.setup("WARNING")
         return (_journal_restore if args.journal_command == "restore" else _journal_verify)(args)

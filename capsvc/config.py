@@ -138,6 +138,15 @@ class Settings:
     """After restoring into a Redis, how long (from the restore's start) a process waits
     before selling, so that every other live process has noticed that Redis and announced
     its own restore (capsvc.journal.reconciler)."""
+    audit_reports: bool = True
+    """Each process writes the report of every draw once final (capsvc.audit)."""
+    audit_interval_ms: int = 30_000
+    """How often a process looks for draws to report."""
+    audit_sources: tuple[str, ...] = ()
+    """Journal directories read besides `journal_dir` (other hosts' journals, shipped or
+    mounted) for reports and reconciliations."""
+    audit_grace_ms: int = 60_000
+    """A reconciliation during sales: decisions this young may not be in the export yet."""
     source: str = "<defaults>"
 
 
@@ -409,6 +418,7 @@ _SECTIONS = {
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval"}),
     "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
+    "audit": frozenset({"reports", "interval", "sources", "grace"}),
 }
 _TOP_LEVEL = frozenset({*_SECTIONS, "games", "channels", "channels_file"})
 _CHANNEL_FIELDS = frozenset({"id", "token_sha256", "games", "scopes"})
@@ -477,7 +487,11 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         unknown_keys(c, name, section, known)
         sections[name] = section
     redis, server, janitor = sections["redis"], sections["server"], sections["janitor"]
-    journal = sections["journal"]
+    journal, audit = sections["journal"], sections["audit"]
+    sources = audit.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(d, str) and d for d in sources):
+        c.fail("audit.sources", "expected a list of directories, e.g. [\"/srv/journals/pod-1\"]")
+        sources = []
     raw_games = doc.get("games", [])
     if not isinstance(raw_games, list) or not raw_games:
         c.fail("games", "at least one [[games]] entry is needed")
@@ -545,6 +559,10 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
                                          4096, 1 << 40),
         journal_settle_ms=c.duration("journal.settle", journal.get("settle", "1s"), 0,
                                      60_000),
+        audit_reports=c.boolean("audit.reports", audit.get("reports", True)),
+        audit_interval_ms=c.duration("audit.interval", audit.get("interval", "30s"), 100),
+        audit_sources=tuple(sources),
+        audit_grace_ms=c.duration("audit.grace", audit.get("grace", "60s")),
         source=source,
     )
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:

@@ -22,6 +22,8 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import ResponseError
 
+from capsvc.audit.reconcile import ExportError
+from capsvc.audit.report import to_csv, to_json
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
 from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
@@ -58,6 +60,8 @@ _ID_MISMATCH = f"Expected `str` matching regex {ID_PATTERN!r}"
 _DRAW_RE = re.compile(r"^-?[0-9]+\Z")
 _JSON = "application/json"
 STREAM_ROUTE = "/v1/games/{game}/capped/stream"
+MAX_EXPORT_BYTES = 64 * 1024 * 1024
+"""A sales system's export posted for reconciliation, at most (~2 million tickets)."""
 _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
     t: msgspec.json.Decoder(t) for t in (TicketIn, AvailabilityIn, LimitIn, StakeIn)
 }
@@ -200,6 +204,7 @@ class Api:
         self.players = usecases.players
         self.feed = usecases.feed
         self.exposure_of = usecases.exposure
+        self.audit = usecases.audit
         self.feed.on_drop = metrics.feed_dropped
         self.store = store
         self.metrics = metrics
@@ -270,6 +275,51 @@ class Api:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "read", "admin")
         return json_response(await self.exposure_of.of(game, _draw(request)))
+
+    async def report(self, request: web.BaseRequest) -> web.StreamResponse:
+        """A draw's report, from the journal (the one written once the draw is final)."""
+        channel = self.auth.channel(request)
+        game = self.catalog.game(_param(request, "game"), channel, "read", "admin")
+        fmt = request.query.get("format", "json")
+        if fmt not in ("json", "csv"):
+            raise ApiError(422, "invalid_request", "format must be json or csv", "format")
+        report = await self.audit.report(game, _draw(request))
+        if fmt == "csv":
+            return web.Response(text=to_csv(report), content_type="text/csv")
+        return web.Response(body=to_json(report), content_type=_JSON)
+
+    async def reconcile(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The sales system's export of a draw (CSV) against capsvc's decisions."""
+        channel = self.auth.channel(request)
+        game = self.catalog.game(_param(request, "game"), channel, "admin")
+        draw = _draw(request)
+        grace_ms = self.settings.audit_grace_ms
+        if (grace := request.query.get("grace")) is not None:
+            if not grace.isascii() or not grace.isdigit() or len(grace) > 6:
+                raise ApiError(422, "invalid_request", "grace must be a number of seconds",
+                               "grace")
+            grace_ms = int(grace) * 1000
+        cancel = request.query.get("cancel_abandoned", "false")
+        if cancel not in ("true", "false"):
+            raise ApiError(422, "invalid_request", "cancel_abandoned must be true or false",
+                           "cancel_abandoned")
+        # An export is larger than a sale and its reading takes longer than a sale's
+        # timeout: a limit of its own, no request timeout (admin only).
+        self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        data = await request.content.read(MAX_EXPORT_BYTES + 1)
+        if len(data) > MAX_EXPORT_BYTES:
+            raise ApiError(413, "payload_too_large",
+                           f"an export is at most {MAX_EXPORT_BYTES} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(422, "invalid_export", f"the export is not UTF-8 ({e})") from None
+        try:
+            rec = await self.audit.reconcile(game, draw, text, grace_ms=grace_ms,
+                                             cancel_abandoned=cancel == "true")
+        except ExportError as e:
+            raise ApiError(422, "invalid_export", str(e)) from None
+        return json_response(rec)
 
     async def capped_stream(self, request: web.BaseRequest) -> web.StreamResponse:
         """The live sold-out feed (server-sent events; see capsvc/feed.py)."""
@@ -644,6 +694,8 @@ def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Me
     router.add("GET", draw + "/capped", api.capped)
     router.add("GET", STREAM_ROUTE, api.capped_stream)
     router.add("GET", draw + "/exposure", api.exposure)
+    router.add("GET", draw + "/report", api.report)
+    router.add("POST", draw + "/reconcile", api.reconcile)
     router.add("POST", "/v1/games/{game}/availability", api.availability)
     router.add("GET", "/v1/players/{player_id}", api.player)
     router.add("PUT", "/v1/players/{player_id}/limit", api.player_limit)

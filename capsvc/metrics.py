@@ -160,6 +160,26 @@ class Metrics:
             "answered, lost by Redis, their room sold again before the restore): an "
             "overshoot to report", ["game"],
             registry=r)
+        self.reconcile_differences = Gauge(
+            "capsvc_reconcile_differences",
+            "Differences found by the last reconciliation of a draw with the sales system's "
+            "export, by kind (not_accepted: sold past capsvc; not_sold: accepted, no "
+            "receipt; amount; duplicate)", ["game", "kind"], registry=r,
+            multiprocess_mode="mostrecent")
+        self.reconcile_draw = Gauge(
+            "capsvc_reconcile_draw", "The draw the last reconciliation checked", ["game"],
+            registry=r, multiprocess_mode="mostrecent")
+        self.reconciled_at = Gauge(
+            "capsvc_reconcile_timestamp_seconds",
+            "When a draw of the game was last reconciled (Unix time)", ["game"], registry=r,
+            multiprocess_mode="max")
+        self.reports = Counter("capsvc_draw_reports_written",
+                               "Draw reports written (once a draw is final)", ["game"],
+                               registry=r)
+        self.reports_over_cap = Counter(
+            "capsvc_draw_reports_over_cap",
+            "Draw reports written with a combination over its cap, or a broken journal chain",
+            ["game"], registry=r)
         Gauge("capsvc_build_info", "Build information", ["version"], registry=r,
               multiprocess_mode="max").labels(__version__).set(1)
         self._http_children: dict[tuple[str, str, int], Any] = {}
@@ -198,6 +218,8 @@ class Metrics:
                 self.limit_rejections.labels(g.id)
             self.feed_drops.labels(g.id)
             self.over_cap.labels(g.id)
+            self.reports.labels(g.id)
+            self.reports_over_cap.labels(g.id)
             if g.cap_limit is not None:
                 self.shadow_rejections.labels(g.id)
                 for gauge in (self.draw_played, self.draw_at_cap, self.draw_liability):
@@ -252,6 +274,19 @@ class Metrics:
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
         self._count_lost()
+
+    def reconciled(self, game: str, draw: int, differences: dict[str, int],
+                   at_s: float) -> None:
+        """A draw's reconciliation: its differences by kind."""
+        for kind, n in differences.items():
+            self.reconcile_differences.labels(game, kind).set(n)
+        self.reconcile_draw.labels(game).set(draw)
+        self.reconciled_at.labels(game).set(at_s)
+
+    def report_written(self, game: str, flawed: bool) -> None:
+        self.reports.labels(game).inc()
+        if flawed:
+            self.reports_over_cap.labels(game).inc()
 
     def exposure(self, game: str, played: int, at_cap: int, liability: int) -> None:
         """The current draw's exposure figures of a game (refreshed in the background)."""

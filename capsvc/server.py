@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
+from capsvc.audit.reconcile import counts
+from capsvc.audit.service import Audit
 from capsvc.cluster import connect
 from capsvc.coalesce import Transport
 from capsvc.config import Settings
@@ -92,6 +94,23 @@ async def _exposure_gauges(usecases: UseCases, metrics: Metrics, store: Store) -
         await asyncio.sleep(EXPOSURE_GAUGES_S)
 
 
+async def _reports(audit: Audit, interval_s: float) -> None:
+    """Write the report of every draw once final, forever (one process of the journal
+    directory at a time)."""
+    reachable = True
+    while True:
+        try:
+            await audit.write_due()
+            reachable = True
+        except Unavailable as e:
+            if reachable:
+                log.warning("draw reports: redis unavailable: %s", e)
+            reachable = False
+        except Exception:
+            log.exception("draw reports failed")
+        await asyncio.sleep(interval_s)
+
+
 async def _flush_metrics(metrics: Metrics) -> None:
     """Apply the hot path's tallies to the Prometheus counters once a second (also done on
     every scrape), so that a worker that never serves /metrics is seen too."""
@@ -157,6 +176,9 @@ def build(settings: Settings, redis_url: str) -> Service:
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
     store = Store(redis)
     usecases = build_usecases(settings, store, journal=journal)
+    usecases.audit.on_report = metrics.report_written
+    usecases.audit.on_reconciled = lambda rec: metrics.reconciled(
+        rec.game, rec.draw, counts(rec), rec.checked_at / 1000)
     health = Health()
     durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
                             settings.retry_after_s)
@@ -239,6 +261,9 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     if svc.reconciler is not None:
         background.append(asyncio.create_task(svc.reconciler.watch(store,
                                                                    usecases.journal)))
+    if svc.journal is not None and settings.audit_reports:
+        background.append(asyncio.create_task(_reports(usecases.audit,
+                                                       settings.audit_interval_ms / 1000)))
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path

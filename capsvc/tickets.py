@@ -415,16 +415,22 @@ class Tickets:
 
     # -- cancel ----------------------------------------------------------------------------
 
-    async def cancel(self, channel: Channel, ticket_id: str) -> CancelOut:
+    async def cancel(self, channel: Channel, ticket_id: str, only_sale: str | None = None
+                     ) -> CancelOut:
         """Decide the cancellation (first draw still open, by Redis TIME), then give back
         every grid and the budget. A cancel interrupted after the decision is finished by
-        its retry, or by the janitor."""
+        its retry, or by the janitor. `only_sale`: cancel only that sale of the ticket id (an
+        audit's cancel of a ticket it read in the journal: the id may have been used again
+        since)."""
         require_scope(channel, "sell")
         key = ticket_key(channel.id, ticket_id)
         state, body, raw_sale, sale_id, claimed_at, _, _, results, _ = (
             await self.store.ticket(key))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
+        if only_sale is not None and sale_id.decode() != only_sale:
+            raise ApiError(409, "not_cancellable",
+                           f"ticket {ticket_id} now holds another sale than {only_sale}")
         if body is None and results is None:
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
         sale = _sale_decoder.decode(raw_sale)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from capsvc.audit.service import Audit
 from capsvc.availability import Availability
 from capsvc.caps import DrawCaps
 from capsvc.clock import RedisClock
@@ -37,6 +38,7 @@ class UseCases:
     feed: Feed
     exposure: Exposure
     journal: Recorder
+    audit: Audit
 
 
 def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = None,
@@ -51,12 +53,14 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
     ledger = Ledger(store, caps)
     tickets = Tickets(settings, catalog, draws, store, ledger, clock, recorder)
     availability = Availability(store, draws)
+    exposure = Exposure(store, caps, clock)
     return UseCases(
         catalog=catalog, clock=clock, draws=draws, tickets=tickets,
         availability=availability,
         players=Players(catalog, ledger.players, clock, recorder),
         janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
         feed=Feed(store, clock, draws, availability),
-        exposure=Exposure(store, caps, clock),
+        exposure=exposure,
         journal=recorder,
+        audit=Audit(settings, catalog, store, clock, exposure, tickets),
     )

@@ -1,0 +1,183 @@
+"""A game's draws as the journal alone tells them: one decision per sale, its cancel, the
+voids, the caps and stops, and the files it was read from with their digests.
+
+Knows the journal's files and records (capsvc.journal), nothing of Redis or HTTP: what it
+reads works after Redis's retention and on a copy of the files on another machine.
+
+A decision reported several times (the answer, replays, GETs, by several processes) is
+journaled several times: a sale is named by (channel, ticket id, sale id) and kept once;
+its `cancel`, in whichever order the files hold them, takes it back. A `void` names a sale
+that was never answered (released by the janitor, or claimed after an admin stop); a sale
+with a decision is never a void.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from capsvc.games import Game
+from capsvc.journal.reader import FileCheck, read
+from capsvc.journal.records import (
+    CancelRecord,
+    CapRecord,
+    Open,
+    SaleRecord,
+    StopRecord,
+    VoidRecord,
+)
+from capsvc.journal.verify import opened_at
+from capsvc.journal.writer import journal_files
+from capsvc.models import TicketOut
+
+_decision = msgspec.json.Decoder(TicketOut).decode
+
+SaleKey = tuple[str, str, str]
+"""(channel, ticket id, sale id): one sale, however many times it was journaled."""
+
+CLOCK_MARGIN_MS = 3_600_000
+"""Files last written this long before a draw could first be sold are still read: their
+modification time is the host's clock, the draws' instants are Redis's."""
+
+
+@dataclass(slots=True)
+class Sold:
+    """One sale's decision as answered, and its cancellation if any."""
+
+    record: SaleRecord
+    decision: TicketOut
+    cancel: CancelRecord | None = None
+
+    @property
+    def standing(self) -> bool:
+        """Sold (accepted or partial) and not cancelled: a receipt stands for it."""
+        return self.cancel is None and self.decision.status != "rejected"
+
+    def plays(self, draw: int) -> bool:
+        r = self.record
+        return r.first_draw <= draw < r.first_draw + r.draws
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A journal file read, as it was when read."""
+
+    directory: str
+    file: str
+    proc: str | None
+    sha256: str
+    """Of the file's bytes read (the whole file when it was read)."""
+    bytes: int
+    lines: int
+
+
+@dataclass
+class History:
+    """What the journal holds of a game's draws `draws` (see the module's docstring)."""
+
+    game: str
+    draws: range
+    sales: dict[SaleKey, Sold] = field(default_factory=dict)
+    voids: dict[SaleKey, VoidRecord] = field(default_factory=dict)
+    caps: dict[int, int] = field(default_factory=dict)
+    """The cap in force on a draw, as the decisions (or a `cap` record) carry it."""
+    stops: dict[int, int] = field(default_factory=dict)
+    """An admin's stop of a draw: its instant (Redis ms)."""
+    sources: list[Source] = field(default_factory=list)
+    breaks: list[str] = field(default_factory=list)
+    """Lines that do not chain (`capsvc journal verify` tells more)."""
+    tails: list[str] = field(default_factory=list)
+    """Torn last lines: what a crash leaves, not a break."""
+
+    def of(self, draw: int) -> list[Sold]:
+        """The decisions of the sales that play `draw`, in journal order."""
+        return [s for s in self.sales.values() if s.plays(draw)]
+
+    def voids_of(self, draw: int) -> list[VoidRecord]:
+        return [v for k, v in self.voids.items()
+                if k not in self.sales and v.first_draw <= draw < v.first_draw + v.draws]
+
+
+def first_sale_ms(game: Game, draw: int) -> int:
+    """The earliest instant a sale playing `draw` can have been made: a subscription of the
+    longest duration ending on it, bought as far ahead as the sales horizon allows."""
+    rules = game.rules
+    earliest = draw - max(rules.durations) - rules.sales_horizon
+    return game.calendar.close_ms(max(1, earliest)) if earliest >= 1 else 0
+
+
+def read_history(directories: Iterable[Path], game: Game, draws: range, *,
+                 until_ms: int | None = None) -> History:
+    """The journal's history of `game`'s `draws` from every file of `directories` that can
+    hold a decision of them: last written after the first of the draws could be sold
+    (files copied without their times are newer: read). `until_ms`: files opened after
+    this instant are not read (they can hold replays of the draws' decisions, not the first
+    journaling of one, but for a decision made in Redis and first answered by a replay)."""
+    out = History(game.rules.id, draws)
+    since_s = (first_sale_ms(game, draws.start) - CLOCK_MARGIN_MS) / 1000
+    for directory in directories:
+        for path in journal_files(directory):
+            opened = opened_at(path.name)
+            if (until_ms is not None and opened is not None
+                    and opened * 1000 > until_ms + CLOCK_MARGIN_MS):
+                continue
+            try:
+                if os.stat(path).st_mtime < since_s:
+                    continue
+                _read_file(out, directory, path)
+            except FileNotFoundError:  # pruned meanwhile
+                continue
+    return out
+
+
+def _read_file(out: History, directory: Path, path: Path) -> None:
+    game, lo, hi = out.game, out.draws.start, out.draws.stop
+    check = FileCheck(path)
+    digest = hashlib.sha256()
+    size = 0
+    proc = None
+    for _, record in read(path, check):
+        if isinstance(record, Open):
+            proc = record.proc
+            continue
+        if isinstance(record, SaleRecord | VoidRecord):
+            if (record.game != game or record.first_draw >= hi
+                    or record.first_draw + record.draws <= lo):
+                continue
+            key = (record.channel, record.ticket, record.sale)
+            if isinstance(record, VoidRecord):
+                out.voids.setdefault(key, record)
+                continue
+            sold = out.sales.get(key)
+            if sold is None:
+                sold = out.sales[key] = Sold(record, _decision(record.decision))
+                for i, cap in enumerate(record.caps or ()):
+                    out.caps.setdefault(record.first_draw + i, cap)
+            if isinstance(record, CancelRecord) and sold.cancel is None:
+                sold.cancel = record
+        elif isinstance(record, CapRecord | StopRecord):
+            if record.game != game or not lo <= record.draw < hi:
+                continue
+            if isinstance(record, CapRecord):
+                out.caps.setdefault(record.draw, record.cap)
+            else:
+                out.stops[record.draw] = min(out.stops.get(record.draw, record.at), record.at)
+    # The digest of the bytes the lines were read from: re-read (the page cache has them),
+    # up to the end of the last complete line, so that a line appended meanwhile is not in
+    # the digest without being in the report.
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n > check.lines:
+                break
+            digest.update(raw)
+            size += len(raw)
+    out.sources.append(Source(str(directory), path.name, proc, digest.hexdigest(), size,
+                              check.lines))
+    out.breaks += [f"{path}: {b}" for b in check.breaks]
+    if check.tail:
+        out.tails.append(f"{path}: {check.tail}")

@@ -1,0 +1,302 @@
+"""Reconciliation of a draw with the sales system: its export of the tickets it sold
+against capsvc's decisions, every difference named by ticket id.
+
+Pure: the export's text in, the journal's history (capsvc.audit.history) and what Redis
+says of tickets the journal read does not hold (another host's) in, the differences out.
+Knows the export's CSV format (docs/audit.md); nothing of files, Redis or HTTP.
+
+The kinds of difference:
+- `not_accepted`: sold there, and capsvc did not accept it (unknown, rejected, cancelled,
+  void): a stake sold past capsvc's cap, a breach;
+- `not_sold`: accepted by capsvc and standing, not in the export: a receipt never printed,
+  whose stake holds cap room for nothing (cancel it while it can be);
+- `amount`: both have it, at different total costs;
+- `duplicate`: the export lists one ticket on several lines.
+A decision younger than the grace (during sales: the export may have been taken just
+before it) is `in_flight`, not `not_sold`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from typing import Literal
+
+from msgspec import Struct
+
+from capsvc.audit.history import History, SaleKey, Sold
+from capsvc.config import ID_RE
+
+REQUIRED = ("channel", "ticket_id", "total_cost")
+
+
+class ExportError(ValueError):
+    """The export cannot be read: nothing is compared, nothing cancelled."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportLine:
+    line: int
+    """The line of the file (1: the header)."""
+    channel: str
+    ticket: str
+    total_cost: int
+
+
+def read_export(text: str) -> list[ExportLine]:
+    """The tickets of a sales system's export (CSV with a header naming at least
+    channel, ticket_id, total_cost; other columns ignored); ExportError naming the line of
+    the first problem."""
+    reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise ExportError("line 1: the export is empty (a header with channel, ticket_id, "
+                              "total_cost is expected)")
+        names = [h.strip().lower() for h in header]
+        missing = [c for c in REQUIRED if c not in names]
+        if missing:
+            raise ExportError(f"line 1: the header lacks {', '.join(missing)} (it has "
+                              f"{', '.join(names) or 'nothing'})")
+        dupes = sorted({n for n in names if n and names.count(n) > 1})
+        if dupes:
+            raise ExportError(f"line 1: the header names {', '.join(dupes)} more than once")
+        at = {c: names.index(c) for c in REQUIRED}
+        out: list[ExportLine] = []
+        start = 2
+        for row in reader:
+            n = start
+            start = reader.line_num + 1
+            if not row or all(not cell.strip() for cell in row):
+                continue
+            if len(row) != len(names):
+                raise ExportError(f"line {n}: {len(row)} field(s), the header has "
+                                  f"{len(names)}")
+            channel, ticket, cost = (row[at[c]].strip() for c in REQUIRED)
+            if not ID_RE.fullmatch(channel):
+                raise ExportError(f"line {n}: channel {channel!r} is not a channel id")
+            if not ID_RE.fullmatch(ticket):
+                raise ExportError(f"line {n}: ticket_id {ticket!r} is not a ticket id "
+                                  "(1-64 of A-Z a-z 0-9 . _ : -)")
+            if not cost.isascii() or not cost.isdigit() or len(cost) > 15:
+                raise ExportError(f"line {n}: total_cost {cost!r} is not an amount in minor "
+                                  "units (a whole number, e.g. 250 for 2.50)")
+            out.append(ExportLine(n, channel, ticket, int(cost)))
+    except csv.Error as e:
+        raise ExportError(f"line {reader.line_num}: {e}") from None
+    return out
+
+
+CapsvcState = Literal["unknown", "rejected", "cancelled", "void", "other_draws"]
+
+
+class NotAccepted(Struct):
+    channel: str
+    ticket_id: str
+    line: int
+    amount: int
+    capsvc: CapsvcState
+    """What capsvc has of the ticket: nothing, a rejection, a cancellation, a void (never
+    answered), or a ticket of other draws."""
+
+
+class NotSold(Struct, omit_defaults=True):
+    channel: str
+    ticket_id: str
+    sale: str
+    amount: int
+    status: str
+    """accepted or partial."""
+    at: int
+    """When it was decided (Redis ms)."""
+    cancel: str | None = None
+    """With --cancel-abandoned: `cancelled`, or why it could not be."""
+
+
+class AmountDiff(Struct):
+    channel: str
+    ticket_id: str
+    line: int
+    sold: int
+    """The export's total cost."""
+    capsvc: int
+    """The decision's total cost."""
+
+
+class Duplicate(Struct):
+    channel: str
+    ticket_id: str
+    lines: list[int]
+
+
+class Side(Struct):
+    tickets: int
+    amount: int
+
+
+class Reconciliation(Struct):
+    """A draw reconciled (docs/audit.md)."""
+
+    game: str
+    draw: int
+    balanced: bool
+    """No difference: nothing sold past capsvc, nothing accepted unsold, amounts equal."""
+    final: bool
+    """The draw's last cancel and settlement could have been made: no decision is to come."""
+    checked_at: int
+    """Redis ms (the host's clock without a Redis)."""
+    grace_ms: int
+    sold: Side
+    """The export: tickets (distinct) and their total costs."""
+    capsvc: Side
+    """capsvc's standing tickets of the draw (accepted or partial, not cancelled)."""
+    not_accepted: list[NotAccepted]
+    not_sold: list[NotSold]
+    amounts: list[AmountDiff]
+    duplicates: list[Duplicate]
+    in_flight: int
+    """Standing decisions younger than the grace, not in the export (not differences)."""
+    elsewhere: int
+    """Exported tickets the journal read does not hold but Redis does (another host's)."""
+    differences: int
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """A ticket the journal read does not hold, as Redis holds it (another host's)."""
+
+    sale: str
+    status: str
+    total_cost: int
+    plays: bool
+    """Its draws include the reconciled one."""
+    cancelled: bool
+
+
+def capsvc_side(history: History, draw: int) -> dict[tuple[str, str], Sold]:
+    """(channel, ticket id) -> the decision of each sale playing `draw` (the latest sale
+    of a ticket id, should one have been reused)."""
+    out: dict[tuple[str, str], Sold] = {}
+    for sold in history.of(draw):
+        key = (sold.record.channel, sold.record.ticket)
+        held = out.get(key)
+        if held is None or held.record.at <= sold.record.at:
+            out[key] = sold
+    return out
+
+
+def unknown(history: History, draw: int, lines: list[ExportLine]) -> list[tuple[str, str]]:
+    """The exported tickets the journal read holds no decision of, for this draw (to be
+    looked up in Redis: another host may have decided them)."""
+    side = capsvc_side(history, draw)
+    voided = {(k[0], k[1]) for k, v in history.voids.items()}
+    return sorted({(x.channel, x.ticket) for x in lines
+                   if (x.channel, x.ticket) not in side and (x.channel, x.ticket) not in voided})
+
+
+def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: int,
+              grace_ms: int, final: bool, known: dict[tuple[str, str], Known] | None = None
+              ) -> Reconciliation:
+    """`lines` (the export) against the decisions of `draw` (see the module's docstring)."""
+    known = known or {}
+    side = capsvc_side(history, draw)
+    voided = {(k[0], k[1]) for k in history.voids}
+    seen: dict[tuple[str, str], list[int]] = {}
+    not_accepted: list[NotAccepted] = []
+    amounts: list[AmountDiff] = []
+    elsewhere = 0
+    sold_amount = 0
+    for x in lines:
+        key = (x.channel, x.ticket)
+        if key in seen:
+            seen[key].append(x.line)
+            continue
+        seen[key] = [x.line]
+        sold_amount += x.total_cost
+        sold = side.get(key)
+        state: CapsvcState
+        if sold is not None:
+            cost = sold.decision.total_cost
+            if sold.standing:
+                if cost != x.total_cost:
+                    amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost, cost))
+                continue
+            state = "cancelled" if sold.cancel is not None else "rejected"
+        elif (other := known.get(key)) is not None:
+            elsewhere += 1
+            if other.plays and not other.cancelled and other.status != "rejected":
+                if other.total_cost != x.total_cost:
+                    amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost,
+                                              other.total_cost))
+                continue
+            state = ("other_draws" if not other.plays else
+                     "cancelled" if other.cancelled else "rejected")
+        else:
+            state = "void" if key in voided else "unknown"
+        not_accepted.append(NotAccepted(x.channel, x.ticket, x.line, x.total_cost, state))
+    not_sold: list[NotSold] = []
+    in_flight = 0
+    standing = Side(0, 0)
+    for key, sold in sorted(side.items()):
+        if not sold.standing:
+            continue
+        standing.tickets += 1
+        standing.amount += sold.decision.total_cost
+        if key in seen:
+            continue
+        if now_ms - sold.record.at < grace_ms:
+            in_flight += 1
+            continue
+        not_sold.append(NotSold(key[0], key[1], sold.record.sale, sold.decision.total_cost,
+                                sold.decision.status, sold.record.at))
+    duplicates = [Duplicate(c, t, found) for (c, t), found in sorted(seen.items())
+                  if len(found) > 1]
+    differences = len(not_accepted) + len(not_sold) + len(amounts) + len(duplicates)
+    return Reconciliation(
+        game=history.game, draw=draw, balanced=not differences, final=final,
+        checked_at=now_ms, grace_ms=grace_ms, sold=Side(len(seen), sold_amount),
+        capsvc=standing, not_accepted=not_accepted, not_sold=not_sold, amounts=amounts,
+        duplicates=duplicates, in_flight=in_flight, elsewhere=elsewhere,
+        differences=differences)
+
+
+def counts(rec: Reconciliation) -> dict[str, int]:
+    """The differences by kind (the metric's label)."""
+    return {"not_accepted": len(rec.not_accepted), "not_sold": len(rec.not_sold),
+            "amount": len(rec.amounts), "duplicate": len(rec.duplicates)}
+
+
+def to_text(rec: Reconciliation) -> str:
+    """For a person: the verdict, the totals, then every difference by ticket id."""
+    lines = [f"{rec.game} draw {rec.draw}: "
+             f"{'BALANCED' if rec.balanced else f'NOT BALANCED ({rec.differences} difference(s))'}"
+             f"{'' if rec.final else ' (draw still on sale or settling)'}",
+             f"  sales system: {rec.sold.tickets} ticket(s), {rec.sold.amount} total cost",
+             f"  capsvc:       {rec.capsvc.tickets} ticket(s) standing, {rec.capsvc.amount} "
+             "total cost"]
+    if rec.in_flight:
+        lines.append(f"  {rec.in_flight} decision(s) younger than the grace "
+                     f"({rec.grace_ms / 1000:g} s) not in the export yet: not differences")
+    if rec.elsewhere:
+        lines.append(f"  {rec.elsewhere} exported ticket(s) decided by another host "
+                     "(found in Redis)")
+    for d in rec.not_accepted:
+        lines.append(f"  sold, not accepted by capsvc ({d.capsvc}): {d.channel} "
+                     f"{d.ticket_id} (line {d.line}, {d.amount})")
+    for s in rec.not_sold:
+        tail = f"; {s.cancel}" if s.cancel else ""
+        lines.append(f"  accepted by capsvc, never sold: {s.channel} {s.ticket_id} "
+                     f"({s.status}, {s.amount}, sale {s.sale}){tail}")
+    for a in rec.amounts:
+        lines.append(f"  amounts differ: {a.channel} {a.ticket_id} (line {a.line}): sold "
+                     f"{a.sold}, capsvc {a.capsvc}")
+    for dup in rec.duplicates:
+        lines.append(f"  listed more than once: {dup.channel} {dup.ticket_id} (lines "
+                     f"{', '.join(map(str, dup.lines))})")
+    return "\n".join(lines) + "\n"
+
+
+def standing_keys(rec: Reconciliation) -> list[SaleKey]:
+    """The sales `not_sold` names: those `--cancel-abandoned` cancels."""
+    return [(s.channel, s.ticket_id, s.sale) for s in rec.not_sold]

@@ -1,0 +1,346 @@
+"""A draw's report: what was sold, refused and cancelled, and whether every cap held, as
+pure functions of the journal's history (capsvc.audit.history) and the game's rules.
+
+Knows the figures and their two renderings (JSON, the `DrawReport` type; CSV, one figure a
+row); nothing of files, Redis or HTTP. docs/audit.md says what each figure means.
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import io
+
+import msgspec
+from msgspec import Struct
+
+from capsvc import combination
+from capsvc.audit.history import History, Sold
+from capsvc.calendar import instant
+from capsvc.games import Game
+
+FORMAT = 1
+"""The report's format version (`report` of the JSON): later versions only add fields."""
+TOP = 20
+NO_ACTIVITY = "no activity"
+
+
+class TicketCounts(Struct):
+    """Tickets that play the draw, each counted once under its state now."""
+
+    accepted: int = 0
+    partial: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    """Accepted or partial, then cancelled: stands no more."""
+    void: int = 0
+    """Claimed, never answered: released by the janitor, or claimed after an admin stop."""
+
+
+class ReasonCount(Struct):
+    reason: str
+    grids: int
+
+
+class GridCounts(Struct):
+    accepted: int = 0
+    """Grids that stand (their tickets not cancelled)."""
+    cancelled: int = 0
+    """Grids accepted, then given back by their ticket's cancellation."""
+    rejected: list[ReasonCount] = []
+    """Grids refused, by reason (whatever became of their tickets)."""
+
+
+class PicksLine(Struct):
+    picks: int
+    grids: int
+    stake: int
+    """Base stake on this draw (what the cap counts)."""
+    amount: int
+    """What the players paid for this draw: twice the stake with the multiplier."""
+
+
+class ChannelLine(Struct):
+    channel: str
+    tickets: int
+    """Standing tickets (accepted or partial)."""
+    grids: int
+    stake: int
+    amount: int
+    """Grids' amounts plus Joker+ for this draw."""
+    cancelled: int
+    """Tickets cancelled."""
+
+
+class CombinationLine(Struct, omit_defaults=True):
+    numbers: list[int]
+    staked: int
+    liability: int | None = None
+    """Top-rank liability: what the operator pays if the combination is drawn (preset
+    `top_prizes`, per `prize_base_stake`)."""
+    excess: int | None = None
+    """Over its cap: by how much."""
+
+
+class SourceFile(Struct):
+    directory: str
+    file: str
+    proc: str | None
+    sha256: str
+    """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
+    to any more."""
+    bytes: int
+    lines: int
+
+
+class Chain(Struct):
+    intact: bool
+    breaks: list[str]
+    tails: list[str]
+    """Torn last lines (a crash): not breaks."""
+
+
+class RedisCheck(Struct):
+    """The report's capped totals against Redis's counters, while the draw is retained."""
+
+    compared: int
+    complete: bool
+    """Every counter equals the journal's total: the journal read holds every stake
+    Redis counted on this draw's capped combinations."""
+    differences: list[str]
+
+
+class DrawReport(Struct, omit_defaults=False):
+    """The report of one draw (docs/audit.md, field by field)."""
+
+    report: int
+    game: str
+    draw: int
+    currency: str
+    closes_at: str
+    built_at: str
+    """When the report was built (Redis TIME when a Redis was at hand, else the host's)."""
+    final: bool
+    """Built once the draw's last cancel and settlement could have been made."""
+    activity: bool
+    summary: str
+    """"no activity" when nothing was sold or refused on the draw."""
+    cap: int | None
+    """The cap in force on the draw (as its decisions carry it; the configuration's when
+    nothing fixed it)."""
+    cap_fixed: bool
+    capped_picks: list[int]
+    stopped_at: str | None
+    """An admin stopped the draw's sales at this instant."""
+    tickets: TicketCounts
+    grids: GridCounts
+    stake: int
+    """Base stake standing on the draw."""
+    amount: int
+    """What the players paid for this draw (grids with the multiplier, Joker+)."""
+    cancelled_stake: int
+    """Base stake given back by cancellations."""
+    by_picks: list[PicksLine]
+    by_channel: list[ChannelLine]
+    at_cap: list[CombinationLine]
+    """Combinations whose stake reached their cap exactly."""
+    over_cap: list[CombinationLine]
+    """Combinations whose stake passed their cap: empty when the cap held."""
+    sold_out: int
+    """Combinations with less room than the smallest stake (at_cap included)."""
+    combinations: int
+    """Capped combinations played."""
+    top: list[CombinationLine]
+    top_liability: int | None
+    sources: list[SourceFile]
+    chain: Chain
+    redis: RedisCheck | None = None
+
+
+def _per_draw(sold: Sold, amount: int) -> int:
+    return amount // sold.record.draws
+
+
+def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool,
+          redis: RedisCheck | None = None) -> DrawReport:
+    """The report of `draw` from `history` (which must cover it)."""
+    rules = game.rules
+    tz = rules.tz
+    tickets = TicketCounts()
+    accepted_grids = cancelled_grids = 0
+    rejected: dict[str, int] = {}
+    picks: dict[int, list[int]] = {}
+    channels: dict[str, list[int]] = {}
+    stake = amount = cancelled_stake = 0
+    sales = history.of(draw)
+    for sold in sales:
+        r, decision = sold.record, sold.decision
+        channel = channels.setdefault(r.channel, [0, 0, 0, 0, 0])
+        if sold.cancel is not None:
+            tickets.cancelled += 1
+            channel[4] += 1
+        elif decision.status == "accepted":
+            tickets.accepted += 1
+        elif decision.status == "partial":
+            tickets.partial += 1
+        else:
+            tickets.rejected += 1
+        any_accepted = False
+        for grid, outcome in zip(r.grids, decision.grids, strict=True):
+            if outcome.status != "accepted":
+                reason = outcome.reason or decision.reason or "rejected"
+                rejected[reason] = rejected.get(reason, 0) + 1
+                continue
+            if sold.cancel is not None:
+                cancelled_grids += 1
+                cancelled_stake += grid.stake
+                continue
+            any_accepted = True
+            accepted_grids += 1
+            paid = grid.stake * (2 if grid.multiplier else 1)
+            row = picks.setdefault(len(grid.numbers), [0, 0, 0])
+            row[0] += 1
+            row[1] += grid.stake
+            row[2] += paid
+            channel[1] += 1
+            channel[2] += grid.stake
+            channel[3] += paid
+            stake += grid.stake
+            amount += paid
+        if any_accepted:
+            channel[0] += 1
+            joker = _per_draw(sold, r.joker_cost)
+            channel[3] += joker
+            amount += joker
+    totals = capped_totals(history, draw)
+    voids = history.voids_of(draw)
+    tickets.void = len(voids)
+    cap = history.caps.get(draw)
+    cap_fixed = cap is not None
+    if cap is None:
+        cap = rules.cap_limit
+    prizes = dict(rules.top_prizes)
+
+    def line(combo: str, staked: int, *, excess: bool = False) -> CombinationLine:
+        numbers = combination.decode(combo)
+        prize = prizes.get(len(numbers))
+        return CombinationLine(
+            numbers=numbers, staked=staked,
+            liability=None if prize is None else staked * prize // rules.prize_base_stake,
+            excess=staked - cap if excess and cap is not None else None)
+
+    at_cap: list[CombinationLine] = []
+    over_cap: list[CombinationLine] = []
+    sold_out = 0
+    if cap is not None:
+        for combo, staked in sorted(totals.items()):
+            if staked == cap:
+                at_cap.append(line(combo, staked))
+            elif staked > cap:
+                over_cap.append(line(combo, staked, excess=True))
+            if cap - staked < rules.min_stake:
+                sold_out += 1
+    top = [line(combo, staked) for combo, staked in heapq.nlargest(
+        TOP, totals.items(), key=lambda t: (t[1], [-ord(c) for c in t[0]]))]
+    liabilities = [t.liability for t in top if t.liability is not None]
+    activity = bool(sales or voids)
+    stopped = history.stops.get(draw)
+    return DrawReport(
+        report=FORMAT, game=rules.id, draw=draw, currency=rules.currency,
+        closes_at=instant(game.calendar.close_ms(draw), tz), built_at=instant(built_ms, tz),
+        final=final, activity=activity,
+        summary=_summary(tickets, stake, rules.currency) if activity else NO_ACTIVITY,
+        cap=cap, cap_fixed=cap_fixed, capped_picks=sorted(rules.capped_picks),
+        stopped_at=None if stopped is None else instant(stopped, tz),
+        tickets=tickets,
+        grids=GridCounts(accepted=accepted_grids, cancelled=cancelled_grids,
+                         rejected=[ReasonCount(k, v) for k, v in sorted(rejected.items())]),
+        stake=stake, amount=amount, cancelled_stake=cancelled_stake,
+        by_picks=[PicksLine(p, *v) for p, v in sorted(picks.items())],
+        by_channel=[ChannelLine(c, *v) for c, v in sorted(channels.items())],
+        at_cap=at_cap, over_cap=over_cap, sold_out=sold_out, combinations=len(totals),
+        top=top, top_liability=max(liabilities, default=None),
+        sources=[SourceFile(s.directory, s.file, s.proc, s.sha256, s.bytes, s.lines)
+                 for s in history.sources],
+        chain=Chain(intact=not history.breaks, breaks=history.breaks, tails=history.tails),
+        redis=redis)
+
+
+def _summary(t: TicketCounts, stake: int, currency: str) -> str:
+    return (f"{t.accepted + t.partial} ticket(s) standing ({t.accepted} accepted, "
+            f"{t.partial} partial), {t.rejected} rejected, {t.cancelled} cancelled, "
+            f"{t.void} void; {stake} {currency} minor units staked")
+
+
+def capped_totals(history: History, draw: int) -> dict[str, int]:
+    """(combination key -> base stake standing) of the capped grids on `draw`: what Redis's
+    counters hold while the draw is retained."""
+    totals: dict[str, int] = {}
+    for sold in history.of(draw):
+        if sold.cancel is not None:
+            continue
+        for grid, outcome in zip(sold.record.grids, sold.decision.grids, strict=True):
+            if grid.capped and outcome.status == "accepted":
+                combo = combination.encode(grid.numbers)
+                totals[combo] = totals.get(combo, 0) + grid.stake
+    return totals
+
+
+encode_json = msgspec.json.Encoder().encode
+
+
+def to_json(report: DrawReport) -> bytes:
+    return msgspec.json.format(encode_json(report), indent=2) + b"\n"
+
+
+def to_csv(report: DrawReport) -> str:
+    """One figure a row: `section,key,field,value` (a spreadsheet pivots it back)."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["section", "key", "field", "value"])
+    for name in ("report", "game", "draw", "currency", "closes_at", "built_at", "final",
+                 "activity", "summary", "cap", "cap_fixed", "stopped_at", "stake", "amount",
+                 "cancelled_stake", "sold_out", "combinations", "top_liability"):
+        w.writerow(["draw", "", name, _cell(getattr(report, name))])
+    w.writerow(["draw", "", "capped_picks", " ".join(map(str, report.capped_picks))])
+    for name in TicketCounts.__struct_fields__:
+        w.writerow(["tickets", name, "count", getattr(report.tickets, name)])
+    w.writerow(["grids", "accepted", "count", report.grids.accepted])
+    w.writerow(["grids", "cancelled", "count", report.grids.cancelled])
+    for r in report.grids.rejected:
+        w.writerow(["grids", f"rejected:{r.reason}", "count", r.grids])
+    for p in report.by_picks:
+        for name in ("grids", "stake", "amount"):
+            w.writerow(["by_picks", p.picks, name, getattr(p, name)])
+    for c in report.by_channel:
+        for name in ("tickets", "grids", "stake", "amount", "cancelled"):
+            w.writerow(["by_channel", c.channel, name, getattr(c, name)])
+    for section in ("at_cap", "over_cap", "top"):
+        for combo in getattr(report, section):
+            key = "-".join(map(str, combo.numbers))
+            for name in ("staked", "liability", "excess"):
+                if (value := getattr(combo, name)) is not None:
+                    w.writerow([section, key, name, value])
+    for s in report.sources:
+        key = f"{s.directory}/{s.file}"
+        for name in ("proc", "sha256", "bytes", "lines"):
+            w.writerow(["source", key, name, _cell(getattr(s, name))])
+    w.writerow(["chain", "", "intact", _cell(report.chain.intact)])
+    for b in report.chain.breaks:
+        w.writerow(["chain", "", "break", b])
+    for t in report.chain.tails:
+        w.writerow(["chain", "", "tail", t])
+    if report.redis is not None:
+        w.writerow(["redis", "", "compared", report.redis.compared])
+        w.writerow(["redis", "", "complete", _cell(report.redis.complete)])
+        for d in report.redis.differences:
+            w.writerow(["redis", "", "difference", d])
+    return out.getvalue()
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,338 @@
+"""The audit use-cases: a draw's report, its reconciliation with the sales system, the
+abandoned tickets cancelled, and the reports the service writes by itself.
+
+Wires the pure parts (capsvc.audit.history, report, reconcile) to Redis for what only the
+live state can tell: Redis TIME, the counters of a draw still retained (is the journal read
+complete?), the tickets another host decided, and cancellations (through the tickets
+use-case, so that each is journaled before it is reported). Nothing of HTTP.
+
+Journal reads run in a worker thread, one at a time per process: a report of a draw reads
+every file that can hold its decisions, which must not hold the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from capsvc import combination
+from capsvc.audit.history import History, read_history
+from capsvc.audit.reconcile import (
+    ExportLine,
+    Known,
+    Reconciliation,
+    read_export,
+    reconcile,
+    unknown,
+)
+from capsvc.audit.report import DrawReport, RedisCheck, build, capped_totals, to_csv, to_json
+from capsvc.clock import RedisClock
+from capsvc.config import Channel, Settings
+from capsvc.errors import ApiError
+from capsvc.exposure import Exposure
+from capsvc.games import Catalog, Game
+from capsvc.journal.reconciler import DIRECTORY_ID
+from capsvc.store import Store, replies_of, ticket_key
+from capsvc.tickets import Tickets, derived_body
+from capsvc.validator import Sale
+
+log = logging.getLogger(__name__)
+
+_sale = msgspec.json.Decoder(Sale).decode
+_report = msgspec.json.Decoder(DrawReport).decode
+REPORTS = "reports"
+"""Under the journal directory: reports/<game>/<draw>.json and .csv."""
+BATCH = 50
+"""Draws reported from one read of the journal at most."""
+LIVE_CACHE_S = 10.0
+"""A report built on demand (no report written yet) is served again this long."""
+DIFFERENCES_SHOWN = 50
+"""A Redis check names this many differing counters at most (and counts the rest)."""
+
+
+def _ignore(*args: object) -> None:
+    pass
+
+
+def due_ms(settings: Settings, game: Game, draw: int) -> int:
+    """When a draw's decisions are all made: its close (the last cancel of a ticket playing
+    it; the last claim) plus the time the janitor takes to settle a sale interrupted then."""
+    return (game.calendar.close_ms(draw) + settings.pending_deadline_ms
+            + 2 * settings.janitor_interval_ms)
+
+
+class Audit:
+    """See the module's docstring."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, store: Store, clock: RedisClock,
+                 exposure: Exposure, tickets: Tickets) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.store = store
+        self.clock = clock
+        self.exposure = exposure
+        self.tickets = tickets
+        self.directory = Path(settings.journal_dir)
+        self.sources = [self.directory, *map(Path, settings.audit_sources)]
+        self.on_reconciled: Callable[[Reconciliation], None] = _ignore
+        """Told of every reconciliation (the metrics)."""
+        self.on_report: Callable[[str, bool], None] = _ignore
+        """Told of every report written: (game, passed a cap or read a broken chain)."""
+        self._reading = asyncio.Lock()
+        self._next: dict[str, int] = {}
+        """Per game, the first draw whose report may not be written yet."""
+        self._live: dict[tuple[str, int], tuple[float, DrawReport]] = {}
+
+    # -- reading the journal ---------------------------------------------------------------
+
+    async def history(self, game: Game, draws: range, until_ms: int | None = None
+                      ) -> History:
+        async with self._reading:
+            return await asyncio.to_thread(read_history, self.sources, game, draws,
+                                           until_ms=until_ms)
+
+    def final(self, game: Game, draw: int, now_ms: int) -> bool:
+        return now_ms >= due_ms(self.settings, game, draw)
+
+    # -- the report ------------------------------------------------------------------------
+
+    def path(self, game: str, draw: int, suffix: str) -> Path:
+        return self.directory / REPORTS / game / f"{draw}{suffix}"
+
+    async def report(self, game: Game, draw: int) -> DrawReport:
+        """The report written for the draw if there is one, else built now."""
+        game.check_draw(draw)
+        written = self.path(game.rules.id, draw, ".json")
+        with contextlib.suppress(FileNotFoundError):
+            return _report(await asyncio.to_thread(written.read_bytes))
+        cached = self._live.get((game.rules.id, draw))
+        if cached is not None and time.monotonic() - cached[0] < LIVE_CACHE_S:
+            return cached[1]
+        history = await self.history(game, range(draw, draw + 1))
+        report = await self.build(history, game, draw)
+        self._live = {k: v for k, v in self._live.items()
+                      if time.monotonic() - v[0] < LIVE_CACHE_S}
+        self._live[game.rules.id, draw] = (time.monotonic(), report)
+        return report
+
+    async def build(self, history: History, game: Game, draw: int) -> DrawReport:
+        now = self.clock.now()
+        check = (await redis_check(self.store, self.exposure, history, game, draw)
+                 if game.expire_at(draw) > now else None)
+        return build(history, game, draw, built_ms=now, final=self.final(game, draw, now),
+                     redis=check)
+
+    # -- reconciliation --------------------------------------------------------------------
+
+    async def reconcile(self, game: Game, draw: int, export: str, *, grace_ms: int,
+                        cancel_abandoned: bool = False) -> Reconciliation:
+        """The export (CSV text) against the draw's decisions; ExportError when it cannot be
+        read (nothing compared, nothing cancelled)."""
+        game.check_draw(draw)
+        lines = read_export(export)
+        history = await self.history(game, range(draw, draw + 1))
+        rec = await self.compare(history, game, draw, lines, grace_ms)
+        if cancel_abandoned:
+            await cancel_abandoned_tickets(self.tickets, self.settings.channels, rec)
+        self.on_reconciled(rec)
+        return rec
+
+    async def compare(self, history: History, game: Game, draw: int,
+                      lines: list[ExportLine], grace_ms: int) -> Reconciliation:
+        now = self.clock.now()
+        known = (await lookup(self.store, unknown(history, draw, lines), draw)
+                 if game.expire_at(draw) > now else {})
+        return reconcile(history, draw, lines, now_ms=now, grace_ms=grace_ms,
+                         final=self.final(game, draw, now), known=known)
+
+    # -- the reports the service writes ----------------------------------------------------
+
+    async def write_due(self) -> int:
+        """Write the report of every draw whose decisions are all made and that has none
+        yet, since the journal directory began (one process of the directory at a time:
+        the others skip); returns how many were written."""
+        lock = await asyncio.to_thread(_try_lock, self.directory / REPORTS / ".lock")
+        if lock is None:
+            return 0  # another process of this directory is writing them
+        try:
+            written = 0
+            for game in self.catalog.games.values():
+                written += await self._write_game(game)
+            return written
+        finally:
+            os.close(lock)  # releases the lock
+
+    async def _write_game(self, game: Game) -> int:
+        gid = game.rules.id
+        delay = self.settings.pending_deadline_ms + 2 * self.settings.janitor_interval_ms
+        # Every draw closed `delay` ago is final: those before the one on sale then.
+        last = game.calendar.current(self.clock.now() - delay) - 1
+        first = self._next.get(gid) or max(1, game.calendar.current(self._began_ms()))
+        missing = [d for d in range(first, last + 1)
+                   if not (self.path(gid, d, ".json").exists()
+                           and self.path(gid, d, ".csv").exists())]
+        for start in range(0, len(missing), BATCH):
+            chunk = missing[start:start + BATCH]
+            # Decisions of these draws were made before the last one's due time: files
+            # opened after it hold only their replays (read by `capsvc report`).
+            history = await self.history(game, range(chunk[0], chunk[-1] + 1),
+                                         until_ms=due_ms(self.settings, game, chunk[-1]))
+            for draw in chunk:
+                await self._write(game, draw, history)
+        self._next[gid] = max(first, last + 1)
+        return len(missing)
+
+    def _began_ms(self) -> int:
+        """When this journal directory was made (its id's file), within `[journal] keep`."""
+        try:
+            began = int(os.stat(self.directory / DIRECTORY_ID).st_mtime * 1000)
+        except FileNotFoundError:
+            began = int(time.time() * 1000)
+        return max(began, self.clock.now() - self.settings.journal_keep_ms)
+
+    async def _write(self, game: Game, draw: int, history: History) -> None:
+        gid = game.rules.id
+        json_path, csv_path = self.path(gid, draw, ".json"), self.path(gid, draw, ".csv")
+        report = None
+        if not json_path.exists():
+            report = await self.build(history, game, draw)
+        report = await asyncio.to_thread(_store, json_path, csv_path, report)
+        flawed = bool(report.over_cap) or not report.chain.intact
+        self.on_report(gid, flawed)
+        if flawed:
+            log.error("draw report: %s draw %d %s", gid, draw,
+                      "passed its cap" if report.over_cap else "read a broken chain",
+                      extra={"over_cap": len(report.over_cap),
+                             "breaks": len(report.chain.breaks)})
+
+
+def _try_lock(path: Path) -> int | None:
+    """An exclusive lock on `path` (made if need be), or None if another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _store(json_path: Path, csv_path: Path, report: DrawReport | None) -> DrawReport:
+    """Write a draw's report files, each once: `report` as JSON (None: the JSON is there
+    already, a crash left the CSV out: made from it), then as CSV."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    if report is None:
+        report = _report(json_path.read_bytes())
+    else:
+        write_once(json_path, to_json(report))
+    if not csv_path.exists():
+        write_once(csv_path, to_csv(report).encode())
+    return report
+
+
+def write_once(path: Path, data: bytes) -> None:
+    """Write a file durably, never over one that exists (FileExistsError)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # fails if it exists: a report is written once
+    finally:
+        tmp.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def redis_check(store: Store, exposure: Exposure, history: History, game: Game,
+                      draw: int) -> RedisCheck | None:
+    """The journal's capped totals of a retained draw against Redis's counters: each
+    combination the journal knows, and the draw's whole capped stake and combinations
+    played (which tell of counters the journal read does not hold: another host's
+    sales, or decisions never journaled)."""
+    if game.rules.cap_limit is None:
+        return None
+    totals = capped_totals(history, draw)
+    combos = sorted(totals)
+    replies = await replies_of(store.counters_of(game.rules.id, draw, combos)) if combos else []
+    differences: list[str] = []
+    differing = 0
+    for combo, reply in zip(combos, replies, strict=True):
+        counted = int(reply or 0)
+        if counted != totals[combo]:
+            differing += 1
+            if len(differences) < DIFFERENCES_SHOWN:
+                numbers = "-".join(map(str, combination.decode(combo)))
+                differences.append(f"{numbers}: the journal has {totals[combo]}, Redis "
+                                   f"{counted}")
+    if differing > DIFFERENCES_SHOWN:
+        differences.append(f"… and {differing - DIFFERENCES_SHOWN} more combination(s)")
+    out = await exposure.of(game, draw)
+    redis_stake = sum(c.stake for c in out.capped)
+    redis_played = sum(c.played for c in out.capped)
+    journal_stake = sum(totals.values())
+    played = sum(1 for v in totals.values() if v)
+    if redis_stake != journal_stake or redis_played != played:
+        differences.append(f"capped stake: the journal has {journal_stake} on {played} "
+                           f"combination(s), Redis {redis_stake} on {redis_played}")
+    return RedisCheck(compared=len(combos), complete=not differences,
+                      differences=differences)
+
+
+async def lookup(store: Store, keys: list[tuple[str, str]], draw: int
+                 ) -> dict[tuple[str, str], Known]:
+    """The decisions Redis holds of tickets (another host's), by (channel, ticket id)."""
+    out: dict[tuple[str, str], Known] = {}
+    for start in range(0, len(keys), 1000):
+        chunk = keys[start:start + 1000]
+        replies = await replies_of([store.ticket(ticket_key(c, t)) for c, t in chunk])
+        for (channel, ticket), reply in zip(chunk, replies, strict=True):
+            state, body, raw_sale, sale_id, at, cancelled_at, _, results, _ = reply
+            if state is None or (body is None and results is None):
+                continue  # unknown, or no decision yet
+            if body is None:
+                body = derived_body(channel, raw_sale, sale_id, at, results)
+            decision = msgspec.json.decode(body)
+            sale = _sale(raw_sale)
+            assert sale.first_draw is not None
+            out[channel, ticket] = Known(
+                sale=sale_id.decode(), status=decision["status"],
+                total_cost=int(decision["total_cost"]),
+                plays=sale.first_draw <= draw < sale.first_draw + sale.draws,
+                cancelled=cancelled_at is not None)
+    return out
+
+
+async def cancel_abandoned_tickets(tickets: Tickets, channels: tuple[Channel, ...],
+                                   rec: Reconciliation) -> None:
+    """Cancel every `not_sold` ticket of `rec` that can still be (the game's policy, its
+    first draw open), each fenced by its sale id (a ticket id used again since is another
+    sale: left alone); say in each one's `cancel` what came of it."""
+    by_id = {c.id: c for c in channels}
+    for item in rec.not_sold:
+        channel = by_id.get(item.channel)
+        if channel is None:
+            item.cancel = f"not cancelled: channel {item.channel} is no longer configured"
+            continue
+        # The operator cancels on the channel's behalf, whatever scopes its token has now.
+        acting = dataclasses.replace(channel, scopes=channel.scopes | {"sell"})
+        try:
+            out = await tickets.cancel(acting, item.ticket_id, only_sale=item.sale)
+        except ApiError as e:
+            item.cancel = f"not cancelled: {e.message}"
+        else:
+            item.cancel = f"cancelled: {out.released} released"
