@@ -178,7 +178,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     usecases = build_usecases(settings, store, journal=journal)
     usecases.audit.on_report = metrics.report_written
     usecases.audit.on_reconciled = lambda rec: metrics.reconciled(
-        rec.game, rec.draw, counts(rec), rec.checked_at / 1000)
+        rec.game, rec.draw, counts(rec), usecases.clock.now() / 1000)
     health = Health()
     durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
                             settings.retry_after_s)

@@ -148,7 +148,7 @@ async def _reconcile(settings: Settings, game: Game, draw: int, dirs: list[Path]
     if url is None:
         now = int(time.time() * 1000)
         return reconcile(history, draw, lines, now_ms=now, grace_ms=grace_ms,
-                         final=now >= due_ms(settings, game, draw))
+                         final=now >= due_ms(settings, game, draw), tz=game.rules.tz)
 
     async def work(audit: Audit) -> Reconciliation:
         rec = await audit.compare(history, game, draw, lines, grace_ms)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass
+from datetime import tzinfo
 from typing import Literal
 
 from msgspec import Struct
 
-from capsvc.audit.history import History, SaleKey, Sold
+from capsvc.audit.history import History, Sold
+from capsvc.calendar import instant
 from capsvc.config import ID_RE
 
 REQUIRED = ("channel", "ticket_id", "total_cost")
@@ -108,8 +110,7 @@ class NotSold(Struct, omit_defaults=True):
     amount: int
     status: str
     """accepted or partial."""
-    at: int
-    """When it was decided (Redis ms)."""
+    decided_at: str
     cancel: str | None = None
     """With --cancel-abandoned: `cancelled`, or why it could not be."""
 
@@ -144,8 +145,8 @@ class Reconciliation(Struct):
     """No difference: nothing sold past capsvc, nothing accepted unsold, amounts equal."""
     final: bool
     """The draw's last cancel and settlement could have been made: no decision is to come."""
-    checked_at: int
-    """Redis ms (the host's clock without a Redis)."""
+    checked_at: str
+    """By Redis TIME (the host's clock without a Redis)."""
     grace_ms: int
     sold: Side
     """The export: tickets (distinct) and their total costs."""
@@ -196,8 +197,8 @@ def unknown(history: History, draw: int, lines: list[ExportLine]) -> list[tuple[
 
 
 def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: int,
-              grace_ms: int, final: bool, known: dict[tuple[str, str], Known] | None = None
-              ) -> Reconciliation:
+              grace_ms: int, final: bool, tz: tzinfo,
+              known: dict[tuple[str, str], Known] | None = None) -> Reconciliation:
     """`lines` (the export) against the decisions of `draw` (see the module's docstring)."""
     known = known or {}
     side = capsvc_side(history, draw)
@@ -249,13 +250,13 @@ def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: i
             in_flight += 1
             continue
         not_sold.append(NotSold(key[0], key[1], sold.record.sale, sold.decision.total_cost,
-                                sold.decision.status, sold.record.at))
+                                sold.decision.status, instant(sold.record.at, tz)))
     duplicates = [Duplicate(c, t, found) for (c, t), found in sorted(seen.items())
                   if len(found) > 1]
     differences = len(not_accepted) + len(not_sold) + len(amounts) + len(duplicates)
     return Reconciliation(
         game=history.game, draw=draw, balanced=not differences, final=final,
-        checked_at=now_ms, grace_ms=grace_ms, sold=Side(len(seen), sold_amount),
+        checked_at=instant(now_ms, tz), grace_ms=grace_ms, sold=Side(len(seen), sold_amount),
         capsvc=standing, not_accepted=not_accepted, not_sold=not_sold, amounts=amounts,
         duplicates=duplicates, in_flight=in_flight, elsewhere=elsewhere,
         differences=differences)
@@ -295,8 +296,3 @@ def to_text(rec: Reconciliation) -> str:
         lines.append(f"  listed more than once: {dup.channel} {dup.ticket_id} (lines "
                      f"{', '.join(map(str, dup.lines))})")
     return "\n".join(lines) + "\n"
-
-
-def standing_keys(rec: Reconciliation) -> list[SaleKey]:
-    """The sales `not_sold` names: those `--cancel-abandoned` cancels."""
-    return [(s.channel, s.ticket_id, s.sale) for s in rec.not_sold]

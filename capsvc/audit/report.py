@@ -269,7 +269,7 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
 def _summary(t: TicketCounts, stake: int, currency: str) -> str:
     return (f"{t.accepted + t.partial} ticket(s) standing ({t.accepted} accepted, "
             f"{t.partial} partial), {t.rejected} rejected, {t.cancelled} cancelled, "
-            f"{t.void} void; {stake} {currency} minor units staked")
+            f"{t.void} void; {stake // 100}.{stake % 100:02d} {currency} staked")
 
 
 def capped_totals(history: History, draw: int) -> dict[str, int]:

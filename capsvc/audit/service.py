@@ -152,7 +152,7 @@ class Audit:
         known = (await lookup(self.store, unknown(history, draw, lines), draw)
                  if game.expire_at(draw) > now else {})
         return reconcile(history, draw, lines, now_ms=now, grace_ms=grace_ms,
-                         final=self.final(game, draw, now), known=known)
+                         final=self.final(game, draw, now), tz=game.rules.tz, known=known)
 
     # -- the reports the service writes ----------------------------------------------------
 
@@ -243,7 +243,7 @@ def _store(json_path: Path, csv_path: Path, report: DrawReport | None) -> DrawRe
 def write_once(path: Path, data: bytes) -> None:
     """Write a file durably, never over one that exists (FileExistsError)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
