@@ -1,0 +1,400 @@
+"""Each draw balanced and on the record (issue 18), on real processes and a real Redis:
+the service writes a draw's report once final, equal to Redis's counters while the draw is
+retained and to what the sellers were answered, after a run with faults between the
+service and Redis, cancels, retries and a worker killed; after the retention, the same
+report from the journal alone; the reconciliation finds every difference of an export,
+refuses a malformed one naming its line with nothing cancelled, and cancels the abandoned
+tickets it can."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from capsvc.faults import FaultProxy, command
+from capsvc.testing import HttpClient, RedisServer, Sellers, ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+SELLER, OPS, PF = "audit-seller", "audit-ops", "audit-pf"
+GAME = "quick-keno"
+"""A draw every 4 s, kept 10 s after its close: closes and retentions pass in a test."""
+SLOW = "slow-keno"
+"""FDJ's calendar: its draw on sale stays open for the whole test (cancellable)."""
+HOT = ((3, 7, 12, 18, 25, 33, 41, 56), (1, 2, 3, 4, 5, 6, 7, 8),
+       (10, 20, 30, 40, 50, 60, 65, 70))
+DRAW_S = 4.0
+RETENTION_S = 10.0
+FINAL_S = 2.0 + 2 * 0.5
+"""A draw is final this long after its close: pending_deadline + 2 × janitor interval."""
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+CONFIG = f"""\
+[redis]
+timeout = "250ms"
+
+[server]
+request_timeout = "1s"
+drain_delay = "100ms"
+
+[janitor]
+pending_deadline = "2s"
+interval = "500ms"
+
+[journal]
+settle = "0s"
+
+[audit]
+interval = "300ms"
+
+[[games]]
+id = "{GAME}"
+preset = "fdj-keno-2008"
+cap_limit = 2000
+draw_every = "4s"
+draw_from = "00:00"
+draw_until = "23:59:56"
+time_zone = "UTC"
+retention = "10s"
+
+[[games]]
+id = "{SLOW}"
+preset = "fdj-keno-2008"
+
+[[channels]]
+id = "fr-retail"
+token_sha256 = "{_digest(SELLER)}"
+games = ["{GAME}", "{SLOW}"]
+scopes = ["sell", "read"]
+
+[[channels]]
+id = "pf-retail"
+token_sha256 = "{_digest(PF)}"
+games = ["{GAME}", "{SLOW}"]
+scopes = ["sell"]
+
+[[channels]]
+id = "ops"
+token_sha256 = "{_digest(OPS)}"
+games = ["{GAME}", "{SLOW}"]
+scopes = ["read", "admin"]
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> str:
+    path = tmp_path / "audit.toml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def capsvc(*args: str, journal: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The command line; `journal`: the [journal] dir it writes to (its cancels)."""
+    env = {**os.environ, **({"CAPSVC_JOURNAL_DIR": str(journal)} if journal else {})}
+    return subprocess.run([sys.executable, "-m", "capsvc", *args], capture_output=True,
+                          text=True, timeout=120, check=False, env=env)
+
+
+def call(base: str, method: str, path: str, token: str = OPS, body: Any = None
+         ) -> tuple[int, Any]:
+    """A request sent until it is answered (a 503 or a broken connection: again)."""
+    client = HttpClient(3.0)
+    try:
+        for _ in range(100):
+            try:
+                status, answer = client.request(base, method, path, token=token, body=body)
+            except OSError:
+                status, answer = 0, None
+            if status not in (0, 503):
+                return status, answer
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise AssertionError(f"{method} {path}: no answer")
+
+
+def current(base: str, game: str = GAME) -> tuple[int, float]:
+    """The draw on sale and the seconds left before it closes."""
+    _, body = call(base, "GET", f"/v1/games/{game}/draws/current")
+    closes = body["closes_at"]
+    from datetime import datetime
+
+    left = datetime.fromisoformat(closes).timestamp() - time.time()
+    return int(body["draw"]), left
+
+
+def staked(base: str, numbers: tuple[int, ...], draw: int) -> int:
+    status, body = call(base, "GET", f"/v1/games/{GAME}/draws/{draw}/combinations/"
+                        + "-".join(map(str, numbers)))
+    assert status == 200, body
+    return int(body["staked"])
+
+
+def wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.1)
+
+
+def comparable(report: dict[str, Any]) -> dict[str, Any]:
+    """A report without what depends on when and how it was built."""
+    return {k: v for k, v in report.items()
+            if k not in ("built_at", "final", "redis", "sources", "chain")}
+
+
+class Cancels:
+    """Cancels acknowledged sales while the sellers run (every 3rd one), retrying 503s."""
+
+    def __init__(self, base: str, sellers: Sellers) -> None:
+        self.base = base
+        self.sellers = sellers
+        self.cancelled: set[str] = set()
+        self.refused: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Cancels:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        done = 0
+        while not self._stop.wait(0.05):
+            sales = self.sellers.acknowledged[done:]
+            for sale in sales[::3]:
+                status, body = call(self.base, "POST", f"/v1/tickets/{sale.ticket_id}/cancel",
+                                    token=SELLER)
+                (self.cancelled if status == 200 else self.refused).add(sale.ticket_id)
+            done += len(sales)
+
+
+def test_reports_after_chaos_equal_redis_and_the_sellers_then_the_journal_alone(
+        config: str, redis: RedisServer) -> None:
+    """Sales with Redis replies lost (faults between the service and Redis), retries,
+    cancels, a worker killed: each draw's report, written by the service once final, has
+    the sellers' answered decisions and cancels, and Redis's counters; after the draw's
+    retention, when Redis has forgotten it, `capsvc report` gives the same from the journal
+    alone. A subscription is in the report of each of its draws; a draw nobody played
+    says "no activity"."""
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        service = ServiceProcess(config, proxy.url, args=("--workers", "2")).start()
+        try:
+            base = service.base_url
+            draw, left = current(base)
+            if left < 2.0:  # not a draw about to close: the test's plan needs the next
+                time.sleep(left + 0.2)
+                draw, left = current(base)
+            draws = [draw + 2, draw + 3]
+            quiet = draw + 1
+            status, sub = call(base, "POST", "/v1/tickets", token=SELLER, body={
+                "ticket_id": "SUB-1", "game": GAME, "first_draw": draw + 2, "draws": 2,
+                "grids": [{"numbers": list(HOT[2]), "stake": 100}]})
+            assert (status, sub["status"]) == (200, "accepted")
+            # Replies of sales and cancels lost after Redis ran them: 503s, retried.
+            proxy.drop_reply(command("FCALL", "capsvc_sell"), count=15)
+            proxy.drop_reply(command("FCALL", "capsvc_cancel"), count=3)
+            sellers = Sellers([base], draws, game=GAME, combinations=HOT, token=SELLER,
+                              count=6, stakes=(100, 200, 500), max_grids=2,
+                              retry_pause_s=0.05, seed=7)
+            with sellers, Cancels(base, sellers) as cancels:
+                sellers.wait_acknowledged(20)
+                worker = _a_worker(service)
+                os.kill(worker, signal.SIGKILL)
+                time.sleep(1.0)
+            assert sellers.unexpected == []
+            assert sellers.unanswered == []
+            reports = service.journal_dir / "reports" / GAME
+            for d in [quiet, *draws]:
+                wait_for(reports / f"{d}.csv", 4 * DRAW_S + FINAL_S + 10)
+            written = {d: json.loads((reports / f"{d}.json").read_text())
+                       for d in [quiet, *draws]}
+            assert written[quiet]["summary"] == "no activity"
+            assert not written[quiet]["activity"]
+            for d in draws:
+                report = written[d]
+                answered = [s for s in sellers.acknowledged if s.request["first_draw"] == d]
+                standing = [s for s in answered if s.decision["status"] != "rejected"
+                            and s.ticket_id not in cancels.cancelled]
+                assert report["final"]
+                assert report["redis"]["complete"], report["redis"]
+                assert report["over_cap"] == []
+                assert report["tickets"]["accepted"] + report["tickets"]["partial"] == (
+                    len(standing) + 1)  # the subscription
+                assert report["tickets"]["cancelled"] == len(
+                    [s for s in answered if s.ticket_id in cancels.cancelled])
+                assert report["tickets"]["rejected"] == len(
+                    [s for s in answered if s.decision["status"] == "rejected"])
+                expected: dict[tuple[int, ...], int] = {HOT[2]: 100}
+                for s in standing:
+                    for grid, out in zip(s.request["grids"], s.decision["grids"], strict=True):
+                        if out["status"] == "accepted":
+                            key = tuple(sorted(grid["numbers"]))
+                            expected[key] = expected.get(key, 0) + grid["stake"]
+                top = {tuple(t["numbers"]): t["staked"] for t in report["top"]}
+                assert top == expected
+                for combo in HOT:  # Redis's counters while the draw is retained
+                    assert staked(base, combo, d) == expected.get(combo, 0)
+            assert cancels.cancelled
+            # Past the retention: Redis forgets the draws; the journal alone reports them.
+            last_close = _close_of(base, draws[-1])
+            time.sleep(max(0.0, last_close + RETENTION_S + 1 - time.time()))
+            for d in draws:
+                assert staked(base, HOT[2], d) == 0
+                assert call(base, "GET", "/v1/tickets/SUB-1", token=SELLER)[0] == 404
+                again = capsvc("report", "--config", config, "--dir",
+                               str(service.journal_dir), "--game", GAME, "--draw", str(d))
+                assert again.returncode == 0, again.stderr
+                assert comparable(json.loads(again.stdout)) == comparable(written[d])
+            # Written once: the files are those of the first writing, no temporary left.
+            assert [p.name for p in reports.parent.rglob(".*")] == [".lock"]
+            assert json.loads((reports / f"{draws[0]}.json").read_text()) == written[draws[0]]
+        finally:
+            service.stop()
+
+
+def _a_worker(service: ServiceProcess) -> int:
+    assert service.process is not None
+    out = subprocess.run(["pgrep", "-P", str(service.process.pid)], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+def _close_of(base: str, draw: int) -> float:
+    from datetime import datetime
+
+    _, body = call(base, "GET", f"/v1/games/{GAME}/draws/{draw}")
+    return datetime.fromisoformat(body["closes_at"]).timestamp()
+
+
+def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_abandoned(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """An export with a ticket missing, an unknown one, a wrong amount, another channel's
+    ticket, a duplicate line: each named, exit 1, the HTTP endpoint agrees and sets the
+    metric; a malformed line: exit 2 naming it, nothing cancelled; with
+    --cancel-abandoned, the tickets never sold are cancelled where they still can be, the
+    others said; once the export matches, exit 0."""
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        base = service.base_url
+        draw, _ = current(base, SLOW)
+
+        def sell(tid: str, token: str = SELLER, **extra: Any) -> dict[str, Any]:
+            body = {"ticket_id": tid, "game": SLOW, "first_draw": draw,
+                    "grids": [{"numbers": list(HOT[0]), "stake": 500}], **extra}
+            status, answer = call(base, "POST", "/v1/tickets", token=token, body=body)
+            assert status == 200, answer
+            return dict(answer)
+
+        costs = {t: sell(t)["total_cost"] for t in ("R1", "R2", "R3", "GONE")}
+        sell("PF1", token=PF)
+        rows = ["channel,ticket_id,total_cost,terminal",
+                f"fr-retail,R1,{costs['R1']},T1",
+                f"fr-retail,R2,{costs['R2'] + 100},T2",      # wrong amount
+                f"fr-retail,R3,{costs['R3']},T3",
+                f"fr-retail,R3,{costs['R3']},T3",            # duplicate line
+                "fr-retail,NEVER,500,T4",                    # sold past capsvc
+                "fr-retail,PF1,500,T5"]                      # pf-retail's ticket
+        export = tmp_path / "sold.csv"
+        export.write_text("\n".join(rows) + "\n")
+        args = ("reconcile", "--config", config, "--dir", str(service.journal_dir),
+                "--game", SLOW, "--draw", str(draw), "--sold", str(export))
+        out = capsvc(*args, "--json")
+        assert out.returncode == 1, out.stderr
+        rec = json.loads(out.stdout)
+        assert [(d["ticket_id"], d["line"], d["capsvc"]) for d in rec["not_accepted"]] == [
+            ("NEVER", 6, "unknown"), ("PF1", 7, "unknown")]
+        assert [(d["channel"], d["ticket_id"]) for d in rec["not_sold"]] == [
+            ("fr-retail", "GONE"), ("pf-retail", "PF1")]
+        assert [(d["ticket_id"], d["sold"], d["capsvc"]) for d in rec["amounts"]] == [
+            ("R2", costs["R2"] + 100, costs["R2"])]
+        assert [(d["ticket_id"], d["lines"]) for d in rec["duplicates"]] == [("R3", [4, 5])]
+        human = capsvc(*args)
+        assert "NOT BALANCED (6 difference(s))" in human.stdout
+        assert "fr-retail GONE" in human.stdout
+        # The HTTP endpoint: the same differences, and the metric says so.
+        resp = requests.post(f"{base}/v1/games/{SLOW}/draws/{draw}/reconcile?grace=0",
+                             data=export.read_bytes(), timeout=30,
+                             headers={"Authorization": f"Bearer {OPS}",
+                                      "Content-Type": "text/csv"})
+        assert resp.status_code == 200, resp.text
+        assert {k: v for k, v in resp.json().items() if k != "checked_at"} == {
+            k: v for k, v in rec.items() if k != "checked_at"}
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert f'capsvc_reconcile_differences{{game="{SLOW}",kind="not_sold"}} 2.0' in metrics
+        assert f'capsvc_reconcile_draw{{game="{SLOW}"}} {float(draw)}' in metrics
+        # A malformed line: named, exit 2, nothing cancelled.
+        bad = tmp_path / "bad.csv"
+        bad.write_text("\n".join([*rows[:3], "fr-retail,R4,12.50,T9"]) + "\n")
+        refused = capsvc(*args[:-1], str(bad), "--cancel-abandoned", "--redis", redis.url,
+                         journal=service.journal_dir)
+        assert refused.returncode == 2
+        assert "line 4: total_cost '12.50'" in refused.stderr
+        assert "cancelled" not in call(base, "GET", "/v1/tickets/GONE", token=SELLER)[1]
+        resp = requests.post(f"{base}/v1/games/{SLOW}/draws/{draw}/reconcile",
+                             data=bad.read_bytes(), timeout=30,
+                             headers={"Authorization": f"Bearer {OPS}"})
+        assert resp.status_code == 422
+        assert resp.json()["error"]["code"] == "invalid_export"
+        assert "line 4" in resp.json()["error"]["message"]
+        # --cancel-abandoned: GONE and PF1 cancelled (journaled, released).
+        fixed = tmp_path / "fixed.csv"
+        fixed.write_text("\n".join([rows[0], rows[1], f"fr-retail,R2,{costs['R2']},T2",
+                                    rows[3]]) + "\n")
+        cancel_args = (*args[:-1], str(fixed), "--cancel-abandoned", "--redis", redis.url)
+        done = capsvc(*cancel_args, "--json", journal=service.journal_dir)
+        assert done.returncode == 0, done.stdout + done.stderr
+        cancelled = json.loads(done.stdout)["not_sold"]
+        assert [(d["ticket_id"], d["cancel"]) for d in cancelled] == [
+            ("GONE", "cancelled: 500 released"), ("PF1", "cancelled: 500 released")]
+        assert call(base, "GET", "/v1/tickets/GONE", token=SELLER)[1]["cancelled"][
+            "released"] == 500
+        balanced = capsvc(*args[:-1], str(fixed))
+        assert balanced.returncode == 0, balanced.stdout
+        assert "BALANCED" in balanced.stdout
+        # A ticket never sold whose draw has closed cannot be cancelled any more: said.
+        quick, left = current(base)
+        status, late = call(base, "POST", "/v1/tickets", token=SELLER, body={
+            "ticket_id": "LATE", "game": GAME, "first_draw": quick + 1,
+            "grids": [{"numbers": list(HOT[1]), "stake": 100}]})
+        assert status == 200, late
+        time.sleep(max(0.0, _close_of(base, quick + 1) - time.time() + 0.3))
+        header = tmp_path / "none.csv"
+        header.write_text("channel,ticket_id,total_cost\n")
+        stuck = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
+                       "--game", GAME, "--draw", str(quick + 1), "--sold", str(header),
+                       "--cancel-abandoned", "--redis", redis.url, "--json",
+                       journal=service.journal_dir)
+        assert stuck.returncode == 1, stuck.stderr
+        (item,) = json.loads(stuck.stdout)["not_sold"]
+        assert item["ticket_id"] == "LATE"
+        assert item["cancel"] == f"not cancelled: draw {quick + 1} is closed: ticket LATE stands"
+    finally:
+        service.stop()
