@@ -38,7 +38,7 @@ HOT = ((3, 7, 12, 18, 25, 33, 41, 56), (1, 2, 3, 4, 5, 6, 7, 8),
 DRAW_S = 4.0
 RETENTION_S = 10.0
 FINAL_S = 2.0 + 2 * 0.5
-"""A draw is final this long after its close: pending_deadline + 2 × janitor interval."""
+"""A draw is final this long after its close: pending_deadline + twice the janitor interval."""
 
 
 def _digest(token: str) -> str:
@@ -190,7 +190,7 @@ class Cancels:
         while not self._stop.wait(0.05):
             sales = self.sellers.acknowledged[done:]
             for sale in sales[::3]:
-                status, body = call(self.base, "POST", f"/v1/tickets/{sale.ticket_id}/cancel",
+                status, _ = call(self.base, "POST", f"/v1/tickets/{sale.ticket_id}/cancel",
                                     token=SELLER)
                 (self.cancelled if status == 200 else self.refused).add(sale.ticket_id)
             done += len(sales)
@@ -380,7 +380,7 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         assert balanced.returncode == 0, balanced.stdout
         assert "BALANCED" in balanced.stdout
         # A ticket never sold whose draw has closed cannot be cancelled any more: said.
-        quick, left = current(base)
+        quick, _ = current(base)
         status, late = call(base, "POST", "/v1/tickets", token=SELLER, body={
             "ticket_id": "LATE", "game": GAME, "first_draw": quick + 1,
             "grids": [{"numbers": list(HOT[1]), "stake": 100}]})

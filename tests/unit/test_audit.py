@@ -112,7 +112,7 @@ async def test_the_report_counts_each_sale_once_by_state_reason_picks_and_channe
     assert [(c.channel, c.tickets, c.stake, c.amount, c.cancelled) for c in r.by_channel] == [
         ("fr-retail", 2, 900, 500 + 400 + 200 + 400, 1), ("pf-retail", 1, 200, 400, 0)]
     assert (r.stake, r.cancelled_stake) == (1100, 500)
-    assert r.amount == 500 + 400 + 200 + 400 + 400  # grids (×2 with the multiplier), Joker+
+    assert r.amount == 500 + 400 + 200 + 400 + 400  # grids (twice with the multiplier), Joker+
 
 
 async def test_caps_reached_and_passed_are_named_and_over_cap_is_empty_when_it_held(
