@@ -7,6 +7,8 @@ from typing import Any
 import msgspec
 
 from capsvc import __version__
+from capsvc.audit.reconcile import Reconciliation
+from capsvc.audit.report import DrawReport
 from capsvc.models import (
     ID_PATTERN,
     AvailabilityIn,
@@ -32,7 +34,7 @@ _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     TicketIn, TicketOut, CancelOut, AvailabilityIn, AvailabilityOut, CombinationOut,
     CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut, LimitIn, PlayerOut,
-    StakeIn, StakeOut, ExposureOut,
+    StakeIn, StakeOut, ExposureOut, DrawReport, Reconciliation,
 )
 _ERRORS = {
     "400": "Malformed JSON, or not an object (malformed_json); not valid HTTP "
@@ -101,6 +103,17 @@ _PARAMS: dict[str, dict[str, Any]] = {
                    "schema": {"type": "string"},
                    "description": "the limited game whose time zone and limit apply; needed "
                                   "only when the channel uses several"},
+    "format": {"name": "format", "in": "query", "required": False,
+               "schema": {"type": "string", "enum": ["json", "csv"], "default": "json"},
+               "description": "csv: one figure a row (section,key,field,value)"},
+    "grace": {"name": "grace", "in": "query", "required": False,
+              "schema": {"type": "integer", "minimum": 0, "maximum": 999999},
+              "description": "seconds: a decision this young, not in the export, is "
+                             "in_flight, not a difference (default [audit] grace)"},
+    "cancel_abandoned": {"name": "cancel_abandoned", "in": "query", "required": False,
+                         "schema": {"type": "boolean", "default": False},
+                         "description": "cancel the tickets accepted and never sold that "
+                                        "can still be cancelled"},
     "numbers": {"name": "numbers", "in": "path", "required": True,
                 "schema": {"type": "string", "pattern": r"^[0-9]+(-[0-9]+)*(?!\n)$"},
                 "description": "the numbers joined by '-', in any order"},
@@ -139,6 +152,17 @@ def openapi_document() -> dict[str, Any]:
             "What is at stake on a draw: stakes by size, combinations at or near their cap, "
             "the 20 most played and their top-rank liability", ExposureOut,
             params=("game", "draw"))},
+        draw + "/report": {"get": _op(
+            "The draw's report from the journal: tickets and grids by outcome, stakes by "
+            "size and channel, combinations at and over their cap, the top 20 and their "
+            "liability, the journal files read (written once when the draw is final)",
+            DrawReport, params=("game", "draw", "format"),
+            errors=("401", "403", "404", "422", "503"))},
+        draw + "/reconcile": {"post": _op(
+            "The sales system's export of the draw (CSV: channel, ticket_id, total_cost) "
+            "against capsvc's decisions: every difference by ticket id", Reconciliation,
+            params=("game", "draw", "grace", "cancel_abandoned"),
+            errors=("401", "403", "404", "413", "422", "503"))},
         "/v1/games/{game}/availability": {"post": _op(
             "Whether grids could be sold (advisory, counts nothing)", AvailabilityOut,
             body=AvailabilityIn, params=("game",), errors=write_errors)},
@@ -157,6 +181,12 @@ def openapi_document() -> dict[str, Any]:
         "/readyz": {"get": _op("Readiness: Redis answers and the scripts are loaded",
                                HealthOut, errors=(), auth=False)},
     }
+    paths[draw + "/reconcile"]["post"]["requestBody"] = {"required": True, "content": {
+        "text/csv": {"schema": {"type": "string", "description": (
+            "UTF-8 CSV, a header naming at least channel, ticket_id, total_cost (minor "
+            "units); other columns ignored")}}}}
+    paths[draw + "/report"]["get"]["responses"]["200"]["content"]["text/csv"] = {
+        "schema": {"type": "string"}}
     paths["/readyz"]["get"]["responses"]["503"] = {"description": "Not ready, or draining",
                                                    "headers": _REQUEST_ID, **_json(HealthOut)}
     paths["/v1/games/{game}/capped/stream"] = {"get": {
