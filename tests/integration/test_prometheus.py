@@ -311,6 +311,19 @@ class Seller:
         await self.lnm(limited=True)
         for kind in range(4):
             await self.client_error(kind)
+        await self.reconcile()
+
+    async def reconcile(self) -> None:
+        """The draw on sale reconciled with an export of one ticket it never sold: the
+        reconcile series exist (one difference, not_accepted)."""
+        async with self.session.get(f"{self.url}/v1/games/fdj-keno/draws/current",
+                                    headers={"Authorization": f"Bearer {TOKENS['admin']}"}
+                                    ) as resp:
+            draw = (await resp.json())["draw"]
+        route = "/v1/games/{game}/draws/{draw}/reconcile"
+        await self.send("POST", route, f"/v1/games/fdj-keno/draws/{draw}/reconcile",
+                        token="admin",
+                        data=b"channel,ticket_id,total_cost\nfr-retail,NEVER-SOLD,100\n")
 
     async def run(self, until: float) -> None:
         await self.limit()
