@@ -26,6 +26,7 @@ from capsvc.journal.reader import FileCheck, read
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
+    Line,
     Open,
     SaleRecord,
     StopRecord,
@@ -111,13 +112,20 @@ def first_sale_ms(game: Game, draw: int) -> int:
     return game.calendar.close_ms(max(1, earliest)) if earliest >= 1 else 0
 
 
+Spans = dict[str, tuple[int, dict[str, tuple[int, int]]]]
+"""File path -> (its size when read, game -> the draws its records are about (first,
+last + 1)): what a file read once holds, so that a later read of other draws skips it while
+its size is the same (a journal file is only ever appended to)."""
+
+
 def read_history(directories: Iterable[Path], game: Game, draws: range, *,
-                 until_ms: int | None = None) -> History:
+                 until_ms: int | None = None, spans: Spans | None = None) -> History:
     """The journal's history of `game`'s `draws` from every file of `directories` that can
     hold a decision of them: last written after the first of the draws could be sold
     (files copied without their times are newer: read). `until_ms`: files opened after
     this instant are not read (they can hold replays of the draws' decisions, not the first
-    journaling of one, but for a decision made in Redis and first answered by a replay)."""
+    journaling of one, but for a decision made in Redis and first answered by a replay).
+    `spans`: a cache of what files hold, filled and used."""
     out = History(game.rules.id, draws)
     since_s = (first_sale_ms(game, draws.start) - CLOCK_MARGIN_MS) / 1000
     for directory in directories:
@@ -127,32 +135,53 @@ def read_history(directories: Iterable[Path], game: Game, draws: range, *,
                     and opened * 1000 > until_ms + CLOCK_MARGIN_MS):
                 continue
             try:
-                if os.stat(path).st_mtime < since_s:
+                stat = os.stat(path)
+                if stat.st_mtime < since_s:
                     continue
-                _read_file(out, directory, path)
+                known = spans.get(str(path)) if spans is not None else None
+                if known is not None and known[0] == stat.st_size:
+                    held = known[1].get(game.rules.id)
+                    if held is None or held[1] <= draws.start or held[0] >= draws.stop:
+                        continue
+                found = _read_file(out, directory, path)
             except FileNotFoundError:  # pruned meanwhile
                 continue
+            if spans is not None and found is not None:
+                spans[str(path)] = (stat.st_size, found)
     return out
 
 
-def _read_file(out: History, directory: Path, path: Path) -> None:
+def _read_file(out: History, directory: Path, path: Path
+               ) -> dict[str, tuple[int, int]] | None:
+    """Read one file into `out`; the draws each game's records are about (None when the
+    file is not whole: a torn tail may be completed later)."""
     game, lo, hi = out.game, out.draws.start, out.draws.stop
-    check = FileCheck(path)
-    digest = hashlib.sha256()
-    size = 0
+    held: dict[str, tuple[int, int]] = {}
+
+    def wanted(head: Line) -> bool:
+        """A record of this game about these draws (the others are not decoded)."""
+        if head.game is None:
+            return False
+        if head.draw is not None:
+            first, last = head.draw, head.draw + 1
+        elif head.first_draw is not None:
+            first, last = head.first_draw, head.first_draw + (head.draws or 0)
+        else:  # a player's limit or stake: of no draw
+            return False
+        span = held.get(head.game)
+        held[head.game] = (first, last) if span is None else (min(span[0], first),
+                                                               max(span[1], last))
+        return head.game == game and first < hi and last > lo
+
+    check = FileCheck(path, digest=hashlib.sha256())
     proc = None
-    for _, record in read(path, check):
+    for _, record in read(path, check, wanted=wanted):
         if isinstance(record, Open):
             proc = record.proc
-            continue
-        if isinstance(record, SaleRecord | VoidRecord):
-            if (record.game != game or record.first_draw >= hi
-                    or record.first_draw + record.draws <= lo):
-                continue
+        elif isinstance(record, VoidRecord):
+            out.voids.setdefault((record.channel, record.ticket, record.sale), record)
+        elif isinstance(record, SaleRecord):
             key = (record.channel, record.ticket, record.sale)
-            if isinstance(record, VoidRecord):
-                out.voids.setdefault(key, record)
-                continue
             sold = out.sales.get(key)
             if sold is None:
                 sold = out.sales[key] = Sold(record, _decision(record.decision))
@@ -160,24 +189,15 @@ def _read_file(out: History, directory: Path, path: Path) -> None:
                     out.caps.setdefault(record.first_draw + i, cap)
             if isinstance(record, CancelRecord) and sold.cancel is None:
                 sold.cancel = record
-        elif isinstance(record, CapRecord | StopRecord):
-            if record.game != game or not lo <= record.draw < hi:
-                continue
-            if isinstance(record, CapRecord):
-                out.caps.setdefault(record.draw, record.cap)
-            else:
-                out.stops[record.draw] = min(out.stops.get(record.draw, record.at), record.at)
-    # The digest of the bytes the lines were read from: re-read (the page cache has them),
-    # up to the end of the last complete line, so that a line appended meanwhile is not in
-    # the digest without being in the report.
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if n > check.lines:
-                break
-            digest.update(raw)
-            size += len(raw)
-    out.sources.append(Source(str(directory), path.name, proc, digest.hexdigest(), size,
-                              check.lines))
+        elif isinstance(record, CapRecord):
+            out.caps.setdefault(record.draw, record.cap)
+        elif isinstance(record, StopRecord):
+            out.stops[record.draw] = min(out.stops.get(record.draw, record.at), record.at)
+    assert check.digest is not None
+    out.sources.append(Source(str(directory), path.name, proc, check.digest.hexdigest(),
+                              check.size, check.lines))
     out.breaks += [f"{path}: {b}" for b in check.breaks]
     if check.tail:
         out.tails.append(f"{path}: {check.tail}")
+        return None
+    return held

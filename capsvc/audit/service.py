@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from capsvc import combination
-from capsvc.audit.history import History, read_history
+from capsvc.audit.history import History, Spans, read_history
 from capsvc.audit.reconcile import (
     ExportLine,
     Known,
@@ -88,6 +88,8 @@ class Audit:
         self.on_report: Callable[[str, bool], None] = _ignore
         """Told of every report written: (game, passed a cap or read a broken chain)."""
         self._reading = asyncio.Lock()
+        self._spans: Spans = {}
+        """What the journal files read so far hold (see capsvc.audit.history)."""
         self._next: dict[str, int] = {}
         """Per game, the first draw whose report may not be written yet."""
         self._live: dict[tuple[str, int], tuple[float, DrawReport]] = {}
@@ -98,7 +100,7 @@ class Audit:
                       ) -> History:
         async with self._reading:
             return await asyncio.to_thread(read_history, self.sources, game, draws,
-                                           until_ms=until_ms)
+                                           until_ms=until_ms, spans=self._spans)
 
     def final(self, game: Game, draw: int, now_ms: int) -> bool:
         return now_ms >= due_ms(self.settings, game, draw)

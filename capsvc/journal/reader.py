@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import msgspec
 
 from capsvc.journal.records import (
     VERSION,
+    Line,
     Open,
     Record,
     SaleRecord,
@@ -43,6 +44,11 @@ class FileCheck:
     tail: str | None = None
     """What the end of the file holds that is not a record (a torn line)."""
     breaks: list[str] = field(default_factory=list)
+    digest: hashlib._Hash | None = field(default=None, repr=False)
+    """When given, takes the bytes of every complete line read (newlines included): the
+    SHA-256 of the file as read."""
+    size: int = 0
+    """Bytes of the complete lines read."""
 
 
 def lines_of(path: Path) -> Iterator[tuple[int, bytes, bool]]:
@@ -55,20 +61,29 @@ def lines_of(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield n, raw, False
 
 
-def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] = frozenset()
+def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] = frozenset(),
+         wanted: Callable[[Line], bool] | None = None
          ) -> Iterator[tuple[int, Open | Record]]:
     """The records of one file with their line numbers, checking its chain into `check`.
     Lines that break the chain are still yielded when they decode (a reader restoring
-    decisions wants every decision; `verify` reports the break)."""
+    decisions wants every decision; `verify` reports the break). `wanted`: only the records
+    whose head it accepts (and the `open` line) are decoded and yielded; the chain is
+    checked on every line all the same."""
     check = check if check is not None else FileCheck(path)
+    digest = check.digest
     prev: str | None = None
     for n, line, complete in lines_of(path):
         if not complete:
             check.tail = f"line {n}: a torn last line ({len(line)} bytes, no newline)"
             return
+        if digest is not None:
+            digest.update(line)
+            digest.update(b"\n")
+        check.size += len(line) + 1
         try:
             head = chain_decoder.decode(line)
-            record = line_decoder.decode(line)
+            record = (None if wanted is not None and n > 1 and not wanted(head)
+                      else line_decoder.decode(line))
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             check.breaks.append(f"line {n}: not a journal record ({e})")
             prev = hashlib.sha256(line).hexdigest()
@@ -90,14 +105,15 @@ def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] 
         elif head.prev != prev:
             check.breaks.append(f"line {n}: does not follow line {n - 1} (its prev hash "
                                 "differs: a line was removed, altered, inserted or moved)")
-        elif isinstance(record, Open):
+        elif isinstance(record, Open) or (record is None and head.type == "open"):
             check.breaks.append(f"line {n}: an `open` line inside the file")
         prev = hashlib.sha256(line).hexdigest()
         if n in capture:
             check.captured[n] = prev
         check.lines = n
         check.last_hash = prev
-        yield n, record
+        if record is not None:
+            yield n, record
 
 
 def records(directory: Path, *, modified_since: float = 0.0

@@ -189,9 +189,15 @@ encode = _encoder.encode
 
 
 class Line(Struct, forbid_unknown_fields=False):
-    """What every line has, whatever its type (to read the chain)."""
+    """What every line has, whatever its type (to read the chain), and what tells which
+    game and draws a record is about (to skip the full decoding of the others)."""
 
     prev: str | None = None
+    type: str = ""
+    game: str | None = None
+    first_draw: int | None = None
+    draws: int | None = None
+    draw: int | None = None
 
 
 line_decoder = msgspec.json.Decoder(Open | Record)
