@@ -2,11 +2,14 @@
 
     python bench/audit.py [--tickets 200000] [--draws 10]
 
-Writes a journal as the service does (the real Recorder and writer: decisions with 1 to 3
-grids, a tenth of them journaled again as look-ups, a fiftieth cancelled) spread over
-`--draws` draws of FDJ Keno, then times, on one core, in this process:
-- `capsvc report` of one draw: reading every file that can hold its decisions (here, all
-  of them), the history, the report, its CSV;
+Writes a journal as the service does (the real Recorder and writer, files of 8 MB:
+decisions with 1 to 3 grids, a tenth of them journaled again as look-ups, a fiftieth
+cancelled) over `--draws` draws of FDJ Keno sold one after the other, then times, on one
+core, in this process:
+- the report of one draw: reading every file that can hold its decisions (by their times,
+  here all of them), the history, the report, its CSV;
+- the same for the last draw (the one on sale) by a service that has read the journal once
+  already (it skips the files that hold none of its decisions);
 - the reconciliation of that draw against an export of all its tickets;
 - `capsvc reconcile` as a command (process start included).
 Prints seconds and journal records read per second. Asserts nothing about speed.
@@ -26,7 +29,7 @@ from zoneinfo import ZoneInfo
 
 import msgspec
 
-from capsvc.audit.history import read_history
+from capsvc.audit.history import Spans, read_history
 from capsvc.audit.reconcile import read_export, reconcile
 from capsvc.audit.report import build, to_csv
 from capsvc.config import load_settings
@@ -43,13 +46,13 @@ TZ = ZoneInfo("Europe/Paris")
 async def write_journal(directory: Path, game: Game, first: int, draws: int, tickets: int,
                         now: int) -> list[tuple[str, int, int]]:
     """The journal; (ticket id, total cost, draw) of each standing ticket."""
-    journal = open_journal(directory, max_file_bytes=64 << 20, keep_ms=86_400_000)
+    journal = open_journal(directory, max_file_bytes=8 << 20, keep_ms=86_400_000)
     rec = Recorder(journal, lambda: now)
     rng = random.Random(1)
     standing = []
     batch = []
     for i in range(tickets):
-        draw = first + i % draws
+        draw = first + i * draws // tickets  # sold draw after draw, as in life
         grids = [{"numbers": sorted(rng.sample(range(1, 71), rng.choice([2, 5, 8, 9, 10]))),
                   "stake": rng.choice([100, 200, 500])} for _ in range(rng.randint(1, 3))]
         t = msgspec.convert({"ticket_id": f"B-{i}", "game": game.rules.id,
@@ -108,6 +111,14 @@ def main() -> None:
         print(f"report of one draw ({report.tickets.accepted + report.tickets.partial} "
               f"standing tickets): journal read {read_s:.2f} s ({lines / read_s:,.0f} "
               f"records/s), report built {build_s:.3f} s")
+        spans: Spans = {}
+        read_history([directory], game, range(draw, draw + 1), spans=spans)
+        live = first + args.draws - 1
+        t0 = time.perf_counter()
+        again = read_history([directory], game, range(live, live + 1), spans=spans)
+        print(f"the draw on sale again, by a process that read the journal once: "
+              f"{time.perf_counter() - t0:.2f} s ({len(again.sources)} of {len(files)} "
+              "files read)")
         export = "channel,ticket_id,total_cost\n" + "".join(
             f"fr-retail,{t},{c}\n" for t, c, d in standing if d == draw)
         t0 = time.perf_counter()

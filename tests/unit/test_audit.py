@@ -292,3 +292,18 @@ async def test_a_decision_younger_than_the_grace_is_in_flight_not_a_difference(
     later = reconcile(history, DRAW, header, now_ms=NOW + 120_000, grace_ms=60_000,
                       final=False, tz=TZ)
     assert (later.balanced, later.in_flight, len(later.not_sold)) == (False, 0, 1)
+
+
+async def test_a_file_read_once_is_skipped_for_draws_it_does_not_hold_until_it_grows(
+        book: Book, tmp_path: Path) -> None:
+    """With a cache of what files hold, a second read for another draw skips the file;
+    once the file has grown (a decision of that draw appended), it is read again."""
+    await book.sell(sale("A", [{"numbers": HOT, "stake": 500}]), [[ACCEPTED]])
+    spans: dict[str, Any] = {}
+    first = read_history([tmp_path / "j"], GAME, range(DRAW, DRAW + 1), spans=spans)
+    assert len(first.sources) == 1
+    other = read_history([tmp_path / "j"], GAME, range(DRAW + 1, DRAW + 2), spans=spans)
+    assert (other.sources, other.sales) == ([], {})
+    await book.sell(sale("B", [{"numbers": HOT, "stake": 500}], first=DRAW + 1), [[ACCEPTED]])
+    grown = read_history([tmp_path / "j"], GAME, range(DRAW + 1, DRAW + 2), spans=spans)
+    assert [s.record.ticket for s in grown.sales.values()] == ["B"]
