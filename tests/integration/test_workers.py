@@ -213,7 +213,9 @@ def test_a_worker_that_dies_after_a_good_run_is_restarted_at_once(tmp_path: Path
         sock.listen()
         rc = supervise(command, 2, sock, Restarts(give_up_after=2))
     assert rc == 0
-    assert len(starts.read_text().split()) >= 2 * 6  # far more than give_up_after
+    # Each worker started more times than give_up_after allows deaths at start (how many
+    # more depends on the machine's load: a start is a Python process).
+    assert len(starts.read_text().split()) >= 2 * (2 + 2)
 
 
 async def test_serve_exits_non_zero_when_restarted_workers_cannot_start(
