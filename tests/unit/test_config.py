@@ -143,6 +143,7 @@ def problems(document: dict[str, Any]) -> list[str]:
     ("server", "prot", "port"), ("server", "timeout", "request_timeout"),
     ("redis", "cluster", None),
     ("janitor", "intervall", "interval"), ("janitor", "pending_deadlines", "pending_deadline"),
+    ("audit", "source", "sources"),
 ])
 def test_an_unknown_key_in_a_section_is_an_error_naming_its_path(
         section: str, typo: str, meant: str | None) -> None:
@@ -152,6 +153,17 @@ def test_an_unknown_key_in_a_section_is_an_error_naming_its_path(
     (problem,) = [p for p in problems(document) if typo in p]
     assert problem.startswith(f"{section}.{typo}")
     assert (f"did you mean {meant!r}" in problem) if meant else ("did you mean" not in problem)
+
+
+def test_the_audit_section_is_read_and_checked() -> None:
+    """[audit]: reports, interval, sources (a list of directories), grace; a source that is
+    not a directory name is an error naming it."""
+    settings = parse_settings({**doc(), "audit": {
+        "reports": False, "interval": "5s", "sources": ["/srv/j/pod-1"], "grace": "2m"}})
+    assert (settings.audit_reports, settings.audit_interval_ms, settings.audit_sources,
+            settings.audit_grace_ms) == (False, 5000, ("/srv/j/pod-1",), 120_000)
+    (problem,) = problems({**doc(), "audit": {"sources": "/srv/j"}})
+    assert problem.startswith("audit.sources: expected a list of directories")
 
 
 def test_unknown_keys_of_games_channels_and_sections_are_named() -> None:
