@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from capsvc.faults import FaultProxy, command
-from capsvc.testing import HttpClient, RedisServer, Sellers, ServiceProcess
+from capsvc.testing import HttpClient, RedisCluster, RedisServer, Sellers, ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -196,88 +196,103 @@ class Cancels:
             done += len(sales)
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, FaultProxy | None]]:
+    """A Redis of the test's own: standalone behind a fault proxy (one call a sale), or a
+    3-primary cluster (sales in steps, the janitor settling the interrupted ones)."""
+    if request.param == "cluster":
+        cluster = RedisCluster().start()
+        yield cluster.url, None
+        cluster.stop()
+        return
+    server = RedisServer().start()
+    with FaultProxy("127.0.0.1", server.port) as proxy:
+        yield proxy.url, proxy
+    server.stop()
+
+
 def test_reports_after_chaos_equal_redis_and_the_sellers_then_the_journal_alone(
-        config: str, redis: RedisServer) -> None:
-    """Sales with Redis replies lost (faults between the service and Redis), retries,
-    cancels, a worker killed: each draw's report, written by the service once final, has
-    the sellers' answered decisions and cancels, and Redis's counters; after the draw's
-    retention, when Redis has forgotten it, `capsvc report` gives the same from the journal
-    alone. A subscription is in the report of each of its draws; a draw nobody played
-    says "no activity"."""
-    with FaultProxy("127.0.0.1", redis.port) as proxy:
-        service = ServiceProcess(config, proxy.url, args=("--workers", "2")).start()
-        try:
-            base = service.base_url
+        config: str, backend: tuple[str, FaultProxy | None]) -> None:
+    """Sales with Redis replies lost (faults between the service and Redis, standalone),
+    retries, cancels, a worker killed: each draw's report, written by the service once
+    final, has the sellers' answered decisions and cancels, and Redis's counters; after the
+    draw's retention, when Redis has forgotten it, `capsvc report` gives the same from the
+    journal alone. A subscription is in the report of each of its draws; a draw nobody
+    played says "no activity"."""
+    url, proxy = backend
+    service = ServiceProcess(config, url, args=("--workers", "2")).start()
+    try:
+        base = service.base_url
+        draw, left = current(base)
+        if left < 2.0:  # not a draw about to close: the test's plan needs the next
+            time.sleep(left + 0.2)
             draw, left = current(base)
-            if left < 2.0:  # not a draw about to close: the test's plan needs the next
-                time.sleep(left + 0.2)
-                draw, left = current(base)
-            draws = [draw + 2, draw + 3]
-            quiet = draw + 1
-            status, sub = call(base, "POST", "/v1/tickets", token=SELLER, body={
-                "ticket_id": "SUB-1", "game": GAME, "first_draw": draw + 2, "draws": 2,
-                "grids": [{"numbers": list(HOT[2]), "stake": 100}]})
-            assert (status, sub["status"]) == (200, "accepted")
-            # Replies of sales and cancels lost after Redis ran them: 503s, retried.
+        draws = [draw + 2, draw + 3]
+        quiet = draw + 1
+        status, sub = call(base, "POST", "/v1/tickets", token=SELLER, body={
+            "ticket_id": "SUB-1", "game": GAME, "first_draw": draw + 2, "draws": 2,
+            "grids": [{"numbers": list(HOT[2]), "stake": 100}]})
+        assert (status, sub["status"]) == (200, "accepted")
+        if proxy is not None:  # replies lost after Redis ran them: 503s, retried
             proxy.drop_reply(command("FCALL", "capsvc_sell"), count=15)
             proxy.drop_reply(command("FCALL", "capsvc_cancel"), count=3)
-            sellers = Sellers([base], draws, game=GAME, combinations=HOT, token=SELLER,
-                              count=6, stakes=(100, 200, 500), max_grids=2,
-                              retry_pause_s=0.05, seed=7)
-            with sellers, Cancels(base, sellers) as cancels:
-                sellers.wait_acknowledged(20)
-                worker = _a_worker(service)
-                os.kill(worker, signal.SIGKILL)
-                time.sleep(1.0)
-            assert sellers.unexpected == []
-            assert sellers.unanswered == []
-            reports = service.journal_dir / "reports" / GAME
-            for d in [quiet, *draws]:
-                wait_for(reports / f"{d}.csv", 4 * DRAW_S + FINAL_S + 10)
-            written = {d: json.loads((reports / f"{d}.json").read_text())
-                       for d in [quiet, *draws]}
-            assert written[quiet]["summary"] == "no activity"
-            assert not written[quiet]["activity"]
-            for d in draws:
-                report = written[d]
-                answered = [s for s in sellers.acknowledged if s.request["first_draw"] == d]
-                standing = [s for s in answered if s.decision["status"] != "rejected"
-                            and s.ticket_id not in cancels.cancelled]
-                assert report["final"]
-                assert report["redis"]["complete"], report["redis"]
-                assert report["over_cap"] == []
-                assert report["tickets"]["accepted"] + report["tickets"]["partial"] == (
-                    len(standing) + 1)  # the subscription
-                assert report["tickets"]["cancelled"] == len(
-                    [s for s in answered if s.ticket_id in cancels.cancelled])
-                assert report["tickets"]["rejected"] == len(
-                    [s for s in answered if s.decision["status"] == "rejected"])
-                expected: dict[tuple[int, ...], int] = {HOT[2]: 100}
-                for s in standing:
-                    for grid, out in zip(s.request["grids"], s.decision["grids"], strict=True):
-                        if out["status"] == "accepted":
-                            key = tuple(sorted(grid["numbers"]))
-                            expected[key] = expected.get(key, 0) + grid["stake"]
-                top = {tuple(t["numbers"]): t["staked"] for t in report["top"]}
-                assert top == expected
-                for combo in HOT:  # Redis's counters while the draw is retained
-                    assert staked(base, combo, d) == expected.get(combo, 0)
-            assert cancels.cancelled
-            # Past the retention: Redis forgets the draws; the journal alone reports them.
-            last_close = _close_of(base, draws[-1])
-            time.sleep(max(0.0, last_close + RETENTION_S + 1 - time.time()))
-            for d in draws:
-                assert staked(base, HOT[2], d) == 0
-                assert call(base, "GET", "/v1/tickets/SUB-1", token=SELLER)[0] == 404
-                again = capsvc("report", "--config", config, "--dir",
-                               str(service.journal_dir), "--game", GAME, "--draw", str(d))
-                assert again.returncode == 0, again.stderr
-                assert comparable(json.loads(again.stdout)) == comparable(written[d])
-            # Written once: the files are those of the first writing, no temporary left.
-            assert [p.name for p in reports.parent.rglob(".*")] == [".lock"]
-            assert json.loads((reports / f"{draws[0]}.json").read_text()) == written[draws[0]]
-        finally:
-            service.stop()
+        sellers = Sellers([base], draws, game=GAME, combinations=HOT, token=SELLER,
+                          count=6, stakes=(100, 200, 500), max_grids=2,
+                          retry_pause_s=0.05, seed=7)
+        with sellers, Cancels(base, sellers) as cancels:
+            sellers.wait_acknowledged(20)
+            worker = _a_worker(service)
+            os.kill(worker, signal.SIGKILL)
+            time.sleep(1.0)
+        assert sellers.unexpected == []
+        assert sellers.unanswered == []
+        reports = service.journal_dir / "reports" / GAME
+        for d in [quiet, *draws]:
+            wait_for(reports / f"{d}.csv", 4 * DRAW_S + FINAL_S + 10)
+        written = {d: json.loads((reports / f"{d}.json").read_text())
+                   for d in [quiet, *draws]}
+        assert written[quiet]["summary"] == "no activity"
+        assert not written[quiet]["activity"]
+        for d in draws:
+            report = written[d]
+            answered = [s for s in sellers.acknowledged if s.request["first_draw"] == d]
+            standing = [s for s in answered if s.decision["status"] != "rejected"
+                        and s.ticket_id not in cancels.cancelled]
+            assert report["final"]
+            assert report["redis"]["complete"], report["redis"]
+            assert report["over_cap"] == []
+            assert report["tickets"]["accepted"] + report["tickets"]["partial"] == (
+                len(standing) + 1)  # the subscription
+            assert report["tickets"]["cancelled"] == len(
+                [s for s in answered if s.ticket_id in cancels.cancelled])
+            assert report["tickets"]["rejected"] == len(
+                [s for s in answered if s.decision["status"] == "rejected"])
+            expected: dict[tuple[int, ...], int] = {HOT[2]: 100}
+            for s in standing:
+                for grid, out in zip(s.request["grids"], s.decision["grids"], strict=True):
+                    if out["status"] == "accepted":
+                        key = tuple(sorted(grid["numbers"]))
+                        expected[key] = expected.get(key, 0) + grid["stake"]
+            top = {tuple(t["numbers"]): t["staked"] for t in report["top"]}
+            assert top == expected
+            for combo in HOT:  # Redis's counters while the draw is retained
+                assert staked(base, combo, d) == expected.get(combo, 0)
+        assert cancels.cancelled
+        # Past the retention: Redis forgets the draws; the journal alone reports them.
+        last_close = _close_of(base, draws[-1])
+        time.sleep(max(0.0, last_close + RETENTION_S + 1 - time.time()))
+        for d in draws:
+            assert staked(base, HOT[2], d) == 0
+            assert call(base, "GET", "/v1/tickets/SUB-1", token=SELLER)[0] == 404
+            again = capsvc("report", "--config", config, "--dir",
+                           str(service.journal_dir), "--game", GAME, "--draw", str(d))
+            assert again.returncode == 0, again.stderr
+            assert comparable(json.loads(again.stdout)) == comparable(written[d])
+        # Written once: the files are those of the first writing, no temporary left.
+        assert [p.name for p in reports.parent.rglob(".*")] == [".lock"]
+        assert json.loads((reports / f"{draws[0]}.json").read_text()) == written[draws[0]]
+    finally:
+        service.stop()
 
 
 def _a_worker(service: ServiceProcess) -> int:
