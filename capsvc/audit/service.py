@@ -63,11 +63,15 @@ def _ignore(*args: object) -> None:
     pass
 
 
+def settle_ms(settings: Settings) -> int:
+    """How long after a claim the janitor has settled the sale, if interrupted."""
+    return settings.pending_deadline_ms + 2 * settings.janitor_interval_ms
+
+
 def due_ms(settings: Settings, game: Game, draw: int) -> int:
     """When a draw's decisions are all made: its close (the last cancel of a ticket playing
     it; the last claim) plus the time the janitor takes to settle a sale interrupted then."""
-    return (game.calendar.close_ms(draw) + settings.pending_deadline_ms
-            + 2 * settings.janitor_interval_ms)
+    return game.calendar.close_ms(draw) + settle_ms(settings)
 
 
 class Audit:
@@ -175,9 +179,8 @@ class Audit:
 
     async def _write_game(self, game: Game) -> int:
         gid = game.rules.id
-        delay = self.settings.pending_deadline_ms + 2 * self.settings.janitor_interval_ms
-        # Every draw closed `delay` ago is final: those before the one on sale then.
-        last = game.calendar.current(self.clock.now() - delay) - 1
+        # Every draw closed a settlement ago is final: those before the one on sale then.
+        last = game.calendar.current(self.clock.now() - settle_ms(self.settings)) - 1
         first = self._next.get(gid) or max(1, game.calendar.current(self._began_ms()))
         missing = [d for d in range(first, last + 1)
                    if not (self.path(gid, d, ".json").exists()
