@@ -13,13 +13,13 @@ import gc
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from capsvc.audit.reconcile import counts
-from capsvc.audit.service import Audit
 from capsvc.cluster import connect
 from capsvc.coalesce import Transport
 from capsvc.config import Settings
@@ -42,24 +42,31 @@ CLOCK_REFRESH_S = 5.0
 """How often the Redis clock is read again (between readings the monotonic clock runs)."""
 
 
-async def _janitor(janitor: Janitor, metrics: Metrics, interval_s: float) -> None:
-    """Settle tickets left pending past the deadline, forever."""
+async def _every(what: str, interval_s: float, step: Callable[[], Awaitable[object]], *,
+                 at_start: bool = False) -> None:
+    """Run `step` every `interval_s` (first at once with `at_start`), forever; a Redis
+    outage is logged once, not at every turn."""
     reachable = True
-    while True:
+    if not at_start:
         await asyncio.sleep(interval_s)
+    while True:
         try:
-            settled = await janitor.run_once()
+            await step()
+            reachable = True
         except Unavailable as e:
-            if reachable:  # say it once per outage, not once per interval
-                log.warning("janitor: redis unavailable: %s", e)
+            if reachable:
+                log.warning("%s: redis unavailable: %s", what, e)
             reachable = False
-            continue
         except Exception:
-            log.exception("janitor failed")
-            continue
-        reachable = True
-        if settled:
-            metrics.janitor.inc(settled)
+            log.exception("%s failed", what)
+        await asyncio.sleep(interval_s)
+
+
+async def _settle(janitor: Janitor, metrics: Metrics) -> None:
+    """Settle tickets left pending past the deadline (one janitor's round)."""
+    settled = await janitor.run_once()
+    if settled:
+        metrics.janitor.inc(settled)
 
 
 EXPOSURE_GAUGES_S = 30.0
@@ -68,47 +75,19 @@ those on the Redis: a draw of 100,000 combinations is ~0.5 s of Redis time to re
 
 
 async def _exposure_gauges(usecases: UseCases, metrics: Metrics, store: Store) -> None:
-    """Keep the exposure gauges of each capped game's draw on sale up to date: every
-    EXPOSURE_GAUGES_S, the process that takes the game's turn first computes them (the
-    gauges export the most recent value of the live processes)."""
-    reachable = True
-    while True:
-        try:
-            for game in usecases.catalog.games.values():
-                if game.rules.cap_limit is None:
-                    continue
-                if not await store.take_turn(f"exposure-gauges:{game.rules.id}",
-                                             int(EXPOSURE_GAUGES_S * 1000) - 500):
-                    continue
-                draw = await usecases.draws.current_draw(game)
-                out = await usecases.exposure.of(game, draw)
-                metrics.exposure(game.rules.id, sum(c.played for c in out.capped),
-                                 sum(c.at_cap for c in out.capped), out.top_liability or 0)
-            reachable = True
-        except Unavailable as e:
-            if reachable:
-                log.warning("exposure gauges: redis unavailable: %s", e)
-            reachable = False
-        except Exception:
-            log.exception("exposure gauges failed")
-        await asyncio.sleep(EXPOSURE_GAUGES_S)
-
-
-async def _reports(audit: Audit, interval_s: float) -> None:
-    """Write the report of every draw once final, forever (one process of the journal
-    directory at a time)."""
-    reachable = True
-    while True:
-        try:
-            await audit.write_due()
-            reachable = True
-        except Unavailable as e:
-            if reachable:
-                log.warning("draw reports: redis unavailable: %s", e)
-            reachable = False
-        except Exception:
-            log.exception("draw reports failed")
-        await asyncio.sleep(interval_s)
+    """The exposure gauges of each capped game's draw on sale: computed by the process that
+    takes the game's turn first (the gauges export the most recent value of the live
+    processes)."""
+    for game in usecases.catalog.games.values():
+        if game.rules.cap_limit is None:
+            continue
+        if not await store.take_turn(f"exposure-gauges:{game.rules.id}",
+                                     int(EXPOSURE_GAUGES_S * 1000) - 500):
+            continue
+        draw = await usecases.draws.current_draw(game)
+        out = await usecases.exposure.of(game, draw)
+        metrics.exposure(game.rules.id, sum(c.played for c in out.capped),
+                         sum(c.at_cap for c in out.capped), out.top_liability or 0)
 
 
 async def _flush_metrics(metrics: Metrics) -> None:
@@ -253,17 +232,20 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         log.warning("redis not reachable at start (%s): not ready until it is", e)
     background = [
         asyncio.create_task(usecases.clock.run(CLOCK_REFRESH_S)),
-        asyncio.create_task(_janitor(usecases.janitor, metrics,
-                                     settings.janitor_interval_ms / 1000)),
+        asyncio.create_task(_every("janitor", settings.janitor_interval_ms / 1000,
+                                   lambda: _settle(usecases.janitor, metrics))),
         asyncio.create_task(_flush_metrics(metrics)),
-        asyncio.create_task(_exposure_gauges(usecases, metrics, store)),
+        asyncio.create_task(_every("exposure gauges", EXPOSURE_GAUGES_S,
+                                   lambda: _exposure_gauges(usecases, metrics, store),
+                                   at_start=True)),
     ]
     if svc.reconciler is not None:
         background.append(asyncio.create_task(svc.reconciler.watch(store,
                                                                    usecases.journal)))
     if svc.journal is not None and settings.audit_reports:
-        background.append(asyncio.create_task(_reports(usecases.audit,
-                                                       settings.audit_interval_ms / 1000)))
+        # Each draw's report once final (one process of the journal directory at a time).
+        background.append(asyncio.create_task(_every(
+            "draw reports", settings.audit_interval_ms / 1000, usecases.audit.write_due)))
     runner = await start_serving(svc, sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path
