@@ -306,10 +306,14 @@ class Api:
         # An export is larger than a sale and its reading takes longer than a sale's
         # timeout: a limit of its own, no request timeout (admin only).
         self.health.requests.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-        data = await request.content.read(MAX_EXPORT_BYTES + 1)
-        if len(data) > MAX_EXPORT_BYTES:
-            raise ApiError(413, "payload_too_large",
-                           f"an export is at most {MAX_EXPORT_BYTES} bytes")
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():  # to the end of the body
+            size += len(chunk)
+            if size > MAX_EXPORT_BYTES:
+                raise ApiError(413, "payload_too_large",
+                               f"an export is at most {MAX_EXPORT_BYTES} bytes")
+            chunks.append(chunk)
+        data = b"".join(chunks)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:

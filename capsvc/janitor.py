@@ -16,7 +16,11 @@ Then:
   (none of its requests may answer it).
 Two janitors seal the same grids to the same states and so reach the same decision; the
 writes are idempotent and fenced, so running both changes nothing more.
-A cancel decided but not finished (its release lost) is finished the same way.
+A cancel decided but not finished (its release lost) is finished the same way. A decision
+(a sale, a cancel) still indexed past the deadline was made in Redis by a request that may
+have died before journaling it: the janitor journals it. An index entry goes only once the
+ticket's outcome is journaled, so that every decision Redis holds reaches the journal (the
+draw reports are written once no entry of a draw is left: capsvc.audit.service).
 """
 
 from __future__ import annotations
@@ -68,27 +72,36 @@ class Janitor:
         return settled
 
     async def settle(self, key: str) -> int:
-        """Settle one indexed ticket if it is due; returns 1 if it was settled."""
+        """Settle one indexed ticket if it is due, journal its outcome, then drop its index
+        entry; returns 1 if it was settled."""
         reply = await self.store.expire(key, self.deadline_ms)
         if not reply:
             await self.store.unindex(key)
             return 0
         if reply[0] == b"wait":
             return 0
-        at, sale_id, sale = int(reply[1]), reply[2].decode(), _sale_decoder.decode(reply[3])
+        state, at = reply[0], int(reply[1])
+        sale_id, sale = reply[2].decode(), _sale_decoder.decode(reply[3])
         game = self.catalog.get(sale.game)
         if game is None or sale.first_draw is None:
             log.warning("janitor: ticket of a game no longer served", extra={"ticket_key": key})
+            await self.store.unindex(key)  # nothing can settle it
             return 0
         channel_id = channel_of(key)
         journal = self.tickets.journal
         until = game.expire_at(sale.first_draw + sale.draws - 1)
-        if reply[0] == b"k":
-            await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
+        if state in (b"k", b"c", b"f"):
+            if state == b"k":
+                await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
+                log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
             body = reply[4] or derived_body(channel_id, reply[3], reply[2], at, reply[7])
-            await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
-                                 int(reply[5]), int(reply[6]))
-            log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
+            if state == b"f":  # decided, maybe never journaled: its request died
+                await journal.sale("janitor", channel_id, sale, sale_id, at, body, until,
+                                   self.ledger.caps.known(game, sale.first_draw, sale.draws))
+            else:
+                await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
+                                     int(reply[5]), int(reply[6]))
+            await self.store.unindex(key)
             return 1
         stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
                                                      sale.draws))
@@ -103,4 +116,5 @@ class Janitor:
             await journal.void("stopped" if void else "abandoned", channel_id, sale, sale_id,
                                at, until)
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
+        await self.store.unindex(key)
         return 1

@@ -160,12 +160,16 @@ class Store:
             fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
-        """Write the decision of a sale and drop its index entry (one round trip). False
-        when the ticket is no longer that sale's pending claim (decided or forgotten by
-        another actor)."""
-        written = self.fcall("capsvc_finalize", [ticket], [sale_id, body])
+        """Write the decision of a sale. False when the ticket is no longer that sale's
+        pending claim (decided or forgotten by another actor). Its index entry stays until
+        the decision is journaled (`journaled`)."""
+        return bool(await self.fcall("capsvc_finalize", [ticket], [sale_id, body]))
+
+    def journaled(self, ticket: str) -> None:
+        """The ticket's latest decision is in the journal: its index entry may go (the
+        janitor journals a decision whose entry is still there past the deadline). Nobody
+        waits for it: an entry left by a failure only makes the janitor journal it again."""
         self.redis.send("ZREM", pending_key_of(ticket), ticket)
-        return bool(await written)
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         await self.fcall("capsvc_unclaim", [ticket], [sale_id])
@@ -188,7 +192,6 @@ class Store:
         aggregate keys and the picks, stake pairs to take out of them."""
         keys, args = aggregates or ([], [])
         await self.fcall("capsvc_cancelled", [ticket, *keys], [sale_id, *args])
-        await self.unindex(ticket)
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
         """[state, body, sale, sale id, claim instant, cancelled at, released, results,
@@ -204,7 +207,7 @@ class Store:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
         (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
         combination never holds a zero byte)."""
-        keys = [ticket, stops_key(game)]
+        keys = [ticket, stops_key(game), pending_key_of(ticket)]
         for combo, _ in grids:
             if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
@@ -219,6 +222,14 @@ class Store:
             args += (combo, stake)
         return self.fcall("capsvc_sell", keys,
                           [*args, *expiries, time_zone, "fix" if fix_caps else ""])
+
+    async def oldest_pending(self) -> int | None:
+        """The instant of the oldest entry of the pending indexes (a ticket claimed, being
+        cancelled, or decided and not journaled yet), None when they are empty."""
+        replies = await replies_of([self.redis.submit("ZRANGE", pending_key(b), 0, 0,
+                                                      "WITHSCORES")
+                                    for b in range(TICKET_BUCKETS)])
+        return min((int(float(r[1])) for r in replies if r), default=None)
 
     def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
         return self.redis.submit(

@@ -172,8 +172,9 @@ class Tickets:
                     sale_id, at = claim[2].decode(), int(claim[1])
                     out = decision_of(channel.id, stored, sale_id, at, claim[3])
                     body = _encode(out)
-                    await self.journal.sale("answer", channel.id, stored, sale_id, at, body,
-                                            expire_at, _caps_of(claim[7]))
+                    await self._journaled(key, self.journal.sale(
+                        "answer", channel.id, stored, sale_id, at, body, expire_at,
+                        _caps_of(claim[7])))
                     return SaleOutcome(body=body, replayed=False, ticket=out,
                                        near_cap=int(claim[4]), sold_out=int(claim[5]),
                                        shadowed=int(claim[6]))
@@ -187,8 +188,9 @@ class Tickets:
                         await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
                     body = claim[1] or derived_body(channel.id, claim[4], claim[3], claim[2],
                                                      claim[5])
-                    await self._journal_stored("replay", channel.id, claim[4], claim[3],
-                                               claim[2], body, claim[6], claim[7], claim[8])
+                    await self._journaled(key, self._journal_stored(
+                        "replay", channel.id, claim[4], claim[3], claim[2], body, claim[6],
+                        claim[7], claim[8]))
                     return SaleOutcome(body=body, replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
@@ -273,8 +275,9 @@ class Tickets:
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
-            await self.journal.sale("answer", channel.id, sale, sale_id, at, body,
-                                    game.expire_at(first + sale.draws - 1))
+            await self._journaled(key, self.journal.sale(
+                "answer", channel.id, sale, sale_id, at, body,
+                game.expire_at(first + sale.draws - 1)))
             return SaleOutcome(body=body, replayed=False, ticket=out)
         if (taken is None and any(g.capped for g in sale.grids)
                 and self.ledger.caps.known(game, first, sale.draws) is None):
@@ -294,10 +297,10 @@ class Tickets:
                 raise _closed(first)
             out = concluded.decision
             body = _encode(out)
-            await self.journal.sale("answer" if concluded.written else "replay", channel.id,
-                                    sale, sale_id, at, body,
-                                    game.expire_at(first + sale.draws - 1),
-                                    self.ledger.caps.known(game, first, sale.draws))
+            await self._journaled(key, self.journal.sale(
+                "answer" if concluded.written else "replay", channel.id, sale, sale_id, at,
+                body, game.expire_at(first + sale.draws - 1),
+                self.ledger.caps.known(game, first, sale.draws)))
             return SaleOutcome(body=body, replayed=not concluded.written,
                                ticket=out if concluded.written else None)
         out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
@@ -306,9 +309,10 @@ class Tickets:
                                                    out, body)
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
-        await self.journal.sale("answer", channel.id, sale, sale_id, at, body,
-                                game.expire_at(first + sale.draws - 1),
-                                self.ledger.caps.known(game, first, sale.draws))
+        await self._journaled(key, self.journal.sale(
+            "answer", channel.id, sale, sale_id, at, body,
+            game.expire_at(first + sale.draws - 1),
+            self.ledger.caps.known(game, first, sale.draws)))
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,
@@ -341,6 +345,12 @@ class Tickets:
         raise unavailable(f"ticket {decision.ticket_id}: its decision lost part of its "
                           "counters in a Redis failure and cannot be answered",
                           self.settings.retry_after_s)
+
+    async def _journaled(self, key: str, record: asyncio.Future[None]) -> None:
+        """Wait until a decision this request reports is journaled, then let the ticket's
+        index entry go (until then the janitor would journal it, should this process die)."""
+        await record
+        self.store.journaled(key)
 
     def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
                         sale_id: bytes | str, at: bytes | int, body: bytes,
@@ -461,10 +471,10 @@ class Tickets:
             await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
                                      int(claimed_at), results is not None)
         body = body or _encode(decision)
-        await self.journal.cancel("answer" if kind == b"k" else "replay", channel.id, sale,
-                                  sale_id.decode(), int(claimed_at), bytes(body),
-                                  game.expire_at(sale.first_draw + sale.draws - 1),
-                                  int(reply[1]), int(reply[2]))
+        await self._journaled(key, self.journal.cancel(
+            "answer" if kind == b"k" else "replay", channel.id, sale, sale_id.decode(),
+            int(claimed_at), bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
+            int(reply[1]), int(reply[2])))
         return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
 
     async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,

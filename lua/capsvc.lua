@@ -11,7 +11,9 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
                                                          ca, rel
                  TTL: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
-                 every ticket that may need the janitor (claimed, or being cancelled)
+                 every ticket that may need the janitor: claimed, being cancelled, or
+                 decided (sold, cancelled) and not known to be journaled yet; the process
+                 that journals the decision removes the entry, else the janitor journals it
   aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
@@ -214,10 +216,12 @@ end
 
 --[[ expire: KEYS ticket; ARGV deadline_ms
 For the janitor. A ticket pending for deadline_ms or more becomes expired (no request
-resumes it any more); a cancel left unfinished for deadline_ms is handed over too.
-Returns {'x', at, sid, sale} | {'k', at, sid, sale, body, cancelled at, released, res} to
-settle, {'wait'} when the
-ticket is not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
+resumes it any more); a cancel left unfinished for deadline_ms is handed over too; a
+decision (sold, cancelled) still indexed deadline_ms after it was made was maybe never
+journaled (its request died before): handed over to be.
+Returns {'x', at, sid, sale} | {'k' or 'c', at, sid, sale, body, cancelled at, released,
+res} | {'f', at, sid, sale, body, false, false, res} to settle, {'wait'} when the ticket is
+not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
   local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sid', 'sale', 'body', 'ca', 'rel',
                          'res')
@@ -233,11 +237,11 @@ local function expire(keys, args)
   if st == 'x' then
     return {'x', rec[2], rec[3], rec[4]}
   end
-  if st == 'k' then
-    if now - tonumber(rec[6]) < deadline then
+  if st == 'k' or st == 'c' or st == 'f' then
+    if now - tonumber(st == 'f' and rec[2] or rec[6]) < deadline then
       return {'wait'}
     end
-    return {'k', rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], rec[8]}
+    return {st, rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], rec[8]}
   end
   return {}
 end
@@ -766,7 +770,8 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
---[[ sell: KEYS ticket, stops, the buckets (draw 1..n) of each capped grid, the sold-out
+--[[ sell: KEYS ticket, stops, the pending index, the buckets (draw 1..n) of each capped
+grid, the sold-out
 list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES), the
 cap key of each draw (see CAPS: fixed here, once the sale is known to stand);
 ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, the
@@ -783,7 +788,8 @@ counted as `reserve` counts it, the combinations it brought to their cap go on t
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a
-function of them, the sale, sid and at). No pending state, nothing for the janitor. Returns
+function of them, the sale, sid and at). No pending state; the ticket is indexed until the
+caller has journaled its decision (the janitor journals it otherwise). Returns
 {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
 | {'final', body or false, at, sid, sale, res or false, st}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
@@ -805,7 +811,7 @@ local function sell(keys, args)
   for i = 1, n do
     draws[i] = first + i - 1
   end
-  local stops = redis.call('HMGET', keys[2], unpack(draws))
+  local stops = redis.call('HMGET', keys[2], unpack(draws))  -- keys[3]: the pending index
   for i = 1, n do
     if stops[i] then
       return {'stopped', i - 1}
@@ -828,7 +834,7 @@ local function sell(keys, args)
   local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
   local feed = keys[aggregates]
   local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
-  if fix and lists > 2 then
+  if fix and lists > 3 then
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do
@@ -841,7 +847,7 @@ local function sell(keys, args)
   end
   local res, near, sold, shadowed = {}, 0, 0, 0
   local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
-  local k = 3
+  local k = 4
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
@@ -881,6 +887,9 @@ local function sell(keys, args)
   redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
+  -- Indexed until the caller has journaled the decision (else the janitor journals it).
+  redis.call('ZADD', keys[3], 'NX', now, ticket)
+  extend(keys[3], tonumber(args[4]))
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
     local key = keys[aggregates + i]

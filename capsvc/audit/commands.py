@@ -132,6 +132,8 @@ def _report(args: argparse.Namespace, settings: Settings, game: Game, dirs: list
             write_once(Path(args.out), data)
         except FileExistsError:
             return _fail("report", f"{args.out} exists: a report is never written over")
+        except OSError as e:
+            return _fail("report", f"--out {args.out}: {e.strerror or e}")
     else:
         sys.stdout.buffer.write(data)
     return 1 if _flawed(report) else 0

@@ -32,7 +32,6 @@ from capsvc.journal.records import (
     StopRecord,
     VoidRecord,
 )
-from capsvc.journal.verify import opened_at
 from capsvc.journal.writer import journal_files
 from capsvc.models import TicketOut
 
@@ -119,21 +118,15 @@ its size is the same (a journal file is only ever appended to)."""
 
 
 def read_history(directories: Iterable[Path], game: Game, draws: range, *,
-                 until_ms: int | None = None, spans: Spans | None = None) -> History:
+                 spans: Spans | None = None) -> History:
     """The journal's history of `game`'s `draws` from every file of `directories` that can
     hold a decision of them: last written after the first of the draws could be sold
-    (files copied without their times are newer: read). `until_ms`: files opened after
-    this instant are not read (they can hold replays of the draws' decisions, not the first
-    journaling of one, but for a decision made in Redis and first answered by a replay).
-    `spans`: a cache of what files hold, filled and used."""
+    (files copied without their times are newer: read). `spans`: a cache of what files
+    hold, filled and used."""
     out = History(game.rules.id, draws)
     since_s = (first_sale_ms(game, draws.start) - CLOCK_MARGIN_MS) / 1000
     for directory in directories:
         for path in journal_files(directory):
-            opened = opened_at(path.name)
-            if (until_ms is not None and opened is not None
-                    and opened * 1000 > until_ms + CLOCK_MARGIN_MS):
-                continue
             try:
                 stat = os.stat(path)
                 if stat.st_mtime < since_s:

@@ -90,7 +90,8 @@ def read_export(text: str) -> list[ExportLine]:
     return out
 
 
-CapsvcState = Literal["unknown", "rejected", "cancelled", "void", "other_draws"]
+CapsvcState = Literal["unknown", "rejected", "cancelled", "void", "other_draws",
+                      "other_game"]
 
 
 class NotAccepted(Struct):
@@ -100,7 +101,7 @@ class NotAccepted(Struct):
     amount: int
     capsvc: CapsvcState
     """What capsvc has of the ticket: nothing, a rejection, a cancellation, a void (never
-    answered), or a ticket of other draws."""
+    answered), or a ticket of other draws or of another game."""
 
 
 class NotSold(Struct, omit_defaults=True):
@@ -151,7 +152,7 @@ class Reconciliation(Struct):
     sold: Side
     """The export: tickets (distinct) and their total costs."""
     capsvc: Side
-    """capsvc's standing tickets of the draw (accepted or partial, not cancelled)."""
+    """capsvc's standing sales of the draw (accepted or partial, not cancelled)."""
     not_accepted: list[NotAccepted]
     not_sold: list[NotSold]
     amounts: list[AmountDiff]
@@ -171,19 +172,20 @@ class Known:
     status: str
     total_cost: int
     plays: bool
-    """Its draws include the reconciled one."""
+    """It is of the reconciled game, and its draws include the reconciled one."""
+    same_game: bool
     cancelled: bool
 
 
-def capsvc_side(history: History, draw: int) -> dict[tuple[str, str], Sold]:
-    """(channel, ticket id) -> the decision of each sale playing `draw` (the latest sale
-    of a ticket id, should one have been reused)."""
-    out: dict[tuple[str, str], Sold] = {}
+def capsvc_side(history: History, draw: int) -> dict[tuple[str, str], list[Sold]]:
+    """(channel, ticket id) -> the decisions of the sales of that ticket id playing `draw`,
+    oldest first: one, but when a ticket id was sold twice (a retry judged anew by a host
+    whose Redis had lost the first sale, before that host restored it)."""
+    out: dict[tuple[str, str], list[Sold]] = {}
     for sold in history.of(draw):
-        key = (sold.record.channel, sold.record.ticket)
-        held = out.get(key)
-        if held is None or held.record.at <= sold.record.at:
-            out[key] = sold
+        out.setdefault((sold.record.channel, sold.record.ticket), []).append(sold)
+    for sales in out.values():
+        sales.sort(key=lambda s: s.record.at)
     return out
 
 
@@ -191,7 +193,7 @@ def unknown(history: History, draw: int, lines: list[ExportLine]) -> list[tuple[
     """The exported tickets the journal read holds no decision of, for this draw (to be
     looked up in Redis: another host may have decided them)."""
     side = capsvc_side(history, draw)
-    voided = {(k[0], k[1]) for k, v in history.voids.items()}
+    voided = {(k[0], k[1]) for k in history.voids}
     return sorted({(x.channel, x.ticket) for x in lines
                    if (x.channel, x.ticket) not in side and (x.channel, x.ticket) not in voided})
 
@@ -199,11 +201,15 @@ def unknown(history: History, draw: int, lines: list[ExportLine]) -> list[tuple[
 def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: int,
               grace_ms: int, final: bool, tz: tzinfo,
               known: dict[tuple[str, str], Known] | None = None) -> Reconciliation:
-    """`lines` (the export) against the decisions of `draw` (see the module's docstring)."""
+    """`lines` (the export) against the decisions of `draw` (see the module's docstring).
+    A final draw has no decision to come: no grace."""
     known = known or {}
+    grace_ms = 0 if final else grace_ms
     side = capsvc_side(history, draw)
     voided = {(k[0], k[1]) for k in history.voids}
     seen: dict[tuple[str, str], list[int]] = {}
+    matched: set[int] = set()
+    """The standing sales an exported line stands for (by id())."""
     not_accepted: list[NotAccepted] = []
     amounts: list[AmountDiff] = []
     elsewhere = 0
@@ -215,15 +221,21 @@ def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: i
             continue
         seen[key] = [x.line]
         sold_amount += x.total_cost
-        sold = side.get(key)
+        sales = side.get(key, [])
+        standing = [s for s in sales if s.standing]
         state: CapsvcState
-        if sold is not None:
-            cost = sold.decision.total_cost
-            if sold.standing:
-                if cost != x.total_cost:
-                    amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost, cost))
-                continue
-            state = "cancelled" if sold.cancel is not None else "rejected"
+        if standing:
+            # The line stands for one sale: of the same cost if there is one; any other
+            # standing sale of the ticket id was counted without a receipt (not_sold).
+            sold = next((s for s in standing if s.decision.total_cost == x.total_cost),
+                        standing[-1])
+            matched.add(id(sold))
+            if sold.decision.total_cost != x.total_cost:
+                amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost,
+                                          sold.decision.total_cost))
+            continue
+        if sales:
+            state = "cancelled" if sales[-1].cancel is not None else "rejected"
         elif (other := known.get(key)) is not None:
             elsewhere += 1
             if other.plays and not other.cancelled and other.status != "rejected":
@@ -231,33 +243,36 @@ def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: i
                     amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost,
                                               other.total_cost))
                 continue
-            state = ("other_draws" if not other.plays else
+            state = ("other_game" if not other.same_game else
+                     "other_draws" if not other.plays else
                      "cancelled" if other.cancelled else "rejected")
         else:
             state = "void" if key in voided else "unknown"
         not_accepted.append(NotAccepted(x.channel, x.ticket, x.line, x.total_cost, state))
     not_sold: list[NotSold] = []
     in_flight = 0
-    standing = Side(0, 0)
-    for key, sold in sorted(side.items()):
-        if not sold.standing:
-            continue
-        standing.tickets += 1
-        standing.amount += sold.decision.total_cost
-        if key in seen:
-            continue
-        if now_ms - sold.record.at < grace_ms:
-            in_flight += 1
-            continue
-        not_sold.append(NotSold(key[0], key[1], sold.record.sale, sold.decision.total_cost,
-                                sold.decision.status, instant(sold.record.at, tz)))
+    totals = Side(0, 0)
+    for key, sales in sorted(side.items()):
+        for sold in sales:
+            if not sold.standing:
+                continue
+            totals.tickets += 1
+            totals.amount += sold.decision.total_cost
+            if id(sold) in matched:
+                continue
+            if now_ms - sold.record.at < grace_ms:
+                in_flight += 1
+                continue
+            not_sold.append(NotSold(key[0], key[1], sold.record.sale,
+                                    sold.decision.total_cost, sold.decision.status,
+                                    instant(sold.record.at, tz)))
     duplicates = [Duplicate(c, t, found) for (c, t), found in sorted(seen.items())
                   if len(found) > 1]
     differences = len(not_accepted) + len(not_sold) + len(amounts) + len(duplicates)
     return Reconciliation(
         game=history.game, draw=draw, balanced=not differences, final=final,
         checked_at=instant(now_ms, tz), grace_ms=grace_ms, sold=Side(len(seen), sold_amount),
-        capsvc=standing, not_accepted=not_accepted, not_sold=not_sold, amounts=amounts,
+        capsvc=totals, not_accepted=not_accepted, not_sold=not_sold, amounts=amounts,
         duplicates=duplicates, in_flight=in_flight, elsewhere=elsewhere,
         differences=differences)
 

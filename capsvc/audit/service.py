@@ -100,14 +100,21 @@ class Audit:
 
     # -- reading the journal ---------------------------------------------------------------
 
-    async def history(self, game: Game, draws: range, until_ms: int | None = None
-                      ) -> History:
+    async def history(self, game: Game, draws: range) -> History:
         async with self._reading:
             return await asyncio.to_thread(read_history, self.sources, game, draws,
-                                           until_ms=until_ms, spans=self._spans)
+                                           spans=self._spans)
 
-    def final(self, game: Game, draw: int, now_ms: int) -> bool:
-        return now_ms >= due_ms(self.settings, game, draw)
+    async def last_final(self, game: Game) -> int:
+        """The last draw of `game` whose decisions are all made and journaled: closed a
+        settlement ago (no claim or cancel of it can come), and before any ticket still
+        indexed (claimed, being cancelled, or decided and not journaled yet: the janitor
+        settles and journals it; a ticket indexed at an instant plays draws on sale then)."""
+        last = game.calendar.current(self.clock.now() - settle_ms(self.settings)) - 1
+        oldest = await self.store.oldest_pending()
+        if oldest is not None:
+            last = min(last, game.calendar.current(oldest) - 1)
+        return last
 
     # -- the report ------------------------------------------------------------------------
 
@@ -134,8 +141,8 @@ class Audit:
         now = self.clock.now()
         check = (await redis_check(self.store, self.exposure, history, game, draw)
                  if game.expire_at(draw) > now else None)
-        return build(history, game, draw, built_ms=now, final=self.final(game, draw, now),
-                     redis=check)
+        return build(history, game, draw, built_ms=now,
+                     final=draw <= await self.last_final(game), redis=check)
 
     # -- reconciliation --------------------------------------------------------------------
 
@@ -155,10 +162,11 @@ class Audit:
     async def compare(self, history: History, game: Game, draw: int,
                       lines: list[ExportLine], grace_ms: int) -> Reconciliation:
         now = self.clock.now()
-        known = (await lookup(self.store, unknown(history, draw, lines), draw)
+        known = (await lookup(self.store, unknown(history, draw, lines), game.rules.id, draw)
                  if game.expire_at(draw) > now else {})
         return reconcile(history, draw, lines, now_ms=now, grace_ms=grace_ms,
-                         final=self.final(game, draw, now), tz=game.rules.tz, known=known)
+                         final=draw <= await self.last_final(game), tz=game.rules.tz,
+                         known=known)
 
     # -- the reports the service writes ----------------------------------------------------
 
@@ -179,18 +187,15 @@ class Audit:
 
     async def _write_game(self, game: Game) -> int:
         gid = game.rules.id
-        # Every draw closed a settlement ago is final: those before the one on sale then.
-        last = game.calendar.current(self.clock.now() - settle_ms(self.settings)) - 1
+        last = await self.last_final(game)
         first = self._next.get(gid) or max(1, game.calendar.current(self._began_ms()))
         missing = [d for d in range(first, last + 1)
                    if not (self.path(gid, d, ".json").exists()
                            and self.path(gid, d, ".csv").exists())]
         for start in range(0, len(missing), BATCH):
             chunk = missing[start:start + BATCH]
-            # Decisions of these draws were made before the last one's due time: files
-            # opened after it hold only their replays (read by `capsvc report`).
-            history = await self.history(game, range(chunk[0], chunk[-1] + 1),
-                                         until_ms=due_ms(self.settings, game, chunk[-1]))
+            # The files read once and holding none of these draws are skipped (spans).
+            history = await self.history(game, range(chunk[0], chunk[-1] + 1))
             for draw in chunk:
                 await self._write(game, draw, history)
         self._next[gid] = max(first, last + 1)
@@ -298,9 +303,10 @@ async def redis_check(store: Store, exposure: Exposure, history: History, game: 
                       differences=differences)
 
 
-async def lookup(store: Store, keys: list[tuple[str, str]], draw: int
+async def lookup(store: Store, keys: list[tuple[str, str]], game: str, draw: int
                  ) -> dict[tuple[str, str], Known]:
-    """The decisions Redis holds of tickets (another host's), by (channel, ticket id)."""
+    """The decisions Redis holds of tickets (another host's), by (channel, ticket id), and
+    whether each is of `game` and plays `draw`."""
     out: dict[tuple[str, str], Known] = {}
     for start in range(0, len(keys), 1000):
         chunk = keys[start:start + 1000]
@@ -314,11 +320,12 @@ async def lookup(store: Store, keys: list[tuple[str, str]], draw: int
             decision = msgspec.json.decode(body)
             sale = _sale(raw_sale)
             assert sale.first_draw is not None
+            same_game = sale.game == game
             out[channel, ticket] = Known(
                 sale=sale_id.decode(), status=decision["status"],
                 total_cost=int(decision["total_cost"]),
-                plays=sale.first_draw <= draw < sale.first_draw + sale.draws,
-                cancelled=cancelled_at is not None)
+                plays=same_game and sale.first_draw <= draw < sale.first_draw + sale.draws,
+                same_game=same_game, cancelled=cancelled_at is not None)
     return out
 
 

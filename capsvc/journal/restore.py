@@ -271,8 +271,8 @@ class Restorer:
         if cancelling is not None:
             one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
             await self.store.cancelled(key, r.sale, one_call)
-        elif ours and state == b"c":
-            await self.store.unindex(key)  # indexed by an earlier run of this restore
+        if cancelling is not None or (ours and state == b"c"):
+            await self.store.unindex(key)  # journaled already (by an earlier run: the same)
         return "cancel" if cancelling is not None or given else None
 
     async def _void(self, game: Game, r: VoidRecord) -> str | None:

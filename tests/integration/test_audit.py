@@ -9,6 +9,7 @@ tickets it can."""
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ GAME = "quick-keno"
 """A draw every 4 s, kept 10 s after its close: closes and retentions pass in a test."""
 SLOW = "slow-keno"
 """FDJ's calendar: its draw on sale stays open for the whole test (cancellable)."""
+OTHER = "other-keno"
+"""Another game on FDJ's calendar: the same draw numbers as SLOW's."""
 HOT = ((3, 7, 12, 18, 25, 33, 41, 56), (1, 2, 3, 4, 5, 6, 7, 8),
        (10, 20, 30, 40, 50, 60, 65, 70))
 DRAW_S = 4.0
@@ -77,22 +81,26 @@ retention = "10s"
 id = "{SLOW}"
 preset = "fdj-keno-2008"
 
+[[games]]
+id = "{OTHER}"
+preset = "fdj-keno-2008"
+
 [[channels]]
 id = "fr-retail"
 token_sha256 = "{_digest(SELLER)}"
-games = ["{GAME}", "{SLOW}"]
+games = ["{GAME}", "{SLOW}", "{OTHER}"]
 scopes = ["sell", "read"]
 
 [[channels]]
 id = "pf-retail"
 token_sha256 = "{_digest(PF)}"
-games = ["{GAME}", "{SLOW}"]
+games = ["{GAME}", "{SLOW}", "{OTHER}"]
 scopes = ["sell"]
 
 [[channels]]
 id = "ops"
 token_sha256 = "{_digest(OPS)}"
-games = ["{GAME}", "{SLOW}"]
+games = ["{GAME}", "{SLOW}", "{OTHER}"]
 scopes = ["read", "admin"]
 """
 
@@ -118,9 +126,10 @@ def capsvc(*args: str, journal: Path | None = None) -> subprocess.CompletedProce
                           text=True, timeout=120, check=False, env=env)
 
 
-def call(base: str, method: str, path: str, token: str = OPS, body: Any = None
-         ) -> tuple[int, Any]:
-    """A request sent until it is answered (a 503 or a broken connection: again)."""
+def call(base: str, method: str, path: str, token: str = OPS, body: Any = None,
+         retry: bool = True) -> tuple[int, Any]:
+    """A request sent until it is answered (a 503 or a broken connection: again, unless
+    not `retry`: a terminal that gives up)."""
     client = HttpClient(3.0)
     try:
         for _ in range(100):
@@ -128,7 +137,7 @@ def call(base: str, method: str, path: str, token: str = OPS, body: Any = None
                 status, answer = client.request(base, method, path, token=token, body=body)
             except OSError:
                 status, answer = 0, None
-            if status not in (0, 503):
+            if not retry or status not in (0, 503):
                 return status, answer
             time.sleep(0.1)
     finally:
@@ -139,15 +148,12 @@ def call(base: str, method: str, path: str, token: str = OPS, body: Any = None
 def current(base: str, game: str = GAME) -> tuple[int, float]:
     """The draw on sale and the seconds left before it closes."""
     _, body = call(base, "GET", f"/v1/games/{game}/draws/current")
-    closes = body["closes_at"]
-    from datetime import datetime
-
-    left = datetime.fromisoformat(closes).timestamp() - time.time()
+    left = datetime.fromisoformat(body["closes_at"]).timestamp() - time.time()
     return int(body["draw"]), left
 
 
-def staked(base: str, numbers: tuple[int, ...], draw: int) -> int:
-    status, body = call(base, "GET", f"/v1/games/{GAME}/draws/{draw}/combinations/"
+def staked(base: str, numbers: tuple[int, ...], draw: int, game: str = GAME) -> int:
+    status, body = call(base, "GET", f"/v1/games/{game}/draws/{draw}/combinations/"
                         + "-".join(map(str, numbers)))
     assert status == 200, body
     return int(body["staked"])
@@ -302,10 +308,8 @@ def _a_worker(service: ServiceProcess) -> int:
     return int(out.stdout.split()[0])
 
 
-def _close_of(base: str, draw: int) -> float:
-    from datetime import datetime
-
-    _, body = call(base, "GET", f"/v1/games/{GAME}/draws/{draw}")
+def _close_of(base: str, draw: int, game: str = GAME) -> float:
+    _, body = call(base, "GET", f"/v1/games/{game}/draws/{draw}")
     return datetime.fromisoformat(body["closes_at"]).timestamp()
 
 
@@ -413,3 +417,242 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         assert item["cancel"] == f"not cancelled: draw {quick + 1} is closed: ticket LATE stands"
     finally:
         service.stop()
+
+
+# -- review 1 of the audit: each reproduction a test ---------------------------------------
+
+
+def _sell(base: str, tid: str, game: str, draw: int, numbers: tuple[int, ...] = HOT[0],
+          *, retry: bool = True) -> tuple[int, Any]:
+    return call(base, "POST", "/v1/tickets", token=SELLER, retry=retry, body={
+        "ticket_id": tid, "game": game, "first_draw": draw,
+        "grids": [{"numbers": list(numbers), "stake": 500}]})
+
+
+def _kill(service: ServiceProcess) -> None:
+    """SIGKILL the service and its workers: a host lost."""
+    assert service.process is not None
+    kids = subprocess.run(["pgrep", "-P", str(service.process.pid)], capture_output=True,
+                          text=True, check=False).stdout
+    for pid in [service.process.pid, *map(int, kids.split())]:
+        os.kill(pid, signal.SIGKILL)
+    service.process.wait(10)
+    service.process = None
+
+
+def test_the_reconcile_route_reads_the_whole_export_however_it_arrives(
+        config: str, redis: RedisServer) -> None:
+    """An export streamed in pieces (chunked, 440 KB) and one whose Content-Length body
+    comes in two writes cut at a line: read whole, the figures those of the file, and a
+    ticket after the cut is not taken for abandoned (cancel_abandoned cancels nothing)."""
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        base = service.base_url
+        draw, _ = current(base, SLOW)
+        costs = {t: _sell(base, t, SLOW, draw)[1]["total_cost"] for t in ("A", "B")}
+        rows = ["channel,ticket_id,total_cost", *(f"fr-retail,N{i:06d},500"
+                                                  for i in range(20000)),
+                f"fr-retail,A,{costs['A']}", f"fr-retail,B,{costs['B']}"]
+        data = ("\n".join(rows) + "\n").encode()
+
+        def pieces() -> Iterator[bytes]:
+            for i in range(0, len(data), 65536):
+                yield data[i:i + 65536]
+                time.sleep(0.02)
+
+        resp = requests.post(f"{base}/v1/games/{SLOW}/draws/{draw}/reconcile?grace=0",
+                             data=pieces(), timeout=60,
+                             headers={"Authorization": f"Bearer {OPS}"})
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.json()["sold"] == {"tickets": 20002, "amount": 500 * 20000 + 1000}
+        assert resp.json()["not_sold"] == []
+        first = f"channel,ticket_id,total_cost\nfr-retail,A,{costs['A']}\n".encode()
+        second = f"fr-retail,B,{costs['B']}\n".encode()
+        conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=30)
+        conn.putrequest("POST", f"/v1/games/{SLOW}/draws/{draw}/reconcile"
+                        "?grace=0&cancel_abandoned=true")
+        conn.putheader("Authorization", f"Bearer {OPS}")
+        conn.putheader("Content-Length", str(len(first) + len(second)))
+        conn.endheaders()
+        conn.send(first)
+        time.sleep(0.3)
+        conn.send(second)
+        resp2 = conn.getresponse()
+        body = json.loads(resp2.read())
+        conn.close()
+        assert (resp2.status, body["balanced"], body["not_sold"]) == (200, True, []), body
+        assert "cancelled" not in call(base, "GET", "/v1/tickets/B", token=SELLER)[1]
+    finally:
+        service.stop()
+
+
+def test_a_sale_whose_answer_was_lost_is_journaled_by_the_janitor_and_reconciled(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """A sale decided in Redis whose reply was lost, never retried (the terminal gave up):
+    the janitor journals it within its deadline, so the reconciliation names it not_sold
+    and --cancel-abandoned gives its stake back."""
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        service = ServiceProcess(config, proxy.url).start()
+        try:
+            base = service.base_url
+            draw, _ = current(base, SLOW)
+            status, a = _sell(base, "A", SLOW, draw)
+            assert status == 200
+            rule = proxy.drop_reply(command("FCALL", "capsvc_sell"))
+            status, _ = _sell(base, "B", SLOW, draw, retry=False)
+            assert rule.fired.wait(5)
+            assert status in (0, 503)
+            time.sleep(2.0 + 2 * 0.5 + 0.5)  # the janitor's deadline and a round
+            assert staked(base, HOT[0], draw, SLOW) == 1000
+            export = tmp_path / "sold.csv"
+            export.write_text(f"channel,ticket_id,total_cost\nfr-retail,A,{a['total_cost']}\n")
+            out = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
+                         "--game", SLOW, "--draw", str(draw), "--sold", str(export),
+                         "--redis", redis.url, "--cancel-abandoned", "--json",
+                         journal=service.journal_dir)
+            rec = json.loads(out.stdout)
+            assert [(d["ticket_id"], d["cancel"]) for d in rec["not_sold"]] == [
+                ("B", "cancelled: 500 released")], rec
+            assert staked(base, HOT[0], draw, SLOW) == 500
+        finally:
+            service.stop()
+
+
+def test_a_written_report_waits_for_decisions_not_journaled_yet(
+        config: str, redis: RedisServer) -> None:
+    """A sale whose reply was lost, and a cancel whose last step's reply was lost, on a
+    draw that then becomes final: the written report counts the sale standing and the
+    cancelled ticket cancelled, as Redis and GET have them (the janitor journals both
+    before the report is written)."""
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        service = ServiceProcess(config, proxy.url).start()
+        try:
+            base = service.base_url
+            draw, _ = current(base)
+            d = draw + 2
+            status, _ = _sell(base, "C1", GAME, d, HOT[1])
+            assert status == 200
+            rule = proxy.drop_reply(command("FCALL", "capsvc_cancelled"))
+            status, _ = call(base, "POST", "/v1/tickets/C1/cancel", token=SELLER,
+                             retry=False)
+            assert rule.fired.wait(5)
+            rule = proxy.drop_reply(command("FCALL", "capsvc_sell"))
+            status, _ = _sell(base, "LOST", GAME, d, HOT[2], retry=False)
+            assert rule.fired.wait(5)
+            assert status in (0, 503)
+            reports = service.journal_dir / "reports" / GAME
+            wait_for(reports / f"{d}.csv", 30)
+            written = json.loads((reports / f"{d}.json").read_text())
+            assert "cancelled" in call(base, "GET", "/v1/tickets/C1", token=SELLER)[1]
+            assert call(base, "GET", "/v1/tickets/LOST", token=SELLER)[1]["status"] == (
+                "accepted")
+            assert (written["tickets"]["accepted"], written["tickets"]["cancelled"]) == (1, 1)
+            assert written["redis"]["complete"], written["redis"]
+        finally:
+            service.stop()
+
+
+def test_reports_written_after_a_restart_wait_for_the_janitor(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """A cancel decided in Redis whose reply was lost, the host killed before its janitor's
+    deadline, restarted once the draw is final: the report it writes counts the ticket
+    cancelled (the janitor finishes and journals the cancel first)."""
+    env = {"CAPSVC_JOURNAL_DIR": str(tmp_path / "journal")}
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        service = ServiceProcess(config, proxy.url, env=env).start()
+        try:
+            draw, _ = current(service.base_url)
+            d = draw + 2
+            assert _sell(service.base_url, "C1", GAME, d, HOT[1])[0] == 200
+            close = _close_of(service.base_url, d)
+            rule = proxy.drop_reply(command("FCALL", "capsvc_cancel"))
+            call(service.base_url, "POST", "/v1/tickets/C1/cancel", token=SELLER, retry=False)
+            assert rule.fired.wait(5)
+            _kill(service)
+        finally:
+            service.stop()
+        time.sleep(max(0.0, close + FINAL_S + 1.0 - time.time()))
+        service = ServiceProcess(config, proxy.url, env=env).start()
+        try:
+            reports = tmp_path / "journal" / "reports" / GAME
+            wait_for(reports / f"{d}.csv", 20)
+            written = json.loads((reports / f"{d}.json").read_text())
+            assert "cancelled" in call(service.base_url, "GET", "/v1/tickets/C1",
+                                       token=SELLER)[1]
+            assert (written["tickets"]["accepted"], written["tickets"]["cancelled"]) == (0, 1)
+        finally:
+            service.stop()
+
+
+def test_a_ticket_of_another_game_is_not_accepted_for_this_one(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """A ticket sold on another game whose draws share the numbers, listed in this game's
+    export: not_accepted (other_game), not balanced, by the route and the command."""
+    service = ServiceProcess(config, redis.url).start()
+    try:
+        base = service.base_url
+        draw, _ = current(base, SLOW)
+        assert current(base, OTHER)[0] == draw
+        status, x = _sell(base, "X", OTHER, draw)
+        assert status == 200
+        export = tmp_path / "sold.csv"
+        export.write_text(f"channel,ticket_id,total_cost\nfr-retail,X,{x['total_cost']}\n")
+        resp = requests.post(f"{base}/v1/games/{SLOW}/draws/{draw}/reconcile?grace=0",
+                             data=export.read_bytes(), timeout=30,
+                             headers={"Authorization": f"Bearer {OPS}"})
+        assert [(d["ticket_id"], d["capsvc"]) for d in resp.json()["not_accepted"]] == [
+            ("X", "other_game")]
+        cli = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
+                     "--game", SLOW, "--draw", str(draw), "--sold", str(export),
+                     "--redis", redis.url, "--json")
+        assert cli.returncode == 1, cli.stdout
+    finally:
+        service.stop()
+
+
+def test_a_ticket_id_sold_twice_is_a_sale_without_receipt_in_the_reconciliation(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """Redis loses its data while host A (which answered T) is down; T's retry on host B is
+    a new sale; A's restore puts its own back: T is counted twice. The report of both
+    journals counts two standing sales, the reconciliation (T exported once) the same two,
+    and names the one without a receipt not_sold."""
+    ja, jb = tmp_path / "ja", tmp_path / "jb"
+    a = ServiceProcess(config, redis.url, env={"CAPSVC_JOURNAL_DIR": str(ja)}).start()
+    b = ServiceProcess(config, redis.url, env={"CAPSVC_JOURNAL_DIR": str(jb)}).start()
+    try:
+        draw, _ = current(a.base_url, SLOW)
+        status, first = _sell(a.base_url, "T", SLOW, draw)
+        assert status == 200
+        a.stop()
+        redis.client().flushall()
+        time.sleep(1.0)  # B notices and restores its own (empty) journal
+        assert _sell(b.base_url, "T", SLOW, draw)[0] == 200
+        a = ServiceProcess(config, redis.url, env={"CAPSVC_JOURNAL_DIR": str(ja)}).start()
+        assert staked(a.base_url, HOT[0], draw, SLOW) == 1000
+        dirs = ("--dir", str(ja), "--dir", str(jb))
+        report = json.loads(capsvc("report", "--config", config, *dirs, "--game", SLOW,
+                                   "--draw", str(draw)).stdout)
+        export = tmp_path / "sold.csv"
+        export.write_text(f"channel,ticket_id,total_cost\nfr-retail,T,{first['total_cost']}\n")
+        out = capsvc("reconcile", "--config", config, *dirs, "--game", SLOW, "--draw",
+                     str(draw), "--sold", str(export), "--json")
+        rec = json.loads(out.stdout)
+        assert (report["stake"], report["tickets"]["accepted"]) == (1000, 2)
+        assert rec["capsvc"]["tickets"] == 2
+        assert [d["ticket_id"] for d in rec["not_sold"]] == ["T"]
+        assert out.returncode == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_report_out_into_a_missing_directory_is_a_usage_error(
+        config: str, tmp_path: Path) -> None:
+    """--out into a directory that does not exist: one line, exit 2 (exit 1 means a cap
+    passed or a chain broken)."""
+    (tmp_path / "j").mkdir()
+    out = capsvc("report", "--config", config, "--dir", str(tmp_path / "j"), "--game", GAME,
+                 "--draw", "5", "--out", str(tmp_path / "nope" / "r.json"))
+    assert out.returncode == 2
+    assert out.stderr.startswith("capsvc report: --out ")
+    assert len(out.stderr.splitlines()) == 1

@@ -263,7 +263,7 @@ async def test_each_kind_of_difference_is_found_exactly(book: Book, tmp_path: Pa
         "fr-retail,VOID,500\n"             # 9 never answered
         "fr-retail,ELSEWHERE,500\n")       # 10 another host's (Redis)
     history = read_history([tmp_path / "j"], GAME, range(DRAW, DRAW + 1))
-    known = {("fr-retail", "ELSEWHERE"): Known("e" * 16, "accepted", 500, True, False)}
+    known = {("fr-retail", "ELSEWHERE"): Known("e" * 16, "accepted", 500, True, True, False)}
     rec = reconcile(history, DRAW, export, now_ms=NOW + 3_600_000, grace_ms=0, final=True,
                     tz=TZ, known=known)
     assert not rec.balanced
