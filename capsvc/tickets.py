@@ -188,9 +188,13 @@ class Tickets:
                         await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
                     body = claim[1] or derived_body(channel.id, claim[4], claim[3], claim[2],
                                                      claim[5])
-                    await self._journaled(key, self._journal_stored(
+                    replayed = self._journal_stored(
                         "replay", channel.id, claim[4], claim[3], claim[2], body, claim[6],
-                        claim[7], claim[8]))
+                        claim[7], claim[8])
+                    if claim[6] == b"k":  # a cancel unfinished: the janitor's, indexed
+                        await replayed
+                    else:
+                        await self._journaled(key, replayed)
                     return SaleOutcome(body=body, replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what

@@ -1,0 +1,104 @@
+"""Every decision Redis holds reaches the journal: a ticket stays in its pending index until
+its decision is journaled, and the janitor journals what a dying request left; on a
+standalone Redis (sales in one call) and a Redis Cluster (sales in steps)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from capsvc.errors import Unavailable
+from capsvc.janitor import Janitor
+from capsvc.journal.reader import records
+from capsvc.journal.records import CancelRecord, SaleRecord
+from capsvc.server import Service
+from capsvc.store import TICKET_BUCKETS, pending_key
+from tests.conftest import TEN, Client, ticket
+
+
+def janitor_later(svc: Service) -> Janitor:
+    """The service's janitor once the deadline has passed (the deadline moved to now)."""
+    janitor = copy.copy(svc.usecases.janitor)
+    janitor.deadline_ms = 0
+    return janitor
+
+
+def indexed(db: Any) -> int:
+    return sum(db.zcard(pending_key(b)) for b in range(TICKET_BUCKETS))
+
+
+def journaled(svc: Service, ticket_id: str) -> list[tuple[str, str]]:
+    """(record type, via) of each record of the ticket in the service's journal."""
+    return [("cancel" if isinstance(r, CancelRecord) else "sale", r.via)
+            for _, _, r in records(Path(svc.settings.journal_dir))
+            if isinstance(r, SaleRecord) and r.ticket == ticket_id]
+
+
+async def test_a_decision_its_process_did_not_journal_is_journaled_by_the_janitor(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis decided the sale, the journal refused it (the answer: 503), nobody retries:
+    the ticket stays indexed, and the janitor journals the decision past the deadline."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+
+    def refused(*args: object, **kwargs: object) -> Any:
+        raise Unavailable("the journal could not be written")
+
+    monkeypatch.setattr(svc.usecases.journal, "sale", refused)
+    assert (await client.sell(body)).status == 503
+    monkeypatch.undo()
+    assert await client.staked(TEN, draw) == 500
+    assert journaled(svc, body["ticket_id"]) == []
+    assert indexed(redis_db) == 1
+    assert await svc.usecases.janitor.run_once() == 0  # not due yet
+    assert await janitor_later(svc).run_once() == 1
+    assert journaled(svc, body["ticket_id"]) == [("sale", "janitor")]
+    assert indexed(redis_db) == 0
+
+
+async def test_a_replay_of_a_ticket_being_cancelled_leaves_its_cancel_to_the_janitor(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel decided whose release failed (503): a replay of the sale answers the
+    decision and leaves the ticket indexed, so the janitor still finishes the cancel and
+    journals it."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    assert (await client.sell(body)).status == 200
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise Unavailable("the release was lost")
+
+    monkeypatch.setattr(svc.store, "cancelled", lost)
+    assert (await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")).status == 503
+    monkeypatch.undo()
+    replay = await client.sell(body)
+    assert (replay.status, replay.headers["Idempotent-Replayed"]) == (200, "true")
+    assert indexed(redis_db) == 1
+    assert await janitor_later(svc).run_once() == 1
+    got = await client.get(f"/v1/tickets/{body['ticket_id']}")
+    assert got.body["cancelled"]["released"] == 500
+    assert await client.staked(TEN, draw) == 0
+    assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
+    assert indexed(redis_db) == 0
+
+
+async def test_sales_cancels_and_replays_leave_no_index_entry_behind(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis) -> None:
+    """Once each decision is journaled, its entry goes: after sales, a replay, a rejection
+    and a cancel, the pending indexes are empty (memory scanned)."""
+    draw = await client.current()
+    sold = ticket([{"numbers": TEN, "stake": 1000}], first_draw=draw)
+    assert (await client.sell(sold)).status == 200
+    assert (await client.sell(sold)).headers["Idempotent-Replayed"] == "true"
+    for _ in range(5):
+        await client.sell(ticket([{"numbers": TEN, "stake": 1000}], first_draw=draw))
+    assert (await client.post(f"/v1/tickets/{sold['ticket_id']}/cancel")).status == 200
+    assert indexed(redis_db) == 0
