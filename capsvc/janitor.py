@@ -84,8 +84,10 @@ class Janitor:
         sale_id, sale = reply[2].decode(), _sale_decoder.decode(reply[3])
         game = self.catalog.get(sale.game)
         if game is None or sale.first_draw is None:
-            log.warning("janitor: ticket of a game no longer served", extra={"ticket_key": key})
-            await self.store.unindex(key)  # nothing can settle it
+            # Its rules are needed to settle or journal it: it waits, indexed (and the draw
+            # reports with it), until the game is configured again.
+            log.error("janitor: ticket of a game no longer configured: configure %s again to "
+                      "settle it", sale.game, extra={"ticket_key": key})
             return 0
         channel_id = channel_of(key)
         journal = self.tickets.journal
@@ -101,7 +103,8 @@ class Janitor:
             else:
                 await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
                                      int(reply[5]), int(reply[6]))
-            await self.store.unindex(key)
+            # Unless the ticket moved on meanwhile (a cancel decided): the next round's.
+            await self.store.journaled(key, sale_id, b"c" if state == b"k" else state)
             return 1
         stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
                                                      sale.draws))
@@ -111,10 +114,11 @@ class Janitor:
             await journal.sale("janitor", channel_id, sale, sale_id, at,
                                msgspec.json.encode(out.decision), until,
                                self.ledger.caps.known(game, sale.first_draw, sale.draws))
+            await self.store.journaled(key, sale_id, b"f")
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
             await journal.void("stopped" if void else "abandoned", channel_id, sale, sale_id,
                                at, until)
+            await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
-        await self.store.unindex(key)
         return 1

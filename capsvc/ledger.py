@@ -196,8 +196,9 @@ class Ledger:
         """Settle a sale whatever its requests are doing: seal its budget and every grid
         not decided yet (a request can then no longer count them), then either write the
         decision the records make (every grid decided: an answer may have been sent; it
-        says whether this call wrote it) or give back everything and forget the claim
-        (returns None). `void`: the sale must not stand (claimed after an admin stop):
+        says whether this call wrote it) or give back everything (returns None: the caller
+        journals the void, then forgets the claim, `Store.unclaim`; a void not journaled
+        is concluded again). `void`: the sale must not stand (claimed after an admin stop):
         always give back.
 
         Every actor that concludes a sale sees the same sealed records, so the janitors and
@@ -219,7 +220,6 @@ class Ledger:
                                                 msgspec.json.encode(out))
             return Concluded(out, written is not None)
         await self.give_back(key, game, sale, sale_id, plan)
-        await self.store.unclaim(key, sale_id)
         return None
 
     async def give_back(self, key: str, game: Game, sale: Sale, sale_id: str,

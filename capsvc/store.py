@@ -165,15 +165,20 @@ class Store:
         the decision is journaled (`journaled`)."""
         return bool(await self.fcall("capsvc_finalize", [ticket], [sale_id, body]))
 
-    def journaled(self, ticket: str) -> None:
-        """The ticket's latest decision is in the journal: its index entry may go (the
-        janitor journals a decision whose entry is still there past the deadline). Nobody
-        waits for it: an entry left by a failure only makes the janitor journal it again."""
-        self.redis.send("ZREM", pending_key_of(ticket), ticket)
+    def journaled(self, ticket: str, sale_id: str, state: bytes) -> asyncio.Future[Any]:
+        """The decision of sale `sale_id` in `state` (b"f" sold, b"c" cancelled, b"" voided:
+        the ticket forgotten) is in the journal: the ticket's index entry goes, unless the
+        ticket has moved on since (the janitor journals a decision whose entry is still
+        there past the deadline). A request need not wait for it: an entry left by a
+        failure only makes the janitor journal the decision again."""
+        return self.fcall("capsvc_journaled", [pending_key_of(ticket), ticket],
+                          [ticket, sale_id, state])
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
+        """Forget the pending claim of `sale_id` (what it took given back, its void
+        journaled), and its index entry."""
         await self.fcall("capsvc_unclaim", [ticket], [sale_id])
-        await self.unindex(ticket)
+        await self.journaled(ticket, sale_id, b"")
 
     async def unindex(self, ticket: str) -> None:
         await self.redis.submit("ZREM", pending_key_of(ticket), ticket)

@@ -172,7 +172,7 @@ class Tickets:
                     sale_id, at = claim[2].decode(), int(claim[1])
                     out = decision_of(channel.id, stored, sale_id, at, claim[3])
                     body = _encode(out)
-                    await self._journaled(key, self.journal.sale(
+                    await self._journaled(key, sale_id, b"f", self.journal.sale(
                         "answer", channel.id, stored, sale_id, at, body, expire_at,
                         _caps_of(claim[7])))
                     return SaleOutcome(body=body, replayed=False, ticket=out,
@@ -191,10 +191,7 @@ class Tickets:
                     replayed = self._journal_stored(
                         "replay", channel.id, claim[4], claim[3], claim[2], body, claim[6],
                         claim[7], claim[8])
-                    if claim[6] == b"k":  # a cancel unfinished: the janitor's, indexed
-                        await replayed
-                    else:
-                        await self._journaled(key, replayed)
+                    await self._journaled(key, claim[3].decode(), claim[6], replayed)
                     return SaleOutcome(body=body, replayed=True)
                 if kind == b"pending":
                     # A retry, or a concurrent duplicate: re-running the steps returns what
@@ -279,7 +276,7 @@ class Tickets:
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):
                 raise _TakenOver
-            await self._journaled(key, self.journal.sale(
+            await self._journaled(key, sale_id, b"f", self.journal.sale(
                 "answer", channel.id, sale, sale_id, at, body,
                 game.expire_at(first + sale.draws - 1)))
             return SaleOutcome(body=body, replayed=False, ticket=out)
@@ -297,11 +294,12 @@ class Tickets:
             # A draw closed while the sale ran. Other requests of this sale may be running:
             # conclude it as the janitor would, so that all of them reach the same end.
             concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
-            if concluded is None:
+            if concluded is None:  # given back: forgotten, nothing was answered
+                await self.store.unclaim(key, sale_id)
                 raise _closed(first)
             out = concluded.decision
             body = _encode(out)
-            await self._journaled(key, self.journal.sale(
+            await self._journaled(key, sale_id, b"f", self.journal.sale(
                 "answer" if concluded.written else "replay", channel.id, sale, sale_id, at,
                 body, game.expire_at(first + sale.draws - 1),
                 self.ledger.caps.known(game, first, sale.draws)))
@@ -313,7 +311,7 @@ class Tickets:
                                                    out, body)
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             raise _TakenOver
-        await self._journaled(key, self.journal.sale(
+        await self._journaled(key, sale_id, b"f", self.journal.sale(
             "answer", channel.id, sale, sale_id, at, body,
             game.expire_at(first + sale.draws - 1),
             self.ledger.caps.known(game, first, sale.draws)))
@@ -350,11 +348,15 @@ class Tickets:
                           "counters in a Redis failure and cannot be answered",
                           self.settings.retry_after_s)
 
-    async def _journaled(self, key: str, record: asyncio.Future[None]) -> None:
-        """Wait until a decision this request reports is journaled, then let the ticket's
-        index entry go (until then the janitor would journal it, should this process die)."""
+    async def _journaled(self, key: str, sale_id: str, state: bytes | None,
+                         record: asyncio.Future[None]) -> None:
+        """Wait until a decision this request reports (of sale `sale_id`, the ticket in
+        `state`) is journaled, then let the ticket's index entry go if the ticket is still
+        so (until then the janitor would journal it, should this process die; a cancel
+        unfinished, state k, stays the janitor's)."""
         await record
-        self.store.journaled(key)
+        if state in (b"f", b"c"):
+            retrieving(self.store.journaled(key, sale_id, state))
 
     def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
                         sale_id: bytes | str, at: bytes | int, body: bytes,
@@ -396,6 +398,7 @@ class Tickets:
             assert sale.first_draw is not None
             await self.journal.void("stopped", channel_id, sale, sale_id, at,
                                     game.expire_at(sale.first_draw + sale.draws - 1))
+            await self.store.unclaim(key, sale_id)
             raise _Stopped(stopped)
 
     # -- look up ---------------------------------------------------------------------------
@@ -464,7 +467,8 @@ class Tickets:
                                         sale.game, sale.first_draw, decision.total_cost)
         kind = reply[0]
         if kind == b"closed":
-            await self.store.unindex(key)
+            # The entry stays: the ticket may hold a decision not journaled yet (its
+            # request died); the janitor journals it (again) and removes it.
             raise ApiError(409, "not_cancellable",
                            f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
         if kind == b"missing":
@@ -475,7 +479,7 @@ class Tickets:
             await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
                                      int(claimed_at), results is not None)
         body = body or _encode(decision)
-        await self._journaled(key, self.journal.cancel(
+        await self._journaled(key, sale_id.decode(), b"c", self.journal.cancel(
             "answer" if kind == b"k" else "replay", channel.id, sale, sale_id.decode(),
             int(claimed_at), bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
             int(reply[1]), int(reply[2])))

@@ -12,8 +12,9 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
                  TTL: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
-                 decided (sold, cancelled) and not known to be journaled yet; the process
-                 that journals the decision removes the entry, else the janitor journals it
+                 decided (sold, cancelled, voided) and not known to be journaled yet; the
+                 process that journals the decision removes the entry (`journaled`: only
+                 if the ticket is still in that state), else the janitor journals it
   aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
@@ -200,6 +201,19 @@ local function finalize(keys, args)
     return 1
   end
   return 0
+end
+
+--[[ journaled: KEYS pending index, ticket; ARGV ticket key, sid, state
+The decision of sale `sid` in state `state` (f: sold, c: cancelled; '': voided, the ticket
+forgotten) is journaled: the ticket's index entry goes, unless the ticket has moved on
+since (a cancel decided meanwhile, another sale of the id): the janitor then journals what
+it holds now. Returns 1 if the entry went. ]]
+local function journaled(keys, args)
+  local rec = redis.call('HMGET', keys[2], 'st', 'sid')
+  if rec[1] and (rec[1] ~= args[3] or rec[2] ~= args[2]) then
+    return 0
+  end
+  return redis.call('ZREM', keys[1], args[1])
 end
 
 --[[ unclaim: KEYS ticket; ARGV sid
@@ -1002,6 +1016,7 @@ redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
+redis.register_function('capsvc_journaled', journaled)
 redis.register_function('capsvc_expire', expire)
 redis.register_function('capsvc_cancel', cancel)
 redis.register_function('capsvc_cancelled', cancelled)

@@ -112,6 +112,9 @@ class NotSold(Struct, omit_defaults=True):
     status: str
     """accepted or partial."""
     decided_at: str
+    listed: bool = False
+    """The export lists this ticket id (for another sale of it: capsvc counted the ticket
+    twice): never cancelled by --cancel-abandoned, which cannot tell the sales apart."""
     cancel: str | None = None
     """With --cancel-abandoned: `cancelled`, or why it could not be."""
 
@@ -225,10 +228,11 @@ def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: i
         standing = [s for s in sales if s.standing]
         state: CapsvcState
         if standing:
-            # The line stands for one sale: of the same cost if there is one; any other
-            # standing sale of the ticket id was counted without a receipt (not_sold).
-            sold = next((s for s in standing if s.decision.total_cost == x.total_cost),
-                        standing[-1])
+            # The line stands for one sale: the latest of the same cost if there is one
+            # (the one Redis holds, whose answer the terminal got last), else the latest;
+            # any other standing sale of the ticket id was counted without a receipt.
+            sold = next((s for s in reversed(standing)
+                         if s.decision.total_cost == x.total_cost), standing[-1])
             matched.add(id(sold))
             if sold.decision.total_cost != x.total_cost:
                 amounts.append(AmountDiff(x.channel, x.ticket, x.line, x.total_cost,
@@ -265,7 +269,7 @@ def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: i
                 continue
             not_sold.append(NotSold(key[0], key[1], sold.record.sale,
                                     sold.decision.total_cost, sold.decision.status,
-                                    instant(sold.record.at, tz)))
+                                    instant(sold.record.at, tz), listed=key in seen))
     duplicates = [Duplicate(c, t, found) for (c, t), found in sorted(seen.items())
                   if len(found) > 1]
     differences = len(not_accepted) + len(not_sold) + len(amounts) + len(duplicates)

@@ -337,6 +337,10 @@ async def cancel_abandoned_tickets(tickets: Tickets, channels: tuple[Channel, ..
     by_id = {c.id: c for c in channels}
     for item in rec.not_sold:
         channel = by_id.get(item.channel)
+        if item.listed:
+            item.cancel = ("not cancelled: the export lists this ticket id (capsvc counted "
+                           "it twice): cancel the sale without a receipt by hand")
+            continue
         if channel is None:
             item.cancel = f"not cancelled: channel {item.channel} is no longer configured"
             continue

@@ -26,6 +26,7 @@ import pytest
 import requests
 
 from capsvc.faults import FaultProxy, command
+from capsvc.store import ticket_key
 from capsvc.testing import HttpClient, RedisCluster, RedisServer, Sellers, ServiceProcess
 
 pytestmark = pytest.mark.slow
@@ -656,3 +657,131 @@ def test_report_out_into_a_missing_directory_is_a_usage_error(
     assert out.returncode == 2
     assert out.stderr.startswith("capsvc report: --out ")
     assert len(out.stderr.splitlines()) == 1
+
+
+# -- review 2 of the audit --------------------------------------------------------------
+
+
+def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_indexed(
+        config: str, redis: RedisServer) -> None:
+    """Process A answers a sale, its removal of the ticket's index entry held on the way;
+    the cashier's cancel through B is decided and its reply lost; A's removal lands: the
+    entry stays (the ticket moved on), so the janitor finishes the cancel."""
+    db = redis.client()
+    with FaultProxy("127.0.0.1", redis.port) as proxy_a, \
+            FaultProxy("127.0.0.1", redis.port) as proxy_b:
+        a = ServiceProcess(config, proxy_a.url).start()
+        b = ServiceProcess(config, proxy_b.url).start()
+        try:
+            draw, _ = current(a.base_url, SLOW)
+            release = threading.Event()
+            held = proxy_a.hold_request(command("FCALL", "capsvc_journaled"), release)
+            assert _sell(a.base_url, "Z-1", SLOW, draw)[0] == 200
+            assert held.fired.wait(5)
+            lost = proxy_b.drop_reply(command("FCALL", "capsvc_cancel"))
+            status, _ = call(b.base_url, "POST", "/v1/tickets/Z-1/cancel", token=SELLER,
+                             retry=False)
+            assert lost.fired.wait(5)
+            assert status == 503
+            key = ticket_key("fr-retail", "Z-1")
+            assert db.hget(key, "st") == b"k"
+            release.set()
+            time.sleep(2.0 + 4 * 0.5 + 1.0)  # the deadline and a few janitor rounds
+            assert db.hget(key, "st") == b"c"
+            assert staked(a.base_url, HOT[0], draw, SLOW) == 0
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_a_report_waits_for_a_decision_whose_cancel_was_refused_after_a_stop(
+        config: str, redis: RedisServer) -> None:
+    """A sale's reply lost (never retried), its draw then stopped, the cashier's cancel
+    refused: the report of the draw, written once final, has the sale Redis counts."""
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        service = ServiceProcess(config, proxy.url).start()
+        try:
+            base = service.base_url
+            draw, left = current(base)
+            if left < 2.5:
+                time.sleep(left + 0.2)
+                draw, _ = current(base)
+            lost = proxy.drop_reply(command("FCALL", "capsvc_sell"))
+            status, _ = _sell(base, "R-1", GAME, draw, retry=False)
+            assert lost.fired.wait(5)
+            assert status == 503
+            assert call(base, "POST", f"/v1/games/{GAME}/draws/{draw}/close")[0] == 200
+            assert call(base, "POST", "/v1/tickets/R-1/cancel", token=SELLER,
+                        retry=False)[0] == 409
+            path = service.journal_dir / "reports" / GAME / f"{draw}.json"
+            wait_for(path, DRAW_S + FINAL_S + 10)
+            report = json.loads(path.read_text())
+            assert (report["final"], report["tickets"]["accepted"], report["stake"]) == (
+                True, 1, 500)
+            assert report["redis"]["complete"]
+        finally:
+            service.stop()
+
+
+def test_a_decision_of_a_game_no_longer_configured_is_journaled_once_it_is_again(
+        redis: RedisServer, tmp_path: Path) -> None:
+    """A sale decided but not journaled (reply lost, the process killed), the service
+    restarted without its game: the ticket waits, indexed; configured again, the janitor
+    journals it."""
+    full, reduced = tmp_path / "full.toml", tmp_path / "reduced.toml"
+    full.write_text(CONFIG)
+    block = f'[[games]]\nid = "{OTHER}"\npreset = "fdj-keno-2008"\n\n'
+    reduced.write_text(CONFIG.replace(block, "").replace(f', "{OTHER}"', ""))
+    env = {"CAPSVC_JOURNAL_DIR": str(tmp_path / "journal")}
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        first = ServiceProcess(str(full), proxy.url, env=env).start()
+        try:
+            draw, _ = current(first.base_url, OTHER)
+            lost = proxy.drop_reply(command("FCALL", "capsvc_sell"))
+            status, _ = _sell(first.base_url, "G-1", OTHER, draw, retry=False)
+            assert lost.fired.wait(5)
+            assert status == 503
+            _kill(first)
+        finally:
+            first.stop()
+    for config in (reduced, full):
+        service = ServiceProcess(str(config), redis.url, env=env).start()
+        time.sleep(2.0 + 4 * 0.5 + 1.0)  # the janitor's deadline and a few rounds
+        service.stop()
+        text = "".join(p.read_text() for p in (tmp_path / "journal").glob("*.jsonl"))
+        assert ('"G-1"' in text) == (config == full), config
+
+
+def test_cancel_abandoned_never_cancels_a_ticket_the_export_lists(
+        config: str, redis: RedisServer, tmp_path: Path) -> None:
+    """A ticket id sold twice (host A down while Redis lost its data, the retry judged
+    anew by B), listed once in the export: the line stands for the sale Redis holds, the
+    other is not_sold but listed, and --cancel-abandoned cancels neither."""
+    db = redis.client()
+    a = ServiceProcess(config, redis.url, env={"CAPSVC_JOURNAL_DIR": str(tmp_path / "a")})
+    a.start()
+    try:
+        draw, _ = current(a.base_url, SLOW)
+        assert _sell(a.base_url, "X-1", SLOW, draw)[0] == 200
+    finally:
+        a.stop()
+    db.flushall()
+    b = ServiceProcess(config, redis.url,
+                       env={"CAPSVC_JOURNAL_DIR": str(tmp_path / "b")}).start()
+    try:
+        assert _sell(b.base_url, "X-1", SLOW, draw)[0] == 200
+        held = db.hget(ticket_key("fr-retail", "X-1"), "sid").decode()
+        export = tmp_path / "sold.csv"
+        export.write_text("channel,ticket_id,total_cost\nfr-retail,X-1,500\n")
+        out = capsvc("reconcile", "--config", config, "--game", SLOW, "--draw", str(draw),
+                     "--sold", str(export), "--dir", str(tmp_path / "a"), "--dir",
+                     str(tmp_path / "b"), "--redis", redis.url, "--cancel-abandoned",
+                     "--json", journal=tmp_path / "ops")
+        (item,) = json.loads(out.stdout)["not_sold"]
+        assert item["sale"] != held
+        assert item["listed"]
+        assert item["cancel"].startswith("not cancelled: the export lists this ticket id")
+        assert out.returncode == 1
+        assert db.hget(ticket_key("fr-retail", "X-1"), "st") == b"f"
+    finally:
+        b.stop()

@@ -4,6 +4,7 @@ standalone Redis (sales in one call) and a Redis Cluster (sales in steps)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ import redis
 from capsvc.errors import Unavailable
 from capsvc.janitor import Janitor
 from capsvc.journal.reader import records
-from capsvc.journal.records import CancelRecord, SaleRecord
+from capsvc.journal.records import CancelRecord, SaleRecord, VoidRecord
 from capsvc.server import Service
-from capsvc.store import TICKET_BUCKETS, pending_key
+from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
 from tests.conftest import TEN, Client, ticket
 
 
@@ -101,4 +102,145 @@ async def test_sales_cancels_and_replays_leave_no_index_entry_behind(
     for _ in range(5):
         await client.sell(ticket([{"numbers": TEN, "stake": 1000}], first_draw=draw))
     assert (await client.post(f"/v1/tickets/{sold['ticket_id']}/cancel")).status == 200
+    assert indexed(redis_db) == 0
+
+
+# -- review 2 of the audit: the entry goes only while the ticket holds what was journaled ---
+
+
+def refuse_journal(monkeypatch: pytest.MonkeyPatch, recorder: Any, method: str) -> None:
+    def refused(*args: object, **kwargs: object) -> Any:
+        raise Unavailable("the journal could not be written")
+
+    monkeypatch.setattr(recorder, method, refused)
+
+
+async def test_a_cancel_refused_as_closed_leaves_an_unjournaled_decision_to_the_janitor(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sale decided but not journaled, its draw then stopped, a cancel refused (409): the
+    ticket stays indexed and the janitor journals the decision."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    refuse_journal(monkeypatch, svc.usecases.journal, "sale")
+    assert (await client.sell(body)).status == 503
+    monkeypatch.undo()
+    assert (await client.post(f"/v1/games/fdj-keno/draws/{draw}/close",
+                              token="admin")).status == 200
+    assert (await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")).status == 409
+    await janitor_later(svc).run_once()
+    assert await client.staked(TEN, draw) == 500
+    assert journaled(svc, body["ticket_id"]) == [("sale", "janitor")]
+    assert indexed(redis_db) == 0
+
+
+async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_finished(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The janitor journals a decision its request left; meanwhile another process decides
+    a cancel of the ticket and loses its release: the entry stays, and the next round
+    finishes the cancel (stake given back)."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    journal, ledger = svc.usecases.journal, svc.usecases.tickets.ledger
+    original_sale, original_give_back = journal.sale, ledger.give_back
+    refuse_journal(monkeypatch, journal, "sale")
+    assert (await client.sell(body)).status == 503
+    monkeypatch.undo()
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise Unavailable("the cancel's release never ran")
+
+    def journals_slowly(*args: Any, **kwargs: Any) -> asyncio.Future[None]:
+        async def slow() -> None:
+            ledger.give_back = lost  # type: ignore[method-assign]
+            try:
+                assert (await client.post(
+                    f"/v1/tickets/{body['ticket_id']}/cancel")).status == 503
+            finally:
+                ledger.give_back = original_give_back  # type: ignore[method-assign]
+            await original_sale(*args, **kwargs)
+        return asyncio.ensure_future(slow())
+
+    monkeypatch.setattr(journal, "sale", journals_slowly)
+    assert await janitor_later(svc).run_once() == 1
+    monkeypatch.undo()
+    key = ticket_key("fr-retail", body["ticket_id"])
+    assert redis_db.hget(key, "st") == b"k"
+    await janitor_later(svc).run_once()
+    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert indexed(redis_db) == 0
+
+
+async def test_a_cancel_interrupted_during_a_replay_is_still_finished(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a replay of a sale is being journaled, another process decides a cancel and
+    loses its release: the replay leaves the entry (the ticket moved on), the janitor
+    finishes the cancel and journals it."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    assert (await client.sell(body)).status == 200
+    journal, ledger = svc.usecases.journal, svc.usecases.tickets.ledger
+    original_ticket, original_give_back = journal.ticket, ledger.give_back
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise Unavailable("the cancel's release never ran")
+
+    def replay_journaled_slowly(*args: Any, **kwargs: Any) -> asyncio.Future[None]:
+        async def slow() -> None:
+            ledger.give_back = lost  # type: ignore[method-assign]
+            try:
+                reply = await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")
+                assert reply.status == 503, reply.body
+            finally:
+                ledger.give_back = original_give_back  # type: ignore[method-assign]
+            await original_ticket(*args, **kwargs)
+        return asyncio.ensure_future(slow())
+
+    monkeypatch.setattr(journal, "ticket", replay_journaled_slowly)
+    replay = await client.sell(body)
+    monkeypatch.undo()
+    assert (replay.status, replay.headers.get("Idempotent-Replayed")) == (200, "true")
+    await asyncio.sleep(0.3)  # the replay's removal of the entry has run (or not)
+    key = ticket_key("fr-retail", body["ticket_id"])
+    assert redis_db.hget(key, "st") == b"k"
+    await janitor_later(svc).run_once()
+    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
+    assert indexed(redis_db) == 0
+
+
+async def test_a_void_whose_journal_write_failed_is_settled_and_journaled_again(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sales in steps: a sale interrupted before its grids were decided is voided by the
+    janitor; if the void cannot be journaled the ticket stays (given back, indexed), and the
+    next round voids it again and journals it."""
+    svc, _ = service
+    if svc.store.single_node:
+        pytest.skip("a sale in one call is never left undecided")
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+
+    async def lost(*args: object, **kwargs: object) -> Any:
+        raise Unavailable("redis reply lost")
+
+    monkeypatch.setattr(svc.usecases.tickets.ledger, "reserve_all", lost)
+    assert (await client.sell(body)).status == 503
+    monkeypatch.undo()
+    refuse_journal(monkeypatch, svc.usecases.journal, "void")
+    with pytest.raises(Unavailable):
+        await janitor_later(svc).run_once()
+    monkeypatch.undo()
+    assert indexed(redis_db) == 1
+    await janitor_later(svc).run_once()
+    voids = [r for _, _, r in records(Path(svc.settings.journal_dir))
+             if isinstance(r, VoidRecord) and r.ticket == body["ticket_id"]]
+    assert [v.why for v in voids] == ["abandoned"]
+    assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 404
+    assert await client.staked(TEN, draw) == 0
     assert indexed(redis_db) == 0
