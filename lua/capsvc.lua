@@ -902,8 +902,11 @@ local function sell(keys, args)
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
   -- Indexed until the caller has journaled the decision (else the janitor journals it).
+  -- The index lives as long as this ticket at least: an entry must outlive the janitor's
+  -- deadline, never a ticket's retention (every ticket sold now expires a retention or
+  -- more from now), so its expiry is set, not compared (one call less per sale).
   redis.call('ZADD', keys[3], 'NX', now, ticket)
-  extend(keys[3], tonumber(args[4]))
+  redis.call('PEXPIREAT', keys[3], tonumber(args[4]))
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
     local key = keys[aggregates + i]
