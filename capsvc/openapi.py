@@ -120,11 +120,48 @@ _PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+_DRAW = "/v1/games/{game}/draws/{draw}"
+OPERATIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("post", "/v1/tickets"): ("sellTicket", "tickets"),
+    ("get", "/v1/tickets/{ticket_id}"): ("getTicket", "tickets"),
+    ("post", "/v1/tickets/{ticket_id}/cancel"): ("cancelTicket", "tickets"),
+    ("get", "/v1/games"): ("listGames", "games"),
+    ("get", "/v1/games/{game}/draws/current"): ("getCurrentDraw", "draws"),
+    ("get", _DRAW): ("getDraw", "draws"),
+    ("post", _DRAW + "/close"): ("closeDraw", "draws"),
+    ("get", _DRAW + "/combinations/{numbers}"): ("getCombination", "availability"),
+    ("get", _DRAW + "/capped"): ("listCappedCombinations", "availability"),
+    ("get", "/v1/games/{game}/capped/stream"): ("streamCappedCombinations", "availability"),
+    ("post", "/v1/games/{game}/availability"): ("checkAvailability", "availability"),
+    ("get", _DRAW + "/exposure"): ("getExposure", "draws"),
+    ("get", _DRAW + "/report"): ("getDrawReport", "audit"),
+    ("post", _DRAW + "/reconcile"): ("reconcileDraw", "audit"),
+    ("get", "/v1/players/{player_id}"): ("getPlayer", "players"),
+    ("put", "/v1/players/{player_id}/limit"): ("setPlayerLimit", "players"),
+    ("post", "/v1/players/{player_id}/stakes"): ("recordPlayerStake", "players"),
+    ("get", "/healthz"): ("getHealth", "operations"),
+    ("get", "/readyz"): ("getReadiness", "operations"),
+    ("get", "/metrics"): ("getMetrics", "operations"),
+    ("get", "/openapi.json"): ("getOpenApiDocument", "operations"),
+}
+"""(method, path) -> (operationId, tag): what a client generated from the document names
+its functions and groups them by."""
+_TAGS = [
+    {"name": "tickets", "description": "Sell, look up and cancel tickets"},
+    {"name": "availability", "description": "Whether combinations can still be played"},
+    {"name": "games", "description": "The games and their rules"},
+    {"name": "draws", "description": "Draws: on sale, closed, their exposure"},
+    {"name": "players", "description": "Players' daily limits and stakes"},
+    {"name": "audit", "description": "Draw reports and the reconciliation with the sales system"},
+    {"name": "operations", "description": "Health, readiness, metrics, this document"},
+]
+
+
 def openapi_document() -> dict[str, Any]:
     (_, components) = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     sell_errors = ("400", "401", "403", "404", "409", "413", "422", "503")
     write_errors = ("400", "401", "403", "404", "413", "422", "503")  # no 409
-    draw = "/v1/games/{game}/draws/{draw}"
+    draw = _DRAW
     replayed = {"Idempotent-Replayed": {"description": "true on a replay",
                                         "schema": {"type": "string", "enum": ["true"]}}}
     paths: dict[str, Any] = {
@@ -214,10 +251,15 @@ def openapi_document() -> dict[str, Any]:
         "security": [],
         "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
             "application/json": {"schema": {"type": "object"}}}}}}}
+    for path, operations in paths.items():
+        for method, op in operations.items():
+            op["operationId"], tag = OPERATIONS[method, path]
+            op["tags"] = [tag]
     return {
         "openapi": "3.1.0",
         "info": {"title": "capsvc", "version": __version__,
                  "description": "Stake-cap and sales-validation service for lottery Keno."},
+        "tags": _TAGS,
         "paths": paths,
         "components": {
             "schemas": components,

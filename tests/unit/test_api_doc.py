@@ -391,3 +391,20 @@ def test_every_metric_is_documented() -> None:
     assert not missing, "metrics exported but not in docs/api.md:" + fmt(missing)
     stale = set(re.findall(r"`(capsvc_[a-z0-9_]+)`", doc_text())) - metric_names()
     assert not stale, "docs/api.md names metrics the service does not export:" + fmt(stale)
+
+
+def test_every_operation_has_an_operation_id_and_a_declared_tag() -> None:
+    """A client generated from the document gets one function a route, named as an
+    integrator would (sellTicket, cancelTicket, …: camelCase, unique), grouped by a tag the
+    document declares."""
+    document = openapi()
+    declared = {t["name"] for t in document["tags"]}
+    ops = [op for path in document["paths"].values() for op in path.values()]
+    ids = [op["operationId"] for op in ops]
+    assert len(ids) == len(set(ids))
+    assert all(re.fullmatch(r"[a-z]+(?:[A-Z][a-z]+)+", i) for i in ids), ids
+    assert all(len(op["tags"]) == 1 and op["tags"][0] in declared for op in ops)
+    names = {(m, p): op["operationId"] for p, path in document["paths"].items()
+             for m, op in path.items()}
+    assert names["post", "/v1/tickets"] == "sellTicket"
+    assert names["post", "/v1/tickets/{ticket_id}/cancel"] == "cancelTicket"
