@@ -61,22 +61,30 @@ class Janitor:
         cutoff = self.clock.now() - self.deadline_ms + 1
         settled = 0
         for bucket in range(TICKET_BUCKETS):
-            for raw_key in await self.store.pending(bucket, cutoff, limit):
-                key = raw_key.decode()
-                try:
-                    settled += await self.settle(key)
-                except (Unavailable, ApiError):
-                    raise
-                except Exception:  # one bad record must not stop the janitor
-                    log.exception("janitor could not settle %s", key)
+            # Page by page: entries that must wait (a game no longer configured) do not
+            # hide the ones behind them.
+            offset = 0
+            while True:
+                page = await self.store.pending(bucket, cutoff, limit, offset)
+                for raw_key in page:
+                    key = raw_key.decode()
+                    try:
+                        settled += await self.settle(key)
+                    except (Unavailable, ApiError):
+                        raise
+                    except Exception:  # one bad record must not stop the janitor
+                        log.exception("janitor could not settle %s", key)
+                if len(page) < limit:
+                    break
+                offset += len(page)  # settled ones have left: the next round sees the rest
         return settled
 
     async def settle(self, key: str) -> int:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index
         entry; returns 1 if it was settled."""
         reply = await self.store.expire(key, self.deadline_ms)
-        if not reply:
-            await self.store.unindex(key)
+        if not reply:  # nothing to settle: its entry goes, unless a new sale took it
+            await self.store.journaled(key, "", b"")
             return 0
         if reply[0] == b"wait":
             return 0

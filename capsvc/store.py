@@ -186,10 +186,11 @@ class Store:
     def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
         return self.fcall("capsvc_expire", [ticket], [deadline_ms])
 
-    def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int
-               ) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_cancel", [ticket, stop_copy_of(ticket)],
-                          [close_ms, f"{game}:{first_draw}", released])
+    def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
+               expire_at: int) -> asyncio.Future[Any]:
+        """Decide a cancellation (indexing the ticket with it, for the janitor)."""
+        return self.fcall("capsvc_cancel", [ticket, stop_copy_of(ticket), pending_key_of(ticket)],
+                          [close_ms, f"{game}:{first_draw}", released, expire_at])
 
     async def cancelled(self, ticket: str, sale_id: str,
                         aggregates: tuple[list[str], list[Any]] | None = None) -> None:
@@ -236,10 +237,11 @@ class Store:
                                     for b in range(TICKET_BUCKETS)])
         return min((int(float(r[1])) for r in replies if r), default=None)
 
-    def pending(self, bucket: int, indexed_before_ms: int, limit: int) -> asyncio.Future[Any]:
+    def pending(self, bucket: int, indexed_before_ms: int, limit: int, offset: int = 0
+                ) -> asyncio.Future[Any]:
         return self.redis.submit(
             "ZRANGEBYSCORE", pending_key(bucket), "-inf", f"({indexed_before_ms}",
-            "LIMIT", 0, limit,
+            "LIMIT", offset, limit,
         )
 
     # -- combinations ----------------------------------------------------------------------

@@ -460,15 +460,11 @@ class Tickets:
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and state == b"f":
             raise ApiError(409, "not_cancellable", refusal)
-        if state != b"c":
-            await self.store.index(key, self.clock.now(),
-                                   game.expire_at(sale.first_draw + sale.draws - 1))
         reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
-                                        sale.game, sale.first_draw, decision.total_cost)
+                                        sale.game, sale.first_draw, decision.total_cost,
+                                        game.expire_at(sale.first_draw + sale.draws - 1))
         kind = reply[0]
         if kind == b"closed":
-            # The entry stays: the ticket may hold a decision not journaled yet (its
-            # request died); the janitor journals it (again) and removes it.
             raise ApiError(409, "not_cancellable",
                            f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
         if kind == b"missing":

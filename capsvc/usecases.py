@@ -62,5 +62,5 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
         feed=Feed(store, clock, draws, availability),
         exposure=exposure,
         journal=recorder,
-        audit=Audit(settings, catalog, store, clock, exposure, tickets),
+        audit=Audit(settings, catalog, store, clock, exposure, tickets, recorder),
     )

@@ -260,8 +260,8 @@ local function expire(keys, args)
   return {}
 end
 
---[[ cancel: KEYS ticket, stop copy; ARGV close_ms, stop field ("<game>:<first draw>"),
-released
+--[[ cancel: KEYS ticket, stop copy, pending index; ARGV close_ms, stop field
+("<game>:<first draw>"), released, expire_at (the ticket's)
 Decides the cancellation of a final ticket while its first draw is open (by Redis TIME) and
 not stopped by an admin (the stop copy in this slot, written before the admin's stop was
 answered): the ticket becomes `k` (cancelling) with the instant and the amount given back;
@@ -277,17 +277,23 @@ local function cancel(keys, args)
   if st == 'c' then
     return {'c', tonumber(rec[2]), tonumber(rec[3])}
   end
+  local now = now_ms()
   if st == 'k' then
+    redis.call('ZADD', keys[3], 'NX', now, keys[1])
+    extend(keys[3], tonumber(args[4]))
     return {'k', tonumber(rec[2]), tonumber(rec[3]), rec[4]}
   end
   if st ~= 'f' then
     return {'undecided'}
   end
-  local now = now_ms()
   if now >= tonumber(args[1]) or redis.call('HEXISTS', keys[2], args[2]) == 1 then
     return {'closed'}
   end
   redis.call('HSET', keys[1], 'st', 'k', 'ca', now, 'rel', args[3])
+  -- Indexed with the decision (not in a call before it, which a removal of the sale's
+  -- entry could follow): the janitor finishes the cancel if its request dies.
+  redis.call('ZADD', keys[3], 'NX', now, keys[1])
+  extend(keys[3], tonumber(args[4]))
   return {'k', now, tonumber(args[3]), rec[4]}
 end
 
@@ -902,11 +908,8 @@ local function sell(keys, args)
              'sale', args[2], 'res', results)
   redis.call('PEXPIREAT', ticket, tonumber(args[4]))
   -- Indexed until the caller has journaled the decision (else the janitor journals it).
-  -- The index lives as long as this ticket at least: an entry must outlive the janitor's
-  -- deadline, never a ticket's retention (every ticket sold now expires a retention or
-  -- more from now), so its expiry is set, not compared (one call less per sale).
   redis.call('ZADD', keys[3], 'NX', now, ticket)
-  redis.call('PEXPIREAT', keys[3], tonumber(args[4]))
+  extend(keys[3], tonumber(args[4]))
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
     local key = keys[aggregates + i]

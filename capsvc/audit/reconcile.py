@@ -194,11 +194,10 @@ def capsvc_side(history: History, draw: int) -> dict[tuple[str, str], list[Sold]
 
 def unknown(history: History, draw: int, lines: list[ExportLine]) -> list[tuple[str, str]]:
     """The exported tickets the journal read holds no decision of, for this draw (to be
-    looked up in Redis: another host may have decided them)."""
+    looked up in Redis: another host may have decided them, a voided one included: its
+    retry may have been sold by another host)."""
     side = capsvc_side(history, draw)
-    voided = {(k[0], k[1]) for k in history.voids}
-    return sorted({(x.channel, x.ticket) for x in lines
-                   if (x.channel, x.ticket) not in side and (x.channel, x.ticket) not in voided})
+    return sorted({(x.channel, x.ticket) for x in lines if (x.channel, x.ticket) not in side})
 
 
 def reconcile(history: History, draw: int, lines: list[ExportLine], *, now_ms: int,

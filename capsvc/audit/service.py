@@ -41,7 +41,8 @@ from capsvc.errors import ApiError
 from capsvc.exposure import Exposure
 from capsvc.games import Catalog, Game
 from capsvc.journal.reconciler import DIRECTORY_ID
-from capsvc.store import Store, replies_of, ticket_key
+from capsvc.journal.recorder import Recorder
+from capsvc.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.tickets import Tickets, derived_body
 from capsvc.validator import Sale
 
@@ -78,13 +79,14 @@ class Audit:
     """See the module's docstring."""
 
     def __init__(self, settings: Settings, catalog: Catalog, store: Store, clock: RedisClock,
-                 exposure: Exposure, tickets: Tickets) -> None:
+                 exposure: Exposure, tickets: Tickets, recorder: Recorder) -> None:
         self.settings = settings
         self.catalog = catalog
         self.store = store
         self.clock = clock
         self.exposure = exposure
         self.tickets = tickets
+        self.recorder = recorder
         self.directory = Path(settings.journal_dir)
         self.sources = [self.directory, *map(Path, settings.audit_sources)]
         self.on_reconciled: Callable[[Reconciliation], None] = _ignore
@@ -139,10 +141,24 @@ class Audit:
 
     async def build(self, history: History, game: Game, draw: int) -> DrawReport:
         now = self.clock.now()
+        retained = game.expire_at(draw) > now
+        if retained and draw not in history.stops:
+            await self._journal_lost_stop(history, game, draw)
         check = (await redis_check(self.store, self.exposure, history, game, draw)
-                 if game.expire_at(draw) > now else None)
+                 if retained else None)
         return build(history, game, draw, built_ms=now,
                      final=draw <= await self.last_final(game), redis=check)
+
+    async def _journal_lost_stop(self, history: History, game: Game, draw: int) -> None:
+        """An admin's stop Redis holds and no journal read has (its answer was lost before
+        it was journaled: a 503 nobody sent again) is journaled now, by this process, with
+        no channel (Redis does not keep it), so that the report and the journal alone have
+        it."""
+        (instant,) = stop_instants(await self.store.stops(game.rules.id, draw, 1))
+        if instant is None:
+            return
+        await self.recorder.stop("", game.rules.id, draw, instant, game.expire_at(draw))
+        history.stops[draw] = instant
 
     # -- reconciliation --------------------------------------------------------------------
 

@@ -551,7 +551,7 @@ async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: r
     assert await finalize(store, settled, new_sale()) == 0
     assert await finalize(store, settled, sid_x) == 1
     assert redis_db.hget(settled, "st") == b"f"
-    assert (await store.cancel(settled, now + HOUR, "g", 100, 0))[0] == b"k"
+    assert (await store.cancel(settled, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await finalize(store, settled, sid_x, b"other") == 0
     missing = ticket_key("ch", "T-fin-missing")
     assert await finalize(store, missing, sid) == 0
@@ -575,7 +575,7 @@ async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: re
     assert await finalize(store, key, sid) == 1
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
     assert redis_db.hget(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, "g", 100, 0))[0] == b"k"
+    assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
     assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
@@ -596,7 +596,7 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"f", str(at).encode(), sid.encode(), b"sale",
                                           b"body", None, None, None]
-    k = await store.cancel(key, now + HOUR, "g", 100, 500)
+    k = await store.cancel(key, now + HOUR, "g", 100, 500, now + DAY)
     assert k[0] == b"k"
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
@@ -608,30 +608,33 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
 
 
 async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int) -> None:
-    """cancel decides once (k, at Redis TIME) if open and not stopped by an admin (the stop
-    copy in the ticket's slot), then replays k, then c."""
+    """cancel decides once (k, at Redis TIME, the ticket indexed with it) if open and not
+    stopped by an admin (the stop copy in the ticket's slot), then replays k, then c."""
     key = ticket_key("ch", "T-cancel")
-    assert await store.cancel(key, now + HOUR, "g", 100, 10) == [b"missing"]
+    assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
     assert redis_db.exists(key) == 0
     _, sid = await claimed(store, key, now)
-    assert await store.cancel(key, now + HOUR, "g", 100, 10) == [b"undecided"]
+    assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"undecided"]
     assert await finalize(store, key, sid) == 1
-    assert await store.cancel(key, now - 1, "g", 100, 10) == [b"closed"]
+    assert await store.cancel(key, now - 1, "g", 100, 10, now + DAY) == [b"closed"]
     assert await store.stop("g", 99, now + DAY) > 0  # copied into every ticket slot
-    assert await store.cancel(key, now + HOUR, "g", 99, 10) == [b"closed"]
+    assert await store.cancel(key, now + HOUR, "g", 99, 10, now + DAY) == [b"closed"]
     assert redis_db.hget(key, "st") == b"f"
     t0 = redis_ms(redis_db)
-    reply = await store.cancel(key, now + HOUR, "g", 100, 10)
+    reply = await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY)
     t1 = redis_ms(redis_db)
     assert reply[0] == b"k"
     assert t0 <= reply[1] <= t1
     ca = reply[1]
     assert reply == [b"k", ca, 10, sid.encode()]
-    assert await store.cancel(key, now - 1, "g", 99, 99) == [b"k", ca, 10, sid.encode()]
+    # Indexed with the decision, for the janitor should its request die.
+    assert redis_db.zscore(pending_key_of(key), key) == ca
+    again = await store.cancel(key, now - 1, "g", 99, 99, now + DAY)
+    assert again == [b"k", ca, 10, sid.encode()]
     assert (await claim(store, key, now))[:2] == [b"final", b"body"]
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
-    assert await store.cancel(key, now - 1, "g", 99, 99) == [b"c", ca, 10]
-    assert await store.cancel(key, now + HOUR, "g", 100, 99) == [b"c", ca, 10]
+    assert await store.cancel(key, now - 1, "g", 99, 99, now + DAY) == [b"c", ca, 10]
+    assert await store.cancel(key, now + HOUR, "g", 100, 99, now + DAY) == [b"c", ca, 10]
     assert redis_db.hmget(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
 
 
@@ -644,7 +647,7 @@ async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis
     assert await finalize(store, key, sid) == 1
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # final, not cancelling
     assert redis_db.hget(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, "g", 100, 0))[0] == b"k"
+    assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await store.fcall("capsvc_cancelled", [key], [new_sale()]) == 0
     assert redis_db.hget(key, "st") == b"k"
     assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1

@@ -1,0 +1,235 @@
+"""Review 3 of the audit, each reproduction a test: the pending index keeps every
+decision Redis holds until a journal has it, whatever races the janitor, replays, cancels,
+entries that must wait and short retentions bring; and the reconciliation looks up in
+Redis a ticket voided here and sold by another host."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import zlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from capsvc.config import Settings, load_settings
+from capsvc.errors import Unavailable
+from capsvc.journal.reader import records
+from capsvc.journal.records import StopRecord
+from capsvc.server import Service, build
+from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
+from tests.conftest import CONFIG, TEN, Client, start_service, ticket
+from tests.integration.test_journaled import indexed, janitor_later, journaled
+
+
+def refused(*args: object, **kwargs: object) -> Any:
+    raise Unavailable("the journal could not be written")
+
+
+def slot_of(channel: str, tid: str) -> int:
+    return zlib.crc32(f"{channel}/{tid}".encode()) % TICKET_BUCKETS
+
+
+def ids_in_slot(channel: str, slot: int, n: int, prefix: str) -> list[str]:
+    out, i = [], 0
+    while len(out) < n:
+        if slot_of(channel, f"{prefix}-{i}") == slot:
+            out.append(f"{prefix}-{i}")
+        i += 1
+    return out
+
+
+async def test_a_cancel_decided_after_a_replay_is_indexed_with_its_decision(
+        service: tuple[Service, str], client: Client, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay of a sale runs while a cancel of it is on its way; the cancel, decided
+    after, indexes the ticket in the same call: its release lost, the janitor finishes
+    it."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    assert (await client.sell(body)).status == 200
+    entered, go = asyncio.Event(), asyncio.Event()
+    original_cancel, ledger = svc.store.cancel, svc.usecases.tickets.ledger
+
+    async def held_cancel(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await go.wait()
+        return await original_cancel(*args, **kwargs)
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise Unavailable("the cancel's release never ran")
+
+    monkeypatch.setattr(svc.store, "cancel", held_cancel)
+    monkeypatch.setattr(ledger, "give_back", lost)
+    cancel = asyncio.create_task(client.post(f"/v1/tickets/{body['ticket_id']}/cancel"))
+    await asyncio.wait_for(entered.wait(), 5)
+    replay = await client.sell(body)
+    assert replay.headers.get("Idempotent-Replayed") == "true"
+    await asyncio.sleep(0.1)
+    go.set()
+    assert (await cancel).status == 503
+    monkeypatch.undo()
+    assert indexed(redis_db) == 1
+    await janitor_later(svc).run_once()
+    key = ticket_key("fr-retail", body["ticket_id"])
+    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
+    assert indexed(redis_db) == 0
+
+
+async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entry(
+        service: tuple[Service, str], client: Client, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry whose ticket is gone (a sale in steps refused for a closed draw) is being
+    dropped by the janitor while a new sale of the id is decided and not journaled: the
+    new sale's entry stays, and the janitor journals it."""
+    svc, _ = service
+    draw = await client.current("lnm-keno")
+    late = ticket([{"numbers": TEN[:8], "stake": 250}], game="lnm-keno", player_id="P-1",
+                  first_draw=draw - 1)
+    assert (await client.sell(late, token="ma")).body["error"]["code"] == "draw_closed"
+    key = ticket_key("ma-retail", late["ticket_id"])
+    assert (redis_db.exists(key), indexed(redis_db)) == (0, 1)
+    entered, go = asyncio.Event(), asyncio.Event()
+    original = svc.store.journaled
+
+    def held(ticket_key_: str, sale_id: str, state: bytes) -> Any:
+        async def later() -> Any:
+            entered.set()
+            await go.wait()
+            return await original(ticket_key_, sale_id, state)
+        return asyncio.ensure_future(later())
+
+    monkeypatch.setattr(svc.store, "journaled", held)
+    janitor = asyncio.create_task(janitor_later(svc).run_once())
+    await asyncio.wait_for(entered.wait(), 5)
+    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(svc.usecases.journal, "sale", refused)
+        assert (await client.sell(dict(late, first_draw=draw), token="ma")).status == 503
+    assert redis_db.hget(key, "st") == b"f"
+    go.set()
+    await janitor
+    await janitor_later(svc).run_once()
+    assert [via for kind, via in journaled(svc, late["ticket_id"])] == ["janitor"]
+    assert indexed(redis_db) == 0
+
+
+@pytest.mark.parametrize("waiting", [99, 100])
+async def test_entries_that_must_wait_do_not_hide_the_rest_of_their_slot(
+        waiting: int, service: tuple[Service, str], client: Client, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot holds `waiting` entries the janitor cannot settle (a game no longer
+    configured) ahead of a decision of a game still configured, not journaled: the
+    janitor reaches it and journals it."""
+    svc, _ = service
+    stuck = ids_in_slot("fr-retail", 0, waiting, "M")
+    (victim,) = ids_in_slot("fr-retail", 0, 1, "V")
+    fdj = await client.current()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(svc.usecases.journal, "sale", refused)
+        for tid in stuck:
+            assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 200}],
+                                             ticket_id=tid, game="minute-keno"))).status == 503
+        assert (await client.sell(ticket([{"numbers": TEN, "stake": 500}], ticket_id=victim,
+                                         first_draw=fdj))).status == 503
+    monkeypatch.delitem(svc.usecases.janitor.catalog.games, "minute-keno")
+    for _ in range(2):
+        await janitor_later(svc).run_once()
+    assert [via for _, via in journaled(svc, victim)] == ["janitor"]
+    assert redis_db.zcard(pending_key(0)) == waiting
+
+
+async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
+        settings: Settings, redis_backend: Any, redis_db: Any, tmp_path: Path) -> None:
+    """Host A's janitor voids an interrupted sale (journaled by A); the retry is sold by
+    host B: the reconciliation posted to A finds it in Redis, sold elsewhere: balanced."""
+    variants = [dataclasses.replace(settings, journal_dir=str(tmp_path / name))
+                for name in ("pod-a", "pod-b")]
+    started = []
+    async with aiohttp.ClientSession() as session:
+        try:
+            clients = []
+            for v in variants:
+                svc = build(v, redis_backend.url)
+                runner, url = await start_service(svc)
+                started.append((runner, svc))
+                clients.append(Client(session, url))
+            a, b = clients
+            svc_a = started[0][1]
+            draw = await a.current("lnm-keno")
+            body = ticket([{"numbers": TEN[:8], "stake": 250}], game="lnm-keno",
+                          player_id="P-7", first_draw=draw)
+
+            async def lost(*args: object, **kwargs: object) -> Any:
+                raise Unavailable("redis reply lost")
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(svc_a.usecases.tickets.ledger, "reserve_all", lost)
+                assert (await a.sell(body, token="ma")).status == 503
+            assert await janitor_later(svc_a).run_once() == 1
+            sold = await b.sell(body, token="ma")
+            assert sold.body["status"] == "accepted"
+            export = (f"channel,ticket_id,total_cost\nma-retail,{body['ticket_id']},"
+                      f"{sold.body['total_cost']}\n")
+            rec = await a.post(f"/v1/games/lnm-keno/draws/{draw}/reconcile?grace=0",
+                               data=export.encode(), token="admin")
+            assert (rec.body["not_accepted"], rec.body["balanced"], rec.body["elsewhere"]) == (
+                [], True, 1)
+        finally:
+            for runner, svc in started:
+                await runner.cleanup()
+                await svc.redis.aclose()
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_short_retention_sale_does_not_expire_the_entries_of_its_slot(
+        redis_backend: Any, redis_db: Any, tmp_path: Path) -> None:
+    """A game kept 1 s after its draws: its sale does not shorten its slot's index, whose
+    entry of another game's decision not journaled stays until the janitor journals it."""
+    text = CONFIG.read_text().replace('games = ["fdj-keno", "minute-keno"]',
+                                      'games = ["fdj-keno", "minute-keno", "quick-keno"]', 1)
+    config = tmp_path / "capsvc.toml"
+    config.write_text(text + '\n[[games]]\nid = "quick-keno"\npreset = "fdj-keno-2008"\n'
+                      'draw_every = "4s"\ndraw_from = "00:00"\ndraw_until = "23:59:56"\n'
+                      'time_zone = "UTC"\nretention = "1s"\n')
+    settings = dataclasses.replace(load_settings(config), journal_dir=str(tmp_path / "j"))
+    svc = build(settings, redis_backend.url)
+    runner, url = await start_service(svc)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, url)
+            fdj = ticket([{"numbers": TEN, "stake": 500}], first_draw=await client.current())
+            slot = slot_of("fr-retail", fdj["ticket_id"])
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(svc.usecases.journal, "sale", refused)
+                assert (await client.sell(fdj)).status == 503
+            tid = next(f"Q-{i}" for i in range(10**6) if slot_of("fr-retail", f"Q-{i}") == slot)
+            assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 200}],
+                                              ticket_id=tid, game="quick-keno"))).status == 200
+            await asyncio.sleep(6)  # the quick draw's close and its 1 s retention
+            await janitor_later(svc).run_once()
+            assert [via for _, via in journaled(svc, fdj["ticket_id"])] == ["janitor"]
+    finally:
+        await runner.cleanup()
+        await svc.redis.aclose()
+
+
+async def test_a_stop_whose_answer_was_not_journaled_is_journaled_by_the_report(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin's stop made in Redis whose journal write failed (503, not sent again): the
+    draw's report shows it stopped, and journals the stop so that the journal alone has it."""
+    svc, _ = service
+    draw = await client.current()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(svc.usecases.journal, "stop", refused)
+        closing = await client.post(f"/v1/games/fdj-keno/draws/{draw}/close", token="admin")
+        assert closing.status == 503
+    report = await client.get(f"/v1/games/fdj-keno/draws/{draw}/report", token="admin")
+    assert report.body["stopped_at"] is not None
+    stops = [r for _, _, r in records(Path(svc.settings.journal_dir))
+             if isinstance(r, StopRecord) and r.draw == draw]
+    assert [(s.channel, s.game) for s in stops] == [("", "fdj-keno")]
