@@ -1,0 +1,65 @@
+"""capsvc's Python client: the sale protocol done right for an integrator.
+
+`Client(base_url, token)` (async, aiohttp; an async context manager) and
+`SyncClient(base_url, token)` (the same methods, blocking, for scripts). The types are the
+service's own msgspec types (`capsvc.models`), re-exported here.
+
+What it gets right, so that its callers do not have to:
+- a sale (`sell`) and a cancel (`cancel`) are sent again, with the same ticket id and the
+  same body, on a 503, a timeout or a broken connection, with exponential backoff, jitter
+  and the server's `Retry-After`, until a decision comes or the caller's deadline passes:
+  then `OutcomeUnknown`, carrying the ticket id — never a guess (the sale may have been
+  counted; `ticket()` tells, once decided);
+- a 4xx is never sent again: it raises its typed error (`ValidationError`,
+  `ConflictError`, `AuthError`, `NotFoundError`);
+- one connection pool (HTTP keep-alive), the bearer token, the caller's request id.
+
+Knows the HTTP API (docs/api.md); nothing of Redis or of the service's insides.
+"""
+
+from capsvc.client.api import Client, SyncClient
+from capsvc.client.errors import (
+    AuthError,
+    CapsvcError,
+    ConflictError,
+    NotFoundError,
+    OutcomeUnknown,
+    ServiceError,
+    ValidationError,
+)
+from capsvc.models import (
+    AvailabilityIn,
+    AvailabilityOut,
+    CancelOut,
+    CappedOut,
+    CombinationOut,
+    CurrentDrawOut,
+    DrawOut,
+    GamesOut,
+    GridIn,
+    TicketIn,
+    TicketOut,
+)
+
+__all__ = [
+    "AuthError",
+    "AvailabilityIn",
+    "AvailabilityOut",
+    "CancelOut",
+    "CappedOut",
+    "CapsvcError",
+    "Client",
+    "CombinationOut",
+    "ConflictError",
+    "CurrentDrawOut",
+    "DrawOut",
+    "GamesOut",
+    "GridIn",
+    "NotFoundError",
+    "OutcomeUnknown",
+    "ServiceError",
+    "SyncClient",
+    "TicketIn",
+    "TicketOut",
+    "ValidationError",
+]

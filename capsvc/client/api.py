@@ -1,0 +1,245 @@
+"""`Client` and `SyncClient`: every route of the API as a typed method (see the package's
+docstring for the retry rules)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+
+from capsvc.client.errors import OutcomeUnknown, error_for
+from capsvc.models import (
+    AvailabilityIn,
+    AvailabilityOut,
+    CancelOut,
+    CappedOut,
+    CombinationOut,
+    CurrentDrawOut,
+    DrawOut,
+    ErrorOut,
+    GamesOut,
+    TicketIn,
+    TicketOut,
+)
+
+T = TypeVar("T")
+
+RETRIED = frozenset({502, 503, 504})
+"""Statuses after which the outcome is unknown and the same request is sent again."""
+_error = msgspec.json.Decoder(ErrorOut).decode
+
+
+class _Retry(Exception):
+    """An attempt that got no decision: wait, then send the same request again."""
+
+    def __init__(self, what: str, after_s: float = 0.0) -> None:
+        super().__init__(what)
+        self.what = what
+        self.after_s = after_s
+
+
+class Client:
+    """capsvc over HTTP, async (aiohttp): `async with Client(url, token) as c: …`."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 5.0,
+                 deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
+                 connections: int = 100, session: aiohttp.ClientSession | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        """One attempt's timeout (a timeout is an unknown outcome: sent again)."""
+        self.deadline_s = deadline_s
+        """How long `sell` and `cancel` keep trying, unless the call says otherwise."""
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._connections = connections
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> Client:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._connections))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._session is not None and self._own_session:
+            await self._session.close()
+            self._session = None
+
+    # -- tickets -------------------------------------------------------------------------
+
+    async def sell(self, ticket: TicketIn | dict[str, Any], *, deadline_s: float | None = None,
+                   request_id: str | None = None) -> TicketOut:
+        """Sell a ticket: its decision (accepted, partial or rejected, each grid's reason),
+        or a typed error for a 4xx; `OutcomeUnknown` if no decision came in time."""
+        t = ticket if isinstance(ticket, TicketIn) else msgspec.convert(ticket, TicketIn)
+        body = msgspec.json.encode(t)
+        return await self._until_decided(t.ticket_id, "POST", "/v1/tickets", TicketOut, body,
+                                         deadline_s, request_id)
+
+    async def ticket(self, ticket_id: str, *, deadline_s: float | None = None,
+                     request_id: str | None = None) -> TicketOut:
+        """The decision stored for a ticket of this channel (with `cancelled` once it is)."""
+        return await self._until_decided(ticket_id, "GET", f"/v1/tickets/{_seg(ticket_id)}",
+                                         TicketOut, None, deadline_s, request_id)
+
+    async def cancel(self, ticket_id: str, *, deadline_s: float | None = None,
+                     request_id: str | None = None) -> CancelOut:
+        """Cancel a ticket (released exactly once, however many times it is sent)."""
+        return await self._until_decided(
+            ticket_id, "POST", f"/v1/tickets/{_seg(ticket_id)}/cancel", CancelOut, None,
+            deadline_s, request_id)
+
+    # -- games, draws, availability --------------------------------------------------------
+
+    async def games(self) -> GamesOut:
+        return await self._read("GET", "/v1/games", GamesOut)
+
+    async def current_draw(self, game: str) -> CurrentDrawOut:
+        return await self._read("GET", f"/v1/games/{_seg(game)}/draws/current", CurrentDrawOut)
+
+    async def draw(self, game: str, draw: int) -> DrawOut:
+        return await self._read("GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}", DrawOut)
+
+    async def combination(self, game: str, draw: int, numbers: list[int]) -> CombinationOut:
+        """How much a combination has staked on a draw, and whether it can still be played."""
+        joined = "-".join(str(int(n)) for n in numbers)
+        return await self._read(
+            "GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}/combinations/{joined}",
+            CombinationOut)
+
+    async def availability(self, game: str, request: AvailabilityIn | dict[str, Any]
+                           ) -> AvailabilityOut:
+        """Whether grids could be sold (advisory: counts nothing)."""
+        r = request if isinstance(request, AvailabilityIn) else msgspec.convert(
+            request, AvailabilityIn)
+        return await self._read("POST", f"/v1/games/{_seg(game)}/availability",
+                                AvailabilityOut, msgspec.json.encode(r))
+
+    async def capped(self, game: str, draw: int) -> CappedOut:
+        """The combinations at their cap on a draw (the sold-out list)."""
+        return await self._read("GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}/capped",
+                                CappedOut)
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    async def _read(self, method: str, path: str, kind: type[T], body: bytes | None = None
+                    ) -> T:
+        """A request that decides nothing: sent again on a 503 or a broken connection
+        within the default deadline, like the others, but an unknown outcome there is just
+        an error (`OutcomeUnknown` with no ticket)."""
+        return await self._until_decided("", method, path, kind, body, None, None)
+
+    async def _until_decided(self, ticket_id: str, method: str, path: str, kind: type[T],
+                             body: bytes | None, deadline_s: float | None,
+                             request_id: str | None) -> T:
+        deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
+        attempts, pause, last = 0, self.backoff_s, "no attempt"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OutcomeUnknown(ticket_id, attempts, last)
+            attempts += 1
+            try:
+                return await self._attempt(method, path, kind, body, min(self.timeout_s, left),
+                                           request_id)
+            except _Retry as again:
+                last = again.what
+                wait = max(again.after_s, random.uniform(0, pause))  # full jitter
+                pause = min(pause * 2, self.max_backoff_s)
+                left = deadline - time.monotonic()
+                if wait >= left:
+                    raise OutcomeUnknown(ticket_id, attempts, last) from None
+                await asyncio.sleep(wait)
+
+    async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
+                       timeout_s: float, request_id: str | None) -> T:
+        if self._session is None:
+            raise RuntimeError("use the client as `async with Client(…) as client`")
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if request_id is not None:
+            headers["X-Request-ID"] = request_id
+        try:
+            async with self._session.request(
+                    method, self.base_url + path, data=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.read()
+                status = resp.status
+                retry_after = resp.headers.get("Retry-After", "")
+        except TimeoutError:
+            raise _Retry("timed out") from None
+        except aiohttp.ClientError as e:
+            raise _Retry(f"connection: {type(e).__name__}") from None
+        if status < 300:
+            return msgspec.json.decode(raw, type=kind)
+        if status in RETRIED:
+            after = float(retry_after) if retry_after.isdigit() else 0.0
+            raise _Retry(f"HTTP {status}", after)
+        try:
+            err = _error(raw).error
+            code, message, where = err.code, err.message, err.path
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            code, message, where = "unexpected", raw[:200].decode(errors="replace"), None
+        raise error_for(status, code, message, where)
+
+
+def _seg(text: str) -> str:
+    """A path segment, quoted."""
+    return quote(text, safe="")
+
+
+class SyncClient:
+    """The same methods as `Client`, blocking (for scripts): one event loop in a thread of
+    its own, one connection pool. `with SyncClient(url, token) as c: c.sell({...})`."""
+
+    def __init__(self, base_url: str, token: str, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                         name="capsvc-client")
+        self._thread.start()
+        self._client = Client(base_url, token, **options)
+        self._run(self._client.__aenter__())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._client.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._client, name)
+        if name.startswith("_") or not callable(method):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result: Awaitable[Any] = method(*args, **kwargs)
+            return self._run(_awaited(result))
+
+        return call
+
+
+async def _awaited(result: Awaitable[T]) -> T:
+    return await result

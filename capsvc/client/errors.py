@@ -1,0 +1,67 @@
+"""The client's errors: one type per thing a caller does something different about."""
+
+from __future__ import annotations
+
+
+class CapsvcError(Exception):
+    """An answer of the service that is not a success: its status, code and message."""
+
+    def __init__(self, status: int, code: str, message: str, path: str | None = None
+                 ) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.path = path
+        """The JSONPath of the offending value, when the service names one."""
+
+
+class ValidationError(CapsvcError):
+    """400, 413, 422: the request breaks a rule (a stake, a draw closed…): sending it again
+    changes nothing; nothing was counted."""
+
+
+class ConflictError(CapsvcError):
+    """409: the ticket id was used with another body, the ticket cannot be cancelled, or
+    it has no decision yet."""
+
+
+class AuthError(CapsvcError):
+    """401, 403: the token is unknown, or its channel may not do this."""
+
+
+class NotFoundError(CapsvcError):
+    """404: unknown game, draw or ticket (for this channel)."""
+
+
+class ServiceError(CapsvcError):
+    """A 5xx on a request that is not retried (a 500 is a bug of the service)."""
+
+
+class OutcomeUnknown(Exception):
+    """No decision came before the caller's deadline: the sale (or the cancel) may have
+    been recorded. Send the same request again later, or look the ticket up: never sell
+    it under another id (its stake would be counted twice)."""
+
+    def __init__(self, ticket_id: str, attempts: int, last: str) -> None:
+        super().__init__(f"ticket {ticket_id}: no decision after {attempts} attempt(s) "
+                         f"({last}); the outcome is unknown")
+        self.ticket_id = ticket_id
+        self.attempts = attempts
+        self.last = last
+        """What the last attempt got (a status, a timeout, a connection error)."""
+
+
+def error_for(status: int, code: str, message: str, path: str | None) -> CapsvcError:
+    kind: type[CapsvcError]
+    if status in (401, 403):
+        kind = AuthError
+    elif status == 404:
+        kind = NotFoundError
+    elif status == 409:
+        kind = ConflictError
+    elif 400 <= status < 500:
+        kind = ValidationError
+    else:
+        kind = ServiceError
+    return kind(status, code, message, path)

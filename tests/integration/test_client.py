@@ -1,0 +1,120 @@
+"""capsvc.client against the real service (issue 19, first part): typed decisions and
+errors, a sale whose answer was lost sent again until decided (counted once), a deadline
+passed without a decision is OutcomeUnknown and the ticket is then exactly one of "never
+counted" or "decided", never a 4xx sent again; the blocking client for scripts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capsvc.client import (
+    AuthError,
+    Client,
+    ConflictError,
+    NotFoundError,
+    OutcomeUnknown,
+    SyncClient,
+    TicketOut,
+    ValidationError,
+)
+from capsvc.errors import Unavailable
+from capsvc.server import Service
+from capsvc.testing import RedisServer, ServiceProcess
+from tests.conftest import CONFIG, TEN, TOKENS, ticket
+from tests.conftest import Client as Http
+
+
+async def test_sell_look_up_and_cancel_with_typed_decisions_and_errors(
+        service: tuple[Service, str], client: Http) -> None:
+    """A sale, its look-up and its cancel come back as the service's types; a stake not
+    allowed, a reused id, an unknown token and an unknown ticket raise their own errors."""
+    _, url = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    async with Client(url, TOKENS["fr"]) as c:
+        sold = await c.sell(body)
+        assert isinstance(sold, TicketOut)
+        assert (sold.status, sold.total_cost) == ("accepted", 500)
+        assert (await c.ticket(body["ticket_id"])).receipt == sold.receipt
+        assert (await c.cancel(body["ticket_id"])).released == 500
+        assert (await c.ticket(body["ticket_id"])).cancelled is not None
+        with pytest.raises(ValidationError) as bad:
+            await c.sell(ticket([{"numbers": TEN, "stake": 700}], first_draw=draw))
+        assert (bad.value.status, bad.value.code) == (422, "stake_not_allowed")
+        with pytest.raises(ConflictError):
+            await c.sell(dict(body, grids=[{"numbers": TEN[:8], "stake": 100}]))
+        with pytest.raises(NotFoundError):
+            await c.ticket("never-sold")
+        assert (await c.current_draw("fdj-keno")).draw == draw
+        assert (await c.combination("fdj-keno", draw, TEN)).staked == 0
+    async with Client(url, "not-a-token") as c:
+        with pytest.raises(AuthError):
+            await c.games()
+
+
+async def test_a_sale_whose_answer_was_lost_is_sent_again_and_counted_once(
+        service: tuple[Service, str], client: Http, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first two answers are 503 after Redis decided (outcome unknown): the client
+    sends the same request again and returns the one decision, counted once."""
+    svc, url = service
+    draw = await client.current()
+    original, failures = svc.usecases.journal.sale, [2]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise Unavailable("the answer was lost")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(svc.usecases.journal, "sale", flaky)
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    async with Client(url, TOKENS["fr"], backoff_s=0.01) as c:
+        sold = await c.sell(body)
+    assert (sold.status, failures[0]) == ("accepted", 0)
+    assert await client.staked(TEN, draw) == 500
+
+
+async def test_no_decision_before_the_deadline_is_outcome_unknown_never_a_guess(
+        service: tuple[Service, str], client: Http, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every answer a 503: OutcomeUnknown carrying the ticket id, within the deadline; the
+    ticket is then decided (Redis counted it; a look-up answers it) or never counted."""
+    svc, url = service
+    draw = await client.current()
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise Unavailable("the journal cannot be written")
+
+    monkeypatch.setattr(svc.usecases.journal, "sale", down)
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
+    async with Client(url, TOKENS["fr"], backoff_s=0.01) as c:
+        with pytest.raises(OutcomeUnknown) as unknown:
+            await c.sell(body, deadline_s=2.5)  # Retry-After: 1 s, honoured
+        assert unknown.value.ticket_id == body["ticket_id"]
+        assert unknown.value.attempts > 1
+        monkeypatch.undo()
+        decided = await c.ticket(body["ticket_id"])
+    assert (decided.status, await client.staked(TEN, draw)) == ("accepted", 500)
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[ServiceProcess]:
+    redis = RedisServer().start()
+    service = ServiceProcess(str(CONFIG), redis.url).start()
+    yield service
+    service.stop()
+    redis.stop()
+
+
+def test_the_blocking_client_sells_and_cancels_for_a_script(live: ServiceProcess) -> None:
+    """SyncClient: the same methods, blocking, one pool; closed by its `with`."""
+    with SyncClient(live.base_url, TOKENS["fr"]) as c:
+        draw = c.current_draw("fdj-keno").draw
+        body = ticket([{"numbers": TEN, "stake": 200}], first_draw=draw)
+        assert c.sell(body).status == "accepted"
+        assert c.cancel(body["ticket_id"]).released == 200
+        with pytest.raises(ValidationError):
+            c.sell(ticket([{"numbers": TEN, "stake": 7}], first_draw=draw))
