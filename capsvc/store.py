@@ -151,7 +151,8 @@ class Store:
     # -- tickets ---------------------------------------------------------------------------
 
     def index(self, ticket: str, instant: int, expire_at: int) -> asyncio.Future[Any]:
-        """Register a ticket for the janitor before claiming or cancelling it."""
+        """Register a ticket for the janitor before claiming it, at Redis TIME (`instant`,
+        this process's estimate of it, is what a library older than that used)."""
         return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, instant, expire_at])
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,

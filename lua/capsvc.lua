@@ -91,11 +91,13 @@ local function extend(key, at)
   end
 end
 
---[[ index: KEYS pending; ARGV ticket key, instant, expire_at
-Registers a ticket that may need the janitor (before it is claimed or cancelled, so that
-no claimed ticket is ever missing from the index). ]]
+--[[ index: KEYS pending; ARGV ticket key, (unused), expire_at
+Registers a ticket that may need the janitor (before it is claimed, so that no claimed
+ticket is ever missing from the index), at Redis TIME: a draw's report waits for the
+entries made before its close, judged by the clock that judged the close (a caller's
+estimate of it could put a claim made just before the close after it). ]]
 local function index(keys, args)
-  redis.call('ZADD', keys[1], 'NX', args[2], args[1])
+  redis.call('ZADD', keys[1], 'NX', now_ms(), args[1])
   extend(keys[1], tonumber(args[3]))
   return 1
 end

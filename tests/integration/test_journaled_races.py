@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -233,3 +235,73 @@ async def test_a_stop_whose_answer_was_not_journaled_is_journaled_by_the_report(
     stops = [r for _, _, r in records(Path(svc.settings.journal_dir))
              if isinstance(r, StopRecord) and r.draw == draw]
     assert [(s.channel, s.game) for s in stops] == [("", "fdj-keno")]
+
+
+def _redis_ms(db: Any) -> int:
+    s, us = db.time()
+    return int(s) * 1000 + int(us) // 1000
+
+
+@pytest.fixture
+def steps_settings(base_settings: Settings, tmp_path: Path) -> Settings:
+    """Sales in steps (as on a cluster, or a game with a daily limit)."""
+    return dataclasses.replace(base_settings, journal_dir=str(tmp_path / "journal"),
+                               one_call_sales=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
+        steps_settings: Settings, redis_backend: Any, redis_db: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's estimate of Redis TIME runs ~100 ms ahead (read while Redis was busy);
+    a sale in steps claimed ~50 ms before a draw's close, not journaled, is indexed at
+    Redis TIME, before the close: the draw is not final, its report not written, until the
+    janitor journals the sale."""
+    svc = build(steps_settings, redis_backend.url)
+    runner, url = await start_service(svc)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, url)
+            game = svc.usecases.audit.catalog.get("minute-keno")
+            assert game is not None
+            clock = svc.usecases.clock
+            other = redis_backend.client()
+            busy = threading.Thread(target=lambda: other.eval(
+                "local t = redis.call('TIME'); local s = t[1] * 1000000 + t[2]; "
+                "while true do local n = redis.call('TIME'); "
+                "if n[1] * 1000000 + n[2] - s > 230000 then break end end return 1", 0))
+            busy.start()
+            await asyncio.sleep(0.01)
+            await clock.sync()
+            await asyncio.to_thread(busy.join)
+            ahead = clock.now() - _redis_ms(redis_db)
+            assert ahead > 60
+            draw = game.calendar.current(_redis_ms(redis_db))
+            close = game.calendar.close_ms(draw)
+            if close - _redis_ms(redis_db) < 2000:
+                draw += 1
+                close = game.calendar.close_ms(draw)
+            await asyncio.sleep(max(0, close - _redis_ms(redis_db) - ahead // 2) / 1000)
+            body = ticket([{"numbers": TEN, "stake": 500}], game="minute-keno",
+                          first_draw=draw)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(svc.usecases.journal, "sale", refused)
+                assert (await client.sell(body)).status == 503
+            key = ticket_key("fr-retail", body["ticket_id"])
+            assert int(redis_db.hget(key, "at")) < close
+            settle = steps_settings.pending_deadline_ms + 2 * steps_settings.janitor_interval_ms
+            await asyncio.sleep(max(0, close + settle + 500 - _redis_ms(redis_db)) / 1000)
+            assert indexed(redis_db) == 1
+            assert await svc.usecases.audit.last_final(game) < draw
+            await svc.usecases.audit.write_due()
+            report = Path(steps_settings.journal_dir) / "reports" / "minute-keno"
+            assert not (report / f"{draw}.json").exists()
+            await janitor_later(svc).run_once()
+            assert await svc.usecases.audit.last_final(game) >= draw
+            await svc.usecases.audit.write_due()
+            written = json.loads((report / f"{draw}.json").read_text())
+            assert (written["final"], written["tickets"]["accepted"]) == (True, 1)
+    finally:
+        await runner.cleanup()
+        await svc.redis.aclose()

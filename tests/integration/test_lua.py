@@ -659,15 +659,19 @@ async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis
 
 async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
         store: Store, redis_db: redis.Redis, now: int) -> None:
-    """index adds the ticket to its slot's pending zset (first instant kept), with a TTL."""
+    """index adds the ticket to its slot's pending zset at Redis TIME (the first instant
+    kept), with a TTL."""
     key = ticket_key("ch", "T-index")
     pending = pending_key_of(key)
     assert key_slot(pending.encode()) == key_slot(key.encode())
-    assert await store.index(key, now, now + DAY) == 1
-    assert redis_db.zrange(pending, 0, -1, withscores=True) == [(key.encode(), float(now))]
+    t0 = redis_ms(redis_db)
+    assert await store.index(key, now - HOUR, now + DAY) == 1  # the caller's instant: unused
+    ((member, first),) = redis_db.zrange(pending, 0, -1, withscores=True)
+    assert member == key.encode()
+    assert t0 <= first <= redis_ms(redis_db)  # Redis TIME
     assert redis_db.pexpiretime(pending) == now + DAY
     assert await store.index(key, now + 5, now + HOUR) == 1
-    assert redis_db.zscore(pending, key) == now
+    assert redis_db.zscore(pending, key) == first
     assert redis_db.pexpiretime(pending) == now + DAY
     other = key.replace("T-index", "T-index-2")  # same hash tag, same zset
     assert await store.index(other, now + 7, now + 2 * DAY) == 1
