@@ -17,6 +17,7 @@ What it gets right, so that its callers do not have to:
 Knows the HTTP API (docs/api.md); nothing of Redis or of the service's insides.
 """
 
+from capsvc.audit.report import DrawReport
 from capsvc.client.api import Client, SyncClient
 from capsvc.client.errors import (
     AuthError,
@@ -37,6 +38,8 @@ from capsvc.models import (
     DrawOut,
     GamesOut,
     GridIn,
+    PlayerOut,
+    StakeOut,
     TicketIn,
     TicketOut,
 )
@@ -53,11 +56,14 @@ __all__ = [
     "ConflictError",
     "CurrentDrawOut",
     "DrawOut",
+    "DrawReport",
     "GamesOut",
     "GridIn",
     "NotFoundError",
     "OutcomeUnknown",
+    "PlayerOut",
     "ServiceError",
+    "StakeOut",
     "SyncClient",
     "TicketIn",
     "TicketOut",

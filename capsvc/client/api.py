@@ -14,6 +14,7 @@ from urllib.parse import quote
 import aiohttp
 import msgspec
 
+from capsvc.audit.report import DrawReport
 from capsvc.client.errors import OutcomeUnknown, error_for
 from capsvc.models import (
     AvailabilityIn,
@@ -25,6 +26,10 @@ from capsvc.models import (
     DrawOut,
     ErrorOut,
     GamesOut,
+    LimitIn,
+    PlayerOut,
+    StakeIn,
+    StakeOut,
     TicketIn,
     TicketOut,
 )
@@ -132,6 +137,37 @@ class Client:
         return await self._read("GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}/capped",
                                 CappedOut)
 
+    # -- players (games with player limits) ------------------------------------------------
+
+    async def player(self, player_id: str, *, game: str | None = None) -> PlayerOut:
+        """The player's day: spent, limits, remaining (`game`: when the channel uses
+        several games with player limits)."""
+        return await self._read("GET", f"/v1/players/{_seg(player_id)}{_game(game)}",
+                                PlayerOut)
+
+    async def set_limit(self, player_id: str, daily: int | None, *, game: str | None = None
+                        ) -> PlayerOut:
+        """Set (or remove, None) the player's own daily limit: lowering applies at once,
+        raising or removing from the next day."""
+        return await self._read("PUT", f"/v1/players/{_seg(player_id)}/limit{_game(game)}",
+                                PlayerOut, msgspec.json.encode(LimitIn(daily=daily)))
+
+    async def record_stake(self, player_id: str, ref: str, game: str, amount: int, *,
+                           limited_game: str | None = None) -> StakeOut:
+        """A stake played on another game, against the same daily budget (idempotent by
+        `ref`: sent again on an unknown outcome like a sale)."""
+        return await self._until_decided(
+            ref, "POST", f"/v1/players/{_seg(player_id)}/stakes{_game(limited_game)}",
+            StakeOut, msgspec.json.encode(StakeIn(ref=ref, game=game, amount=amount)),
+            None, None)
+
+    # -- audit ---------------------------------------------------------------------------
+
+    async def report(self, game: str, draw: int) -> DrawReport:
+        """The draw's report (scope read or admin; the one written once the draw is final)."""
+        return await self._read("GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}/report",
+                                DrawReport)
+
     # -- the protocol ----------------------------------------------------------------------
 
     async def _read(self, method: str, path: str, kind: type[T], body: bytes | None = None
@@ -199,6 +235,10 @@ class Client:
 def _seg(text: str) -> str:
     """A path segment, quoted."""
     return quote(text, safe="")
+
+
+def _game(game: str | None) -> str:
+    return "" if game is None else f"?game={quote(game, safe='')}"
 
 
 class SyncClient:

@@ -118,3 +118,20 @@ def test_the_blocking_client_sells_and_cancels_for_a_script(live: ServiceProcess
         assert c.cancel(body["ticket_id"]).released == 200
         with pytest.raises(ValidationError):
             c.sell(ticket([{"numbers": TEN, "stake": 7}], first_draw=draw))
+
+
+async def test_players_and_a_draws_report_through_the_client(
+        service: tuple[Service, str], client: Http) -> None:
+    """A player's limit set and read, another game's stake recorded once (same ref twice),
+    and the report of the draw on sale, as the service's types."""
+    _, url = service
+    async with Client(url, TOKENS["ma"]) as c:
+        assert (await c.set_limit("P-CL", 1000)).self_limit == 1000
+        first = await c.record_stake("P-CL", "loto-1", "loto", 400)
+        again = await c.record_stake("P-CL", "loto-1", "loto", 400)
+        assert (first.status, first.remaining, again.remaining) == ("accepted", 600, 600)
+        assert (await c.player("P-CL")).spent == 400
+    draw = await client.current()
+    async with Client(url, TOKENS["admin"]) as c:
+        report = await c.report("fdj-keno", draw)
+        assert (report.draw, report.final) == (draw, False)
