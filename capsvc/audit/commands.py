@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from capsvc.audit.history import read_history
 from capsvc.audit.reconcile import (
     ExportError,
@@ -29,6 +31,7 @@ from capsvc.audit.reconcile import (
 from capsvc.audit.report import DrawReport, build, encode_json, to_csv, to_json
 from capsvc.audit.service import Audit, cancel_abandoned_tickets, due_ms, write_once
 from capsvc.config import ConfigError, Settings, load_settings, parse_duration_ms
+from capsvc.errors import Unavailable
 from capsvc.games import Catalog, Game
 
 
@@ -100,8 +103,11 @@ def run(args: argparse.Namespace) -> int:
         what = "the export" if isinstance(e, ExportError | UnicodeDecodeError | OSError) \
             else "--grace"
         return _fail(command, f"{what}: {e}")
-    rec = asyncio.run(_reconcile(settings, game, args.draw, dirs, url, lines, grace_ms,
-                                 args.cancel_abandoned))
+    try:
+        rec = asyncio.run(_reconcile(settings, game, args.draw, dirs, url, lines, grace_ms,
+                                     args.cancel_abandoned))
+    except (Unavailable, OSError, RedisError) as e:
+        return _fail(command, f"redis: {e}")
     if args.json:
         sys.stdout.write(encode_json(rec).decode() + "\n")
     else:
@@ -124,8 +130,11 @@ def _report(args: argparse.Namespace, settings: Settings, game: Game, dirs: list
         report = build(history, game, draw, built_ms=now,
                        final=now >= due_ms(settings, game, draw))
     else:
-        report = asyncio.run(_with_redis(settings, url, lambda audit: audit.build(
-            history, game, draw)))
+        try:
+            report = asyncio.run(_with_redis(settings, url, lambda audit: audit.build(
+                history, game, draw)))
+        except (Unavailable, OSError, RedisError) as e:
+            return _fail("report", f"redis: {e}")
     data = to_json(report) if args.format == "json" else to_csv(report).encode()
     if args.out:
         try:

@@ -785,3 +785,18 @@ def test_cancel_abandoned_never_cancels_a_ticket_the_export_lists(
         assert db.hget(ticket_key("fr-retail", "X-1"), "st") == b"f"
     finally:
         b.stop()
+
+
+def test_an_unreachable_redis_is_a_usage_error_of_report_and_reconcile(
+        config: str, tmp_path: Path) -> None:
+    """--redis to a Redis that does not answer: one line naming it, exit 2 (never exit 1,
+    which says a cap passed or the draw is not balanced)."""
+    (tmp_path / "j").mkdir()
+    sold = tmp_path / "sold.csv"
+    sold.write_text("channel,ticket_id,total_cost\n")
+    common = ("--config", config, "--dir", str(tmp_path / "j"), "--game", GAME, "--draw", "5",
+              "--redis", "redis://127.0.0.1:1/0")
+    for out in (capsvc("report", *common), capsvc("reconcile", *common, "--sold", str(sold))):
+        assert out.returncode == 2, out.stderr
+        assert "redis: " in out.stderr
+        assert len(out.stderr.splitlines()) == 1
