@@ -18,7 +18,7 @@ Knows the HTTP API (docs/api.md); nothing of Redis or of the service's insides.
 """
 
 from capsvc.audit.report import DrawReport
-from capsvc.client.api import Client, SyncClient
+from capsvc.client.api import Client, FeedEvent, SyncClient
 from capsvc.client.errors import (
     AuthError,
     CapsvcError,
@@ -57,6 +57,7 @@ __all__ = [
     "CurrentDrawOut",
     "DrawOut",
     "DrawReport",
+    "FeedEvent",
     "GamesOut",
     "GridIn",
     "NotFoundError",

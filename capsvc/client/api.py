@@ -7,7 +7,8 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -39,6 +40,18 @@ T = TypeVar("T")
 RETRIED = frozenset({502, 503, 504})
 """Statuses after which the outcome is unknown and the same request is sent again."""
 _error = msgspec.json.Decoder(ErrorOut).decode
+
+
+@dataclass(frozen=True, slots=True)
+class FeedEvent:
+    """One event of the sold-out feed."""
+
+    kind: str
+    """snapshot, capped, reopened or closed."""
+    id: str
+    """Its id: what `Last-Event-ID` resumes after."""
+    data: Any
+    """Its JSON data (docs/api.md, the feed)."""
 
 
 class _Retry(Exception):
@@ -136,6 +149,49 @@ class Client:
         """The combinations at their cap on a draw (the sold-out list)."""
         return await self._read("GET", f"/v1/games/{_seg(game)}/draws/{int(draw)}/capped",
                                 CappedOut)
+
+    async def capped_events(self, game: str, *, draw: int | None = None,
+                            last_event_id: str | None = None, max_pause_s: float = 30.0
+                            ) -> AsyncIterator[FeedEvent]:
+        """The live sold-out feed (`snapshot`, then `capped`, `reopened`, `closed` events),
+        for ever: a dropped connection or a restarted service is reconnected to with
+        `Last-Event-ID`, so the events resume after the last one yielded (the service sends
+        what was missed, or a fresh `snapshot` when it no longer keeps that point). A 4xx
+        raises its error."""
+        if self._session is None:
+            raise RuntimeError("use the client as `async with Client(…) as client`")
+        url = f"{self.base_url}/v1/games/{_seg(game)}/capped/stream"
+        params = {} if draw is None else {"draw": str(int(draw))}
+        last, pause = last_event_id, self.backoff_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=45)
+        while True:
+            headers = dict(self._headers)
+            if last is not None:
+                headers["Last-Event-ID"] = last
+            try:
+                async with self._session.get(url, params=params, headers=headers,
+                                             timeout=timeout) as resp:
+                    if 400 <= resp.status < 500:
+                        err = _error(await resp.read()).error
+                        raise error_for(resp.status, err.code, err.message, err.path)
+                    if resp.status == 200:
+                        pause = self.backoff_s
+                        kind, event_id = "", ""
+                        async for raw in resp.content:
+                            line = raw.decode().rstrip("\r\n")
+                            if line.startswith("event: "):
+                                kind = line[7:]
+                            elif line.startswith("id: "):
+                                event_id = line[4:]
+                            elif line.startswith("data: ") and kind:
+                                last = event_id or last
+                                yield FeedEvent(kind, event_id, msgspec.json.decode(line[6:]))
+                            elif not line:
+                                kind, event_id = "", ""
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            await asyncio.sleep(random.uniform(0, pause))
+            pause = min(pause * 2, max_pause_s)
 
     # -- players (games with player limits) ------------------------------------------------
 

@@ -5,6 +5,7 @@ counted" or "decided", never a 4xx sent again; the blocking client for scripts."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,52 @@ async def test_players_and_a_draws_report_through_the_client(
     async with Client(url, TOKENS["admin"]) as c:
         report = await c.report("fdj-keno", draw)
         assert (report.draw, report.final) == (draw, False)
+
+
+async def test_the_feed_resumes_across_a_restart_missing_and_repeating_nothing(
+        live: ServiceProcess, tmp_path: Path) -> None:
+    """capped_events: a snapshot, then each combination capped once: one before the
+    service is restarted, one while it is down (sold by another service on the same Redis),
+    one after; the iterator reconnects with Last-Event-ID and yields each exactly once."""
+    other = ServiceProcess(str(CONFIG), live.redis_url).start()
+    hot = [[1, 2, 3, 4, 5, 6, 7, n] for n in (8, 9, 10)]
+    try:
+        async with Client(live.base_url, TOKENS["fr"], backoff_s=0.05) as c:
+            draw = (await c.current_draw("fdj-keno")).draw
+            events: list[Any] = []
+            arrived = asyncio.Event()
+
+            async def follow() -> None:
+                async for event in c.capped_events("fdj-keno", draw=draw):
+                    events.append(event)
+                    arrived.set()
+
+            async def cap(url: str, numbers: list[int]) -> None:
+                async with Client(url, TOKENS["fr"]) as seller:
+                    for stake in (1000,) * 5:
+                        await seller.sell(ticket([{"numbers": numbers, "stake": stake}],
+                                                 first_draw=draw))
+
+            async def seen(n: int) -> None:
+                while sum(e.kind == "capped" for e in events) < n:
+                    arrived.clear()
+                    await arrived.wait()
+
+            task = asyncio.create_task(follow())
+            await cap(live.base_url, hot[0])
+            await asyncio.wait_for(seen(1), 10)
+            live.stop()
+            await cap(other.base_url, hot[1])
+            live.start()
+            await cap(live.base_url, hot[2])
+            await asyncio.wait_for(seen(3), 20)
+            task.cancel()
+        kinds = [e.kind for e in events]
+        assert kinds[0] == "snapshot"
+        assert kinds.count("snapshot") == 1  # resumed, not started again
+        capped = [e.data["numbers"] for e in events if e.kind == "capped"]
+        assert capped == hot
+        ids = [e.id for e in events]
+        assert len(ids) == len(set(ids))
+    finally:
+        other.stop()
