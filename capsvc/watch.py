@@ -15,6 +15,8 @@ from typing import TextIO
 
 import aiohttp
 
+from capsvc.client.api import sse_events
+
 RETRY_MAX_S = 30.0
 
 
@@ -41,18 +43,9 @@ async def watch(base_url: str, game: str, token: str, draw: int | None = None,
                             return 1
                     else:
                         delay = 1.0
-                        kind, event_id = "", ""
-                        async for raw in resp.content:
-                            line = raw.decode().rstrip("\r\n")
-                            if line.startswith("event: "):
-                                kind = line[7:]
-                            elif line.startswith("id: "):
-                                event_id = line[4:]
-                            elif line.startswith("data: ") and kind:
-                                print(f"{kind} {event_id} {line[6:]}", file=out, flush=True)
-                                last = event_id or last
-                            elif line == "":
-                                kind, event_id = "", ""
+                        async for kind, event_id, data in sse_events(resp.content):
+                            print(f"{kind} {event_id} {data}", file=out, flush=True)
+                            last = event_id or last
             except (TimeoutError, aiohttp.ClientError) as e:
                 print(f"capsvc watch: disconnected ({e or type(e).__name__})", file=sys.stderr)
             if not forever:

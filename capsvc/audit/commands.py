@@ -28,7 +28,7 @@ from capsvc.audit.reconcile import (
     reconcile,
     to_text,
 )
-from capsvc.audit.report import DrawReport, build, encode_json, to_csv, to_json
+from capsvc.audit.report import build, encode_json, to_csv, to_json
 from capsvc.audit.service import Audit, cancel_abandoned_tickets, due_ms, write_once
 from capsvc.config import ConfigError, Settings, load_settings, parse_duration_ms
 from capsvc.errors import Unavailable
@@ -145,11 +145,7 @@ def _report(args: argparse.Namespace, settings: Settings, game: Game, dirs: list
             return _fail("report", f"--out {args.out}: {e.strerror or e}")
     else:
         sys.stdout.buffer.write(data)
-    return 1 if _flawed(report) else 0
-
-
-def _flawed(report: DrawReport) -> bool:
-    return bool(report.over_cap) or not report.chain.intact
+    return 1 if report.flawed else 0
 
 
 async def _reconcile(settings: Settings, game: Game, draw: int, dirs: list[Path],

@@ -63,15 +63,16 @@ class Sold:
         return r.first_draw <= draw < r.first_draw + r.draws
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    """A journal file read, as it was when read."""
+class Source(msgspec.Struct, frozen=True):
+    """A journal file read, as it was when read (a report names each)."""
 
     directory: str
     file: str
     proc: str | None
+    """The process that wrote it."""
     sha256: str
-    """Of the file's bytes read (the whole file when it was read)."""
+    """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
+    to any more."""
     bytes: int
     lines: int
 

@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from capsvc import combination
-from capsvc.audit.history import History, Sold
+from capsvc.audit.history import History, Sold, Source
 from capsvc.calendar import instant
 from capsvc.games import Game
 
@@ -82,17 +82,6 @@ class CombinationLine(Struct, omit_defaults=True):
     """Over its cap: by how much."""
 
 
-class SourceFile(Struct):
-    directory: str
-    file: str
-    proc: str | None
-    sha256: str
-    """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
-    to any more."""
-    bytes: int
-    lines: int
-
-
 class Chain(Struct):
     intact: bool
     breaks: list[str]
@@ -152,9 +141,14 @@ class DrawReport(Struct, omit_defaults=False):
     """Capped combinations played."""
     top: list[CombinationLine]
     top_liability: int | None
-    sources: list[SourceFile]
+    sources: list[Source]
     chain: Chain
     redis: RedisCheck | None = None
+
+    @property
+    def flawed(self) -> bool:
+        """A combination passed its cap, or a journal file read does not chain."""
+        return bool(self.over_cap) or not self.chain.intact
 
 
 def _per_draw(sold: Sold, amount: int) -> int:
@@ -260,8 +254,7 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
         by_channel=[ChannelLine(c, *v) for c, v in sorted(channels.items())],
         at_cap=at_cap, over_cap=over_cap, sold_out=sold_out, combinations=len(totals),
         top=top, top_liability=max(liabilities, default=None),
-        sources=[SourceFile(s.directory, s.file, s.proc, s.sha256, s.bytes, s.lines)
-                 for s in history.sources],
+        sources=history.sources,
         chain=Chain(intact=not history.breaks, breaks=history.breaks, tails=history.tails),
         redis=redis)
 

@@ -232,9 +232,8 @@ class Audit:
         if not json_path.exists():
             report = await self.build(history, game, draw)
         report = await asyncio.to_thread(_store, json_path, csv_path, report)
-        flawed = bool(report.over_cap) or not report.chain.intact
-        self.on_report(gid, flawed)
-        if flawed:
+        self.on_report(gid, report.flawed)
+        if report.flawed:
             log.error("draw report: %s draw %d %s", gid, draw,
                       "passed its cap" if report.over_cap else "read a broken chain",
                       extra={"over_cap": len(report.over_cap),

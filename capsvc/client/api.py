@@ -7,7 +7,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -176,18 +176,9 @@ class Client:
                         raise error_for(resp.status, err.code, err.message, err.path)
                     if resp.status == 200:
                         pause = self.backoff_s
-                        kind, event_id = "", ""
-                        async for raw in resp.content:
-                            line = raw.decode().rstrip("\r\n")
-                            if line.startswith("event: "):
-                                kind = line[7:]
-                            elif line.startswith("id: "):
-                                event_id = line[4:]
-                            elif line.startswith("data: ") and kind:
-                                last = event_id or last
-                                yield FeedEvent(kind, event_id, msgspec.json.decode(line[6:]))
-                            elif not line:
-                                kind, event_id = "", ""
+                        async for kind, event_id, data in sse_events(resp.content):
+                            last = event_id or last
+                            yield FeedEvent(kind, event_id, msgspec.json.decode(data))
             except (TimeoutError, aiohttp.ClientError):
                 pass
             await asyncio.sleep(random.uniform(0, pause))
@@ -286,6 +277,22 @@ class Client:
         except (msgspec.DecodeError, msgspec.ValidationError):
             code, message, where = "unexpected", raw[:200].decode(errors="replace"), None
         raise error_for(status, code, message, where)
+
+
+async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, str, str]]:
+    """(event type, id, data) of each event of a server-sent event stream, from its lines
+    (comments, such as the feed's heartbeat, skipped)."""
+    kind, event_id = "", ""
+    async for raw in lines:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: ") and kind:
+            yield kind, event_id, line[6:]
+        elif not line:
+            kind, event_id = "", ""
 
 
 def _seg(text: str) -> str:
