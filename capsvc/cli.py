@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from capsvc import logs
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
+from capsvc.models import MAX_DRAW
 
 log = logging.getLogger("capsvc")
 
@@ -277,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_watch.add_argument("game")
     p_watch.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the service (default http://127.0.0.1:8080)")
-    p_watch.add_argument("--draw", type=_int_in(1, 10**9, "a draw number"),
+    p_watch.add_argument("--draw", type=_int_in(1, MAX_DRAW, "a draw number"),
                          help="follow one draw only")
     p_watch.add_argument("--token-env", default="CAPSVC_TOKEN",
                          help="environment variable holding the bearer token "

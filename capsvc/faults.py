@@ -109,7 +109,18 @@ class Rule:
     def __post_init__(self) -> None:
         self._left = self.count
 
-    def _fire(self) -> None:
+    def take(self) -> bool:
+        """One match fewer left; False when none was left (call with the owner's lock)."""
+        if self._left <= 0:
+            return False
+        self._left -= 1
+        return True
+
+    @property
+    def spent(self) -> bool:
+        return self._left <= 0
+
+    def fire(self) -> None:
         self.hits += 1
         self.fired.set()
 
@@ -217,11 +228,11 @@ class _Link:
         action = rule.action if rule is not None else None
         if isinstance(action, HoldRequest):
             assert rule is not None
-            rule._fire()
+            rule.fire()
             await _until_set(action.release)
         if isinstance(action, DropRequest):
             assert rule is not None
-            rule._fire()
+            rule.fire()
             return False
         await self.proxy._flowing()
         self.awaiting.append(rule if isinstance(action, DelayReply | DropReply) else None)
@@ -250,7 +261,7 @@ class _Link:
         # A RESP3 push is out of band: it answers no command.
         rule = self.awaiting.popleft() if reply[:1] != b">" and self.awaiting else None
         if rule is not None:
-            rule._fire()
+            rule.fire()
             if isinstance(rule.action, DropReply):
                 return False
             if isinstance(rule.action, DelayReply):
@@ -260,7 +271,7 @@ class _Link:
         return True
 
 
-class _BackgroundProxy:
+class BackgroundProxy:
     """A proxy on 127.0.0.1, a free port, whose connections live in an event loop of its
     own in a background thread, so that a synchronous test drives it: every public method
     is called from the test's thread. Subclasses say how to listen and how to shut down."""
@@ -334,7 +345,7 @@ class _BackgroundProxy:
         raise NotImplementedError
 
 
-class FaultProxy(_BackgroundProxy):
+class FaultProxy(BackgroundProxy):
     """A TCP proxy to one Redis on 127.0.0.1, a free port, with faults added at run time.
 
     Every public method is called from the test's thread; the proxy's connections live in an
@@ -442,9 +453,8 @@ class FaultProxy(_BackgroundProxy):
         for rule in rules:  # the test's predicates run outside the lock: they may be slow
             if _matches(rule.match, cmd):
                 with self._lock:
-                    if rule._left > 0:
-                        rule._left -= 1
-                        if rule._left == 0 and rule in self._rules:
+                    if rule.take():
+                        if rule.spent and rule in self._rules:
                             self._rules.remove(rule)
                         return rule
         return None
@@ -496,7 +506,7 @@ class FaultProxy(_BackgroundProxy):
         await self._loop.shutdown_default_executor()  # getaddrinfo's threads, if any
 
 
-class PartitionProxy(_BackgroundProxy):
+class PartitionProxy(BackgroundProxy):
     """A plain TCP proxy to one server on 127.0.0.1, a free port, that can be partitioned.
 
     Bytes are forwarded as they come, both ways, with no parsing: put it between a replica

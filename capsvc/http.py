@@ -33,6 +33,7 @@ from capsvc.journal.writer import Journal
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
+    MAX_DRAW,
     AvailabilityIn,
     ErrorDetail,
     ErrorOut,
@@ -160,14 +161,13 @@ async def _watchdog(health: Health, timeout_s: float) -> None:
 
 
 def _draw(request: web.BaseRequest) -> int:
-    """The draw number of the path (the route admits digits only); an absurdly long one is
-    a 404 at once."""
+    """The draw number of the path: 1 to MAX_DRAW, else a 404 (no such draw)."""
     text = _param(request, "draw")
     if not _DRAW_RE.fullmatch(text):  # int() would take " 5\n", "5_0", Arabic digits
         raise not_found(f"draw {text!r}")
-    if len(text) > 12:
-        raise not_found(f"draw {text[:20]}…")
-    return int(text)
+    if len(text) > 12 or not 1 <= (draw := int(text)) <= MAX_DRAW:
+        raise not_found(f"draw {text[:20]}")
+    return draw
 
 
 PARAMS = web.RequestKey("params", dict[str, str])
@@ -330,12 +330,14 @@ class Api:
         channel = self.auth.channel(request)
         game = self.catalog.game(_param(request, "game"), channel, "sell", "read")
         only = request.query.get("draw")
-        draw = None
+        draw: int | None = None
         if only is not None:
             if not _DRAW_RE.fullmatch(only) or len(only) > 12:
                 raise ApiError(422, "invalid_request", "draw must be a draw number", "draw")
-            draw = int(only)
-            game.check_draw(draw)
+            if not 1 <= (number := int(only)) <= MAX_DRAW:
+                raise not_found(f"draw {only}")
+            game.check_draw(number)
+            draw = number
         sub = Subscriber(draw, request.transport)
         feed = self.feed
         resp = web.StreamResponse(headers={
@@ -425,7 +427,8 @@ class Api:
 
     async def openapi(self, request: web.BaseRequest) -> web.StreamResponse:
         if self._openapi is None:
-            self._openapi = _encode(openapi_document())
+            self._openapi = _encode(openapi_document(
+                [g.rules for g in self.catalog.games.values()]))
         return web.Response(body=self._openapi, content_type=_JSON)
 
 

@@ -10,6 +10,10 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
+MAX_DRAW = 10**9
+"""The largest draw number the API knows (a game drawn every minute reaches it in 1,900
+years): a draw of the path beyond it is a 404."""
+
 SAFE_INT = Meta(ge=-(2**53), le=2**53)
 """Any integer a JSON peer can represent exactly; game rules narrow it further."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -9,8 +11,10 @@ import msgspec
 from capsvc import __version__
 from capsvc.audit.reconcile import Reconciliation
 from capsvc.audit.report import DrawReport
+from capsvc.config import GameRules
 from capsvc.models import (
     ID_PATTERN,
+    MAX_DRAW,
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -96,7 +100,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "game": {"name": "game", "in": "path", "required": True,
              "schema": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9-]{0,31}(?!\n)$"}},
     "draw": {"name": "draw", "in": "path", "required": True,
-             "schema": {"type": "integer", "minimum": 1, "maximum": 10**9}},
+             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DRAW}},
     "ticket_id": {"name": "ticket_id", "in": "path", "required": True, "schema": _ID},
     "player_id": {"name": "player_id", "in": "path", "required": True, "schema": _ID},
     "game_query": {"name": "game", "in": "query", "required": False,
@@ -157,7 +161,10 @@ _TAGS = [
 ]
 
 
-def openapi_document() -> dict[str, Any]:
+def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
+    """The document; with the configured `games`, its schemas say what each game allows
+    (numbers, picks, stakes, durations, options, grids a ticket, game ids), so that a
+    request valid by the document breaks no rule of the game's that JSON Schema can say."""
     (_, components) = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     sell_errors = ("400", "401", "403", "404", "409", "413", "422", "503")
     write_errors = ("400", "401", "403", "404", "413", "422", "503")  # no 409
@@ -218,10 +225,13 @@ def openapi_document() -> dict[str, Any]:
         "/readyz": {"get": _op("Readiness: Redis answers and the scripts are loaded",
                                HealthOut, errors=(), auth=False)},
     }
+    export = {"type": "string", "description": (
+        "UTF-8 CSV, a header naming at least channel, ticket_id, total_cost (minor units); "
+        "other columns ignored")}
     paths[draw + "/reconcile"]["post"]["requestBody"] = {"required": True, "content": {
-        "text/csv": {"schema": {"type": "string", "description": (
-            "UTF-8 CSV, a header naming at least channel, ticket_id, total_cost (minor "
-            "units); other columns ignored")}}}}
+        "text/csv": {"schema": export},
+        # The same bytes, for client generators that know no text/csv body.
+        "application/octet-stream": {"schema": {**export, "format": "binary"}}}}
     paths[draw + "/report"]["get"]["responses"]["200"]["content"]["text/csv"] = {
         "schema": {"type": "string"}}
     paths["/readyz"]["get"]["responses"]["503"] = {"description": "Not ready, or draining",
@@ -232,7 +242,7 @@ def openapi_document() -> dict[str, Any]:
                    "events and a comment heartbeat every 15 s",
         "parameters": [_PARAMS["game"], {
             "name": "draw", "in": "query", "required": False,
-            "schema": {"type": "integer", "minimum": 1},
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_DRAW},
             "description": "follow this draw only"}, {
             "name": "Last-Event-ID", "in": "header", "required": False,
             "schema": {"type": "string", "pattern": r"^[0-9]+-[0-9]+(?!\n)$"},
@@ -255,6 +265,11 @@ def openapi_document() -> dict[str, Any]:
         for method, op in operations.items():
             op["operationId"], tag = OPERATIONS[method, path]
             op["tags"] = [tag]
+    _add_links(paths)
+    for path, method, text in _DESCRIPTIONS:
+        paths[path][method]["description"] = text
+    if games:
+        _narrow_to_games(games, paths, components)
     return {
         "openapi": "3.1.0",
         "info": {"title": "capsvc", "version": __version__,
@@ -267,3 +282,176 @@ def openapi_document() -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
     }
+
+
+_UNKNOWN = (
+    "A 503, a timeout or a broken connection means the outcome is unknown, not that nothing "
+    "happened: send the same request again (the same ticket id and the same body), after "
+    "Retry-After, until a decision comes back. Never sell it again under a new ticket id "
+    "(the stake would be counted twice); never give up silently (a counted sale would have "
+    "no receipt). ")
+_DESCRIPTIONS = [
+    ("/v1/tickets", "post",
+     "Every grid is judged against the cap of its combination on every draw of the ticket; "
+     "grids that would pass it are rejected, the others counted, atomically. " + _UNKNOWN +
+     "A replay answers the decision already made, identical, with `Idempotent-Replayed: "
+     "true`; the same ticket id with another body is `409 idempotency_conflict`, nothing "
+     "counted. A decision is journaled before it is answered."),
+    ("/v1/tickets/{ticket_id}", "get",
+     "The decision as first answered (with `cancelled` once cancelled); 404 if this channel "
+     "never had it decided. `409 ticket_pending`: the sale was interrupted before its "
+     "decision; send the original sale again, or ask again (the service settles it within "
+     "its pending deadline)."),
+    ("/v1/tickets/{ticket_id}/cancel", "post",
+     "Gives back every counter and player budget the ticket took, exactly once: a replay "
+     "answers the same. " + _UNKNOWN.replace("the same ticket id and the same body",
+                                             "the same ticket id")),
+]
+
+
+def _add_links(paths: dict[str, Any]) -> None:
+    """OpenAPI links: what a sale's answer lets a client do next (look it up, cancel it),
+    and a player's limit set then read."""
+    ticket = {"ticket_id": "$response.body#/ticket_id"}
+    paths["/v1/tickets"]["post"]["responses"]["200"]["links"] = {
+        "GetTicket": {"operationId": "getTicket", "parameters": ticket,
+                      "description": "the decision, as stored"},
+        "CancelTicket": {"operationId": "cancelTicket", "parameters": ticket,
+                         "description": "give the stake back"},
+    }
+    player = {"player_id": "$request.path.player_id"}
+    paths["/v1/players/{player_id}/limit"]["put"]["responses"]["200"]["links"] = {
+        "GetPlayer": {"operationId": "getPlayer", "parameters": player,
+                      "description": "the player's day"},
+    }
+
+
+def _narrow_to_games(games: Sequence[GameRules], paths: dict[str, Any],
+                     components: dict[str, Any]) -> None:
+    """Per game, a ticket schema of its own (the sale's body: one of them, by `game`); the
+    game-less bodies (availability) and path parameters narrowed to what some game allows."""
+    refs = {}
+    for g in games:
+        grid, ticket = f"GridIn-{g.id}", f"TicketIn-{g.id}"
+        components[grid] = _grid_schema(g, components["GridIn"])
+        components[ticket] = _ticket_schema(g, components["TicketIn"], grid)
+        refs[g.id] = _REF.format(name=ticket)
+    body: dict[str, Any] = (
+        {"$ref": next(iter(refs.values()))} if len(refs) == 1 else
+        {"oneOf": [{"$ref": r} for r in refs.values()],
+         "discriminator": {"propertyName": "game", "mapping": refs}})
+    paths["/v1/tickets"]["post"]["requestBody"]["content"]["application/json"]["schema"] = body
+    components["TicketIn"]["properties"]["game"] = {"type": "string", "enum": list(refs)}
+
+    top, low, high = (max(g.numbers for g in games), min(g.picks_min for g in games),
+                      max(g.picks_max for g in games))
+    any_grid = components["AvailabilityGridIn"]["properties"]
+    any_grid["numbers"] = _numbers_schema(top, low, high)
+    any_grid["stake"] = {"type": "integer", "enum": sorted({s for g in games for s in g.stakes}),
+                         "description": "a stake some game allows (the game's own: GET "
+                                        "/v1/games)"}
+    availability = components["AvailabilityIn"]["properties"]
+    availability["draws"] = _draws_schema(sorted({d for g in games for d in g.durations}))
+    availability["grids"]["maxItems"] = max(g.max_grids for g in games)
+    availability["first_draw"] = _first_draw_schema()
+
+    limits = [g.daily_limit for g in games if g.daily_limit is not None]
+    if limits:  # a self-limit above the regulatory one is refused
+        for option in components["LimitIn"]["properties"]["daily"]["anyOf"]:
+            if option.get("type") == "integer":
+                option["maximum"] = max(limits)
+    ids = sorted(refs)
+    for item in paths.values():
+        for op in item.values():
+            for param in op.get("parameters", ()):
+                if param["name"] == "game" and param["in"] == "path":
+                    param["schema"] = {"type": "string", "enum": ids}
+    limited = sorted(g.id for g in games if g.daily_limit is not None)
+    narrowed = {
+        "numbers": {"type": "string", "pattern": (
+            f"^{_number_re(top)}(-{_number_re(top)}){{{low - 1},{high - 1}}}(?!\\n)$")},
+        "game_query": {"type": "string", "enum": limited} if limited else None,
+    }
+    for item in paths.values():
+        for op in item.values():
+            params = op.get("parameters")
+            if params is None:
+                continue
+            op["parameters"] = [
+                {**p, "schema": narrowed[key]}
+                if (key := _param_key(p)) in narrowed and narrowed[key]
+                else p
+                for p in params]
+
+
+def _param_key(param: dict[str, Any]) -> str:
+    return "game_query" if (param["name"], param["in"]) == ("game", "query") else param["name"]
+
+
+def _grid_schema(g: GameRules, base: dict[str, Any]) -> dict[str, Any]:
+    schema = copy.deepcopy(base)
+    schema["title"] = f"GridIn ({g.id})"
+    props = schema["properties"]
+    props["numbers"] = _numbers_schema(g.numbers, g.picks_min, g.picks_max)
+    props["stake"] = {"type": "integer", "enum": list(g.stakes),
+                      "description": "the base stake, minor units"}
+    if not g.multiplier:
+        props["multiplier"] = {"type": "boolean", "enum": [False], "default": False,
+                               "description": "the game has no multiplier option"}
+    return schema
+
+
+def _ticket_schema(g: GameRules, base: dict[str, Any], grid: str) -> dict[str, Any]:
+    schema = copy.deepcopy(base)
+    schema["title"] = f"TicketIn ({g.id})"
+    schema["description"] = f"A ticket of {g.id}: {g.description}"
+    props = schema["properties"]
+    props["game"] = {"type": "string", "enum": [g.id]}
+    props["grids"] = {"type": "array", "items": {"$ref": _REF.format(name=grid)},
+                      "minItems": 1, "maxItems": g.max_grids}
+    props["draws"] = _draws_schema(list(g.durations))
+    props["first_draw"] = _first_draw_schema()
+    if g.joker_plus_price is None:
+        props["joker_plus"] = {"type": "boolean", "enum": [False], "default": False,
+                               "description": "the game has no Joker+ option"}
+    required = set(schema.get("required", ()))
+    if g.daily_limit is not None:  # player limits: the player is named
+        props["player_id"] = next(s for s in props["player_id"]["anyOf"]
+                                  if s.get("type") != "null")
+        required.add("player_id")
+    if 1 not in g.durations:
+        required.add("draws")
+    schema["required"] = sorted(required)
+    return schema
+
+
+def _numbers_schema(top: int, low: int, high: int) -> dict[str, Any]:
+    return {"type": "array", "minItems": low, "maxItems": high, "uniqueItems": True,
+            "items": {"type": "integer", "minimum": 1, "maximum": top},
+            "description": f"{low} to {high} distinct numbers of 1..{top}, in any order"}
+
+
+def _draws_schema(durations: list[int]) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer", "enum": durations,
+                              "description": "consecutive draws played (1: one draw)"}
+    if 1 in durations:
+        schema["default"] = 1
+    return schema
+
+
+def _first_draw_schema() -> dict[str, Any]:
+    return {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DRAW,
+                       "description": "a draw on sale (default: the next one)"},
+                      {"type": "null"}], "default": None}
+
+
+def _number_re(top: int) -> str:
+    """A regular expression of the decimal numbers 1..top (top < 100)."""
+    if top < 10:
+        return f"[1-{top}]"
+    tens, units = divmod(top, 10)
+    parts = ["[1-9]"]
+    if tens > 1:
+        parts.append(f"[1-{tens - 1}][0-9]")
+    parts.append(f"{tens}[0-{units}]")
+    return "(?:" + "|".join(parts) + ")"

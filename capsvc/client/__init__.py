@@ -26,6 +26,7 @@ from capsvc.client.errors import (
     NotFoundError,
     OutcomeUnknown,
     ServiceError,
+    Unavailable,
     ValidationError,
 )
 from capsvc.models import (
@@ -68,5 +69,6 @@ __all__ = [
     "SyncClient",
     "TicketIn",
     "TicketOut",
+    "Unavailable",
     "ValidationError",
 ]

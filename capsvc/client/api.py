@@ -7,16 +7,25 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
+import uuid
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+)
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
 import aiohttp
 import msgspec
 
 from capsvc.audit.report import DrawReport
-from capsvc.client.errors import OutcomeUnknown, error_for
+from capsvc.client.errors import OutcomeUnknown, Unavailable, error_for
 from capsvc.models import (
     AvailabilityIn,
     AvailabilityOut,
@@ -36,6 +45,7 @@ from capsvc.models import (
 )
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 RETRIED = frozenset({502, 503, 504})
 """Statuses after which the outcome is unknown and the same request is sent again."""
@@ -152,7 +162,7 @@ class Client:
 
     async def capped_events(self, game: str, *, draw: int | None = None,
                             last_event_id: str | None = None, max_pause_s: float = 30.0
-                            ) -> AsyncIterator[FeedEvent]:
+                            ) -> AsyncGenerator[FeedEvent, None]:
         """The live sold-out feed (`snapshot`, then `capped`, `reopened`, `closed` events),
         for ever: a dropped connection or a restarted service is reconnected to with
         `Last-Event-ID`, so the events resume after the last one yielded (the service sends
@@ -220,19 +230,20 @@ class Client:
     async def _read(self, method: str, path: str, kind: type[T], body: bytes | None = None
                     ) -> T:
         """A request that decides nothing: sent again on a 503 or a broken connection
-        within the default deadline, like the others, but an unknown outcome there is just
-        an error (`OutcomeUnknown` with no ticket)."""
-        return await self._until_decided("", method, path, kind, body, None, None)
+        within the default deadline, like the others; no answer by then is `Unavailable`."""
+        return await self._until_decided(None, method, path, kind, body, None, None)
 
-    async def _until_decided(self, ticket_id: str, method: str, path: str, kind: type[T],
+    async def _until_decided(self, ticket_id: str | None, method: str, path: str, kind: type[T],
                              body: bytes | None, deadline_s: float | None,
                              request_id: str | None) -> T:
         deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
         attempts, pause, last = 0, self.backoff_s, "no attempt"
+        # One id for every attempt of the call: the service's logs show them together.
+        request_id = request_id or uuid.uuid4().hex
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise OutcomeUnknown(ticket_id, attempts, last)
+                raise _unknown(ticket_id, method, path, attempts, last, request_id)
             attempts += 1
             try:
                 return await self._attempt(method, path, kind, body, min(self.timeout_s, left),
@@ -243,18 +254,17 @@ class Client:
                 pause = min(pause * 2, self.max_backoff_s)
                 left = deadline - time.monotonic()
                 if wait >= left:
-                    raise OutcomeUnknown(ticket_id, attempts, last) from None
+                    raise _unknown(ticket_id, method, path, attempts, last, request_id) from None
                 await asyncio.sleep(wait)
 
     async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
-                       timeout_s: float, request_id: str | None) -> T:
+                       timeout_s: float, request_id: str) -> T:
         if self._session is None:
             raise RuntimeError("use the client as `async with Client(…) as client`")
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
-        if request_id is not None:
-            headers["X-Request-ID"] = request_id
+        headers["X-Request-ID"] = request_id
         try:
             async with self._session.request(
                     method, self.base_url + path, data=body, headers=headers,
@@ -276,6 +286,8 @@ class Client:
             code, message, where = err.code, err.message, err.path
         except (msgspec.DecodeError, msgspec.ValidationError):
             code, message, where = "unexpected", raw[:200].decode(errors="replace"), None
+        if code == "ticket_pending":  # interrupted half-way: the janitor decides it soon
+            raise _Retry("HTTP 409 ticket_pending", 0.0)
         raise error_for(status, code, message, where)
 
 
@@ -295,6 +307,14 @@ async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, st
             kind, event_id = "", ""
 
 
+def _unknown(ticket_id: str | None, method: str, path: str, attempts: int, last: str,
+             request_id: str) -> Unavailable:
+    if ticket_id is None:
+        return Unavailable(f"{method} {path}: no answer after {attempts} attempt(s) ({last})",
+                           attempts, last, request_id)
+    return OutcomeUnknown(ticket_id, attempts, last, request_id)
+
+
 def _seg(text: str) -> str:
     """A path segment, quoted."""
     return quote(text, safe="")
@@ -302,6 +322,34 @@ def _seg(text: str) -> str:
 
 def _game(game: str | None) -> str:
     return "" if game is None else f"?game={quote(game, safe='')}"
+
+
+class _Blocking(Generic[P, T]):
+    """A `SyncClient` method: the `Client` method of the same name, run to its end in the
+    client's loop (typed as the async one, without the `await`)."""
+
+    def __init__(self, method: Callable[Concatenate[Client, P], Coroutine[Any, Any, T]]
+                 ) -> None:
+        self.__doc__ = method.__doc__
+        self._name = method.__name__
+
+    @overload
+    def __get__(self, obj: None, owner: type[SyncClient]) -> _Blocking[P, T]: ...
+    @overload
+    def __get__(self, obj: SyncClient, owner: type[SyncClient]) -> Callable[P, T]: ...
+
+    def __get__(self, obj: SyncClient | None, owner: type[SyncClient]
+                ) -> _Blocking[P, T] | Callable[P, T]:
+        if obj is None:
+            return self
+        method: Callable[P, Coroutine[Any, Any, T]] = getattr(obj._client, self._name)
+        run = obj._run
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            return run(method(*args, **kwargs))
+
+        call.__doc__ = self.__doc__
+        return call
 
 
 class SyncClient:
@@ -316,8 +364,8 @@ class SyncClient:
         self._client = Client(base_url, token, **options)
         self._run(self._client.__aenter__())
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _run(self, step: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(_awaited(step), self._loop).result()
 
     def __enter__(self) -> SyncClient:
         return self
@@ -332,17 +380,31 @@ class SyncClient:
             self._thread.join(5)
             self._loop.close()
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._client, name)
-        if name.startswith("_") or not callable(method):
-            raise AttributeError(name)
+    sell = _Blocking(Client.sell)
+    ticket = _Blocking(Client.ticket)
+    cancel = _Blocking(Client.cancel)
+    games = _Blocking(Client.games)
+    current_draw = _Blocking(Client.current_draw)
+    draw = _Blocking(Client.draw)
+    combination = _Blocking(Client.combination)
+    availability = _Blocking(Client.availability)
+    capped = _Blocking(Client.capped)
+    player = _Blocking(Client.player)
+    set_limit = _Blocking(Client.set_limit)
+    record_stake = _Blocking(Client.record_stake)
+    report = _Blocking(Client.report)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result: Awaitable[Any] = method(*args, **kwargs)
-            return self._run(_awaited(result))
+    def capped_events(self, game: str, *, draw: int | None = None,
+                      last_event_id: str | None = None) -> Iterator[FeedEvent]:
+        """The sold-out feed, blocking: each event as it comes (see `Client.capped_events`);
+        closing the generator closes the stream."""
+        events = self._client.capped_events(game, draw=draw, last_event_id=last_event_id)
+        try:
+            while True:
+                yield self._run(anext(events))
+        finally:
+            self._run(events.aclose())
 
-        return call
 
-
-async def _awaited(result: Awaitable[T]) -> T:
-    return await result
+async def _awaited(step: Awaitable[T]) -> T:
+    return await step

@@ -22,8 +22,8 @@ class ValidationError(CapsvcError):
 
 
 class ConflictError(CapsvcError):
-    """409: the ticket id was used with another body, the ticket cannot be cancelled, or
-    it has no decision yet."""
+    """409: the ticket id was used with another body (`idempotency_conflict`), or the ticket
+    cannot be cancelled (`not_cancellable`)."""
 
 
 class AuthError(CapsvcError):
@@ -38,18 +38,31 @@ class ServiceError(CapsvcError):
     """A 5xx on a request that is not retried (a 500 is a bug of the service)."""
 
 
-class OutcomeUnknown(Exception):
+class Unavailable(Exception):
+    """The service gave no answer before the caller's deadline (every attempt a 502, 503 or
+    504, a timeout or a broken connection). For a request that decides nothing (a game, a
+    draw, a combination), this is all there is to it: ask again later."""
+
+    def __init__(self, message: str, attempts: int, last: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.last = last
+        """What the last attempt got (a status, a timeout, a connection error)."""
+        self.request_id = request_id
+        """The X-Request-ID every attempt was sent with (the service's logs show them)."""
+
+
+class OutcomeUnknown(Unavailable):
     """No decision came before the caller's deadline: the sale (or the cancel) may have
     been recorded. Send the same request again later, or look the ticket up: never sell
     it under another id (its stake would be counted twice)."""
 
-    def __init__(self, ticket_id: str, attempts: int, last: str) -> None:
+    def __init__(self, ticket_id: str, attempts: int, last: str, request_id: str = ""
+                 ) -> None:
         super().__init__(f"ticket {ticket_id}: no decision after {attempts} attempt(s) "
-                         f"({last}); the outcome is unknown")
+                         f"({last}); the outcome is unknown", attempts, last, request_id)
         self.ticket_id = ticket_id
-        self.attempts = attempts
-        self.last = last
-        """What the last attempt got (a status, a timeout, a connection error)."""
+        """The ticket (or the stake's `ref`) whose outcome is unknown."""
 
 
 def error_for(status: int, code: str, message: str, path: str | None) -> CapsvcError:

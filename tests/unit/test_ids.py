@@ -26,7 +26,7 @@ from capsvc.config import (
 )
 from capsvc.errors import ApiError
 from capsvc.http import PARAMS, _draw, _ticket_id, decode_body, request_id
-from capsvc.models import ID_PATTERN, StakeIn, TicketIn
+from capsvc.models import ID_PATTERN, MAX_DRAW, StakeIn, TicketIn
 from capsvc.openapi import openapi_document
 from capsvc.players import Players
 from capsvc.validator import parse_numbers_path
@@ -142,14 +142,15 @@ def test_draw_path_parameter_is_digits_only(value: str) -> None:
 
 
 def test_draw_path_parameter_parses_digits() -> None:
-    """Plain digits parse; an absurdly long number is a 404 naming it."""
-    for text, draw in (("4711", 4711), ("-3", -3)):
+    """Plain digits of 1 to MAX_DRAW parse; 0, a negative number, a larger one (as the
+    OpenAPI document says) and an absurdly long one are a 404 naming it."""
+    for text, draw in (("4711", 4711), ("1", 1), (str(MAX_DRAW), MAX_DRAW)):
+        assert _draw(routed("/v1/games/g/draws/x", {"draw": text})) == draw
+    for text in ("-3", "0", str(MAX_DRAW + 1), "1" * 13):
         request = routed("/v1/games/g/draws/x", {"draw": text})
-        assert _draw(request) == draw
-    request = routed("/v1/games/g/draws/x", {"draw": "1" * 13})
-    err = refused(lambda: _draw(request))
-    assert (err.status, err.code) == (404, "not_found")
-    assert "draw 1111111111111" in err.message
+        err = refused(lambda request=request: _draw(request))  # type: ignore[misc]
+        assert (err.status, err.code) == (404, "not_found")
+        assert f"draw {text[:12]}" in err.message
 
 
 @pytest.mark.parametrize("value", BAD)
