@@ -63,6 +63,10 @@ def key_of(args: tuple[Any, ...]) -> str | bytes | None:
         return args[3] if int(args[2]) > 0 else None
     if name in _KEYLESS:
         return None
+    if name == "XINFO":  # XINFO STREAM key
+        return args[2]  # type: ignore[no-any-return]
+    if name == "XREAD":  # XREAD [COUNT n] [BLOCK ms] STREAMS key… id…
+        return args[args.index("STREAMS") + 1]  # type: ignore[no-any-return]
     return args[1]  # type: ignore[no-any-return]
 
 

@@ -306,6 +306,20 @@ class Feed:
         key = parse_id(newest) or (0, 0)
         return [Event(key, 0, frame("snapshot", newest, snapshot))], key
 
+    async def _never_trimmed(self, gid: str) -> bool:
+        """Whether the game's stream still holds every entry ever added to it (so a
+        subscriber's point older than its first entry lost nothing: it came before them,
+        as the id "0-0" of a snapshot taken while the stream was empty). Redis 7's
+        `entries-added` against `length`; False where Redis does not say."""
+        try:
+            reply = await self.store.feed_info(gid)
+        except ResponseError:
+            return False
+        pairs = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2],
+                                                               strict=True))
+        added, length = pairs.get(b"entries-added"), pairs.get(b"length")
+        return added is not None and added == length
+
     async def backlog(self, game: Game, last: str, after: tuple[int, int],
                       newest: tuple[int, int], draw: int | None) -> list[Event] | None:
         """The events after `last` for a subscriber resuming, or None to start afresh: the
@@ -315,7 +329,10 @@ class Feed:
         if after > newest:
             return None
         oldest = await self.store.oldest_feed_entry(gid)
-        if not oldest or (parse_id(oldest[0][0].decode()) or (0, 0)) > after:
+        if not oldest:  # nothing kept: nothing was missed only if nothing came since `last`
+            return [] if after == newest else None
+        if ((parse_id(oldest[0][0].decode()) or (0, 0)) > after
+                and not await self._never_trimmed(gid)):
             return None
         gf = self._games.get(gid) or _GameFeed(self, game)
         events: list[Event] = []

@@ -228,7 +228,9 @@ class HttpFaultProxy(BackgroundProxy):
         assert self._server is not None
         assert self._loop is not None
         self._server.close()
-        await self._cut()
+        await self._cut()  # each connection's task ends on its own, but a delay's sleep
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

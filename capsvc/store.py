@@ -299,6 +299,10 @@ class Store:
     def oldest_feed_entry(self, game: str) -> asyncio.Future[Any]:
         return self.redis.submit("XRANGE", feed_key(game), "-", "+", "COUNT", 1)
 
+    def feed_info(self, game: str) -> asyncio.Future[Any]:
+        """XINFO STREAM of the game's stream (a ResponseError when there is none)."""
+        return self.redis.submit("XINFO", "STREAM", feed_key(game))
+
     def feed_closed(self, game: str, draw: int, expire_at: int) -> asyncio.Future[Any]:
         """Announce on the feed that a draw closed, once (whoever calls first)."""
         return self.fcall("capsvc_feed_closed", [feed_key(game), feed_closes_key(game)],

@@ -23,6 +23,7 @@ from capsvc import feed as feed_module
 from capsvc.errors import Unavailable
 from capsvc.faults import FaultProxy, command
 from capsvc.server import Service
+from capsvc.store import feed_key
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, TOKENS, Client, ticket
 
@@ -517,3 +518,26 @@ async def test_heartbeats_go_on_while_redis_is_away_and_a_bad_entry_is_skipped(
         kind, _, data = await events.next(within=10)
         assert (kind, data["numbers"]) == ("capped", TEN[:8])
         assert events.comments >= 2  # the heartbeats sent while Redis was away
+
+
+async def test_resuming_from_a_snapshot_of_an_empty_stream_sends_what_came_after(
+        service: tuple[Service, str], client: Client, redis_db: Any) -> None:
+    """A snapshot taken while the game's stream was empty (its id "0-0", or where the
+    process's reader stood); resuming from it once events came is their backlog, not a
+    second snapshot: the stream lost nothing, it never trimmed. Once an entry was removed,
+    a point before its first one is a snapshot again (what went may have come after it)."""
+    _, url = service
+    d = await client.current() + 1
+    stream = feed_key("fdj-keno")
+    redis_db.delete(stream)
+    async with subscribe(url, query=f"?draw={d}") as events:
+        kind, first, _ = await events.next()
+    assert kind == "snapshot"
+    await fill(client, TEN[:8], d)
+    async with subscribe(url, last=first, query=f"?draw={d}") as events:
+        kind, _, data = await events.next()
+        assert (kind, data["numbers"]) == ("capped", TEN[:8])
+    redis_db.xadd(stream, {"type": "noise"})
+    redis_db.xdel(stream, redis_db.xrange(stream, count=1)[0][0])
+    async with subscribe(url, last=first, query=f"?draw={d}") as events:
+        assert (await events.next())[0] == "snapshot"
