@@ -23,9 +23,9 @@ DOCUMENTED: dict[str, set[str]] = {
     "GET /v1/games/{game}/draws/{draw}/combinations/{numbers}":
         {"duplicate_numbers"} | OTHER_GAME,
     "POST /v1/games/{game}/draws/{draw}/reconcile": {"invalid_export"},
-    "GET /v1/players/{player_id}": set(),
-    "PUT /v1/players/{player_id}/limit": set(),
-    "POST /v1/players/{player_id}/stakes": set(),
+    "GET /v1/players/{player_id}": {"no_player_limits"},
+    "PUT /v1/players/{player_id}/limit": {"no_player_limits"},
+    "POST /v1/players/{player_id}/stakes": {"no_player_limits"},
 }
 
 
