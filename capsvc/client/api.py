@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 
 from capsvc.audit.report import DrawReport
-from capsvc.client.errors import OutcomeUnknown, Unavailable, error_for
+from capsvc.client.errors import OutcomeUnknown, Unavailable, ValidationError, error_for
 from capsvc.models import (
     AvailabilityIn,
     AvailabilityOut,
@@ -111,7 +111,7 @@ class Client:
                    request_id: str | None = None) -> TicketOut:
         """Sell a ticket: its decision (accepted, partial or rejected, each grid's reason),
         or a typed error for a 4xx; `OutcomeUnknown` if no decision came in time."""
-        t = ticket if isinstance(ticket, TicketIn) else msgspec.convert(ticket, TicketIn)
+        t = _as(ticket, TicketIn)
         body = msgspec.json.encode(t)
         return await self._until_decided(t.ticket_id, "POST", "/v1/tickets", TicketOut, body,
                                          deadline_s, request_id)
@@ -150,8 +150,7 @@ class Client:
     async def availability(self, game: str, request: AvailabilityIn | dict[str, Any]
                            ) -> AvailabilityOut:
         """Whether grids could be sold (advisory: counts nothing)."""
-        r = request if isinstance(request, AvailabilityIn) else msgspec.convert(
-            request, AvailabilityIn)
+        r = _as(request, AvailabilityIn)
         return await self._read("POST", f"/v1/games/{_seg(game)}/availability",
                                 AvailabilityOut, msgspec.json.encode(r))
 
@@ -305,6 +304,19 @@ async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, st
             yield kind, event_id, line[6:]
         elif not line:
             kind, event_id = "", ""
+
+
+def _as(value: Any, kind: type[T]) -> T:
+    """A request of `kind`, from itself or a dict of its fields; a dict that does not make
+    one is the `ValidationError` the service would answer (nothing is sent)."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as e:
+        message, _, where = str(e).partition(" - at `")
+        raise ValidationError(422, "invalid_request", message, where.rstrip("`") or "$"
+                              ) from None
 
 
 def _unknown(ticket_id: str | None, method: str, path: str, attempts: int, last: str,

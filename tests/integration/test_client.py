@@ -185,3 +185,23 @@ async def test_the_feed_resumes_across_a_restart_missing_and_repeating_nothing(
         assert len(ids) == len(set(ids))
     finally:
         other.stop()
+
+
+def test_a_dict_that_makes_no_request_is_a_validation_error_sent_nowhere() -> None:
+    """sell() of a dict that is not a ticket (a wrong type, a missing field) raises the
+    ValidationError the service would answer, with its path; nothing is sent (the URL leads
+    nowhere)."""
+    with SyncClient("http://127.0.0.1:9", "t") as c:
+        with pytest.raises(ValidationError) as bad:
+            c.sell({"ticket_id": "T-1", "game": "fdj-keno",
+                     "grids": [{"numbers": [1, 2], "stake": "5"}]})
+        assert (bad.value.status, bad.value.code, bad.value.path) == (
+            422, "invalid_request", "$.grids[0].stake")
+        with pytest.raises(ValidationError) as missing:
+            c.availability("fdj-keno", {"draws": 2})
+        assert missing.value.path == "$"
+
+
+def test_the_blocking_client_has_every_method_of_the_async_one() -> None:
+    public = {n for n in vars(Client) if not n.startswith("_") and callable(getattr(Client, n))}
+    assert public - {"aclose"} <= set(vars(SyncClient)), public - set(vars(SyncClient))
