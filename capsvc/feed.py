@@ -307,10 +307,9 @@ class Feed:
         return [Event(key, 0, frame("snapshot", newest, snapshot))], key
 
     async def _never_trimmed(self, gid: str) -> bool:
-        """Whether the game's stream still holds every entry ever added to it (so a
-        subscriber's point older than its first entry lost nothing: it came before them,
-        as the id "0-0" of a snapshot taken while the stream was empty). Redis 7's
-        `entries-added` against `length`; False where Redis does not say."""
+        """Whether the game's stream still holds every entry ever added to it (so the
+        point "0-0", a snapshot's taken while the stream was empty, lost nothing). Redis
+        7's `entries-added` against `length`; False where Redis does not say."""
         try:
             reply = await self.store.feed_info(gid)
         except ResponseError:
@@ -331,8 +330,11 @@ class Feed:
         oldest = await self.store.oldest_feed_entry(gid)
         if not oldest:  # nothing kept: nothing was missed only if nothing came since `last`
             return [] if after == newest else None
-        if ((parse_id(oldest[0][0].decode()) or (0, 0)) > after
-                and not await self._never_trimmed(gid)):
+        if (parse_id(oldest[0][0].decode()) or (0, 0)) > after and not (
+                after == (0, 0) and await self._never_trimmed(gid)):
+            # Older than what the stream holds: trimmed away, or never issued by it; but
+            # "0-0" is a snapshot's of a stream then empty, and if nothing was trimmed since,
+            # everything after it is still there.
             return None
         gf = self._games.get(gid) or _GameFeed(self, game)
         events: list[Event] = []

@@ -43,7 +43,7 @@ async def watch(base_url: str, game: str, token: str, draw: int | None = None,
                             return 1
                     else:
                         delay = 1.0
-                        async for kind, event_id, data in sse_events(resp.content):
+                        async for kind, event_id, data in sse_events(resp.content.iter_any()):
                             print(f"{kind} {event_id} {data}", file=out, flush=True)
                             last = event_id or last
             except (TimeoutError, aiohttp.ClientError) as e:

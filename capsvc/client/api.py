@@ -4,6 +4,7 @@ docstring for the retry rules)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -23,9 +24,16 @@ from urllib.parse import quote
 
 import aiohttp
 import msgspec
+import yarl
 
 from capsvc.audit.report import DrawReport
-from capsvc.client.errors import OutcomeUnknown, Unavailable, ValidationError, error_for
+from capsvc.client.errors import (
+    CapsvcError,
+    OutcomeUnknown,
+    Unavailable,
+    ValidationError,
+    error_for,
+)
 from capsvc.models import (
     AvailabilityIn,
     AvailabilityOut,
@@ -47,6 +55,10 @@ from capsvc.models import (
 T = TypeVar("T")
 P = ParamSpec("P")
 
+_CLOSE_S = 5.0
+"""How long a closing SyncClient waits for its calls in flight to end."""
+_LAST_ATTEMPT_S = 0.05
+"""Less time than this left before the deadline: no attempt is worth starting."""
 RETRIED = frozenset({502, 503, 504})
 """Statuses after which the outcome is unknown and the same request is sent again."""
 _error = msgspec.json.Decoder(ErrorOut).decode
@@ -90,8 +102,11 @@ class Client:
         self._connections = connections
         self._session = session
         self._own_session = session is None
+        self._closed = asyncio.Event()
+        """Set by aclose(): calls in flight stop (a decision's is then OutcomeUnknown)."""
 
     async def __aenter__(self) -> Client:
+        self._closed = asyncio.Event()  # bound to the loop it is used in
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._connections))
@@ -101,6 +116,9 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the client: calls in flight end at once (a sale or a cancel whose outcome
+        is then unknown raises OutcomeUnknown), and the pool, if the client made it."""
+        self._closed.set()
         if self._session is not None and self._own_session:
             await self._session.close()
             self._session = None
@@ -167,30 +185,33 @@ class Client:
         `Last-Event-ID`, so the events resume after the last one yielded (the service sends
         what was missed, or a fresh `snapshot` when it no longer keeps that point). A 4xx
         raises its error."""
-        if self._session is None:
+        session = self._session
+        if session is None:
             raise RuntimeError("use the client as `async with Client(…) as client`")
-        url = f"{self.base_url}/v1/games/{_seg(game)}/capped/stream"
-        params = {} if draw is None else {"draw": str(int(draw))}
+        query = "" if draw is None else f"?draw={int(draw)}"
+        url = yarl.URL(f"{self.base_url}/v1/games/{_seg(game)}/capped/stream{query}",
+                       encoded=True)
         last, pause = last_event_id, self.backoff_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=45)
-        while True:
+        while not self._closed.is_set():
             headers = dict(self._headers)
             if last is not None:
                 headers["Last-Event-ID"] = last
             try:
-                async with self._session.get(url, params=params, headers=headers,
-                                             timeout=timeout) as resp:
+                async with session.get(url, headers=headers, timeout=timeout,
+                                       raise_for_status=False) as resp:
                     if 400 <= resp.status < 500:
-                        err = _error(await resp.read()).error
-                        raise error_for(resp.status, err.code, err.message, err.path)
+                        raise _failure(resp.status, await resp.read())
                     if resp.status == 200:
                         pause = self.backoff_s
-                        async for kind, event_id, data in sse_events(resp.content):
+                        async for kind, event_id, data in sse_events(resp.content.iter_any()):
+                            event = FeedEvent(kind, event_id, msgspec.json.decode(data))
                             last = event_id or last
-                            yield FeedEvent(kind, event_id, msgspec.json.decode(data))
-            except (TimeoutError, aiohttp.ClientError):
-                pass
-            await asyncio.sleep(random.uniform(0, pause))
+                            yield event
+            except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+                pass  # a cut, a stall, an event that is not the service's: resume
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), random.uniform(0, pause))
             pause = min(pause * 2, max_pause_s)
 
     # -- players (games with player limits) ------------------------------------------------
@@ -241,7 +262,11 @@ class Client:
         request_id = request_id or uuid.uuid4().hex
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if self._closed.is_set() and attempts == 0:
+                raise RuntimeError("the client is closed: nothing was sent")
+            if left < _LAST_ATTEMPT_S or self._closed.is_set():
+                if self._closed.is_set():
+                    last = f"the client was closed (after: {last})"
                 raise _unknown(ticket_id, method, path, attempts, last, request_id)
             attempts += 1
             try:
@@ -249,25 +274,35 @@ class Client:
                                            request_id)
             except _Retry as again:
                 last = again.what
-                wait = max(again.after_s, random.uniform(0, pause))  # full jitter
-                pause = min(pause * 2, self.max_backoff_s)
                 left = deadline - time.monotonic()
-                if wait >= left:
+                if again.after_s >= left:  # the service asks for more time than is left
                     raise _unknown(ticket_id, method, path, attempts, last, request_id) from None
-                await asyncio.sleep(wait)
+                # Full jitter, but never past the point where one more attempt still fits.
+                wait = max(again.after_s, min(random.uniform(0, pause),
+                                              left - _LAST_ATTEMPT_S))
+                pause = min(pause * 2, self.max_backoff_s)
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._closed.wait(), wait)
 
     async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
                        timeout_s: float, request_id: str) -> T:
-        if self._session is None:
+        session = self._session
+        if session is None:
+            if self._closed.is_set():
+                raise _Retry("the client was closed")
             raise RuntimeError("use the client as `async with Client(…) as client`")
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
         headers["X-Request-ID"] = request_id
         try:
-            async with self._session.request(
-                    method, self.base_url + path, data=body, headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            # The path as encoded here (yarl would resolve an id "." or ".." away), and no
+            # raise_for_status of a caller's session: every status is read below.
+            async with session.request(
+                    method, yarl.URL(self.base_url + path, encoded=True), data=body,
+                    headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                    raise_for_status=False) as resp:
                 raw = await resp.read()
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After", "")
@@ -276,34 +311,63 @@ class Client:
         except aiohttp.ClientError as e:
             raise _Retry(f"connection: {type(e).__name__}") from None
         if status < 300:
-            return msgspec.json.decode(raw, type=kind)
+            try:
+                return msgspec.json.decode(raw, type=kind)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # Not the service's answer (a proxy's page, a cut body): nothing known.
+                raise _Retry(f"HTTP {status} with an unreadable body") from None
         if status in RETRIED:
             after = float(retry_after) if retry_after.isdigit() else 0.0
             raise _Retry(f"HTTP {status}", after)
-        try:
-            err = _error(raw).error
-            code, message, where = err.code, err.message, err.path
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            code, message, where = "unexpected", raw[:200].decode(errors="replace"), None
-        if code == "ticket_pending":  # interrupted half-way: the janitor decides it soon
+        failure = _failure(status, raw)
+        if failure.code == "ticket_pending":  # interrupted half-way: the janitor decides it
             raise _Retry("HTTP 409 ticket_pending", 0.0)
-        raise error_for(status, code, message, where)
+        raise failure
 
 
-async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, str, str]]:
-    """(event type, id, data) of each event of a server-sent event stream, from its lines
-    (comments, such as the feed's heartbeat, skipped)."""
+def _failure(status: int, raw: bytes) -> CapsvcError:
+    """The typed error of a status and its body (the service's error, or whatever a proxy
+    answered instead)."""
+    try:
+        err = _error(raw).error
+        code, message, where = err.code, err.message, err.path
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        code, message, where = "unexpected", raw[:200].decode(errors="replace"), None
+    return error_for(status, code, message, where)
+
+
+async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, str, str]]:
+    """(event type, id, data) of each event of a server-sent event stream, from its bytes
+    as they come (lines of any length), each once complete: at the blank line that ends
+    it, so an event cut by a broken connection is never yielded. Comments (the feed's
+    heartbeat) are skipped; an event's data lines are joined by newlines."""
+    buffer = b""
     kind, event_id = "", ""
-    async for raw in lines:
-        line = raw.decode().rstrip("\r\n")
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: ") and kind:
-            yield kind, event_id, line[6:]
-        elif not line:
-            kind, event_id = "", ""
+    data: list[str] = []
+    async for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = raw.decode().rstrip("\r")
+            if not line:
+                if kind and data:
+                    yield kind, event_id, "\n".join(data)
+                kind, event_id, data = "", "", []
+            elif line.startswith("event:"):
+                kind = line[6:].removeprefix(" ")
+            elif line.startswith("id:"):
+                event_id = line[3:].removeprefix(" ")
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+
+
+def _seg(text: str) -> str:
+    """A path segment, percent-encoded, dots too (an id "." or ".." stays an id)."""
+    return quote(text, safe="").replace(".", "%2E")
+
+
+def _game(game: str | None) -> str:
+    return "" if game is None else f"?game={_seg(game)}"
 
 
 def _as(value: Any, kind: type[T]) -> T:
@@ -325,15 +389,6 @@ def _unknown(ticket_id: str | None, method: str, path: str, attempts: int, last:
         return Unavailable(f"{method} {path}: no answer after {attempts} attempt(s) ({last})",
                            attempts, last, request_id)
     return OutcomeUnknown(ticket_id, attempts, last, request_id)
-
-
-def _seg(text: str) -> str:
-    """A path segment, quoted."""
-    return quote(text, safe="")
-
-
-def _game(game: str | None) -> str:
-    return "" if game is None else f"?game={quote(game, safe='')}"
 
 
 class _Blocking(Generic[P, T]):
@@ -386,11 +441,22 @@ class SyncClient:
         self.close()
 
     def close(self) -> None:
+        """Close the client: calls in flight in other threads end (a sale's or a cancel's
+        with OutcomeUnknown), then the loop and its thread."""
         if self._loop.is_running():
-            self._run(self._client.aclose())
+            self._run(self._shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self._loop.close()
+
+    async def _shutdown(self) -> None:
+        await self._client.aclose()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if others:  # they see the client closed at once; the slowest, cancelled
+            _, stuck = await asyncio.wait(others, timeout=_CLOSE_S)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
 
     sell = _Blocking(Client.sell)
     ticket = _Blocking(Client.ticket)
