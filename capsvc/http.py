@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import msgspec
 from aiohttp import web
@@ -480,13 +481,20 @@ class Router:
 
     def resolve(self, method: str, path: str
                 ) -> tuple[Handler | None, str, dict[str, str], dict[str, Handler]]:
-        """(handler, template, parameters, the path's handlers by method): handler None
-        when the path is unknown (template "unmatched") or the method is not allowed
-        there."""
-        handlers = self._fixed.get(path)
+        """(handler, template, parameters, the path's handlers by method) of a raw path
+        (percent-encoded as sent): handler None when the path is unknown (template
+        "unmatched") or the method is not allowed there."""
+        if "%" in path:  # segments decoded one by one: an encoded "/" stays in its segment
+            parts = [unquote(p) for p in path[1:].split("/")]
+            path = "/" + "/".join(parts)
+            handlers = None if any("/" in p for p in parts) else self._fixed.get(path)
+        else:
+            parts = None
+            handlers = self._fixed.get(path)
         template, params = path, _NO_PARAMS
         if handlers is None:
-            parts = path[1:].split("/")
+            if parts is None:
+                parts = path[1:].split("/")
             for segments, pattern, candidates in self._patterns:
                 if len(segments) != len(parts):
                     continue
@@ -529,7 +537,8 @@ def _dispatch(api: Api, router: Router) -> Handler:
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         rid = request_id(request)
-        handler, template, params, handlers = router.resolve(request.method, request.path)
+        handler, template, params, handlers = router.resolve(request.method,
+                                                             request.rel_url.raw_path)
         request[PARAMS] = params
         if handler is None:
             if template == "unmatched":

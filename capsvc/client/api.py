@@ -4,8 +4,12 @@ docstring for the retry rules)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import email.utils
+import inspect
 import random
+import re
 import threading
 import time
 import uuid
@@ -55,6 +59,10 @@ from capsvc.models import (
 T = TypeVar("T")
 P = ParamSpec("P")
 
+_CLOSING = "capsvc.client: closed"
+"""The message of the cancellation aclose() sends to the calls in flight."""
+_FEED_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=45)
+"""A feed's connection: no end, but a heartbeat every 15 s (45 s without one: dead)."""
 _CLOSE_S = 5.0
 """How long a closing SyncClient waits for its calls in flight to end."""
 _LAST_ATTEMPT_S = 0.05
@@ -74,6 +82,10 @@ class FeedEvent:
     """Its id: what `Last-Event-ID` resumes after."""
     data: Any
     """Its JSON data (docs/api.md, the feed)."""
+
+
+class _Closed(Exception):
+    """The client was closed while a call waited on the service."""
 
 
 class _Retry(Exception):
@@ -104,6 +116,8 @@ class Client:
         self._own_session = session is None
         self._closed = asyncio.Event()
         """Set by aclose(): calls in flight stop (a decision's is then OutcomeUnknown)."""
+        self._calls: set[asyncio.Task[Any]] = set()
+        """The tasks waiting on the service in one of this client's calls right now."""
 
     async def __aenter__(self) -> Client:
         self._closed = asyncio.Event()  # bound to the loop it is used in
@@ -119,9 +133,28 @@ class Client:
         """Close the client: calls in flight end at once (a sale or a cancel whose outcome
         is then unknown raises OutcomeUnknown), and the pool, if the client made it."""
         self._closed.set()
+        for task in self._calls - {asyncio.current_task()}:
+            task.cancel(_CLOSING)
         if self._session is not None and self._own_session:
             await self._session.close()
             self._session = None
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """While the calling task waits on the service: aclose() cancels it, and that
+        cancellation (none other) comes out as `_Closed`."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
+        try:
+            yield
+        except asyncio.CancelledError as e:
+            if e.args == (_CLOSING,) and self._closed.is_set():
+                task.uncancel()
+                raise _Closed from None
+            raise
+        finally:
+            self._calls.discard(task)
 
     # -- tickets -------------------------------------------------------------------------
 
@@ -192,27 +225,42 @@ class Client:
         url = yarl.URL(f"{self.base_url}/v1/games/{_seg(game)}/capped/stream{query}",
                        encoded=True)
         last, pause = last_event_id, self.backoff_s
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=45)
         while not self._closed.is_set():
-            headers = dict(self._headers)
-            if last is not None:
-                headers["Last-Event-ID"] = last
+            events = self._feed(session, url, last)
             try:
-                async with session.get(url, headers=headers, timeout=timeout,
-                                       raise_for_status=False) as resp:
-                    if 400 <= resp.status < 500:
-                        raise _failure(resp.status, await resp.read())
-                    if resp.status == 200:
-                        pause = self.backoff_s
-                        async for kind, event_id, data in sse_events(resp.content.iter_any()):
-                            event = FeedEvent(kind, event_id, msgspec.json.decode(data))
-                            last = event_id or last
-                            yield event
-            except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
-                pass  # a cut, a stall, an event that is not the service's: resume
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), random.uniform(0, pause))
+                while True:
+                    with self._in_flight():
+                        event = await anext(events)
+                    pause = self.backoff_s
+                    last = event.id or last
+                    yield event
+            except (StopAsyncIteration, TimeoutError, aiohttp.ClientError,
+                    msgspec.DecodeError):
+                pass  # the end, a cut, a stall, an event not the service's: resume
+            except _Closed:
+                return
+            finally:
+                await events.aclose()
+            try:
+                with self._in_flight():
+                    await asyncio.sleep(random.uniform(0, pause))
+            except _Closed:
+                return
             pause = min(pause * 2, max_pause_s)
+
+    async def _feed(self, session: aiohttp.ClientSession, url: yarl.URL, last: str | None
+                    ) -> AsyncGenerator[FeedEvent, None]:
+        """The events of one connection to the feed, from after `last`."""
+        headers = dict(self._headers)
+        if last is not None:
+            headers["Last-Event-ID"] = last
+        async with session.get(url, headers=headers, timeout=_FEED_TIMEOUT,
+                               raise_for_status=False) as resp:
+            if 400 <= resp.status < 500:
+                raise _failure(resp.status, await resp.read())
+            if resp.status == 200:
+                async for kind, event_id, data in sse_events(resp.content.iter_any()):
+                    yield FeedEvent(kind, event_id, msgspec.json.decode(data))
 
     # -- players (games with player limits) ------------------------------------------------
 
@@ -256,7 +304,10 @@ class Client:
     async def _until_decided(self, ticket_id: str | None, method: str, path: str, kind: type[T],
                              body: bytes | None, deadline_s: float | None,
                              request_id: str | None) -> T:
-        deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
+        budget = self.deadline_s if deadline_s is None else deadline_s
+        if not budget > 0:
+            raise ValueError(f"deadline_s must be positive, got {budget}")
+        deadline = time.monotonic() + budget
         attempts, pause, last = 0, self.backoff_s, "no attempt"
         # One id for every attempt of the call: the service's logs show them together.
         request_id = request_id or uuid.uuid4().hex
@@ -264,14 +315,19 @@ class Client:
             left = deadline - time.monotonic()
             if self._closed.is_set() and attempts == 0:
                 raise RuntimeError("the client is closed: nothing was sent")
-            if left < _LAST_ATTEMPT_S or self._closed.is_set():
+            if attempts and (left < _LAST_ATTEMPT_S or self._closed.is_set()):
                 if self._closed.is_set():
                     last = f"the client was closed (after: {last})"
                 raise _unknown(ticket_id, method, path, attempts, last, request_id)
             attempts += 1
             try:
-                return await self._attempt(method, path, kind, body, min(self.timeout_s, left),
-                                           request_id)
+                with self._in_flight():
+                    return await self._attempt(method, path, kind, body,
+                                               min(self.timeout_s, max(left, 0.001)),
+                                               request_id)
+            except _Closed:
+                last = f"the client was closed (during attempt {attempts})"
+                raise _unknown(ticket_id, method, path, attempts, last, request_id) from None
             except _Retry as again:
                 last = again.what
                 left = deadline - time.monotonic()
@@ -282,8 +338,8 @@ class Client:
                                               left - _LAST_ATTEMPT_S))
                 pause = min(pause * 2, self.max_backoff_s)
                 if wait > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._closed.wait(), wait)
+                    with contextlib.suppress(TimeoutError, _Closed), self._in_flight():
+                        await asyncio.sleep(wait)
 
     async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
                        timeout_s: float, request_id: str) -> T:
@@ -317,8 +373,7 @@ class Client:
                 # Not the service's answer (a proxy's page, a cut body): nothing known.
                 raise _Retry(f"HTTP {status} with an unreadable body") from None
         if status in RETRIED:
-            after = float(retry_after) if retry_after.isdigit() else 0.0
-            raise _Retry(f"HTTP {status}", after)
+            raise _Retry(f"HTTP {status}", _retry_after(retry_after))
         failure = _failure(status, raw)
         if failure.code == "ticket_pending":  # interrupted half-way: the janitor decides it
             raise _Retry("HTTP 409 ticket_pending", 0.0)
@@ -336,19 +391,30 @@ def _failure(status: int, raw: bytes) -> CapsvcError:
     return error_for(status, code, message, where)
 
 
+_BOM = b"\xef\xbb\xbf"
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, str, str]]:
     """(event type, id, data) of each event of a server-sent event stream, from its bytes
     as they come (lines of any length), each once complete: at the blank line that ends
     it, so an event cut by a broken connection is never yielded. Comments (the feed's
     heartbeat) are skipped; an event's data lines are joined by newlines."""
-    buffer = b""
+    buffer, first = b"", True
     kind, event_id = "", ""
     data: list[str] = []
-    async for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
+    async for chunk in _then_none(chunks):
+        buffer += chunk or b""
+        if first:
+            if chunk is not None and len(buffer) < 3 and _BOM.startswith(buffer):
+                continue
+            buffer, first = buffer.removeprefix(_BOM), False
+        # A CR at the end may be the first half of a CRLF: kept for the next chunk, if any.
+        end = len(buffer) - 1 if buffer.endswith(b"\r") and chunk is not None else len(buffer)
+        *lines, rest = _LINE_END.split(buffer[:end])
+        buffer = rest + buffer[end:]
         for raw in lines:
-            line = raw.decode().rstrip("\r")
+            line = raw.decode(errors="replace")
             if not line:
                 if kind and data:
                     yield kind, event_id, "\n".join(data)
@@ -361,9 +427,38 @@ async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[str, s
                 data.append(line[5:].removeprefix(" "))
 
 
+async def _then_none(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes | None]:
+    """The chunks, then None: the end of the stream."""
+    async for chunk in chunks:
+        yield chunk
+    yield None
+
+
 def _seg(text: str) -> str:
     """A path segment, percent-encoded, dots too (an id "." or ".." stays an id)."""
-    return quote(text, safe="").replace(".", "%2E")
+    try:
+        return quote(text, safe="").replace(".", "%2E")
+    except UnicodeEncodeError:  # a lone surrogate: no such id, game or player
+        raise ValidationError(422, "invalid_request", f"{text!r} is not valid text",
+                              None) from None
+
+
+_DELAY_SECONDS = re.compile(r"[0-9]{1,9}")
+
+
+def _retry_after(value: str) -> float:
+    """Seconds a Retry-After asks for: delay-seconds or an HTTP date; 0 when absent or
+    unreadable (a proxy's)."""
+    value = value.strip()
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return 0.0
+    if when.tzinfo is None:
+        return 0.0
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _game(game: str | None) -> str:
@@ -424,6 +519,12 @@ class SyncClient:
     its own, one connection pool. `with SyncClient(url, token) as c: c.sell({...})`."""
 
     def __init__(self, base_url: str, token: str, **options: Any) -> None:
+        self._closing = threading.Lock()
+        """Held by close(), so that it runs once whoever calls it."""
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        """Calls submitted to the loop and not yet answered."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="capsvc-client")
@@ -432,7 +533,18 @@ class SyncClient:
         self._run(self._client.__aenter__())
 
     def _run(self, step: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(_awaited(step), self._loop).result()
+        with self._lock:
+            if self._loop.is_closed() or self._stopping:
+                if inspect.iscoroutine(step):
+                    step.close()  # never to run
+                raise RuntimeError("the client is closed: nothing was sent")
+            future = asyncio.run_coroutine_threadsafe(_awaited(step), self._loop)
+            self._pending.add(future)
+        try:
+            return future.result()
+        finally:
+            with self._lock:
+                self._pending.discard(future)
 
     def __enter__(self) -> SyncClient:
         return self
@@ -442,12 +554,20 @@ class SyncClient:
 
     def close(self) -> None:
         """Close the client: calls in flight in other threads end (a sale's or a cancel's
-        with OutcomeUnknown), then the loop and its thread."""
-        if self._loop.is_running():
+        with OutcomeUnknown), then the loop and its thread. Once, whoever calls it."""
+        with self._closing:
+            if self._loop.is_closed():
+                return
             self._run(self._shutdown())
+            with self._lock:  # from now on, nothing more is sent to the loop
+                self._stopping = True
+                stranded = list(self._pending)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self._loop.close()
+            for future in stranded:  # submitted as the loop stopped: never to run
+                if not future.done():
+                    future.set_exception(RuntimeError("the client was closed"))
 
     async def _shutdown(self) -> None:
         await self._client.aclose()
@@ -479,9 +599,14 @@ class SyncClient:
         events = self._client.capped_events(game, draw=draw, last_event_id=last_event_id)
         try:
             while True:
-                yield self._run(anext(events))
+                try:
+                    event = self._run(anext(events))
+                except StopAsyncIteration:  # the client was closed
+                    return
+                yield event
         finally:
-            self._run(events.aclose())
+            with contextlib.suppress(RuntimeError):  # the client closed: nothing to close
+                self._run(events.aclose())
 
 
 async def _awaited(step: Awaitable[T]) -> T:

@@ -8,6 +8,7 @@ against a stand-in HTTP server where it plays what sits between a sales system a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -214,9 +215,11 @@ async def test_closing_the_client_ends_a_sale_in_flight_with_outcome_unknown(
             await c.sell(SALE)
 
 
-def test_closing_the_blocking_client_ends_another_threads_sale(stand_in: StandIn) -> None:
+async def test_closing_the_blocking_client_ends_another_threads_sale(stand_in: StandIn
+                                                                     ) -> None:
     """SyncClient.close() while another thread sells: that thread gets OutcomeUnknown and
-    ends; close() returns."""
+    ends; close() returns. (The stand-in serves from this test's loop: the blocking parts
+    run in threads.)"""
     stand_in.handler = never_answer
     outcome: list[BaseException] = []
     c = SyncClient(stand_in.url, "t")
@@ -229,10 +232,11 @@ def test_closing_the_blocking_client_ends_another_threads_sale(stand_in: StandIn
 
     seller = threading.Thread(target=sell)
     seller.start()
-    time.sleep(0.3)
+    await asyncio.sleep(0.3)
+    assert stand_in.requests == 1
     started = time.monotonic()
-    c.close()
-    seller.join(5)
+    await asyncio.to_thread(c.close)
+    await asyncio.to_thread(seller.join, 5)
     assert not seller.is_alive()
     assert time.monotonic() - started < 5
     assert len(outcome) == 1
@@ -249,3 +253,161 @@ async def test_the_deadline_is_used_to_its_end(stand_in: StandIn) -> None:
                 await c.sell(SALE, deadline_s=deadline)
             elapsed = time.monotonic() - started
             assert deadline - 0.1 <= elapsed <= deadline + 0.2, (deadline, elapsed)
+
+
+# -- the second review ----------------------------------------------------------------------
+
+
+async def half_an_answer(req: web.Request) -> web.StreamResponse:
+    """The status and headers, part of the body, then nothing."""
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
+                                                   "Content-Length": "1000"})
+    await resp.prepare(req)
+    await resp.write(b'{"ticket_id": "R-1", ')
+    await asyncio.sleep(10)
+    return resp
+
+
+async def snapshot_then_silence(req: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(req)
+    await resp.write(b'event: snapshot\nid: 0-0\ndata: {"draws": []}\n\n')
+    await asyncio.sleep(10)
+    return resp
+
+
+async def test_closing_ends_a_sale_reading_its_answer_and_a_feed_at_once(
+        stand_in: StandIn) -> None:
+    """aclose() while a sale's answer is half read: OutcomeUnknown at once; while a feed
+    iterator waits for its next event: the iterator ends."""
+    stand_in.handler = half_an_answer
+    async with Client(stand_in.url, "t", timeout_s=20) as c:
+        selling = asyncio.create_task(c.sell(SALE, deadline_s=30))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await c.aclose()
+        with pytest.raises(OutcomeUnknown):
+            await selling
+        assert time.monotonic() - started < 1
+    stand_in.handler = snapshot_then_silence
+    async with Client(stand_in.url, "t") as c:
+        events = c.capped_events("fdj-keno")
+        assert (await anext(events)).kind == "snapshot"
+        waiting = asyncio.create_task(anext(events))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await c.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await waiting
+        assert time.monotonic() - started < 1
+
+
+async def test_closing_the_blocking_client_ends_a_half_read_sale_and_a_feed_in_threads(
+        stand_in: StandIn) -> None:
+    got: list[Any] = []
+    c = SyncClient(stand_in.url, "t", timeout_s=20)
+
+    def sell() -> None:
+        try:
+            c.sell(SALE, deadline_s=30)
+        except OutcomeUnknown as e:
+            got.append(e)
+
+    def follow() -> None:
+        try:
+            for event in c.capped_events("fdj-keno"):
+                got.append(event.kind)
+        except Exception as e:
+            got.append(e)
+
+    async def route(req: web.Request) -> web.StreamResponse:
+        return await (snapshot_then_silence(req) if "stream" in req.path
+                      else half_an_answer(req))
+
+    stand_in.handler = route
+    threads = [threading.Thread(target=sell), threading.Thread(target=follow)]
+    for t in threads:
+        t.start()
+    await asyncio.sleep(0.5)
+    assert stand_in.requests == 2
+    started = time.monotonic()
+    await asyncio.to_thread(c.close)
+    for t in threads:
+        await asyncio.to_thread(t.join, 5)
+    assert time.monotonic() - started < 2
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(map(str, (type(g).__name__ if not isinstance(g, str) else g for g in got))
+                  ) == ["OutcomeUnknown", "snapshot"]
+    with pytest.raises(RuntimeError):
+        c.sell(SALE)
+
+
+async def test_two_threads_closing_at_once_both_return(stand_in: StandIn) -> None:
+    stand_in.handler = never_answer
+    for _ in range(5):
+        c = SyncClient(stand_in.url, "t")
+        seller = threading.Thread(target=lambda c=c: _quietly(c.sell, SALE))
+        seller.start()
+        await asyncio.sleep(0.1)
+        closers = [threading.Thread(target=c.close) for _ in range(2)]
+        for t in closers:
+            t.start()
+        for t in [*closers, seller]:
+            await asyncio.to_thread(t.join, 10)
+        assert not any(t.is_alive() for t in [*closers, seller])
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    with contextlib.suppress(OutcomeUnknown):
+        call(*args)
+
+
+async def test_retry_after_of_any_form_is_read_or_ignored_never_an_error(
+        stand_in: StandIn) -> None:
+    from capsvc.client.api import _retry_after
+
+    assert _retry_after("3") == 3.0
+    assert _retry_after("²") == _retry_after("1.5") == _retry_after("soon") == 0.0
+    assert 9 < _retry_after(time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+                                          time.gmtime(time.time() + 10))) <= 10
+    assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
+
+    async def busy(req: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "unavailable", "message": "busy",
+                                            "path": None}},
+                                 status=503, headers={"Retry-After": "²"})
+
+    stand_in.handler = busy
+    async with Client(stand_in.url, "t", backoff_s=0.01) as c:
+        with pytest.raises(OutcomeUnknown):
+            await c.sell(SALE, deadline_s=0.3)
+        assert stand_in.requests > 1
+        with pytest.raises(ValueError, match="deadline_s"):
+            await c.sell(SALE, deadline_s=0)
+        requests = stand_in.requests
+        with pytest.raises(OutcomeUnknown) as once:
+            await c.sell(SALE, deadline_s=0.01)  # time for one attempt only: it is made
+        assert (once.value.attempts, stand_in.requests) == (1, requests + 1)
+
+
+async def test_an_encoded_slash_stays_in_its_segment(live: ServiceProcess) -> None:
+    """GET /v1/tickets/X%2Fcancel is the ticket "X/cancel" (an invalid id: 422), not the
+    cancel route of X; a lone surrogate is refused before anything is sent."""
+    async with Client(live.base_url, TOKENS["fr"]) as c:
+        with pytest.raises(ValidationError) as bad:
+            await c.ticket("X/cancel")
+        assert (bad.value.status, bad.value.code) == (422, "invalid_request")
+        with pytest.raises(ValidationError):
+            await c.ticket("\ud800")
+
+
+async def test_sse_events_with_cr_line_ends_and_a_bom() -> None:
+    for text in (b'event: a\rid: 1-0\rdata: {}\r\r',
+                 b'\xef\xbb\xbfevent: a\nid: 1-0\ndata: {}\n\n',
+                 b'\xef\xbb\xbfevent: a\r\nid: 1-0\r\ndata: {}\r\n\r\n'):
+        for size in (1, 2, 5, len(text)):
+            async def chunks(text: bytes = text, size: int = size) -> AsyncIterator[bytes]:
+                for i in range(0, len(text), size):
+                    yield text[i:i + size]
+
+            assert [e async for e in sse_events(chunks())] == [("a", "1-0", "{}")], (text, size)
