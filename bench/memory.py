@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import random
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from capsvc import combination
+from capsvc.client import Client
 from capsvc.coalesce import Coalescer
 from capsvc.store import COUNTER_BUCKETS, Store, lua_source, record_field
-from capsvc.testing import RedisServer
+from capsvc.testing import RedisServer, ServiceProcess
 
 GAME, CAP, MIN_STAKE = "fdj-keno", 5000, 100
 FAR = 10**13  # a close instant far ahead (ms)
@@ -85,11 +89,108 @@ async def run(server: RedisServer, counters: int, draws: int) -> dict[str, float
             "hot_first": first, "hot_last": last}
 
 
+TOKEN = "bench-token"
+
+
+def mix(rng: random.Random, hot_set: list[list[int]], ticket_id: str, draw: int
+        ) -> dict[str, Any]:
+    """One ticket of bench/tickets.lua's mix: 1-5 grids of 2-10 numbers, a fifth of them
+    from a hot set of 20 combinations of 8-10 numbers, 15 % subscriptions."""
+    grids = [{"numbers": rng.choice(hot_set) if rng.random() < 0.2
+              else rng.sample(range(1, 71), rng.randint(2, 10)),
+              "stake": rng.choice([100, 200, 300, 500, 1000])}
+             for _ in range(rng.randint(1, 5))]
+    r = rng.random()
+    draws = 10 if r < 0.05 else 5 if r < 0.10 else 2 if r < 0.15 else 1
+    return {"ticket_id": ticket_id, "game": GAME, "first_draw": draw, "draws": draws,
+            "grids": grids}
+
+
+async def sell_mix(url: str, tickets: int, seed: int) -> int:
+    """Sells `tickets` tickets of the mix through capsvc.client; their draw."""
+    rng = random.Random(seed)
+    hot_set = [rng.sample(range(1, 71), rng.randint(8, 10)) for _ in range(20)]
+    async with Client(url, TOKEN, deadline_s=60) as c:
+        draw = (await c.current_draw(GAME)).draw
+        bodies = iter([mix(rng, hot_set, f"M{seed}-{i}", draw) for i in range(tickets)])
+
+        async def seller() -> None:
+            for body in bodies:
+                await c.sell(body)
+
+        await asyncio.gather(*(seller() for _ in range(32)))
+    return draw
+
+
+def per_ticket(server: RedisServer, tickets: int) -> dict[str, Any]:
+    """Redis memory per ticket of the mix sold through the service, everything it leaves in
+    Redis counted (ticket records, counters and grid records, aggregates, the pending
+    index once the decisions are journaled), and what each kind of key holds."""
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    config = Path(tempfile.mkdtemp(prefix="capsvc-bench-memory-")) / "bench.toml"
+    config.write_text(f"""
+[[games]]
+id = "{GAME}"
+preset = "fdj-keno-2008"
+
+[[channels]]
+id = "bench"
+token_sha256 = "{digest}"
+games = ["{GAME}"]
+scopes = ["sell", "read"]
+""")
+    client = server.client()
+    client.flushall()
+    service = ServiceProcess(str(config), server.url).start()
+    try:
+        asyncio.run(sell_mix(service.base_url, 200, seed=0))  # warm: library, feed, caps
+        deadline = time.monotonic() + 30
+        while any(client.zcard(k) for k in client.scan_iter("p:*")):
+            assert time.monotonic() < deadline, "decisions never journaled"
+            time.sleep(0.1)
+        before = client.info("memory")["used_memory"]
+        asyncio.run(sell_mix(service.base_url, tickets, seed=1))
+        while any(client.zcard(k) for k in client.scan_iter("p:*")):
+            assert time.monotonic() < deadline + 120, "decisions never journaled"
+            time.sleep(0.1)
+        after = client.info("memory")["used_memory"]
+        kinds: dict[str, list[int]] = {}
+        for key in client.scan_iter(count=10_000):
+            kind = key.split(b":", 1)[0].decode()
+            usage = kinds.setdefault(kind, [0, 0])
+            usage[0] += 1
+            usage[1] += client.memory_usage(key, samples=0) or 0
+        one = next(k for k in client.scan_iter("t:*"))
+        return {"per_ticket": (after - before) / tickets, "kinds": kinds,
+                "record": client.memory_usage(one, samples=0),
+                "record_encoding": client.object("encoding", one),
+                "record_fields": {f.decode(): len(v) for f, v in client.hgetall(one).items()}}
+    finally:
+        service.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counters", type=int, default=100_000)
     parser.add_argument("--draws", type=int, default=1000)
+    parser.add_argument("--tickets", type=int, default=20_000,
+                        help="tickets of the mix sold through the service (3.); 0: skip")
     args = parser.parse_args()
+    if args.tickets:
+        server = RedisServer().start()
+        try:
+            version = server.client().info("server")["redis_version"]
+            r = per_ticket(server, args.tickets)
+        finally:
+            server.stop()
+        print(f"redis {version}, {args.tickets} tickets of the mix sold through capsvc, "
+              f"decisions journaled: used_memory {r['per_ticket']:.0f} bytes per ticket")
+        total = sum(v[1] for v in r["kinds"].values())
+        for kind, (count, used) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][1]):
+            print(f"  {kind + ':*':6} {count:7} keys  MEMORY USAGE {used:12,} B  "
+                  f"({used / args.tickets:6.0f} B a ticket, {used / total:4.0%})")
+        print(f"  a ticket record: {r['record']} B ({r['record_encoding']!r}), fields "
+              f"(bytes): {r['record_fields']}")
     for entries in (128, 512):
         server = RedisServer(extra=("--hash-max-listpack-entries", str(entries))).start()
         try:

@@ -36,11 +36,10 @@ from capsvc.games import Catalog
 from capsvc.ledger import Ledger
 from capsvc.store import TICKET_BUCKETS, Store, channel_of, stop_instants
 from capsvc.tickets import Tickets, derived_body, first_stopped
-from capsvc.validator import Sale
+from capsvc.validator import unpack_sale
 
 log = logging.getLogger(__name__)
 
-_sale_decoder = msgspec.json.Decoder(Sale)
 
 
 class Janitor:
@@ -89,7 +88,7 @@ class Janitor:
         if reply[0] == b"wait":
             return 0
         state, at = reply[0], int(reply[1])
-        sale_id, sale = reply[2].decode(), _sale_decoder.decode(reply[3])
+        sale_id, sale = reply[2].decode(), unpack_sale(reply[3])
         game = self.catalog.get(sale.game)
         if game is None or sale.first_draw is None:
             # Its rules are needed to settle or journal it: it waits, indexed (and the draw

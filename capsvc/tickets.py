@@ -46,11 +46,16 @@ from capsvc.journal.records import Via
 from capsvc.ledger import Ledger
 from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, replies_of, retrieving, stop_instants, ticket_key
-from capsvc.validator import Sale, request_fingerprint, validate_ticket
+from capsvc.validator import (
+    Sale,
+    pack_sale,
+    request_fingerprint,
+    unpack_sale,
+    validate_ticket,
+)
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
-_sale_decoder = msgspec.json.Decoder(Sale)
 _ticket_decoder = msgspec.json.Decoder(TicketOut)
 _ATTEMPTS = 4
 """Claims per request: a defaulted first draw that just closed moves on, a sale the janitor
@@ -164,7 +169,7 @@ class Tickets:
                 # Awaited together: when Redis fails, both fail, and both are retrieved.
                 _, claim = await replies_of([
                     self.store.index(key, self.clock.now(), expire_at),
-                    self.store.claim(key, sale.fingerprint, _encode(stored), close_ms,
+                    self.store.claim(key, sale.fingerprint, pack_sale(stored), close_ms,
                                      expire_at, self.stale_after_ms)])
             kind = claim[0]
             try:
@@ -198,7 +203,7 @@ class Tickets:
                     # they recorded. Whichever request of the sale writes the decision
                     # answers it first (the claim's own request or not); the others find it
                     # written and answer it as a replay.
-                    resumed = _sale_decoder.decode(claim[3])
+                    resumed = unpack_sale(claim[3])
                     assert resumed.first_draw is not None
                     return await self._decide(
                         channel, game, key, resumed, claim[2].decode(), int(claim[1]),
@@ -237,7 +242,7 @@ class Tickets:
         fix = capped and known is None
         caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
         reply: list[Any] = await self.store.sell(
-            key, sale.fingerprint, _encode(sale), close_ms, expire_at, self.stale_after_ms,
+            key, sale.fingerprint, pack_sale(sale), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)
@@ -365,7 +370,7 @@ class Tickets:
         """Journal a stored decision this process reports (a replay, a GET)."""
         if not self.journal.enabled:
             return self.journal.nothing()
-        sale = _sale_decoder.decode(raw_sale)
+        sale = unpack_sale(raw_sale)
         game = self.catalog.get(sale.game)
         assert sale.first_draw is not None
         last = sale.first_draw + sale.draws - 1
@@ -385,7 +390,7 @@ class Tickets:
                          ) -> tuple[TicketOut, Sale, set[int]]:
         """A decision, its sale, and the grids it accepted whose record is gone."""
         decision = _ticket_decoder.decode(body)
-        sale = _sale_decoder.decode(raw_sale)
+        sale = unpack_sale(raw_sale)
         accepted = {g.index for g in decision.grids if g.status == "accepted"}
         return decision, sale, await self.ledger.uncounted(game, sale, sale_id, accepted)
 
@@ -410,7 +415,7 @@ class Tickets:
             await self.store.ticket(ticket_key(channel.id, ticket_id)))
         if state is None:
             raise not_found(f"ticket {ticket_id!r}")
-        game = self.catalog.get(_sale_decoder.decode(raw_sale).game)
+        game = self.catalog.get(unpack_sale(raw_sale).game)
         lost = False
         if game is not None and self._may_have_lost_counters(state, body):
             # A decision whose counters a shard lost is no decision to show: the POST sent
@@ -450,7 +455,7 @@ class Tickets:
                            f"ticket {ticket_id} now holds another sale than {only_sale}")
         if body is None and results is None:
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
-        sale = _sale_decoder.decode(raw_sale)
+        sale = unpack_sale(raw_sale)
         game = self.catalog.get(sale.game)
         if game is None:
             raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
@@ -521,7 +526,7 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
 def derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
                   results: bytes) -> bytes:
     """The body of a decision stored as results: what the sale answered, byte for byte."""
-    return _encode(decision_of(channel_id, _sale_decoder.decode(raw_sale), sale_id.decode(),
+    return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id.decode(),
                                int(at), results))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 import msgspec
 from msgspec import Struct
@@ -115,10 +116,69 @@ def _grid_error(rules: GameRules, numbers: list[int], stake: int, multiplier: bo
 def _fingerprint(t: TicketIn, combos: list[str]) -> str:
     """The request's identity for idempotency: what it asks, with each grid's numbers as a
     set (3-7-12 is 12-3-7)."""
-    canonical = _encode((t.game, t.player_id, t.first_draw, t.draws, t.joker_plus,
-                         [(c, g.stake, g.multiplier) for c, g in zip(combos, t.grids,
-                                                                        strict=True)]))
+    return _fingerprint_of(t.game, t.player_id, t.first_draw, t.draws, t.joker_plus,
+                           [(c, g.stake, g.multiplier)
+                            for c, g in zip(combos, t.grids, strict=True)])
+
+
+def _fingerprint_of(game: str, player_id: str | None, first_draw: int | None, draws: int,
+                    joker_plus: bool, grids: list[tuple[str, int, bool]]) -> str:
+    canonical = _encode((game, player_id, first_draw, draws, joker_plus, grids))
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+# -- the sale as the ticket record keeps it ---------------------------------------------
+
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder(list[Any]).decode
+_legacy = msgspec.json.Decoder(Sale).decode
+_MULTIPLIER, _CAPPED = 1, 2
+
+
+def pack_sale(sale: Sale) -> bytes:
+    """The sale as the ticket record keeps it (`sale`), compact so that the record stays a
+    small listpack in Redis (values of at most 64 bytes for tickets of one or two grids):
+    MessagePack `[ticket_id, game, player_id, first_draw, draws, joker_plus, joker_cost,
+    [[numbers (bytes), stake, flags], ...]]`. What can be derived is not kept: each grid's
+    index (its place), combination (its numbers), cost (stake x multiplier x draws), and
+    the fingerprint, recomputed from the rest; `first_draw` is negative when the request
+    left it to the service (the fingerprint has None there). A fingerprint that cannot be
+    recomputed so (another algorithm's) is kept, ninth. Read by `unpack_sale`, which also
+    reads the JSON of the records written before (a rolling upgrade)."""
+    assert sale.first_draw is not None
+    grids = [[bytes(g.numbers), g.stake, (_MULTIPLIER if g.multiplier else 0)
+              | (_CAPPED if g.capped else 0)] for g in sale.grids]
+    asked = [(g.combo, g.stake, g.multiplier) for g in sale.grids]
+    packed: list[Any] = [sale.ticket_id, sale.game, sale.player_id, sale.first_draw,
+                         sale.draws, sale.joker_plus, sale.joker_cost, grids]
+    if _fingerprint_of(sale.game, sale.player_id, sale.first_draw, sale.draws,
+                       sale.joker_plus, asked) != sale.fingerprint:
+        packed[3] = -sale.first_draw
+        if _fingerprint_of(sale.game, sale.player_id, None, sale.draws, sale.joker_plus,
+                           asked) != sale.fingerprint:
+            packed[3] = sale.first_draw
+            packed.append(sale.fingerprint)
+    return _pack(packed)
+
+
+def unpack_sale(raw: bytes) -> Sale:
+    """The sale of a ticket record, packed by `pack_sale` or, written before it, JSON."""
+    if raw[:1] == b"[":
+        return _legacy(raw)
+    tid, game, player, first, draws, joker, joker_cost, packed, *kept = _unpack(raw)
+    grids = []
+    for i, (numbers, stake, flags) in enumerate(packed):
+        ordered = tuple(numbers)
+        multiplier = bool(flags & _MULTIPLIER)
+        grids.append(SaleGrid(i, ordered, combination.encode(ordered), stake, multiplier,
+                              stake * (2 if multiplier else 1) * draws,
+                              bool(flags & _CAPPED)))
+    asked = [(g.combo, g.stake, g.multiplier) for g in grids]
+    fingerprint = kept[0] if kept else _fingerprint_of(
+        game, player, first if first > 0 else None, draws, joker, asked)
+    return Sale(ticket_id=tid, game=game, player_id=player, first_draw=abs(first),
+                draws=draws, grids=tuple(grids), joker_plus=joker, joker_cost=joker_cost,
+                fingerprint=fingerprint)
 
 
 def request_fingerprint(t: TicketIn) -> str | None:

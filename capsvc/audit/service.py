@@ -44,11 +44,10 @@ from capsvc.journal.reconciler import DIRECTORY_ID
 from capsvc.journal.recorder import Recorder
 from capsvc.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.tickets import Tickets, derived_body
-from capsvc.validator import Sale
+from capsvc.validator import unpack_sale
 
 log = logging.getLogger(__name__)
 
-_sale = msgspec.json.Decoder(Sale).decode
 _report = msgspec.json.Decoder(DrawReport).decode
 REPORTS = "reports"
 """Under the journal directory: reports/<game>/<draw>.json and .csv."""
@@ -333,7 +332,7 @@ async def lookup(store: Store, keys: list[tuple[str, str]], game: str, draw: int
             if body is None:
                 body = derived_body(channel, raw_sale, sale_id, at, results)
             decision = msgspec.json.decode(body)
-            sale = _sale(raw_sale)
+            sale = unpack_sale(raw_sale)
             assert sale.first_draw is not None
             same_game = sale.game == game
             out[channel, ticket] = Known(
