@@ -1,6 +1,7 @@
-"""Redis memory per (combination, draw) counter with its grid record, and a hot combination.
+"""Redis memory per ticket, per (combination, draw) counter with its grid record, and a hot
+combination.
 
-    python bench/memory.py [--counters 100000] [--draws 1000]
+    python bench/memory.py [--tickets 20000] [--counters 100000] [--draws 1000]
 
 1. Creates N counters the way a sale does (the reserve function: one grid of a distinct
    8-number combination on one draw, with its record and TTL) and prints the `INFO memory`
@@ -10,6 +11,12 @@
    by the cap per draw, as a hot combination at its cap), each draw's keys expiring a
    moment after it is sold, and prints the memory in use after the first 5 draws and after
    all of them: what a draw stored goes with it, so the two stay the same.
+3. (First.) Sells `--tickets` tickets of the mix of bench/tickets.lua through a capsvc
+   process (capsvc.client, 32 at a time), waits until their decisions are journaled (the
+   pending index empty), and prints the `used_memory` delta per ticket, everything the
+   sales left in Redis counted, with Redis's default hash limits and with
+   deploy/redis.conf's; then MEMORY USAGE by kind of key, and one ticket record. The
+   sizing rule: bytes per ticket x tickets retained (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ async def run(server: RedisServer, counters: int, draws: int) -> dict[str, float
 
 
 TOKEN = "bench-token"
+SHIPPED = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "128")
+"""deploy/redis.conf's hash limits (and the embedded server's)."""
 
 
 def mix(rng: random.Random, hot_set: list[list[int]], ticket_id: str, draw: int
@@ -176,15 +185,19 @@ def main() -> None:
     parser.add_argument("--tickets", type=int, default=20_000,
                         help="tickets of the mix sold through the service (3.); 0: skip")
     args = parser.parse_args()
-    if args.tickets:
-        server = RedisServer().start()
+    for name, extra in (("Redis's defaults", ()), ("deploy/redis.conf's hash limits",
+                                                    SHIPPED)):
+        if not args.tickets:
+            break
+        server = RedisServer(extra=extra).start()
         try:
             version = server.client().info("server")["redis_version"]
             r = per_ticket(server, args.tickets)
         finally:
             server.stop()
-        print(f"redis {version}, {args.tickets} tickets of the mix sold through capsvc, "
-              f"decisions journaled: used_memory {r['per_ticket']:.0f} bytes per ticket")
+        print(f"redis {version}, {name}: {args.tickets} tickets of the mix sold through "
+              f"capsvc, decisions journaled: used_memory {r['per_ticket']:.0f} bytes per "
+              f"ticket")
         total = sum(v[1] for v in r["kinds"].values())
         for kind, (count, used) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][1]):
             print(f"  {kind + ':*':6} {count:7} keys  MEMORY USAGE {used:12,} B  "

@@ -71,7 +71,10 @@ class EmbeddedRedis:
             "--appendonly", "yes",
             "--appendfsync", "everysec",
             "--maxmemory-policy", "noeviction",
-            "--hash-max-listpack-entries", "512",  # as deploy/redis.conf (lua/capsvc.lua)
+            # As deploy/redis.conf (lua/capsvc.lua): counter buckets and ticket records
+            # kept as listpacks.
+            "--hash-max-listpack-entries", "512",
+            "--hash-max-listpack-value", "128",
             "--logfile", str(self.dir / "server.log"),
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -36,10 +37,14 @@ def workers(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
         tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     with (tmp_path / "workers.log").open("wb") as log:
+        # A journal directory of its own: not var/journal of the clone, where every run
+        # would add decisions for the next one's service to restore before it sells.
         proc = subprocess.Popen([sys.executable, "-m", "capsvc", "serve", "--workers", "2",
                                  "--config", str(CONFIG), "--redis-url", redis_backend.url,
                                  "--port", str(port)], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ,
+                                     "CAPSVC_JOURNAL_DIR": str(tmp_path / "journal")})
     yield proc, f"http://127.0.0.1:{port}"
     if proc.poll() is None:
         proc.kill()
@@ -113,9 +118,11 @@ def run_capsvc(*args: str, cwd: Path | None = None, log: Path | None = None,
                safe_path: bool = False) -> subprocess.Popen[bytes]:
     """`capsvc serve ARGS` in the background, its output in `log`."""
     python = [sys.executable, "-P"] if safe_path else [sys.executable]
+    journal = tempfile.mkdtemp(prefix="capsvc-workers-journal-")  # see `workers`
     with (log or Path(os.devnull)).open("wb") as out:
         return subprocess.Popen([*python, "-m", "capsvc", "serve", *args], cwd=cwd,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "CAPSVC_JOURNAL_DIR": journal})
 
 
 async def test_workers_start_whatever_the_current_directory_holds(
