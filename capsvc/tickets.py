@@ -162,14 +162,16 @@ class Tickets:
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
             if one_call:
-                claim = await self._sell_in_one_call(game, key, stored, close_ms, expire_at)
+                claim = await self._sell_in_one_call(game, key, stored, close_ms, expire_at,
+                                                     sale.first_draw is not None)
             else:
                 # One round trip: index the ticket for the janitor, claim. The claim is the
                 # only write that decides; admin stops are checked once it has been made.
                 # Awaited together: when Redis fails, both fail, and both are retrieved.
                 _, claim = await replies_of([
                     self.store.index(key, self.clock.now(), expire_at),
-                    self.store.claim(key, sale.fingerprint, pack_sale(stored), close_ms,
+                    self.store.claim(key, sale.fingerprint,
+                                     pack_sale(stored, sale.first_draw is not None), close_ms,
                                      expire_at, self.stale_after_ms)])
             kind = claim[0]
             try:
@@ -229,7 +231,7 @@ class Tickets:
                           self.settings.retry_after_s)
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
-                                expire_at: int) -> list[Any]:
+                                expire_at: int, asked: bool) -> list[Any]:
         """The sale as one atomic call (standalone Redis, no player limits): the claim's
         answers, a sale just made being [b"new", at, sid, results, near, sold]."""
         rules = game.rules
@@ -242,7 +244,7 @@ class Tickets:
         fix = capped and known is None
         caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
         reply: list[Any] = await self.store.sell(
-            key, sale.fingerprint, pack_sale(sale), close_ms, expire_at, self.stale_after_ms,
+            key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at, self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)

@@ -135,7 +135,7 @@ _legacy = msgspec.json.Decoder(Sale).decode
 _MULTIPLIER, _CAPPED = 1, 2
 
 
-def pack_sale(sale: Sale) -> bytes:
+def pack_sale(sale: Sale, asked: bool | None = None) -> bytes:
     """The sale as the ticket record keeps it (`sale`), compact so that the record stays a
     small listpack in Redis (values of at most 64 bytes for tickets of one or two grids):
     MessagePack `[ticket_id, game, player_id, first_draw, draws, joker_plus, joker_cost,
@@ -144,18 +144,26 @@ def pack_sale(sale: Sale) -> bytes:
     the fingerprint, recomputed from the rest; `first_draw` is negative when the request
     left it to the service (the fingerprint has None there). A fingerprint that cannot be
     recomputed so (another algorithm's) is kept, ninth. Read by `unpack_sale`, which also
-    reads the JSON of the records written before (a rolling upgrade)."""
+    reads the JSON of the records written before (a rolling upgrade).
+
+    `asked`: whether the request named its first draw, when the caller knows (a sale being
+    made: its fingerprint is then this code's, nothing to recompute); None: found out by
+    recomputing the fingerprint (a sale from the journal)."""
     assert sale.first_draw is not None
     grids = [[bytes(g.numbers), g.stake, (_MULTIPLIER if g.multiplier else 0)
               | (_CAPPED if g.capped else 0)] for g in sale.grids]
-    asked = [(g.combo, g.stake, g.multiplier) for g in sale.grids]
     packed: list[Any] = [sale.ticket_id, sale.game, sale.player_id, sale.first_draw,
                          sale.draws, sale.joker_plus, sale.joker_cost, grids]
+    if asked is not None:
+        if not asked:
+            packed[3] = -sale.first_draw
+        return _pack(packed)
+    request = [(g.combo, g.stake, g.multiplier) for g in sale.grids]
     if _fingerprint_of(sale.game, sale.player_id, sale.first_draw, sale.draws,
-                       sale.joker_plus, asked) != sale.fingerprint:
+                       sale.joker_plus, request) != sale.fingerprint:
         packed[3] = -sale.first_draw
         if _fingerprint_of(sale.game, sale.player_id, None, sale.draws, sale.joker_plus,
-                           asked) != sale.fingerprint:
+                           request) != sale.fingerprint:
             packed[3] = sale.first_draw
             packed.append(sale.fingerprint)
     return _pack(packed)

@@ -50,8 +50,11 @@ def sales(draw: st.DrawFn) -> tuple[Sale, bool]:
 @settings(max_examples=500, deadline=None)
 @given(sales())
 def test_every_sale_comes_back_whole(case: tuple[Sale, bool]) -> None:
-    sale, _ = case
-    assert unpack_sale(pack_sale(sale)) == sale
+    """Packed by a sale being made (which says whether its draw was asked) or from the
+    journal (found out from the fingerprint): the same bytes, the same sale back."""
+    sale, asked = case
+    assert pack_sale(sale, asked) == pack_sale(sale)
+    assert unpack_sale(pack_sale(sale, asked)) == sale
 
 
 @settings(max_examples=200, deadline=None)
