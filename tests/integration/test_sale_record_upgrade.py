@@ -16,7 +16,8 @@ async def test_tickets_sold_before_the_upgrade_replay_look_up_and_cancel(
         service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     draw = await client.current()
-    monkeypatch.setattr(tickets_module, "pack_sale", msgspec.json.encode)  # the old release
+    monkeypatch.setattr(tickets_module, "pack_sale",  # as the release before did
+                        lambda sale, asked=None: msgspec.json.encode(sale))
     bodies = [ticket([{"numbers": TEN, "stake": 500}, {"numbers": [1, 2, 3], "stake": 200}],
                      first_draw=draw),
               ticket([{"numbers": TEN[:8], "stake": 300}], draws=2)]
