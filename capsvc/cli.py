@@ -171,7 +171,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
                         library=lua_source())
         try:
             done, _ = await restore_once(directory, Catalog(settings.games),
-                                         Store(redis))
+                                         Store(redis, packed_sales=settings.packed_sales))
         finally:
             await redis.aclose()
         rate = done.records / done.seconds if done.seconds else 0.0

@@ -109,6 +109,9 @@ class Settings:
     redis_timeout_ms: int = 250
     durability_replicas: int = 0
     one_call_sales: bool = True
+    packed_sales: bool = True
+    """Ticket records keep their sale packed (validator.pack_sale); False: as JSON, what
+    releases before it read (for a rolling upgrade from one of them)."""
     """On a standalone Redis, sell a ticket of a game without player limits in one atomic
     call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
     protocol a Redis Cluster always uses, whose keys are spread over slots)."""
@@ -413,7 +416,8 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 
 _SECTIONS = {
-    "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
+    "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls",
+                        "sale_record"}),
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval"}),
@@ -536,6 +540,8 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
         one_call_sales=c.choice("redis.sale_calls", redis.get("sale_calls", "one"),
                                 ("one", "steps")) == "one",
+        packed_sales=c.choice("redis.sale_record", redis.get("sale_record", "packed"),
+                              ("packed", "json")) == "packed",
         # At least 1ms: WAIT with timeout 0 blocks for ever.
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),

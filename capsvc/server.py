@@ -153,7 +153,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error,
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
-    store = Store(redis)
+    store = Store(redis, packed_sales=settings.packed_sales)
     usecases = build_usecases(settings, store, journal=journal)
     usecases.audit.on_report = metrics.report_written
     usecases.audit.on_reconciled = lambda rec: metrics.reconciled(

@@ -23,8 +23,12 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from capsvc.coalesce import Coalescer, Transport
+import msgspec
 
+from capsvc.coalesce import Coalescer, Transport
+from capsvc.validator import Sale, pack_sale
+
+_json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
@@ -124,11 +128,19 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
-    def __init__(self, redis: Transport) -> None:
+    def __init__(self, redis: Transport, *, packed_sales: bool = True) -> None:
         self.redis = redis
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
+        self.packed_sales = packed_sales
+        """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
+
+    def sale_record(self, sale: Sale, asked: bool | None = None) -> bytes:
+        """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
+        processes of a release before it still run, the JSON they read. Read back by
+        validator.unpack_sale either way."""
+        return pack_sale(sale, asked) if self.packed_sales else _json_encode(sale)
 
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from

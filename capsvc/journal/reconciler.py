@@ -145,7 +145,7 @@ class Reconciler:
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
-            store = Store(redis)
+            store = Store(redis, packed_sales=self.settings.packed_sales)
             announcing: asyncio.Task[None] | None = None
             try:
                 await store.load_library()

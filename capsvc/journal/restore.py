@@ -51,7 +51,6 @@ from capsvc.journal.records import (
 from capsvc.ledger import Ledger
 from capsvc.models import TicketOut
 from capsvc.store import Store, record_field, replies_of, ticket_key
-from capsvc.validator import pack_sale
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +190,8 @@ class Restorer:
         budget and the draws' aggregates."""
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        written = await self.store.restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
+        written = await self.store.restore_ticket(key, r.sale, r.fp, r.at,
+                                                  self.store.sale_record(sale),
                                                   bytes(r.decision), r.until)
         kind = written[0]
         if kind == b"cancelled":
@@ -263,7 +263,8 @@ class Restorer:
         cancelling: list[Any] | None = None
         if ours and state != b"c":
             await self.store.index(key, now, r.until)  # the janitor finishes what we do not
-            reply = await self.store.restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
+            reply = await self.store.restore_ticket(key, r.sale, r.fp, r.at,
+                                                    self.store.sale_record(sale),
                                                     bytes(r.decision), r.until,
                                                     r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None
