@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import random
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
+
+from run import TOKEN, config_file
 
 from capsvc import combination
 from capsvc.client import Client
@@ -96,7 +95,6 @@ async def run(server: RedisServer, counters: int, draws: int) -> dict[str, float
             "hot_first": first, "hot_last": last}
 
 
-TOKEN = "bench-token"
 SHIPPED = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "128")
 """deploy/redis.conf's hash limits (and the embedded server's)."""
 
@@ -135,22 +133,10 @@ def per_ticket(server: RedisServer, tickets: int) -> dict[str, Any]:
     """Redis memory per ticket of the mix sold through the service, everything it leaves in
     Redis counted (ticket records, counters and grid records, aggregates, the pending
     index once the decisions are journaled), and what each kind of key holds."""
-    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
-    config = Path(tempfile.mkdtemp(prefix="capsvc-bench-memory-")) / "bench.toml"
-    config.write_text(f"""
-[[games]]
-id = "{GAME}"
-preset = "fdj-keno-2008"
-
-[[channels]]
-id = "bench"
-token_sha256 = "{digest}"
-games = ["{GAME}"]
-scopes = ["sell", "read"]
-""")
+    config = config_file()  # bench/run.py's: the token, fdj-keno
     client = server.client()
     client.flushall()
-    service = ServiceProcess(str(config), server.url).start()
+    service = ServiceProcess(config, server.url).start()
     try:
         asyncio.run(sell_mix(service.base_url, 200, seed=0))  # warm: library, feed, caps
         deadline = time.monotonic() + 30

@@ -35,7 +35,7 @@ from capsvc import combination
 from capsvc.coalesce import Coalescer
 from capsvc.store import Store, lua_source, ticket_key
 from capsvc.testing import RedisServer
-from capsvc.validator import Sale, SaleGrid, _fingerprint_of, pack_sale
+from capsvc.validator import Sale, SaleGrid, fingerprint_of, pack_sale
 
 GAME, CAP, MIN_STAKE, DRAW = "fdj-keno", 5000, 100, 13179
 ENCODINGS: dict[str, Callable[[Sale], bytes]] = {"json": msgspec.json.encode,
@@ -54,7 +54,7 @@ def sales(prefix: str, count: int, grids: int, seed: int) -> list[Sale]:
                                True))
         out.append(Sale(ticket_id=f"{prefix}-{i:07d}", game=GAME, player_id=None,
                         first_draw=DRAW, draws=1, grids=tuple(gs), joker_plus=False,
-                        joker_cost=0, fingerprint=_fingerprint_of(
+                        joker_cost=0, fingerprint=fingerprint_of(
                             GAME, None, DRAW, 1, False,
                             [(g.combo, g.stake, g.multiplier) for g in gs])))
     return out

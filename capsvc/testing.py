@@ -539,6 +539,21 @@ class ServiceProcess:
             self.process = None
 
 
+@contextmanager
+def served(config: str) -> Iterator[ServiceProcess]:
+    """A redis-server of its own and a `capsvc serve` on it with `config`; both stopped at
+    the end."""
+    redis = RedisServer().start()
+    try:
+        service = ServiceProcess(config, redis.url).start()
+        try:
+            yield service
+        finally:
+            service.stop()
+    finally:
+        redis.stop()
+
+
 # -- failover: sellers, an audit, the scenarios ----------------------------------------------
 #
 # Shared by tests/failover and bench/failover.py. Sellers sell over HTTP the way a sales

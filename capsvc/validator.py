@@ -116,13 +116,15 @@ def _grid_error(rules: GameRules, numbers: list[int], stake: int, multiplier: bo
 def _fingerprint(t: TicketIn, combos: list[str]) -> str:
     """The request's identity for idempotency: what it asks, with each grid's numbers as a
     set (3-7-12 is 12-3-7)."""
-    return _fingerprint_of(t.game, t.player_id, t.first_draw, t.draws, t.joker_plus,
+    return fingerprint_of(t.game, t.player_id, t.first_draw, t.draws, t.joker_plus,
                            [(c, g.stake, g.multiplier)
                             for c, g in zip(combos, t.grids, strict=True)])
 
 
-def _fingerprint_of(game: str, player_id: str | None, first_draw: int | None, draws: int,
+def fingerprint_of(game: str, player_id: str | None, first_draw: int | None, draws: int,
                     joker_plus: bool, grids: list[tuple[str, int, bool]]) -> str:
+    """The fingerprint of a request from what it asks (grids: combination, stake,
+    multiplier, in its order); also how a packed sale's is recomputed."""
     canonical = _encode((game, player_id, first_draw, draws, joker_plus, grids))
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
@@ -159,10 +161,10 @@ def pack_sale(sale: Sale, asked: bool | None = None) -> bytes:
             packed[3] = -sale.first_draw
         return _pack(packed)
     request = [(g.combo, g.stake, g.multiplier) for g in sale.grids]
-    if _fingerprint_of(sale.game, sale.player_id, sale.first_draw, sale.draws,
+    if fingerprint_of(sale.game, sale.player_id, sale.first_draw, sale.draws,
                        sale.joker_plus, request) != sale.fingerprint:
         packed[3] = -sale.first_draw
-        if _fingerprint_of(sale.game, sale.player_id, None, sale.draws, sale.joker_plus,
+        if fingerprint_of(sale.game, sale.player_id, None, sale.draws, sale.joker_plus,
                            request) != sale.fingerprint:
             packed[3] = sale.first_draw
             packed.append(sale.fingerprint)
@@ -182,7 +184,7 @@ def unpack_sale(raw: bytes) -> Sale:
                               stake * (2 if multiplier else 1) * draws,
                               bool(flags & _CAPPED)))
     asked = [(g.combo, g.stake, g.multiplier) for g in grids]
-    fingerprint = kept[0] if kept else _fingerprint_of(
+    fingerprint = kept[0] if kept else fingerprint_of(
         game, player, first if first > 0 else None, draws, joker, asked)
     return Sale(ticket_id=tid, game=game, player_id=player, first_draw=abs(first),
                 draws=draws, grids=tuple(grids), joker_plus=joker, joker_cost=joker_cost,

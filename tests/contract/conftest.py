@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.testing import ServiceProcess, served
 
 HERE = Path(__file__).parent
 CONFIG = HERE / "capsvc.toml"
@@ -17,8 +17,5 @@ TOKEN = "t-all"
 
 @pytest.fixture(scope="module")
 def contract_service() -> Iterator[ServiceProcess]:
-    redis = RedisServer().start()
-    service = ServiceProcess(str(CONFIG), redis.url).start()
-    yield service
-    service.stop()
-    redis.stop()
+    with served(str(CONFIG)) as service:
+        yield service

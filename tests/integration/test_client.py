@@ -24,7 +24,7 @@ from capsvc.client import (
 )
 from capsvc.errors import Unavailable
 from capsvc.server import Service
-from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.testing import ServiceProcess, served
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
 from tests.conftest import Client as Http
 
@@ -102,12 +102,9 @@ async def test_no_decision_before_the_deadline_is_outcome_unknown_never_a_guess(
 
 
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[ServiceProcess]:
-    redis = RedisServer().start()
-    service = ServiceProcess(str(CONFIG), redis.url).start()
-    yield service
-    service.stop()
-    redis.stop()
+def live() -> Iterator[ServiceProcess]:
+    with served(str(CONFIG)) as service:
+        yield service
 
 
 def test_the_blocking_client_sells_and_cancels_for_a_script(live: ServiceProcess) -> None:

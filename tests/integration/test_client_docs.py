@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import capsvc
-from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.testing import ServiceProcess, served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 LOCAL = Path(capsvc.__file__).parent / "default.toml"
@@ -27,11 +27,8 @@ def examples() -> list[str]:
 
 @pytest.fixture(scope="module")
 def local() -> Iterator[ServiceProcess]:
-    redis = RedisServer().start()
-    service = ServiceProcess(str(LOCAL), redis.url).start()
-    yield service
-    service.stop()
-    redis.stop()
+    with served(str(LOCAL)) as service:
+        yield service
 
 
 def test_the_page_has_its_examples() -> None:

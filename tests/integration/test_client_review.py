@@ -29,7 +29,7 @@ from capsvc.client import (
 )
 from capsvc.client.api import sse_events
 from capsvc.http_faults import HttpFaultProxy, request
-from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.testing import ServiceProcess, served
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
 
 SALE = {"ticket_id": "R-1", "game": "fdj-keno", "grids": [{"numbers": TEN, "stake": 500}]}
@@ -37,11 +37,8 @@ SALE = {"ticket_id": "R-1", "game": "fdj-keno", "grids": [{"numbers": TEN, "stak
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[ServiceProcess]:
-    redis = RedisServer().start()
-    service = ServiceProcess(str(CONFIG), redis.url).start()
-    yield service
-    service.stop()
-    redis.stop()
+    with served(str(CONFIG)) as service:
+        yield service
 
 
 async def test_ids_dot_and_dotdot_are_ids_not_path_steps(live: ServiceProcess) -> None:
