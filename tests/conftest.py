@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Iterator
@@ -15,6 +16,7 @@ import pytest
 import redis
 
 from capsvc.config import Settings, load_settings
+from capsvc.janitor import Janitor
 from capsvc.server import Service, Serving, build, prepare, start_serving
 from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from capsvc.workers import listen
@@ -24,6 +26,27 @@ TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma"
           "mt": "t-mt"}
 TEN = [3, 7, 12, 18, 25, 33, 41, 56, 60, 70]
 _ids = itertools.count(1)
+
+
+class _Ahead:
+    """A clock a second ahead of another (the janitor's cutoff: see `past_deadline`)."""
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+
+    def now(self) -> int:
+        return int(self._clock.now()) + 1000
+
+
+def past_deadline(janitor: Janitor) -> Janitor:
+    """A janitor as it acts once the deadline has passed. Time is Redis TIME, which a test
+    cannot move: the deadline is moved to now instead (the functions decide by Redis TIME),
+    and the cutoff it pages the index by is taken a second ahead, since the process's
+    estimate of Redis TIME may lag an entry made a millisecond ago by about a round trip."""
+    later = copy.copy(janitor)
+    later.deadline_ms = 0
+    later.clock = _Ahead(janitor.clock)  # type: ignore[assignment]
+    return later
 
 
 def new_id(prefix: str = "T") -> str:

@@ -5,7 +5,6 @@ they would cost if drawn; cancellations and refusals taken into account."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from capsvc import exposure as exposure_module
 from capsvc.errors import Unavailable
 from capsvc.server import Service
-from tests.conftest import Client, ticket
+from tests.conftest import Client, past_deadline, ticket
 
 A, B, C, D = ([1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19],
               [21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [31, 32, 33, 34, 35, 36, 37, 38])
@@ -117,8 +116,7 @@ async def test_a_cancel_the_janitor_finishes_takes_the_ticket_out_once(
     assert (await client.post(f"/v1/tickets/{sold.body['ticket_id']}/cancel")).status == 503
     monkeypatch.undo()
     monkeypatch.setattr(exposure_module, "CACHE_S", 0.0)
-    janitor = copy.copy(svc.usecases.janitor)
-    janitor.deadline_ms = 0
+    janitor = past_deadline(svc.usecases.janitor)
     assert await janitor.run_once() == 1
     assert await janitor.run_once() == 0
     assert (await exposure(client, d))["stakes"] == [{"picks": 4, "stake": 300}]

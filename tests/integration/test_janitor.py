@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -11,9 +10,8 @@ import redis
 
 from capsvc.config import Settings
 from capsvc.errors import Unavailable
-from capsvc.janitor import Janitor
 from capsvc.server import Service
-from tests.conftest import TEN, Client, ticket
+from tests.conftest import TEN, Client, past_deadline, ticket
 
 
 @pytest.fixture
@@ -21,14 +19,6 @@ def settings(settings: Settings) -> Settings:
     """Sales in steps, as on a Redis Cluster: these tests fail them between steps (a sale in
     one call has no step to fail between, and leaves nothing pending)."""
     return dataclasses.replace(settings, one_call_sales=False)
-
-
-def janitor_later(svc: Service) -> Janitor:
-    """The service's janitor as it acts once the deadline has passed (time is Redis TIME,
-    which a test cannot move: the deadline is moved to now instead)."""
-    janitor = copy.copy(svc.usecases.janitor)
-    janitor.deadline_ms = 0
-    return janitor
 
 
 def fail_second_reserve(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,13 +66,13 @@ async def test_janitor_releases_an_abandoned_sale(
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
     assert await svc.usecases.janitor.run_once() == 0  # not yet due
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     assert await client.staked(TEN, draw) == 0
     assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 404
     retry = await client.sell(body)
     assert retry.body["status"] == "accepted"
     assert await client.staked(TEN, draw) == 500
-    assert await janitor_later(svc).run_once() == 0
+    assert await past_deadline(svc.usecases.janitor).run_once() == 0
 
 
 async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
@@ -103,7 +93,7 @@ async def test_janitor_finalizes_a_sale_whose_last_write_was_lost(
     assert replay.status == 503
     monkeypatch.undo()
     assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 409
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     got = await client.get(f"/v1/tickets/{body['ticket_id']}")
     assert got.status == 200
     assert got.body["status"] == "accepted"
@@ -124,8 +114,8 @@ async def test_janitor_gives_an_abandoned_sale_budget_back(
     monkeypatch.undo()
     state = await client.get("/v1/players/P-J", token="ma")
     assert state.body["spent"] == 1500
-    assert await janitor_later(svc).run_once() == 1
-    assert await janitor_later(svc).run_once() == 0
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 0
     state = await client.get("/v1/players/P-J", token="ma")
     assert state.body["spent"] == 0
     assert await client.staked(TEN, await client.current("lnm-keno"), game="lnm-keno") == 0
@@ -157,7 +147,7 @@ async def test_a_draws_stakes_count_a_settled_sale_once_and_an_abandoned_one_nev
     monkeypatch.setattr(svc.store, "finalize", lost)
     assert (await client.sell(settled)).status == 503
     monkeypatch.setattr(svc.store, "finalize", original)
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     assert (await client.sell(settled)).status == 200  # the retry: replayed, not counted again
     assert await stakes() == [{"picks": 3, "stake": 200}, {"picks": 10, "stake": 500}]
     abandoned = ticket([{"numbers": TEN, "stake": 500}, {"numbers": TEN[:8], "stake": 300}],
@@ -166,5 +156,5 @@ async def test_a_draws_stakes_count_a_settled_sale_once_and_an_abandoned_one_nev
     assert (await client.sell(abandoned)).status == 503
     monkeypatch.undo()
     monkeypatch.setattr(exposure, "CACHE_S", 0.0)
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     assert await stakes() == [{"picks": 3, "stake": 200}, {"picks": 10, "stake": 500}]

@@ -5,7 +5,6 @@ standalone Redis (sales in one call) and a Redis Cluster (sales in steps)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,19 +12,11 @@ import pytest
 import redis
 
 from capsvc.errors import Unavailable
-from capsvc.janitor import Janitor
 from capsvc.journal.reader import records
 from capsvc.journal.records import CancelRecord, SaleRecord, VoidRecord
 from capsvc.server import Service
 from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
-from tests.conftest import TEN, Client, ticket
-
-
-def janitor_later(svc: Service) -> Janitor:
-    """The service's janitor once the deadline has passed (the deadline moved to now)."""
-    janitor = copy.copy(svc.usecases.janitor)
-    janitor.deadline_ms = 0
-    return janitor
+from tests.conftest import TEN, Client, past_deadline, ticket
 
 
 def indexed(db: Any) -> int:
@@ -58,7 +49,7 @@ async def test_a_decision_its_process_did_not_journal_is_journaled_by_the_janito
     assert journaled(svc, body["ticket_id"]) == []
     assert indexed(redis_db) == 1
     assert await svc.usecases.janitor.run_once() == 0  # not due yet
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     assert journaled(svc, body["ticket_id"]) == [("sale", "janitor")]
     assert indexed(redis_db) == 0
 
@@ -83,7 +74,7 @@ async def test_a_replay_of_a_ticket_being_cancelled_leaves_its_cancel_to_the_jan
     replay = await client.sell(body)
     assert (replay.status, replay.headers["Idempotent-Replayed"]) == (200, "true")
     assert indexed(redis_db) == 1
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     got = await client.get(f"/v1/tickets/{body['ticket_id']}")
     assert got.body["cancelled"]["released"] == 500
     assert await client.staked(TEN, draw) == 0
@@ -129,7 +120,7 @@ async def test_a_cancel_refused_as_closed_leaves_an_unjournaled_decision_to_the_
     assert (await client.post(f"/v1/games/fdj-keno/draws/{draw}/close",
                               token="admin")).status == 200
     assert (await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")).status == 409
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     assert await client.staked(TEN, draw) == 500
     assert journaled(svc, body["ticket_id"]) == [("sale", "janitor")]
     assert indexed(redis_db) == 0
@@ -165,11 +156,11 @@ async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_f
         return asyncio.ensure_future(slow())
 
     monkeypatch.setattr(journal, "sale", journals_slowly)
-    assert await janitor_later(svc).run_once() == 1
+    assert await past_deadline(svc.usecases.janitor).run_once() == 1
     monkeypatch.undo()
     key = ticket_key("fr-retail", body["ticket_id"])
     assert redis_db.hget(key, "st") == b"k"
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert indexed(redis_db) == 0
 
@@ -208,7 +199,7 @@ async def test_a_cancel_interrupted_during_a_replay_is_still_finished(
     await asyncio.sleep(0.3)  # the replay's removal of the entry has run (or not)
     key = ticket_key("fr-retail", body["ticket_id"])
     assert redis_db.hget(key, "st") == b"k"
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
     assert indexed(redis_db) == 0
@@ -234,10 +225,10 @@ async def test_a_void_whose_journal_write_failed_is_settled_and_journaled_again(
     monkeypatch.undo()
     refuse_journal(monkeypatch, svc.usecases.journal, "void")
     with pytest.raises(Unavailable):
-        await janitor_later(svc).run_once()
+        await past_deadline(svc.usecases.janitor).run_once()
     monkeypatch.undo()
     assert indexed(redis_db) == 1
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     voids = [r for _, _, r in records(Path(svc.settings.journal_dir))
              if isinstance(r, VoidRecord) and r.ticket == body["ticket_id"]]
     assert [v.why for v in voids] == ["abandoned"]

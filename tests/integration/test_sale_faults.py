@@ -9,7 +9,6 @@ released, and with one decision that the client can see.
 from __future__ import annotations
 
 import asyncio
-import copy
 import tempfile
 import threading
 import time
@@ -28,7 +27,7 @@ from capsvc.faults import Command, FaultProxy, command
 from capsvc.store import Store, lua_source, ticket_key
 from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
-from tests.conftest import TEN, TOKENS, new_id
+from tests.conftest import TEN, TOKENS, new_id, past_deadline
 
 ONE_CALL = Path(__file__).parent.parent / "capsvc-faults.toml"
 """Short deadlines; a sale of a game without player limits is one call on standalone."""
@@ -259,9 +258,7 @@ async def test_two_janitors_racing_a_retry_never_release_the_new_sale(
             stores.append(store)
             usecases = build_usecases(settings_, store)
             await usecases.clock.sync()
-            janitor = copy.copy(usecases.janitor)
-            janitor.deadline_ms = 0
-            janitors.append(janitor)
+            janitors.append(past_deadline(usecases.janitor))
         janitor_b, janitor_a = janitors
         # The sale: first grid counted, second never sent.
         with FaultProxy("127.0.0.1", redis_server.port) as cut:
