@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import ResponseError
 
+from capsvc.answer import Answer, answer_headers
 from capsvc.audit.reconcile import ExportError
 from capsvc.audit.report import to_csv, to_json
 from capsvc.config import ID_RE, Channel, GameRules, Settings
@@ -61,6 +62,8 @@ _ID_MESSAGE = "expected 1-64 characters of [A-Za-z0-9._:-] (no spaces or control
 _ID_MISMATCH = f"Expected `str` matching regex {ID_PATTERN!r}"
 _DRAW_RE = re.compile(r"^-?[0-9]+\Z")
 _JSON = "application/json"
+_REPLAYED = {"Idempotent-Replayed": "true"}
+_SHADOWED = {"Capsvc-Shadow": "would_reject"}
 STREAM_ROUTE = "/v1/games/{game}/capped/stream"
 MAX_EXPORT_BYTES = 64 * 1024 * 1024
 """A sales system's export posted for reconciliation, at most (~2 million tickets)."""
@@ -91,13 +94,13 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}", None) from e
 
 
-def error_response(err: ApiError) -> web.Response:
+def error_response(err: ApiError) -> Answer:
     body = _encode(ErrorOut(ErrorDetail(code=err.code, message=err.message, path=err.path)))
-    return web.Response(status=err.status, body=body, content_type=_JSON, headers=err.headers)
+    return Answer(body, err.status, err.headers)
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_encode(obj), content_type=_JSON)
+def json_response(obj: Any, status: int = 200) -> Answer:
+    return Answer(_encode(obj), status)
 
 
 class Authenticator:
@@ -224,17 +227,15 @@ class Api:
         if outcome.ticket is not None and not outcome.replayed:
             self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
                                   outcome.shadowed)
-        resp = web.Response(body=outcome.body, content_type=_JSON)
         if outcome.replayed:
-            resp.headers["Idempotent-Replayed"] = "true"
-        elif outcome.shadowed:
-            resp.headers["Capsvc-Shadow"] = "would_reject"
-        return resp
+            return Answer(outcome.body, headers=_REPLAYED)
+        if outcome.shadowed:
+            return Answer(outcome.body, headers=_SHADOWED)
+        return Answer(outcome.body)
 
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
-        body = await self.tickets.ticket(channel, _ticket_id(request))
-        return web.Response(body=body, content_type=_JSON)
+        return Answer(await self.tickets.ticket(channel, _ticket_id(request)))
 
     async def cancel_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -244,7 +245,7 @@ class Api:
 
     async def games(self, request: web.BaseRequest) -> web.StreamResponse:
         self.auth.channel(request)
-        return web.Response(body=self._games, content_type=_JSON)
+        return Answer(self._games)
 
     async def current_draw(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -287,7 +288,7 @@ class Api:
         report = await self.audit.report(game, _draw(request))
         if fmt == "csv":
             return web.Response(text=to_csv(report), content_type="text/csv")
-        return web.Response(body=to_json(report), content_type=_JSON)
+        return Answer(to_json(report))
 
     async def reconcile(self, request: web.BaseRequest) -> web.StreamResponse:
         """The sales system's export of a draw (CSV) against capsvc's decisions."""
@@ -430,7 +431,7 @@ class Api:
         if self._openapi is None:
             self._openapi = _encode(openapi_document(
                 [g.rules for g in self.catalog.games.values()]))
-        return web.Response(body=self._openapi, content_type=_JSON)
+        return Answer(self._openapi)
 
 
 def game_out(r: GameRules) -> GameOut:
@@ -531,7 +532,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
                          if t.startswith("/v1/") and t not in _STATELESS)
     in_flight = metrics.in_flight  # exact: a once-a-second sample per worker, summed, is not
 
-    def busy(message: str) -> web.Response:
+    def busy(message: str) -> Answer:
         return error_response(unavailable(message, settings.retry_after_s))
 
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
@@ -609,8 +610,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
                 if counted:
                     in_flight.dec()
         metrics.request(template, request.method, resp.status, time.perf_counter() - started)
-        if not resp.prepared:  # a stream has sent its headers (with its id)
-            resp.headers["X-Request-ID"] = rid
+        answer_headers(resp, rid)
         return resp
 
     return dispatch

@@ -1,0 +1,165 @@
+"""Ablation: capsvc at several commits (and the bare handler), alternating in one run.
+
+    python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--seconds 5] [--rounds 4]
+                       [--journal on|off] [--connections 64]
+
+Each REV (a commit, a branch, or `WORK` for the working tree as it is) is checked out in a
+worktree of its own under a temporary directory and served by `python -m capsvc serve` from
+it, on a redis-server of its own (two revisions may ship different Lua libraries), with
+bench/run.py's configuration. Every server runs pinned to CPU 0 with `PYTHONHASHSEED=0`
+(the hash seed alone moves a result by a few µs); wrk and the Redis servers share CPU 1.
+Round after round, each target is driven in turn (the order rotated every round), so that
+a drift of the machine falls on every target alike.
+
+Prints per target the median tickets/s, p99, server CPU per ticket, Redis CPU and commands
+per ticket, and each ratio to the first REV and to the bare handler. A lever is measured by
+naming the commit before it and the commit with it; several levers one at a time by naming
+a branch per lever made from the same base. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import (
+    HERE,
+    WORKLOADS,
+    Result,
+    config_file,
+    cpu_seconds,
+    pinned,
+    redis_side,
+    tools_present,
+    wait_listening,
+    wrk,
+)
+
+from capsvc.testing import RedisServer, ServiceProcess, free_port
+
+REPO = HERE.parent
+
+
+@dataclass
+class Target:
+    label: str
+    url: str
+    pid: int
+    redis: RedisServer | None = None
+    runs: list[Result] = field(default_factory=list)
+
+
+def checkout(rev: str, root: Path) -> Path | None:
+    """A worktree of `rev` (None for WORK: the installed capsvc), importable as `capsvc` with
+    its Lua library in place (the wheel maps lua/ to capsvc.lua; here a link does)."""
+    if rev == "WORK":
+        return None
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    tree = root / sha
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha],
+                       capture_output=True, check=True)
+    link = tree / "capsvc" / "lua"
+    if not link.exists():
+        link.symlink_to(tree / "lua", target_is_directory=True)
+    return tree
+
+
+def journal_config(journal: bool) -> str:
+    path = Path(config_file())
+    if not journal:
+        path.write_text(path.read_text() + "\n[journal]\nenabled = false\n")
+    return str(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("revs", nargs="+")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="one-grid")
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--journal", choices=("on", "off"), default="on")
+    args = parser.parse_args()
+    if not tools_present():
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="capsvc-ab-"))
+    config = journal_config(args.journal == "on")
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    targets: list[Target] = []
+    services: list[ServiceProcess] = []
+    port = free_port()
+    bare = subprocess.Popen(pinned([sys.executable, str(HERE / "bare.py"), str(port)], "0"),
+                            env=env)
+    try:
+        for rev in args.revs:
+            tree = checkout(rev, root)
+            redis = RedisServer().start()
+            assert redis.process is not None
+            subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
+                           capture_output=True)
+            path = {} if tree is None else {"PYTHONPATH": str(tree)}
+            svc = ServiceProcess(config, redis.url, env={**env, **path},
+                                 preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+            services.append(svc.start())
+            assert svc.process is not None
+            targets.append(Target(rev, svc.base_url, svc.process.pid, redis))
+        wait_listening(port)
+        targets.append(Target("bare", f"http://127.0.0.1:{port}", bare.pid))
+        script = WORKLOADS[args.workload]
+        for t in targets:  # warm-up
+            wrk(t.url, 2, args.connections, f"warm-{t.label}", script)
+        for r in range(args.rounds):
+            shift = r % len(targets)
+            for t in targets[shift:] + targets[:shift]:
+                before = redis_side(t.redis) if t.redis else None
+                cpu = cpu_seconds(t.pid)
+                res = wrk(t.url, args.seconds, args.connections, f"ab-{r}-{t.label}", script)
+                res.server_cpu_us = 1e6 * (cpu_seconds(t.pid) - cpu) / max(res.requests, 1)
+                if t.redis and before:
+                    after = redis_side(t.redis)
+                    res.redis = {k: (after[k] - before[k]) / max(res.requests, 1)
+                                 for k in after}
+                t.runs.append(res)
+    finally:
+        bare.terminate()
+        for svc in services:
+            svc.stop()
+        for t in targets:
+            if t.redis:
+                t.redis.stop()
+        for tree in root.iterdir():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                           capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"workload {args.workload}, journal {args.journal}: wrk -t1 -c{args.connections} "
+          f"-d{args.seconds}s, {args.rounds} rounds alternating, medians; servers on CPU 0 "
+          "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
+    print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'redis µs/t':>11} "
+          f"{'cmds/t':>7} {'/ first':>8} {'/ bare':>7}  rounds (tickets/s)")
+    first = statistics.median(r.rps for r in targets[0].runs)
+    bare_rps = statistics.median(r.rps for r in targets[-1].runs)
+    for t in targets:
+        rps = statistics.median(r.rps for r in t.runs)
+        p99 = statistics.median(r.p99_ms for r in t.runs)
+        cpu = statistics.median(r.server_cpu_us for r in t.runs)
+        rcpu = statistics.median(r.redis.get("cpu", 0.0) for r in t.runs) * 1e6
+        cmds = statistics.median(r.redis.get("executed", 0.0) for r in t.runs)
+        rounds = " ".join(f"{r.rps:.0f}" for r in t.runs)
+        print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {rcpu:>11.1f} {cmds:>7.1f} "
+              f"{rps / first:>8.3f} {rps / bare_rps:>7.3f}  {rounds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
