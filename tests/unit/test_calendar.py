@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capsvc.calendar import DrawCalendar, rfc3339
+from capsvc.calendar import DrawCalendar, instant, rfc3339
 from capsvc.config import GameRules, load_settings, parse_settings
 from tests.conftest import CONFIG
 
@@ -328,3 +328,15 @@ def test_two_seconds_through_the_paris_gap() -> None:
     assert [cal.close_ms(at_two + k) for k in range(1800)] == list(range(jump, jump + 1800))
     assert cal.close_ms(at_two + 1800) == jump + 1800
     assert cal.close_ms(at_two + 1801) == jump + 2000
+
+
+@settings(max_examples=2000, deadline=None)
+@given(ms=st.integers(min_value=0, max_value=4_102_444_800_000),
+       zone=st.sampled_from(["Europe/Paris", "Pacific/Tahiti", "Africa/Casablanca", "UTC",
+                             "Australia/Lord_Howe", "America/St_Johns", "Asia/Kathmandu"]))
+def test_an_instant_is_rfc3339_of_its_datetime(ms: int, zone: str) -> None:
+    """The per-second cache gives the string of the datetime itself, across offsets and
+    transitions, with and without milliseconds."""
+    tz = ZoneInfo(zone)
+    for at in (ms, ms - ms % 1000, ms + 1):
+        assert instant(at, tz) == rfc3339(datetime.fromtimestamp(at / 1000, tz))
