@@ -135,6 +135,8 @@ class Store:
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
         self.packed_sales = packed_sales
         """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
+        self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
+        """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
 
     def sale_record(self, sale: Sale, asked: bool | None = None) -> bytes:
         """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
@@ -186,6 +188,25 @@ class Store:
         failure only makes the janitor journal the decision again."""
         return self.fcall("capsvc_journaled", [pending_key_of(ticket), ticket],
                           [ticket, sale_id, state])
+
+    def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
+        """`journaled`, sent with the others of this tick: the decisions of one batch of
+        the journal become durable together, and their entries go in one call per index
+        (capsvc_journaled_all) rather than one each. Nobody waits for it (see
+        `journaled`)."""
+        batch = self._journaled
+        if not batch:
+            asyncio.get_running_loop().call_soon(self._send_journaled)
+        batch.setdefault(pending_key_of(ticket), []).append((ticket, sale_id, state))
+
+    def _send_journaled(self) -> None:
+        batch, self._journaled = self._journaled, {}
+        for index, entries in batch.items():
+            for i in range(0, len(entries), JOURNALED_PER_CALL):
+                chunk = entries[i:i + JOURNALED_PER_CALL]
+                retrieving(self.fcall("capsvc_journaled_all",
+                                      [index, *(t for t, _, _ in chunk)],
+                                      [a for _, sid, state in chunk for a in (sid, state)]))
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         """Forget the pending claim of `sale_id` (what it took given back, its void
@@ -462,6 +483,10 @@ class PlayerStore:
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
                           [today])
+
+
+JOURNALED_PER_CALL = 256
+"""Tickets per capsvc_journaled_all call (Lua's unpack has a limit; Redis stays responsive)."""
 
 
 def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:

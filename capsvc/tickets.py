@@ -363,7 +363,7 @@ class Tickets:
         unfinished, state k, stays the janitor's)."""
         await record
         if state in (b"f", b"c"):
-            retrieving(self.store.journaled(key, sale_id, state))
+            self.store.journaled_later(key, sale_id, state)
 
     def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
                         sale_id: bytes | str, at: bytes | int, body: bytes,

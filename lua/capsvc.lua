@@ -218,6 +218,25 @@ local function journaled(keys, args)
   return redis.call('ZREM', keys[1], args[1])
 end
 
+--[[ journaled_all: KEYS pending index, ticket 1, …, ticket n; ARGV sid 1, state 1, …,
+sid n, state n
+`journaled` for n tickets of one index at once (the decisions of a batch of the journal,
+made durable together): one call and one ZREM instead of n calls. Returns how many entries
+went. ]]
+local function journaled_all(keys, args)
+  local gone = {}
+  for i = 2, #keys do
+    local rec = redis.call('HMGET', keys[i], 'st', 'sid')
+    if not rec[1] or (rec[1] == args[2 * i - 2] and rec[2] == args[2 * i - 3]) then
+      gone[#gone + 1] = keys[i]
+    end
+  end
+  if #gone == 0 then
+    return 0
+  end
+  return redis.call('ZREM', keys[1], unpack(gone))
+end
+
 --[[ unclaim: KEYS ticket; ARGV sid
 Forgets sale `sid` while it is pending or being settled (what it took must be released
 first). Returns 1 if forgotten. ]]
@@ -1025,6 +1044,7 @@ redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
 redis.register_function('capsvc_journaled', journaled)
+redis.register_function('capsvc_journaled_all', journaled_all)
 redis.register_function('capsvc_expire', expire)
 redis.register_function('capsvc_cancel', cancel)
 redis.register_function('capsvc_cancelled', cancelled)

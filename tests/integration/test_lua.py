@@ -7,6 +7,7 @@ Every instant comes from the test server's clock (Redis TIME), the clock the fun
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import secrets
 import zlib
@@ -992,3 +993,40 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     redis_db.hincrby(aggregate, "3", 250)  # a total, as a sale in one call adds it
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000, b"3": 250}
+
+
+async def test_journaled_all_lets_go_of_the_entries_still_so_in_one_call(
+        store: Store, redis_db: redis.Redis, now: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's index entries go in one call: those whose ticket still holds the decision
+    journaled, or no longer exists; not those that moved on (a cancel decided since, another
+    sale of the id). The same as `journaled` one by one, for several indexes at once."""
+    keys: dict[str, list[str]] = {}
+    for i in itertools.count():
+        key = ticket_key("ch", f"J-{i}")
+        keys.setdefault(pending_key_of(key), []).append(key)
+        if sum(len(v) >= 5 for v in keys.values()) >= 2:
+            break
+    groups = [v[:5] for v in keys.values() if len(v) >= 5][:2]
+    for group in groups:
+        held = [(b"f", "a1"), (b"c", "b1"), None, (b"f", "c1"), (b"f", "e1")]
+        asked = [(b"f", "a1"), (b"f", "b1"), (b"f", "x1"), (b"f", "d1"), (b"f", "e1")]
+        for key, h in zip(group, held, strict=True):
+            redis_db.zadd(pending_key_of(key), {key: now})
+            if h is not None:
+                redis_db.hset(key, mapping={"st": h[0], "sid": h[1]})
+        for key, (state, sid) in zip(group, asked, strict=True):
+            store.journaled_later(key, sid, state)
+    calls: list[str] = []
+    fcall = store.fcall
+
+    def counted(name: str, keys: list[str], args: list[Any]) -> Any:
+        calls.append(name)
+        return fcall(name, keys, args)
+
+    monkeypatch.setattr(store, "fcall", counted)
+    await asyncio.sleep(0.2)
+    for group in groups:
+        assert sorted(redis_db.zrange(pending_key_of(group[0]), 0, -1)) == sorted(
+            [group[1].encode(), group[3].encode()])
+    assert calls == ["capsvc_journaled_all"] * 2  # one per index
+
