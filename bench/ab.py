@@ -58,11 +58,11 @@ class Target:
     runs: list[Result] = field(default_factory=list)
 
 
-def checkout(rev: str, root: Path) -> Path | None:
-    """A worktree of `rev` (None for WORK: the installed capsvc), importable as `capsvc` with
+def checkout(rev: str, root: Path) -> Path:
+    """A worktree of `rev` (the repository itself for WORK), importable as `capsvc` with
     its Lua library in place (the wheel maps lua/ to capsvc.lua; here a link does)."""
     if rev == "WORK":
-        return None
+        return REPO
     sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev],
                              capture_output=True, text=True, check=True).stdout.strip()
     tree = root / sha
@@ -70,9 +70,15 @@ def checkout(rev: str, root: Path) -> Path | None:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha],
                        capture_output=True, check=True)
     link = tree / "capsvc" / "lua"
-    if not link.exists():
+    if tree != REPO and not link.exists():
         link.symlink_to(tree / "lua", target_is_directory=True)
     return tree
+
+
+def _enter(tree: str) -> None:
+    """In the child, before `capsvc serve`: run from the tree, on CPU 0."""
+    os.chdir(tree)
+    os.sched_setaffinity(0, {0})
 
 
 def journal_config(journal: bool) -> str:
@@ -108,9 +114,10 @@ def main() -> int:
             assert redis.process is not None
             subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
                            capture_output=True)
-            path = {} if tree is None else {"PYTHONPATH": str(tree)}
-            svc = ServiceProcess(config, redis.url, env={**env, **path},
-                                 preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+            # `python -m` puts the working directory first on sys.path: the tree's.
+            where = str(tree)
+            svc = ServiceProcess(config, redis.url, env={**env, "PYTHONPATH": where},
+                                 preexec_fn=lambda where=where: _enter(where))
             services.append(svc.start())
             assert svc.process is not None
             targets.append(Target(rev, svc.base_url, svc.process.pid, redis))
