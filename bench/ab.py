@@ -96,6 +96,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--journal", choices=("on", "off"), default="on")
+    parser.add_argument("--redis-arg", action="append", default=[],
+                        help="an argument for every redis-server, e.g. --redis-arg=--appendonly "
+                             "--redis-arg=no")
     args = parser.parse_args()
     if not tools_present():
         return 2
@@ -110,7 +113,7 @@ def main() -> int:
     try:
         for rev in args.revs:
             tree = checkout(rev, root)
-            redis = RedisServer().start()
+            redis = RedisServer(extra=tuple(args.redis_arg)).start()
             assert redis.process is not None
             subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
                            capture_output=True)
@@ -153,7 +156,7 @@ def main() -> int:
           f"-d{args.seconds}s, {args.rounds} rounds alternating, medians; servers on CPU 0 "
           "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
     print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'redis µs/t':>11} "
-          f"{'cmds/t':>7} {'/ first':>8} {'/ bare':>7}  rounds (tickets/s)")
+          f"{'fcall µs/t':>11} {'cmds/t':>7} {'/ first':>8} {'/ bare':>7}  rounds (tickets/s)")
     first = statistics.median(r.rps for r in targets[0].runs)
     bare_rps = statistics.median(r.rps for r in targets[-1].runs)
     for t in targets:
@@ -162,8 +165,10 @@ def main() -> int:
         cpu = statistics.median(r.server_cpu_us for r in t.runs)
         rcpu = statistics.median(r.redis.get("cpu", 0.0) for r in t.runs) * 1e6
         cmds = statistics.median(r.redis.get("executed", 0.0) for r in t.runs)
+        fcall = statistics.median(r.redis.get("fcall", 0.0) for r in t.runs) * 1e6
         rounds = " ".join(f"{r.rps:.0f}" for r in t.runs)
-        print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {rcpu:>11.1f} {cmds:>7.1f} "
+        print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {rcpu:>11.1f} {fcall:>11.1f} "
+              f"{cmds:>7.1f} "
               f"{rps / first:>8.3f} {rps / bare_rps:>7.3f}  {rounds}")
     return 0
 

@@ -118,6 +118,7 @@ def redis_side(server: RedisServer) -> dict[str, float]:
         "executed": sum(int(v["calls"]) for k, v in stats.items()
                         if k not in ("cmdstat_info", "cmdstat_ping")),
         "cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        "fcall": float(stats.get("cmdstat_fcall", {}).get("usec", 0)) / 1e6,
     }
 
 
