@@ -191,22 +191,24 @@ class Store:
 
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
         """`journaled`, sent with the others of this tick: the decisions of one batch of
-        the journal become durable together, and their entries go in one call per index
-        (capsvc_journaled_all) rather than one each. Nobody waits for it (see
-        `journaled`)."""
+        the journal become durable together, and their entries go in one call
+        (capsvc_journaled_all; on a cluster one per index, a call's keys sharing a slot)
+        rather than one each. Nobody waits for it (see `journaled`)."""
         batch = self._journaled
         if not batch:
             asyncio.get_running_loop().call_soon(self._send_journaled)
-        batch.setdefault(pending_key_of(ticket), []).append((ticket, sale_id, state))
+        index = "" if self.single_node else pending_key_of(ticket)
+        batch.setdefault(index, []).append((ticket, sale_id, state))
 
     def _send_journaled(self) -> None:
         batch, self._journaled = self._journaled, {}
-        for index, entries in batch.items():
+        for entries in batch.values():
             for i in range(0, len(entries), JOURNALED_PER_CALL):
                 chunk = entries[i:i + JOURNALED_PER_CALL]
-                retrieving(self.fcall("capsvc_journaled_all",
-                                      [index, *(t for t, _, _ in chunk)],
-                                      [a for _, sid, state in chunk for a in (sid, state)]))
+                retrieving(self.fcall(
+                    "capsvc_journaled_all",
+                    [k for t, _, _ in chunk for k in (pending_key_of(t), t)],
+                    [a for _, sid, state in chunk for a in (sid, state)]))
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         """Forget the pending claim of `sale_id` (what it took given back, its void

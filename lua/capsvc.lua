@@ -218,23 +218,30 @@ local function journaled(keys, args)
   return redis.call('ZREM', keys[1], args[1])
 end
 
---[[ journaled_all: KEYS pending index, ticket 1, …, ticket n; ARGV sid 1, state 1, …,
+--[[ journaled_all: KEYS index 1, ticket 1, …, index n, ticket n; ARGV sid 1, state 1, …,
 sid n, state n
-`journaled` for n tickets of one index at once (the decisions of a batch of the journal,
-made durable together): one call and one ZREM instead of n calls. Returns how many entries
-went. ]]
+`journaled` for n tickets at once (the decisions of a batch of the journal, made durable
+together): one call, and one ZREM per index, instead of n calls. On a cluster the caller
+sends one call per index (a call's keys share a slot). Returns how many entries went. ]]
 local function journaled_all(keys, args)
-  local gone = {}
-  for i = 2, #keys do
+  local gone, order = {}, {}
+  for i = 2, #keys, 2 do
     local rec = redis.call('HMGET', keys[i], 'st', 'sid')
-    if not rec[1] or (rec[1] == args[2 * i - 2] and rec[2] == args[2 * i - 3]) then
-      gone[#gone + 1] = keys[i]
+    if not rec[1] or (rec[1] == args[i] and rec[2] == args[i - 1]) then
+      local index = keys[i - 1]
+      if not gone[index] then
+        gone[index] = {}
+        order[#order + 1] = index
+      end
+      local members = gone[index]
+      members[#members + 1] = keys[i]
     end
   end
-  if #gone == 0 then
-    return 0
+  local removed = 0
+  for _, index in ipairs(order) do
+    removed = removed + redis.call('ZREM', index, unpack(gone[index]))
   end
-  return redis.call('ZREM', keys[1], unpack(gone))
+  return removed
 end
 
 --[[ unclaim: KEYS ticket; ARGV sid

@@ -1028,5 +1028,6 @@ async def test_journaled_all_lets_go_of_the_entries_still_so_in_one_call(
     for group in groups:
         assert sorted(redis_db.zrange(pending_key_of(group[0]), 0, -1)) == sorted(
             [group[1].encode(), group[3].encode()])
-    assert calls == ["capsvc_journaled_all"] * 2  # one per index
+    # One call in all on a standalone Redis; one per index on a cluster.
+    assert calls == ["capsvc_journaled_all"] * (1 if store.single_node else 2)
 
