@@ -53,6 +53,7 @@ class Answer(web.StreamResponse):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(status=status)
         self.body_bytes = body
+        self.extra_headers = headers or {}
         self.extra = header_lines(headers)
         """Header lines between Content-Type and X-Request-ID, as web.Response puts them."""
         self.request_id = ""
@@ -77,12 +78,10 @@ class Answer(web.StreamResponse):
     async def _prepare_slowly(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         """aiohttp's own path, with the same headers."""
         headers = self._headers
-        extra = {k: v for k, v in (line.split(": ", 1) for line in
-                                   self.extra.decode("latin-1").split("\r\n") if line)}
         known = dict(headers)
         headers.clear()
         headers["Content-Type"] = _JSON
-        headers.update(extra)
+        headers.update(self.extra_headers)
         if self.request_id:
             headers["X-Request-ID"] = self.request_id
         headers.update(known)
