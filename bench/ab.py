@@ -3,7 +3,8 @@
     python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--seconds 5] [--rounds 4]
                        [--journal on|off] [--connections 64]
 
-Each REV (a commit, a branch, or `WORK` for the working tree as it is) is checked out in a
+Each REV (a commit, a branch, `WORK` for the working tree as it is, or the path of a tree
+prepared by hand) is checked out in a
 worktree of its own under a temporary directory and served by `python -m capsvc serve` from
 it, on a redis-server of its own (two revisions may ship different Lua libraries), with
 bench/run.py's configuration. Every server runs pinned to CPU 0 with `PYTHONHASHSEED=0`
@@ -63,6 +64,8 @@ def checkout(rev: str, root: Path) -> Path:
     its Lua library in place (the wheel maps lua/ to capsvc.lua; here a link does)."""
     if rev == "WORK":
         return REPO
+    if Path(rev).is_dir():  # a tree prepared by hand (e.g. with compiled modules)
+        return Path(rev)
     sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev],
                              capture_output=True, text=True, check=True).stdout.strip()
     tree = root / sha
@@ -128,13 +131,14 @@ def main() -> int:
         targets.append(Target("bare", f"http://127.0.0.1:{port}", bare.pid))
         script = WORKLOADS[args.workload]
         for t in targets:  # warm-up
-            wrk(t.url, 2, args.connections, f"warm-{t.label}", script)
+            wrk(t.url, 2, args.connections, f"warm-{targets.index(t)}", script)
         for r in range(args.rounds):
             shift = r % len(targets)
             for t in targets[shift:] + targets[:shift]:
                 before = redis_side(t.redis) if t.redis else None
                 cpu = cpu_seconds(t.pid)
-                res = wrk(t.url, args.seconds, args.connections, f"ab-{r}-{t.label}", script)
+                res = wrk(t.url, args.seconds, args.connections,
+                          f"ab-{r}-{targets.index(t)}", script)  # ids: no "/" of a path
                 res.server_cpu_us = 1e6 * (cpu_seconds(t.pid) - cpu) / max(res.requests, 1)
                 if t.redis and before:
                     after = redis_side(t.redis)
@@ -156,7 +160,8 @@ def main() -> int:
           f"-d{args.seconds}s, {args.rounds} rounds alternating, medians; servers on CPU 0 "
           "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
     print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'redis µs/t':>11} "
-          f"{'fcall µs/t':>11} {'cmds/t':>7} {'/ first':>8} {'/ bare':>7}  rounds (tickets/s)")
+          f"{'fcall µs/t':>11} {'cmds/t':>7} {'errors':>7} {'/ first':>8} {'/ bare':>7}  "
+          "rounds (tickets/s)")
     first = statistics.median(r.rps for r in targets[0].runs)
     bare_rps = statistics.median(r.rps for r in targets[-1].runs)
     for t in targets:
@@ -168,7 +173,7 @@ def main() -> int:
         fcall = statistics.median(r.redis.get("fcall", 0.0) for r in t.runs) * 1e6
         rounds = " ".join(f"{r.rps:.0f}" for r in t.runs)
         print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {rcpu:>11.1f} {fcall:>11.1f} "
-              f"{cmds:>7.1f} "
+              f"{cmds:>7.1f} {sum(r.errors for r in t.runs):>7} "
               f"{rps / first:>8.3f} {rps / bare_rps:>7.3f}  {rounds}")
     return 0
 

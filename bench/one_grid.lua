@@ -4,12 +4,14 @@
 -- Usage: wrk -s one_grid.lua <url> -- <token> <id-prefix> <seed>
 
 local token, prefix, counter = "bench", "B", 0
+local pause = 0  -- ms each connection waits after an answer (args[4]): paces the load
 local stakes = {100, 200, 300, 500, 1000}
 
 function init(args)
   token = args[1] or token
   prefix = args[2] or prefix
   math.randomseed(tonumber(args[3] or "42"))
+  pause = tonumber(args[4] or "0")
 end
 
 local function numbers(picks)
@@ -33,6 +35,10 @@ function request()
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
   }, body)
+end
+
+function delay()
+  return pause
 end
 
 function done(summary, latency, requests)

@@ -6,9 +6,9 @@ Starts a redis-server, one capsvc worker as shipped (journal on) and one with it
 off, the naive server (bench/naive.py: one awaited EVALSHA per grid, no coalescing) and the
 bare handler (bench/bare.py: no Redis), then drives each with wrk and the same seeded
 generator of realistic tickets (bench/tickets.lua), alternating the targets round by round.
-Each server is pinned to CPU 0; wrk and Redis share CPU 1. Then capsvc again with fewer
-connections until its rate falls to about 70 % of its peak (wrk 4 cannot pace a fixed rate),
-for its latency below saturation. Last, `capsvc serve --workers 2` on the CPUs wrk and Redis
+Each server is pinned to CPU 0; wrk and Redis share CPU 1. Then capsvc again, each
+connection pausing after an answer so that the rate is about 70 % of its peak, for its
+latency below saturation. Last, `capsvc serve --workers 2` on the CPUs wrk and Redis
 leave free, against one worker.
 
 Prints throughput, p50/p95/p99, errors, server CPU per ticket, the rejection mix, and the
@@ -83,10 +83,12 @@ class Result:
 
 
 def wrk(url: str, seconds: int, connections: int, prefix: str,
-        script: str = "tickets.lua") -> Result:
+        script: str = "tickets.lua", pause_ms: float = 0.0) -> Result:
+    """wrk with one of the ticket scripts; `pause_ms`: each connection waits that long after
+    an answer before its next request (the load is paced; latency is timed without it)."""
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
-         "-s", str(HERE / script), url, "--", TOKEN, prefix, "42"],
+         "-s", str(HERE / script), url, "--", TOKEN, prefix, "42", f"{pause_ms:g}"],
         capture_output=True, text=True, check=True).stdout
 
     def number(pattern: str) -> float:
@@ -257,12 +259,17 @@ def main() -> int:
                     results[(w, name)].append(res)
         peak = statistics.median(r.rps for r in results[("mix", "capsvc")])
         two = two_workers(redis.url, args)
-        # Below saturation: fewer connections until the rate is about 70 % of the peak.
+        # Below saturation: the same connections, each pausing after an answer, the pause
+        # adjusted until the rate is about 70 % of the peak (wrk cannot send at a fixed
+        # rate; fewer connections would time the queue they form, not the service).
         paced: Result | None = None
-        for connections in (16, 8, 4, 2, 1):
-            paced = wrk(svc.base_url, args.seconds, connections, f"paced-{connections}")
-            if paced.rps <= 0.75 * peak:
+        pause = args.connections / (0.7 * peak) * 1000
+        for attempt in range(4):
+            paced = wrk(svc.base_url, args.seconds, args.connections, f"paced-{attempt}",
+                        pause_ms=pause)
+            if 0.65 * peak <= paced.rps <= 0.75 * peak:
                 break
+            pause *= paced.rps / (0.7 * peak)
     finally:
         bare.terminate()
         naive.terminate()
@@ -306,7 +313,8 @@ def main() -> int:
             print(f"capsvc round {i}: {text}")
     print()
     if paced is not None:
-        print(f"capsvc below saturation (mix): {paced.rps:.0f} tickets/s "
+        print(f"capsvc below saturation (mix, {args.connections} connections pausing "
+              f"{pause:.1f} ms after each answer): {paced.rps:.0f} tickets/s "
               f"({100 * paced.rps / peak:.0f} % of peak): p50 {paced.p50_ms:.2f} ms, "
               f"p95 {paced.p95_ms:.2f} ms, p99 {paced.p99_ms:.2f} ms")
     rps, cores = two

@@ -5,6 +5,7 @@
 -- Usage: wrk -s tickets.lua <url> -- <token> <id-prefix> <seed>
 
 local token, prefix, counter = "bench", "B", 0
+local pause = 0  -- ms each connection waits after an answer (args[4]): paces the load
 local stakes = {100, 200, 300, 500, 1000}
 local hot = {}
 
@@ -24,6 +25,7 @@ function init(args)
   token = args[1] or token
   prefix = args[2] or prefix
   math.randomseed(tonumber(args[3] or "42"))
+  pause = tonumber(args[4] or "0")
   for i = 1, 20 do
     hot[i] = numbers(math.random(8, 10))
   end
@@ -54,6 +56,10 @@ function request()
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
   }, body)
+end
+
+function delay()
+  return pause
 end
 
 function done(summary, latency, requests)
