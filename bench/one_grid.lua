@@ -4,7 +4,7 @@
 -- Usage: wrk -s one_grid.lua <url> -- <token> <id-prefix> <seed>
 
 local token, prefix, counter = "bench", "B", 0
-local pause = 0  -- ms each connection waits after an answer (args[4]): paces the load
+local pause = 0  -- mean ms a connection waits after an answer (args[4]): paces the load
 local stakes = {100, 200, 300, 500, 1000}
 
 function init(args)
@@ -38,7 +38,12 @@ function request()
 end
 
 function delay()
-  return pause
+  -- Exponentially distributed: the connections do not fall into step, so requests arrive
+  -- as from many independent terminals, not in bursts.
+  if pause <= 0 then
+    return 0
+  end
+  return -pause * math.log(1 - math.random())
 end
 
 function done(summary, latency, requests)

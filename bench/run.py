@@ -85,7 +85,8 @@ class Result:
 def wrk(url: str, seconds: int, connections: int, prefix: str,
         script: str = "tickets.lua", pause_ms: float = 0.0) -> Result:
     """wrk with one of the ticket scripts; `pause_ms`: each connection waits that long after
-    an answer before its next request (the load is paced; latency is timed without it)."""
+    an answer before its next request, on average (exponentially distributed: the load is
+    paced as independent terminals would send it; latency is timed without the pause)."""
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
          "-s", str(HERE / script), url, "--", TOKEN, prefix, "42", f"{pause_ms:g}"],
@@ -314,7 +315,7 @@ def main() -> int:
     print()
     if paced is not None:
         print(f"capsvc below saturation (mix, {args.connections} connections pausing "
-              f"{pause:.1f} ms after each answer): {paced.rps:.0f} tickets/s "
+              f"{pause:.1f} ms on average after each answer): {paced.rps:.0f} tickets/s "
               f"({100 * paced.rps / peak:.0f} % of peak): p50 {paced.p50_ms:.2f} ms, "
               f"p95 {paced.p95_ms:.2f} ms, p99 {paced.p99_ms:.2f} ms")
     rps, cores = two
