@@ -192,7 +192,7 @@ class Store:
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
         """`journaled`, sent with the others of this tick: the decisions of one batch of
         the journal become durable together, and their entries go in one call
-        (capsvc_journaled_all; on a cluster one per index, a call's keys sharing a slot)
+        (capsvc_journaled_many; on a cluster one per index, a call's keys sharing a slot)
         rather than one each. Nobody waits for it (see `journaled`)."""
         batch = self._journaled
         if not batch:
@@ -206,7 +206,7 @@ class Store:
             for i in range(0, len(entries), JOURNALED_PER_CALL):
                 chunk = entries[i:i + JOURNALED_PER_CALL]
                 retrieving(self.fcall(
-                    "capsvc_journaled_all",
+                    "capsvc_journaled_many",
                     [k for t, _, _ in chunk for k in (pending_key_of(t), t)],
                     [a for _, sid, state in chunk for a in (sid, state)]))
 
@@ -488,7 +488,7 @@ class PlayerStore:
 
 
 JOURNALED_PER_CALL = 256
-"""Tickets per capsvc_journaled_all call (Lua's unpack has a limit; Redis stays responsive)."""
+"""Tickets per capsvc_journaled_many call (Lua's unpack has a limit; Redis stays responsive)."""
 
 
 def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:

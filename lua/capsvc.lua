@@ -218,12 +218,12 @@ local function journaled(keys, args)
   return redis.call('ZREM', keys[1], args[1])
 end
 
---[[ journaled_all: KEYS index 1, ticket 1, …, index n, ticket n; ARGV sid 1, state 1, …,
+--[[ journaled_many: KEYS index 1, ticket 1, …, index n, ticket n; ARGV sid 1, state 1, …,
 sid n, state n
 `journaled` for n tickets at once (the decisions of a batch of the journal, made durable
 together): one call, and one ZREM per index, instead of n calls. On a cluster the caller
 sends one call per index (a call's keys share a slot). Returns how many entries went. ]]
-local function journaled_all(keys, args)
+local function journaled_many(keys, args)
   local gone, order = {}, {}
   for i = 2, #keys, 2 do
     local rec = redis.call('HMGET', keys[i], 'st', 'sid')
@@ -1051,7 +1051,7 @@ redis.register_function('capsvc_claim', claim)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
 redis.register_function('capsvc_journaled', journaled)
-redis.register_function('capsvc_journaled_all', journaled_all)
+redis.register_function('capsvc_journaled_many', journaled_many)
 redis.register_function('capsvc_expire', expire)
 redis.register_function('capsvc_cancel', cancel)
 redis.register_function('capsvc_cancelled', cancelled)

@@ -84,11 +84,11 @@ async def test_the_bytes_are_aiohttps(servers: dict[str, int], raw: bytes) -> No
     got = await exchange(servers["answer"], raw, requests)
     want = await exchange(servers["reference"], raw, requests)
     assert got == want
-    assert got.count(b"X-Request-ID: rid-1") == (requests if b"HEAD" not in raw else requests)
+    assert got.count(b"X-Request-ID: rid-1") == requests
 
 
 def test_a_line_break_in_a_header_is_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="line break"):
         Answer(BODY, 503, {"Retry-After": "1\r\nSet-Cookie: x=1"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="line break"):
         Answer(BODY, 503, {"Retry-After": "1\nX: y"})

@@ -22,8 +22,8 @@ from capsvc.journal.reader import records
 from capsvc.journal.records import StopRecord
 from capsvc.server import Service, build
 from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
-from tests.conftest import CONFIG, TEN, Client, start_service, ticket
-from tests.integration.test_journaled import indexed, janitor_later, journaled
+from tests.conftest import CONFIG, TEN, Client, past_deadline, start_service, ticket
+from tests.integration.test_journaled import indexed, journaled
 
 
 def refused(*args: object, **kwargs: object) -> Any:
@@ -75,7 +75,7 @@ async def test_a_cancel_decided_after_a_replay_is_indexed_with_its_decision(
     assert (await cancel).status == 503
     monkeypatch.undo()
     assert indexed(redis_db) == 1
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     key = ticket_key("fr-retail", body["ticket_id"])
     assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
@@ -106,7 +106,7 @@ async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entr
         return asyncio.ensure_future(later())
 
     monkeypatch.setattr(svc.store, "journaled", held)
-    janitor = asyncio.create_task(janitor_later(svc).run_once())
+    janitor = asyncio.create_task(past_deadline(svc.usecases.janitor).run_once())
     await asyncio.wait_for(entered.wait(), 5)
     monkeypatch.undo()
     with pytest.MonkeyPatch.context() as mp:
@@ -115,7 +115,7 @@ async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entr
     assert redis_db.hget(key, "st") == b"f"
     go.set()
     await janitor
-    await janitor_later(svc).run_once()
+    await past_deadline(svc.usecases.janitor).run_once()
     assert [via for kind, via in journaled(svc, late["ticket_id"])] == ["janitor"]
     assert indexed(redis_db) == 0
 
@@ -140,7 +140,7 @@ async def test_entries_that_must_wait_do_not_hide_the_rest_of_their_slot(
                                          first_draw=fdj))).status == 503
     monkeypatch.delitem(svc.usecases.janitor.catalog.games, "minute-keno")
     for _ in range(2):
-        await janitor_later(svc).run_once()
+        await past_deadline(svc.usecases.janitor).run_once()
     assert [via for _, via in journaled(svc, victim)] == ["janitor"]
     assert redis_db.zcard(pending_key(0)) == waiting
 
@@ -172,7 +172,7 @@ async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(svc_a.usecases.tickets.ledger, "reserve_all", lost)
                 assert (await a.sell(body, token="ma")).status == 503
-            assert await janitor_later(svc_a).run_once() == 1
+            assert await past_deadline(svc_a.usecases.janitor).run_once() == 1
             sold = await b.sell(body, token="ma")
             assert sold.body["status"] == "accepted"
             export = (f"channel,ticket_id,total_cost\nma-retail,{body['ticket_id']},"
@@ -213,7 +213,7 @@ async def test_a_short_retention_sale_does_not_expire_the_entries_of_its_slot(
             assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 200}],
                                               ticket_id=tid, game="quick-keno"))).status == 200
             await asyncio.sleep(6)  # the quick draw's close and its 1 s retention
-            await janitor_later(svc).run_once()
+            await past_deadline(svc.usecases.janitor).run_once()
             assert [via for _, via in journaled(svc, fdj["ticket_id"])] == ["janitor"]
     finally:
         await runner.cleanup()
@@ -297,7 +297,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
             await svc.usecases.audit.write_due()
             report = Path(steps_settings.journal_dir) / "reports" / "minute-keno"
             assert not (report / f"{draw}.json").exists()
-            await janitor_later(svc).run_once()
+            await past_deadline(svc.usecases.janitor).run_once()
             assert await svc.usecases.audit.last_final(game) >= draw
             await svc.usecases.audit.write_due()
             written = json.loads((report / f"{draw}.json").read_text())

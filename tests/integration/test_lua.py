@@ -995,7 +995,7 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000, b"3": 250}
 
 
-async def test_journaled_all_lets_go_of_the_entries_still_so_in_one_call(
+async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
         store: Store, redis_db: redis.Redis, now: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch's index entries go in one call: those whose ticket still holds the decision
     journaled, or no longer exists; not those that moved on (a cancel decided since, another
@@ -1029,5 +1029,5 @@ async def test_journaled_all_lets_go_of_the_entries_still_so_in_one_call(
         assert sorted(redis_db.zrange(pending_key_of(group[0]), 0, -1)) == sorted(
             [group[1].encode(), group[3].encode()])
     # One call in all on a standalone Redis; one per index on a cluster.
-    assert calls == ["capsvc_journaled_all"] * (1 if store.single_node else 2)
+    assert calls == ["capsvc_journaled_many"] * (1 if store.single_node else 2)
 
