@@ -13,8 +13,9 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
-                 process that journals the decision removes the entry (`journaled`: only
-                 if the ticket is still in that state), else the janitor journals it
+                 process that journals the decision removes the entry (`journaled`, or
+                 `journaled_many` for a journal batch: only if the ticket is still in
+                 that state), else the janitor journals it
   aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
