@@ -675,7 +675,7 @@ def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_index
         try:
             draw, _ = current(a.base_url, SLOW)
             release = threading.Event()
-            held = proxy_a.hold_request(command("FCALL", "capsvc_journaled"), release)
+            held = proxy_a.hold_request(command("FCALL", "capsvc_journaled_many"), release)
             assert _sell(a.base_url, "Z-1", SLOW, draw)[0] == 200
             assert held.fired.wait(5)
             lost = proxy_b.drop_reply(command("FCALL", "capsvc_cancel"))
