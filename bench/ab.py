@@ -1,16 +1,15 @@
 """Ablation: capsvc at several commits (and the bare handler), alternating in one run.
 
     python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--seconds 5] [--rounds 4]
-                       [--journal on|off] [--connections 64]
+                       [--journal on|off] [--connections 64] [--redis-arg=ARG ...]
 
 Each REV (a commit, a branch, `WORK` for the working tree as it is, or the path of a tree
-prepared by hand) is checked out in a
-worktree of its own under a temporary directory and served by `python -m capsvc serve` from
-it, on a redis-server of its own (two revisions may ship different Lua libraries), with
-bench/run.py's configuration. Every server runs pinned to CPU 0 with `PYTHONHASHSEED=0`
-(the hash seed alone moves a result by a few µs); wrk and the Redis servers share CPU 1.
-Round after round, each target is driven in turn (the order rotated every round), so that
-a drift of the machine falls on every target alike.
+prepared by hand) is checked out in a worktree of its own under a temporary directory and
+served by `python -m capsvc serve` from it, on a redis-server of its own (two revisions may
+ship different Lua libraries), with bench/run.py's configuration. Every server runs pinned
+to CPU 0 with `PYTHONHASHSEED=0` (the hash seed alone moves a result by a few µs); wrk and
+the Redis servers share CPU 1. Round after round, each target is driven in turn (the order
+rotated every round), so that a drift of the machine falls on every target alike.
 
 Prints per target the median tickets/s, p99, server CPU per ticket, Redis CPU and commands
 per ticket, and each ratio to the first REV and to the bare handler. A lever is measured by
