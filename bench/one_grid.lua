@@ -1,17 +1,18 @@
 -- wrk script: new FDJ tickets (unique ticket_id) of one capped grid each (8-10 numbers, an
 -- allowed stake, one draw): every sale is claim + reserve + decision, nothing else.
 -- Seeded: every run sends the same sequence.
--- Usage: wrk -s one_grid.lua <url> -- <token> <id-prefix> <seed>
+-- Usage: wrk -s one_grid.lua <url> -- <token> <id-prefix> <seed> [<mean pause ms>]
+
+dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "common.lua")
 
 local token, prefix, counter = "bench", "B", 0
-local pause = 0  -- mean ms a connection waits after an answer (args[4]): paces the load
 local stakes = {100, 200, 300, 500, 1000}
 
 function init(args)
   token = args[1] or token
   prefix = args[2] or prefix
   math.randomseed(tonumber(args[3] or "42"))
-  pause = tonumber(args[4] or "0")
+  set_pause(args)
 end
 
 local function numbers(picks)
@@ -35,18 +36,4 @@ function request()
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
   }, body)
-end
-
-function delay()
-  -- Exponentially distributed: the connections do not fall into step, so requests arrive
-  -- as from many independent terminals, not in bursts.
-  if pause <= 0 then
-    return 0
-  end
-  return -pause * math.log(1 - math.random())
-end
-
-function done(summary, latency, requests)
-  io.write(string.format("PERCENTILES %.0f %.0f %.0f\n", latency:percentile(50),
-                         latency:percentile(95), latency:percentile(99)))
 end
