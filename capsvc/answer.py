@@ -2,8 +2,9 @@
 
 aiohttp's `web.Response` builds a header multidict, fills it in `prepare` (content length,
 date, server), serialises it and coalesces it with the body: per answer, a dozen objects
-and calls that a sale pays for on every request (issue 20's ablation: ~11 µs a request of
-~90 on the machine it was measured on). `Answer` sends the same bytes — the same headers in
+and calls that a sale pays for on every request (measured with bench/ab.py: 18-20 µs of
+a sale's ~330 µs of server CPU on the 2-CPU machine of docs/performance.md). `Answer`
+sends the same bytes — the same headers in
 the same order as `web.Response` with `content_type="application/json"` — from a format
 string, on the path every sale takes: HTTP/1.1, keep-alive, not a HEAD. Any other request
 (HTTP/1.0, `Connection: close`, HEAD) gets the answer through aiohttp's own path, which
