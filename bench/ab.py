@@ -83,13 +83,6 @@ def _enter(tree: str) -> None:
     os.sched_setaffinity(0, {0})
 
 
-def journal_config(journal: bool) -> str:
-    path = Path(config_file())
-    if not journal:
-        path.write_text(path.read_text() + "\n[journal]\nenabled = false\n")
-    return str(path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("revs", nargs="+")
@@ -105,7 +98,7 @@ def main() -> int:
     if not tools_present():
         return 2
     root = Path(tempfile.mkdtemp(prefix="capsvc-ab-"))
-    config = journal_config(args.journal == "on")
+    config = config_file(journal=args.journal == "on")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     targets: list[Target] = []
     services: list[ServiceProcess] = []

@@ -57,9 +57,7 @@ def main() -> int:
     redis = RedisServer().start()
     version = redis.client().info("server")["redis_version"]
     on_config = config_file()
-    off_config = str(Path(on_config).with_name("bench-no-journal.toml"))
-    Path(off_config).write_text(Path(on_config).read_text()
-                                + "\n[journal]\nenabled = false\n")
+    off_config = config_file(journal=False)
     journal_dir = Path(tempfile.mkdtemp(prefix="capsvc-bench-journal-", dir=Path.cwd()))
     services: dict[str, ServiceProcess] = {}
     try:

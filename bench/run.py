@@ -46,7 +46,7 @@ WORKLOAD_TEXT = {
 }
 
 
-def config_file() -> str:
+def config_file(journal: bool = True) -> str:
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
     text = f"""
 [server]
@@ -62,6 +62,8 @@ token_sha256 = "{digest}"
 games = ["fdj-keno"]
 scopes = ["sell", "read"]
 """
+    if not journal:
+        text += "\n[journal]\nenabled = false\n"
     path = Path(tempfile.mkdtemp(prefix="capsvc-bench-")) / "bench.toml"
     path.write_text(text)
     return str(path)
@@ -219,9 +221,7 @@ def main() -> int:
     subprocess.run(["taskset", "-pc", "0", str(svc.process.pid)], check=True,
                    capture_output=True)
     # The same service with its journal off, on the same Redis (the same library).
-    unjournaled = Path(config_file())
-    unjournaled.write_text(unjournaled.read_text() + "\n[journal]\nenabled = false\n")
-    off = ServiceProcess(str(unjournaled), redis.url).start()
+    off = ServiceProcess(config_file(journal=False), redis.url).start()
     assert off.process is not None
     subprocess.run(["taskset", "-pc", "0", str(off.process.pid)], check=True,
                    capture_output=True)

@@ -273,6 +273,17 @@ async def snapshot_then_silence(req: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def ends_at_once(c: Client, waiting: asyncio.Task[Any],
+                       error: type[BaseException]) -> None:
+    """Close `c` while `waiting` is blocked on it: `waiting` ends with `error`, at once."""
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await c.aclose()
+    with pytest.raises(error):
+        await waiting
+    assert time.monotonic() - started < 1
+
+
 async def test_closing_ends_a_sale_reading_its_answer_and_a_feed_at_once(
         stand_in: StandIn) -> None:
     """aclose() while a sale's answer is half read: OutcomeUnknown at once; while a feed
@@ -280,23 +291,13 @@ async def test_closing_ends_a_sale_reading_its_answer_and_a_feed_at_once(
     stand_in.handler = half_an_answer
     async with Client(stand_in.url, "t", timeout_s=20) as c:
         selling = asyncio.create_task(c.sell(SALE, deadline_s=30))
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
-        await c.aclose()
-        with pytest.raises(OutcomeUnknown):
-            await selling
-        assert time.monotonic() - started < 1
+        await ends_at_once(c, selling, OutcomeUnknown)
     stand_in.handler = snapshot_then_silence
     async with Client(stand_in.url, "t") as c:
         events = c.capped_events("fdj-keno")
         assert (await anext(events)).kind == "snapshot"
         waiting = asyncio.create_task(anext(events))
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
-        await c.aclose()
-        with pytest.raises(StopAsyncIteration):
-            await waiting
-        assert time.monotonic() - started < 1
+        await ends_at_once(c, waiting, StopAsyncIteration)
 
 
 async def test_closing_the_blocking_client_ends_a_half_read_sale_and_a_feed_in_threads(
