@@ -258,12 +258,13 @@ class Store:
         keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
         if fix_caps:
             keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
+        nonce = os.urandom(8)
         args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
-                           os.urandom(8).hex(), first_draw, draws, caps, min_stake, len(grids)]
+                           nonce.hex(), first_draw, draws, caps, min_stake, len(grids)]
         for combo, stake in grids:
             args += (combo, stake)
         return self.fcall("capsvc_sell", keys,
-                          [*args, *expiries, time_zone, "fix" if fix_caps else ""])
+                          [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
 
     async def oldest_pending(self) -> int | None:
         """The instant of the oldest entry of the pending indexes (a ticket claimed, being

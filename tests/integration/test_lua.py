@@ -952,6 +952,40 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert db.pexpiretime(pending_key_of(key)) == expire
 
 
+@pytest.mark.parametrize("nonce", ["sent", "not sent", "not 8 bytes"])
+async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
+        one_node: Store, standalone_db: redis.Redis, nonce: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller sends the sale id's 8 bytes after its hex (decoding the hex in Lua was an
+    eighth of the call); a caller older than that sends none, and bytes of another length
+    are not taken: the id's hex is decoded then. Either way a grid's record is the field
+    `record_field(sid)` that a reserve, a release and a cancel look for."""
+    db, now = standalone_db, redis_ms(standalone_db)
+    key = ticket_key("ch", secrets.token_hex(4))
+    fcall = one_node.fcall
+
+    def older(name: str, keys: list[str], args: list[Any]) -> Any:
+        if name != "capsvc_sell":
+            pass
+        elif nonce == "not sent":
+            args = args[:-1]
+        elif nonce == "not 8 bytes":
+            args = [*args[:-1], b"\x01\x02\x03"]
+        return fcall(name, keys, args)
+
+    monkeypatch.setattr(one_node, "fcall", older)
+    new = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
+                              1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
+    assert new[0] == b"new"
+    sid = new[2].decode()
+    assert db.hget(bucket_keys(GAME, OTHER, FIRST, 1)[0], record_field(sid, 0)) == b"300"
+    assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], record_field(sid, 1)) == b"200"
+    # A cancel's release finds that record, and gives the stake back once.
+    released = await one_node.release(GAME, COMBO, record_field(sid, 1), CAP, MIN, FIRST, 1,
+                                      now + DAY)
+    assert int(released[0]) == 200
+
+
 async def test_sell_writes_nothing_when_closed_or_stopped(
         one_node: Store, standalone_db: redis.Redis) -> None:
     """Past the close, or with a draw of the ticket stopped by an admin, the call answers so
