@@ -1,0 +1,228 @@
+"""Where a one-grid sale's Redis CPU goes: the floor of the call, and the sale's sections.
+
+    python bench/floor.py [--calls 20000] [--rounds 3] [--seconds 10]
+
+1. The floor, side by side in one run (rounds alternating, on one redis-server): Redis CPU
+   (the process's, from /proc) and FCALL time (`INFO commandstats`) per call of
+   - `noop`: a function that returns at once, called with the sale's keys and arguments
+     (8 keys, 17 arguments): what any one call costs;
+   - `commands`: the commands a one-grid sale cannot do without (TIME, the ticket's HMGET,
+     the stops' HMGET, HINCRBY of the counter, HSET of the grid's record, HSET and
+     PEXPIREAT of the ticket, ZADD to the pending index), with no logic around them;
+   - `capsvc_sell`: the sale itself, called through `Store.sell` as a worker calls it.
+2. The sale's sections under the service: a copy of the library whose `capsvc_sell` reads
+   Redis TIME (µs) between its steps replaces the library of a running capsvc worker
+   driven by wrk (bench/one_grid.lua, 64 connections) for `--seconds`, and prints the µs a
+   sale spends in each step, net of what reading the clock costs (the `empty` step).
+
+Prints figures; asserts nothing. The hash seed is fixed (PYTHONHASHSEED=0; the process
+re-executes itself to set it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from record import round_of, sales
+from run import config_file, cpu_seconds, wrk
+
+from capsvc.coalesce import Coalescer
+from capsvc.store import Store, bucket_keys, lua_source, pending_key_of, stops_key, ticket_key
+from capsvc.testing import RedisServer, ServiceProcess
+from capsvc.validator import pack_sale
+
+GAME, DRAW, CAP, MIN_STAKE = "fdj-keno", 13179, 5000, 100
+
+FLOOR = r"""#!lua name=floor
+local function noop(keys, args)
+  return 1
+end
+local function commands(keys, args)
+  local t = redis.call('TIME')
+  redis.call('HMGET', keys[1], 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel')
+  redis.call('HMGET', keys[2], args[7])
+  redis.call('HINCRBY', keys[4], args[12], args[13])
+  redis.call('HSET', keys[4], args[6], args[13])
+  redis.call('HSET', keys[1], 'st', 'f', 'fp', args[1], 'at', t[1], 'sid', args[6],
+             'sale', args[2], 'res', '1')
+  redis.call('PEXPIREAT', keys[1], args[4])
+  redis.call('ZADD', keys[3], 'NX', t[1], keys[1])
+  return 1
+end
+redis.register_function('floor_noop', noop)
+redis.register_function('floor_commands', commands)
+"""
+
+# capsvc_sell's steps: after the line starting with the anchor, the step named ends (the
+# sections are timed from one mark to the next).
+SECTIONS = [
+    ("  local now = tonumber(t[1]) * 1000", "time"),
+    ("                         'rel')", "ticket HMGET"),
+    ("  local stops = redis.call('HMGET', keys[2], unpack(draws))", "stops HMGET"),
+    ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
+    ("  local results = args[12 + 2 * grids + n]", "grids (count, record)"),
+    ("  redis.call('PEXPIREAT', ticket, tonumber(args[4]))", "ticket HSET, PEXPIREAT"),
+    ("  extend(keys[3], tonumber(args[4]))", "index ZADD, TTL"),
+]
+CLOCK = """
+local acc, mark_end = {}, 0
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function mark(name)
+  local now = clock()
+  if name then
+    acc[name] = (acc[name] or 0) + (now - mark_end)
+  end
+  mark_end = clock()
+end
+local function sections(keys, args)
+  local out = {}
+  for name, us in pairs(acc) do
+    out[#out + 1] = name
+    out[#out + 1] = tostring(us)
+  end
+  if args[1] == 'reset' then
+    acc = {}
+  end
+  return out
+end
+"""
+
+
+def timed_library() -> str:
+    """The library with marks between capsvc_sell's steps (and one empty step first)."""
+    source = lua_source()
+    start = source.index("local function sell(keys, args)")
+    end = source.index("\n--[[ RESTORE", start)
+    lines = source[start:end].split("\n")
+    out = [lines[0], "  mark(nil)", "  mark('empty')"]
+    anchors = dict(SECTIONS)
+    found = set()
+    for line in lines[1:]:
+        if line.startswith("  return {'new', now, sid"):
+            out.append("  mark('aggregates')")
+        out.append(line)
+        for anchor, name in anchors.items():
+            if line.startswith(anchor) and name not in found:
+                out.append(f"  mark('{name}')")
+                found.add(name)
+    missing = set(anchors.values()) - found
+    if missing:
+        raise SystemExit(f"capsvc_sell changed: no anchor for {sorted(missing)} (SECTIONS)")
+    timed = source[:start] + CLOCK + "\n".join(out) + source[end:]
+    return timed.replace("redis.register_function('capsvc_sell', sell)",
+                         "redis.register_function('capsvc_sell', sell)\n"
+                         "redis.register_function('capsvc_sections', sections)")
+
+
+def floor_args(i: int, far: int) -> list[object]:
+    """8 keys and 17 arguments shaped like a one-grid sale's."""
+    key = ticket_key("bench", f"F-{i}")
+    combo = "\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60)
+    keys = [key, stops_key(GAME), pending_key_of(key), bucket_keys(GAME, combo, DRAW, 1)[0],
+            f"x:{{{GAME}}}:{DRAW}", f"f:{{{GAME}}}", f"a:{{t:1}}:{GAME}:{DRAW}",
+            f"k:{{{GAME}}}:{DRAW}"]
+    nonce = os.urandom(8)
+    args = [f"{i:032x}", os.urandom(50), far, far, 60_000, nonce.hex(), DRAW, 1, CAP,
+            MIN_STAKE, 1, combo, 500, far, "Europe/Paris", "", nonce]
+    return [len(keys), *keys, *args]
+
+
+async def floor(calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    server = RedisServer().start()
+    try:
+        client = server.client()
+        pid = int(client.info("server")["process_id"])
+        redis = Coalescer(server.url, timeout_s=30, library=lua_source())
+        store = Store(redis)
+        far = int(time.time() * 1000) + 86_400_000
+        out: dict[str, list[tuple[float, float]]] = {"noop": [], "commands": [],
+                                                     "capsvc_sell": []}
+        for r in range(rounds):
+            names = list(out)[r % 3:] + list(out)[:r % 3]
+            for name in names:
+                client.flushall()
+                await store.load_library()
+                client.function_load(FLOOR, replace=True)
+                client.config_resetstat()
+                before = cpu_seconds(pid)
+                if name == "capsvc_sell":
+                    await round_of(store, sales(f"S{r}", calls, 1, seed=r), pack_sale)
+                else:
+                    for start in range(0, calls, 200):
+                        await asyncio.gather(*[
+                            redis.submit("FCALL", f"floor_{name}", *floor_args(i, far))
+                            for i in range(start, min(start + 200, calls))])
+                cpu = (cpu_seconds(pid) - before) / calls * 1e6
+                fcall = client.info("commandstats")["cmdstat_fcall"]["usec_per_call"]
+                out[name].append((cpu, float(fcall)))
+        await redis.aclose()
+        return out
+    finally:
+        server.stop()
+
+
+def sections(seconds: int) -> tuple[float, dict[str, float], int]:
+    """µs a sale spends in each step of capsvc_sell under a worker driven by wrk."""
+    server = RedisServer().start()
+    service = ServiceProcess(config_file(), server.url).start()
+    try:
+        client = server.client()
+        wrk(service.base_url, 3, 64, "warm", "one_grid.lua")  # the worker loaded its library
+        client.function_load(timed_library(), replace=True)
+        wrk(service.base_url, 1, 64, "warm2", "one_grid.lua")
+        client.fcall("capsvc_sections", 0, "reset")
+        client.config_resetstat()
+        result = wrk(service.base_url, seconds, 64, "timed", "one_grid.lua")
+        fcall = float(client.info("commandstats")["cmdstat_fcall"]["usec_per_call"])
+        raw = client.fcall("capsvc_sections", 0, "read")
+        totals = {raw[i].decode(): int(raw[i + 1]) / result.requests
+                  for i in range(0, len(raw), 2)}
+        return fcall, totals, result.requests
+    finally:
+        service.stop()
+        server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=10)
+    args = parser.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        return subprocess.call([sys.executable, *sys.argv],
+                               env={**os.environ, "PYTHONHASHSEED": "0"})
+    results = asyncio.run(floor(args.calls, args.rounds))
+    print(f"1. the floor: {args.calls} calls a round, {args.rounds} rounds alternating "
+          "(medians; Redis CPU from /proc, FCALL from INFO commandstats)")
+    sell_cpu = statistics.median(c for c, _ in results["capsvc_sell"])
+    for name, rows in results.items():
+        cpu = statistics.median(c for c, _ in rows)
+        fcall = statistics.median(f for _, f in rows)
+        print(f"  {name:12} Redis CPU {cpu:6.1f} µs a call ({cpu / sell_cpu:4.0%} of the "
+              f"sale's)  FCALL {fcall:6.1f} µs   rounds: "
+              + ", ".join(f"{c:.1f}" for c, _ in rows))
+    fcall, steps, sold = sections(args.seconds)
+    empty = steps.pop("empty", 0.0)
+    print(f"2. capsvc_sell's steps under one worker and wrk (one grid, {sold} sales; FCALL "
+          f"{fcall:.1f} µs a sale with the clock read {2 * (len(steps) + 2)} times): µs a "
+          f"sale, net of reading the clock ({empty:.2f} µs a step)")
+    for name, us in sorted(steps.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:26} {us - empty:6.2f}")
+    net = sum(us - empty for us in steps.values())
+    print(f"  {'all the steps':26} {net:6.2f}; the rest of the call (entry, arguments, "
+          f"reply, Lua's garbage) {fcall - net - 2 * empty * (len(steps) + 2):6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
