@@ -17,6 +17,12 @@ combination.
    sales left in Redis counted, with Redis's default hash limits and with
    deploy/redis.conf's; then MEMORY USAGE by kind of key, and one ticket record. The
    sizing rule: bytes per ticket x tickets retained (docs/performance.md).
+4. (`--layouts N`.) What a ticket record costs by how it is kept, everything else equal: N
+   records of the mix's sizes (a packed sale of 36-90 bytes, results of 1-5 grids), each a
+   key of its own with a TTL, written straight into Redis with deploy/redis.conf's hash
+   limits, as the hash capsvc writes today, without its fingerprint, and as one
+   MessagePack string with the fingerprint, without it, and without it with the sale id as
+   8 raw bytes: the `used_memory` delta per key, the floor of a record that has a key.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ import argparse
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from run import TOKEN, config_file
 
 from capsvc import combination
@@ -97,6 +105,53 @@ async def run(server: RedisServer, counters: int, draws: int) -> dict[str, float
 
 SHIPPED = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "128")
 """deploy/redis.conf's hash limits (and the embedded server's)."""
+
+_pack = msgspec.msgpack.encode
+LAYOUTS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
+    "hash, as written today": lambda r: ("hash", r),
+    "hash without the fingerprint": lambda r: ("hash", {k: v for k, v in r.items()
+                                                        if k != "fp"}),
+    "string, MessagePack": lambda r: ("string", _pack(
+        [r["st"], r["fp"], r["at"], r["sid"], r["sale"], False, r["res"]])),
+    "string, no fingerprint": lambda r: ("string", _pack(
+        [r["st"], r["at"], r["sid"], r["sale"], False, r["res"]])),
+    "string, no fingerprint, raw id": lambda r: ("string", _pack(
+        [r["st"], r["at"], bytes.fromhex(r["sid"]), r["sale"], False, r["res"]])),
+}
+
+
+def layouts(n: int) -> dict[str, float]:
+    """used_memory per ticket record of the mix's sizes, by layout (see 4. above)."""
+    rng = random.Random(1)
+    expire = int(time.time() * 1000) + 86_400_000
+    records = [{"st": "f", "fp": rng.randbytes(16).hex(), "at": expire - 86_400_000 + i,
+                "sid": rng.randbytes(8).hex(), "sale": rng.randbytes(rng.randint(36, 90)),
+                "res": "Europe/Paris|" + ";".join(rng.choice(["1", "-", "0:0:300"])
+                                                  for _ in range(rng.randint(1, 5)))}
+               for i in range(n)]
+    server = RedisServer(extra=SHIPPED).start()
+    try:
+        client = server.client()
+        out = {}
+        for name, layout in LAYOUTS.items():
+            client.flushall()
+            before = client.info("memory")["used_memory"]
+            pipe = client.pipeline(transaction=False)
+            for i, record in enumerate(records):
+                key = f"t:{{t:{i % 64}}}:fr-retail/M1-{i}"
+                kind, value = layout(record)
+                if kind == "hash":
+                    pipe.hset(key, mapping=value)
+                    pipe.pexpireat(key, expire)
+                else:
+                    pipe.set(key, value, pxat=expire)
+                if i % 1000 == 999:
+                    pipe.execute()
+            pipe.execute()
+            out[name] = (client.info("memory")["used_memory"] - before) / n
+        return out
+    finally:
+        server.stop()
 
 
 def mix(rng: random.Random, hot_set: list[list[int]], ticket_id: str, draw: int
@@ -170,7 +225,15 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=1000)
     parser.add_argument("--tickets", type=int, default=20_000,
                         help="tickets of the mix sold through the service (3.); 0: skip")
+    parser.add_argument("--layouts", type=int, default=0,
+                        help="ticket records written in each layout (4.); 0: skip")
     args = parser.parse_args()
+    if args.layouts:
+        print(f"{args.layouts} ticket records of the mix's sizes, a key each, "
+              "deploy/redis.conf's hash limits: used_memory per record")
+        for name, per in layouts(args.layouts).items():
+            print(f"  {name:34} {per:6.0f} B")
+
     for name, extra in (("Redis's defaults", ()), ("deploy/redis.conf's hash limits",
                                                     SHIPPED)):
         if not args.tickets:
