@@ -22,7 +22,6 @@ import asyncio
 import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+from run import with_fixed_hash_seed
 
 from capsvc.client import Client, GridIn, TicketIn, TicketOut
 from capsvc.testing import RedisServer, ServiceProcess
@@ -128,9 +128,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        return subprocess.call([sys.executable, *sys.argv],
-                               env={**os.environ, "PYTHONHASHSEED": "0"})
+    rerun = with_fixed_hash_seed()
+    if rerun is not None:
+        return rerun
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {1})
     redis = RedisServer().start()

@@ -25,12 +25,11 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from record import round_of, sales
-from run import config_file, cpu_seconds, wrk
+from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
 
 from capsvc.coalesce import Coalescer
 from capsvc.store import Store, bucket_keys, lua_source, pending_key_of, stops_key, ticket_key
@@ -198,9 +197,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=10)
     args = parser.parse_args()
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        return subprocess.call([sys.executable, *sys.argv],
-                               env={**os.environ, "PYTHONHASHSEED": "0"})
+    rerun = with_fixed_hash_seed()
+    if rerun is not None:
+        return rerun
     results = asyncio.run(floor(args.calls, args.rounds))
     print(f"1. the floor: {args.calls} calls a round, {args.rounds} rounds alternating "
           "(medians; Redis CPU from /proc, FCALL from INFO commandstats)")

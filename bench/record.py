@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import msgspec
+from run import with_fixed_hash_seed
 
 from capsvc import combination
 from capsvc.coalesce import Coalescer
@@ -106,9 +105,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--grids", type=int, default=1)
     args = parser.parse_args()
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        return subprocess.call([sys.executable, *sys.argv],
-                               env={**os.environ, "PYTHONHASHSEED": "0"})
+    rerun = with_fixed_hash_seed()
+    if rerun is not None:
+        return rerun
     server = RedisServer().start()
     try:
         version = server.client().info("server")["redis_version"]
