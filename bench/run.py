@@ -62,9 +62,12 @@ token_sha256 = "{digest}"
 games = ["fdj-keno"]
 scopes = ["sell", "read"]
 """
-    if not journal:
-        text += "\n[journal]\nenabled = false\n"
     path = Path(tempfile.mkdtemp(prefix="capsvc-bench-")) / "bench.toml"
+    # A journal of its own: in the default var/journal of the working directory, each run
+    # would restore every earlier run's decisions before selling (a two-worker service
+    # took longer to start than the bench waits once that had grown to 137 MB).
+    text += (f'\n[journal]\ndir = "{path.parent / "journal"}"\n' if journal
+             else "\n[journal]\nenabled = false\n")
     path.write_text(text)
     return str(path)
 
