@@ -839,9 +839,9 @@ expire_at of each draw, then the game's time zone (kept with the results: the re
 time is rendered in the zone of the sale, whatever the configuration says later), then
 "fix" when the caller does not know the draws' caps (the last n keys are then their cap
 keys, fixed here; the reply's last element gives the caps the sale was judged by), then
-the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 8 of
-a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them, older than issue
-20, has them decoded).
+the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
+of a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them, older than
+issue 20, has them decoded).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
@@ -881,6 +881,8 @@ local function sell(keys, args)
   -- The caller's nonce (8 random bytes, hex) is the sale id: nothing else is needed to
   -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
   local sid = args[6]
+  -- Its 8 bytes, taken as sent: the caller makes the hex and the bytes from one nonce
+  -- (checking them here would cost what sending them saves).
   local sid_bytes = args[14 + 2 * tonumber(args[11]) + n]
   if sid_bytes and #sid_bytes ~= 8 then
     sid_bytes = nil

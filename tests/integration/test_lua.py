@@ -965,12 +965,8 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     fcall = one_node.fcall
 
     def older(name: str, keys: list[str], args: list[Any]) -> Any:
-        if name != "capsvc_sell":
-            pass
-        elif nonce == "not sent":
-            args = args[:-1]
-        elif nonce == "not 8 bytes":
-            args = [*args[:-1], b"\x01\x02\x03"]
+        if name == "capsvc_sell" and nonce != "sent":
+            args = args[:-1] if nonce == "not sent" else [*args[:-1], b"\x01\x02\x03"]
         return fcall(name, keys, args)
 
     monkeypatch.setattr(one_node, "fcall", older)
@@ -984,6 +980,9 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     released = await one_node.release(GAME, COMBO, record_field(sid, 1), CAP, MIN, FIRST, 1,
                                       now + DAY)
     assert int(released[0]) == 200
+    again = await one_node.release(GAME, COMBO, record_field(sid, 1), CAP, MIN, FIRST, 1,
+                                   now + DAY)
+    assert int(again[0]) == 0
 
 
 async def test_sell_writes_nothing_when_closed_or_stopped(
