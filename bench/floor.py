@@ -32,7 +32,18 @@ from record import round_of, sales
 from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
 
 from capsvc.coalesce import Coalescer
-from capsvc.store import Store, bucket_keys, lua_source, pending_key_of, stops_key, ticket_key
+from capsvc.store import (
+    Store,
+    aggregate_key,
+    bucket_keys,
+    cap_key,
+    capped_key,
+    feed_key,
+    lua_source,
+    pending_key_of,
+    stops_key,
+    ticket_key,
+)
 from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.validator import pack_sale
 
@@ -127,8 +138,8 @@ def floor_args(i: int, far: int) -> list[object]:
     key = ticket_key("bench", f"F-{i}")
     combo = "\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60)
     keys = [key, stops_key(GAME), pending_key_of(key), bucket_keys(GAME, combo, DRAW, 1)[0],
-            f"x:{{{GAME}}}:{DRAW}", f"f:{{{GAME}}}", f"a:{{t:1}}:{GAME}:{DRAW}",
-            f"k:{{{GAME}}}:{DRAW}"]
+            capped_key(GAME, DRAW), feed_key(GAME), aggregate_key(key, GAME, DRAW),
+            cap_key(GAME, DRAW)]
     nonce = os.urandom(8)
     args = [f"{i:032x}", os.urandom(50), far, far, 60_000, nonce.hex(), DRAW, 1, CAP,
             MIN_STAKE, 1, combo, 500, far, "Europe/Paris", "", nonce]

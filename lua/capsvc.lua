@@ -206,24 +206,12 @@ local function finalize(keys, args)
   return 0
 end
 
---[[ journaled: KEYS pending index, ticket; ARGV ticket key, sid, state
-The decision of sale `sid` in state `state` (f: sold, c: cancelled; '': voided, the ticket
-forgotten) is journaled: the ticket's index entry goes, unless the ticket has moved on
-since (a cancel decided meanwhile, another sale of the id): the janitor then journals what
-it holds now. Returns 1 if the entry went. ]]
-local function journaled(keys, args)
-  local rec = redis.call('HMGET', keys[2], 'st', 'sid')
-  if rec[1] and (rec[1] ~= args[3] or rec[2] ~= args[2]) then
-    return 0
-  end
-  return redis.call('ZREM', keys[1], args[1])
-end
-
 --[[ journaled_many: KEYS index 1, ticket 1, …, index n, ticket n; ARGV sid 1, state 1, …,
 sid n, state n
-`journaled` for n tickets at once (the decisions of a batch of the journal, made durable
-together): one call, and one ZREM per index, instead of n calls. On a cluster the caller
-sends one call per index (a call's keys share a slot). Returns how many entries went. ]]
+`journaled` (below) for n tickets at once (the decisions of a batch of the journal, made
+durable together): one call, and one ZREM per index, instead of n calls. On a cluster the
+caller sends one call per index (a call's keys share a slot). Returns how many entries
+went. ]]
 local function journaled_many(keys, args)
   local gone, order = {}, {}
   for i = 2, #keys, 2 do
@@ -243,6 +231,15 @@ local function journaled_many(keys, args)
     removed = removed + redis.call('ZREM', index, unpack(gone[index]))
   end
   return removed
+end
+
+--[[ journaled: KEYS pending index, ticket; ARGV ticket key, sid, state
+The decision of sale `sid` in state `state` (f: sold, c: cancelled; '': voided, the ticket
+forgotten) is journaled: the ticket's index entry goes, unless the ticket has moved on
+since (a cancel decided meanwhile, another sale of the id): the janitor then journals what
+it holds now. Returns 1 if the entry went. ]]
+local function journaled(keys, args)
+  return journaled_many(keys, {args[2], args[3]})  -- args[1], the ticket key, is keys[2]
 end
 
 --[[ unclaim: KEYS ticket; ARGV sid
