@@ -31,6 +31,9 @@ OUTCOME_UNKNOWN = ("{}: the outcome is unknown (it may have been recorded); send
                    "request again to get the one decision, or GET the ticket")
 """The message of a 503 whose request may have changed something (format with the cause)."""
 
+NOTHING_CHANGED = "{}: nothing was changed; send the request again"
+"""The message of a 503 to a request that changes nothing (a GET: format with the cause)."""
+
 
 def unavailable(message: str, retry_after_s: int) -> ApiError:
     """503: the outcome is unknown to the client, which should send the same request again

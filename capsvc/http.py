@@ -28,7 +28,14 @@ from capsvc.audit.reconcile import ExportError
 from capsvc.audit.report import to_csv, to_json
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.durability import Durability
-from capsvc.errors import OUTCOME_UNKNOWN, ApiError, Unavailable, not_found, unavailable
+from capsvc.errors import (
+    NOTHING_CHANGED,
+    OUTCOME_UNKNOWN,
+    ApiError,
+    Unavailable,
+    not_found,
+    unavailable,
+)
 from capsvc.feed import Subscriber
 from capsvc.journal.gate import Gate
 from capsvc.journal.writer import Journal
@@ -535,6 +542,12 @@ def _dispatch(api: Api, router: Router) -> Handler:
     def busy(message: str) -> Answer:
         return error_response(unavailable(message, settings.retry_after_s))
 
+    def unknown(request: web.BaseRequest, cause: str) -> Answer:
+        """A 503 for a cause that cut the request short: a read changed nothing; any other
+        request's outcome is unknown."""
+        reads = request.method == "GET" or request.method == "HEAD"
+        return busy((NOTHING_CHANGED if reads else OUTCOME_UNKNOWN).format(cause))
+
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         rid = request_id(request)
@@ -574,19 +587,19 @@ def _dispatch(api: Api, router: Router) -> Handler:
                     raise
                 timed_out.discard(task)
                 task.uncancel()
-                resp = busy(OUTCOME_UNKNOWN.format("the request took too long"))
+                resp = unknown(request, "the request took too long")
             except ApiError as e:
                 resp = error_response(e)
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})
-                resp = busy(OUTCOME_UNKNOWN.format("Redis could not be reached in time"))
+                resp = unknown(request, "Redis could not be reached in time")
             except ResponseError as e:
                 # Redis refused a command (out of memory under noeviction, a broken
                 # ACL, …): nothing can be assumed recorded, so fail closed.
                 log.error("redis refused a command: %s", e,
                           extra={"request_id": rid, "route": template})
-                resp = busy(OUTCOME_UNKNOWN.format("Redis refused an operation"))
+                resp = unknown(request, "Redis refused an operation")
             except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad gzip, …)
                 log.warning("unreadable request body: %s", _first_line(e),
                             extra={"request_id": rid, "route": template})

@@ -134,6 +134,25 @@ def test_delayed_reserve_reply_is_503_then_the_retry_converges(
     assert api.call("GET", f"/v1/tickets/{body['ticket_id']}").content == retry.content
 
 
+def test_a_get_cut_short_is_a_503_that_says_nothing_changed(
+        api: Api, proxy: FaultProxy) -> None:
+    """A look-up whose Redis reply comes too late: a 503 with Retry-After that does not say
+    "the outcome is unknown" (a GET changes nothing), and the same GET again answers."""
+    body = sale((TEN[:8], 500))
+    assert api.sell(body).status_code == 200
+    rule = proxy.delay_reply(command("HMGET", ticket_key("fr-retail", body["ticket_id"])), 1.0)
+    resp = api.call("GET", f"/v1/tickets/{body['ticket_id']}")
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unavailable"
+    assert "Retry-After" in resp.headers
+    assert "nothing was changed" in error["message"]
+    assert "outcome is unknown" not in error["message"]
+    assert rule.fired.wait(5)
+    time.sleep(1.2)
+    assert api.call("GET", f"/v1/tickets/{body['ticket_id']}").status_code == 200
+
+
 def test_a_503_never_retried_is_settled_as_accepted(api: Api, proxy: FaultProxy) -> None:
     """Every grid was counted but the answer was lost: the janitor finalizes the sale as
     accepted within the pending deadline (an answer may have reached the client)."""
