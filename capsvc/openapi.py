@@ -49,8 +49,9 @@ _ERRORS = {
     "409": "Ticket id reused with a different request; not cancellable; no decision yet",
     "413": "Body larger than the configured limit",
     "422": "Well-formed JSON that breaks a rule (schema or game rules)",
-    "503": "Redis unreachable or too slow, draining or overloaded: the outcome is unknown; "
-           "the same request sent again converges (see Retry-After)",
+    "503": "Redis unreachable or too slow, draining or overloaded: to a sale or a cancel, "
+           "the outcome is unknown, and the same request sent again converges; a GET changed "
+           "nothing (see Retry-After)",
 }
 
 
