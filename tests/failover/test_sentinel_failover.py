@@ -1,9 +1,9 @@
 """Scenario c: three sentinels (quorum 2, down after 1 s) watch a primary and its two
 replicas; capsvc (two workers) runs on the `redis+sentinel://` URL in `replicas:1`. The
 primary is killed under load; the sentinels promote a replica and capsvc follows the switch
-by itself (it is not restarted): sales are answered again within 10 s of the kill, none
-answered is lost, none beyond the cap, and /readyz is 503 while no primary is known, 200
-after.
+by itself (it is not restarted): sales are answered again within 10 s of the kill (within
+5 s of the sentinels' agreeing, when their election takes longer), none answered is lost,
+none beyond the cap, and /readyz is 503 while no primary is known, 200 after.
 
 Two replicas, not one: with `replicas:1` a primary whose only replica is promoted has no
 replica left, and no sale could be confirmed again until another one joins (a sentinel
@@ -26,12 +26,19 @@ def test_sentinel_failover_followed_without_restart(
     assert_harness_worked(run, "kill", "switched")
     resumed = run.resumed_after_s("kill")
     assert resumed is not None
-    assert resumed <= 10, f"sales resumed {resumed:.1f} s after the kill"
+    kill, switched = run.sellers.marks["kill"], run.sellers.marks["switched"]
+    # The sentinels' election is theirs: usually 2-4 s here, but a split vote waits twice
+    # failover-timeout (10 s) before trying again (CI saw 12.7 s). What capsvc owes is to
+    # follow the switch: sales again within 10 s of the kill when the sentinels took at
+    # most 5 s, and in any case within 5 s of their agreeing.
+    election = switched - kill
+    assert resumed <= max(10, election + 5), (
+        f"sales resumed {resumed:.1f} s after the kill, the sentinels switched after "
+        f"{election:.1f} s")
     assert run.audit.lost == {}
     assert run.audit.over_cap == []
     assert run.audit.mismatched == []
 
-    kill, switched = run.sellers.marks["kill"], run.sellers.marks["switched"]
     during = [status for at, status in run.readiness if kill + 0.5 <= at <= switched]
     assert 503 in during, f"/readyz while no primary: {sorted(set(during))}"
     assert set(during) <= {200, 503}, during  # the process answered all along
@@ -41,7 +48,9 @@ def test_sentinel_failover_followed_without_restart(
     back = next((at for at, status in run.readiness if at > switched and status == 200),
                 None)
     assert back is not None, "/readyz never 200 again"
-    assert back - kill <= 10, f"/readyz 200 again {back - kill:.1f} s after the kill"
+    assert back - kill <= max(10, election + 5), (
+        f"/readyz 200 again {back - kill:.1f} s after the kill, the sentinels switched after "
+        f"{election:.1f} s")
 
 
 def test_a_manual_sentinel_failover_loses_no_answered_sale(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,8 +105,9 @@ def test_a_switch_is_followed_by_itself(
 def test_the_primary_killed_is_replaced_within_ten_seconds(
         sentinel_group: tuple[list[RedisServer], RedisSentinels]) -> None:
     """SIGKILL of the primary with two workers on the sentinel URL: sales are 503 (never
-    500) and readiness 503 while no primary answers, and resume within 10 s; the time
-    without a primary is counted."""
+    500) and readiness 503 while no primary answers, and resume within 10 s (within 5 s of
+    the sentinels' agreeing, when their election takes longer); the time without a primary
+    is counted."""
     servers, sentinels = sentinel_group
     service = ServiceProcess(CONFIG, sentinels.url(), args=("--workers", "2")).start()
     try:
@@ -115,8 +117,18 @@ def test_the_primary_killed_is_replaced_within_ten_seconds(
         time.sleep(0.3)
         assert ready(service.base_url) == 503
         assert post(service.base_url, sale(31)).status_code == 503
-        sell_until_decided(service.base_url, sale(41), within_s=10)
-        assert time.monotonic() - killed < 10
+        # The sentinels' election is theirs (a split vote waits twice failover-timeout
+        # before the next try): within 10 s of the kill when they agree within 5 s, and
+        # in any case within 5 s of their agreeing.
+        switched: list[float] = []
+        watcher = threading.Thread(target=lambda: (
+            sentinels.wait_failover(servers[0].port), switched.append(time.monotonic())))
+        watcher.start()
+        sell_until_decided(service.base_url, sale(41), within_s=30)
+        resumed = time.monotonic() - killed
+        watcher.join()
+        election = switched[0] - killed
+        assert resumed < max(10, election + 5), (resumed, election)
         deadline = time.monotonic() + 5
         while ready(service.base_url) != 200:
             assert time.monotonic() < deadline, "not ready again after the failover"
