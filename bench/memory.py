@@ -23,6 +23,10 @@ combination.
    limits, as the hash capsvc writes today, without its fingerprint, and as one
    MessagePack string with the fingerprint, without it, and without it with the sale id as
    8 raw bytes: the `used_memory` delta per key, the floor of a record that has a key.
+   Then without a key per record: each record a field of one of N / 100, N / 400 or
+   N / 2000 bucket hashes (its expiry inside, for a sweep to honour), under hash limits
+   that keep such a bucket a listpack and under deploy/redis.conf's, with the Redis CPU of
+   a look-up (HGET).
 """
 
 from __future__ import annotations
@@ -115,13 +119,26 @@ LAYOUTS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
         [r["st"], r["fp"], r["at"], r["sid"], r["sale"], False, r["res"]])),
     "string, no fingerprint": lambda r: ("string", _pack(
         [r["st"], r["at"], r["sid"], r["sale"], False, r["res"]])),
+    "hash, fingerprint and sale id as raw bytes": lambda r: ("hash", {
+        **r, "fp": bytes.fromhex(r["fp"]), "sid": bytes.fromhex(r["sid"])}),
+    "hash, 8 bytes of fingerprint, raw sale id": lambda r: ("hash", {
+        **r, "fp": bytes.fromhex(r["fp"])[:8], "sid": bytes.fromhex(r["sid"])}),
     "string, no fingerprint, raw id": lambda r: ("string", _pack(
         [r["st"], r["at"], bytes.fromhex(r["sid"]), r["sale"], False, r["res"]])),
 }
 
 
-def layouts(n: int) -> dict[str, float]:
-    """used_memory per ticket record of the mix's sizes, by layout (see 4. above)."""
+BUCKETED = {"listpack": ("--hash-max-listpack-entries", "512",
+                          "--hash-max-listpack-value", "256"),
+            "shipped": SHIPPED}
+"""Hash limits under which the bucketed layouts are measured: values up to 256 bytes keep a
+bucket of at most 512 records a listpack; deploy/redis.conf's 128 make most buckets hash
+tables (a record of the mix, one MessagePack value, is 100-170 bytes)."""
+
+
+def layouts(n: int) -> dict[str, tuple[float, float | None]]:
+    """used_memory per ticket record of the mix's sizes by layout, and µs of Redis CPU a
+    look-up (HGET of a bucketed record; None for a key of its own) (see 4. above)."""
     rng = random.Random(1)
     expire = int(time.time() * 1000) + 86_400_000
     records = [{"st": "f", "fp": rng.randbytes(16).hex(), "at": expire - 86_400_000 + i,
@@ -129,10 +146,10 @@ def layouts(n: int) -> dict[str, float]:
                 "res": "Europe/Paris|" + ";".join(rng.choice(["1", "-", "0:0:300"])
                                                   for _ in range(rng.randint(1, 5)))}
                for i in range(n)]
+    out: dict[str, tuple[float, float | None]] = {}
     server = RedisServer(extra=SHIPPED).start()
     try:
         client = server.client()
-        out = {}
         for name, layout in LAYOUTS.items():
             client.flushall()
             before = client.info("memory")["used_memory"]
@@ -148,8 +165,43 @@ def layouts(n: int) -> dict[str, float]:
                 if i % 1000 == 999:
                     pipe.execute()
             pipe.execute()
-            out[name] = (client.info("memory")["used_memory"] - before) / n
-        return out
+            out[name] = ((client.info("memory")["used_memory"] - before) / n, None)
+    finally:
+        server.stop()
+    for limits, extra in BUCKETED.items():
+        for per_bucket in (100, 400, 2000):
+            out[f"bucketed, {per_bucket} a bucket, {limits}"] = bucketed(
+                records, expire, per_bucket, extra, rng)
+    return out
+
+
+def bucketed(records: list[dict[str, Any]], expire: int, per_bucket: int,
+             extra: tuple[str, ...], rng: random.Random) -> tuple[float, float]:
+    """Each record one field (its channel/ticket id) of one of len(records) / per_bucket
+    hashes, its value one MessagePack array with the fingerprint and the sale id as raw
+    bytes and its expiry inside (no TTL: a sweep would delete what is past it)."""
+    n = len(records)
+    buckets = max(1, n // per_bucket)
+    server = RedisServer(extra=extra).start()
+    try:
+        client = server.client()
+        before = client.info("memory")["used_memory"]
+        pipe = client.pipeline(transaction=False)
+        for i, r in enumerate(records):
+            pipe.hset(f"tb:{{t:{i % 64}}}:{i % buckets}", f"fr-retail/M1-{i}", _pack(
+                [r["st"], bytes.fromhex(r["fp"]), r["at"], bytes.fromhex(r["sid"]),
+                 r["sale"], r["res"], expire]))
+            if i % 1000 == 999:
+                pipe.execute()
+        pipe.execute()
+        per = (client.info("memory")["used_memory"] - before) / n
+        client.config_resetstat()
+        for j, i in enumerate(rng.sample(range(n), min(n, 20_000))):
+            pipe.hget(f"tb:{{t:{i % 64}}}:{i % buckets}", f"fr-retail/M1-{i}")
+            if j % 1000 == 999:
+                pipe.execute()
+        pipe.execute()
+        return per, float(client.info("commandstats")["cmdstat_hget"]["usec_per_call"])
     finally:
         server.stop()
 
@@ -231,8 +283,8 @@ def main() -> None:
     if args.layouts:
         print(f"{args.layouts} ticket records of the mix's sizes, a key each, "
               "deploy/redis.conf's hash limits: used_memory per record")
-        for name, per in layouts(args.layouts).items():
-            print(f"  {name:34} {per:6.0f} B")
+        for name, (per, lookup) in layouts(args.layouts).items():
+            print(f"  {name:44} {per:6.0f} B" + (f"  HGET {lookup:.1f} µs" if lookup else ""))
 
     for name, extra in (("Redis's defaults", ()), ("deploy/redis.conf's hash limits",
                                                     SHIPPED)):
