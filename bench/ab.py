@@ -11,7 +11,8 @@ to CPU 0 with `PYTHONHASHSEED=0` (the hash seed alone moves a result by a few µ
 the Redis servers share CPU 1. Round after round, each target is driven in turn (the order
 rotated every round), so that a drift of the machine falls on every target alike.
 
-Prints per target the median tickets/s, p99, server CPU per ticket, Redis CPU and commands
+Prints per target the median tickets/s, p99, server CPU per ticket (and the part of it
+spent by threads other than the event loop's: the journal's writer), Redis CPU and commands
 per ticket, and each ratio to the first REV and to the bare handler. A lever is measured by
 naming the commit before it and the commit with it; several levers one at a time by naming
 a branch per lever made from the same base. Asserts nothing.
@@ -37,6 +38,7 @@ from run import (
     Result,
     config_file,
     cpu_seconds,
+    other_threads_cpu_seconds,
     pinned,
     redis_side,
     tools_present,
@@ -128,10 +130,12 @@ def main() -> int:
             shift = r % len(targets)
             for t in targets[shift:] + targets[:shift]:
                 before = redis_side(t.redis) if t.redis else None
-                cpu = cpu_seconds(t.pid)
+                cpu, threads = cpu_seconds(t.pid), other_threads_cpu_seconds(t.pid)
                 res = wrk(t.url, args.seconds, args.connections,
                           f"ab-{r}-{targets.index(t)}", script)  # ids: no "/" of a path
                 res.server_cpu_us = 1e6 * (cpu_seconds(t.pid) - cpu) / max(res.requests, 1)
+                res.threads_cpu_us = 1e6 * (other_threads_cpu_seconds(t.pid) - threads) / max(
+                    res.requests, 1)
                 if t.redis and before:
                     after = redis_side(t.redis)
                     res.redis = {k: (after[k] - before[k]) / max(res.requests, 1)
@@ -151,7 +155,8 @@ def main() -> int:
     print(f"workload {args.workload}, journal {args.journal}: wrk -t1 -c{args.connections} "
           f"-d{args.seconds}s, {args.rounds} rounds alternating, medians; servers on CPU 0 "
           "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
-    print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'redis µs/t':>11} "
+    print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'thr µs/t':>9} "
+          f"{'redis µs/t':>11} "
           f"{'fcall µs/t':>11} {'cmds/t':>7} {'errors':>7} {'/ first':>8} {'/ bare':>7}  "
           "rounds (tickets/s)")
     first = statistics.median(r.rps for r in targets[0].runs)
@@ -160,11 +165,13 @@ def main() -> int:
         rps = statistics.median(r.rps for r in t.runs)
         p99 = statistics.median(r.p99_ms for r in t.runs)
         cpu = statistics.median(r.server_cpu_us for r in t.runs)
+        thr = statistics.median(r.threads_cpu_us for r in t.runs)
         rcpu = statistics.median(r.redis.get("cpu", 0.0) for r in t.runs) * 1e6
         cmds = statistics.median(r.redis.get("executed", 0.0) for r in t.runs)
         fcall = statistics.median(r.redis.get("fcall", 0.0) for r in t.runs) * 1e6
         rounds = " ".join(f"{r.rps:.0f}" for r in t.runs)
-        print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {rcpu:>11.1f} {fcall:>11.1f} "
+        print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {thr:>9.1f} {rcpu:>11.1f} "
+              f"{fcall:>11.1f} "
               f"{cmds:>7.1f} {sum(r.errors for r in t.runs):>7} "
               f"{rps / first:>8.3f} {rps / bare_rps:>7.3f}  {rounds}")
     return 0

@@ -19,6 +19,7 @@ CPU). Asserts nothing about speed: it reports figures measured in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import platform
@@ -85,6 +86,9 @@ class Result:
     server_busy: float = 0.0
     """Share of the run the server spent on the CPU (1.0: CPU-bound)."""
     redis: dict[str, float] = field(default_factory=dict)
+    threads_cpu_us: float = 0.0
+    """CPU per ticket (µs) of the server's threads other than its event loop's (the
+    journal's writer), user and system: part of `server_cpu_us`."""
 
 
 def wrk(url: str, seconds: int, connections: int, prefix: str,
@@ -114,7 +118,22 @@ def wrk(url: str, seconds: int, connections: int, prefix: str,
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def other_threads_cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of a process's threads but its main one (threads that
+    ended are not counted: the journal's writer lives as long as the process)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if task.name != str(pid):
+            with contextlib.suppress(FileNotFoundError):  # ended meanwhile
+                total += _stat_cpu(task / "stat")
+    return total
+
+
+def _stat_cpu(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
