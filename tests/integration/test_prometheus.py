@@ -176,10 +176,11 @@ class Prom:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                async with self.session.get(f"{self.url}/-/ready") as resp:
+                async with self.session.get(f"{self.url}/-/ready",
+                                            timeout=aiohttp.ClientTimeout(total=2)) as resp:
                     if resp.status == 200:
                         return
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.1)
         raise AssertionError(f"prometheus not ready after {timeout_s}s")

@@ -54,15 +54,18 @@ def workers(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
 async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path | None = None,
                      timeout_s: float = 20) -> None:
     """Until two different workers have answered /readyz (generated request ids start
-    with the worker's pid); else fail with the end of the service's `log`."""
+    with the worker's pid); else fail with the end of the service's `log`. A connection
+    the listening socket took before a worker was up to read it may wait: each probe gives
+    up after 2 s and the next one is made (a loaded run saw one wait out the session's 10 s)."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            async with session.get(url + "/readyz") as resp:
+            async with session.get(url + "/readyz",
+                                   timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status == 200:
                     seen.add(resp.headers["X-Request-ID"].split("-")[0])
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             pass
         if len(seen) == 2:
             return
