@@ -35,7 +35,7 @@ import argparse
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -44,7 +44,7 @@ from run import TOKEN, config_file
 from capsvc import combination
 from capsvc.client import Client
 from capsvc.coalesce import Coalescer
-from capsvc.store import COUNTER_BUCKETS, Store, lua_source, record_field
+from capsvc.store import COUNTER_BUCKETS, Store, lua_source, record_field, ticket_key
 from capsvc.testing import RedisServer, ServiceProcess
 
 GAME, CAP, MIN_STAKE = "fdj-keno", 5000, 100
@@ -153,18 +153,9 @@ def layouts(n: int) -> dict[str, tuple[float, float | None]]:
         for name, layout in LAYOUTS.items():
             client.flushall()
             before = client.info("memory")["used_memory"]
-            pipe = client.pipeline(transaction=False)
-            for i, record in enumerate(records):
-                key = f"t:{{t:{i % 64}}}:fr-retail/M1-{i}"
-                kind, value = layout(record)
-                if kind == "hash":
-                    pipe.hset(key, mapping=value)
-                    pipe.pexpireat(key, expire)
-                else:
-                    pipe.set(key, value, pxat=expire)
-                if i % 1000 == 999:
-                    pipe.execute()
-            pipe.execute()
+            pipelined(client, (command for i, record in enumerate(records)
+                               for command in keyed(ticket_key("fr-retail", f"M1-{i}"),
+                                                    *layout(record), expire)))
             out[name] = ((client.info("memory")["used_memory"] - before) / n, None)
     finally:
         server.stop()
@@ -175,6 +166,24 @@ def layouts(n: int) -> dict[str, tuple[float, float | None]]:
     return out
 
 
+def keyed(key: str, kind: str, value: Any, expire: int) -> list[tuple[Any, ...]]:
+    """The commands that write a record with a key of its own and its TTL."""
+    if kind == "hash":
+        return [("HSET", key, *(x for pair in value.items() for x in pair)),
+                ("PEXPIREAT", key, expire)]
+    return [("SET", key, value, "PXAT", expire)]
+
+
+def pipelined(client: Any, commands: Iterable[tuple[Any, ...]]) -> None:
+    """Send `commands`, a thousand to a round trip."""
+    pipe = client.pipeline(transaction=False)
+    for i, command in enumerate(commands):
+        pipe.execute_command(*command)
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+
+
 def bucketed(records: list[dict[str, Any]], expire: int, per_bucket: int,
              extra: tuple[str, ...], rng: random.Random) -> tuple[float, float]:
     """Each record one field (its channel/ticket id) of one of len(records) / per_bucket
@@ -182,25 +191,20 @@ def bucketed(records: list[dict[str, Any]], expire: int, per_bucket: int,
     bytes and its expiry inside (no TTL: a sweep would delete what is past it)."""
     n = len(records)
     buckets = max(1, n // per_bucket)
+
+    def place(i: int) -> tuple[str, str]:  # the record's bucket and field
+        return f"tb:{{t:{i % 64}}}:{i % buckets}", f"fr-retail/M1-{i}"
+
     server = RedisServer(extra=extra).start()
     try:
         client = server.client()
         before = client.info("memory")["used_memory"]
-        pipe = client.pipeline(transaction=False)
-        for i, r in enumerate(records):
-            pipe.hset(f"tb:{{t:{i % 64}}}:{i % buckets}", f"fr-retail/M1-{i}", _pack(
-                [r["st"], bytes.fromhex(r["fp"]), r["at"], bytes.fromhex(r["sid"]),
-                 r["sale"], r["res"], expire]))
-            if i % 1000 == 999:
-                pipe.execute()
-        pipe.execute()
+        pipelined(client, (("HSET", *place(i), _pack(
+            [r["st"], bytes.fromhex(r["fp"]), r["at"], bytes.fromhex(r["sid"]), r["sale"],
+             r["res"], expire])) for i, r in enumerate(records)))
         per = (client.info("memory")["used_memory"] - before) / n
         client.config_resetstat()
-        for j, i in enumerate(rng.sample(range(n), min(n, 20_000))):
-            pipe.hget(f"tb:{{t:{i % 64}}}:{i % buckets}", f"fr-retail/M1-{i}")
-            if j % 1000 == 999:
-                pipe.execute()
-        pipe.execute()
+        pipelined(client, (("HGET", *place(i)) for i in rng.sample(range(n), min(n, 20_000))))
         return per, float(client.info("commandstats")["cmdstat_hget"]["usec_per_call"])
     finally:
         server.stop()
@@ -281,8 +285,8 @@ def main() -> None:
                         help="ticket records written in each layout (4.); 0: skip")
     args = parser.parse_args()
     if args.layouts:
-        print(f"{args.layouts} ticket records of the mix's sizes, a key each, "
-              "deploy/redis.conf's hash limits: used_memory per record")
+        print(f"{args.layouts} ticket records of the mix's sizes, by layout: used_memory "
+              "per record (a key each: deploy/redis.conf's hash limits)")
         for name, (per, lookup) in layouts(args.layouts).items():
             print(f"  {name:44} {per:6.0f} B" + (f"  HGET {lookup:.1f} µs" if lookup else ""))
 

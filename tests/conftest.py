@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import itertools
@@ -99,6 +100,22 @@ class Client:
 
     async def sell(self, body: dict[str, Any], token: str = "fr") -> Reply:
         return await self.post("/v1/tickets", body, token=token)
+
+    async def sell_until_decided(self, body: dict[str, Any], *, tries: int = 50,
+                                 pause_s: float = 0.05, statuses: list[int] | None = None
+                                 ) -> Reply:
+        """The same sale sent again while it is answered 503 (as the contract says; the
+        pause a shortened Retry-After), at most `tries` times: the last reply. Every
+        status answered goes to `statuses`."""
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(pause_s)
+            reply = await self.sell(body)
+            if statuses is not None:
+                statuses.append(reply.status)
+            if reply.status != 503:
+                break
+        return reply
 
     async def current(self, game: str = "fdj-keno") -> int:
         reply = await self.get(f"/v1/games/{game}/draws/current", token="admin")

@@ -485,21 +485,14 @@ async def test_many_resuming_at_once_leave_the_sales_alone(
                 got += 1
             return got
 
-    async def sell(body: dict[str, Any]) -> int:
-        for _ in range(20):
-            reply = await client.sell(body)
-            if reply.status != 503:
-                break
-            await asyncio.sleep(0.2)
-        return reply.status
-
     d = await client.current() + 1
     resumed, sales = await asyncio.gather(
         asyncio.gather(*(resume() for _ in range(30))),
-        asyncio.gather(*(sell(ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=d))
-                         for _ in range(40))))
+        asyncio.gather(*(client.sell_until_decided(
+            ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=d), tries=20, pause_s=0.2)
+            for _ in range(40))))
     assert resumed == [1500] * 30
-    assert sales == [200] * 40
+    assert [s.status for s in sales] == [200] * 40
     assert await client.staked(TEN[:8], d) == 40 * 100
 
 

@@ -17,7 +17,7 @@ from capsvc.config import Settings
 from capsvc.server import build
 from capsvc.store import bucket_keys, ticket_key
 from capsvc.testing import RedisCluster, cli_binary
-from tests.conftest import TEN, Client, Reply, start_service, ticket
+from tests.conftest import TEN, Client, start_service, ticket
 
 
 @pytest.fixture
@@ -47,15 +47,6 @@ async def test_resharding_under_load(settings: Settings, cluster: RedisCluster) 
     accepted: dict[tuple[str, int], int] = {}
     statuses: list[int] = []
 
-    async def sell_until_decided(client: Client, body: dict[str, Any]) -> Reply:
-        for _ in range(50):
-            reply = await client.sell(body)
-            statuses.append(reply.status)
-            if reply.status != 503:
-                return reply
-            await asyncio.sleep(0.05)  # Retry-After, shortened: the same ticket again
-        raise AssertionError("no decision")
-
     moved = asyncio.Event()
 
     async def seller(client: Client, k: int) -> None:
@@ -64,7 +55,7 @@ async def test_resharding_under_load(settings: Settings, cluster: RedisCluster) 
             sold += 1
             combo = combos[rng.randrange(len(combos))]
             body = ticket([{"numbers": combo, "stake": rng.choice([100, 500, 1000])}])
-            reply = await sell_until_decided(client, body)
+            reply = await client.sell_until_decided(body, statuses=statuses)
             assert reply.status == 200, reply.body
             if reply.body["status"] == "accepted":
                 key = ("-".join(map(str, combo)), reply.body["draws"][0])

@@ -37,11 +37,7 @@ async def sell_until(client: Client, deadline: float, r: int, statuses: list[int
         body = ticket([{"numbers": TEN, "stake": 100}, {"numbers": TEN[:9], "stake": 100},
                        {"numbers": [*TEN[:7], 42 + r % 20], "stake": 100},
                        {"numbers": [1, 2], "stake": 100}], draws=2)
-        for _ in range(3):
-            reply = await client.sell(body)
-            statuses.append(reply.status)
-            if reply.status != 503:
-                break
+        await client.sell_until_decided(body, tries=3, pause_s=0, statuses=statuses)
 
 
 async def sell_through_a_pause(variant: Settings, backend: RedisServer | RedisCluster,
