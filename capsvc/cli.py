@@ -171,7 +171,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
                         library=lua_source())
         try:
             done, _ = await restore_once(directory, Catalog(settings.games),
-                                         Store(redis, packed_sales=settings.packed_sales))
+                                         Store.of(redis, settings))
         finally:
             await redis.aclose()
         rate = done.records / done.seconds if done.seconds else 0.0
@@ -252,7 +252,7 @@ async def _compare(out: object, url: str, settings: Settings) -> int:
     assert isinstance(out, Verification)
     redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0))
     try:
-        return await compare_with_redis(out, Store(redis), Catalog(settings.games))
+        return await compare_with_redis(out, Store.of(redis, settings), Catalog(settings.games))
     finally:
         await redis.aclose()
 

@@ -21,11 +21,17 @@ A cancel decided but not finished (its release lost) is finished the same way. A
 have died before journaling it: the janitor journals it. An index entry goes only once the
 ticket's outcome is journaled, so that every decision Redis holds reaches the journal (the
 draw reports are written once no entry of a draw is left: capsvc.audit.service).
+
+It also sweeps the bucketed ticket records (lua/capsvc.lua, TICKET RECORDS): a record past
+its expiry is absent to every reader already, so the sweep only gives its memory back. Each
+round sweeps SWEEP_BUCKETS buckets, in turn from a random start, so that a full pass takes
+RECORD_BUCKETS * TICKET_BUCKETS / SWEEP_BUCKETS rounds (one janitor) or fewer.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 
 import msgspec
 
@@ -34,11 +40,24 @@ from capsvc.config import Settings
 from capsvc.errors import ApiError, Unavailable
 from capsvc.games import Catalog
 from capsvc.ledger import Ledger
-from capsvc.store import TICKET_BUCKETS, Store, channel_of, stop_instants
+from capsvc.store import (
+    RECORD_BUCKETS,
+    TICKET_BUCKETS,
+    Store,
+    channel_of,
+    record_bucket,
+    replies_of,
+    stop_instants,
+)
 from capsvc.tickets import Tickets, derived_body, first_stopped
 from capsvc.validator import unpack_sale
 
 log = logging.getLogger(__name__)
+
+SWEEP_BUCKETS = 256
+"""Record buckets swept in a janitor round (a full pass of the 16,384: 64 rounds)."""
+SWEEP_PAGE = 200
+"""Records looked at by one sweep call (HSCAN's COUNT)."""
 
 
 
@@ -53,6 +72,7 @@ class Janitor:
         self.ledger = ledger
         self.tickets = tickets
         self.clock = clock
+        self._sweep_next = random.randrange(TICKET_BUCKETS * RECORD_BUCKETS)
 
     async def run_once(self, limit: int = 100) -> int:
         """Settle what is due; returns how many tickets were settled."""
@@ -77,6 +97,25 @@ class Janitor:
                     break
                 offset += len(page)  # settled ones have left: the next round sees the rest
         return settled
+
+    async def sweep(self, buckets: int = SWEEP_BUCKETS) -> int:
+        """Delete the bucketed records past their expiry in the next `buckets` buckets;
+        returns how many went."""
+        total = TICKET_BUCKETS * RECORD_BUCKETS
+        first, self._sweep_next = self._sweep_next, (self._sweep_next + buckets) % total
+        keys = [record_bucket(n // RECORD_BUCKETS, n % RECORD_BUCKETS)
+                for n in (i % total for i in range(first, first + buckets))]
+        deleted = 0
+        cursors = [b"0"] * len(keys)
+        pending = list(range(len(keys)))
+        while pending:  # every bucket's pages in turn, the buckets' calls queued together
+            replies = await replies_of([self.store.sweep(keys[i], cursors[i], SWEEP_PAGE)
+                                        for i in pending])
+            for i, (cursor, gone) in zip(pending, replies, strict=True):
+                cursors[i] = cursor
+                deleted += gone
+            pending = [i for i in pending if cursors[i] != b"0"]
+        return deleted
 
     async def settle(self, key: str) -> int:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index

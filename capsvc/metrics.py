@@ -122,6 +122,10 @@ class Metrics:
             multiprocess_mode="livemostrecent")
         self.janitor = Counter("capsvc_janitor_settled", "Pending tickets settled by the janitor",
                                registry=r)
+        self.swept = Counter(
+            "capsvc_janitor_swept_records",
+            "Bucketed ticket records past their retention deleted by the janitor's sweep",
+            registry=r)
         self.journal_write = Histogram(
             "capsvc_journal_write_duration_seconds",
             "One batch of the journal: from its start to its fdatasync (what a decision's "

@@ -67,6 +67,9 @@ async def _settle(janitor: Janitor, metrics: Metrics) -> None:
     settled = await janitor.run_once()
     if settled:
         metrics.janitor.inc(settled)
+    swept = await janitor.sweep()
+    if swept:
+        metrics.swept.inc(swept)
 
 
 EXPOSURE_GAUGES_S = 30.0
@@ -153,7 +156,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error,
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
-    store = Store(redis, packed_sales=settings.packed_sales)
+    store = Store.of(redis, settings)
     usecases = build_usecases(settings, store, journal=journal)
     usecases.audit.on_report = metrics.report_written
     usecases.audit.on_reconciled = lambda rec: metrics.reconciled(

@@ -21,17 +21,28 @@ import os
 import zlib
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from capsvc.coalesce import Coalescer, Transport
 from capsvc.validator import Sale, pack_sale
 
+if TYPE_CHECKING:
+    from capsvc.config import Settings
+
 _json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
+RECORD_BUCKETS = 256
+"""Hashes per ticket slot that bucketed ticket records are spread over (see lua/capsvc.lua,
+TICKET RECORDS): part of the layout, never to be changed while records are retained."""
+TICKET_RECORDS = ("buckets+keys", "buckets", "keys")
+"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): new records written into
+buckets and read from both layouts (the default: the records of a release before are found);
+written and read in buckets only (once no keyed record is retained); or written as a key
+each and read from both (while processes of a release before run: they read only keys)."""
 COUNTER_BUCKETS = 4096
 """Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
 the layout, never to be changed while a draw is on sale or retained)."""
@@ -44,6 +55,25 @@ def lua_source() -> str:
 def ticket_key(channel: str, ticket_id: str) -> str:
     ident = f"{channel}/{ticket_id}"
     return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
+
+
+def record_bucket_of(ticket: str) -> str:
+    """The hash that holds ticket `ticket`'s record in the bucketed layout: in its slot,
+    chosen by the next bits of the hash that chose the slot."""
+    end = ticket.index("}") + 1
+    ident = ticket[end + 1:]
+    bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
+    return f"r:{ticket[2:end]}:{bucket}"  # record_bucket(slot, bucket)
+
+
+def record_bucket(slot: int, bucket: int) -> str:
+    """Record bucket `bucket` of ticket slot `slot`."""
+    return f"r:{{t:{slot}}}:{bucket}"
+
+
+def ident_of(ticket: str) -> str:
+    """`<channel>/<ticket id>` of a ticket's name: its field in a bucket."""
+    return ticket[ticket.index("}:") + 2:]
 
 
 def channel_of(ticket: str) -> str:
@@ -128,15 +158,28 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
-    def __init__(self, redis: Transport, *, packed_sales: bool = True) -> None:
+    def __init__(self, redis: Transport, *, packed_sales: bool = True,
+                 ticket_records: str = "buckets+keys") -> None:
+        if ticket_records not in TICKET_RECORDS:
+            raise ValueError(f"ticket_records: {ticket_records!r}")
         self.redis = redis
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
         self.packed_sales = packed_sales
         """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
+        self.bucketed = ticket_records != "keys"
+        """Ticket records written into buckets (lua/capsvc.lua, TICKET RECORDS)."""
+        self.legacy_keys = ticket_records == "buckets+keys"
+        """Records of the keyed layout read too (a rolling upgrade's)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
+
+    @classmethod
+    def of(cls, redis: Transport, settings: Settings) -> Store:
+        """The store as `settings` lay it out."""
+        return cls(redis, packed_sales=settings.packed_sales,
+                   ticket_records=settings.ticket_records)
 
     def sale_record(self, sale: Sale, asked: bool | None = None) -> bytes:
         """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
@@ -152,6 +195,15 @@ class Store:
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
         return all(bool(r) for r in replies)
+
+    def names(self, ticket: str) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before
+        the call's own: where a new record goes first, then where records are read too, and
+        its field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
+        bucket = record_bucket_of(ticket)
+        if not self.bucketed:
+            return [ticket, bucket], [ident_of(ticket)]
+        return [bucket, ticket if self.legacy_keys else bucket], [ident_of(ticket)]
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it)."""
@@ -171,14 +223,16 @@ class Store:
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_claim", [ticket], [
-            fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc2_claim", keys, [
+            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
         """Write the decision of a sale. False when the ticket is no longer that sale's
         pending claim (decided or forgotten by another actor). Its index entry stays until
         the decision is journaled (`journaled`)."""
-        return bool(await self.fcall("capsvc_finalize", [ticket], [sale_id, body]))
+        keys, args = self.names(ticket)
+        return bool(await self.fcall("capsvc2_finalize", keys, [*args, sale_id, body]))
 
     def journaled(self, ticket: str, sale_id: str, state: bytes) -> asyncio.Future[Any]:
         """The decision of sale `sale_id` in `state` (b"f" sold, b"c" cancelled, b"" voided:
@@ -186,8 +240,9 @@ class Store:
         ticket has moved on since (the janitor journals a decision whose entry is still
         there past the deadline). A request need not wait for it: an entry left by a
         failure only makes the janitor journal the decision again."""
-        return self.fcall("capsvc_journaled", [pending_key_of(ticket), ticket],
-                          [ticket, sale_id, state])
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc2_journaled_many", [pending_key_of(ticket), *keys],
+                          [*args, sale_id, state])
 
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
         """`journaled`, sent with the others of this tick: the decisions of one batch of
@@ -204,43 +259,55 @@ class Store:
         batch, self._journaled = self._journaled, {}
         for entries in batch.values():
             for i in range(0, len(entries), JOURNALED_PER_CALL):
-                chunk = entries[i:i + JOURNALED_PER_CALL]
-                retrieving(self.fcall(
-                    "capsvc_journaled_many",
-                    [k for t, _, _ in chunk for k in (pending_key_of(t), t)],
-                    [a for _, sid, state in chunk for a in (sid, state)]))
+                keys: list[str] = []
+                args: list[Any] = []
+                for ticket, sale_id, state in entries[i:i + JOURNALED_PER_CALL]:
+                    record_keys, record_args = self.names(ticket)
+                    keys += (pending_key_of(ticket), *record_keys)
+                    args += (*record_args, sale_id, state)
+                retrieving(self.fcall("capsvc2_journaled_many", keys, args))
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         """Forget the pending claim of `sale_id` (what it took given back, its void
         journaled), and its index entry."""
-        await self.fcall("capsvc_unclaim", [ticket], [sale_id])
+        keys, args = self.names(ticket)
+        await self.fcall("capsvc2_unclaim", keys, [*args, sale_id])
         await self.journaled(ticket, sale_id, b"")
 
     async def unindex(self, ticket: str) -> None:
         await self.redis.submit("ZREM", pending_key_of(ticket), ticket)
 
     def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_expire", [ticket], [deadline_ms])
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc2_expire", keys, [*args, deadline_ms])
 
     def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
                expire_at: int) -> asyncio.Future[Any]:
         """Decide a cancellation (indexing the ticket with it, for the janitor)."""
-        return self.fcall("capsvc_cancel", [ticket, stop_copy_of(ticket), pending_key_of(ticket)],
-                          [close_ms, f"{game}:{first_draw}", released, expire_at])
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc2_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
+                          [*args, close_ms, f"{game}:{first_draw}", released, expire_at])
 
     async def cancelled(self, ticket: str, sale_id: str,
                         aggregates: tuple[list[str], list[Any]] | None = None) -> None:
         """Mark a cancel complete; `aggregates` (a ticket sold in one call): its draws'
         aggregate keys and the picks, stake pairs to take out of them."""
-        keys, args = aggregates or ([], [])
-        await self.fcall("capsvc_cancelled", [ticket, *keys], [sale_id, *args])
+        keys, args = self.names(ticket)
+        aggregate_keys_, amounts = aggregates or ([], [])
+        await self.fcall("capsvc2_cancelled", [*keys, *aggregate_keys_],
+                         [*args, sale_id, *amounts])
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
         """[state, body, sale, sale id, claim instant, cancelled at, released, results,
         fingerprint] of a ticket record (all None when unknown; a one-call sale has results,
         not a body)."""
-        return self.redis.submit("HMGET", ticket, "st", "body", "sale", "sid", "at", "ca", "rel",
-                                 "res", "fp")
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_ticket", keys, args)
+
+    async def sale_id(self, ticket: str) -> bytes | None:
+        """The sale id a ticket record holds (None when there is none)."""
+        held: bytes | None = (await self.ticket(ticket))[3]
+        return held
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
@@ -249,7 +316,8 @@ class Store:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
         (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
         combination never holds a zero byte)."""
-        keys = [ticket, stops_key(game), pending_key_of(ticket)]
+        keys, args = self.names(ticket)
+        keys += (stops_key(game), pending_key_of(ticket))
         for combo, _ in grids:
             if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
@@ -259,12 +327,17 @@ class Store:
         if fix_caps:
             keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
         nonce = os.urandom(8)
-        args: list[Any] = [fingerprint, sale, close_ms, expire_at, stale_after_ms,
-                           nonce.hex(), first_draw, draws, caps, min_stake, len(grids)]
+        args += (fingerprint, sale, close_ms, expire_at, stale_after_ms,
+                 nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc_sell", keys,
+        return self.fcall("capsvc2_sell", keys,
                           [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
+
+    def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
+        """Delete the records past their expiry of one page of a record bucket: [next
+        cursor (b"0": done), records deleted]."""
+        return self.fcall("capsvc_sweep", [bucket], [cursor, count])
 
     async def oldest_pending(self) -> int | None:
         """The instant of the oldest entry of the pending indexes (a ticket claimed, being
@@ -409,8 +482,9 @@ class Store:
     def restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int, sale: bytes,
                        body: bytes, expire_at: int, cancelled_at: int | None = None,
                        released: int = 0) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_restore_ticket", [ticket], [
-            sale_id, fingerprint, at, sale, body, expire_at,
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc2_restore_ticket", keys, [
+            *args, sale_id, fingerprint, at, sale, body, expire_at,
             "" if cancelled_at is None else cancelled_at, released])
 
     def restore_grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,

@@ -7,9 +7,10 @@ cluster pipeline accepts FCALL.
 
 THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}).
 
-  ticket record  t:{t:NN}:<channel>/<ticket id>  hash   st, fp, at, sid, sale, body | res,
-                                                         ca, rel
-                 TTL: close of the ticket's last draw + retention.
+  ticket record  one of two layouts (see TICKET RECORDS); the ticket's name, what the
+                 pending index and the callers know it by, is t:{t:NN}:<channel>/<ticket id>
+                 fields st, fp, at, sid, sale, body | res, ca, rel
+                 kept until: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
@@ -92,6 +93,124 @@ local function extend(key, at)
   end
 end
 
+--[[ TICKET RECORDS. Two layouts:
+  keyed      t:{t:NN}:<channel>/<ticket id>  a hash of its own (st, fp, …), with a TTL: what
+             releases before bucketed records wrote.
+  bucketed   r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records of
+             many tickets (m: the ticket's second hash, see capsvc/store.py). The value is
+             MessagePack: expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when
+             absent). A record past its expiry (by Redis TIME) is absent to every reader, as
+             an expired key is; the janitor's `sweep` deletes it, and the bucket itself has a
+             TTL at its newest record's expiry. ~120 bytes of a listpack a ticket instead of
+             a key, its expiry entry and a hash of its own (~340).
+A ticket's functions are registered under two names. `capsvc_<step>` keeps the calls of
+releases before this layout: KEYS[1] the ticket's key, and their ARGV (keyed only).
+`capsvc2_<step>` (what this release calls; an older library answers "Function not found",
+and the caller loads this one) names the record with two KEYS and one ARGV before the call's
+own:
+  KEYS bucket, bucket; ARGV field     bucketed only (`[redis] ticket_records = "buckets"`)
+  KEYS bucket, key;    ARGV field     written into the bucket, read from both ("buckets+keys")
+  KEYS key, bucket;    ARGV field     written as a key, read from both ("keys": beside
+                                      processes of a release before, which read only keys)
+At most one of the two holds a live record (a record is created only where neither does), and
+a record is worked on where it was found. ]]
+local NAMES = {'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel'}
+local FIELD = {st = 1, fp = 2, at = 3, sid = 4, sale = 5, body = 6, res = 7, ca = 8, rel = 9}
+local R = 114  -- 'r' (the library's loading has no string module)
+
+-- The ticket a call is about, and the call's other KEYS and ARGV (as a keyed call has them:
+-- KEYS[1] the record's name, the rest as a keyed call's).
+local function ticket_of(keys, args)
+  local first, second = keys[1], keys[2]
+  local T
+  if string.byte(first, 1) == R then
+    T = {bucket = first, legacy = second ~= first and second or nil}
+  elseif second and string.byte(second, 1) == R then
+    T = {bucket = second, legacy = first, keyed = first}
+  else
+    return {key = first, name = first}, keys, args
+  end
+  T.field = args[1]
+  T.name = 't:' .. string.sub(T.bucket, 3, string.find(T.bucket, '}', 3, true)) .. ':'
+           .. T.field
+  return T, {T.name, unpack(keys, 3)}, {unpack(args, 2)}
+end
+
+-- The record as st, fp, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false
+-- for no ticket), read at `now`.
+local function ticket_read(T, now)
+  T.now = now
+  if T.key then
+    return redis.call('HMGET', T.key, unpack(NAMES))
+  end
+  local v = redis.call('HGET', T.bucket, T.field)
+  if v then
+    local exp, a, b, c, d, e, f, g, h, i = cmsgpack.unpack(v)
+    if exp > now then
+      T.exp = exp
+      T.rec = {a or false, b or false, c or false, d or false, e or false, f or false,
+               g or false, h or false, i or false}
+      return T.rec
+    end
+  end
+  if T.legacy then
+    local rec = redis.call('HMGET', T.legacy, unpack(NAMES))
+    if rec[1] then
+      T.key = T.legacy
+      return rec
+    end
+  end
+  T.key = T.keyed  -- where a new record goes: the key, or (nil) the bucket
+  T.rec = {false, false, false, false, false, false, false, false, false}
+  return T.rec
+end
+
+local function ticket_store(T)
+  local r = T.rec
+  if T.exp > T.now then
+    redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
+               r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil,
+               r[9] or nil))
+    extend(T.bucket, T.exp)
+  else
+    redis.call('HDEL', T.bucket, T.field)
+  end
+end
+
+-- Set fields (name, value, …) of the record read by ticket_read.
+local function ticket_set(T, ...)
+  if T.key then
+    redis.call('HSET', T.key, ...)
+    return
+  end
+  local set = {...}
+  for i = 1, #set, 2 do
+    local v = set[i + 1]
+    T.rec[FIELD[set[i]]] = type(v) == 'number' and string.format('%d', v) or v
+  end
+  ticket_store(T)
+end
+
+-- A new record (none was read): fields (name, value, …), kept until `expire_at`.
+local function ticket_new(T, expire_at, ...)
+  if T.key then
+    redis.call('HSET', T.key, ...)
+    redis.call('PEXPIREAT', T.key, expire_at)
+    return
+  end
+  T.rec = {false, false, false, false, false, false, false, false, false}
+  T.exp = expire_at
+  ticket_set(T, ...)
+end
+
+local function ticket_delete(T)
+  if T.key then
+    redis.call('DEL', T.key)
+  else
+    redis.call('HDEL', T.bucket, T.field)
+  end
+end
+
 --[[ index: KEYS pending; ARGV ticket key, (unused), expire_at
 Registers a ticket that may need the janitor (before it is claimed, so that no claimed
 ticket is ever missing from the index), at Redis TIME: a draw's report waits for the
@@ -128,11 +247,11 @@ local function known_ticket(rec, fingerprint, now, stale_after_ms)
 end
 
 local function claim(keys, args)
-  local ticket = keys[1]
+  local T
+  T, keys, args = ticket_of(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca',
-                         'rel')
+  local rec = ticket_read(T, now)
   local st = rec[1]
   if not st then
     if now >= tonumber(args[3]) then
@@ -140,14 +259,41 @@ local function claim(keys, args)
     end
     -- The caller's random nonce keeps the id new even if TIME repeats (a clock stepped
     -- back after an unclaim): a sale never meets another sale's records.
-    local sid = string.sub(redis.sha1hex(ticket .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
+    local sid = string.sub(redis.sha1hex(T.name .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
                                          .. args[6]), 1, 16)
-    redis.call('HSET', ticket, 'st', 'p', 'fp', args[1], 'at', now, 'sid', sid,
+    ticket_new(T, tonumber(args[4]), 'st', 'p', 'fp', args[1], 'at', now, 'sid', sid,
                'sale', args[2])
-    redis.call('PEXPIREAT', ticket, tonumber(args[4]))
     return {'new', now, sid}
   end
   return known_ticket(rec, args[1], now, tonumber(args[5]))
+end
+
+--[[ ticket: KEYS ticket (see TICKET RECORDS) (read only)
+Returns the record's st, body, sale, sid, at, ca, rel, res, fp (false when absent). ]]
+local function ticket(keys, args)
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local r = ticket_read(T, now_ms())
+  return {r[1], r[6], r[5], r[4], r[3], r[8], r[9], r[7], r[2]}
+end
+
+--[[ sweep: KEYS bucket; ARGV cursor, count
+For the janitor: deletes the records of one bucket past their expiry, HSCAN from `cursor`
+by `count`. Returns {next cursor ("0": the bucket is done), records deleted}. ]]
+local function sweep(keys, args)
+  local now = now_ms()
+  local page = redis.call('HSCAN', keys[1], args[1], 'COUNT', tonumber(args[2]))
+  local fields, gone = page[2], {}
+  for i = 1, #fields, 2 do
+    local _, exp = cmsgpack.unpack_one(fields[i + 1])
+    if exp <= now then
+      gone[#gone + 1] = fields[i]
+    end
+  end
+  if #gone > 0 then
+    redis.call('HDEL', keys[1], unpack(gone))
+  end
+  return {page[1], #gone}
 end
 
 --[[ AGGREGATES. a:{t:NN}:<game>:<draw> (hash, in the slot of the tickets it counts): the
@@ -198,9 +344,11 @@ Writes the decision of sale `sid` if it is still pending (or being settled).
 Returns 1 if written: of the requests of one sale, the one whose finalize writes answers
 the decision first (and counts it); the others find it written (0) and replay it. ]]
 local function finalize(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
-  if (rec[1] == 'p' or rec[1] == 'x') and rec[2] == args[1] then
-    redis.call('HSET', keys[1], 'st', 'f', 'body', args[2])
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local rec = ticket_read(T, now_ms())
+  if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
+    ticket_set(T, 'st', 'f', 'body', args[2])
     return 1
   end
   return 0
@@ -214,17 +362,30 @@ caller sends one call per index (a call's keys share a slot). Returns how many e
 went. ]]
 local function journaled_many(keys, args)
   local gone, order = {}, {}
-  for i = 2, #keys, 2 do
-    local rec = redis.call('HMGET', keys[i], 'st', 'sid')
-    if not rec[1] or (rec[1] == args[i] and rec[2] == args[i - 1]) then
-      local index = keys[i - 1]
+  local now = now_ms()
+  local i, j = 1, 1  -- the next ticket's index in KEYS, its sid in ARGV
+  while i <= #keys do
+    -- KEYS index, the record's two names; ARGV field, sid, state (capsvc2_journaled_many),
+    -- or KEYS index, ticket; ARGV sid, state (see TICKET RECORDS).
+    local after = keys[i + 2]
+    local named = string.byte(keys[i + 1], 1) == R or (after and string.byte(after, 1) == R)
+    local T = ticket_of(named and {keys[i + 1], after} or {keys[i + 1]},
+                        named and {args[j]} or {})
+    if named then
+      j = j + 1
+    end
+    local rec = ticket_read(T, now)
+    if not rec[1] or (rec[1] == args[j + 1] and rec[4] == args[j]) then
+      local index = keys[i]
       if not gone[index] then
         gone[index] = {}
         order[#order + 1] = index
       end
       local members = gone[index]
-      members[#members + 1] = keys[i]
+      members[#members + 1] = T.name
     end
+    i = i + (named and 3 or 2)
+    j = j + 2
   end
   local removed = 0
   for _, index in ipairs(order) do
@@ -246,9 +407,11 @@ end
 Forgets sale `sid` while it is pending or being settled (what it took must be released
 first). Returns 1 if forgotten. ]]
 local function unclaim(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
-  if (rec[1] == 'p' or rec[1] == 'x') and rec[2] == args[1] then
-    redis.call('DEL', keys[1])
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local rec = ticket_read(T, now_ms())
+  if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
+    ticket_delete(T)
     return 1
   end
   return 0
@@ -263,25 +426,26 @@ Returns {'x', at, sid, sale} | {'k' or 'c', at, sid, sale, body, cancelled at, r
 res} | {'f', at, sid, sale, body, false, false, res} to settle, {'wait'} when the ticket is
 not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'at', 'sid', 'sale', 'body', 'ca', 'rel',
-                         'res')
-  local st = rec[1]
+  local T
+  T, keys, args = ticket_of(keys, args)
   local now, deadline = now_ms(), tonumber(args[1])
+  local rec = ticket_read(T, now)
+  local st = rec[1]
   if st == 'p' then
-    if now - tonumber(rec[2]) < deadline then
+    if now - tonumber(rec[3]) < deadline then
       return {'wait'}
     end
-    redis.call('HSET', keys[1], 'st', 'x')
+    ticket_set(T, 'st', 'x')
     st = 'x'
   end
   if st == 'x' then
-    return {'x', rec[2], rec[3], rec[4]}
+    return {'x', rec[3], rec[4], rec[5]}
   end
   if st == 'k' or st == 'c' or st == 'f' then
-    if now - tonumber(st == 'f' and rec[2] or rec[6]) < deadline then
+    if now - tonumber(st == 'f' and rec[3] or rec[8]) < deadline then
       return {'wait'}
     end
-    return {st, rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], rec[8]}
+    return {st, rec[3], rec[4], rec[5], rec[6], rec[8], rec[9], rec[7]}
   end
   return {}
 end
@@ -295,19 +459,21 @@ the caller then releases the sale's records and calls `cancelled`. Returns {'k',
 released, sid} (also when an earlier cancel was interrupted) | {'c', at, released}
 | {'closed'} | {'missing'} | {'undecided'}. ]]
 local function cancel(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'ca', 'rel', 'sid')
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local now = now_ms()
+  local rec = ticket_read(T, now)
   local st = rec[1]
   if not st then
     return {'missing'}
   end
   if st == 'c' then
-    return {'c', tonumber(rec[2]), tonumber(rec[3])}
+    return {'c', tonumber(rec[8]), tonumber(rec[9])}
   end
-  local now = now_ms()
   if st == 'k' then
-    redis.call('ZADD', keys[3], 'NX', now, keys[1])
+    redis.call('ZADD', keys[3], 'NX', now, T.name)
     extend(keys[3], tonumber(args[4]))
-    return {'k', tonumber(rec[2]), tonumber(rec[3]), rec[4]}
+    return {'k', tonumber(rec[8]), tonumber(rec[9]), rec[4]}
   end
   if st ~= 'f' then
     return {'undecided'}
@@ -315,10 +481,10 @@ local function cancel(keys, args)
   if now >= tonumber(args[1]) or redis.call('HEXISTS', keys[2], args[2]) == 1 then
     return {'closed'}
   end
-  redis.call('HSET', keys[1], 'st', 'k', 'ca', now, 'rel', args[3])
+  ticket_set(T, 'st', 'k', 'ca', now, 'rel', args[3])
   -- Indexed with the decision (not in a call before it, which a removal of the sale's
   -- entry could follow): the janitor finishes the cancel if its request dies.
-  redis.call('ZADD', keys[3], 'NX', now, keys[1])
+  redis.call('ZADD', keys[3], 'NX', now, T.name)
   extend(keys[3], tonumber(args[4]))
   return {'k', now, tonumber(args[3]), rec[4]}
 end
@@ -328,9 +494,11 @@ of its draws; ARGV sid, then picks, stake pairs
 Marks the cancel of sale `sid` complete (every record released), and takes a ticket sold in
 one call out of its draws' aggregates (see AGGREGATES). ]]
 local function cancelled(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'sid')
-  if rec[1] == 'k' and rec[2] == args[1] then
-    redis.call('HSET', keys[1], 'st', 'c')
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local rec = ticket_read(T, now_ms())
+  if rec[1] == 'k' and rec[4] == args[1] then
+    ticket_set(T, 'st', 'c')
     for k = 2, #keys do
       for j = 2, #args, 2 do
         redis.call('HINCRBY', keys[k], args[j], -tonumber(args[j + 1]))
@@ -852,11 +1020,11 @@ caller has journaled its decision (the janitor journals it otherwise). Returns
 | {'final', body or false, at, sid, sale, res or false, st}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
 local function sell(keys, args)
-  local ticket = keys[1]
+  local T
+  T, keys, args = ticket_of(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local rec = redis.call('HMGET', ticket, 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca',
-                         'rel')
+  local rec = ticket_read(T, now)
   if rec[1] then
     return known_ticket(rec, args[1], now, tonumber(args[5]))
   end
@@ -945,11 +1113,10 @@ local function sell(keys, args)
     end
   end
   local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
-  redis.call('HSET', ticket, 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
+  ticket_new(T, tonumber(args[4]), 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
              'sale', args[2], 'res', results)
-  redis.call('PEXPIREAT', ticket, tonumber(args[4]))
   -- Indexed until the caller has journaled the decision (else the janitor journals it).
-  redis.call('ZADD', keys[3], 'NX', now, ticket)
+  redis.call('ZADD', keys[3], 'NX', now, T.name)
   extend(keys[3], tonumber(args[4]))
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
@@ -981,24 +1148,28 @@ ticket of this sale that the journal says was cancelled becomes cancelling too. 
 | {'other'} (the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
 kept as results (sold in one call: its aggregates are by number of picks). ]]
 local function restore_ticket(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'st', 'sid', 'res')
+  local T
+  T, keys, args = ticket_of(keys, args)
+  local rec = ticket_read(T, now_ms())
   local st = rec[1]
   local cancel = args[7] ~= ''
-  if st and rec[2] ~= args[1] then
+  if st and rec[4] ~= args[1] then
     return {'other'}
   end
-  local has_res = rec[3] and 1 or 0
+  local has_res = rec[7] and 1 or 0
   if not st or st == 'p' or st == 'x' then
-    redis.call('HSET', keys[1], 'st', cancel and 'k' or 'f', 'fp', args[2], 'at', args[3],
-               'sid', args[1], 'sale', args[4], 'body', args[5])
     if cancel then
-      redis.call('HSET', keys[1], 'ca', args[7], 'rel', args[8])
+      ticket_new(T, tonumber(args[6]), 'st', 'k', 'fp', args[2], 'at', args[3],
+                 'sid', args[1], 'sale', args[4], 'body', args[5], 'ca', args[7],
+                 'rel', args[8])
+    else
+      ticket_new(T, tonumber(args[6]), 'st', 'f', 'fp', args[2], 'at', args[3],
+                 'sid', args[1], 'sale', args[4], 'body', args[5])
     end
-    redis.call('PEXPIREAT', keys[1], tonumber(args[6]))
     return {cancel and 'cancelling' or 'written', has_res}
   end
   if cancel and st == 'f' then
-    redis.call('HSET', keys[1], 'st', 'k', 'ca', args[7], 'rel', args[8])
+    ticket_set(T, 'st', 'k', 'ca', args[7], 'rel', args[8])
     return {'cancelling', has_res}
   end
   if cancel and st == 'k' then
@@ -1059,8 +1230,21 @@ local function restore_limit(keys, args)
   return 1
 end
 
+-- A ticket's steps as this release calls them (see TICKET RECORDS).
+redis.register_function('capsvc2_claim', claim)
+redis.register_function('capsvc2_finalize', finalize)
+redis.register_function('capsvc2_journaled_many', journaled_many)
+redis.register_function('capsvc2_unclaim', unclaim)
+redis.register_function('capsvc2_expire', expire)
+redis.register_function('capsvc2_cancel', cancel)
+redis.register_function('capsvc2_cancelled', cancelled)
+redis.register_function('capsvc2_sell', sell)
+redis.register_function('capsvc2_restore_ticket', restore_ticket)
 redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', claim)
+redis.register_function{function_name = 'capsvc_ticket', callback = ticket,
+                        flags = {'no-writes'}}
+redis.register_function('capsvc_sweep', sweep)
 redis.register_function('capsvc_finalize', finalize)
 redis.register_function('capsvc_unclaim', unclaim)
 redis.register_function('capsvc_journaled', journaled)

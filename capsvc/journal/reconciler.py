@@ -126,7 +126,7 @@ class Reconciler:
         info, present, held = await asyncio.gather(
             store.identities(),
             store.redis.submit("HEXISTS", MARKER, self.dir_id),
-            store.redis.submit("HGET", ticket_key(newest[0], newest[1]), "sid")
+            store.sale_id(ticket_key(newest[0], newest[1]))
             if newest is not None else _nothing())
         identities = [identity(i) for i in info]
         if any(i is not None and i not in self.gate.reconciled for i in identities):
@@ -145,7 +145,7 @@ class Reconciler:
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
-            store = Store(redis, packed_sales=self.settings.packed_sales)
+            store = Store.of(redis, self.settings)
             announcing: asyncio.Task[None] | None = None
             try:
                 await store.load_library()
@@ -198,8 +198,9 @@ class Reconciler:
         now = await store.time_ms()
         newest = [r for r in await asyncio.get_running_loop().run_in_executor(
             None, newest_decisions, self.dir) if r.until > now]
-        held = await replies_of([store.redis.submit("HGET", ticket_key(r.channel, r.ticket),
-                                                    "sid") for r in newest])
+        held = await replies_of([asyncio.ensure_future(store.sale_id(ticket_key(r.channel,
+                                                                               r.ticket)))
+                                 for r in newest])
         if any(h is None or h.decode() != r.sale for r, h in zip(newest, held, strict=True)):
             log.warning("journal: redis lacks the newest decisions of the journal directory "
                         "(an older copy of its data): restoring in full")

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -200,7 +201,7 @@ async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) 
                 if (game := catalog.get(game_id)) is not None and game.expire_at(last) > now]
     for i in range(0, len(retained), 1000):
         chunk = retained[i:i + 1000]
-        replies = await replies_of([store.redis.submit("HGET", ticket_key(c, t), "sid")
+        replies = await replies_of([asyncio.ensure_future(store.sale_id(ticket_key(c, t)))
                                     for c, t, _ in chunk])
         for (channel, ticket, sale), sid in zip(chunk, replies, strict=True):
             if sid is None:

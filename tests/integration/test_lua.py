@@ -37,6 +37,7 @@ from capsvc.store import (
     ticket_key,
 )
 from capsvc.testing import RedisCluster, RedisServer
+from tests.records import TicketRecords
 
 GAME = "g"
 COMBO = encode([3, 7, 12, 18, 25, 33, 41, 56, 60, 70])
@@ -59,20 +60,42 @@ def new_sale() -> str:
     return secrets.token_hex(8)
 
 
-async def store_on(url: str) -> AsyncIterator[Store]:
+async def store_on(url: str, ticket_records: str = "buckets+keys") -> AsyncIterator[Store]:
     """A store on `url` with the library loaded, closed afterwards."""
     coalescer = connect(url, timeout_s=2, library=lua_source())
-    s = Store(coalescer)
+    s = Store(coalescer, ticket_records=ticket_records)
     await s.load_library()
     yield s
     await coalescer.aclose()
 
 
 @pytest.fixture
-async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
-                ) -> AsyncIterator[Store]:
-    async for s in store_on(redis_backend.url):
+def ticket_records() -> str:
+    """The layout of ticket records (lua/capsvc.lua, TICKET RECORDS); the tests of the
+    ticket's functions run on both (`both_layouts`)."""
+    return "buckets+keys"
+
+
+both_layouts = pytest.mark.parametrize("ticket_records", ["buckets+keys", "keys", "buckets"])
+
+
+@pytest.fixture
+async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
+                ticket_records: str) -> AsyncIterator[Store]:
+    async for s in store_on(redis_backend.url, ticket_records):
         yield s
+
+
+@pytest.fixture
+def records(redis_db: redis.Redis, ticket_records: str) -> TicketRecords:
+    return TicketRecords(redis_db, ticket_records)
+
+
+def call(store: Store, name: str, ticket: str, args: list[Any], keys: tuple[str, ...] = ()
+         ) -> Any:
+    """FCALL of a ticket's function (capsvc2_…) as the store names the ticket."""
+    ticket_keys, ticket_args = store.names(ticket)
+    return store.fcall(name, [*ticket_keys, *keys], [*ticket_args, *args])
 
 
 @pytest.fixture
@@ -210,7 +233,7 @@ async def test_other_sale_of_the_same_ticket_and_grid_counts_separately(
     sale_a = first[2].decode()
     assert await combos.reserve(sale_a, 500) == [1, 0]
     assert await combos.release(sale_a) == [500]
-    assert await store.fcall("capsvc_unclaim", [key], [sale_a]) == 1
+    assert await call(store, "capsvc2_unclaim", key, [sale_a]) == 1
     second = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
     sale_b = second[2].decode()
     assert second[0] == b"new"
@@ -261,7 +284,7 @@ async def test_seal_mode_writes_x_and_a_later_reserve_answers_minus_2(
 
 
 async def test_counters_are_fields_of_bucket_hashes_with_each_draws_ttl(
-        combos: Combos, redis_db: redis.Redis) -> None:
+        combos: Combos, redis_db: redis.Redis, records: TicketRecords) -> None:
     """Counters are fields of c:{game:bucket}:draw with each draw's TTL; records never collide."""
     keys = bucket_keys(GAME, COMBO, FIRST, 3)
     bucket = zlib.crc32(COMBO.encode()) % COUNTER_BUCKETS
@@ -483,11 +506,12 @@ async def claimed(store: Store, key: str, now: int) -> tuple[int, str]:
 
 
 async def finalize(store: Store, key: str, sid: str, body: bytes = b"body") -> Any:
-    return await store.fcall("capsvc_finalize", [key], [sid, body])
+    return await call(store, "capsvc2_finalize", key, [sid, body])
 
 
+@both_layouts
 async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: redis.Redis,
-                                                      now: int) -> None:
+                                                      now: int, records: TicketRecords) -> None:
     """A new claim answers {new, at (Redis TIME, ms), 16-hex sid}; the record has the TTL."""
     key = ticket_key("ch", "T-new")
     t0 = redis_ms(redis_db)
@@ -498,13 +522,14 @@ async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: r
     assert isinstance(at, int)
     assert t0 <= at <= t1
     assert re.fullmatch("[0-9a-f]{16}", sid)
-    assert redis_db.hgetall(key) == {b"st": b"p", b"fp": b"fp", b"at": str(at).encode(),
+    assert records.fields(key) == {b"st": b"p", b"fp": b"fp", b"at": str(at).encode(),
                                      b"sid": sid.encode(), b"sale": b"sale-1"}
-    assert redis_db.pexpiretime(key) == now + DAY
+    assert records.expiry(key) == now + DAY
     other = await claim(store, ticket_key("ch", "T-new2"), now)
     assert other[2].decode() != sid
 
 
+@both_layouts
 async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
                                                               now: int) -> None:
     """A claim replays {pending}, {conflict}, {stale}, and {final, body} even after the close."""
@@ -519,14 +544,16 @@ async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
     assert await claim(store, key, now, fp="fp2") == [b"conflict"]
 
 
+@both_layouts
 async def test_claim_refuses_after_the_close(store: Store, redis_db: redis.Redis,
-                                             now: int) -> None:
+                                             now: int, records: TicketRecords) -> None:
     """A ticket whose first draw closed (close_ms in the past) is not claimed at all."""
     key = ticket_key("ch", "T-closed")
     assert await claim(store, key, now, close=now - 1) == [b"closed"]
-    assert redis_db.exists(key) == 0
+    assert records.exists(key) == 0
 
 
+@both_layouts
 async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     """Once the janitor took a pending ticket (x), a replay is told {stale}."""
     key = ticket_key("ch", "T-x")
@@ -535,54 +562,57 @@ async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     assert await claim(store, key, now) == [b"stale"]
 
 
+@both_layouts
 async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
-                                                       now: int) -> None:
+                                                       now: int, records: TicketRecords) -> None:
     """finalize writes only for the ticket's own sale id, in state p or x; never creates a key."""
     key = ticket_key("ch", "T-fin")
     _, sid = await claimed(store, key, now)
     assert await finalize(store, key, new_sale()) == 0
-    assert redis_db.hget(key, "st") == b"p"
+    assert records.get(key, "st") == b"p"
     assert await finalize(store, key, sid) == 1
-    assert redis_db.hmget(key, "st", "body") == [b"f", b"body"]
+    assert records.get(key, "st", "body") == [b"f", b"body"]
     assert await finalize(store, key, sid, b"other") == 0
-    assert redis_db.hget(key, "body") == b"body"
+    assert records.get(key, "body") == b"body"
     settled = ticket_key("ch", "T-fin-x")
     _, sid_x = await claimed(store, settled, now)
     assert (await store.expire(settled, 0))[0] == b"x"
     assert await finalize(store, settled, new_sale()) == 0
     assert await finalize(store, settled, sid_x) == 1
-    assert redis_db.hget(settled, "st") == b"f"
+    assert records.get(settled, "st") == b"f"
     assert (await store.cancel(settled, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await finalize(store, settled, sid_x, b"other") == 0
     missing = ticket_key("ch", "T-fin-missing")
     assert await finalize(store, missing, sid) == 0
-    assert redis_db.exists(missing) == 0
+    assert records.exists(missing) == 0
 
 
+@both_layouts
 async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
-                                                      now: int) -> None:
+                                                      now: int, records: TicketRecords) -> None:
     """unclaim forgets a ticket only for its own sale id, in state p or x (never f, k, c)."""
     key = ticket_key("ch", "T-un")
     _, sid = await claimed(store, key, now)
-    assert await store.fcall("capsvc_unclaim", [key], [new_sale()]) == 0
-    assert redis_db.exists(key) == 1
-    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 1
-    assert redis_db.exists(key) == 0
+    assert await call(store, "capsvc2_unclaim", key, [new_sale()]) == 0
+    assert records.exists(key) == 1
+    assert await call(store, "capsvc2_unclaim", key, [sid]) == 1
+    assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert (await store.expire(key, 0))[0] == b"x"
-    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 1
-    assert redis_db.exists(key) == 0
+    assert await call(store, "capsvc2_unclaim", key, [sid]) == 1
+    assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert await finalize(store, key, sid) == 1
-    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
-    assert redis_db.hget(key, "st") == b"f"
+    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
+    assert records.get(key, "st") == b"f"
     assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
-    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
-    assert await store.fcall("capsvc_unclaim", [key], [sid]) == 0
-    assert redis_db.hget(key, "st") == b"c"
+    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
+    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
+    assert records.get(key, "st") == b"c"
 
 
+@both_layouts
 async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -> None:
     """expire hands tickets due by Redis TIME to the janitor (x, k, and f or c: a decision
     maybe never journaled); {'wait'} before; else {}."""
@@ -602,25 +632,27 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
                                           b"body", str(k[1]).encode(), b"500", None]
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
     assert await store.expire(key, HOUR) == [b"wait"]
     assert (await store.expire(key, 0))[0] == b"c"
     assert await store.expire(ticket_key("ch", "T-exp-missing"), 0) == []
 
 
-async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int) -> None:
+@both_layouts
+async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int,
+                                   records: TicketRecords) -> None:
     """cancel decides once (k, at Redis TIME, the ticket indexed with it) if open and not
     stopped by an admin (the stop copy in the ticket's slot), then replays k, then c."""
     key = ticket_key("ch", "T-cancel")
     assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
-    assert redis_db.exists(key) == 0
+    assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"undecided"]
     assert await finalize(store, key, sid) == 1
     assert await store.cancel(key, now - 1, "g", 100, 10, now + DAY) == [b"closed"]
     assert await store.stop("g", 99, now + DAY) > 0  # copied into every ticket slot
     assert await store.cancel(key, now + HOUR, "g", 99, 10, now + DAY) == [b"closed"]
-    assert redis_db.hget(key, "st") == b"f"
+    assert records.get(key, "st") == b"f"
     t0 = redis_ms(redis_db)
     reply = await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY)
     t1 = redis_ms(redis_db)
@@ -633,31 +665,33 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     again = await store.cancel(key, now - 1, "g", 99, 99, now + DAY)
     assert again == [b"k", ca, 10, sid.encode()]
     assert (await claim(store, key, now))[:2] == [b"final", b"body"]
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
     assert await store.cancel(key, now - 1, "g", 99, 99, now + DAY) == [b"c", ca, 10]
     assert await store.cancel(key, now + HOUR, "g", 100, 99, now + DAY) == [b"c", ca, 10]
-    assert redis_db.hmget(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
+    assert records.get(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
 
 
+@both_layouts
 async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis.Redis,
-                                                   now: int) -> None:
+                                                   now: int, records: TicketRecords) -> None:
     """cancelled completes only the cancel of the ticket's own sale id, in state k."""
     key = ticket_key("ch", "T-cancelled")
     _, sid = await claimed(store, key, now)
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # pending
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 0  # pending
     assert await finalize(store, key, sid) == 1
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 0  # final, not cancelling
-    assert redis_db.hget(key, "st") == b"f"
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 0  # final, not cancelling
+    assert records.get(key, "st") == b"f"
     assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
-    assert await store.fcall("capsvc_cancelled", [key], [new_sale()]) == 0
-    assert redis_db.hget(key, "st") == b"k"
-    assert await store.fcall("capsvc_cancelled", [key], [sid]) == 1
-    assert redis_db.hget(key, "st") == b"c"
+    assert await call(store, "capsvc2_cancelled", key, [new_sale()]) == 0
+    assert records.get(key, "st") == b"k"
+    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
+    assert records.get(key, "st") == b"c"
     missing = ticket_key("ch", "T-cancelled-missing")
-    assert await store.fcall("capsvc_cancelled", [missing], [sid]) == 0
-    assert redis_db.exists(missing) == 0
+    assert await call(store, "capsvc2_cancelled", missing, [sid]) == 0
+    assert records.exists(missing) == 0
 
 
+@both_layouts
 async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
         store: Store, redis_db: redis.Redis, now: int) -> None:
     """index adds the ticket to its slot's pending zset at Redis TIME (the first instant
@@ -894,18 +928,20 @@ async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
 # -- sell: the whole sale in one call (standalone Redis) --------------------------------------
 
 @pytest.fixture
-async def one_node(redis_server: RedisServer, standalone_db: redis.Redis
+async def one_node(redis_server: RedisServer, standalone_db: redis.Redis, ticket_records: str
                    ) -> AsyncIterator[Store]:
-    async for s in store_on(redis_server.url):
+    async for s in store_on(redis_server.url, ticket_records):
         yield s
 
 
+@both_layouts
 async def test_sell_counts_decides_and_replays_in_one_call(
-        one_node: Store, standalone_db: redis.Redis) -> None:
+        one_node: Store, standalone_db: redis.Redis, ticket_records: str) -> None:
     """One call claims, counts every capped grid on every draw (all or nothing per grid),
     marks what reached the cap as sold out, and writes the ticket decided with its results;
     the same call again answers them; another body is a conflict; nothing is pending."""
     db, now = standalone_db, redis_ms(standalone_db)
+    records = TicketRecords(db, ticket_records)
     close, expire = now + HOUR, now + DAY
     key = ticket_key("ch", secrets.token_hex(4))
     db.hset(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], COMBO, CAP - 200)
@@ -931,8 +967,8 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     last = bucket_keys(GAME, OTHER, FIRST + 1, 1)[0]
     assert db.hget(last, record_field(sid, 2)) == str(CAP).encode()
     assert db.hget(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], record_field(sid, 0)) == b"R1:200"
-    assert db.hget(key, "st") == b"f"
-    assert db.pttl(key) > 0
+    assert records.get(key, "st") == b"f"
+    assert records.expiry(key) == expire
     for draw in (FIRST, FIRST + 1):  # what the sale accepted of the sizes not capped
         aggregate = aggregate_key(key, GAME, draw)
         assert db.hgetall(aggregate) == {b"4": b"500"}  # the capped sizes: in the counters
@@ -953,6 +989,7 @@ async def test_sell_counts_decides_and_replays_in_one_call(
 
 
 @pytest.mark.parametrize("nonce", ["sent", "not sent", "not 8 bytes"])
+@both_layouts
 async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
         one_node: Store, standalone_db: redis.Redis, nonce: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -965,7 +1002,7 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     fcall = one_node.fcall
 
     def older(name: str, keys: list[str], args: list[Any]) -> Any:
-        if name == "capsvc_sell" and nonce != "sent":
+        if name == "capsvc2_sell" and nonce != "sent":
             args = args[:-1] if nonce == "not sent" else [*args[:-1], b"\x01\x02\x03"]
         return fcall(name, keys, args)
 
@@ -985,6 +1022,7 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     assert int(again[0]) == 0
 
 
+@both_layouts
 async def test_sell_writes_nothing_when_closed_or_stopped(
         one_node: Store, standalone_db: redis.Redis) -> None:
     """Past the close, or with a draw of the ticket stopped by an admin, the call answers so
@@ -1028,8 +1066,10 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000, b"3": 250}
 
 
+@both_layouts
 async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
-        store: Store, redis_db: redis.Redis, now: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        store: Store, redis_db: redis.Redis, now: int, monkeypatch: pytest.MonkeyPatch,
+        records: TicketRecords) -> None:
     """A batch's index entries go in one call: those whose ticket still holds the decision
     journaled, or no longer exists; not those that moved on (a cancel decided since, another
     sale of the id). The same as `journaled` one by one, for several indexes at once."""
@@ -1046,7 +1086,7 @@ async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
         for key, h in zip(group, held, strict=True):
             redis_db.zadd(pending_key_of(key), {key: now})
             if h is not None:
-                redis_db.hset(key, mapping={"st": h[0], "sid": h[1]})
+                records.put(key, now + DAY, st=h[0], sid=h[1])
         for key, (state, sid) in zip(group, asked, strict=True):
             store.journaled_later(key, sid, state)
     calls: list[str] = []
@@ -1062,5 +1102,5 @@ async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
         assert sorted(redis_db.zrange(pending_key_of(group[0]), 0, -1)) == sorted(
             [group[1].encode(), group[3].encode()])
     # One call in all on a standalone Redis; one per index on a cluster.
-    assert calls == ["capsvc_journaled_many"] * (1 if store.single_node else 2)
+    assert calls == ["capsvc2_journaled_many"] * (1 if store.single_node else 2)
 

@@ -1,0 +1,113 @@
+"""Ticket records read and written by tests in either layout (lua/capsvc.lua, TICKET
+RECORDS): a hash per ticket (`keys`) or a field of a bucket hash (`buckets`)."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import redis
+
+from capsvc.store import ident_of, record_bucket_of
+
+NAMES = ("st", "fp", "at", "sid", "sale", "body", "res", "ca", "rel")
+
+
+def unpack(raw: bytes) -> list[Any]:
+    """The MessagePack objects, one after the other, of a bucketed record: what Redis's
+    cmsgpack writes for it (nil, booleans, integers, doubles, strings as raw bytes)."""
+    out: list[Any] = []
+    i = 0
+    while i < len(raw):
+        b = raw[i]
+        i += 1
+        if b <= 0x7F:
+            out.append(b)
+        elif 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
+            size_bytes = {0xD9: 1, 0xDA: 2, 0xDB: 4}.get(b, 0)
+            n = b & 0x1F if not size_bytes else int.from_bytes(raw[i:i + size_bytes], "big")
+            i += size_bytes
+            out.append(raw[i:i + n])
+            i += n
+        elif b == 0xC0:
+            out.append(None)
+        elif b in (0xC2, 0xC3):
+            out.append(b == 0xC3)
+        elif b >= 0xE0:
+            out.append(b - 0x100)
+        elif b in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
+            n = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}[b]
+            out.append(int.from_bytes(raw[i:i + n], "big", signed=b >= 0xD0))
+            i += n
+        elif b == 0xCB:
+            out.append(struct.unpack(">d", raw[i:i + 8])[0])
+            i += 8
+        else:
+            raise ValueError(f"not what cmsgpack writes: 0x{b:02x}")
+    return out
+
+
+def pack(values: list[Any]) -> bytes:
+    """`unpack`'s inverse, for what a test writes (None, integers, strings, bytes)."""
+    out = b""
+    for v in values:
+        if v is None:
+            out += b"\xc0"
+        elif isinstance(v, int):
+            out += b"\xd3" + v.to_bytes(8, "big", signed=True)
+        else:
+            data = v if isinstance(v, bytes) else str(v).encode()
+            out += b"\xdb" + len(data).to_bytes(4, "big") + data
+    return out
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+class TicketRecords:
+    """What a ticket record holds, whichever layout holds it."""
+
+    def __init__(self, db: redis.Redis, ticket_records: str) -> None:
+        self.db = db
+        self.bucketed = ticket_records != "keys"
+
+    def _value(self, ticket: str) -> tuple[int, dict[bytes, bytes]] | None:
+        raw = self.db.hget(record_bucket_of(ticket), ident_of(ticket))
+        if raw is None:
+            return None
+        expiry, *values = unpack(raw)
+        return expiry, {n.encode(): _bytes(v) for n, v in zip(NAMES, values, strict=True)
+                        if v is not None}
+
+    def fields(self, ticket: str) -> dict[bytes, bytes]:
+        """The record's fields ({} when there is none; an expired one is still shown)."""
+        if not self.bucketed:
+            return dict(self.db.hgetall(ticket))
+        value = self._value(ticket)
+        return {} if value is None else value[1]
+
+    def get(self, ticket: str, *names: str) -> Any:
+        """One field (None when absent), or a list of them."""
+        fields = self.fields(ticket)
+        got = [fields.get(n.encode()) for n in names]
+        return got[0] if len(names) == 1 else got
+
+    def exists(self, ticket: str) -> int:
+        return 1 if self.fields(ticket) else 0
+
+    def expiry(self, ticket: str) -> int:
+        """The instant (ms) the record is kept until; -2 when there is none."""
+        if not self.bucketed:
+            return int(self.db.pexpiretime(ticket))
+        value = self._value(ticket)
+        return -2 if value is None else value[0]
+
+    def put(self, ticket: str, expire_at: int, **fields: Any) -> None:
+        """Write a record as the layout keeps it (for states no call leads to)."""
+        if not self.bucketed:
+            self.db.hset(ticket, mapping=fields)
+            self.db.pexpireat(ticket, expire_at)
+            return
+        packed = pack([expire_at, *[fields.get(n) for n in NAMES]])
+        self.db.hset(record_bucket_of(ticket), ident_of(ticket), packed)
