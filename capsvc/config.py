@@ -112,7 +112,7 @@ class Settings:
     packed_sales: bool = True
     """Ticket records keep their sale packed (validator.pack_sale); False: as JSON, what
     releases before it read (for a rolling upgrade from one of them)."""
-    ticket_records: str = "buckets+keys"
+    ticket_records: str = "buckets"
     """`[redis] ticket_records` (capsvc.store.TICKET_RECORDS): where ticket records are
     written and read."""
     """On a standalone Redis, sell a ticket of a game without player limits in one atomic
@@ -128,6 +128,9 @@ class Settings:
     max_in_flight: int = 4096
     pending_deadline_ms: int = 60_000
     janitor_interval_ms: int = 5_000
+    sweep_ms: int = 600_000
+    """`[janitor] sweep`: how long one process takes to sweep every record bucket once (the
+    records past their expiry deleted: capsvc.janitor)."""
     retry_after_s: int = 1
     drain_delay_ms: int = 1000
     access_log: bool = False
@@ -423,7 +426,7 @@ _SECTIONS = {
                         "sale_record", "ticket_records"}),
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
-    "janitor": frozenset({"pending_deadline", "interval"}),
+    "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
     "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
     "audit": frozenset({"reports", "interval", "sources", "grace"}),
 }
@@ -546,8 +549,8 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         packed_sales=c.choice("redis.sale_record", redis.get("sale_record", "packed"),
                               ("packed", "json")) == "packed",
         ticket_records=c.choice("redis.ticket_records",
-                                redis.get("ticket_records", "buckets+keys"),
-                                ("buckets+keys", "buckets", "keys")),
+                                redis.get("ticket_records", "buckets"),
+                                ("buckets", "buckets+keys", "keys")),
         # At least 1ms: WAIT with timeout 0 blocks for ever.
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),
@@ -563,6 +566,7 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         pending_deadline_ms=c.duration("janitor.pending_deadline",
                                        janitor.get("pending_deadline", "60s")),
         janitor_interval_ms=c.duration("janitor.interval", janitor.get("interval", "5s")),
+        sweep_ms=c.duration("janitor.sweep", janitor.get("sweep", "10m"), 1),
         journal_enabled=c.boolean("journal.enabled", journal.get("enabled", True)),
         journal_dir=c.text("journal.dir", journal.get("dir", "var/journal")),
         journal_keep_ms=c.duration("journal.keep", journal.get("keep", "90d"), DAY_MS),

@@ -24,13 +24,15 @@ draw reports are written once no entry of a draw is left: capsvc.audit.service).
 
 It also sweeps the bucketed ticket records (lua/capsvc.lua, TICKET RECORDS): a record past
 its expiry is absent to every reader already, so the sweep only gives its memory back. Each
-round sweeps SWEEP_BUCKETS buckets, in turn from a random start, so that a full pass takes
-RECORD_BUCKETS * TICKET_BUCKETS / SWEEP_BUCKETS rounds (one janitor) or fewer.
+round sweeps its share of the RECORD_BUCKETS * TICKET_BUCKETS buckets, in turn from a random
+start, so that one process passes over all of them in `[janitor] sweep` (10 minutes): a
+record's memory outlives its retention by that at most, less with several processes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import msgspec
@@ -54,8 +56,6 @@ from capsvc.validator import unpack_sale
 
 log = logging.getLogger(__name__)
 
-SWEEP_BUCKETS = 256
-"""Record buckets swept in a janitor round (a full pass of the 16,384: 64 rounds)."""
 SWEEP_PAGE = 200
 """Records looked at by one sweep call (HSCAN's COUNT)."""
 
@@ -72,6 +72,10 @@ class Janitor:
         self.ledger = ledger
         self.tickets = tickets
         self.clock = clock
+        total = TICKET_BUCKETS * RECORD_BUCKETS
+        self.sweep_buckets = min(total, max(1, math.ceil(
+            total * settings.janitor_interval_ms / settings.sweep_ms)))
+        """Record buckets swept in a round."""
         self._sweep_next = random.randrange(TICKET_BUCKETS * RECORD_BUCKETS)
 
     async def run_once(self, limit: int = 100) -> int:
@@ -98,9 +102,10 @@ class Janitor:
                 offset += len(page)  # settled ones have left: the next round sees the rest
         return settled
 
-    async def sweep(self, buckets: int = SWEEP_BUCKETS) -> int:
-        """Delete the bucketed records past their expiry in the next `buckets` buckets;
-        returns how many went."""
+    async def sweep(self, buckets: int | None = None) -> int:
+        """Delete the bucketed records past their expiry in the next `buckets` buckets (the
+        round's share by default); returns how many went."""
+        buckets = buckets or self.sweep_buckets
         total = TICKET_BUCKETS * RECORD_BUCKETS
         first, self._sweep_next = self._sweep_next, (self._sweep_next + buckets) % total
         keys = [record_bucket(n // RECORD_BUCKETS, n % RECORD_BUCKETS)

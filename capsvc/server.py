@@ -183,6 +183,14 @@ async def prepare(svc: Service, wait_s: float = 120.0) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(svc.reconciler.attempted.wait(), wait_s)
     await svc.store.load_library()
+    store = svc.store
+    if store.bucketed and not store.legacy_keys and await store.keyed_records_seen():
+        # Upgraded from a release that kept a key per ticket, with `buckets` set too early:
+        # those tickets must still be found (a replay is not a new sale).
+        log.warning('redis holds ticket records of a release before (a key per ticket): '
+                    'reading them too, as [redis] ticket_records = "buckets+keys" would; '
+                    'set it so until their retention has passed')
+        store.legacy_keys = True
     await svc.usecases.clock.sync()
 
 

@@ -35,14 +35,19 @@ _json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
+KEYED_SAMPLE = 10_000
+"""Keys of each primary a process looks at, when it starts, for records of the keyed layout
+(`Store.keyed_records_seen`)."""
 RECORD_BUCKETS = 256
 """Hashes per ticket slot that bucketed ticket records are spread over (see lua/capsvc.lua,
 TICKET RECORDS): part of the layout, never to be changed while records are retained."""
-TICKET_RECORDS = ("buckets+keys", "buckets", "keys")
-"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): new records written into
-buckets and read from both layouts (the default: the records of a release before are found);
-written and read in buckets only (once no keyed record is retained); or written as a key
-each and read from both (while processes of a release before run: they read only keys)."""
+TICKET_RECORDS = ("buckets", "buckets+keys", "keys")
+"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): records written and read in
+buckets only (the default); written into buckets and read from both layouts (after an upgrade
+from a release that kept a key per ticket, until their retention has passed); or written as
+a key each and read from both (while processes of such a release still run: they read only
+keys). Reading both names two keys in a call: on a cluster, a slot being migrated then
+answers TRYAGAIN until its migration ends (the calls wait for it)."""
 COUNTER_BUCKETS = 4096
 """Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
 the layout, never to be changed while a draw is on sale or retained)."""
@@ -159,7 +164,7 @@ class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
     def __init__(self, redis: Transport, *, packed_sales: bool = True,
-                 ticket_records: str = "buckets+keys") -> None:
+                 ticket_records: str = "buckets") -> None:
         if ticket_records not in TICKET_RECORDS:
             raise ValueError(f"ticket_records: {ticket_records!r}")
         self.redis = redis
@@ -191,6 +196,14 @@ class Store:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
         every process."""
         await self.redis.broadcast("FUNCTION", "LOAD", "REPLACE", self._source)
+
+    async def keyed_records_seen(self) -> bool:
+        """Whether a sample of each primary's keys (SCAN's first page of KEYED_SAMPLE)
+        holds a ticket record of the keyed layout: a release before wrote it, and its
+        retention has not passed."""
+        pages = await self.redis.broadcast("SCAN", 0, "MATCH", "t:{t:*", "COUNT",
+                                           KEYED_SAMPLE)
+        return any(page[1] for page in pages)
 
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)

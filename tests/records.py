@@ -111,3 +111,9 @@ class TicketRecords:
             return
         packed = pack([expire_at, *[fields.get(n) for n in NAMES]])
         self.db.hset(record_bucket_of(ticket), ident_of(ticket), packed)
+
+
+def held(db: redis.Redis, ticket: str, name: str) -> bytes | None:
+    """One field of a ticket's record, whichever layout holds it (a bucket, else the key)."""
+    value: bytes | None = TicketRecords(db, "buckets").get(ticket, name)
+    return value if value is not None else TicketRecords(db, "keys").get(ticket, name)

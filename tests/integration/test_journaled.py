@@ -17,6 +17,7 @@ from capsvc.journal.records import CancelRecord, SaleRecord, VoidRecord
 from capsvc.server import Service
 from capsvc.store import TICKET_BUCKETS, lua_source, pending_key, ticket_key
 from tests.conftest import TEN, Client, past_deadline, ticket
+from tests.records import held
 
 
 def indexed(db: Any) -> int:
@@ -192,9 +193,9 @@ async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_f
     assert await past_deadline(svc.usecases.janitor).run_once() == 1
     monkeypatch.undo()
     key = ticket_key("fr-retail", body["ticket_id"])
-    assert redis_db.hget(key, "st") == b"k"
+    assert held(redis_db, key, "st") == b"k"
     await past_deadline(svc.usecases.janitor).run_once()
-    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert (held(redis_db, key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert indexed(redis_db) == 0
 
 
@@ -231,9 +232,9 @@ async def test_a_cancel_interrupted_during_a_replay_is_still_finished(
     assert (replay.status, replay.headers.get("Idempotent-Replayed")) == (200, "true")
     await asyncio.sleep(0.3)  # the replay's removal of the entry has run (or not)
     key = ticket_key("fr-retail", body["ticket_id"])
-    assert redis_db.hget(key, "st") == b"k"
+    assert held(redis_db, key, "st") == b"k"
     await past_deadline(svc.usecases.janitor).run_once()
-    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert (held(redis_db, key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
     assert indexed(redis_db) == 0
 

@@ -24,6 +24,7 @@ from capsvc.server import Service, build
 from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
 from tests.conftest import CONFIG, TEN, Client, past_deadline, start_service, ticket
 from tests.integration.test_journaled import indexed, journaled
+from tests.records import held
 
 
 def refused(*args: object, **kwargs: object) -> Any:
@@ -77,7 +78,7 @@ async def test_a_cancel_decided_after_a_replay_is_indexed_with_its_decision(
     assert indexed(redis_db) == 1
     await past_deadline(svc.usecases.janitor).run_once()
     key = ticket_key("fr-retail", body["ticket_id"])
-    assert (redis_db.hget(key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
+    assert (held(redis_db, key, "st"), await client.staked(TEN, draw)) == (b"c", 0)
     assert ("cancel", "janitor") in journaled(svc, body["ticket_id"])
     assert indexed(redis_db) == 0
 
@@ -94,25 +95,25 @@ async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entr
                   first_draw=draw - 1)
     assert (await client.sell(late, token="ma")).body["error"]["code"] == "draw_closed"
     key = ticket_key("ma-retail", late["ticket_id"])
-    assert (redis_db.exists(key), indexed(redis_db)) == (0, 1)
+    assert (held(redis_db, key, "st"), indexed(redis_db)) == (None, 1)
     entered, go = asyncio.Event(), asyncio.Event()
     original = svc.store.journaled
 
-    def held(ticket_key_: str, sale_id: str, state: bytes) -> Any:
+    def delayed(ticket_key_: str, sale_id: str, state: bytes) -> Any:
         async def later() -> Any:
             entered.set()
             await go.wait()
             return await original(ticket_key_, sale_id, state)
         return asyncio.ensure_future(later())
 
-    monkeypatch.setattr(svc.store, "journaled", held)
+    monkeypatch.setattr(svc.store, "journaled", delayed)
     janitor = asyncio.create_task(past_deadline(svc.usecases.janitor).run_once())
     await asyncio.wait_for(entered.wait(), 5)
     monkeypatch.undo()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(svc.usecases.journal, "sale", refused)
         assert (await client.sell(dict(late, first_draw=draw), token="ma")).status == 503
-    assert redis_db.hget(key, "st") == b"f"
+    assert held(redis_db, key, "st") == b"f"
     go.set()
     await janitor
     await past_deadline(svc.usecases.janitor).run_once()
@@ -289,7 +290,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
                 mp.setattr(svc.usecases.journal, "sale", refused)
                 assert (await client.sell(body)).status == 503
             key = ticket_key("fr-retail", body["ticket_id"])
-            assert int(redis_db.hget(key, "at")) < close
+            assert int(held(redis_db, key, "at")) < close
             settle = steps_settings.pending_deadline_ms + 2 * steps_settings.janitor_interval_ms
             await asyncio.sleep(max(0, close + settle + 500 - _redis_ms(redis_db)) / 1000)
             assert indexed(redis_db) == 1

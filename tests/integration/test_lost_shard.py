@@ -19,6 +19,7 @@ from capsvc.config import Settings
 from capsvc.store import bucket_keys, record_field, ticket_key
 from capsvc.testing import RedisCluster
 from tests.conftest import TEN, Client, services, ticket
+from tests.records import held
 
 STAKE = 1000
 
@@ -42,7 +43,7 @@ async def seller(settings: Settings, redis_cluster: RedisCluster, db: Any
 def lose_counters(db: Any, body: dict[str, Any], draw: int) -> None:
     """What the shard's failover took: the grid's record and its stake on the counter."""
     key = ticket_key("fr-retail", body["ticket_id"])
-    sale_id = db.hget(key, "sid").decode()
+    sale_id = held(db, key, "sid").decode()
     combo = combination.encode(body["grids"][0]["numbers"])
     bucket = bucket_keys("fdj-keno", combo, draw, 1)[-1]
     assert db.hdel(bucket, record_field(sale_id, 0)) == 1

@@ -33,11 +33,15 @@ from hypothesis.stateful import (
 from capsvc import combination
 from capsvc.calendar import DrawCalendar
 from capsvc.config import load_settings
-from capsvc.store import bucket_keys
+from capsvc.store import bucket_keys, record_bucket_of, ticket_key
 from capsvc.testing import RedisServer, ServiceProcess
 from tests.model import MARGIN_MS, Expected, Model, Rules
+from tests.records import unpack
 
 TOKENS = {"fr": "m-fr", "pf": "m-pf", "ops": "m-ops"}
+SWEPT_MS = 2_000 + 500
+"""How long a ticket record may outlive its expiry: one pass of the janitor's sweep over
+every bucket (`sweep` below) and a round (`interval`)."""
 CONFIG = """
 [server]
 request_timeout = "2s"
@@ -45,6 +49,7 @@ request_timeout = "2s"
 [janitor]
 pending_deadline = "4s"
 interval = "500ms"
+sweep = "2s"
 
 # Each example starts from an emptied Redis (FLUSHALL under the running service): the
 # journal would rightly put the earlier examples' decisions back. Its own guarantees are
@@ -277,11 +282,14 @@ class SaleMachine(RuleBasedStateMachine):
                 for name, value in db.hgetall(key).items():
                     if not name.startswith(b"\0"):
                         assert int(value) <= cap, (key, name, value)
-            if kind == b"t":
-                channel, tid = key.split(b"}:", 1)[1].decode().split("/")
-                t = self.model.tickets.get((channel, tid))
-                assert t is not None, f"{key!r} is no ticket of the model"
-                assert now < t.expires_ms + MARGIN_MS, f"{key!r} outlived its retention"
+            if kind == b"r":  # ticket records: the janitor sweeps them past their expiry
+                for ident, value in db.hgetall(key).items():
+                    channel, tid = ident.decode().split("/")
+                    t = self.model.tickets.get((channel, tid))
+                    assert t is not None, f"{ident!r} is no ticket of the model"
+                    assert unpack(value)[0] == t.expires_ms, (ident, t)
+                    assert now < t.expires_ms + SWEPT_MS + MARGIN_MS, (
+                        f"{ident!r} outlived its retention and the sweep")
 
 
 @pytest.mark.slow
@@ -333,3 +341,40 @@ def test_a_ticket_id_used_again_after_its_retention_is_a_new_sale(world: Fixture
     assert (cancel.status_code, cancel.json()["error"]["code"]) == (409, "not_cancellable")
     (key,) = bucket_keys(GAME, combination.encode(COMBOS[0]), later, 1)
     assert int(world.db.hget(key, combination.encode(COMBOS[0])) or 0) == 2000
+
+
+def test_the_janitor_sweeps_a_record_its_bucket_outlives(world: Fixture) -> None:
+    """Two tickets whose records share a bucket, sold on draws 4 apart: once the first one's
+    retention has passed, the bucket lives on for the second (its TTL), and the janitor's
+    sweep deletes the first one's record within `sweep` and a round."""
+    world.db.flushall()
+    rules = world.settings.games[GAME]
+    calendar = DrawCalendar(rules)
+    first_id = "SWEPT"
+    first_key = ticket_key("fr", first_id)
+    second_id = next(f"KEPT-{n}" for n in range(10**6)
+                     if record_bucket_of(ticket_key("fr", f"KEPT-{n}")) ==
+                     record_bucket_of(first_key))
+    bucket = record_bucket_of(first_key)
+
+    def now() -> int:
+        sec, usec = world.db.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    draw = calendar.current(now()) + 1
+    for ticket_id, first_draw in ((first_id, draw), (second_id, draw + 4)):
+        sold = world.http.post(
+            world.service.base_url + "/v1/tickets", timeout=10,
+            headers={"Authorization": f"Bearer {TOKENS['fr']}"},
+            json={"ticket_id": ticket_id, "game": GAME, "first_draw": first_draw,
+                  "grids": [{"numbers": list(COMBOS[3]), "stake": 300}]})
+        assert sold.status_code == 200, sold.text
+    expiry = calendar.close_ms(draw) + rules.retention_ms
+    assert unpack(world.db.hget(bucket, f"fr/{first_id}"))[0] == expiry
+    time.sleep(max(0.0, (expiry - now()) / 1000))
+    deadline = time.monotonic() + (SWEPT_MS + MARGIN_MS) / 1000
+    while world.db.hexists(bucket, f"fr/{first_id}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not world.db.hexists(bucket, f"fr/{first_id}")
+    assert world.db.hexists(bucket, f"fr/{second_id}")
+    assert world.db.pexpiretime(bucket) == calendar.close_ms(draw + 4) + rules.retention_ms

@@ -24,10 +24,11 @@ from capsvc import combination
 from capsvc.coalesce import Coalescer
 from capsvc.config import load_settings
 from capsvc.faults import Command, FaultProxy, command
-from capsvc.store import Store, lua_source, ticket_key
+from capsvc.store import Store, lua_source, record_bucket_of, ticket_key
 from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
 from tests.conftest import TEN, TOKENS, new_id, past_deadline
+from tests.records import held
 
 ONE_CALL = Path(__file__).parent.parent / "capsvc-faults.toml"
 """Short deadlines; a sale of a game without player limits is one call on standalone."""
@@ -37,7 +38,7 @@ faults between those steps, on a standalone Redis."""
 CONFIG.write_text(ONE_CALL.read_text().replace("[redis]\n", '[redis]\nsale_calls = "steps"\n', 1))
 RESERVE = command("FCALL", "capsvc_reserve")
 RELEASE = command("FCALL", "capsvc_release")
-FINALIZE = command("FCALL", "capsvc_finalize")
+FINALIZE = command("FCALL", "capsvc2_finalize")
 
 
 def reserve_of(numbers: list[int]) -> Callable[[Command], bool]:
@@ -140,7 +141,8 @@ def test_a_get_cut_short_is_a_503_that_says_nothing_changed(
     "the outcome is unknown" (a GET changes nothing), and the same GET again answers."""
     body = sale((TEN[:8], 500))
     assert api.sell(body).status_code == 200
-    rule = proxy.delay_reply(command("HMGET", ticket_key("fr-retail", body["ticket_id"])), 1.0)
+    key = ticket_key("fr-retail", body["ticket_id"])
+    rule = proxy.delay_reply(command("FCALL", "capsvc_ticket", "2", record_bucket_of(key)), 1.0)
     resp = api.call("GET", f"/v1/tickets/{body['ticket_id']}")
     assert resp.status_code == 503, resp.text
     error = resp.json()["error"]
@@ -334,7 +336,7 @@ def test_a_sale_claimed_after_an_admin_stop_does_not_stand(
     draw = direct.current()
     body = sale((TEN[:8], 500), first_draw=draw)
     release = threading.Event()
-    held = proxy.hold_request(command("FCALL", "capsvc_claim"), release)
+    held = proxy.hold_request(command("FCALL", "capsvc2_claim"), release)
     thread, answers = in_background(lambda: slow.sell(body))
     assert held.fired.wait(5)
     assert direct.call("POST", f"/v1/games/fdj-keno/draws/{draw}/close",
@@ -356,7 +358,7 @@ def test_a_cancel_decided_after_an_admin_stop_is_refused(
     body = sale((TEN[:8], 500), first_draw=draw)
     assert direct.sell(body).status_code == 200
     release = threading.Event()
-    held = proxy.hold_request(command("FCALL", "capsvc_cancel"), release)
+    held = proxy.hold_request(command("FCALL", "capsvc2_cancel"), release)
     path = f"/v1/tickets/{body['ticket_id']}/cancel"
     thread, answers = in_background(lambda: slow.call("POST", path))
     assert held.fired.wait(5)
@@ -424,11 +426,11 @@ def test_a_partial_sale_settles_the_budget_before_writing_its_decision(
     it to a retry or the janitor, never a decision with the budget overcharged)."""
     body = partial_lnm_ticket(api, "P-ORDER")
     release = threading.Event()
-    held = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
+    settle = proxy.hold_request(command("FCALL", "capsvc_settle"), release)
     thread, answers = in_background(lambda: api.call("POST", "/v1/tickets", body, token="ma"))
-    assert held.fired.wait(5)
+    assert settle.fired.wait(5)
     time.sleep(0.1)
-    assert standalone_db.hget(ticket_key("ma-retail", body["ticket_id"]), "st") == b"p"
+    assert held(standalone_db, ticket_key("ma-retail", body["ticket_id"]), "st") == b"p"
     release.set()
     thread.join(10)
     assert answers[0].json()["status"] == "partial", answers[0].text
@@ -454,7 +456,7 @@ def test_a_sale_concluded_by_the_janitor_puts_its_capped_combination_on_the_list
 
 # -- the one-call sale (standalone Redis, games without player limits) ----------------------
 
-SELL = command("FCALL", "capsvc_sell")
+SELL = command("FCALL", "capsvc2_sell")
 
 
 @pytest.fixture
@@ -494,7 +496,7 @@ def test_a_one_call_sale_cancelled_and_replayed_gives_back_once(
     body = sale((TEN[:8], 500), (TEN[:10], 1000))
     first = api.sell(body)
     assert first.status_code == 200
-    rule = proxy.drop_reply(command("FCALL", "capsvc_cancel"))
+    rule = proxy.drop_reply(command("FCALL", "capsvc2_cancel"))
     unknown_outcome(api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel"))
     assert rule.fired.wait(5)
     done = api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel")
