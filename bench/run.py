@@ -47,9 +47,14 @@ WORKLOAD_TEXT = {
 }
 
 
-def config_file(journal: bool = True) -> str:
+def config_file(journal: bool = True, redis: str = "") -> str:
+    """A configuration for the bench: fdj-keno, the bench's token, its own journal;
+    `redis`: lines of a `[redis]` section."""
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
     text = f"""
+[redis]
+{redis}
+
 [server]
 max_in_flight = 100000
 
