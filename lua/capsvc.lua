@@ -118,8 +118,9 @@ local NAMES = {'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel'}
 local FIELD = {st = 1, fp = 2, at = 3, sid = 4, sale = 5, body = 6, res = 7, ca = 8, rel = 9}
 local R = 114  -- 'r' (the library's loading has no string module)
 
--- The ticket a call is about, and the call's other KEYS and ARGV (as a keyed call has them:
--- KEYS[1] the record's name, the rest as a keyed call's).
+-- The ticket a call is about, and the call's other KEYS and ARGV as a keyed call has them
+-- (KEYS[1] the record's first name, the rest as a keyed call's): the record's second name and
+-- its field are taken out of them, in place (a sale's KEYS can be more than `unpack` takes).
 local function ticket_of(keys, args)
   local first, second = keys[1], keys[2]
   local T
@@ -130,10 +131,11 @@ local function ticket_of(keys, args)
   else
     return {key = first, name = first}, keys, args
   end
-  T.field = args[1]
+  T.field = table.remove(args, 1)
+  table.remove(keys, 2)
   T.name = 't:' .. string.sub(T.bucket, 3, string.find(T.bucket, '}', 3, true)) .. ':'
            .. T.field
-  return T, {T.name, unpack(keys, 3)}, {unpack(args, 2)}
+  return T, keys, args
 end
 
 -- The record as st, fp, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false

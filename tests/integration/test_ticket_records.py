@@ -228,3 +228,23 @@ async def test_every_record_bucket_is_in_its_tickets_slot(redis_db: redis.Redis)
         bucket = record_bucket_of(key)
         assert bucket in names
         assert bucket[2:bucket.index("}") + 1] == key[2:key.index("}") + 1]
+
+
+async def test_a_sale_of_thousands_of_keys_is_one_call(redis_server: RedisServer,
+                                                       standalone_db: redis.Redis) -> None:
+    """20 grids on 400 draws name ~9,000 keys in one call (more than Lua's `unpack` takes):
+    the ticket's names are taken out of KEYS in place, and the sale is decided."""
+    coalescer = connect(redis_server.url, timeout_s=10, library=lua_source())
+    store = Store(coalescer)
+    try:
+        await store.load_library()
+        now, draws = redis_ms(standalone_db), 400
+        grids = [(bytes(sorted(range(1 + g, 9 + g))).decode(), 100) for g in range(20)]
+        expiries = [now + DAY + d for d in range(draws)]
+        key = ticket_key("ch", "LONG-1")
+        reply = await store.sell(key, "fp", b"sale", now + HOUR, expiries[-1], 60_000, "g",
+                                 1000, draws, 5000, 100, grids, expiries, "UTC")
+        assert reply[0] == b"new", reply
+        assert (await store.ticket(key))[0] == b"f"
+    finally:
+        await coalescer.aclose()
