@@ -125,6 +125,14 @@ class ClusterCoalescer:
         primaries = sorted({n for n in self._slots if n is not None})
         return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
 
+    async def find_key(self, match: str, count: int) -> bytes | None:
+        await self._ensure_map()
+        for n in sorted({n for n in self._slots if n is not None}):
+            found = await self._node(n).find_key(match, count)
+            if found is not None:
+                return found
+        return None
+
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT on every primary; the fewest acknowledgements of any of them."""
         await self._ensure_map()  # no suspension once the map is known: same tick as the writes

@@ -183,15 +183,25 @@ async def prepare(svc: Service, wait_s: float = 120.0) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(svc.reconciler.attempted.wait(), wait_s)
     await svc.store.load_library()
-    store = svc.store
-    if store.bucketed and not store.legacy_keys and await store.keyed_records_seen():
-        # Upgraded from a release that kept a key per ticket, with `buckets` set too early:
-        # those tickets must still be found (a replay is not a new sale).
-        log.warning('redis holds ticket records of a release before (a key per ticket): '
-                    'reading them too, as [redis] ticket_records = "buckets+keys" would; '
-                    'set it so until their retention has passed')
-        store.legacy_keys = True
+    await _settle_layout(svc.store, warn=True)
     await svc.usecases.clock.sync()
+
+
+LAYOUT_CHECK_S = 300.0
+"""How often a process set to `ticket_records = "buckets"` that found keyed ticket records
+looks again whether any is left."""
+
+
+async def _settle_layout(store: Store, warn: bool = False) -> None:
+    """Read only buckets once Redis holds no keyed ticket record (Store.settle_layout)."""
+    if store.layout_settled:
+        return
+    if await store.settle_layout():
+        log.info("ticket records: buckets only (redis holds no keyed record)")
+    elif warn:
+        log.warning("redis holds ticket records kept as a key each (by a release before, or "
+                    "ticket_records = \"keys\"): reading them too until their retention has "
+                    "passed")
 
 
 class Serving:
@@ -246,6 +256,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_every("janitor", settings.janitor_interval_ms / 1000,
                                    lambda: _settle(usecases.janitor, metrics))),
         asyncio.create_task(_flush_metrics(metrics)),
+        asyncio.create_task(_every("ticket records", LAYOUT_CHECK_S,
+                                   lambda: _settle_layout(store), at_start=True)),
         asyncio.create_task(_every("exposure gauges", EXPOSURE_GAUGES_S,
                                    lambda: _exposure_gauges(usecases, metrics, store),
                                    at_start=True)),

@@ -35,19 +35,18 @@ _json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
-KEYED_SAMPLE = 10_000
-"""Keys of each primary a process looks at, when it starts, for records of the keyed layout
-(`Store.keyed_records_seen`)."""
+KEYED_SCAN = 10_000
+"""Keys a SCAN call looks at, looking for records of the keyed layout (`Store.settle_layout`)."""
 RECORD_BUCKETS = 256
 """Hashes per ticket slot that bucketed ticket records are spread over (see lua/capsvc.lua,
 TICKET RECORDS): part of the layout, never to be changed while records are retained."""
 TICKET_RECORDS = ("buckets", "buckets+keys", "keys")
-"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): records written and read in
-buckets only (the default); written into buckets and read from both layouts (after an upgrade
-from a release that kept a key per ticket, until their retention has passed); or written as
-a key each and read from both (while processes of such a release still run: they read only
-keys). Reading both names two keys in a call: on a cluster, a slot being migrated then
-answers TRYAGAIN until its migration ends (the calls wait for it)."""
+"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): records written into buckets,
+keyed records read too while Redis holds any (the default: `Store.settle_layout`); written
+into buckets and both layouts always read; or written as a key each and both read (while
+processes of a release that kept a key per ticket still run: they read only keys). Reading
+both names two keys in a call: on a cluster, a slot being migrated then answers TRYAGAIN
+until its migration ends (the calls wait for it)."""
 COUNTER_BUCKETS = 4096
 """Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
 the layout, never to be changed while a draw is on sale or retained)."""
@@ -175,8 +174,10 @@ class Store:
         """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
         self.bucketed = ticket_records != "keys"
         """Ticket records written into buckets (lua/capsvc.lua, TICKET RECORDS)."""
-        self.legacy_keys = ticket_records == "buckets+keys"
-        """Records of the keyed layout read too (a rolling upgrade's)."""
+        self.legacy_keys = ticket_records != "keys"
+        """Records of the keyed layout read too (those of a release before)."""
+        self.layout_settled = ticket_records != "buckets"
+        """Whether `legacy_keys` is final (else: until Redis holds no keyed record)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
 
@@ -197,13 +198,15 @@ class Store:
         every process."""
         await self.redis.broadcast("FUNCTION", "LOAD", "REPLACE", self._source)
 
-    async def keyed_records_seen(self) -> bool:
-        """Whether a sample of each primary's keys (SCAN's first page of KEYED_SAMPLE)
-        holds a ticket record of the keyed layout: a release before wrote it, and its
-        retention has not passed."""
-        pages = await self.redis.broadcast("SCAN", 0, "MATCH", "t:{t:*", "COUNT",
-                                           KEYED_SAMPLE)
-        return any(page[1] for page in pages)
+    async def settle_layout(self) -> bool:
+        """With `ticket_records = "buckets"`: read only buckets from now on if Redis holds no
+        record of the keyed layout (a whole SCAN of every primary, until one is found), else
+        keep reading both. Whether it is settled. Keyed records are written by a release
+        before or under `keys` only, neither of which runs beside `buckets`: once none is
+        left, none comes back."""
+        if not self.layout_settled and await self.redis.find_key("t:{t:*", KEYED_SCAN) is None:
+            self.legacy_keys, self.layout_settled = False, True
+        return self.layout_settled
 
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)

@@ -64,6 +64,8 @@ async def store_on(url: str, ticket_records: str = "buckets") -> AsyncIterator[S
     """A store on `url` with the library loaded, closed afterwards."""
     coalescer = connect(url, timeout_s=2, library=lua_source())
     s = Store(coalescer, ticket_records=ticket_records)
+    if ticket_records == "buckets":  # as once Redis holds no keyed record (settle_layout)
+        s.legacy_keys = False
     await s.load_library()
     yield s
     await coalescer.aclose()

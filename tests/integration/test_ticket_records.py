@@ -134,14 +134,27 @@ async def test_a_record_is_found_whichever_layout_holds_it(stores: dict[str, Sto
         assert redis_db.zscore(pending_key_of(key), key) is None
 
 
-async def test_buckets_only_does_not_read_keyed_records(stores: dict[str, Store],
-                                                         redis_db: redis.Redis) -> None:
-    """`buckets` reads no key: it is for once no keyed record is retained (the docs say
-    when); a keyed record is then unknown to it."""
+async def test_buckets_reads_keyed_records_until_a_whole_scan_finds_none(
+        stores: dict[str, Store], redis_db: redis.Redis) -> None:
+    """`buckets` reads keyed records too from its start (Redis unreachable then or not),
+    and only buckets once a SCAN of the whole of every primary finds no keyed record: one
+    keyed record among 30,000 other keys is found (a first page of SCAN misses it)."""
     now = redis_ms(redis_db)
     key = ticket_key("ch", "B-only")
     await sold(stores["keys"], key, now)
-    assert await stores["buckets"].ticket(key) == [None] * 9
+    store = stores["buckets"]
+    assert (store.legacy_keys, store.layout_settled) == (True, False)
+    pipe = redis_db.pipeline(transaction=False)
+    for i in range(30_000):
+        pipe.set(f"z:{{z:{i % 1000}}}:{i}", 1, px=HOUR)
+    pipe.execute()
+    for _ in range(2):
+        assert (await store.ticket(key))[0] == b"f"
+        assert await store.settle_layout() is False
+    redis_db.delete(key)
+    assert await store.settle_layout() is True
+    assert store.names(key)[0] == [record_bucket_of(key)] * 2  # one key named: buckets only
+    redis_db.flushall()
 
 
 async def test_the_release_before_and_this_one_share_tickets(stores: dict[str, Store],
