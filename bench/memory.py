@@ -109,7 +109,7 @@ async def run(server: RedisServer, counters: int, draws: int) -> dict[str, float
             "hot_first": first, "hot_last": last}
 
 
-SHIPPED = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "128")
+SHIPPED = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "256")
 """deploy/redis.conf's hash limits (and the embedded server's)."""
 
 _pack = msgspec.msgpack.encode
@@ -130,12 +130,12 @@ LAYOUTS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
 }
 
 
-BUCKETED = {"listpack": ("--hash-max-listpack-entries", "512",
-                          "--hash-max-listpack-value", "256"),
-            "shipped": SHIPPED}
-"""Hash limits under which the bucketed layouts are measured: values up to 256 bytes keep a
-bucket of at most 512 records a listpack; deploy/redis.conf's 128 make most buckets hash
-tables (a record of the mix, one MessagePack value, is 100-170 bytes)."""
+BUCKETED = {"listpack": SHIPPED,
+            "value 128": ("--hash-max-listpack-entries", "512",
+                          "--hash-max-listpack-value", "128")}
+"""Hash limits under which the bucketed layouts are measured: deploy/redis.conf's (values up
+to 256 bytes keep a bucket of at most 512 records a listpack) and the 128 it had before
+bucketed records (most buckets then hash tables: a record of the mix is 130-220 bytes)."""
 
 
 def layouts(n: int) -> dict[str, tuple[float, float | None]]:
@@ -293,7 +293,7 @@ def main() -> None:
                         help="[redis] ticket_records of the service (3.), comma-separated")
     parser.add_argument("--limits", default="shipped,defaults",
                         help="Redis hash limits (3.): shipped (deploy/redis.conf's), "
-                             "defaults (Redis's), listpack256 (values up to 256 bytes)")
+                             "defaults (Redis's), value128 (values up to 128 bytes)")
     parser.add_argument("--layouts", type=int, default=0,
                         help="ticket records written in each layout (4.); 0: skip")
     args = parser.parse_args()
@@ -305,7 +305,8 @@ def main() -> None:
 
     limits = {"defaults": ("Redis's defaults", ()),
               "shipped": ("deploy/redis.conf's hash limits", SHIPPED),
-              "listpack256": ("hash-max-listpack-value 256", BUCKETED["listpack"])}
+              "value128": ("hash-max-listpack-value 128 (the release before's)",
+                           BUCKETED["value 128"])}
     for name, extra in (limits[k] for k in args.limits.split(",")):
         for records in args.ticket_records.split(","):
             if not args.tickets:
@@ -325,7 +326,7 @@ def main() -> None:
                       f"({used / args.tickets:6.0f} B a ticket, {used / total:4.0%})")
             print(f"  a ticket record{'' if records == 'keys' else ' bucket'}: {r['record']} B "
                   f"({r['record_encoding']!r}), {r['record_fields']}")
-    for entries in (128, 512):
+    for entries in (128, 512) if args.counters else ():
         server = RedisServer(extra=("--hash-max-listpack-entries", str(entries))).start()
         try:
             version = server.client().info("server")["redis_version"]

@@ -74,7 +74,7 @@ class EmbeddedRedis:
             # As deploy/redis.conf (lua/capsvc.lua): counter buckets and ticket records
             # kept as listpacks.
             "--hash-max-listpack-entries", "512",
-            "--hash-max-listpack-value", "128",
+            "--hash-max-listpack-value", "256",
             "--logfile", str(self.dir / "server.log"),
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
