@@ -167,13 +167,22 @@ local function ticket_read(T, now)
   return T.rec
 end
 
+-- How much longer than its newest record a bucket is given to live, so that the records of
+-- the next draws (later by minutes) seldom push its TTL again: one PEXPIREAT a bucket a day
+-- rather than one a sale. The sweep deletes every record on time; this only lets an empty
+-- bucket that nobody sweeps (every process stopped) linger a day at most.
+local BUCKET_SLACK_MS = 86400000
+
 local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
                r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil,
                r[9] or nil))
-    extend(T.bucket, T.exp)
+    local ttl = redis.call('PEXPIRETIME', T.bucket)
+    if ttl == -1 or ttl < T.exp then
+      redis.call('PEXPIREAT', T.bucket, T.exp + BUCKET_SLACK_MS)
+    end
   else
     redis.call('HDEL', T.bucket, T.field)
   end
@@ -193,16 +202,27 @@ local function ticket_set(T, ...)
   ticket_store(T)
 end
 
--- A new record (none was read): fields (name, value, …), kept until `expire_at`.
-local function ticket_new(T, expire_at, ...)
+-- A new record (none was read), kept until `expire_at`: st, fp, at (ms), sid, sale, then
+-- body, res, ca, rel or false (none). Positional: a sale's hot path builds no other table.
+local function ticket_new(T, expire_at, st, fp, at, sid, sale, body, res, ca, rel)
+  at = string.format('%d', at)
   if T.key then
-    redis.call('HSET', T.key, ...)
+    redis.call('HSET', T.key, 'st', st, 'fp', fp, 'at', at, 'sid', sid, 'sale', sale)
+    if body then
+      redis.call('HSET', T.key, 'body', body)
+    end
+    if res then
+      redis.call('HSET', T.key, 'res', res)
+    end
+    if ca then
+      redis.call('HSET', T.key, 'ca', ca, 'rel', rel)
+    end
     redis.call('PEXPIREAT', T.key, expire_at)
     return
   end
-  T.rec = {false, false, false, false, false, false, false, false, false}
+  T.rec = {st, fp, at, sid, sale, body or false, res or false, ca or false, rel or false}
   T.exp = expire_at
-  ticket_set(T, ...)
+  ticket_store(T)
 end
 
 local function ticket_delete(T)
@@ -263,8 +283,7 @@ local function claim(keys, args)
     -- back after an unclaim): a sale never meets another sale's records.
     local sid = string.sub(redis.sha1hex(T.name .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
                                          .. args[6]), 1, 16)
-    ticket_new(T, tonumber(args[4]), 'st', 'p', 'fp', args[1], 'at', now, 'sid', sid,
-               'sale', args[2])
+    ticket_new(T, tonumber(args[4]), 'p', args[1], now, sid, args[2])
     return {'new', now, sid}
   end
   return known_ticket(rec, args[1], now, tonumber(args[5]))
@@ -1115,8 +1134,7 @@ local function sell(keys, args)
     end
   end
   local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
-  ticket_new(T, tonumber(args[4]), 'st', 'f', 'fp', args[1], 'at', now, 'sid', sid,
-             'sale', args[2], 'res', results)
+  ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
   -- Indexed until the caller has journaled the decision (else the janitor journals it).
   redis.call('ZADD', keys[3], 'NX', now, T.name)
   extend(keys[3], tonumber(args[4]))
@@ -1160,14 +1178,8 @@ local function restore_ticket(keys, args)
   end
   local has_res = rec[7] and 1 or 0
   if not st or st == 'p' or st == 'x' then
-    if cancel then
-      ticket_new(T, tonumber(args[6]), 'st', 'k', 'fp', args[2], 'at', args[3],
-                 'sid', args[1], 'sale', args[4], 'body', args[5], 'ca', args[7],
-                 'rel', args[8])
-    else
-      ticket_new(T, tonumber(args[6]), 'st', 'f', 'fp', args[2], 'at', args[3],
-                 'sid', args[1], 'sale', args[4], 'body', args[5])
-    end
+    ticket_new(T, tonumber(args[6]), cancel and 'k' or 'f', args[2], tonumber(args[3]),
+               args[1], args[4], args[5], false, cancel and args[7], cancel and args[8])
     return {cancel and 'cancelling' or 'written', has_res}
   end
   if cancel and st == 'f' then
