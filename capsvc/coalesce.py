@@ -111,8 +111,9 @@ class Transport(Protocol):
     async def broadcast(self, *args: Any) -> list[Any]: ...
 
     async def find_key(self, match: str, count: int) -> bytes | None:
-        """A key matching the glob `match` (None: none), by a whole SCAN of every primary,
-        `count` keys a call, until one is found."""
+        """A key matching the glob `match`, by a whole SCAN of every primary, `count` keys a
+        call, until one is found; None only when there is none (b"": not known, a cluster
+        being resharded)."""
         ...
 
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:

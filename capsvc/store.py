@@ -204,6 +204,7 @@ class Store:
         keep reading both. Whether it is settled. Keyed records are written by a release
         before or under `keys` only, neither of which runs beside `buckets`: once none is
         left, none comes back."""
+        # find_key answers None only when it knows there is none (not during a reshard).
         if not self.layout_settled and await self.redis.find_key("t:{t:*", KEYED_SCAN) is None:
             self.legacy_keys, self.layout_settled = False, True
         return self.layout_settled
