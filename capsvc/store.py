@@ -67,7 +67,7 @@ def record_bucket_of(ticket: str) -> str:
     end = ticket.index("}") + 1
     ident = ticket[end + 1:]
     bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
-    return f"r:{ticket[2:end]}:{bucket}"  # record_bucket(slot, bucket)
+    return f"r:{ticket[2:end]}:{bucket}"
 
 
 def record_bucket(slot: int, bucket: int) -> str:
