@@ -108,17 +108,17 @@ class Settings:
     redis_url: str | None = None
     redis_timeout_ms: int = 250
     durability_replicas: int = 0
+    """Replicas that must acknowledge a sale's writes before it is answered (0: default)."""
     one_call_sales: bool = True
+    """On a standalone Redis, sell a ticket of a game without player limits in one atomic
+    call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
+    protocol a Redis Cluster always uses, whose keys are spread over slots)."""
     packed_sales: bool = True
     """Ticket records keep their sale packed (validator.pack_sale); False: as JSON, what
     releases before it read (for a rolling upgrade from one of them)."""
     ticket_records: str = "buckets"
     """`[redis] ticket_records` (capsvc.store.TICKET_RECORDS): where ticket records are
     written and read."""
-    """On a standalone Redis, sell a ticket of a game without player limits in one atomic
-    call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
-    protocol a Redis Cluster always uses, whose keys are spread over slots)."""
-    """Replicas that must acknowledge a sale's writes before it is answered (0: default)."""
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080

@@ -56,6 +56,8 @@ from capsvc.validator import unpack_sale
 
 log = logging.getLogger(__name__)
 
+ALL_BUCKETS = TICKET_BUCKETS * RECORD_BUCKETS
+"""Record buckets in all (capsvc.store.record_bucket(slot, bucket))."""
 SWEEP_PAGE = 200
 """Records looked at by one sweep call (HSCAN's COUNT)."""
 
@@ -72,11 +74,10 @@ class Janitor:
         self.ledger = ledger
         self.tickets = tickets
         self.clock = clock
-        total = TICKET_BUCKETS * RECORD_BUCKETS
-        self.sweep_buckets = min(total, max(1, math.ceil(
-            total * settings.janitor_interval_ms / settings.sweep_ms)))
+        self.sweep_buckets = min(ALL_BUCKETS, max(1, math.ceil(
+            ALL_BUCKETS * settings.janitor_interval_ms / settings.sweep_ms)))
         """Record buckets swept in a round."""
-        self._sweep_next = random.randrange(TICKET_BUCKETS * RECORD_BUCKETS)
+        self._sweep_next = random.randrange(ALL_BUCKETS)
 
     async def run_once(self, limit: int = 100) -> int:
         """Settle what is due; returns how many tickets were settled."""
@@ -106,10 +107,9 @@ class Janitor:
         """Delete the bucketed records past their expiry in the next `buckets` buckets (the
         round's share by default); returns how many went."""
         buckets = buckets or self.sweep_buckets
-        total = TICKET_BUCKETS * RECORD_BUCKETS
-        first, self._sweep_next = self._sweep_next, (self._sweep_next + buckets) % total
-        keys = [record_bucket(n // RECORD_BUCKETS, n % RECORD_BUCKETS)
-                for n in (i % total for i in range(first, first + buckets))]
+        first, self._sweep_next = self._sweep_next, (self._sweep_next + buckets) % ALL_BUCKETS
+        keys = [record_bucket(*divmod(i % ALL_BUCKETS, RECORD_BUCKETS))
+                for i in range(first, first + buckets)]
         deleted = 0
         cursors = [b"0"] * len(keys)
         pending = list(range(len(keys)))

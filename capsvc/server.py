@@ -257,7 +257,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
                                    lambda: _settle(usecases.janitor, metrics))),
         asyncio.create_task(_flush_metrics(metrics)),
         asyncio.create_task(_every("ticket records", LAYOUT_CHECK_S,
-                                   lambda: _settle_layout(store), at_start=True)),
+                                   lambda: _settle_layout(store))),
         asyncio.create_task(_every("exposure gauges", EXPOSURE_GAUGES_S,
                                    lambda: _exposure_gauges(usecases, metrics, store),
                                    at_start=True)),

@@ -321,11 +321,6 @@ class Store:
         keys, args = self.names(ticket)
         return self.fcall("capsvc_ticket", keys, args)
 
-    async def sale_id(self, ticket: str) -> bytes | None:
-        """The sale id a ticket record holds (None when there is none)."""
-        held: bytes | None = (await self.ticket(ticket))[3]
-        return held
-
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
              min_stake: int, grids: list[tuple[str, int]], expiries: list[int],

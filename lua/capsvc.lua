@@ -85,11 +85,11 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Push a key's expiry to `at` unless it already lives longer.
-local function extend(key, at)
+-- Push a key's expiry to `at` (and `slack` ms beyond) unless it already lives to `at`.
+local function extend(key, at, slack)
   local cur = redis.call('PEXPIRETIME', key)
   if cur == -1 or cur < at then
-    redis.call('PEXPIREAT', key, at)
+    redis.call('PEXPIREAT', key, at + (slack or 0))
   end
 end
 
@@ -101,8 +101,9 @@ end
              MessagePack: expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when
              absent). A record past its expiry (by Redis TIME) is absent to every reader, as
              an expired key is; the janitor's `sweep` deletes it, and the bucket itself has a
-             TTL at its newest record's expiry. ~120 bytes of a listpack a ticket instead of
-             a key, its expiry entry and a hash of its own (~340).
+             TTL past its newest record's expiry (by a day at most: BUCKET_SLACK_MS). ~210
+             bytes a ticket in a listpack bucket at 100,000 tickets, against ~280 for a key,
+             its expiry entry and a hash of its own (bench/memory.py).
 A ticket's functions are registered under two names. `capsvc_<step>` keeps the calls of
 releases before this layout: KEYS[1] the ticket's key, and their ARGV (keyed only).
 `capsvc2_<step>` (what this release calls; an older library answers "Function not found",
@@ -138,6 +139,18 @@ local function ticket_of(keys, args)
   return T, keys, args
 end
 
+-- The bucket's value of the record and its expiry, if it is live at `now` (past its expiry,
+-- a record is absent, as an expired key is); nil otherwise.
+local function live_value(T, now)
+  local v = redis.call('HGET', T.bucket, T.field)
+  if v then
+    local _, exp = cmsgpack.unpack_one(v)
+    if exp > now then
+      return v, exp
+    end
+  end
+end
+
 -- The record as st, fp, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false
 -- for no ticket), read at `now`.
 local function ticket_read(T, now)
@@ -145,15 +158,13 @@ local function ticket_read(T, now)
   if T.key then
     return redis.call('HMGET', T.key, unpack(NAMES))
   end
-  local v = redis.call('HGET', T.bucket, T.field)
+  local v, exp = live_value(T, now)
   if v then
-    local exp, a, b, c, d, e, f, g, h, i = cmsgpack.unpack(v)
-    if exp > now then
-      T.exp = exp
-      T.rec = {a or false, b or false, c or false, d or false, e or false, f or false,
-               g or false, h or false, i or false}
-      return T.rec
-    end
+    local _, a, b, c, d, e, f, g, h, i = cmsgpack.unpack(v)
+    T.exp = exp
+    T.rec = {a or false, b or false, c or false, d or false, e or false, f or false,
+             g or false, h or false, i or false}
+    return T.rec
   end
   if T.legacy then
     local rec = redis.call('HMGET', T.legacy, unpack(NAMES))
@@ -172,12 +183,10 @@ end
 local function ticket_state(T, now)
   local key = T.key
   if not key then
-    local v = redis.call('HGET', T.bucket, T.field)
+    local v = live_value(T, now)
     if v then
-      local _, exp, st, _, _, sid = cmsgpack.unpack_limit(v, 5)
-      if exp > now then
-        return st, sid
-      end
+      local _, _, st, _, _, sid = cmsgpack.unpack_limit(v, 5)
+      return st, sid
     end
     key = T.legacy
     if not key then
@@ -200,10 +209,7 @@ local function ticket_store(T)
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
                r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil,
                r[9] or nil))
-    local ttl = redis.call('PEXPIRETIME', T.bucket)
-    if ttl == -1 or ttl < T.exp then
-      redis.call('PEXPIREAT', T.bucket, T.exp + BUCKET_SLACK_MS)
-    end
+    extend(T.bucket, T.exp, BUCKET_SLACK_MS)
   else
     redis.call('HDEL', T.bucket, T.field)
   end
@@ -313,8 +319,7 @@ end
 --[[ ticket: KEYS ticket (see TICKET RECORDS) (read only)
 Returns the record's st, body, sale, sid, at, ca, rel, res, fp (false when absent). ]]
 local function ticket(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local r = ticket_read(T, now_ms())
   return {r[1], r[6], r[5], r[4], r[3], r[8], r[9], r[7], r[2]}
 end

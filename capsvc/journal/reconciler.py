@@ -123,11 +123,12 @@ class Reconciler:
     async def _lost(self, store: Store, recorder: Recorder | None) -> str | None:
         """Why Redis may have lost decisions of this directory (None: no sign of it)."""
         newest = recorder.newest if recorder is not None else None
-        info, present, held = await asyncio.gather(
+        info, present, record = await asyncio.gather(
             store.identities(),
             store.redis.submit("HEXISTS", MARKER, self.dir_id),
-            store.sale_id(ticket_key(newest[0], newest[1]))
+            store.ticket(ticket_key(newest[0], newest[1]))
             if newest is not None else _nothing())
+        held = None if record is None else record[3]  # Store.ticket: [st, body, sale, sid, …]
         identities = [identity(i) for i in info]
         if any(i is not None and i not in self.gate.reconciled for i in identities):
             return "redis changed identity without a new connection"
@@ -198,9 +199,8 @@ class Reconciler:
         now = await store.time_ms()
         newest = [r for r in await asyncio.get_running_loop().run_in_executor(
             None, newest_decisions, self.dir) if r.until > now]
-        held = await replies_of([asyncio.ensure_future(store.sale_id(ticket_key(r.channel,
-                                                                               r.ticket)))
-                                 for r in newest])
+        held = [reply[3] for reply in await replies_of([
+            store.ticket(ticket_key(r.channel, r.ticket)) for r in newest])]
         if any(h is None or h.decode() != r.sale for r, h in zip(newest, held, strict=True)):
             log.warning("journal: redis lacks the newest decisions of the journal directory "
                         "(an older copy of its data): restoring in full")

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -201,9 +200,9 @@ async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) 
                 if (game := catalog.get(game_id)) is not None and game.expire_at(last) > now]
     for i in range(0, len(retained), 1000):
         chunk = retained[i:i + 1000]
-        replies = await replies_of([asyncio.ensure_future(store.sale_id(ticket_key(c, t)))
-                                    for c, t, _ in chunk])
-        for (channel, ticket, sale), sid in zip(chunk, replies, strict=True):
+        replies = await replies_of([store.ticket(ticket_key(c, t)) for c, t, _ in chunk])
+        sale_ids = [reply[3] for reply in replies]  # Store.ticket: [st, body, sale, sid, …]
+        for (channel, ticket, sale), sid in zip(chunk, sale_ids, strict=True):
             if sid is None:
                 out.mismatches.append(f"ticket {ticket} of {channel}: decided in the journal "
                                       f"(sale {sale}), unknown to Redis")
