@@ -73,11 +73,11 @@ redis.register_function('floor_commands', commands)
 # sections are timed from one mark to the next).
 SECTIONS = [
     ("  local now = tonumber(t[1]) * 1000", "time"),
-    ("                         'rel')", "ticket HMGET"),
+    ("  local rec = ticket_read(T, now)", "ticket read"),
     ("  local stops = redis.call('HMGET', keys[2], unpack(draws))", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
     ("  local results = args[12 + 2 * grids + n]", "grids (count, record)"),
-    ("  redis.call('PEXPIREAT', ticket, tonumber(args[4]))", "ticket HSET, PEXPIREAT"),
+    ("  ticket_new(T, tonumber(args[4])", "ticket record (HSET, bucket TTL)"),
     ("  extend(keys[3], tonumber(args[4]))", "index ZADD, TTL"),
 ]
 CLOCK = """
