@@ -13,7 +13,8 @@ rotated every round), so that a drift of the machine falls on every target alike
 
 Prints per target the median tickets/s, p99, server CPU per ticket (and the part of it
 spent by threads other than the event loop's: the journal's writer), Redis CPU and commands
-per ticket, and each ratio to the first REV and to the bare handler. A lever is measured by
+per ticket, and each ratio to the first REV and to the bare handler (`rnd`: the median of
+the ratios round by round, steadier when the machine's speed drifts). A lever is measured by
 naming the commit before it and the commit with it; several levers one at a time by naming
 a branch per lever made from the same base. Asserts nothing.
 """
@@ -120,7 +121,8 @@ def main() -> int:
                                  preexec_fn=lambda where=where: _enter(where))
             services.append(svc.start())
             assert svc.process is not None
-            targets.append(Target(rev, svc.base_url, svc.process.pid, redis))
+            label = rev if tree == REPO or not Path(rev).is_dir() else "/".join(tree.parts[-2:])
+            targets.append(Target(label, svc.base_url, svc.process.pid, redis))
         wait_listening(port)
         targets.append(Target("bare", f"http://127.0.0.1:{port}", bare.pid))
         script = WORKLOADS[args.workload]
@@ -157,8 +159,8 @@ def main() -> int:
           "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
     print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'thr µs/t':>9} "
           f"{'redis µs/t':>11} "
-          f"{'fcall µs/t':>11} {'cmds/t':>7} {'errors':>7} {'/ first':>8} {'/ bare':>7}  "
-          "rounds (tickets/s)")
+          f"{'fcall µs/t':>11} {'cmds/t':>7} {'errors':>7} {'/ first':>8} {'/ bare':>7} "
+          f"{'rnd':>6}  rounds (tickets/s)")
     first = statistics.median(r.rps for r in targets[0].runs)
     bare_rps = statistics.median(r.rps for r in targets[-1].runs)
     for t in targets:
@@ -170,10 +172,14 @@ def main() -> int:
         cmds = statistics.median(r.redis.get("executed", 0.0) for r in t.runs)
         fcall = statistics.median(r.redis.get("fcall", 0.0) for r in t.runs) * 1e6
         rounds = " ".join(f"{r.rps:.0f}" for r in t.runs)
+        # Round by round against the bare handler's run of the same round: steadier than the
+        # ratio of medians when the machine's speed drifts during the run.
+        by_round = statistics.median(r.rps / b.rps for r, b in zip(t.runs, targets[-1].runs,
+                                                                  strict=True))
         print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {thr:>9.1f} {rcpu:>11.1f} "
               f"{fcall:>11.1f} "
               f"{cmds:>7.1f} {sum(r.errors for r in t.runs):>7} "
-              f"{rps / first:>8.3f} {rps / bare_rps:>7.3f}  {rounds}")
+              f"{rps / first:>8.3f} {rps / bare_rps:>7.3f} {by_round:>6.3f}  {rounds}")
     return 0
 
 
