@@ -1,5 +1,6 @@
-"""bench/cuts.py still cuts the sale where it says: every cut's anchors are found once in
-today's code, and the cut files compile. Asserts nothing about speed (no server runs)."""
+"""The bench scripts that patch or instrument capsvc still find what they anchor on:
+bench/cuts.py's cuts apply once each and compile, bench/floor.py finds every step of
+capsvc_sell. Asserts nothing about speed (no server runs)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def test_a_changed_anchor_stops_the_script(tmp_path: Path) -> None:
     (tmp_path / "capsvc/tickets.py").write_text("_ATTEMPTS = 4\n")
     with pytest.raises(SystemExit, match="changed"):
         cuts.patch(tmp_path, cuts.CUTS["validated"])
+
+
+def test_bench_floor_still_finds_the_sale_s_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/floor.py times capsvc_sell's steps between lines it anchors on: each found."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import floor  # type: ignore[import-not-found]
+
+    timed = floor.timed_library()
+    for _, step in floor.SECTIONS:
+        assert f"  mark('{step}')" in timed
+    assert "redis.register_function('capsvc_sections', sections)" in timed
