@@ -121,7 +121,7 @@ def main() -> int:
                                  preexec_fn=lambda where=where: _enter(where))
             services.append(svc.start())
             assert svc.process is not None
-            label = rev if tree == REPO or not Path(rev).is_dir() else "/".join(tree.parts[-2:])
+            label = "/".join(tree.parts[-2:]) if Path(rev).is_dir() else rev
             targets.append(Target(label, svc.base_url, svc.process.pid, redis))
         wait_listening(port)
         targets.append(Target("bare", f"http://127.0.0.1:{port}", bare.pid))

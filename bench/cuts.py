@@ -52,22 +52,24 @@ DECIDED = """                    body = _encode(out)
 CALL = """        return self.fcall("capsvc2_sell", keys,
                           [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
 """
-PING = '            await self.store.redis.call("PING")\n'
-RECORD = ("            first = sale.first_draw or game.calendar.current(self.clock.now())\n"
-          "            stored = msgspec.structs.replace(sale, first_draw=first)\n"
-          "            await self.journal.sale(\"answer\", channel.id, stored, "
+PING = '        await self.store.redis.call("PING")\n'
+RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.now())\n"
+          "        stored = msgspec.structs.replace(sale, first_draw=first)\n"
+          "        await self.journal.sale(\"answer\", channel.id, stored, "
           "\"00000000000000ab\", 1, _CONST, 1)\n")
+
+
+def validated_then(*steps: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """A cut after validation: `steps`, then the constant answer."""
+    return {"capsvc/tickets.py": {VALIDATE: (VALIDATE, "".join(steps) + f"        {ANSWER}\n")}}
 
 
 CUTS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
     "auth": {"capsvc/tickets.py": {VALIDATE: ("", f"        {ANSWER}\n")}},
-    "validated": {"capsvc/tickets.py": {VALIDATE: (VALIDATE, f"        {ANSWER}\n")}},
-    "ping": {"capsvc/tickets.py": {VALIDATE: (VALIDATE, f"        if True:\n{PING}"
-                                               f"            {ANSWER}\n")}},
-    "journal": {"capsvc/tickets.py": {VALIDATE: (VALIDATE, f"        if True:\n{RECORD}"
-                                                  f"            {ANSWER}\n")}},
-    "floor": {"capsvc/tickets.py": {VALIDATE: (VALIDATE, f"        if True:\n{PING}{RECORD}"
-                                                f"            {ANSWER}\n")}},
+    "validated": validated_then(),
+    "ping": validated_then(PING),
+    "journal": validated_then(RECORD),
+    "floor": validated_then(PING, RECORD),
     "args": {"capsvc/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")},
              "capsvc/store.py": {CALL: ("", "        _ = [*args, *expiries, time_zone, nonce]\n"
                                             "        return self.redis.submit(\"PING\")\n")}},
