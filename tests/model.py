@@ -55,6 +55,9 @@ class Model:
     counters: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)
     tickets: dict[tuple[str, str], Ticket] = field(default_factory=dict)
     stopped: set[int] = field(default_factory=set)
+    retired: dict[tuple[str, str], int] = field(default_factory=dict)
+    """The expiry of every ticket `forget` dropped: the contract frees its id then, but its
+    record may stay in Redis until the janitor's sweep reaches it."""
 
     # -- time ------------------------------------------------------------------------------
 
@@ -68,7 +71,10 @@ class Model:
         """What the contract says is gone by `now` (with the margin)."""
         self.counters = {k: v for k, v in self.counters.items()
                          if self.expiry(k[1]) > now - MARGIN_MS}
-        self.tickets = {k: t for k, t in self.tickets.items() if t.expires_ms > now - MARGIN_MS}
+        for k, t in list(self.tickets.items()):
+            if t.expires_ms <= now - MARGIN_MS:
+                self.retired[k] = t.expires_ms
+                del self.tickets[k]
 
     def ticket(self, channel: str, ticket_id: str, now: int) -> Ticket | bool | None:
         """The live ticket, None when the id is free, False when that is undecidable now."""
