@@ -118,6 +118,11 @@ draws from them: what a step draws must not depend on the clock, or hypothesis, 
 run, finds it drawing differently and stops the test as flaky."""
 
 
+def nth(known: dict[Any, Any], pick: int) -> tuple[Any, Any] | None:
+    """The `pick`-th (key, value) of `known` in key order, modulo its size; None if empty."""
+    return sorted(known.items(), key=lambda kv: kv[0])[pick % len(known)] if known else None
+
+
 class SaleMachine(RuleBasedStateMachine):
     world: Fixture
 
@@ -177,10 +182,10 @@ class SaleMachine(RuleBasedStateMachine):
     @rule(pick=PICK)
     def replay(self, pick: int) -> None:
         """The exact body of a known ticket again."""
-        if not self.model.tickets:
+        known = nth(self.model.tickets, pick)
+        if known is None:
             return
-        (channel, _), t = sorted(self.model.tickets.items(), key=lambda kv: kv[0])[
-            pick % len(self.model.tickets)]
+        (channel, _), t = known
         self._sell(channel, t.request, self.now())
 
     def _sell(self, channel: str, request: dict[str, Any], now: int) -> None:
@@ -245,10 +250,10 @@ class SaleMachine(RuleBasedStateMachine):
     @rule(pick=PICK)
     def availability(self, pick: int) -> None:
         """GET …/combinations answers the model's stake while the draw is retained."""
-        if not self.model.counters:
+        known = nth(self.model.counters, pick)
+        if known is None:
             return
-        (numbers, draw), staked = sorted(self.model.counters.items())[
-            pick % len(self.model.counters)]
+        (numbers, draw), staked = known
         now = self.now()
         if self.model.expiry(draw) - now < 2 * MARGIN_MS or self.calendar.close_ms(draw) < now:
             return
