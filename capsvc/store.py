@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from capsvc.coalesce import Coalescer, Transport
+from capsvc.marks import MARKED, Marks
 from capsvc.validator import Sale, pack_sale
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class Store:
         """Whether `legacy_keys` is final (else: until Redis holds no keyed record)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
+        self.marks = Marks.tool(self.single_node)
+        """The marks the calls that judge or report a decision carry (capsvc.marks): a
+        tool's until the service gives the store its own."""
 
     @classmethod
     def of(cls, redis: Transport, settings: Settings) -> Store:
@@ -223,8 +227,15 @@ class Store:
         return [bucket, ticket if self.legacy_keys else bucket], [ident_of(ticket)]
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one FCALL (the transport reloads the library if Redis lost it)."""
+        """Queue one FCALL (the transport reloads the library if Redis lost it); a function
+        that judges or reports a decision carries its mark (capsvc.marks)."""
+        if name in MARKED:
+            return self.marks.call(self.redis.submit, name, keys, args)
         return self.redis.submit("FCALL", name, len(keys), *keys, *args)
+
+    def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:
+        """One of the marks' own functions (lua/capsvc.lua, MARKS) on `mark`."""
+        return self.redis.submit("FCALL", name, 1, mark, *args)
 
     async def time_ms(self) -> int:
         """Redis TIME, in ms since the Unix epoch."""
@@ -519,13 +530,6 @@ def budget_key(player: str, day: str) -> str:
     return f"b:{{pl:{player}}}:{day}"
 
 
-def _settle_command(player: str, ref: str, shares: list[tuple[str, int]], final: bool
-                    ) -> tuple[Any, ...]:
-    keys = [budget_key(player, day) for day, _ in shares]
-    return ("FCALL", "capsvc_settle", len(keys), *keys, ref, int(final),
-            *[amount for _, amount in shares])
-
-
 class PlayerStore:
     """The player-budget steps (games with a daily limit), over the same transport."""
 
@@ -556,7 +560,9 @@ class PlayerStore:
                final: bool = False) -> asyncio.Future[Any]:
         """Make `ref` hold exactly `shares` (amount 0: give back); idempotent. `final` seals
         `ref` afterwards: no later settle changes it."""
-        return self.redis.submit(*_settle_command(player, ref, shares, final))
+        keys = [budget_key(player, day) for day, _ in shares]
+        return self.fcall("capsvc_settle", keys,
+                          [ref, int(final), *[amount for _, amount in shares]])
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
                   expire_at: int) -> asyncio.Future[Any]:

@@ -18,6 +18,7 @@ import msgspec
 
 from capsvc.journal.records import (
     VERSION,
+    Checkpoint,
     Line,
     Open,
     Record,
@@ -112,7 +113,7 @@ def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] 
             check.captured[n] = prev
         check.lines = n
         check.last_hash = prev
-        if record is not None:
+        if record is not None and not isinstance(record, Checkpoint):
             yield n, record
 
 

@@ -17,6 +17,7 @@ import msgspec
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
+    Checkpoint,
     LimitRecord,
     SaleRecord,
     StakeRecord,
@@ -26,7 +27,11 @@ from capsvc.journal.records import (
     grids_of,
 )
 from capsvc.journal.writer import Journal
+from capsvc.marks import Marks
 from capsvc.validator import Sale
+
+stamp = Marks.current
+"""The stamp of a record: the G of the current request's marked calls (capsvc.marks)."""
 
 
 class Recorder:
@@ -38,9 +43,7 @@ class Recorder:
         """Redis TIME (ms), as the process's Redis clock tells it."""
         self.proc = journal.proc if journal is not None else ""
         self._done: asyncio.Future[None] | None = None
-        self.newest: tuple[str, str, str, int] | None = None
-        """(channel, ticket id, sale id, until) of the newest decision journaled: Redis
-        must hold it (capsvc.journal.reconciler's watch looks)."""
+        self._checkpointed: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +66,6 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(SaleRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
@@ -73,7 +75,6 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(CancelRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             cancelled_at=cancelled_at, released=released))
@@ -87,7 +88,7 @@ class Recorder:
                 "first_draw": sale.first_draw, "draws": sale.draws, "fp": sale.fingerprint,
                 "until": until, "grids": grids_of(sale), "decision": msgspec.Raw(body),
                 "player": sale.player_id, "joker_plus": sale.joker_plus,
-                "joker_cost": sale.joker_cost}
+                "joker_cost": sale.joker_cost, "marks": stamp()}
 
     def ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,
@@ -110,7 +111,7 @@ class Recorder:
         return journal.append(VoidRecord(
             at=at, why=why, proc=self.proc, channel=channel, ticket=sale.ticket_id,
             sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
-            until=until, grids=grids_of(sale), player=sale.player_id))
+            until=until, grids=grids_of(sale), player=sale.player_id, marks=stamp()))
 
     def stop(self, channel: str, game: str, draw: int, at: int, until: int
              ) -> asyncio.Future[None]:
@@ -118,7 +119,7 @@ class Recorder:
         if journal is None:
             return self._resolved()
         return journal.append(StopRecord(at=at, proc=self.proc, channel=channel, game=game,
-                                         draw=draw, until=until))
+                                         draw=draw, until=until, marks=stamp()))
 
     def cap(self, game: str, draw: int, cap: int, until: int) -> None:
         """A draw's cap, first learnt by this process (nobody waits for it: the decisions
@@ -139,7 +140,8 @@ class Recorder:
         return journal.append(LimitRecord(
             at=at, proc=self.proc, channel=channel, player=player, game=game, daily=daily,
             until=until, limit=in_force, next=pending,
-            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from))
+            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from,
+            marks=stamp()))
 
     def stake(self, channel: str, player: str, game: str, ref: str, amount: int, day: str,
               accepted: bool, remaining: int, at: int, until: int) -> asyncio.Future[None]:
@@ -149,4 +151,13 @@ class Recorder:
         return journal.append(StakeRecord(
             at=at, via="answer", proc=self.proc, channel=channel, player=player, game=game,
             ref=ref, amount=amount, day=day, status="accepted" if accepted else "rejected",
-            remaining=remaining, until=until))
+            remaining=remaining, until=until, marks=stamp()))
+
+    def checkpoint(self, made: dict[str, int]) -> None:
+        """Write down what this process has written through each mark (`made`, capsvc.marks),
+        if that moved since the last checkpoint: a restore reads no further back than the
+        newest checkpoint Redis covers (capsvc.journal.lives)."""
+        journal = self.journal
+        if journal is not None and made != self._checkpointed:
+            self._checkpointed = dict(made)
+            journal.note(Checkpoint(life=journal.life, made=self._checkpointed))

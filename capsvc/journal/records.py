@@ -55,6 +55,19 @@ class Open(Struct, tag="open", tag_field="type", forbid_unknown_fields=False):
     after_lines: int | None = None
     """How many lines of `after` were durable when this file was opened: `prev` is the hash
     of the last of them (lines after it are what a failed write left: a tail)."""
+    life: str = ""
+    """The process lifetime writing the file (random, made at its start): the name of its
+    mark in Redis (lua/capsvc.lua, MARKS)."""
+
+
+class Checkpoint(Struct, tag="marks", tag_field="type", forbid_unknown_fields=False):
+    """What the process had written through each mark when this line was written (the G of
+    its newest write there, lua/capsvc.lua, MARKS): every record before this line is
+    stamped no higher, so a Redis whose marks of this lifetime reach these lacks none of
+    them. Written once a second while the marks move, and when the process stops."""
+
+    life: str
+    made: dict[str, int]
 
 
 class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
@@ -85,6 +98,10 @@ class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
     joker_cost: int = 0
     caps: list[int] | None = None
     """The cap in force on each draw of the ticket, when a grid is capped."""
+    marks: dict[str, int] | None = None
+    """The G of the calls that made or reported it, by mark (lua/capsvc.lua, MARKS): Redis
+    holds it if the marks of the record's process lifetime are no lower (absent: restored
+    whenever its lifetime's records are)."""
 
 
 class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
@@ -114,9 +131,11 @@ class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
     until: int
     grids: list[Grid]
     player: str | None = None
+    marks: dict[str, int] | None = None
 
 
-class StopRecord(Struct, tag="stop", tag_field="type", forbid_unknown_fields=False):
+class StopRecord(Struct, tag="stop", tag_field="type", omit_defaults=True,
+                 forbid_unknown_fields=False):
     """An admin stopped the sales of a draw."""
 
     at: int
@@ -126,6 +145,7 @@ class StopRecord(Struct, tag="stop", tag_field="type", forbid_unknown_fields=Fal
     game: str
     draw: int
     until: int
+    marks: dict[str, int] | None = None
 
 
 class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False):
@@ -159,6 +179,7 @@ class LimitRecord(Struct, tag="limit", tag_field="type", omit_defaults=True,
     next_none: bool = False
     """The pending change removes the self-limit."""
     from_day: str | None = None
+    marks: dict[str, int] | None = None
 
 
 class StakeRecord(Struct, tag="stake", tag_field="type", omit_defaults=True,
@@ -178,6 +199,7 @@ class StakeRecord(Struct, tag="stake", tag_field="type", omit_defaults=True,
     status: Literal["accepted", "rejected"]
     remaining: int
     until: int
+    marks: dict[str, int] | None = None
 
 
 Record = (SaleRecord | CancelRecord | VoidRecord | StopRecord | CapRecord | LimitRecord
@@ -200,7 +222,7 @@ class Line(Struct, forbid_unknown_fields=False):
     draw: int | None = None
 
 
-line_decoder = msgspec.json.Decoder(Open | Record)
+line_decoder = msgspec.json.Decoder(Open | Checkpoint | Record)
 """Decodes a line's record (the `prev` field is read with `Line`)."""
 chain_decoder = msgspec.json.Decoder(Line)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,17 @@ class Restored:
     def count(self, kind: str) -> None:
         self.applied[kind] = self.applied.get(kind, 0) + 1
 
+    def merge(self, other: Restored) -> None:
+        """Add what another restore did."""
+        self.records += other.records
+        for kind, n in other.applied.items():
+            self.applied[kind] = self.applied.get(kind, 0) + n
+        self.grids += other.grids
+        self.over_cap += other.over_cap
+        self.other_sale += other.other_sale
+        self.skipped += other.skipped
+        self.seconds += other.seconds
+
 
 class Restorer:
     """Re-applies a journal directory's records to one Redis (see the module's docstring)."""
@@ -114,20 +125,28 @@ class Restorer:
 
     async def run(self) -> Restored:
         """Restore every record of a decision still retained; returns what was done."""
+        now = await self.store.time_ms()
+        reader = (r for _, _, r in records(self.dir, modified_since=self.oldest_useful(now)))
+        return await self.restore(reader, now)
+
+    async def restore(self, source: Iterable[Open | Record], now: int | None = None
+                      ) -> Restored:
+        """Restore the records of `source` (in journal order) still retained at `now`
+        (Redis TIME); returns what was done."""
         started = time.perf_counter()
         out = Restored()
-        now = await self.store.time_ms()
+        if now is None:
+            now = await self.store.time_ms()
         batch: dict[str, list[Record]] = {}
         loop = asyncio.get_running_loop()
-        since = self.oldest_useful(now)
         # Files are read in a thread (a large directory must not stall the event loop of a
         # process whose other connections are held meanwhile).
-        reader = records(self.dir, modified_since=since)
+        reader = iter(source)
         while True:
             chunk = await loop.run_in_executor(None, _take, reader, 4 * CONCURRENCY)
             if not chunk:
                 break
-            for _, _, record in chunk:
+            for record in chunk:
                 if isinstance(record, Open) or record.until <= now:
                     continue
                 out.records += 1

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from capsvc.errors import Unavailable
-from capsvc.journal.records import VERSION, Open, Record, encode
+from capsvc.journal.records import VERSION, Checkpoint, Open, Record, encode
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ class Journal:
                  on_files: Callable[[int], None] = _ignore) -> None:
         self.dir = Path(directory)
         self.proc = proc or process_name()
+        self.life = os.urandom(8).hex()
+        """This process lifetime's identity (random): in every file's `open` line, and its
+        mark's name in Redis (lua/capsvc.lua, MARKS). Not host/pid, which repeat (PID 1 in
+        a container, every lifetime)."""
         self.max_file_bytes = max_file_bytes
         self.keep_s = keep_ms / 1000
         self._on_write, self._on_error, self._on_files = on_write, on_error, on_files
@@ -128,7 +132,7 @@ class Journal:
             loop.call_soon(self._start)
         return fut
 
-    def note(self, record: Record) -> None:
+    def note(self, record: Record | Checkpoint) -> None:
         """Queue a record nobody waits for (durable with the batch it falls in)."""
         body = encode(record)
         if self._pending + len(body) > MAX_PENDING_BYTES:
@@ -263,7 +267,7 @@ class Journal:
         try:
             header = encode(Open(v=VERSION, file=name, proc=self.proc, seq=self._seq,
                                  opened=now.isoformat(timespec="seconds").replace("+00:00", "Z"),
-                                 after=after, after_lines=after_lines))
+                                 after=after, after_lines=after_lines, life=self.life))
             last = self._last
             line = (b'{"prev":"' + last + b'",' if last is not None else b'{"prev":null,'
                     ) + header[1:]
