@@ -72,6 +72,7 @@ def lines(path: Path) -> list[bytes]:
 
 async def test_group_commit_one_batch_per_tick_and_each_caller_waits_for_its_own(
         tmp_path: Path) -> None:
+    """Records of one tick are one batch, and every caller's record is in the file."""
     batches: list[int] = []
     journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000,
                            on_write=lambda records, size, s: batches.append(records))
@@ -91,6 +92,7 @@ async def test_group_commit_one_batch_per_tick_and_each_caller_waits_for_its_own
 
 
 async def test_files_rotate_chained_to_one_another(tmp_path: Path) -> None:
+    """Rotated files name the file they follow, in seq order, and verify finds them intact."""
     journal = open_journal(tmp_path, max_file_bytes=4096, keep_ms=86_400_000)
     await write(journal, spread("T", 40))
     await journal.aclose()
@@ -107,6 +109,7 @@ async def test_files_rotate_chained_to_one_another(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["altered", "removed", "swapped", "inserted"])
 async def test_verify_names_the_file_and_line_of_any_tampering(tmp_path: Path, how: str
                                                                ) -> None:
+    """A line altered, removed, swapped or inserted is a break named by file and line."""
     journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
     await write(journal, [sale(f"T{i}") for i in range(10)])
     await journal.aclose()
@@ -127,6 +130,7 @@ async def test_verify_names_the_file_and_line_of_any_tampering(tmp_path: Path, h
 
 
 async def test_a_torn_last_line_is_a_tail_not_a_break(tmp_path: Path) -> None:
+    """A torn last line of the newest file is a crash's tail: reported, no break, not read."""
     journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
     await write(journal, [sale(f"T{i}") for i in range(5)])
     await journal.aclose()
@@ -142,6 +146,7 @@ async def test_a_torn_last_line_is_a_tail_not_a_break(tmp_path: Path) -> None:
 
 async def test_a_missing_file_is_a_break_unless_it_is_a_beginning_old_enough_to_be_pruned(
         tmp_path: Path) -> None:
+    """A missing file is a break, unless it is a beginning old enough to have been pruned."""
     journal = open_journal(tmp_path, max_file_bytes=4096, keep_ms=86_400_000)
     await write(journal, spread("T", 40))
     await journal.aclose()
@@ -158,6 +163,7 @@ async def test_a_missing_file_is_a_break_unless_it_is_a_beginning_old_enough_to_
 
 async def test_verify_recomputes_the_totals_and_names_a_combination_over_its_cap(
         tmp_path: Path) -> None:
+    """Totals come from the decisions alone (a replay once, a cancel back); over a cap, named."""
     journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
     # 12 x 500 on one combination (cap 5000): 1000 over; a replay counts once; a cancel
     # gives its stake back.
