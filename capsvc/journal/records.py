@@ -14,7 +14,7 @@ response body), the cap in force on each draw, and when it expires from Redis (`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 from msgspec import Raw, Struct
@@ -188,12 +188,22 @@ _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 
 
-class Line(Struct, forbid_unknown_fields=False):
-    """What every line has, whatever its type (to read the chain), and what tells which
-    game and draws a record is about (to skip the full decoding of the others)."""
+KNOWN_TYPES = frozenset(str(t.__struct_config__.tag) for t in (Open, *get_args(Record)))
+"""The record types this reader decodes; a line of another type (a later version's) is
+chained like any other and skipped."""
+
+
+class Link(Struct, forbid_unknown_fields=False):
+    """What every line has, whatever its type: its place in the chain."""
 
     prev: str | None = None
     type: str = ""
+
+
+class Line(Link, forbid_unknown_fields=False):
+    """A line's link, and what tells which game and draws a record is about (to skip the
+    full decoding of the others)."""
+
     game: str | None = None
     first_draw: int | None = None
     draws: int | None = None
@@ -203,6 +213,8 @@ class Line(Struct, forbid_unknown_fields=False):
 line_decoder = msgspec.json.Decoder(Open | Record)
 """Decodes a line's record (the `prev` field is read with `Line`)."""
 chain_decoder = msgspec.json.Decoder(Line)
+link_decoder = msgspec.json.Decoder(Link)
+"""For a line of an unknown type whose fields `Line` cannot read."""
 
 
 def grids_of(sale: Sale) -> list[Grid]:

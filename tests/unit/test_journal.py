@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from capsvc.config import load_settings
 from capsvc.errors import Unavailable
 from capsvc.journal import writer as writer_module
+from capsvc.journal.reader import records
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.verify import verify
 from capsvc.journal.writer import Journal, journal_files, open_journal
@@ -210,3 +212,39 @@ async def test_a_failed_write_fails_its_callers_and_the_next_file_chains_after_w
     second = json.loads(lines(files[1])[0])
     assert second["after"] == files[0].name
     assert second["after_lines"] == 4
+
+
+def append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def chained(path: Path, record: dict[str, Any]) -> bytes:
+    """`record` as the line that follows the last line of `path` (its `prev` the hash of
+    that line): what a forger who can write the file would append."""
+    last = lines(path)[-1].rstrip(b"\n")
+    return json.dumps({"prev": hashlib.sha256(last).hexdigest(), **record},
+                      separators=(",", ":")).encode() + b"\n"
+
+
+async def test_a_line_of_an_unknown_type_is_chained_and_skipped_by_readers(
+        tmp_path: Path) -> None:
+    """A line of an unknown type is chained, no break, skipped by readers; altered, named."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    await write(journal, [sale("T0")])
+    await journal.aclose()
+    (path,) = journal_files(tmp_path)
+    last = json.loads(lines(path)[-1])
+    del last["prev"]
+    append(path, chained(path, {"type": "marks", "at": 1}))
+    append(path, chained(path, {"type": "marks", "draws": ["not", "an", "int"], "at": 2}))
+    append(path, chained(path, {**last, "ticket": "T1"}))
+    out = verify([tmp_path])
+    assert out.ok, out.breaks
+    assert out.records == 3
+    assert out.decisions == 2
+    assert [type(r).__name__ for _, _, r in records(tmp_path)] == [
+        "Open", "SaleRecord", "SaleRecord"]
+    path.write_bytes(path.read_bytes().replace(b'"an"', b'"a"'))
+    assert any(f"{path}: line 5: does not follow line 4" in b
+               for b in verify([tmp_path]).breaks)
