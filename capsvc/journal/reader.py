@@ -1,11 +1,11 @@
 """Reading journal files back: their records, and whether their chains hold.
 
 A file is read line by line (memory: one line at a time). A line that does not end with a
-newline, at the end of a file, is a torn tail (what a crash or a failed write leaves): it
-is reported, not taken for tampering, and never read as a record. Anything else that does
-not chain — a line removed, altered, inserted or moved — is a break, named by file and line.
-A line of a type this reader does not know (a later version's) is chained like every other,
-and skipped.
+newline, at the end of a file, is a torn tail (what a crash leaves): it is reported, never
+read as a record (whether it is a break depends on what follows the file: `verify`).
+Anything else that does not chain — a line removed, altered, inserted or moved — is a
+break, named by file and line. A line of a type this reader does not know (a later
+version's) is chained like every other, and skipped.
 """
 
 from __future__ import annotations

@@ -45,16 +45,19 @@ class Open(Struct, tag="open", tag_field="type", forbid_unknown_fields=False):
     v: int
     file: str
     proc: str
-    """host/pid of the process that writes the file."""
+    """host/pid of the process that writes the file: for people (in a container every
+    process may be pid 1)."""
+    life: str
+    """The process lifetime's own id (16 hex digits, random): its files are one chain."""
     seq: int
-    """0 for the first file of a process, then 1, 2, …"""
+    """0 for the first file of a lifetime, then 1, 2, …"""
     opened: str
     """When the file was opened, by the host's clock (RFC 3339, UTC): for people only."""
     after: str | None = None
-    """The file of the same process this one follows (its `seq` is one less)."""
+    """The file of the same lifetime this one follows (its `seq` is one less)."""
     after_lines: int | None = None
-    """How many lines of `after` were durable when this file was opened: `prev` is the hash
-    of the last of them (lines after it are what a failed write left: a tail)."""
+    """How many lines `after` has: `prev` is the hash of the last of them, and `after` ends
+    there."""
 
 
 class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
