@@ -117,7 +117,7 @@ def lacking(life: Life, fields: dict[str, int], now_ms: int) -> Iterator[Record]
                     or (head.marks is not None and covered(head.marks, fields))):
                 continue
             record = line_decoder.decode(line)
-            if not isinstance(record, Open | Checkpoint):
+            if not isinstance(record, Open):
                 yield record
 
 

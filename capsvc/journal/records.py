@@ -14,7 +14,7 @@ response body), the cap in force on each draw, and when it expires from Redis (`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 from msgspec import Raw, Struct
@@ -45,19 +45,19 @@ class Open(Struct, tag="open", tag_field="type", forbid_unknown_fields=False):
     v: int
     file: str
     proc: str
-    """host/pid of the process that writes the file."""
+    """host/pid of the process that writes the file: for people (in a container every
+    process may be pid 1)."""
+    life: str
+    """The process lifetime's own id (16 hex digits, random): its files are one chain."""
     seq: int
-    """0 for the first file of a process, then 1, 2, …"""
+    """0 for the first file of a lifetime, then 1, 2, …"""
     opened: str
     """When the file was opened, by the host's clock (RFC 3339, UTC): for people only."""
     after: str | None = None
-    """The file of the same process this one follows (its `seq` is one less)."""
+    """The file of the same lifetime this one follows (its `seq` is one less)."""
     after_lines: int | None = None
-    """How many lines of `after` were durable when this file was opened: `prev` is the hash
-    of the last of them (lines after it are what a failed write left: a tail)."""
-    life: str = ""
-    """The process lifetime writing the file (random, made at its start): the name of its
-    mark in Redis (lua/capsvc.lua, MARKS)."""
+    """How many lines `after` has: `prev` is the hash of the last of them, and `after` ends
+    there."""
 
 
 class Checkpoint(Struct, tag="marks", tag_field="type", forbid_unknown_fields=False):
@@ -210,21 +210,33 @@ _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 
 
-class Line(Struct, forbid_unknown_fields=False):
-    """What every line has, whatever its type (to read the chain), and what tells which
-    game and draws a record is about (to skip the full decoding of the others)."""
+KNOWN_TYPES = frozenset(str(t.__struct_config__.tag) for t in (Open, *get_args(Record)))
+"""The record types this reader decodes; a line of another type (a later version's) is
+chained like any other and skipped."""
+
+
+class Link(Struct, forbid_unknown_fields=False):
+    """What every line has, whatever its type: its place in the chain."""
 
     prev: str | None = None
     type: str = ""
+
+
+class Line(Link, forbid_unknown_fields=False):
+    """A line's link, and what tells which game and draws a record is about (to skip the
+    full decoding of the others)."""
+
     game: str | None = None
     first_draw: int | None = None
     draws: int | None = None
     draw: int | None = None
 
 
-line_decoder = msgspec.json.Decoder(Open | Checkpoint | Record)
+line_decoder = msgspec.json.Decoder(Open | Record)
 """Decodes a line's record (the `prev` field is read with `Line`)."""
 chain_decoder = msgspec.json.Decoder(Line)
+link_decoder = msgspec.json.Decoder(Link)
+"""For a line of an unknown type whose fields `Line` cannot read."""
 
 
 def grids_of(sale: Sale) -> list[Grid]:

@@ -7,14 +7,18 @@ cannot be written fails all of its callers (their answer is a 503: a decision th
 journaled is not acknowledged).
 
 The chain is made in the writer thread, as lines are written: each line starts with
-`"prev"`, the SHA-256 of the line before it in the file. After a failed write nothing more
-goes to that file: what the failure left there is its tail, and the next batch opens a new
-file whose first line chains to the last line known durable.
+`"prev"`, the SHA-256 of the line before it in the file. After a failed write the file is
+cut back to its durable lines and nothing more goes to it; the next batch opens a new file
+whose first line chains to the last of them and says how many there are, so a closed file
+ends exactly there.
 
-Files: `capsvc-<UTC time opened>-<host>-<pid>-<seq>.jsonl`, so that names sort in time.
-A file is closed past `max_file_bytes` and at each UTC midnight; files whose last write is
-older than `keep` are deleted (by whichever process rotates next). What waits for the disk
-is bounded (MAX_PENDING_BYTES): beyond it appends are refused (503), memory does not grow.
+Each writer is one process lifetime, with an id of its own (`life`): host and pid repeat
+(in a container every process may be pid 1), the life id does not. Files:
+`capsvc-<UTC time opened>-<host>-<life>-<seq>.jsonl`, so that names sort in time and never
+collide. A file is closed past `max_file_bytes` and at each UTC midnight; files whose last
+write is older than `keep` are deleted (by whichever process rotates next). What waits for
+the disk is bounded (MAX_PENDING_BYTES): beyond it appends are refused (503), memory does
+not grow.
 """
 
 from __future__ import annotations
@@ -78,9 +82,9 @@ class Journal:
         self.dir = Path(directory)
         self.proc = proc or process_name()
         self.life = os.urandom(8).hex()
-        """This process lifetime's identity (random): in every file's `open` line, and its
-        mark's name in Redis (lua/capsvc.lua, MARKS). Not host/pid, which repeat (PID 1 in
-        a container, every lifetime)."""
+        """This process lifetime's identity (16 hex digits, random): its files are one
+        chain, and it names the lifetime's field in Redis's marks (lua/capsvc.lua, MARKS).
+        Not host/pid, which repeat (PID 1 in a container, every lifetime)."""
         self.max_file_bytes = max_file_bytes
         self.keep_s = keep_ms / 1000
         self._on_write, self._on_error, self._on_files = on_write, on_error, on_files
@@ -107,7 +111,6 @@ class Journal:
         self._last: bytes | None = None
         """Hash (hex, bytes) of the last durable line of the current (or last) file."""
         self._day = ""
-        self._pid = os.getpid()
 
     @property
     def current(self) -> str | None:
@@ -243,6 +246,7 @@ class Journal:
                 view = view[os.write(fd, view):]
             os.fdatasync(fd)
         except OSError:
+            self._cut_back(fd)
             self._abandon()
             raise
         self._last = last
@@ -262,12 +266,13 @@ class Journal:
         now = datetime.now(UTC)
         host = socket.gethostname().replace("/", "_")
         stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
-        name = f"capsvc-{stamp}-{host}-{self._pid}-{self._seq:04d}{SUFFIX}"
+        name = f"capsvc-{stamp}-{host}-{self.life}-{self._seq:04d}{SUFFIX}"
         fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o640)
         try:
-            header = encode(Open(v=VERSION, file=name, proc=self.proc, seq=self._seq,
+            header = encode(Open(v=VERSION, file=name, proc=self.proc, life=self.life,
+                                 seq=self._seq,
                                  opened=now.isoformat(timespec="seconds").replace("+00:00", "Z"),
-                                 after=after, after_lines=after_lines, life=self.life))
+                                 after=after, after_lines=after_lines))
             last = self._last
             line = (b'{"prev":"' + last + b'",' if last is not None else b'{"prev":null,'
                     ) + header[1:]
@@ -293,9 +298,21 @@ class Journal:
         log.info("journal file opened", extra={"file": str(self.dir / name)})
         self._prune()
 
+    def _cut_back(self, fd: int) -> None:
+        """After a failed write: the file cut back to its durable lines, where the next
+        file's `open` line will say it ends (what the failure left there was never
+        acknowledged). If the disk refuses even that, `verify` names those lines."""
+        try:
+            os.ftruncate(fd, self._size)
+            os.fdatasync(fd)
+        except OSError as e:
+            log.error("a journal file could not be cut back to its durable lines after a "
+                      "failed write: verify will name the lines past them",
+                      extra={"file": str(self.dir / (self._name or "")),
+                             "lines": self._lines, "error": str(e)})
+
     def _abandon(self) -> None:
-        """Close the file: nothing more goes to it (after a failed write, what it ends with
-        is a tail)."""
+        """Close the file: nothing more goes to it."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
