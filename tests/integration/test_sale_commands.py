@@ -45,7 +45,8 @@ async def test_a_one_grid_sale_issues_the_pinned_commands(
     await asyncio.sleep(0.1)  # its index entry released
     standalone_db.config_resetstat()
     reply = await client.sell(ticket([{"numbers": TEN[1:9], "stake": 500}]))
-    assert reply.status == 200 and reply.body["status"] == "accepted"
+    assert reply.status == 200
+    assert reply.body["status"] == "accepted"
     await asyncio.sleep(0.1)
     used = commands(standalone_db)
     used.pop("config|resetstat", None)
