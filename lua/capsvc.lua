@@ -199,18 +199,32 @@ local function announce(keys, args)
   return till
 end
 
---[[ mark_keep: KEYS mark (the watch, once in a while): the mark's TTL renewed, an
-announcement past its end removed. ]]
+--[[ mark_keep: KEYS mark; ARGV life (each process's watch, once in a while)
+The mark's TTL renewed, an announcement past its end removed, the caller's lifetime noted
+alive ("@<life>" -> now), and the fields of lifetimes not alive for MARK_TTL_MS removed:
+their records are past their retention by then (a lifetime without its field has all of
+its records restored, which is never wrong). ]]
 local function mark_keep(keys, args)
-  local mark = keys[1]
-  if redis.call('EXISTS', mark) == 1 then
-    redis.call('PEXPIRE', mark, MARK_TTL_MS)
-    local till = redis.call('HGET', mark, '!')
-    if till and tonumber(till) <= now_ms() then
-      redis.call('HDEL', mark, '!')
+  local mark, now = keys[1], now_ms()
+  if redis.call('EXISTS', mark) == 0 then
+    return 0
+  end
+  redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  redis.call('HSET', mark, '@' .. args[1], now)
+  local till = redis.call('HGET', mark, '!')
+  if till and tonumber(till) <= now then
+    redis.call('HDEL', mark, '!')
+  end
+  local fields = redis.call('HGETALL', mark)
+  local gone = 0
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
+      redis.call('HDEL', mark, f, string.sub(f, 2))
+      gone = gone + 1
     end
   end
-  return 1
+  return gone
 end
 
 --[[ TICKET RECORDS. Two layouts:

@@ -53,7 +53,8 @@ CHECKPOINT_S = 1.0
 """How often the process writes down, in its journal, what it has written through each
 mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restore reads."""
 KEEP_S = 3600.0
-"""How often the watch pushes the marks' TTL on and clears announcements past their end."""
+"""How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
+announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
 ANNOUNCE_MS = 1000
 """How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 4)."""
 PEERS_WAIT_S = 120.0
@@ -121,7 +122,8 @@ class Reconciler:
         failover, which the gate judges."""
         period = WATCH_S if store.single_node else WATCH_CLUSTER_S
         loop = asyncio.get_running_loop()
-        checkpointed = kept = loop.time()
+        checkpointed = loop.time()
+        kept = checkpointed - KEEP_S  # at once: the lifetime noted alive from its start
         while True:
             await asyncio.sleep(period)
             now = loop.time()
@@ -135,7 +137,7 @@ class Reconciler:
                 if problem is None and now - kept >= KEEP_S:
                     kept = now
                     for mark in self._marks(store):
-                        await store.mark_call("capsvc_mark_keep", mark, [])
+                        await store.mark_call("capsvc_mark_keep", mark, [self.life])
             except Exception:  # unreachable, or held by the gate: not the watch's to judge
                 continue
             if problem is not None:

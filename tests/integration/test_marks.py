@@ -278,3 +278,20 @@ async def test_a_cluster_shard_behind_refuses_only_the_calls_of_its_slots(
     finally:
         await store.redis.aclose()
 
+
+
+async def test_mark_keep_forgets_lifetimes_gone_for_the_marks_ttl(
+        recorded: Recorded, redis_db: Any) -> None:
+    """capsvc_mark_keep: the caller noted alive, the mark's TTL renewed, an announcement past
+    its end removed, and a lifetime not noted alive for MARK_TTL_MS forgotten."""
+    store = recorded.store
+    await claim(store, "A-1")
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    now = await store.time_ms()
+    redis_db.hset(mark, mapping={"old": 3, "@old": now - 9 * DAY, "recent": 4,
+                                 "@recent": now - DAY, "!": now - 1})
+    redis_db.persist(mark)
+    assert await store.mark_call("capsvc_mark_keep", mark, ["life-a"]) == 1
+    fields = redis_db.hgetall(mark)
+    assert set(fields) == {b"*", b"life-a", b"@life-a", b"recent", b"@recent"}
+    assert redis_db.pttl(mark) > 7 * DAY
