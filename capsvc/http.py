@@ -39,7 +39,7 @@ from capsvc.errors import (
 from capsvc.feed import Subscriber
 from capsvc.journal.gate import Gate
 from capsvc.journal.writer import Journal
-from capsvc.marks import Marks
+from capsvc.marks import Behind, Marks, Restoring
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
@@ -600,6 +600,9 @@ def _dispatch(api: Api, router: Router) -> Handler:
                 resp = unknown(request, "the request took too long")
             except ApiError as e:
                 resp = error_response(e)
+            except (Behind, Restoring) as e:  # refused by Redis before anything ran
+                log.info("%s", e, extra={"request_id": rid, "route": template})
+                resp = unknown(request, "Redis is being restored from the journal")
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})

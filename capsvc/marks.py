@@ -43,7 +43,13 @@ stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=No
 
 
 class Behind(Unavailable):
-    """Redis refused a call: its mark is behind what this process saw (it lost writes)."""
+    """Redis refused a call: its mark is behind what this process saw (it lost writes).
+    Nothing of the call ran."""
+
+
+class Restoring(Unavailable):
+    """Redis refused a call: a process announces a restore of its journal. Nothing of the
+    call ran."""
 
 
 @functools.cache
@@ -106,14 +112,13 @@ class Marks:
 
     def _unwrap(self, mark: str, stamped: dict[str, int] | None, out: asyncio.Future[Any],
                 reply: asyncio.Future[Any]) -> None:
-        if out.done():
-            return
         if reply.cancelled():
             out.cancel()
             return
-        error = reply.exception()
+        error = reply.exception()  # retrieved even when nobody waits for `out` any more
         if error is not None:
-            out.set_exception(self._refusal(mark, error))
+            if not out.done():
+                out.set_exception(self._refusal(mark, error))
             return
         g, *rest = reply.result()
         if g:
@@ -123,7 +128,8 @@ class Marks:
                 self.made[mark] = g
             if stamped is not None and g > stamped.get(mark, 0):
                 stamped[mark] = g
-        out.set_result(rest[0] if rest else None)
+        if not out.done():
+            out.set_result(rest[0] if rest else None)
 
     def _refusal(self, mark: str, error: BaseException) -> BaseException:
         if not isinstance(error, ResponseError):
@@ -135,8 +141,8 @@ class Marks:
                           "in time): they are being put back from the journal; nothing is "
                           "judged meanwhile")
         if text.startswith("RESTORING"):
-            return Unavailable("a capsvc process is putting its journal back into Redis: "
-                               "nothing is judged meanwhile")
+            return Restoring("a capsvc process is putting its journal back into Redis: "
+                             "nothing is judged meanwhile")
         return error
 
     def saw(self, mark: str, g: int) -> None:

@@ -9,9 +9,11 @@ Every step that decides something reads Redis TIME inside its function.
 Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
 queues a command into the current tick's pipeline and returns a future, so a caller can
 issue several independent steps and await them together without an extra round trip.
-The claim, the reserve of a single-draw grid and every read touch one key each: a cluster
-slot that is migrating serves them (single-key commands follow ASK redirections), where a
-call naming a key that does not exist yet beside one that does would get TRYAGAIN.
+Every call that judges or reports a decision also names its slot's mark (capsvc.marks):
+on a cluster, while a slot is being migrated, such a call names a key that exists (the
+mark, once moved) beside keys that may not yet, and Redis answers TRYAGAIN until the slot
+has moved (the transport retries, capsvc.cluster): a sale on a migrating slot waits for the
+end of that slot's migration.
 """
 
 from __future__ import annotations

@@ -155,13 +155,17 @@ class Reconciler:
         """Why Redis may lack decisions of this directory (None: no sign of it)."""
         lives = [self.life, *self.others]
         marks = self._marks(store)
+        # What the process saw of the marks when the reads were sent: they travel behind
+        # every call sent before them on the connection, not behind the ones sent after
+        # (whose replies may be read before this coroutine resumes).
+        seen, made = dict(self.marks.seen), dict(self.marks.made)
         replies = await asyncio.gather(*[
             store.mark_call("capsvc_marks", mark, lives) for mark in marks])
         for mark, reply in zip(marks, replies, strict=True):
             g, fields = _g(reply[0]), [_g(f) for f in reply[2:]]
-            if g < self.marks.seen.get(mark, 0):
-                return f"redis went back in time on {mark} ({g} < {self.marks.seen[mark]})"
-            if fields[0] < self.marks.made.get(mark, 0):
+            if g < seen.get(mark, 0):
+                return f"redis went back in time on {mark} ({g} < {seen[mark]})"
+            if fields[0] < made.get(mark, 0):
                 return f"redis lost writes of this process on {mark}"
             for life, field in zip(lives[1:], fields[1:], strict=True):
                 if field < self.others[life].get(mark, 0):
