@@ -7,9 +7,11 @@ out of one another's way while they do.
   rollback in place, an emptied Redis, a backup put back); and the watch, which reads the
   marks every WATCH_S on the process's own connection, so that an idle process notices as
   soon as one that sells.
-- **What is restored.** For every process lifetime that wrote in the journal directory —
-  this one, the ones before it, the other workers' — the records the Redis lacks: those
-  stamped above the lifetime's field in the mark (capsvc.journal.lives). A Redis that lost
+- **What is restored.** For this process's lifetime and every lifetime of the journal
+  directory whose process is gone (the lifetimes before it; a worker that died), the records
+  the Redis lacks: those stamped above the lifetime's field in the mark
+  (capsvc.journal.lives). A lifetime whose process still runs (another worker of the
+  directory: its lock is held, capsvc.journal.writer.alive) restores its own. A Redis that lost
   nothing costs a read of the marks; a failover that lost the last seconds, the read of the
   files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
   what it had written, never lowered.
@@ -39,6 +41,7 @@ from capsvc.journal.gate import Gate
 from capsvc.journal.lives import Life, covered, lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.restore import Restored, Restorer, identities
+from capsvc.journal.writer import alive
 from capsvc.marks import NODE_MARK, Marks
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
@@ -208,8 +211,14 @@ class Reconciler:
         since = restorer.oldest_useful(now)
         lives = await loop.run_in_executor(None, lambda: lives_of(self.dir,
                                                                   modified_since=since))
+        # Another process that still runs (a worker of the same directory) restores its own:
+        # its field is raised by nobody else, or a request of its own, answered once its
+        # record is written, could find its Redis writes lost and its field covering them.
+        gone = [life for life in lives
+                if life != self.life and not await loop.run_in_executor(None, alive,
+                                                                       self.dir, life)]
         made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
-                for life in lives if life != self.life}
+                for life in gone}
         self.others = made
         made = {**made, self.life: dict(self.marks.made)}
         marks = self._marks(store)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -62,6 +63,45 @@ def process_name() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
+def _life_lock(directory: Path, life: str) -> Path:
+    return directory / f".life-{life}.lock"
+
+
+def hold_life(directory: Path, life: str) -> int:
+    """Lock lifetime `life`'s file in `directory` for as long as the process lives (the
+    kernel lets go of it when the process dies, however it dies)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(_life_lock(directory, life), os.O_WRONLY | os.O_CREAT, 0o640)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def release_life(directory: Path, life: str, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        _life_lock(directory, life).unlink()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def alive(directory: Path, life: str) -> bool:
+    """Whether the process of lifetime `life` still runs (holds its lock in `directory`);
+    the lock of a lifetime gone is removed."""
+    path = _life_lock(directory, life)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
+
+
 def journal_files(directory: Path) -> list[Path]:
     """The journal files of a directory, oldest first (their names sort in time)."""
     try:
@@ -85,6 +125,9 @@ class Journal:
         """This process lifetime's identity (16 hex digits, random): its files are one
         chain, and it names the lifetime's field in Redis's marks (lua/capsvc.lua, MARKS).
         Not host/pid, which repeat (PID 1 in a container, every lifetime)."""
+        self._alive = hold_life(self.dir, self.life)
+        """This lifetime's lock in the directory: held while the process lives, so that
+        another process of the directory can tell it from a lifetime gone (`alive`)."""
         self.max_file_bytes = max_file_bytes
         self.keep_s = keep_ms / 1000
         self._on_write, self._on_error, self._on_files = on_write, on_error, on_files
@@ -172,6 +215,7 @@ class Journal:
                 await self._idle
         await asyncio.get_running_loop().run_in_executor(self._executor, self._abandon)
         self._executor.shutdown(wait=True)
+        release_life(self.dir, self.life, self._alive)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()

@@ -9,6 +9,8 @@ order the calls reached Redis in (pipelines, a connection left for another, a de
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from capsvc.errors import Unavailable
 from capsvc.faults import FaultProxy, command
 from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
-from capsvc.journal.writer import open_journal
+from capsvc.journal.writer import alive, open_journal
 from capsvc.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.store import Store, lua_source, ticket_key
 from capsvc.testing import RedisCluster, RedisServer
@@ -295,3 +297,29 @@ async def test_mark_keep_forgets_lifetimes_gone_for_the_marks_ttl(
     fields = redis_db.hgetall(mark)
     assert set(fields) == {b"*", b"life-a", b"@life-a", b"recent", b"@recent"}
     assert redis_db.pttl(mark) > 7 * DAY
+
+
+async def test_a_lifetime_is_alive_exactly_while_its_process_holds_its_journal(
+        tmp_path: Path) -> None:
+    """Another process of the directory restores only the lifetimes gone: one whose journal
+    is open is alive; once closed, it is gone."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+    assert alive(tmp_path, journal.life)
+    await journal.aclose()
+    assert not alive(tmp_path, journal.life)
+
+
+def test_a_lifetime_killed_is_gone(tmp_path: Path) -> None:
+    """A process killed (SIGKILL) with its journal open: its lifetime is gone at once (the
+    kernel drops its lock), and its lock file is cleared by whoever finds it so."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from capsvc.journal.writer import open_journal; "
+        f"j = open_journal({str(tmp_path)!r}, max_file_bytes=1 << 20, keep_ms=1); "
+        "print(j.life, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    life = child.stdout.readline().strip()
+    assert alive(tmp_path, life)
+    child.kill()
+    child.wait()
+    assert not alive(tmp_path, life)
+    assert not list(tmp_path.glob(".life-*"))
