@@ -34,6 +34,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from redis.crc import key_slot
+
 from capsvc.cluster import connect
 from capsvc.config import Settings
 from capsvc.games import Catalog
@@ -42,9 +44,9 @@ from capsvc.journal.lives import Life, covered, lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.restore import Restored, Restorer, identities
 from capsvc.journal.writer import alive
-from capsvc.marks import NODE_MARK, Marks
+from capsvc.marks import NODE_MARK, Marks, mark_of_slot
 from capsvc.metrics import Metrics
-from capsvc.store import Store, lua_source
+from capsvc.store import TICKET_BUCKETS, Store, lua_source, pending_key
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +231,11 @@ class Reconciler:
         lacking_lives = [life for life in names if not covered(made[life], fields[life])]
         went_back = any(_g(state[m][0]) < self.marks.seen.get(m, 0) for m in marks)
         done: Restored | None = None
+        # On a cluster the announcement goes to the ticket slots' marks too: every sale's
+        # first call is in one of them, whatever slots this process wrote to.
+        announced = sorted({*marks, *ticket_marks(store)})
         if lacking_lives:
-            announcing = loop.create_task(self._announce(store, marks))
+            announcing = loop.create_task(self._announce(store, announced))
             try:
                 done = Restored()
                 for life in lacking_lives:
@@ -252,7 +257,7 @@ class Reconciler:
                 with contextlib.suppress(asyncio.CancelledError):
                     await announcing
         if lacking_lives or went_back:
-            await self._wait_for_peers(store, marks)
+            await self._wait_for_peers(store, announced)
             for mark in marks:
                 g = _g((await store.mark_call("capsvc_marks", mark, []))[0])
                 # What was seen beyond G was lost by other processes, which have put back
@@ -312,6 +317,14 @@ class Reconciler:
             "records": done.records, "put_back": done.applied, "grids": done.grids,
             "over_cap": done.over_cap, "other_sale": done.other_sale,
             "seconds": round(done.seconds, 3)})
+
+
+def ticket_marks(store: Store) -> list[str]:
+    """The marks of the slots that hold ticket records (none apart on one node)."""
+    if store.single_node:
+        return [NODE_MARK]
+    return sorted({mark_of_slot(key_slot(pending_key(b).encode()))
+                   for b in range(TICKET_BUCKETS)})
 
 
 def _g(value: Any) -> int:
