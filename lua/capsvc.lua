@@ -161,13 +161,19 @@ local function marks(keys, args)
   return m
 end
 
---[[ mark_restored: KEYS mark; ARGV (life, G of its newest write)...
-After a restore put a life's records back: its field and G raised to at least that G
-(never lowered), the mark's TTL renewed. Returns the mark's G. ]]
+--[[ mark_restored: KEYS mark; ARGV restorer, token, (life, G of its newest write)...
+After a restore put lifetimes' records back: their fields and G raised to at least those G
+(never lowered), the mark's TTL renewed. Only if the restore's token (`announce`) is still
+there: else Redis went back in time (or was emptied) while the restore ran, and what it put
+back may be gone with it: error LOST, nothing written (the restore runs again). Returns
+the mark's G. ]]
 local function mark_restored(keys, args)
   local mark = keys[1]
+  if redis.call('HGET', mark, '^' .. args[1]) ~= args[2] then
+    return redis.error_reply('LOST the restore\'s token is gone: Redis went back in time')
+  end
   local g = tonumber(redis.call('HGET', mark, '*')) or 0
-  for i = 1, #args, 2 do
+  for i = 3, #args, 2 do
     local made = tonumber(args[i + 1])
     if (tonumber(redis.call('HGET', mark, args[i])) or 0) < made then
       redis.call('HSET', mark, args[i], made)
@@ -177,13 +183,16 @@ local function mark_restored(keys, args)
     end
   end
   redis.call('HSET', mark, '*', g)
+  redis.call('HDEL', mark, '^' .. args[1])
   redis.call('PEXPIRE', mark, MARK_TTL_MS)
   return g
 end
 
---[[ announce: KEYS mark; ARGV for_ms
+--[[ announce: KEYS mark; ARGV for_ms[, restorer, token]
 A restore under way: every marked call refuses until now + for_ms (at least; never
-shortened). Returns the announcement's end. ]]
+shortened). When it begins (and only then: a renewal must not put back a token that Redis
+lost), the restore's token ("^<restorer>"), for mark_restored to find. Returns the
+announcement's end. ]]
 local function announce(keys, args)
   local mark = keys[1]
   local till = now_ms() + tonumber(args[1])
@@ -192,6 +201,9 @@ local function announce(keys, args)
     redis.call('HSET', mark, '!', till)
   else
     till = cur
+  end
+  if args[2] then
+    redis.call('HSET', mark, '^' .. args[2], args[3])
   end
   if redis.call('PTTL', mark) < 0 then
     redis.call('PEXPIRE', mark, MARK_TTL_MS)

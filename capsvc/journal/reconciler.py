@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,9 @@ mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restor
 KEEP_S = 3600.0
 """How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
 announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
-ANNOUNCE_MS = 1000
-"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 4)."""
+ANNOUNCE_MS = 500
+"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5): how long
+after its restore's end it still holds the processes (they cannot tell whose it is)."""
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
 (a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
@@ -187,7 +189,8 @@ class Reconciler:
                             library=lua_source())
             store = Store.of(redis, self.settings)
             try:
-                await store.load_library()
+                # The library is loaded by the transport if Redis lacks it (a first call
+                # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
                 done, held = await self._reconcile(store)
             except Exception as e:  # Redis unreachable, or refusing: try again
                 self.attempted.set()
@@ -203,67 +206,76 @@ class Reconciler:
             return
 
     async def _reconcile(self, store: Store) -> tuple[Restored | None, list[str | None]]:
-        """Put back what Redis lacks of every lifetime of the directory; what was done (None:
-        nothing was lacking) and the identities of the Redis it was done on."""
+        """Put back what Redis lacks of this lifetime and of the directory's lifetimes gone;
+        what was done (None: nothing was lacking) and the identities of the Redis it was
+        done on."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        held = await identities(store)
-        now = await store.time_ms()
-        restorer = Restorer(self.dir, self.catalog, store, self.metrics.restored_over_cap)
-        since = restorer.oldest_useful(now)
-        lives = await loop.run_in_executor(None, lambda: lives_of(self.dir,
-                                                                  modified_since=since))
-        # Another process that still runs (a worker of the same directory) restores its own:
-        # its field is raised by nobody else, or a request of its own, answered once its
-        # record is written, could find its Redis writes lost and its field covering them.
-        gone = [life for life in lives
-                if life != self.life and not await loop.run_in_executor(None, alive,
-                                                                       self.dir, life)]
-        made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
-                for life in gone}
-        self.others = made
-        made = {**made, self.life: dict(self.marks.made)}
-        marks = self._marks(store)
-        names = list(made)
-        state = {mark: await store.mark_call("capsvc_marks", mark, names) for mark in marks}
-        fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
-                  for i, life in enumerate(names)}
-        lacking_lives = [life for life in names if not covered(made[life], fields[life])]
-        went_back = any(_g(state[m][0]) < self.marks.seen.get(m, 0) for m in marks)
-        done: Restored | None = None
         # On a cluster the announcement goes to the ticket slots' marks too: every sale's
         # first call is in one of them, whatever slots this process wrote to.
-        announced = sorted({*marks, *ticket_marks(store)})
-        if lacking_lives:
-            announcing = loop.create_task(self._announce(store, announced))
-            try:
+        own = self._marks(store)
+        mine = dict(self.marks.made)
+        first = {mark: await store.mark_call("capsvc_marks", mark, [self.life]) for mark in own}
+        went_back = any(_g(first[m][0]) < self.marks.seen.get(m, 0) for m in own)
+        announcer = _Announcer(store, self.life, ticket_marks(store))
+        try:
+            if not covered(mine, {m: _g(first[m][2]) for m in own}):
+                # Its own writes lost: announced at once, before the journal is read, so
+                # that other processes stop judging as soon as possible.
+                await announcer.begin(own)
+            held = await identities(store)
+            now = await store.time_ms()
+            restorer = Restorer(self.dir, self.catalog, store, self.metrics.restored_over_cap)
+            since = restorer.oldest_useful(now)
+            lives = await loop.run_in_executor(None, lambda: lives_of(self.dir,
+                                                                      modified_since=since))
+            # Another process that still runs (a worker of the same directory) restores its
+            # own: nobody else raises its field, or a request of its own, answered once its
+            # record is written, could find its writes lost and its field raised over them.
+            gone = [life for life in lives
+                    if life != self.life and not await loop.run_in_executor(None, alive,
+                                                                           self.dir, life)]
+            made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
+                    for life in gone}
+            self.others = made
+            made = {**made, self.life: mine}
+            marks = self._marks(store)
+            names = list(made)
+            state = {mark: await store.mark_call("capsvc_marks", mark, names)
+                     for mark in marks}
+            fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
+                      for i, life in enumerate(names)}
+            lacking_lives = [life for life in names if not covered(made[life], fields[life])]
+            done: Restored | None = None
+            if lacking_lives:
+                await announcer.begin(marks)
                 done = Restored()
                 for life in lacking_lives:
                     life_of = lives.get(life, Life(life, []))
-                    part = await restorer.restore(lacking(life_of, fields[life], now))
-                    done.merge(part)
+                    done.merge(await restorer.restore(lacking(life_of, fields[life], now)))
                 for mark in marks:
-                    args: list[Any] = []
+                    args: list[Any] = [self.life, announcer.token]
                     for life in lacking_lives:
                         if made[life].get(mark):
                             args += [life, made[life][mark]]
-                    if args:
-                        await store.mark_call("capsvc_mark_restored", mark, args)
-                # Every live process has looked at the marks by then, and announced.
+                    # LOST (an error) when Redis went back in time again meanwhile: then
+                    # the restore runs again, from the start.
+                    await store.mark_call("capsvc_mark_restored", mark, args)
+            if lacking_lives or went_back or announcer.marks:
+                # Every live process has looked at the marks by then (its watch), and
+                # announced its own restore if it lost anything; then none is left.
                 await asyncio.sleep(max(0.0, began + self.settings.journal_settle_ms / 1000
                                         - loop.time()))
-            finally:
-                announcing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await announcing
-        if lacking_lives or went_back:
-            await self._wait_for_peers(store, announced)
-            for mark in marks:
-                g = _g((await store.mark_call("capsvc_marks", mark, []))[0])
-                # What was seen beyond G was lost by other processes, which have put back
-                # what they answered: G goes on from here.
-                self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
-        return done, held
+                await announcer.end()
+                await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}))
+                for mark in marks:
+                    g = _g((await store.mark_call("capsvc_marks", mark, []))[0])
+                    # What was seen beyond G was lost by other processes, which have put
+                    # back what they answered: G goes on from here.
+                    self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
+            return done, held
+        finally:
+            await announcer.end()
 
     def _made_by(self, life: Life) -> dict[str, int]:
         """made_by, remembered while the lifetime's newest file does not change."""
@@ -277,13 +289,6 @@ class Reconciler:
         if cached is None:
             cached = self._made_cache[key] = made_by(life)
         return cached
-
-    async def _announce(self, store: Store, marks: list[str]) -> None:
-        """Keep the announcement of this restore alive in every mark while it runs."""
-        while True:
-            for mark in marks:
-                await store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS])
-            await asyncio.sleep(ANNOUNCE_MS / 4000)
 
     async def _wait_for_peers(self, store: Store, marks: list[str]) -> None:
         """Until no process announces a restore any more (PEERS_WAIT_S at most)."""
@@ -317,6 +322,43 @@ class Reconciler:
             "records": done.records, "put_back": done.applied, "grids": done.grids,
             "over_cap": done.over_cap, "other_sale": done.other_sale,
             "seconds": round(done.seconds, 3)})
+
+
+class _Announcer:
+    """A restore's announcement in the marks (lua/capsvc.lua, MARKS): begun with a token of
+    its own (which capsvc_mark_restored checks), renewed every ANNOUNCE_MS / 5 until ended."""
+
+    def __init__(self, store: Store, life: str, everywhere: list[str]) -> None:
+        self.store = store
+        self.life = life
+        self.everywhere = everywhere
+        """Marks announced in whatever is restored (the ticket slots' on a cluster)."""
+        self.token = os.urandom(8).hex()
+        self.marks: list[str] = []
+        self._renewing: asyncio.Task[None] | None = None
+
+    async def begin(self, marks: list[str]) -> None:
+        new = [m for m in sorted({*marks, *self.everywhere}) if m not in self.marks]
+        for mark in new:
+            await self.store.mark_call("capsvc_announce", mark,
+                                       [ANNOUNCE_MS, self.life, self.token])
+        self.marks += new
+        if self._renewing is None:
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(ANNOUNCE_MS / 5000)
+            for mark in self.marks:
+                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS])
+
+    async def end(self) -> None:
+        """Stop renewing (the announcement ends within ANNOUNCE_MS)."""
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+            self._renewing = None
 
 
 def ticket_marks(store: Store) -> list[str]:

@@ -164,13 +164,33 @@ async def test_a_tools_call_is_neither_checked_nor_counted(
 
 async def test_mark_restored_raises_fields_and_g_and_never_lowers_them(
         recorded: Recorded, redis_db: Any) -> None:
-    """capsvc_mark_restored: each lifetime's field and G raised to what it had written."""
+    """capsvc_mark_restored: each lifetime's field and G raised to what it had written, the
+    restore's token taken away."""
     store = recorded.store
     mark = mark_of(store, ticket_key("fr", "A-1"))
     redis_db.hset(mark, mapping={"*": 10, "a": 3, "b": 9})
-    g = await store.mark_call("capsvc_mark_restored", mark, ["a", 12, "b", 5])
+    await store.mark_call("capsvc_announce", mark, [50, "r", "tok"])
+    g = await store.mark_call("capsvc_mark_restored", mark, ["r", "tok", "a", 12, "b", 5])
     assert g == 12
-    assert redis_db.hgetall(mark) == {b"*": b"12", b"a": b"12", b"b": b"9"}
+    fields = redis_db.hgetall(mark)
+    fields.pop(b"!")
+    assert fields == {b"*": b"12", b"a": b"12", b"b": b"9"}
+
+
+async def test_mark_restored_refuses_once_redis_lost_the_restores_token(
+        recorded: Recorded, redis_db: Any) -> None:
+    """Redis went back in time (or was emptied) while a restore ran: its token is gone, and
+    capsvc_mark_restored refuses (LOST) and writes nothing; a renewal of the announcement
+    does not put the token back."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    await store.mark_call("capsvc_announce", mark, [500, "r", "tok"])
+    redis_db.delete(mark)  # what a FLUSHALL or a reload to an older file does to it
+    await store.mark_call("capsvc_announce", mark, [500])
+    with pytest.raises(redis_py.ResponseError, match="LOST"):
+        await store.mark_call("capsvc_mark_restored", mark, ["r", "tok", "a", 12])
+    assert redis_db.hget(mark, "a") is None
+    assert redis_db.hget(mark, "*") is None
 
 
 # -- which records a Redis that went back in time lacks ---------------------------------------

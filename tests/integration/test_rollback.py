@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from capsvc.marks import NODE_MARK
 from capsvc.testing import (
     FAILOVER_GAME,
     OPS_TOKEN,
@@ -59,6 +60,8 @@ X = (3, 7, 12, 18, 25, 33, 41, 56)
 Y = (1, 2, 3, 4, 5, 6, 7, 8)
 Z = (10, 20, 30, 40, 50, 60, 65, 70)
 ANSWER_S = 30.0
+RETRY_S = 0.05
+"""The pause before a 503 is sent again."""
 """How long a request is sent again while it answers 503 (or nothing)."""
 
 _ids = itertools.count(1)
@@ -99,7 +102,7 @@ def _answered(url: str, method: str, path: str, body: Any = None, token: str = S
             status, raw = 0, b""
         if status not in (0, 503) or time.monotonic() > deadline:
             return status, raw
-        time.sleep(0.05)
+        time.sleep(RETRY_S)
 
 
 def _counter(url: str, numbers: Sequence[int], draw: int) -> dict[str, Any]:
@@ -465,6 +468,66 @@ def test_another_host_sells_nothing_past_the_cap_after_a_rollback(
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("how", ["reload", "flushall"])
+def test_a_host_that_saw_the_lost_answers_waits_for_them_though_it_lost_nothing(
+        debug_redis: RedisServer, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host B saw A's answers (its watch) before a rollback lost them, lost nothing of its own,
+    and is sent sales retried every 2 ms: it sells again only once A has put them back."""
+    monkeypatch.setattr(sys.modules[__name__], "RETRY_S", 0.002)
+    config = _config(settle="1s")
+    a = ServiceProcess(config, debug_redis.url).start()
+    b = ServiceProcess(config, debug_redis.url).start()
+    try:
+        for trial, numbers in enumerate((X, Y, Z)):
+            ledger = Ledger(current_draw(a.base_url) + 1 + trial)
+            ledger.sell(a.base_url, numbers)
+            debug_redis.client().save()
+            for _ in range(5):
+                ledger.sell(a.base_url, numbers)
+            time.sleep(0.3)  # B's watch has seen them
+            _rollback(debug_redis, how)
+            ledger.sell_together(b.base_url, [ledger.body(numbers, prefix="B")
+                                              for _ in range(CAP // STAKE)])
+            problems = ledger.over(a.base_url, settle_s=5.0)
+            problems += ledger.lost()
+            _assert_none(problems)
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("how", ["reload", "flushall"])
+def test_a_rollback_while_the_process_restores_is_put_back_too(
+        debug_redis: RedisServer, config: str, how: str) -> None:
+    """Redis goes back in time (or is emptied) again while the process puts back what a
+    first rollback lost: the restore notices it lost its own work and runs again; nothing
+    answered is lost, nothing passes the cap."""
+    svc = ServiceProcess(config, debug_redis.url).start()
+    try:
+        ledger = Ledger(current_draw(svc.base_url) + 1)
+        ledger.sell(svc.base_url, X)
+        client = debug_redis.client()
+        client.save()
+        for _ in range(4):
+            ledger.sell(svc.base_url, X)
+        rng = random.Random(7)
+        others = [ledger.body(sorted(rng.sample(range(1, 71), 8)), prefix="O")
+                  for _ in range(1500)]  # a restore that takes a while
+        for i in range(0, len(others), 100):
+            ledger.sell_together(svc.base_url, others[i:i + 100])
+        _rollback(debug_redis, "reload")
+        _wait(lambda: client.hget(NODE_MARK, "!") is not None, 10, "no restore announced")
+        time.sleep(0.05)
+        _rollback(debug_redis, how)
+
+        ledger.sell_out(svc.base_url, X)
+        problems = ledger.over(svc.base_url)
+        problems += ledger.lost()
+        _assert_none(problems)
+    finally:
+        svc.stop()
 
 
 # -- 4. two workers, one journal directory -----------------------------------------------------
