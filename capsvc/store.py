@@ -489,7 +489,19 @@ class Store:
               for b in range(TICKET_BUCKETS)]])
         return int(stopped)
 
-    # -- a journal's restore (lua/capsvc.lua, RESTORE) ------------------------------------
+    # -- a journal's restore (lua/capsvc.lua, RESTORE and THE BULK RESTORE) --------------
+
+    def restore_tickets(self) -> TicketRestores:
+        """A batch of ticket records to put back (see TicketRestores)."""
+        return TicketRestores(self)
+
+    def restore_counts(self) -> CountRestores:
+        """A batch of grids to count back or give back (see CountRestores)."""
+        return CountRestores(self)
+
+    def restore_budgets(self) -> BudgetRestores:
+        """A batch of player budgets to put back (see BudgetRestores)."""
+        return BudgetRestores(self)
 
     def restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int, sale: bytes,
                        body: bytes, expire_at: int, cancelled_at: int | None = None,
@@ -572,6 +584,213 @@ class PlayerStore:
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
                           [today])
+
+
+RESTORE_OPS_PER_CALL = 512
+"""Ops per call of a bulk restore function: a few milliseconds of Redis CPU, which the
+other processes' calls wait behind."""
+
+
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
+
+
+def _mp_head(n: int) -> bytes:
+    """The header of a string of `n` bytes as Redis's cmsgpack packs it (str, never bin)."""
+    if n < 32:
+        return _FIXSTR[n]
+    if n <= 0xFF:
+        return b"\xd9" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xda" + n.to_bytes(2, "big")
+    return b"\xdb" + n.to_bytes(4, "big")
+
+
+def _mp_uint(n: int) -> bytes:
+    """A non-negative integer as Redis's cmsgpack packs it (the smallest form)."""
+    if n <= 0x7F:
+        return bytes((n,))
+    if n <= 0xFF:
+        return b"\xcc" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xcd" + n.to_bytes(2, "big")
+    if n <= 0xFFFFFFFF:
+        return b"\xce" + n.to_bytes(4, "big")
+    return b"\xcf" + n.to_bytes(8, "big")
+
+
+_NIL = b"\xc0"
+
+
+def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_id: str,
+                 sale: bytes, body: bytes, cancelled_at: int | None = None,
+                 released: int | None = None) -> bytes:
+    """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
+    packs it (TICKET RECORDS: the expiry, then st, fp, at, sid, sale, body, res, ca, rel;
+    `at`, `ca` and `rel` as decimal strings, nil for what is absent)."""
+    fp, instant, sid = fingerprint.encode(), b"%d" % at, sale_id.encode()
+    head = _mp_head
+    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(fp)), fp,
+             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale,
+             head(len(body)), body, _NIL]
+    if cancelled_at is None:
+        parts.append(_NIL)
+    else:
+        ca = b"%d" % cancelled_at
+        parts += (head(len(ca)), ca)
+    if released is None:
+        parts.append(_NIL)
+    else:
+        rel = b"%d" % released
+        parts += (head(len(rel)), rel)
+    return b"".join(parts)
+
+
+def _tag(key: str) -> str:
+    return key[key.index("{") + 1:key.index("}")]
+
+
+class _Call:
+    __slots__ = ("args", "keys", "ops", "replies")
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.args: list[Any] = []
+        self.ops = 0
+        self.replies: list[Any] = []
+
+
+class _Bulk:
+    """Ops of one bulk restore function (lua/capsvc.lua, THE BULK RESTORE), sent many per
+    FCALL, all calls at once: on one Redis, up to RESTORE_OPS_PER_CALL ops a call; on a
+    cluster, a call per hash tag (a call touches one slot). `replies()` gives each op's
+    reply in the order the ops were added."""
+
+    function = ""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._tagged = not store.single_node
+        self._open: dict[str, _Call] = {}
+        self._calls: list[_Call] = []
+        self._where: list[tuple[_Call, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _add(self, keys: list[str], args: list[Any]) -> None:
+        tag = _tag(keys[0]) if self._tagged else ""
+        call = self._open.get(tag)
+        if call is None or call.ops == RESTORE_OPS_PER_CALL:
+            call = self._open[tag] = _Call()
+            self._calls.append(call)
+        self._where.append((call, call.ops))
+        call.ops += 1
+        call.keys += keys
+        call.args += args
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        raise NotImplementedError
+
+    async def replies(self) -> list[Any]:
+        calls = self._calls
+        fcall, function = self._store.fcall, self.function
+        for call, reply in zip(calls, await replies_of(
+                [fcall(function, call.keys, call.args) for call in calls]), strict=True):
+            call.replies = self._split(reply, call.ops)
+        return [call.replies[i] for call, i in self._where]
+
+
+class TicketRestores(_Bulk):
+    """Ticket records put back (capsvc_restore_tickets): never two ops of one ticket in a
+    batch. Each op's reply is a letter (see the function)."""
+
+    function = "capsvc_restore_tickets"
+
+    def sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+             aggregates: Sequence[tuple[str, int, str, int]] = ()) -> None:
+        """A sale's decision (`record`: ticket_value, state f), and, written with it, the
+        aggregates (game, draw, value, expiry) of its grids not capped."""
+        keys, args = self._store.names(ticket)
+        keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
+        args += (expire_at, record, sale_id, len(aggregates))
+        for _, _, value, expiry in aggregates:
+            args += (value, expiry)
+        self._add(keys, ["s", *args])
+
+    def cancel(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+               aggregates: Sequence[tuple[str, int]] = ()) -> None:
+        """A cancel (`record`: ticket_value, state k, with when and how much), and the
+        aggregates (game, draw) of the sale to give back."""
+        keys, args = self._store.names(ticket)
+        keys.append(pending_key_of(ticket))
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        self._add(keys, ["c", *args, expire_at, record, sale_id, len(aggregates)])
+
+    def void(self, ticket: str, sale_id: str, aggregates: Sequence[tuple[str, int]] = ()
+             ) -> None:
+        """A void: what the sale holds of the aggregates (game, draw) to give back."""
+        keys, args = self._store.names(ticket)
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        self._add(keys, ["v", *args, sale_id, len(aggregates)])
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return list(reply.decode())
+
+
+class CountRestores(_Bulk):
+    """Grids counted back or given back (capsvc_restore_counts). Each op's reply is (letter,
+    draws above the cap or stake given back, offsets)."""
+
+    function = "capsvc_restore_counts"
+
+    def grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
+             min_stake: int, first_draw: int, expiries: list[int]) -> None:
+        """An accepted grid: its stake counted back on every draw unless recorded."""
+        keys = bucket_keys(game, combo, first_draw, len(expiries))
+        self._add(keys, ["g", len(keys), record, combo, stake, caps, min_stake, *expiries])
+
+    def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
+                first_draw: int, draws: int, expire_at: int) -> None:
+        """A grid given back (and sealed), once."""
+        keys = bucket_keys(game, combo, first_draw, draws)
+        self._add(keys, ["r", draws, record, combo, caps, min_stake, expire_at])
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        letters, details = reply
+        out: list[Any] = []
+        at = 0
+        for letter in letters.decode():
+            if letter == "x":
+                amount, n = int(details[at]), int(details[at + 1])
+                out.append((letter, amount, [int(o) for o in details[at + 2:at + 2 + n]]))
+                at += 2 + n
+            else:
+                out.append((letter, 0, []))
+        return out
+
+
+class BudgetRestores(_Bulk):
+    """Player budgets put back (capsvc_restore_budgets). Each op's reply is (taken: whether
+    the amounts were put back, given: what the settle gave back)."""
+
+    function = "capsvc_restore_budgets"
+
+    def budget(self, player: str, ref: str, regulatory: int, expire_at: int,
+               take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
+               final: bool = False) -> None:
+        """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the
+        amounts given (`final`: sealed); the same days for both."""
+        days = [day for day, _ in (take or settle or [])]
+        keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+        args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
+                           "1" if take is not None else "0",
+                           "" if settle is None else "1" if final else "0", *days]
+        args += [amount for _, amount in take] if take is not None else [0] * len(days)
+        args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
+        self._add(keys, args)
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]
 
 
 JOURNALED_PER_CALL = 256
