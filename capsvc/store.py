@@ -503,21 +503,6 @@ class Store:
         """A batch of player budgets to put back (see BudgetRestores)."""
         return BudgetRestores(self)
 
-    def restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int, sale: bytes,
-                       body: bytes, expire_at: int, cancelled_at: int | None = None,
-                       released: int = 0) -> asyncio.Future[Any]:
-        keys, args = self.names(ticket)
-        return self.fcall("capsvc2_restore_ticket", keys, [
-            *args, sale_id, fingerprint, at, sale, body, expire_at,
-            "" if cancelled_at is None else cancelled_at, released])
-
-    def restore_grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
-                     min_stake: int, first_draw: int, expire_at: list[int]
-                     ) -> asyncio.Future[Any]:
-        keys = bucket_keys(game, combo, first_draw, len(expire_at))
-        return self.fcall("capsvc_restore_grid", keys,
-                          [record, combo, stake, caps, min_stake, *expire_at])
-
     def identities(self) -> asyncio.Future[Any]:
         """INFO server and replication of every primary (see `identity`)."""
         return asyncio.ensure_future(self.redis.broadcast("INFO", "server", "replication"))

@@ -15,15 +15,23 @@ on a Redis it has not reconciled with its journal directory:
   cap (the decision was answered: sold). Restoring twice equals once. Then the identities
   seen are reconciled and sales resume.
 
-One ticket's records are applied in journal order; different tickets concurrently.
+At the speed of Redis: a Redis that lost everything takes back millions of decisions while
+nothing is sold, so records are applied in windows of thousands, each in three rounds of
+bulk calls (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records,
+then what their answers call for (grids, caps, budgets, releases), then what follows those
+(sold-out marks, a cancel's end). A window holds one record per ticket (per player, per
+draw): the next record of a ticket goes to a later window, so one ticket's records are
+applied in journal order, while the next window is decoded and planned as Redis works on
+this one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +39,11 @@ from typing import Any
 import msgspec
 
 from capsvc.caps import DrawCaps, caps_argument
-from capsvc.decisions import accepted_grids
+from capsvc.decisions import BudgetPlan
 from capsvc.errors import Unavailable
 from capsvc.games import Catalog, Game
 from capsvc.journal.gate import Gate, identity
-from capsvc.journal.reader import records
+from capsvc.journal.reader import retained_records
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
@@ -48,20 +56,44 @@ from capsvc.journal.records import (
     VoidRecord,
     sale_of,
 )
-from capsvc.ledger import Ledger
-from capsvc.models import TicketOut
-from capsvc.store import Store, record_field, replies_of, ticket_key
+from capsvc.ledger import Ledger, aggregate_value
+from capsvc.store import (
+    BudgetRestores,
+    CountRestores,
+    Store,
+    TicketRestores,
+    record_field,
+    replies_of,
+    ticket_key,
+    ticket_value,
+)
+from capsvc.validator import Sale, SaleGrid
 
 log = logging.getLogger(__name__)
 
-_decision = msgspec.json.Decoder(TicketOut).decode
-_encode = msgspec.json.encode
-CONCURRENCY = 256
-"""Tickets restored at once (their calls pipelined together)."""
+WINDOW = 16_384
+"""Records applied together (each window in three rounds of bulk calls)."""
+CHUNK = 256
+"""Records decoded and planned between two turns of the event loop (the replies of the
+window being applied are read meanwhile)."""
 MARGIN_S = 2 * 86_400
 """Journal files last written this much before the oldest decision that can still be
 retained are read too (the host's clock judges a file's age; a record's own expiry is
 judged on Redis TIME)."""
+
+
+class _Outcome(msgspec.Struct, gc=False):
+    index: int
+    status: str
+
+
+class _Outcomes(msgspec.Struct, gc=False):
+    grids: list[_Outcome]
+
+
+_outcomes = msgspec.json.Decoder(_Outcomes).decode
+"""A decision's grids, their index and status only (what a restore needs of a decision
+it writes back byte for byte)."""
 
 
 @dataclass
@@ -88,6 +120,57 @@ class Restored:
         self.applied[kind] = self.applied.get(kind, 0) + 1
 
 
+class _Ticket(msgspec.Struct, gc=False):
+    """A sale, cancel or void of a window, and what putting it back takes. Not tracked by
+    the garbage collector (nor is anything it holds but a budget plan): a window holds
+    thousands, and full collections over them cost more than the restore's own work."""
+
+    kind: str
+    """"sale", "cancel" or "void"."""
+    channel: str
+    ticket: str
+    sale_id: str
+    game: Game
+    first: int
+    draws: int
+    key: str
+    sale: Sale
+    plan: BudgetPlan | None
+    accepted: tuple[int, ...]
+    """The grids the decision accepted (none for a void)."""
+    caps: tuple[int, ...] = ()
+    """The cap in force on each draw, as journaled (a sale's)."""
+    code: str = ""
+    """The ticket's step's answer (lua/capsvc.lua, restore_tickets)."""
+    counted: tuple[SaleGrid, ...] = ()
+    """The grids of ops of the second round, in their order."""
+    budget: bool = False
+    """Whether a budget op of the second round is this ticket's."""
+    fixing: tuple[asyncio.Future[Any], ...] = ()
+    """The draws' caps this sale fixes."""
+    repeats: int = 0
+    """The sale's records right after this one, reporting it again (not applied again)."""
+
+    @property
+    def gives_back(self) -> bool:
+        """A cancel or a void: what the sale took is given back."""
+        return self.kind != "sale"
+
+
+@dataclass(slots=True)
+class _Window:
+    """Records applied together: one per ticket, player or draw (`_key_of`)."""
+
+    tickets: list[_Ticket]
+    steps: TicketRestores
+    """The first round's ops (the tickets' records), added as records are planned."""
+    others: list[Record] = field(default_factory=list)
+    """Stops, caps, limits, stakes: applied one by one, beside the rounds."""
+    keys: dict[str, tuple[type, str, int]] = field(default_factory=dict)
+    """The ticket (player, draw) of each record, with the record's type, sale id and place
+    in `tickets` (-1: one of `others`)."""
+
+
 class Restorer:
     """Re-applies a journal directory's records to one Redis (see the module's docstring)."""
 
@@ -101,6 +184,7 @@ class Restorer:
         self.on_over_cap = on_over_cap
         self._caps_fixed: set[tuple[str, int]] = set()
         """(game, draw) whose cap this restore has put back already."""
+        self._expiries: dict[tuple[str, int], int] = {}
 
     def oldest_useful(self, now_ms: int) -> float:
         """The host time (s) before which a file cannot hold a decision still retained."""
@@ -114,53 +198,283 @@ class Restorer:
 
     async def run(self) -> Restored:
         """Restore every record of a decision still retained; returns what was done."""
+        now = await self.store.time_ms()
+        return await self.restore(retained_records(
+            self.dir, modified_since=self.oldest_useful(now)))
+
+    async def restore(self, records: Iterable[Open | Record]) -> Restored:
+        """Apply `records` (decoded, in journal order: one ticket's in the order they were
+        written) with the semantics of the module's docstring; records of decisions no
+        longer retained (by Redis TIME) and `open` lines are passed over. Returns what was
+        done."""
         started = time.perf_counter()
         out = Restored()
         now = await self.store.time_ms()
-        batch: dict[str, list[Record]] = {}
-        loop = asyncio.get_running_loop()
-        since = self.oldest_useful(now)
-        # Files are read in a thread (a large directory must not stall the event loop of a
-        # process whose other connections are held meanwhile).
-        reader = records(self.dir, modified_since=since)
-        while True:
-            chunk = await loop.run_in_executor(None, _take, reader, 4 * CONCURRENCY)
-            if not chunk:
-                break
-            for _, _, record in chunk:
-                if isinstance(record, Open) or record.until <= now:
-                    continue
-                out.records += 1
-                batch.setdefault(_key_of(record), []).append(record)
-                if len(batch) >= CONCURRENCY:
-                    await self._apply(batch, now, out)
-                    batch = {}
-        if batch:
-            await self._apply(batch, now, out)
+        source = iter(records)
+        first: Record | None = None
+        applying: asyncio.Future[None] | None = None
+        # The cyclic garbage collector waits meanwhile: each of its full passes walked the
+        # thousands of objects of the windows in flight (measured: a third of the
+        # restore's Python time at 100,000 decisions); what a restore makes is freed by
+        # reference counting, none of it is cyclic.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while True:
+                window, first = await self._window(source, first, now, out)
+                if applying is not None:
+                    await applying
+                    applying = None
+                if not window.keys:
+                    break
+                applying = asyncio.ensure_future(self._apply(window, now, out))
+        finally:
+            if applying is not None:
+                applying.cancel()
+            if collecting:
+                gc.enable()
         out.seconds = time.perf_counter() - started
         return out
 
-    async def _apply(self, batch: dict[str, list[Record]], now: int, out: Restored) -> None:
-        await asyncio.gather(*[self._apply_in_order(rs, now, out) for rs in batch.values()])
+    async def _window(self, source: Iterator[Open | Record], first: Record | None,
+                      now: int, out: Restored) -> tuple[_Window, Record | None]:
+        """The next window: `first`, then the source's records up to (without) the next
+        one of a ticket (player, draw) the window holds already, which is returned to start
+        the window after. Records stay in journal order from window to window, and inside
+        a window as far as they touch the same keys (a release before a later sale's count
+        on one counter: counted past the cap only if it really is). A sale reported again
+        (a replay, a look-up: the same sale id, right after) changes nothing: not applied
+        twice."""
+        window = _Window([], self.store.restore_tickets())
+        taken = 0
+        r = first
+        while len(window.keys) < WINDOW:
+            if r is None:
+                line = next(source, None)
+                if line is None:
+                    break
+                if isinstance(line, Open) or line.until <= now:
+                    continue
+                out.records += 1
+                r = line
+            key = _key_of(r)
+            held = window.keys.get(key)
+            if held is not None:
+                if held[:2] == (SaleRecord, getattr(r, "sale", "")) and type(r) is SaleRecord:
+                    window.tickets[held[2]].repeats += 1
+                    r = None
+                    continue
+                return window, r
+            game = self.catalog.get(r.game)
+            if game is None:
+                out.skipped += 1
+            elif isinstance(r, SaleRecord | VoidRecord):
+                window.keys[key] = (type(r), r.sale, len(window.tickets))
+                window.tickets.append(self._plan(r, game, window.steps))
+            else:
+                window.keys[key] = (type(r), "", -1)
+                window.others.append(r)
+            r = None
+            taken += 1
+            if taken % CHUNK == 0:
+                await asyncio.sleep(0)
+        return window, r
 
-    async def _apply_in_order(self, rs: list[Record], now: int, out: Restored) -> None:
-        for r in rs:
-            kind = await self.apply(r, now, out)
-            if kind:
-                out.count(kind)
-
-    async def apply(self, r: Record, now: int, out: Restored) -> str | None:
-        """Re-apply one record; the kind of what it put back, None when Redis had it."""
-        game = self.catalog.get(r.game)
-        if game is None:
-            out.skipped += 1
-            return None
-        if isinstance(r, CancelRecord):
-            return await self._cancel(game, r, now)
-        if isinstance(r, SaleRecord):
-            return await self._sale(game, r, out)
+    def _plan(self, r: SaleRecord | VoidRecord, game: Game, steps: TicketRestores
+              ) -> _Ticket:
+        """A ticket's record planned, its step added to the first round."""
+        sale = sale_of(r)
+        key = ticket_key(r.channel, r.ticket)
+        plan = (self.ledger.plan(r.channel, game, sale, r.sale, r.at)
+                if game.rules.daily_limit is not None and r.player is not None else None)
+        first, draws = r.first_draw, r.draws
         if isinstance(r, VoidRecord):
-            return await self._void(game, r)
+            steps.void(key, r.sale, self._given_back_aggregates(sale, r.game, first, draws))
+            return _Ticket("void", r.channel, r.ticket, r.sale, game, first, draws, key, sale,
+                           plan, ())
+        accepted = tuple(g.index for g in _outcomes(r.decision).grids
+                         if g.status == "accepted")
+        packed = self.store.sale_record(sale)
+        body = bytes(r.decision)
+        if isinstance(r, CancelRecord):
+            steps.cancel(key, r.sale, r.until, ticket_value(
+                r.until, b"k", r.fp, r.at, r.sale, packed, body, r.cancelled_at, r.released),
+                self._given_back_aggregates(sale, r.game, first, draws))
+            return _Ticket("cancel", r.channel, r.ticket, r.sale, game, first, draws, key,
+                           sale, plan, accepted)
+        value = aggregate_value(sale, set(accepted)) if accepted else None
+        steps.sale(key, r.sale, r.until,
+                   ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
+                   [(r.game, d, value, self._expire_at(game, d))
+                    for d in range(first, first + draws)] if value is not None else ())
+        return _Ticket("sale", r.channel, r.ticket, r.sale, game, first, draws, key, sale,
+                       plan, accepted, tuple(r.caps or ()))
+
+    @staticmethod
+    def _given_back_aggregates(sale: Sale, game: str, first: int, draws: int
+                               ) -> list[tuple[str, int]]:
+        """The aggregates a sale given back leaves (`Ledger.aggregates` with none accepted)."""
+        if aggregate_value(sale, set()) is None:
+            return []
+        return [(game, d) for d in range(first, first + draws)]
+
+    def _expire_at(self, game: Game, draw: int) -> int:
+        found = self._expiries.get((game.rules.id, draw))
+        if found is None:
+            found = self._expiries[(game.rules.id, draw)] = game.expire_at(draw)
+        return found
+
+    async def _apply(self, window: _Window, now: int, out: Restored) -> None:
+        """The window's three rounds (see the module's docstring), and its other records."""
+        others = asyncio.ensure_future(replies_of(
+            [asyncio.ensure_future(self._other(r, now)) for r in window.others]))
+        try:
+            codes = await window.steps.replies()
+            counts, budgets = self.store.restore_counts(), self.store.restore_budgets()
+            caps = await self._caps_to_give_back(window.tickets)
+            for t, code in zip(window.tickets, codes, strict=True):
+                t.code = code
+                if t.gives_back:
+                    if code != "n" or t.kind == "cancel":
+                        self._give_back(t, counts, budgets, caps)
+                elif code != "c":  # a sale (not cancelled since)
+                    self._count(t, counts, budgets)
+            counted, budgeted = await asyncio.gather(counts.replies(), budgets.replies())
+            await replies_of([f for t in window.tickets for f in t.fixing])
+            follow: list[Any] = []
+            grid_replies, budget_replies = iter(counted), iter(budgeted)
+            for t in window.tickets:
+                grids = [next(grid_replies) for _ in t.counted]
+                budget = next(budget_replies) if t.budget else (0, 0)
+                if t.gives_back:
+                    follow += self._given_back(t, grids, budget, out)
+                elif t.code != "c":
+                    follow += self._counted(t, grids, budget, out)
+            await replies_of(follow)
+            for kind in await others:
+                if kind:
+                    out.count(kind)
+        finally:
+            others.cancel()
+
+    async def _caps_to_give_back(self, tickets: list[_Ticket]
+                                 ) -> dict[tuple[str, int, int], str | int]:
+        """The caps in force that releases of the window's cancels and voids pass."""
+        wanted = {(t.game.rules.id, t.first, t.draws): t.game for t in tickets
+                  if t.gives_back and any(g.capped for g in t.sale.grids)}
+        found = await asyncio.gather(*[self.caps.argument(game, first, draws, fix=False)
+                                       for (_, first, draws), game in wanted.items()])
+        return dict(zip(wanted, found, strict=True))
+
+    def _count(self, t: _Ticket, counts: CountRestores, budgets: BudgetRestores) -> None:
+        """A sale's second round: its accepted capped grids, its draws' caps, its budget."""
+        game, rules = t.game, t.game.rules
+        gid, first = rules.id, t.first
+        t.counted = tuple(g for g in t.sale.grids if g.capped and g.index in t.accepted)
+        if t.counted:
+            caps = caps_argument(t.caps or [rules.cap_limit or 0], None)
+            expiries = [self._expire_at(game, d) for d in range(first, first + t.draws)]
+            for g in t.counted:
+                counts.grid(gid, g.combo, record_field(t.sale_id, g.index), g.stake, caps,
+                            rules.min_stake, first, expiries)
+        fixing = []
+        for i, cap in enumerate(t.caps):
+            if (gid, first + i) not in self._caps_fixed:
+                self._caps_fixed.add((gid, first + i))
+                fixing.append(self.store.fix_cap(gid, first + i, cap,
+                                                 self._expire_at(game, first + i)))
+        t.fixing = tuple(fixing)
+        plan = t.plan
+        if plan is not None:
+            accepted = set(t.accepted)
+            settle = plan.settlement(t.sale, accepted)
+            take = plan.shares(t.sale, accepted) if accepted else None
+            if take is not None or settle is not None:
+                budgets.budget(plan.player, plan.ref, plan.regulatory, plan.until, take,
+                               settle, final=not accepted)
+                t.budget = True
+
+    def _counted(self, t: _Ticket, grids: list[Any], budget: tuple[int, int],
+                 out: Restored) -> list[Any]:
+        """What a sale's rounds put back, counted; its sold-out marks to send."""
+        if t.code == "o":
+            out.other_sale += 1 + t.repeats  # one a record, as one record at a time counts
+            log.error("restore: ticket %s of channel %s now holds another sale than the one "
+                      "journaled (claimed again after Redis lost it); the journaled sale's "
+                      "stakes are counted too", t.ticket, t.channel)
+        put_back = (t.code == "w" or any(f.result() is None for f in t.fixing)
+                    or any(budget))
+        gid = t.game.rules.id
+        marks = []
+        for g, (letter, over, offsets) in zip(t.counted, grids, strict=True):
+            if letter == "0":
+                continue
+            put_back = True
+            out.grids += 1
+            if over:
+                out.over_cap += over
+                self.on_over_cap(gid, over)
+                log.warning("restore: ticket %s grid %d counted again past the cap on %d "
+                            "draw(s) (it was sold before Redis lost it)", t.ticket, g.index,
+                            over)
+            marks += [self.store.mark_sold_out(gid, t.first + o, g.combo,
+                                               self._expire_at(t.game, t.first + o))
+                      for o in offsets]
+        if put_back:
+            out.count("sale")
+        return marks
+
+    def _give_back(self, t: _Ticket, counts: CountRestores, budgets: BudgetRestores,
+                   caps: dict[tuple[str, int, int], str | int]) -> None:
+        """A cancel's or a void's second round: every capped grid released (and sealed),
+        the whole budget given back."""
+        rules = t.game.rules
+        first, draws = t.first, t.draws
+        t.counted = tuple(g for g in t.sale.grids if g.capped)
+        for g in t.counted:
+            counts.release(rules.id, g.combo, record_field(t.sale_id, g.index),
+                           caps[(rules.id, first, draws)], rules.min_stake, first, draws,
+                           self._expire_at(t.game, first + draws - 1))
+        plan = t.plan
+        if plan is not None:
+            budgets.budget(plan.player, plan.ref, plan.regulatory, plan.until, None,
+                           plan.shares(t.sale, set()), final=True)
+            t.budget = True
+
+    def _given_back(self, t: _Ticket, grids: list[Any], budget: tuple[int, int],
+                    out: Restored) -> list[Any]:
+        """What a cancel's or a void's rounds gave back, counted; its last steps to send."""
+        gid = t.game.rules.id
+        reopened = [self.store.feed_reopened(gid, t.first + o, g.combo,
+                                             self._expire_at(t.game, t.first + o))
+                    for g, (_, _, offsets) in zip(t.counted, grids, strict=True)
+                    for o in offsets]
+        given = sum(amount for _, amount, _ in grids) + budget[1]
+        if t.kind == "cancel":
+            if t.code in "kK" or given:
+                out.count("cancel")
+            return [*reopened, asyncio.ensure_future(self._cancelled(t))]
+        if given or t.code == "u":
+            out.count("void")
+        if t.code == "u":
+            reopened.append(asyncio.ensure_future(self.store.unclaim(t.key, t.sale_id)))
+        return reopened
+
+    async def _cancelled(self, t: _Ticket) -> None:
+        """A cancel's end, once all it took is given back: the ticket cancelled (taking a
+        one-call sale's stakes out of its aggregates) and out of the pending index."""
+        if t.code in "kK":
+            one_call = (self.ledger.one_call_aggregates(t.key, t.game, t.sale)
+                        if t.code == "K" else None)
+            await self.store.cancelled(t.key, t.sale_id, one_call)
+        if t.code in "kKc":
+            await self.store.unindex(t.key)  # journaled already (by an earlier run: the same)
+
+    async def _other(self, r: Record, now: int) -> str | None:
+        """Re-apply a stop, a cap, a limit or a stake; the kind of what it put back, None
+        when Redis had it."""
+        game = self.catalog.get(r.game)
+        assert game is not None
         if isinstance(r, StopRecord):
             stops = await self.store.stops(r.game, r.draw, 1)
             if stops[0] is not None:
@@ -184,111 +498,6 @@ class Restorer:
             return "stake" if reply == [1, 0] else None
         return None
 
-    async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
-        """The ticket first (written decided if Redis lacks it: from then on no janitor
-        settles it), then, in one round trip, its grids, the draws' caps, the player's
-        budget and the draws' aggregates."""
-        sale = sale_of(r)
-        key = ticket_key(r.channel, r.ticket)
-        written = await self.store.restore_ticket(key, r.sale, r.fp, r.at,
-                                                  self.store.sale_record(sale),
-                                                  bytes(r.decision), r.until)
-        kind = written[0]
-        if kind == b"cancelled":
-            return None  # cancelled since: its release stands
-        if kind == b"other":
-            out.other_sale += 1
-            log.error("restore: ticket %s of channel %s now holds another sale than the one "
-                      "journaled (claimed again after Redis lost it); the journaled sale's "
-                      "stakes are counted too", r.ticket, r.channel)
-        put_back = kind == b"written"
-        decision = _decision(r.decision)
-        accepted = accepted_grids(decision)
-        grids = [g for g in sale.grids if g.capped and g.index in accepted]
-        caps = caps_argument(r.caps or [game.rules.cap_limit or 0], None)
-        calls: list[asyncio.Future[Any] | None] = [
-            self.store.restore_grid(r.game, g.combo, record_field(r.sale, g.index), g.stake,
-                                    caps, game.rules.min_stake, r.first_draw,
-                                    game.expiries(r.first_draw, r.draws))
-            for g in grids]
-        fixing = [(r.first_draw + i, cap) for i, cap in enumerate(r.caps or ())
-                  if (r.game, r.first_draw + i) not in self._caps_fixed]
-        self._caps_fixed.update((r.game, d) for d, _ in fixing)
-        calls += [self.store.fix_cap(r.game, d, cap, game.expire_at(d)) for d, cap in fixing]
-        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-        taking = plan is not None and bool(accepted)
-        if plan is not None and accepted:
-            calls.append(self.ledger.players.reserve(
-                plan.player, plan.ref, plan.regulatory, plan.until,
-                plan.shares(sale, accepted), restore=True))
-        if kind == b"written" and accepted:
-            calls += self.ledger.aggregates(key, game, sale, r.sale, accepted)
-        replies = await replies_of(calls)
-        n = len(grids)
-        put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
-        if taking:
-            put_back = put_back or replies[n + len(fixing)] == [1, 0]
-        if plan is not None:
-            # Redis may hold the budget the sale first took (its requested cost) without the
-            # settlement its decision made: the budget holds what the decision accepted.
-            settled = self.ledger.settle_budget(plan, sale, accepted)
-            if settled is not None and int(await settled):
-                put_back = True
-        if grids:
-            marks = []
-            for g, reply in zip(grids, replies[:n], strict=True):
-                if reply[0] != 1:
-                    continue
-                put_back = True
-                out.grids += 1
-                over = int(reply[1])
-                if over:
-                    out.over_cap += over
-                    self.on_over_cap(r.game, over)
-                    log.warning("restore: ticket %s grid %d counted again past the cap on %d "
-                                "draw(s) (it was sold before Redis lost it)", r.ticket,
-                                g.index, over)
-                marks += [self.store.mark_sold_out(r.game, r.first_draw + int(o), g.combo,
-                                                   game.expire_at(r.first_draw + int(o)))
-                          for o in reply[2:]]
-            if marks:
-                await replies_of(marks)
-        return "sale" if put_back else None
-
-    async def _cancel(self, game: Game, r: CancelRecord, now: int) -> str | None:
-        sale = sale_of(r)
-        key = ticket_key(r.channel, r.ticket)
-        state, sid = (await self.store.ticket(key))[0:4:3]
-        ours = state is None or sid.decode() == r.sale
-        cancelling: list[Any] | None = None
-        if ours and state != b"c":
-            await self.store.index(key, now, r.until)  # the janitor finishes what we do not
-            reply = await self.store.restore_ticket(key, r.sale, r.fp, r.at,
-                                                    self.store.sale_record(sale),
-                                                    bytes(r.decision), r.until,
-                                                    r.cancelled_at, r.released)
-            cancelling = reply if reply[0] == b"cancelling" else None
-        given = await self.ledger.give_back(
-            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
-        if cancelling is not None:
-            one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
-            await self.store.cancelled(key, r.sale, one_call)
-        if cancelling is not None or (ours and state == b"c"):
-            await self.store.unindex(key)  # journaled already (by an earlier run: the same)
-        return "cancel" if cancelling is not None or given else None
-
-    async def _void(self, game: Game, r: VoidRecord) -> str | None:
-        sale = sale_of(r)
-        key = ticket_key(r.channel, r.ticket)
-        state, sid = (await self.store.ticket(key))[0:4:3]
-        if state is not None and (sid.decode() != r.sale or state not in (b"p", b"x")):
-            return None  # decided, or another sale: nothing of this one to give back
-        given = await self.ledger.give_back(
-            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
-        if state is not None:
-            await self.store.unclaim(key, r.sale)
-        return "void" if given or state is not None else None
-
 
 def _key_of(r: Record) -> str:
     """What orders records: one ticket's (or one player's, one draw's) in journal order."""
@@ -297,15 +506,6 @@ def _key_of(r: Record) -> str:
     if isinstance(r, LimitRecord | StakeRecord):
         return f"p/{r.player}"
     return f"d/{r.game}/{r.draw}"
-
-
-def _take(reader: Any, n: int) -> list[Any]:
-    out = []
-    for item in reader:
-        out.append(item)
-        if len(out) >= n:
-            break
-    return out
 
 
 async def identities(store: Store) -> list[str | None]:
