@@ -209,6 +209,10 @@ class Store:
             self.legacy_keys, self.layout_settled = False, True
         return self.layout_settled
 
+    async def key_count(self) -> int:
+        """The keys of every primary (DBSIZE), together."""
+        return sum(int(n) for n in await self.redis.broadcast("DBSIZE"))
+
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
         return all(bool(r) for r in replies)
@@ -634,55 +638,58 @@ def _tag(key: str) -> str:
     return key[key.index("{") + 1:key.index("}")]
 
 
-class _Call:
-    __slots__ = ("args", "keys", "ops", "replies")
-
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-        self.args: list[Any] = []
-        self.ops = 0
-        self.replies: list[Any] = []
-
-
 class _Bulk:
     """Ops of one bulk restore function (lua/capsvc.lua, THE BULK RESTORE), sent many per
     FCALL, all calls at once: on one Redis, up to RESTORE_OPS_PER_CALL ops a call; on a
-    cluster, a call per hash tag (a call touches one slot). `replies()` gives each op's
-    reply in the order the ops were added."""
+    cluster, calls per hash tag (a call touches one slot). `replies()` gives each op's reply
+    in the order the ops were added."""
 
     function = ""
+    by_first_key = False
+    """Whether a call's ops may be put in the order of their first keys (ops on one key
+    stay in the order they were added): their function does less when ops on one key
+    follow one another."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._tagged = not store.single_node
-        self._open: dict[str, _Call] = {}
-        self._calls: list[_Call] = []
-        self._where: list[tuple[_Call, int]] = []
+        self._ops: dict[str, list[tuple[list[str], list[Any]]]] = {}
+        self._where: list[tuple[str, int]] = []
 
     def __len__(self) -> int:
         return len(self._where)
 
     def _add(self, keys: list[str], args: list[Any]) -> None:
         tag = _tag(keys[0]) if self._tagged else ""
-        call = self._open.get(tag)
-        if call is None or call.ops == RESTORE_OPS_PER_CALL:
-            call = self._open[tag] = _Call()
-            self._calls.append(call)
-        self._where.append((call, call.ops))
-        call.ops += 1
-        call.keys += keys
-        call.args += args
+        ops = self._ops.get(tag)
+        if ops is None:
+            ops = self._ops[tag] = []
+        self._where.append((tag, len(ops)))
+        ops.append((keys, args))
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         raise NotImplementedError
 
     async def replies(self) -> list[Any]:
-        calls = self._calls
+        calls: list[tuple[str, list[int], list[str], list[Any]]] = []
+        for tag, ops in self._ops.items():
+            order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
+                     if self.by_first_key else range(len(ops)))
+            for start in range(0, len(ops), RESTORE_OPS_PER_CALL):
+                placed = list(order[start:start + RESTORE_OPS_PER_CALL])
+                keys: list[str] = []
+                args: list[Any] = []
+                for i in placed:
+                    keys += ops[i][0]
+                    args += ops[i][1]
+                calls.append((tag, placed, keys, args))
         fcall, function = self._store.fcall, self.function
-        for call, reply in zip(calls, await replies_of(
-                [fcall(function, call.keys, call.args) for call in calls]), strict=True):
-            call.replies = self._split(reply, call.ops)
-        return [call.replies[i] for call, i in self._where]
+        replies = await replies_of([fcall(function, keys, args) for _, _, keys, args in calls])
+        found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
+        for (tag, placed, _, _), reply in zip(calls, replies, strict=True):
+            for i, one in zip(placed, self._split(reply, len(placed)), strict=True):
+                found[tag][i] = one
+        return [found[tag][i] for tag, i in self._where]
 
 
 class TicketRestores(_Bulk):
@@ -690,6 +697,7 @@ class TicketRestores(_Bulk):
     batch. Each op's reply is a letter (see the function)."""
 
     function = "capsvc_restore_tickets"
+    by_first_key = True
 
     def sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
              aggregates: Sequence[tuple[str, int, str, int]] = ()) -> None:

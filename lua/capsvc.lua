@@ -1243,13 +1243,21 @@ this brought to their cap), {0} when the record was there. ]]
 -- the offsets of those this brought to it (nil: none). `seen`: extend()'s of this call.
 local function count_back(buckets, field, combo, stake, caps, min_stake, expiries, seen)
   local n = #buckets
-  -- The record is the fence: written first, in the same atomic call as the counts.
-  if redis.call('HSETNX', buckets[n], field, stake) == 0 then
+  -- The record is the fence; the last draw's counter is read with it and written with it
+  -- (one write for both: a write costs Redis more than a read).
+  local last = redis.call('HMGET', buckets[n], field, combo)
+  if last[1] then
     return nil
   end
   local over, sold = 0, nil
   for i = 1, n do
-    local total = redis.call('HINCRBY', buckets[i], combo, stake)
+    local total
+    if i < n then
+      total = redis.call('HINCRBY', buckets[i], combo, stake)
+    else
+      total = (tonumber(last[2]) or 0) + stake
+      redis.call('HSET', buckets[n], field, stake, combo, total)
+    end
     extend_once(seen, buckets[i], tonumber(expiries[i]))
     if total > caps[i] then
       over = over + 1
@@ -1298,13 +1306,15 @@ end
 
 --[[ THE BULK RESTORE. A Redis that lost everything takes back a journal of millions of
 decisions: hundreds of ops per FCALL (on a cluster, a call per slot: a call touches one
-slot), and as few commands per decision as can be (each costs about a microsecond of Redis
-CPU: a new ticket record is one HSETNX, a key's TTL is looked at once per call). Each op
-does what the single function above does, compared and fenced the same way. The caller
-never puts two records of one ticket in one call (the next waits for this one's answer), so
-the ops of a call need no order among them but the order of the ops on one key, which the
-caller keeps (the journal's). Each op takes its keys from KEYS in turn (KEYS: the ops'
-keys, one op after another) and its fields from ARGV, after its letter. ]]
+slot), and as few commands per decision as can be (a command costs Redis about a
+microsecond, a write more than a read: the new records of a ticket bucket are one HMGET and
+one HSET, a grid's record and its last draw's counter one HMGET and one HSET, a key's TTL
+is looked at once per call). Each op does what the single function above does, compared and
+fenced the same way. The caller never puts two records of one ticket in one call (the next
+waits for this one's answer), so the ops of a call need no order among them but the order
+of the ops on one key, which the caller keeps (the journal's). Each op takes its keys from
+KEYS in turn (KEYS: the ops' keys, one op after another) and its fields from ARGV, after
+its letter. ]]
 
 local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 
@@ -1351,7 +1361,9 @@ releases, then unclaims). Returns one letter per op, in order:
 local function restore_tickets(keys, args)
   local now = now_ms()
   local codes, seen = {}, {}
-  local fresh, legacy = {}, {}  -- sales that may go straight into their bucket; their keys
+  -- Sales that may go straight into their bucket, by bucket (`order`: the buckets), and
+  -- the keyed records they would be read from too.
+  local fresh, order, legacy = {}, {}, {}
   local i, k, n = 1, 1, 0
   while i <= #args do
     n = n + 1
@@ -1360,7 +1372,13 @@ local function restore_tickets(keys, args)
       local aggs = tonumber(args[i + 5])
       if string.byte(k1, 1) == R and tonumber(args[i + 2]) > now then
         -- The bucketed layout, a record that lives: below, once keyed records are known.
-        fresh[#fresh + 1] = {n, i, k}
+        local group = fresh[k1]
+        if not group then
+          group = {}
+          fresh[k1] = group
+          order[#order + 1] = k1
+        end
+        group[#group + 1] = {n, i, k}
         if k2 ~= k1 then
           legacy[#legacy + 1] = k2
         end
@@ -1408,22 +1426,47 @@ local function restore_tickets(keys, args)
   end
   -- Keyed records (of a release before buckets): seldom any; one look for all of them.
   local keyed = #legacy > 0 and redis.call('EXISTS', unpack(legacy)) > 0
-  for _, sale in ipairs(fresh) do
-    local at, kk = sale[2], sale[3]
-    local bucket, key, field = keys[kk], keys[kk + 1], args[at + 1]
-    local exp = tonumber(args[at + 2])
-    local code
-    if not (keyed and key ~= bucket and redis.call('EXISTS', key) == 1)
-        and redis.call('HSETNX', bucket, field, args[at + 3]) == 1 then
-      code = 'w'
-      extend_once(seen, bucket, exp, BUCKET_SLACK_MS)
-    else  -- a record of the ticket, live or not: compared as restore_ticket compares it
-      code = sale_back(bucket, key, field, exp, args[at + 3])
+  for _, bucket in ipairs(order) do
+    local group = fresh[bucket]
+    -- The bucket's records of these tickets: one HSETNX for one, else one HMGET and one HSET
+    -- for all (a write costs Redis more than a read, and a command more than a field).
+    local held = {false}
+    if #group > 1 then
+      local fields = {}
+      for j, sale in ipairs(group) do
+        fields[j] = args[sale[2] + 1]
+      end
+      held = redis.call('HMGET', bucket, unpack(fields))
     end
-    codes[sale[1]] = code
-    if code == 'w' then
-      aggregates_back(keys, kk + 2, tonumber(args[at + 5]), args, at + 6, args[at + 4],
-                      false, seen)
+    local new, latest = {}, 0
+    for j, sale in ipairs(group) do
+      local at, kk = sale[2], sale[3]
+      local key, field, record = keys[kk + 1], args[at + 1], args[at + 3]
+      local exp = tonumber(args[at + 2])
+      local code
+      if held[j] or (keyed and key ~= bucket and redis.call('EXISTS', key) == 1)
+          or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
+        -- A record of the ticket, live or not: compared as restore_ticket compares it.
+        code = sale_back(bucket, key, field, exp, record)
+      else
+        code = 'w'
+        if #group > 1 then
+          new[#new + 1] = field
+          new[#new + 1] = record
+        end
+        latest = math.max(latest, exp)
+      end
+      codes[sale[1]] = code
+      if code == 'w' then
+        aggregates_back(keys, kk + 2, tonumber(args[at + 5]), args, at + 6, args[at + 4],
+                        false, seen)
+      end
+    end
+    if #new > 0 then
+      redis.call('HSET', bucket, unpack(new))
+    end
+    if latest > 0 then
+      extend_once(seen, bucket, latest, BUCKET_SLACK_MS)
     end
   end
   return table.concat(codes)

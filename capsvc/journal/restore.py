@@ -71,11 +71,16 @@ from capsvc.validator import Sale, SaleGrid
 
 log = logging.getLogger(__name__)
 
-WINDOW = 16_384
+WINDOW = 32_768
 """Records applied together (each window in three rounds of bulk calls)."""
 CHUNK = 256
 """Records decoded and planned between two turns of the event loop (the replies of the
 window being applied are read meanwhile)."""
+LAYOUT_SCAN_KEYS = 1_000_000
+"""A restore into a Redis of at most this many keys first scans it for ticket records of
+the keyed layout (Store.settle_layout: a few hundred milliseconds at most); when there is
+none, a new record goes straight into its bucket, without a look for a key of its ticket
+(which costs Redis about as much as writing the record)."""
 MARGIN_S = 2 * 86_400
 """Journal files last written this much before the oldest decision that can still be
 retained are read too (the host's clock judges a file's age; a record's own expiry is
@@ -209,7 +214,10 @@ class Restorer:
         done."""
         started = time.perf_counter()
         out = Restored()
-        now = await self.store.time_ms()
+        store = self.store
+        if not store.layout_settled and await store.key_count() <= LAYOUT_SCAN_KEYS:
+            await store.settle_layout()
+        now = await store.time_ms()
         source = iter(records)
         first: Record | None = None
         applying: asyncio.Future[None] | None = None
