@@ -155,6 +155,8 @@ class _Ticket(msgspec.Struct, gc=False):
     """The draws' caps this sale fixes."""
     repeats: int = 0
     """The sale's records right after this one, reporting it again (not applied again)."""
+    place: int = 0
+    """The record's place in its window."""
 
     @property
     def gives_back(self) -> bool:
@@ -169,8 +171,11 @@ class _Window:
     tickets: list[_Ticket]
     steps: TicketRestores
     """The first round's ops (the tickets' records), added as records are planned."""
+    caps: list[tuple[int, CapRecord]] = field(default_factory=list)
+    """Caps, with their place in the window: fixed in the second round, in journal order
+    with the sales' (the first to fix a draw's cap puts it back)."""
     others: list[Record] = field(default_factory=list)
-    """Stops, caps, limits, stakes: applied one by one, beside the rounds."""
+    """Stops, limits, stakes: applied one by one, beside the rounds."""
     keys: dict[str, tuple[type, str, int]] = field(default_factory=dict)
     """The ticket (player, draw) of each record, with the record's type, sale id and place
     in `tickets` (-1: one of `others`)."""
@@ -278,10 +283,15 @@ class Restorer:
                 out.skipped += 1
             elif isinstance(r, SaleRecord | VoidRecord):
                 window.keys[key] = (type(r), r.sale, len(window.tickets))
-                window.tickets.append(self._plan(r, game, window.steps))
+                t = self._plan(r, game, window.steps)
+                t.place = len(window.keys)
+                window.tickets.append(t)
             else:
                 window.keys[key] = (type(r), "", -1)
-                window.others.append(r)
+                if isinstance(r, CapRecord):
+                    window.caps.append((len(window.keys), r))
+                else:
+                    window.others.append(r)
             r = None
             taken += 1
             if taken % CHUNK == 0:
@@ -347,8 +357,12 @@ class Restorer:
                         self._give_back(t, counts, budgets, caps)
                 elif code != "c":  # a sale (not cancelled since)
                     self._count(t, counts, budgets)
+            fixed = self._fix_caps(window)
             counted, budgeted = await asyncio.gather(counts.replies(), budgets.replies())
-            await replies_of([f for t in window.tickets for f in t.fixing])
+            await replies_of([f for t in window.tickets for f in t.fixing] + fixed)
+            for f in fixed:
+                if f.result() is None:
+                    out.count("cap")
             follow: list[Any] = []
             grid_replies, budget_replies = iter(counted), iter(budgeted)
             for t in window.tickets:
@@ -385,13 +399,6 @@ class Restorer:
             for g in t.counted:
                 counts.grid(gid, g.combo, record_field(t.sale_id, g.index), g.stake, caps,
                             rules.min_stake, first, expiries)
-        fixing = []
-        for i, cap in enumerate(t.caps):
-            if (gid, first + i) not in self._caps_fixed:
-                self._caps_fixed.add((gid, first + i))
-                fixing.append(self.store.fix_cap(gid, first + i, cap,
-                                                 self._expire_at(game, first + i)))
-        t.fixing = tuple(fixing)
         plan = t.plan
         if plan is not None:
             accepted = set(t.accepted)
@@ -401,6 +408,28 @@ class Restorer:
                 budgets.budget(plan.player, plan.ref, plan.regulatory, plan.until, take,
                                settle, final=not accepted)
                 t.budget = True
+
+    def _fix_caps(self, window: _Window) -> list[asyncio.Future[Any]]:
+        """Fix the draws' caps that the window's sales (not cancelled since) and cap records
+        carry, in journal order: the first to fix one puts it back. A sale fixes a draw
+        only if no sale of this restore fixed it before. Returns the cap records' calls."""
+        placed: list[tuple[int, _Ticket | CapRecord]] = [
+            (t.place, t) for t in window.tickets if t.kind == "sale" and t.code != "c"
+            and t.caps]
+        placed += window.caps
+        records = []
+        for _, item in sorted(placed, key=lambda one: one[0]):
+            if isinstance(item, CapRecord):
+                records.append(self.store.fix_cap(item.game, item.draw, item.cap, item.until))
+                continue
+            gid, fixing = item.game.rules.id, []
+            for draw, cap in enumerate(item.caps, item.first):
+                if (gid, draw) not in self._caps_fixed:
+                    self._caps_fixed.add((gid, draw))
+                    fixing.append(self.store.fix_cap(gid, draw, cap,
+                                                     self._expire_at(item.game, draw)))
+            item.fixing = tuple(fixing)
+        return records
 
     def _counted(self, t: _Ticket, grids: list[Any], budget: tuple[int, int],
                  out: Restored) -> list[Any]:
@@ -479,8 +508,8 @@ class Restorer:
             await self.store.unindex(t.key)  # journaled already (by an earlier run: the same)
 
     async def _other(self, r: Record, now: int) -> str | None:
-        """Re-apply a stop, a cap, a limit or a stake; the kind of what it put back, None
-        when Redis had it."""
+        """Re-apply a stop, a limit or a stake; the kind of what it put back, None when
+        Redis had it."""
         game = self.catalog.get(r.game)
         assert game is not None
         if isinstance(r, StopRecord):
@@ -489,9 +518,6 @@ class Restorer:
                 return None
             await self.store.stop(r.game, r.draw, r.until, r.at)
             return "stop"
-        if isinstance(r, CapRecord):
-            before = await self.store.fix_cap(r.game, r.draw, r.cap, r.until)
-            return "cap" if before is None else None
         if isinstance(r, LimitRecord):
             pending = "none" if r.next_none else (None if r.next is None else str(r.next))
             written = await self.ledger.players.restore_limit(

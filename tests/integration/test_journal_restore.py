@@ -57,10 +57,11 @@ async def store(redis_backend: RedisServer | RedisCluster, redis_db: Any
 
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Catalog]:
-    """A journal of 1,500 decisions of the mixed sales (tests/journals.py) and its games."""
+    """A journal of 1,500 decisions of the mixed sales (tests/journals.py) in the files of two
+    processes, and its games."""
     root = tmp_path_factory.mktemp("mixed")
     catalog = Catalog(load_settings(write_config(root / "games.toml")).games)
-    asyncio.run(write_journal(root / "journal", catalog, 1_500, "mixed", seed=7))
+    asyncio.run(write_journal(root / "journal", catalog, 1_500, "mixed", seed=7, files=2))
     return root / "journal", catalog
 
 
