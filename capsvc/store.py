@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -641,8 +641,8 @@ def _tag(key: str) -> str:
 class _Bulk:
     """Ops of one bulk restore function (lua/capsvc.lua, THE BULK RESTORE), sent many per
     FCALL, all calls at once: on one Redis, up to RESTORE_OPS_PER_CALL ops a call; on a
-    cluster, calls per hash tag (a call touches one slot). `replies()` gives each op's reply
-    in the order the ops were added."""
+    cluster, calls per hash tag (a call touches one slot). `send()` sends them and gives each
+    op's reply, in the order the ops were added."""
 
     function = ""
     by_first_key = False
@@ -670,7 +670,10 @@ class _Bulk:
     def _split(self, reply: Any, ops: int) -> list[Any]:
         raise NotImplementedError
 
-    async def replies(self) -> list[Any]:
+    def send(self) -> Coroutine[Any, Any, list[Any]]:
+        """Send every call now (behind what was sent before on each node's connection, and
+        before what is sent after); the awaitable of each op's reply, in the order the ops
+        were added."""
         calls: list[tuple[str, list[int], list[str], list[Any]]] = []
         for tag, ops in self._ops.items():
             order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
@@ -684,9 +687,13 @@ class _Bulk:
                     args += ops[i][1]
                 calls.append((tag, placed, keys, args))
         fcall, function = self._store.fcall, self.function
-        replies = await replies_of([fcall(function, keys, args) for _, _, keys, args in calls])
+        return self._replies(calls, [fcall(function, keys, args)
+                                     for _, _, keys, args in calls])
+
+    async def _replies(self, calls: list[tuple[str, list[int], list[str], list[Any]]],
+                       sent: list[asyncio.Future[Any]]) -> list[Any]:
         found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
-        for (tag, placed, _, _), reply in zip(calls, replies, strict=True):
+        for (tag, placed, _, _), reply in zip(calls, await replies_of(sent), strict=True):
             for i, one in zip(placed, self._split(reply, len(placed)), strict=True):
                 found[tag][i] = one
         return [found[tag][i] for tag, i in self._where]

@@ -5,8 +5,9 @@ functions a sale makes it with (validation, the decision's body), against caps k
 `one-grid`: every ticket one capped grid of 8-10 numbers, an allowed stake, one draw (the
 one-grid sale mix). `mixed`: 1-5 grids of 2-10 numbers, a hot set of combinations driven
 to their cap (partial and rejected decisions), 15 % subscriptions, the player-limited game
-(budgets, a ticket refused by the player's limit), replays, cancels, voids (some followed by
-a new sale of the same ticket id), stops, caps, self-limits and other games' stakes.
+(budgets, a ticket refused by the player's limit), replays, cancels (of tickets just sold),
+voids (some followed by a new sale of the same ticket id), stops, caps, self-limits and
+other games' stakes.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
         r = rng.random()
         if r < 0.05:  # a replay, a GET: the same decision again
             yield "sale", ("replay", "fr-retail", sale, sid, at, body, until, caps)
-        elif r < 0.07 and sold:  # a cancel of an earlier ticket
-            g, s, ssid, sat, sbody, acc = sold.pop(rng.randrange(len(sold)))
+        elif r < 0.07 and sold:  # a cancel of one of the last tickets sold
+            g, s, ssid, sat, sbody, acc = sold.pop(rng.randrange(max(0, len(sold) - 100),
+                                                                 len(sold)))
             if acc and s.draws == 1:
                 model.give_back(s, acc)
                 released = msgspec.json.decode(sbody)["total_cost"]
@@ -199,6 +201,8 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
         elif r < 0.082:
             d = current[rules.id] + rng.randint(rules.sales_horizon - 9, rules.sales_horizon)
             yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
+            if rng.random() < 0.1:  # reported again (another process journals it too)
+                yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
 
 
 async def write_journal(directory: Path, catalog: Catalog, n: int, mix: str = "one-grid",

@@ -157,6 +157,8 @@ class _Ticket(msgspec.Struct, gc=False):
     """The sale's records right after this one, reporting it again (not applied again)."""
     place: int = 0
     """The record's place in its window."""
+    after: bool = False
+    """A cancel of a sale the window holds: its ticket's step follows the sale's."""
 
     @property
     def gives_back(self) -> bool:
@@ -166,11 +168,14 @@ class _Ticket(msgspec.Struct, gc=False):
 
 @dataclass(slots=True)
 class _Window:
-    """Records applied together: one per ticket, player or draw (`_key_of`)."""
+    """Records applied together: one per ticket, player or draw (`_key_of`), but a sale's
+    cancel after it (see `Restorer._window`)."""
 
     tickets: list[_Ticket]
     steps: TicketRestores
     """The first round's ops (the tickets' records), added as records are planned."""
+    after: TicketRestores
+    """The first round's ops of the cancels of sales the window holds, sent after `steps`."""
     caps: list[tuple[int, CapRecord]] = field(default_factory=list)
     """Caps, with their place in the window: fixed in the second round, in journal order
     with the sales' (the first to fix a draw's cap puts it back)."""
@@ -251,14 +256,17 @@ class Restorer:
 
     async def _window(self, source: Iterator[Open | Record], first: Record | None,
                       now: int, out: Restored) -> tuple[_Window, Record | None]:
-        """The next window: `first`, then the source's records up to (without) the next
-        one of a ticket (player, draw) the window holds already, which is returned to start
-        the window after. Records stay in journal order from window to window, and inside
-        a window as far as they touch the same keys (a release before a later sale's count
-        on one counter: counted past the cap only if it really is). A sale reported again
-        (a replay, a look-up: the same sale id, right after) changes nothing: not applied
-        twice."""
-        window = _Window([], self.store.restore_tickets())
+        """The next window: `first`, then the source's records up to (without) the next one
+        of a ticket (player, draw) the window holds already, which is returned to start the
+        window after. So records stay in journal order from window to window, and inside a
+        window on each key they share (a cancel's release comes before a later sale's count
+        on one counter: nothing is counted past the cap that is not). But three records of
+        a ticket whose sale the window holds stay in it, as equal to applying them in turn:
+        the sale reported again (a replay, a look-up: not applied twice), its cancel (its
+        ticket's step sent after the sale's, its releases after the sale's counts), and the
+        cancel reported again (nothing left to do); and a draw's stop reported again. A
+        draw's caps do not end a window: they are fixed in journal order in it."""
+        window = _Window([], self.store.restore_tickets(), self.store.restore_tickets())
         taken = 0
         r = first
         while len(window.keys) < WINDOW:
@@ -270,33 +278,45 @@ class Restorer:
                     continue
                 out.records += 1
                 r = line
-            key = _key_of(r)
-            held = window.keys.get(key)
-            if held is not None:
-                if held[:2] == (SaleRecord, getattr(r, "sale", "")) and type(r) is SaleRecord:
-                    window.tickets[held[2]].repeats += 1
-                    r = None
-                    continue
-                return window, r
-            game = self.catalog.get(r.game)
-            if game is None:
-                out.skipped += 1
-            elif isinstance(r, SaleRecord | VoidRecord):
-                window.keys[key] = (type(r), r.sale, len(window.tickets))
-                t = self._plan(r, game, window.steps)
-                t.place = len(window.keys)
-                window.tickets.append(t)
-            else:
-                window.keys[key] = (type(r), "", -1)
-                if isinstance(r, CapRecord):
-                    window.caps.append((len(window.keys), r))
-                else:
-                    window.others.append(r)
-            r = None
             taken += 1
             if taken % CHUNK == 0:
                 await asyncio.sleep(0)
+            game = self.catalog.get(r.game)
+            if game is None:
+                out.skipped += 1
+            elif isinstance(r, CapRecord):
+                window.caps.append((taken, r))
+            elif not self._take(r, game, window, taken):
+                return window, r
+            r = None
         return window, r
+
+    def _take(self, r: Record, game: Game, window: _Window, place: int) -> bool:
+        """Add `r` to the window (see `_window`); False when it must wait for the next."""
+        key = _key_of(r)
+        held = window.keys.get(key)
+        if held is not None:
+            kind, sale_id, at = held
+            if type(r) is StopRecord and kind is StopRecord:
+                return True  # the draw stopped again: nothing left to do
+            if getattr(r, "sale", None) != sale_id or not isinstance(r, SaleRecord):
+                return False
+            if type(r) is SaleRecord and kind is SaleRecord:
+                window.tickets[at].repeats += 1
+                return True
+            if type(r) is CancelRecord and kind is CancelRecord:
+                return True
+            if kind is not SaleRecord or window.tickets[at].after:
+                return False
+        if isinstance(r, SaleRecord | VoidRecord):
+            window.keys[key] = (type(r), r.sale, len(window.tickets))
+            t = self._plan(r, game, window.steps if held is None else window.after)
+            t.place, t.after = place, held is not None
+            window.tickets.append(t)
+        else:
+            window.keys[key] = (type(r), "", -1)
+            window.others.append(r)
+        return True
 
     def _plan(self, r: SaleRecord | VoidRecord, game: Game, steps: TicketRestores
               ) -> _Ticket:
@@ -347,18 +367,19 @@ class Restorer:
         others = asyncio.ensure_future(replies_of(
             [asyncio.ensure_future(self._other(r, now)) for r in window.others]))
         try:
-            codes = await window.steps.replies()
+            steps, after = window.steps.send(), window.after.send()
+            codes, later = iter(await steps), iter(await after)
             counts, budgets = self.store.restore_counts(), self.store.restore_budgets()
             caps = await self._caps_to_give_back(window.tickets)
-            for t, code in zip(window.tickets, codes, strict=True):
-                t.code = code
+            for t in window.tickets:
+                code = t.code = next(later if t.after else codes)
                 if t.gives_back:
                     if code != "n" or t.kind == "cancel":
                         self._give_back(t, counts, budgets, caps)
                 elif code != "c":  # a sale (not cancelled since)
                     self._count(t, counts, budgets)
             fixed = self._fix_caps(window)
-            counted, budgeted = await asyncio.gather(counts.replies(), budgets.replies())
+            counted, budgeted = await asyncio.gather(counts.send(), budgets.send())
             await replies_of([f for t in window.tickets for f in t.fixing] + fixed)
             for f in fixed:
                 if f.result() is None:
@@ -534,11 +555,14 @@ class Restorer:
 
 
 def _key_of(r: Record) -> str:
-    """What orders records: one ticket's (or one player's, one draw's) in journal order."""
+    """What orders records: one ticket's (one player's self-limits, one stake's, one draw's
+    stops) in journal order. Stakes of different refs add up in any order."""
     if isinstance(r, SaleRecord | VoidRecord):
         return f"t/{r.channel}/{r.ticket}"
-    if isinstance(r, LimitRecord | StakeRecord):
+    if isinstance(r, LimitRecord):
         return f"p/{r.player}"
+    if isinstance(r, StakeRecord):
+        return f"x/{r.channel}/{r.ref}/{r.player}"
     return f"d/{r.game}/{r.draw}"
 
 
