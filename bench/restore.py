@@ -16,14 +16,14 @@ over the command's wall time, start to end, its Python start included), Redis CP
 decision (INFO cpu), the restoring process's CPU per decision, and the ratio of this tree
 to REV. With --compare, whether both left the same data in Redis (every key's value and
 TTL; stream entries and index scores without their instants). With --ablation, where this
-tree's time goes (see `ablation`: it plans records with the restore's own, private, steps).
-Asserts nothing about speed.
+tree's time goes (see `ablation`). Asserts nothing about speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import platform
 import resource
@@ -44,6 +44,7 @@ from ab import REPO, checkout
 from capsvc.cluster import connect
 from capsvc.config import load_settings
 from capsvc.games import Catalog
+from capsvc.journal.planner import Planner
 from capsvc.journal.reader import retained_records
 from capsvc.journal.records import Open, SaleRecord, sale_of
 from capsvc.journal.restore import Restorer
@@ -135,12 +136,14 @@ def snapshot(client: Any) -> dict[bytes, Any]:
 
 async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: int) -> None:
     """Where a restore's time goes, one part at a time: Python decoding the journal, then
-    planning each record's calls (no Redis), then Redis's CPU per decision for the bulk
-    calls against plain pipelined commands that write the same sale records, counters and
-    TTLs with nothing compared (the floor of any design that writes what a sale wrote)."""
+    planning each record's ops (capsvc.journal.planner, no Redis), then Redis's CPU per
+    decision for the bulk calls (all planned in this process) against plain pipelined
+    commands that write the same sale records, counters and TTLs with nothing compared (the
+    floor of any design that writes what a sale wrote)."""
     settings = load_settings(config)
     catalog = Catalog(settings.games)
     client = redis.client()
+    gc.disable()  # as a restore does
     started = time.process_time()
     lines = list(retained_records(journal))
     decode = time.process_time() - started
@@ -152,14 +155,10 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     await store.load_library()
     try:
         restorer = Restorer(journal, catalog, store)
-        steps = store.restore_tickets()
         started = time.process_time()
-        for r in records:
-            game = catalog.get(r.game)
-            if game is not None and isinstance(r, SaleRecord):
-                restorer._plan(r, game, steps)
+        Planner(catalog, store.layout, 0).chunk(records)
         plan = time.process_time() - started
-        print(f"  python, planning a sale's calls (first round; no Redis): "
+        print(f"  python, planning each record's ops (no Redis): "
               f"{1e6 * plan / len(records):.2f} µs a record")
         client.flushall()
         cpu, started = redis_cpu(client), time.perf_counter()

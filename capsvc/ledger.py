@@ -54,8 +54,10 @@ class Ledger:
         self.caps = caps
         self.players = PlayerStore(store)
 
-    def plan(self, channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
+    @staticmethod
+    def plan(channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
              ) -> BudgetPlan | None:
+        """What the sale takes from its player's budgets (None: the game has no limit)."""
         assert sale.first_draw is not None
         return budget_plan(channel_id, game.rules, game.calendar, sale, sale_id, at,
                            game.expire_at(sale.first_draw + sale.draws - 1))

@@ -154,6 +154,22 @@ def feed_closes_key(game: str) -> str:
     return f"e:{{{game}}}"
 
 
+def record_names(ticket: str, bucketed: bool, legacy_keys: bool
+                 ) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before the
+    call's own: where a new record goes first, then where records are read too, and its
+    field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
+    bucket = record_bucket_of(ticket)
+    if not bucketed:
+        return [ticket, bucket], [ident_of(ticket)]
+    return [bucket, ticket if legacy_keys else bucket], [ident_of(ticket)]
+
+
+def sale_record_of(sale: Sale, packed: bool, asked: bool | None = None) -> bytes:
+    """The sale as a ticket record keeps it (Store.sale_record)."""
+    return pack_sale(sale, asked) if packed else _json_encode(sale)
+
+
 def stop_instants(replies: list[Any]) -> list[int | None]:
     """The instants (ms) sales stopped from HMGET replies of the stops hash."""
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
@@ -191,7 +207,12 @@ class Store:
         """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
         processes of a release before it still run, the JSON they read. Read back by
         validator.unpack_sale either way."""
-        return pack_sale(sale, asked) if self.packed_sales else _json_encode(sale)
+        return sale_record_of(sale, self.packed_sales, asked)
+
+    @property
+    def layout(self) -> RecordLayout:
+        """How this store lays out ticket records now (see RecordLayout)."""
+        return RecordLayout(self.bucketed, self.legacy_keys, self.packed_sales)
 
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
@@ -219,12 +240,8 @@ class Store:
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:
         """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before
-        the call's own: where a new record goes first, then where records are read too, and
-        its field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
-        bucket = record_bucket_of(ticket)
-        if not self.bucketed:
-            return [ticket, bucket], [ident_of(ticket)]
-        return [bucket, ticket if self.legacy_keys else bucket], [ident_of(ticket)]
+        the call's own (see record_names)."""
+        return record_names(ticket, self.bucketed, self.legacy_keys)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it)."""
@@ -634,6 +651,80 @@ def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_i
     return b"".join(parts)
 
 
+Op = tuple[list[str], list[Any]]
+"""One op of a bulk restore function: its KEYS and its ARGV, its letter first (lua/capsvc.lua,
+THE BULK RESTORE)."""
+
+
+class RecordLayout(msgspec.Struct, frozen=True):
+    """How a store lays out ticket records (`Store.names`) and keeps a sale in them
+    (`Store.sale_record`): all that naming a ticket's record and building the ops of a
+    restore take, without a connection (a restore plans its calls in processes of its own)."""
+
+    bucketed: bool
+    legacy_keys: bool
+    packed_sales: bool
+
+    def sale_record(self, sale: Sale) -> bytes:
+        return sale_record_of(sale, self.packed_sales)
+
+    def restore_sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+                     aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
+        """A sale's decision put back (`record`: ticket_value, state f), and, written with
+        it, the aggregates (game, draw, value, expiry) of its grids not capped."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
+        args += (expire_at, record, sale_id, len(aggregates))
+        for _, _, value, expiry in aggregates:
+            args += (value, expiry)
+        return keys, ["s", *args]
+
+    def restore_cancel(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+                       aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+        """A cancel put back (`record`: ticket_value, state k, with when and how much), and
+        the aggregates (game, draw) of the sale given back."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys.append(pending_key_of(ticket))
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        return keys, ["c", *args, expire_at, record, sale_id, len(aggregates)]
+
+    def restore_void(self, ticket: str, sale_id: str,
+                     aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+        """A void: what the sale holds of the aggregates (game, draw), given back."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        return keys, ["v", *args, sale_id, len(aggregates)]
+
+
+def restore_count(game: str, combo: str, record: bytes, stake: int, caps: str | int,
+                  min_stake: int, first_draw: int, expiries: list[int]) -> Op:
+    """An accepted grid: its stake counted back on every draw unless recorded."""
+    keys = bucket_keys(game, combo, first_draw, len(expiries))
+    return keys, ["g", len(keys), record, combo, stake, caps, min_stake, *expiries]
+
+
+def restore_release(game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
+                    first_draw: int, draws: int, expire_at: int) -> Op:
+    """A grid given back (and sealed), once."""
+    return (bucket_keys(game, combo, first_draw, draws),
+            ["r", draws, record, combo, caps, min_stake, expire_at])
+
+
+def restore_budget(player: str, ref: str, regulatory: int, expire_at: int,
+                   take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
+                   final: bool = False) -> Op:
+    """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the amounts
+    given (`final`: sealed); the same days for both."""
+    days = [day for day, _ in (take or settle or [])]
+    keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+    args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
+                       "1" if take is not None else "0",
+                       "" if settle is None else "1" if final else "0", *days]
+    args += [amount for _, amount in take] if take is not None else [0] * len(days)
+    args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
+    return keys, args
+
+
 def _tag(key: str) -> str:
     return key[key.index("{") + 1:key.index("}")]
 
@@ -653,19 +744,19 @@ class _Bulk:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._tagged = not store.single_node
-        self._ops: dict[str, list[tuple[list[str], list[Any]]]] = {}
+        self._ops: dict[str, list[Op]] = {}
         self._where: list[tuple[str, int]] = []
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def _add(self, keys: list[str], args: list[Any]) -> None:
-        tag = _tag(keys[0]) if self._tagged else ""
+    def add(self, op: Op) -> None:
+        tag = _tag(op[0][0]) if self._tagged else ""
         ops = self._ops.get(tag)
         if ops is None:
             ops = self._ops[tag] = []
         self._where.append((tag, len(ops)))
-        ops.append((keys, args))
+        ops.append(op)
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         raise NotImplementedError
@@ -700,60 +791,22 @@ class _Bulk:
 
 
 class TicketRestores(_Bulk):
-    """Ticket records put back (capsvc_restore_tickets): never two ops of one ticket in a
-    batch. Each op's reply is a letter (see the function)."""
+    """Ticket records put back (capsvc_restore_tickets; ops of RecordLayout): never two ops
+    of one ticket in a batch. Each op's reply is a letter (see the function)."""
 
     function = "capsvc_restore_tickets"
     by_first_key = True
-
-    def sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
-             aggregates: Sequence[tuple[str, int, str, int]] = ()) -> None:
-        """A sale's decision (`record`: ticket_value, state f), and, written with it, the
-        aggregates (game, draw, value, expiry) of its grids not capped."""
-        keys, args = self._store.names(ticket)
-        keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
-        args += (expire_at, record, sale_id, len(aggregates))
-        for _, _, value, expiry in aggregates:
-            args += (value, expiry)
-        self._add(keys, ["s", *args])
-
-    def cancel(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
-               aggregates: Sequence[tuple[str, int]] = ()) -> None:
-        """A cancel (`record`: ticket_value, state k, with when and how much), and the
-        aggregates (game, draw) of the sale to give back."""
-        keys, args = self._store.names(ticket)
-        keys.append(pending_key_of(ticket))
-        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
-        self._add(keys, ["c", *args, expire_at, record, sale_id, len(aggregates)])
-
-    def void(self, ticket: str, sale_id: str, aggregates: Sequence[tuple[str, int]] = ()
-             ) -> None:
-        """A void: what the sale holds of the aggregates (game, draw) to give back."""
-        keys, args = self._store.names(ticket)
-        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
-        self._add(keys, ["v", *args, sale_id, len(aggregates)])
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         return list(reply.decode())
 
 
 class CountRestores(_Bulk):
-    """Grids counted back or given back (capsvc_restore_counts). Each op's reply is (letter,
-    draws above the cap or stake given back, offsets)."""
+    """Grids counted back or given back (capsvc_restore_counts; ops of restore_count and
+    restore_release). Each op's reply is (letter, draws above the cap or stake given back,
+    offsets)."""
 
     function = "capsvc_restore_counts"
-
-    def grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
-             min_stake: int, first_draw: int, expiries: list[int]) -> None:
-        """An accepted grid: its stake counted back on every draw unless recorded."""
-        keys = bucket_keys(game, combo, first_draw, len(expiries))
-        self._add(keys, ["g", len(keys), record, combo, stake, caps, min_stake, *expiries])
-
-    def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
-                first_draw: int, draws: int, expire_at: int) -> None:
-        """A grid given back (and sealed), once."""
-        keys = bucket_keys(game, combo, first_draw, draws)
-        self._add(keys, ["r", draws, record, combo, caps, min_stake, expire_at])
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         letters, details = reply
@@ -770,24 +823,10 @@ class CountRestores(_Bulk):
 
 
 class BudgetRestores(_Bulk):
-    """Player budgets put back (capsvc_restore_budgets). Each op's reply is (taken: whether
-    the amounts were put back, given: what the settle gave back)."""
+    """Player budgets put back (capsvc_restore_budgets; ops of restore_budget). Each op's
+    reply is (taken: whether the amounts were put back, given: what the settle gave back)."""
 
     function = "capsvc_restore_budgets"
-
-    def budget(self, player: str, ref: str, regulatory: int, expire_at: int,
-               take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
-               final: bool = False) -> None:
-        """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the
-        amounts given (`final`: sealed); the same days for both."""
-        days = [day for day, _ in (take or settle or [])]
-        keys = [limit_key(player), *[budget_key(player, day) for day in days]]
-        args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
-                           "1" if take is not None else "0",
-                           "" if settle is None else "1" if final else "0", *days]
-        args += [amount for _, amount in take] if take is not None else [0] * len(days)
-        args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
-        self._add(keys, args)
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         return [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]

@@ -16,13 +16,14 @@ on a Redis it has not reconciled with its journal directory:
   seen are reconciled and sales resume.
 
 At the speed of Redis: a Redis that lost everything takes back millions of decisions while
-nothing is sold, so records are applied in windows of thousands, each in three rounds of
-bulk calls (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records,
-then what their answers call for (grids, caps, budgets, releases), then what follows those
-(sold-out marks, a cancel's end). A window holds one record per ticket (per player, per
-draw): the next record of a ticket goes to a later window, so one ticket's records are
-applied in journal order, while the next window is decoded and planned as Redis works on
-this one.
+nothing is sold. Each record's ops are planned from the record alone (capsvc.journal.planner:
+for a large journal in processes of their own, which read and decode the files too), and
+records are applied in windows of thousands, each in three rounds of bulk calls
+(lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records, then what
+their answers call for (grids counted or released, caps, budgets), then what follows those
+(sold-out marks, a cancel's end, an unclaim). Records are applied in journal order as far
+as they touch the same keys (see `Restorer._window`), the next window is planned while Redis
+works on this one.
 """
 
 from __future__ import annotations
@@ -31,43 +32,44 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from capsvc.caps import DrawCaps, caps_argument
-from capsvc.decisions import BudgetPlan
+from capsvc.caps import DrawCaps
 from capsvc.errors import Unavailable
 from capsvc.games import Catalog, Game
 from capsvc.journal.gate import Gate, identity
+from capsvc.journal.planner import (
+    POOL_BYTES,
+    Chunk,
+    Item,
+    Planned,
+    Planner,
+    pieces,
+    planned_in_processes,
+    planners,
+)
 from capsvc.journal.reader import retained_records
 from capsvc.journal.records import (
-    CancelRecord,
     CapRecord,
     LimitRecord,
     Open,
     Record,
-    SaleRecord,
     StakeRecord,
     StopRecord,
-    VoidRecord,
-    sale_of,
 )
-from capsvc.ledger import Ledger, aggregate_value
+from capsvc.ledger import Ledger
 from capsvc.store import (
-    BudgetRestores,
     CountRestores,
     Store,
     TicketRestores,
     record_field,
     replies_of,
-    ticket_key,
-    ticket_value,
+    restore_release,
 )
-from capsvc.validator import Sale, SaleGrid
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +87,6 @@ MARGIN_S = 2 * 86_400
 """Journal files last written this much before the oldest decision that can still be
 retained are read too (the host's clock judges a file's age; a record's own expiry is
 judged on Redis TIME)."""
-
-
-class _Outcome(msgspec.Struct, gc=False):
-    index: int
-    status: str
-
-
-class _Outcomes(msgspec.Struct, gc=False):
-    grids: list[_Outcome]
-
-
-_outcomes = msgspec.json.Decoder(_Outcomes).decode
-"""A decision's grids, their index and status only (what a restore needs of a decision
-it writes back byte for byte)."""
 
 
 @dataclass
@@ -125,53 +113,12 @@ class Restored:
         self.applied[kind] = self.applied.get(kind, 0) + 1
 
 
-class _Ticket(msgspec.Struct, gc=False):
-    """A sale, cancel or void of a window, and what putting it back takes. Not tracked by
-    the garbage collector (nor is anything it holds but a budget plan): a window holds
-    thousands, and full collections over them cost more than the restore's own work."""
-
-    kind: str
-    """"sale", "cancel" or "void"."""
-    channel: str
-    ticket: str
-    sale_id: str
-    game: Game
-    first: int
-    draws: int
-    key: str
-    sale: Sale
-    plan: BudgetPlan | None
-    accepted: tuple[int, ...]
-    """The grids the decision accepted (none for a void)."""
-    caps: tuple[int, ...] = ()
-    """The cap in force on each draw, as journaled (a sale's)."""
-    code: str = ""
-    """The ticket's step's answer (lua/capsvc.lua, restore_tickets)."""
-    counted: tuple[SaleGrid, ...] = ()
-    """The grids of ops of the second round, in their order."""
-    budget: bool = False
-    """Whether a budget op of the second round is this ticket's."""
-    fixing: tuple[asyncio.Future[Any], ...] = ()
-    """The draws' caps this sale fixes."""
-    repeats: int = 0
-    """The sale's records right after this one, reporting it again (not applied again)."""
-    place: int = 0
-    """The record's place in its window."""
-    after: bool = False
-    """A cancel of a sale the window holds: its ticket's step follows the sale's."""
-
-    @property
-    def gives_back(self) -> bool:
-        """A cancel or a void: what the sale took is given back."""
-        return self.kind != "sale"
-
-
 @dataclass(slots=True)
 class _Window:
     """Records applied together: one per ticket, player or draw (`_key_of`), but a sale's
     cancel after it (see `Restorer._window`)."""
 
-    tickets: list[_Ticket]
+    tickets: list[Planned]
     steps: TicketRestores
     """The first round's ops (the tickets' records), added as records are planned."""
     after: TicketRestores
@@ -181,9 +128,9 @@ class _Window:
     with the sales' (the first to fix a draw's cap puts it back)."""
     others: list[Record] = field(default_factory=list)
     """Stops, limits, stakes: applied one by one, beside the rounds."""
-    keys: dict[str, tuple[type, str, int]] = field(default_factory=dict)
-    """The ticket (player, draw) of each record, with the record's type, sale id and place
-    in `tickets` (-1: one of `others`)."""
+    keys: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    """The ticket (player, draw) of each record, with what it is ("sale", "cancel",
+    "void", "stop" or ""), its sale id and its place in `tickets` (-1: one of `others`)."""
 
 
 class Restorer:
@@ -199,7 +146,6 @@ class Restorer:
         self.on_over_cap = on_over_cap
         self._caps_fixed: set[tuple[str, int]] = set()
         """(game, draw) whose cap this restore has put back already."""
-        self._expiries: dict[tuple[str, int], int] = {}
 
     def oldest_useful(self, now_ms: int) -> float:
         """The host time (s) before which a file cannot hold a decision still retained."""
@@ -212,24 +158,50 @@ class Restorer:
         return time.time() - span / 1000 - MARGIN_S
 
     async def run(self) -> Restored:
-        """Restore every record of a decision still retained; returns what was done."""
+        """Restore every record of a decision still retained; returns what was done. A
+        large journal is read, decoded and planned by processes of its own (planner)."""
+        await self._settle_layout()
         now = await self.store.time_ms()
-        return await self.restore(retained_records(
-            self.dir, modified_since=self.oldest_useful(now)))
+        since = self.oldest_useful(now)
+        found = pieces(self.dir, since)
+        workers = planners()
+        if workers and sum(end - start for _, start, end in found) > POOL_BYTES:
+            return await self._restore(planned_in_processes(
+                found, self.catalog, self.store.layout, now, workers), now)
+        return await self._restore(self._planned(
+            retained_records(self.dir, modified_since=since), now), now)
 
     async def restore(self, records: Iterable[Open | Record]) -> Restored:
         """Apply `records` (decoded, in journal order: one ticket's in the order they were
         written) with the semantics of the module's docstring; records of decisions no
         longer retained (by Redis TIME) and `open` lines are passed over. Returns what was
         done."""
-        started = time.perf_counter()
-        out = Restored()
+        await self._settle_layout()
+        now = await self.store.time_ms()
+        return await self._restore(self._planned(records, now), now)
+
+    async def _settle_layout(self) -> None:
+        """Read ticket records from buckets only, when Redis holds no keyed one and is
+        small enough to be sure of it at once (LAYOUT_SCAN_KEYS)."""
         store = self.store
         if not store.layout_settled and await store.key_count() <= LAYOUT_SCAN_KEYS:
             await store.settle_layout()
-        now = await store.time_ms()
+
+    async def _planned(self, records: Iterable[Open | Record], now: int
+                       ) -> AsyncGenerator[Chunk, None]:
+        """`records` planned here, CHUNK at a time (the event loop reads the replies of the
+        window being applied in between)."""
+        planner = Planner(self.catalog, self.store.layout, now)
         source = iter(records)
-        first: Record | None = None
+        while batch := list(islice(source, CHUNK)):
+            yield planner.chunk(batch)
+            await asyncio.sleep(0)
+
+    async def _restore(self, chunks: AsyncGenerator[Chunk, None], now: int) -> Restored:
+        started = time.perf_counter()
+        out = Restored()
+        items = _items(chunks, out)
+        first: Item | None = None
         applying: asyncio.Future[None] | None = None
         # The cyclic garbage collector waits meanwhile: each of its full passes walked the
         # thousands of objects of the windows in flight (measured: a third of the
@@ -239,128 +211,78 @@ class Restorer:
         gc.disable()
         try:
             while True:
-                window, first = await self._window(source, first, now, out)
+                window, first = await self._window(items, first)
                 if applying is not None:
                     await applying
                     applying = None
-                if not window.keys:
+                if not window.keys and not window.caps:
                     break
                 applying = asyncio.ensure_future(self._apply(window, now, out))
         finally:
             if applying is not None:
                 applying.cancel()
+            await items.aclose()
+            await chunks.aclose()
             if collecting:
                 gc.enable()
         out.seconds = time.perf_counter() - started
         return out
 
-    async def _window(self, source: Iterator[Open | Record], first: Record | None,
-                      now: int, out: Restored) -> tuple[_Window, Record | None]:
-        """The next window: `first`, then the source's records up to (without) the next one
-        of a ticket (player, draw) the window holds already, which is returned to start the
+    async def _window(self, items: AsyncIterator[Item], first: Item | None
+                      ) -> tuple[_Window, Item | None]:
+        """The next window: `first`, then the next records up to (without) the next one of
+        a ticket (player, draw) the window holds already, which is returned to start the
         window after. So records stay in journal order from window to window, and inside a
         window on each key they share (a cancel's release comes before a later sale's count
         on one counter: nothing is counted past the cap that is not). But three records of
         a ticket whose sale the window holds stay in it, as equal to applying them in turn:
         the sale reported again (a replay, a look-up: not applied twice), its cancel (its
-        ticket's step sent after the sale's, its releases after the sale's counts), and the
+        ticket's op sent after the sale's, its releases after the sale's counts), and the
         cancel reported again (nothing left to do); and a draw's stop reported again. A
         draw's caps do not end a window: they are fixed in journal order in it."""
         window = _Window([], self.store.restore_tickets(), self.store.restore_tickets())
-        taken = 0
-        r = first
+        place = 0
+        item = first
         while len(window.keys) < WINDOW:
-            if r is None:
-                line = next(source, None)
-                if line is None:
+            if item is None:
+                item = await anext(items, None)
+                if item is None:
                     break
-                if isinstance(line, Open) or line.until <= now:
-                    continue
-                out.records += 1
-                r = line
-            taken += 1
-            if taken % CHUNK == 0:
-                await asyncio.sleep(0)
-            game = self.catalog.get(r.game)
-            if game is None:
-                out.skipped += 1
-            elif isinstance(r, CapRecord):
-                window.caps.append((taken, r))
-            elif not self._take(r, game, window, taken):
-                return window, r
-            r = None
-        return window, r
+            place += 1
+            if isinstance(item, CapRecord):
+                window.caps.append((place, item))
+            elif not self._take(item, window, place):
+                return window, item
+            item = None
+        return window, item
 
-    def _take(self, r: Record, game: Game, window: _Window, place: int) -> bool:
-        """Add `r` to the window (see `_window`); False when it must wait for the next."""
-        key = _key_of(r)
+    @staticmethod
+    def _take(item: Item, window: _Window, place: int) -> bool:
+        """Add `item` to the window (see `_window`); False when it must wait for the next."""
+        key = _key_of(item)
         held = window.keys.get(key)
         if held is not None:
             kind, sale_id, at = held
-            if type(r) is StopRecord and kind is StopRecord:
+            if isinstance(item, StopRecord) and kind == "stop":
                 return True  # the draw stopped again: nothing left to do
-            if getattr(r, "sale", None) != sale_id or not isinstance(r, SaleRecord):
+            if not isinstance(item, Planned) or item.sale_id != sale_id:
                 return False
-            if type(r) is SaleRecord and kind is SaleRecord:
+            if item.kind == kind == "sale":
                 window.tickets[at].repeats += 1
                 return True
-            if type(r) is CancelRecord and kind is CancelRecord:
+            if item.kind == kind == "cancel":
                 return True
-            if kind is not SaleRecord or window.tickets[at].after:
+            if kind != "sale" or item.kind != "cancel":
                 return False
-        if isinstance(r, SaleRecord | VoidRecord):
-            window.keys[key] = (type(r), r.sale, len(window.tickets))
-            t = self._plan(r, game, window.steps if held is None else window.after)
-            t.place, t.after = place, held is not None
-            window.tickets.append(t)
+        if isinstance(item, Planned):
+            window.keys[key] = (item.kind, item.sale_id, len(window.tickets))
+            item.place, item.after = place, held is not None
+            (window.steps if held is None else window.after).add(item.step)
+            window.tickets.append(item)
         else:
-            window.keys[key] = (type(r), "", -1)
-            window.others.append(r)
+            window.keys[key] = ("stop" if isinstance(item, StopRecord) else "", "", -1)
+            window.others.append(item)
         return True
-
-    def _plan(self, r: SaleRecord | VoidRecord, game: Game, steps: TicketRestores
-              ) -> _Ticket:
-        """A ticket's record planned, its step added to the first round."""
-        sale = sale_of(r)
-        key = ticket_key(r.channel, r.ticket)
-        plan = (self.ledger.plan(r.channel, game, sale, r.sale, r.at)
-                if game.rules.daily_limit is not None and r.player is not None else None)
-        first, draws = r.first_draw, r.draws
-        if isinstance(r, VoidRecord):
-            steps.void(key, r.sale, self._given_back_aggregates(sale, r.game, first, draws))
-            return _Ticket("void", r.channel, r.ticket, r.sale, game, first, draws, key, sale,
-                           plan, ())
-        accepted = tuple(g.index for g in _outcomes(r.decision).grids
-                         if g.status == "accepted")
-        packed = self.store.sale_record(sale)
-        body = bytes(r.decision)
-        if isinstance(r, CancelRecord):
-            steps.cancel(key, r.sale, r.until, ticket_value(
-                r.until, b"k", r.fp, r.at, r.sale, packed, body, r.cancelled_at, r.released),
-                self._given_back_aggregates(sale, r.game, first, draws))
-            return _Ticket("cancel", r.channel, r.ticket, r.sale, game, first, draws, key,
-                           sale, plan, accepted)
-        value = aggregate_value(sale, set(accepted)) if accepted else None
-        steps.sale(key, r.sale, r.until,
-                   ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
-                   [(r.game, d, value, self._expire_at(game, d))
-                    for d in range(first, first + draws)] if value is not None else ())
-        return _Ticket("sale", r.channel, r.ticket, r.sale, game, first, draws, key, sale,
-                       plan, accepted, tuple(r.caps or ()))
-
-    @staticmethod
-    def _given_back_aggregates(sale: Sale, game: str, first: int, draws: int
-                               ) -> list[tuple[str, int]]:
-        """The aggregates a sale given back leaves (`Ledger.aggregates` with none accepted)."""
-        if aggregate_value(sale, set()) is None:
-            return []
-        return [(game, d) for d in range(first, first + draws)]
-
-    def _expire_at(self, game: Game, draw: int) -> int:
-        found = self._expiries.get((game.rules.id, draw))
-        if found is None:
-            found = self._expiries[(game.rules.id, draw)] = game.expire_at(draw)
-        return found
 
     async def _apply(self, window: _Window, now: int, out: Restored) -> None:
         """The window's three rounds (see the module's docstring), and its other records."""
@@ -375,20 +297,30 @@ class Restorer:
                 code = t.code = next(later if t.after else codes)
                 if t.gives_back:
                     if code != "n" or t.kind == "cancel":
-                        self._give_back(t, counts, budgets, caps)
+                        self._give_back(t, counts, caps)
+                        if t.budget is not None:
+                            budgets.add(t.budget)
+                            t.budgeted = True
                 elif code != "c":  # a sale (not cancelled since)
-                    self._count(t, counts, budgets)
+                    for op in t.counts:
+                        counts.add(op)
+                    if t.budget is not None:
+                        budgets.add(t.budget)
+                        t.budgeted = True
             fixed = self._fix_caps(window)
             counted, budgeted = await asyncio.gather(counts.send(), budgets.send())
-            await replies_of([f for t in window.tickets for f in t.fixing] + fixed)
+            await replies_of([f for t in window.tickets if t.fixing for f in t.fixing] + fixed)
             for f in fixed:
                 if f.result() is None:
                     out.count("cap")
             follow: list[Any] = []
             grid_replies, budget_replies = iter(counted), iter(budgeted)
             for t in window.tickets:
-                grids = [next(grid_replies) for _ in t.counted]
-                budget = next(budget_replies) if t.budget else (0, 0)
+                if t.gives_back:
+                    grids = [next(grid_replies) for _ in t.released]
+                else:
+                    grids = [next(grid_replies) for _ in t.counts] if t.code != "c" else []
+                budget = next(budget_replies) if t.budgeted else (0, 0)
                 if t.gives_back:
                     follow += self._given_back(t, grids, budget, out)
                 elif t.code != "c":
@@ -400,41 +332,20 @@ class Restorer:
         finally:
             others.cancel()
 
-    async def _caps_to_give_back(self, tickets: list[_Ticket]
+    async def _caps_to_give_back(self, tickets: list[Planned]
                                  ) -> dict[tuple[str, int, int], str | int]:
         """The caps in force that releases of the window's cancels and voids pass."""
-        wanted = {(t.game.rules.id, t.first, t.draws): t.game for t in tickets
+        wanted = {(t.game, t.first, t.draws): self.catalog.games[t.game] for t in tickets
                   if t.gives_back and any(g.capped for g in t.sale.grids)}
         found = await asyncio.gather(*[self.caps.argument(game, first, draws, fix=False)
                                        for (_, first, draws), game in wanted.items()])
         return dict(zip(wanted, found, strict=True))
 
-    def _count(self, t: _Ticket, counts: CountRestores, budgets: BudgetRestores) -> None:
-        """A sale's second round: its accepted capped grids, its draws' caps, its budget."""
-        game, rules = t.game, t.game.rules
-        gid, first = rules.id, t.first
-        t.counted = tuple(g for g in t.sale.grids if g.capped and g.index in t.accepted)
-        if t.counted:
-            caps = caps_argument(t.caps or [rules.cap_limit or 0], None)
-            expiries = [self._expire_at(game, d) for d in range(first, first + t.draws)]
-            for g in t.counted:
-                counts.grid(gid, g.combo, record_field(t.sale_id, g.index), g.stake, caps,
-                            rules.min_stake, first, expiries)
-        plan = t.plan
-        if plan is not None:
-            accepted = set(t.accepted)
-            settle = plan.settlement(t.sale, accepted)
-            take = plan.shares(t.sale, accepted) if accepted else None
-            if take is not None or settle is not None:
-                budgets.budget(plan.player, plan.ref, plan.regulatory, plan.until, take,
-                               settle, final=not accepted)
-                t.budget = True
-
     def _fix_caps(self, window: _Window) -> list[asyncio.Future[Any]]:
         """Fix the draws' caps that the window's sales (not cancelled since) and cap records
         carry, in journal order: the first to fix one puts it back. A sale fixes a draw
         only if no sale of this restore fixed it before. Returns the cap records' calls."""
-        placed: list[tuple[int, _Ticket | CapRecord]] = [
+        placed: list[tuple[int, Planned | CapRecord]] = [
             (t.place, t) for t in window.tickets if t.kind == "sale" and t.code != "c"
             and t.caps]
         placed += window.caps
@@ -443,16 +354,16 @@ class Restorer:
             if isinstance(item, CapRecord):
                 records.append(self.store.fix_cap(item.game, item.draw, item.cap, item.until))
                 continue
-            gid, fixing = item.game.rules.id, []
+            game, fixing = self.catalog.games[item.game], []
             for draw, cap in enumerate(item.caps, item.first):
-                if (gid, draw) not in self._caps_fixed:
-                    self._caps_fixed.add((gid, draw))
-                    fixing.append(self.store.fix_cap(gid, draw, cap,
-                                                     self._expire_at(item.game, draw)))
-            item.fixing = tuple(fixing)
+                if (item.game, draw) not in self._caps_fixed:
+                    self._caps_fixed.add((item.game, draw))
+                    fixing.append(self.store.fix_cap(item.game, draw, cap,
+                                                     game.expire_at(draw)))
+            item.fixing = fixing
         return records
 
-    def _counted(self, t: _Ticket, grids: list[Any], budget: tuple[int, int],
+    def _counted(self, t: Planned, grids: list[Any], budget: tuple[int, int],
                  out: Restored) -> list[Any]:
         """What a sale's rounds put back, counted; its sold-out marks to send."""
         if t.code == "o":
@@ -460,69 +371,67 @@ class Restorer:
             log.error("restore: ticket %s of channel %s now holds another sale than the one "
                       "journaled (claimed again after Redis lost it); the journaled sale's "
                       "stakes are counted too", t.ticket, t.channel)
-        put_back = (t.code == "w" or any(f.result() is None for f in t.fixing)
+        put_back = (t.code == "w" or any(f.result() is None for f in t.fixing or ())
                     or any(budget))
-        gid = t.game.rules.id
+        game = self.catalog.games[t.game]
         marks = []
-        for g, (letter, over, offsets) in zip(t.counted, grids, strict=True):
+        for index, (letter, over, offsets) in zip(t.counted, grids, strict=True):
             if letter == "0":
                 continue
             put_back = True
             out.grids += 1
+            g = t.sale.grids[index]
             if over:
                 out.over_cap += over
-                self.on_over_cap(gid, over)
+                self.on_over_cap(t.game, over)
                 log.warning("restore: ticket %s grid %d counted again past the cap on %d "
                             "draw(s) (it was sold before Redis lost it)", t.ticket, g.index,
                             over)
-            marks += [self.store.mark_sold_out(gid, t.first + o, g.combo,
-                                               self._expire_at(t.game, t.first + o))
+            marks += [self.store.mark_sold_out(t.game, t.first + o, g.combo,
+                                               game.expire_at(t.first + o))
                       for o in offsets]
         if put_back:
             out.count("sale")
         return marks
 
-    def _give_back(self, t: _Ticket, counts: CountRestores, budgets: BudgetRestores,
+    def _give_back(self, t: Planned, counts: CountRestores,
                    caps: dict[tuple[str, int, int], str | int]) -> None:
-        """A cancel's or a void's second round: every capped grid released (and sealed),
-        the whole budget given back."""
-        rules = t.game.rules
+        """A cancel's or a void's second round: every capped grid released (and sealed);
+        the whole budget is given back by its budget op."""
+        rules = self.catalog.games[t.game].rules
         first, draws = t.first, t.draws
-        t.counted = tuple(g for g in t.sale.grids if g.capped)
-        for g in t.counted:
-            counts.release(rules.id, g.combo, record_field(t.sale_id, g.index),
-                           caps[(rules.id, first, draws)], rules.min_stake, first, draws,
-                           self._expire_at(t.game, first + draws - 1))
-        plan = t.plan
-        if plan is not None:
-            budgets.budget(plan.player, plan.ref, plan.regulatory, plan.until, None,
-                           plan.shares(t.sale, set()), final=True)
-            t.budget = True
+        t.released = tuple(g.index for g in t.sale.grids if g.capped)
+        expire_at = self.catalog.games[t.game].expire_at(first + draws - 1)
+        for index in t.released:
+            g = t.sale.grids[index]
+            counts.add(restore_release(t.game, g.combo, record_field(t.sale_id, index),
+                                       caps[(t.game, first, draws)], rules.min_stake, first,
+                                       draws, expire_at))
 
-    def _given_back(self, t: _Ticket, grids: list[Any], budget: tuple[int, int],
+    def _given_back(self, t: Planned, grids: list[Any], budget: tuple[int, int],
                     out: Restored) -> list[Any]:
         """What a cancel's or a void's rounds gave back, counted; its last steps to send."""
-        gid = t.game.rules.id
-        reopened = [self.store.feed_reopened(gid, t.first + o, g.combo,
-                                             self._expire_at(t.game, t.first + o))
-                    for g, (_, _, offsets) in zip(t.counted, grids, strict=True)
+        game = self.catalog.games[t.game]
+        reopened = [self.store.feed_reopened(t.game, t.first + o, t.sale.grids[index].combo,
+                                             game.expire_at(t.first + o))
+                    for index, (_, _, offsets) in zip(t.released, grids, strict=True)
                     for o in offsets]
         given = sum(amount for _, amount, _ in grids) + budget[1]
         if t.kind == "cancel":
             if t.code in "kK" or given:
                 out.count("cancel")
-            return [*reopened, asyncio.ensure_future(self._cancelled(t))]
+            return [*reopened, asyncio.ensure_future(self._cancelled(t, game))]
         if given or t.code == "u":
             out.count("void")
         if t.code == "u":
             reopened.append(asyncio.ensure_future(self.store.unclaim(t.key, t.sale_id)))
         return reopened
 
-    async def _cancelled(self, t: _Ticket) -> None:
+    async def _cancelled(self, t: Planned, game: Game) -> None:
         """A cancel's end, once all it took is given back: the ticket cancelled (taking a
         one-call sale's stakes out of its aggregates) and out of the pending index."""
         if t.code in "kK":
-            one_call = (self.ledger.one_call_aggregates(t.key, t.game, t.sale)
+            one_call = (self.ledger.one_call_aggregates(t.key, game, t.sale)
                         if t.code == "K" else None)
             await self.store.cancelled(t.key, t.sale_id, one_call)
         if t.code in "kKc":
@@ -554,16 +463,25 @@ class Restorer:
         return None
 
 
-def _key_of(r: Record) -> str:
+async def _items(chunks: AsyncIterator[Chunk], out: Restored) -> AsyncGenerator[Item, None]:
+    """The items of `chunks`, one after the other, counting the records read."""
+    async for chunk in chunks:
+        out.records += chunk.records
+        out.skipped += chunk.skipped
+        for item in chunk.items:
+            yield item
+
+
+def _key_of(item: Item) -> str:
     """What orders records: one ticket's (one player's self-limits, one stake's, one draw's
     stops) in journal order. Stakes of different refs add up in any order."""
-    if isinstance(r, SaleRecord | VoidRecord):
-        return f"t/{r.channel}/{r.ticket}"
-    if isinstance(r, LimitRecord):
-        return f"p/{r.player}"
-    if isinstance(r, StakeRecord):
-        return f"x/{r.channel}/{r.ref}/{r.player}"
-    return f"d/{r.game}/{r.draw}"
+    if isinstance(item, Planned):
+        return f"t/{item.channel}/{item.ticket}"
+    if isinstance(item, LimitRecord):
+        return f"p/{item.player}"
+    if isinstance(item, StakeRecord):
+        return f"x/{item.channel}/{item.ref}/{item.player}"
+    return f"d/{item.game}/{item.draw}"
 
 
 async def identities(store: Store) -> list[str | None]:

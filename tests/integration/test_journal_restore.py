@@ -21,6 +21,7 @@ from capsvc.cluster import connect
 from capsvc.config import Settings, load_settings
 from capsvc.decisions import build_decision
 from capsvc.games import Catalog
+from capsvc.journal import planner
 from capsvc.journal import restore as restore_module
 from capsvc.journal.reader import retained_records
 from capsvc.journal.recorder import Recorder
@@ -143,6 +144,30 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
                                     game.rules.cap_limit or 0, game.rules.min_stake,
                                     v.first_draw, game.expiries(v.first_draw, v.draws),
                                     game.calendar.close_ms(v.first_draw))
+
+
+async def test_a_journal_planned_in_processes_of_its_own_restores_the_same(
+        journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large journal is read, decoded and planned by processes of its own, piece by piece:
+    with pieces of a few kilobytes (lines cut across pieces) and a torn last line, the
+    restore leaves what planning every record here leaves, and reports the same."""
+    directory, catalog = journal
+    copy = tmp_path / "journal"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    torn = sorted(copy.glob("*.jsonl"))[-1]
+    torn.write_bytes(torn.read_bytes() + b'{"prev":"00","type":"sale","at":1,')
+    here = await Restorer(copy, catalog, store).restore(records_of(copy))
+    expected = snapshot(redis_db)
+    redis_db.flushall()
+    monkeypatch.setattr(restore_module, "POOL_BYTES", 0)
+    monkeypatch.setattr(restore_module, "planners", lambda: 2)
+    monkeypatch.setattr(planner, "CHUNK_BYTES", 7_000)
+    there = await Restorer(copy, catalog, store).run()
+    assert figures(there) == figures(here)
+    assert snapshot(redis_db) == expected
 
 
 async def test_restoring_twice_equals_restoring_once(journal: tuple[Path, Catalog],
