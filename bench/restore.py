@@ -44,6 +44,7 @@ from ab import REPO, checkout
 from capsvc.cluster import connect
 from capsvc.config import load_settings
 from capsvc.games import Catalog
+from capsvc.journal import restore as restore_module
 from capsvc.journal.planner import Planner
 from capsvc.journal.reader import retained_records
 from capsvc.journal.records import Open, SaleRecord, sale_of
@@ -135,11 +136,13 @@ def snapshot(client: Any) -> dict[bytes, Any]:
 
 
 async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: int) -> None:
-    """Where a restore's time goes, one part at a time: Python decoding the journal, then
-    planning each record's ops (capsvc.journal.planner, no Redis), then Redis's CPU per
-    decision for the bulk calls (all planned in this process) against plain pipelined
-    commands that write the same sale records, counters and TTLs with nothing compared (the
-    floor of any design that writes what a sale wrote)."""
+    """Where a restore's time goes, one part at a time, in this process: Python decoding the
+    journal, then planning each record's ops (capsvc.journal.planner, no Redis); then the
+    restore (Restorer.run) with every record planned in the restoring process, and with one
+    planning process (forced, whatever the journal's size and the CPUs): decisions a second,
+    the restoring process's CPU and Redis's CPU per decision; last, Redis's CPU per decision
+    for plain pipelined commands that write the same ticket records, counters and TTLs with
+    nothing compared (the floor of any design that writes what a sale wrote)."""
     settings = load_settings(config)
     catalog = Catalog(settings.games)
     client = redis.client()
@@ -154,25 +157,30 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     store = Store.of(transport, settings)
     await store.load_library()
     try:
-        restorer = Restorer(journal, catalog, store)
         started = time.process_time()
         Planner(catalog, store.layout, 0).chunk(records)
         plan = time.process_time() - started
         print(f"  python, planning each record's ops (no Redis): "
               f"{1e6 * plan / len(records):.2f} µs a record")
-        client.flushall()
-        cpu, started = redis_cpu(client), time.perf_counter()
-        await restorer.restore(records)
-        bulk_s, bulk_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
+        for label, workers in (("planned in the restoring process", 0),
+                               ("one planning process", 1)):
+            restore_module.POOL_BYTES = -1
+            restore_module.planners = lambda workers=workers: workers  # type: ignore[misc]
+            client.flushall()
+            cpu, mine, started = redis_cpu(client), time.process_time(), time.perf_counter()
+            await Restorer(journal, catalog, store).run()
+            seconds = time.perf_counter() - started
+            print(f"  restore, {label}: {decisions / seconds:,.0f}/s; CPU a decision: "
+                  f"restoring process {1e6 * (time.process_time() - mine) / decisions:.1f} "
+                  f"µs, Redis {1e6 * (redis_cpu(client) - cpu) / decisions:.1f} µs")
         client.flushall()
         cpu, started = redis_cpu(client), time.perf_counter()
         await plain_writes(store, catalog, records)
         plain_s, plain_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
     finally:
         await transport.aclose()
-    print(f"  redis CPU a decision: bulk restore {1e6 * bulk_cpu / decisions:.1f} µs "
-          f"({decisions / bulk_s:,.0f}/s in-process); plain pipelined writes, nothing "
-          f"compared {1e6 * plain_cpu / decisions:.1f} µs ({decisions / plain_s:,.0f}/s)")
+    print(f"  redis CPU a decision for plain pipelined writes, nothing compared: "
+          f"{1e6 * plain_cpu / decisions:.1f} µs ({decisions / plain_s:,.0f}/s)")
 
 
 async def plain_writes(store: Store, catalog: Catalog, records: list[Any]) -> None:

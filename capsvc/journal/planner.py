@@ -1,6 +1,6 @@
 """What each journal record's restore calls for, planned from the record alone (no Redis):
 the bulk ops of a sale, a cancel or a void (capsvc.store, RecordLayout and its kin), in this
-process or, for a large journal, in processes of their own that read and decode the files
+process or, for a large journal, in a process of its own that reads and decodes the files
 too (the part of a restore that takes Python the longest, out of the event loop's way).
 
 Knows the records and what a restore does with each; the key names and op layouts are
@@ -16,6 +16,7 @@ import os
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,8 @@ from capsvc.validator import Sale
 CHUNK_BYTES = 4 * 1024 * 1024
 """How much of a journal file a planning process reads, decodes and plans at a time."""
 POOL_BYTES = 64 * 1024 * 1024
-"""Files to read larger than this (about 100,000 decisions) are planned in processes of
-their own, when the host has more than one CPU for this process."""
-MAX_PLANNERS = 2
-"""Planning processes at most (each a Python of its own: tens of MB while it lives)."""
+"""Files to read larger than this (about 100,000 decisions) are planned in a process of
+their own (`planners`)."""
 
 
 class _Outcome(msgspec.Struct, gc=False):
@@ -282,10 +281,15 @@ def _decoded(lines: list[bytes]) -> Iterator[Open | Record]:
 
 
 def planners() -> int:
-    """How many planning processes a large restore starts: one less than the CPUs this
-    process may use (the other is the restore's own), at most MAX_PLANNERS; none on one
-    CPU."""
-    return min(MAX_PLANNERS, len(os.sched_getaffinity(0)) - 1)
+    """How many planning processes a large restore starts: one when this process may use
+    more than one CPU (with it, planning a record costs about what applying it costs the
+    restoring process: a second one would wait for it; and each is a Python of its own,
+    tens of MB while it lives), else none."""
+    return 1 if len(os.sched_getaffinity(0)) > 1 else 0
+
+
+class PlanningFailed(Exception):
+    """The planning processes could not be started, or died."""
 
 
 def pieces(directory: Path, modified_since: float) -> list[tuple[str, int, int]]:
@@ -312,12 +316,22 @@ async def planned_in_processes(pieces: list[tuple[str, int, int]], catalog: Cata
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start, initargs=(games, layout, now))
     ahead: deque[Future[Any]] = deque()
+
+    async def planned(piece: Future[Any]) -> Chunk:
+        try:
+            return _chunk_decoder.decode(await asyncio.wrap_future(piece))
+        except BrokenProcessPool as e:
+            raise PlanningFailed(str(e)) from e
+
     try:
         for piece in pieces:
-            ahead.append(pool.submit(_plan_piece, *piece))
+            try:
+                ahead.append(pool.submit(_plan_piece, *piece))
+            except (OSError, RuntimeError) as e:  # no process could be started
+                raise PlanningFailed(str(e)) from e
             if len(ahead) > 2 * workers:
-                yield _chunk_decoder.decode(await asyncio.wrap_future(ahead.popleft()))
+                yield await planned(ahead.popleft())
         while ahead:
-            yield _chunk_decoder.decode(await asyncio.wrap_future(ahead.popleft()))
+            yield await planned(ahead.popleft())
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -32,7 +32,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -48,6 +48,7 @@ from capsvc.journal.planner import (
     Item,
     Planned,
     Planner,
+    PlanningFailed,
     pieces,
     planned_in_processes,
     planners,
@@ -159,17 +160,23 @@ class Restorer:
 
     async def run(self) -> Restored:
         """Restore every record of a decision still retained; returns what was done. A
-        large journal is read, decoded and planned by processes of its own (planner)."""
+        large journal is read, decoded and planned by a process of its own (planner), or
+        here if it cannot be (what it had applied is found present and not counted twice)."""
         await self._settle_layout()
         now = await self.store.time_ms()
         since = self.oldest_useful(now)
         found = pieces(self.dir, since)
         workers = planners()
+        out = Restored()
         if workers and sum(end - start for _, start, end in found) > POOL_BYTES:
-            return await self._restore(planned_in_processes(
-                found, self.catalog, self.store.layout, now, workers), now)
+            try:
+                return await self._restore(planned_in_processes(
+                    found, self.catalog, self.store.layout, now, workers), now, out)
+            except PlanningFailed as e:
+                log.warning("restore: no planning process (%s): planning here", e)
+                out.records = out.skipped = 0
         return await self._restore(self._planned(
-            retained_records(self.dir, modified_since=since), now), now)
+            retained_records(self.dir, modified_since=since), now), now, out)
 
     async def restore(self, records: Iterable[Open | Record]) -> Restored:
         """Apply `records` (decoded, in journal order: one ticket's in the order they were
@@ -178,7 +185,7 @@ class Restorer:
         done."""
         await self._settle_layout()
         now = await self.store.time_ms()
-        return await self._restore(self._planned(records, now), now)
+        return await self._restore(self._planned(records, now), now, Restored())
 
     async def _settle_layout(self) -> None:
         """Read ticket records from buckets only, when Redis holds no keyed one and is
@@ -197,10 +204,11 @@ class Restorer:
             yield planner.chunk(batch)
             await asyncio.sleep(0)
 
-    async def _restore(self, chunks: AsyncGenerator[Chunk, None], now: int) -> Restored:
+    async def _restore(self, chunks: AsyncGenerator[Chunk, None], now: int, out: Restored
+                       ) -> Restored:
+        """Apply the chunks' items, window after window, counting into `out`."""
         started = time.perf_counter()
-        out = Restored()
-        items = _items(chunks, out)
+        items = _Items(chunks, out)
         first: Item | None = None
         applying: asyncio.Future[None] | None = None
         # The cyclic garbage collector waits meanwhile: each of its full passes walked the
@@ -221,14 +229,13 @@ class Restorer:
         finally:
             if applying is not None:
                 applying.cancel()
-            await items.aclose()
             await chunks.aclose()
             if collecting:
                 gc.enable()
-        out.seconds = time.perf_counter() - started
+        out.seconds += time.perf_counter() - started
         return out
 
-    async def _window(self, items: AsyncIterator[Item], first: Item | None
+    async def _window(self, items: _Items, first: Item | None
                       ) -> tuple[_Window, Item | None]:
         """The next window: `first`, then the next records up to (without) the next one of
         a ticket (player, draw) the window holds already, which is returned to start the
@@ -245,8 +252,10 @@ class Restorer:
         item = first
         while len(window.keys) < WINDOW:
             if item is None:
-                item = await anext(items, None)
+                item = next(items.chunk, None)
                 if item is None:
+                    if await items.next_chunk():
+                        continue
                     break
             place += 1
             if isinstance(item, CapRecord):
@@ -463,13 +472,24 @@ class Restorer:
         return None
 
 
-async def _items(chunks: AsyncIterator[Chunk], out: Restored) -> AsyncGenerator[Item, None]:
-    """The items of `chunks`, one after the other, counting the records read."""
-    async for chunk in chunks:
-        out.records += chunk.records
-        out.skipped += chunk.skipped
-        for item in chunk.items:
-            yield item
+class _Items:
+    """The items of chunks, one after the other: `chunk` iterates the current one's, and
+    `next_chunk()` moves to the next (counting the records it read)."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk], out: Restored) -> None:
+        self.chunk: Iterator[Item] = iter(())
+        self._chunks = chunks
+        self._out = out
+
+    async def next_chunk(self) -> bool:
+        """Move to the next chunk; False when there is none."""
+        chunk = await anext(self._chunks, None)
+        if chunk is None:
+            return False
+        self._out.records += chunk.records
+        self._out.skipped += chunk.skipped
+        self.chunk = iter(chunk.items)
+        return True
 
 
 def _key_of(item: Item) -> str:

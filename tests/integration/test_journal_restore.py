@@ -146,12 +146,27 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
                                     game.calendar.close_ms(v.first_draw))
 
 
-async def test_a_journal_planned_in_processes_of_its_own_restores_the_same(
+class NoProcesses:
+    """A process pool that cannot start a process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def submit(self, *args: Any) -> Any:
+        raise OSError("no process can be started here")
+
+    def shutdown(self, **kwargs: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("processes", ["started", "refused"])
+async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
         journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A large journal is read, decoded and planned by processes of its own, piece by piece:
-    with pieces of a few kilobytes (lines cut across pieces) and a torn last line, the
-    restore leaves what planning every record here leaves, and reports the same."""
+        monkeypatch: pytest.MonkeyPatch, processes: str) -> None:
+    """A large journal is read, decoded and planned by a process of its own, piece by piece
+    (or here, when no process can be started): with pieces of a few kilobytes (lines cut
+    across pieces) and a torn last line, the restore leaves what planning every record here
+    leaves, and reports the same."""
     directory, catalog = journal
     copy = tmp_path / "journal"
     copy.mkdir()
@@ -163,8 +178,10 @@ async def test_a_journal_planned_in_processes_of_its_own_restores_the_same(
     expected = snapshot(redis_db)
     redis_db.flushall()
     monkeypatch.setattr(restore_module, "POOL_BYTES", 0)
-    monkeypatch.setattr(restore_module, "planners", lambda: 2)
+    monkeypatch.setattr(restore_module, "planners", lambda: 1)
     monkeypatch.setattr(planner, "CHUNK_BYTES", 7_000)
+    if processes == "refused":
+        monkeypatch.setattr(planner, "ProcessPoolExecutor", NoProcesses)
     there = await Restorer(copy, catalog, store).run()
     assert figures(there) == figures(here)
     assert snapshot(redis_db) == expected
