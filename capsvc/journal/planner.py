@@ -231,7 +231,7 @@ class Planner:
         if plan is None:
             return None
         held = set(accepted)
-        if not isinstance(r, SaleRecord) or type(r) is CancelRecord:
+        if isinstance(r, VoidRecord | CancelRecord):
             return restore_budget(plan.player, plan.ref, plan.regulatory, plan.until, None,
                                   plan.shares(sale, set()), final=True)
         settle = plan.settlement(sale, held)
@@ -242,7 +242,7 @@ class Planner:
                               settle, final=not held)
 
 
-# -- planning in processes of their own --------------------------------------------------
+# -- planning in a process of its own ----------------------------------------------------
 
 _planner: Planner | None = None
 """A planning process's planner (set by `_start`)."""
@@ -282,10 +282,12 @@ def _decoded(lines: list[bytes]) -> Iterator[Open | Record]:
 
 def planners() -> int:
     """How many planning processes a large restore starts: one when this process may use
-    more than one CPU (with it, planning a record costs about what applying it costs the
-    restoring process: a second one would wait for it; and each is a Python of its own,
-    tens of MB while it lives), else none."""
-    return 1 if len(os.sched_getaffinity(0)) > 1 else 0
+    three CPUs or more, else none. With it, planning a record costs about what applying it
+    costs the restoring process (a second one would wait), and each is a Python of its own,
+    tens of MB while it lives. On two CPUs, one of which a Redis on the same host takes,
+    it slows the restore down (bench/restore.py --ablation: 15,750 against 18,423 decisions
+    a second)."""
+    return 1 if len(os.sched_getaffinity(0)) > 2 else 0
 
 
 class PlanningFailed(Exception):
@@ -311,7 +313,8 @@ async def planned_in_processes(pieces: list[tuple[str, int, int]], catalog: Cata
                                layout: RecordLayout, now: int, workers: int
                                ) -> AsyncGenerator[Chunk, None]:
     """The pieces' chunks, in order, planned by `workers` processes of their own (started
-    fresh, not forked: this process has threads), a few pieces ahead."""
+    fresh, not forked: this process has threads), a few pieces ahead. Raises PlanningFailed
+    when none can be started or one dies."""
     games = {gid: game.rules for gid, game in catalog.games.items()}
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start, initargs=(games, layout, now))
