@@ -52,6 +52,13 @@ class BudgetPlan:
                                   accepted))
         return [(day, held.get(day, 0)) for day, _ in self.requested]
 
+    def settlement(self, sale: Sale, accepted: set[int]) -> list[tuple[str, int]] | None:
+        """The shares a settle must make the budget hold once the `accepted` grids are
+        known (all of them given back when none is: final), None when what was requested
+        stands."""
+        shares = self.shares(sale, accepted)
+        return None if shares == self.requested and accepted else shares
+
 
 def budget_plan(channel_id: str, rules: GameRules, calendar: DrawCalendar, sale: Sale,
                 sale_id: str, at: int, expire_last: int) -> BudgetPlan | None:

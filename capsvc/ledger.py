@@ -54,8 +54,10 @@ class Ledger:
         self.caps = caps
         self.players = PlayerStore(store)
 
-    def plan(self, channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
+    @staticmethod
+    def plan(channel_id: str, game: Game, sale: Sale, sale_id: str, at: int
              ) -> BudgetPlan | None:
+        """What the sale takes from its player's budgets (None: the game has no limit)."""
         assert sale.first_draw is not None
         return budget_plan(channel_id, game.rules, game.calendar, sale, sale_id, at,
                            game.expire_at(sale.first_draw + sale.draws - 1))
@@ -70,10 +72,8 @@ class Ledger:
         """Make the budget hold what the `accepted` grids cost (nothing to do: None). Giving
         everything back is final: the ref is sealed and no later settle (a duplicate's,
         delayed) can charge it again."""
-        if plan is None:
-            return None
-        shares = plan.shares(sale, accepted)
-        if shares == plan.requested and accepted:
+        shares = None if plan is None else plan.settlement(sale, accepted)
+        if plan is None or shares is None:
             return None
         return self.players.settle(plan.player, plan.ref, shares, final=not accepted)
 
@@ -167,12 +167,9 @@ class Ledger:
                    ) -> list[asyncio.Future[Any]]:
         """Record on each of its draws what the sale accepted of the sizes not capped (base
         stake by number of picks), or, `accepted` empty, remove it."""
-        if all(g.capped for g in sale.grids):  # the capped sizes' stakes are the counters'
+        value = aggregate_value(sale, accepted)
+        if value is None:
             return []
-        amounts = _uncapped(sale, accepted)
-        if not amounts and accepted:
-            return []
-        value = ",".join(f"{p}:{a}" for p, a in amounts)
         first = sale.first_draw
         assert first is not None
         return [self.store.aggregate(key, game.rules.id, d, sale_id, value, game.expire_at(d))
@@ -231,6 +228,18 @@ class Ledger:
         released = await self.release_all(game, sale, sale_id)
         settled = self.settle_budget(plan, sale, set())
         return released + (int(await settled) if settled is not None else 0)
+
+
+def aggregate_value(sale: Sale, accepted: set[int]) -> str | None:
+    """What `Ledger.aggregates` records on each draw of a sale: the base stake the
+    `accepted` grids of sizes not capped took, by number of picks ("<picks>:<stake>,…"; ""
+    removes the sale's), None when there is nothing to record."""
+    if all(g.capped for g in sale.grids):  # the capped sizes' stakes are the counters'
+        return None
+    amounts = _uncapped(sale, accepted)
+    if not amounts and accepted:
+        return None
+    return ",".join(f"{p}:{a}" for p, a in amounts)
 
 
 def _uncapped(sale: Sale, accepted: set[int]) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +157,22 @@ def feed_closes_key(game: str) -> str:
     return f"e:{{{game}}}"
 
 
+def record_names(ticket: str, bucketed: bool, legacy_keys: bool
+                 ) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before the
+    call's own: where a new record goes first, then where records are read too, and its
+    field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
+    bucket = record_bucket_of(ticket)
+    if not bucketed:
+        return [ticket, bucket], [ident_of(ticket)]
+    return [bucket, ticket if legacy_keys else bucket], [ident_of(ticket)]
+
+
+def sale_record_of(sale: Sale, packed: bool, asked: bool | None = None) -> bytes:
+    """The sale as a ticket record keeps it (Store.sale_record)."""
+    return pack_sale(sale, asked) if packed else _json_encode(sale)
+
+
 def stop_instants(replies: list[Any]) -> list[int | None]:
     """The instants (ms) sales stopped from HMGET replies of the stops hash."""
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
@@ -197,7 +213,12 @@ class Store:
         """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
         processes of a release before it still run, the JSON they read. Read back by
         validator.unpack_sale either way."""
-        return pack_sale(sale, asked) if self.packed_sales else _json_encode(sale)
+        return sale_record_of(sale, self.packed_sales, asked)
+
+    @property
+    def layout(self) -> RecordLayout:
+        """How this store lays out ticket records now (see RecordLayout)."""
+        return RecordLayout(self.bucketed, self.legacy_keys, self.packed_sales)
 
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
@@ -215,18 +236,18 @@ class Store:
             self.legacy_keys, self.layout_settled = False, True
         return self.layout_settled
 
+    async def key_count(self) -> int:
+        """The keys of every primary (DBSIZE), together."""
+        return sum(int(n) for n in await self.redis.broadcast("DBSIZE"))
+
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
         return all(bool(r) for r in replies)
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:
         """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before
-        the call's own: where a new record goes first, then where records are read too, and
-        its field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
-        bucket = record_bucket_of(ticket)
-        if not self.bucketed:
-            return [ticket, bucket], [ident_of(ticket)]
-        return [bucket, ticket if self.legacy_keys else bucket], [ident_of(ticket)]
+        the call's own (see record_names)."""
+        return record_names(ticket, self.bucketed, self.legacy_keys)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it); a function
@@ -502,22 +523,19 @@ class Store:
               for b in range(TICKET_BUCKETS)]])
         return int(stopped)
 
-    # -- a journal's restore (lua/capsvc.lua, RESTORE) ------------------------------------
+    # -- a journal's restore (lua/capsvc.lua, RESTORE and THE BULK RESTORE) --------------
 
-    def restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int, sale: bytes,
-                       body: bytes, expire_at: int, cancelled_at: int | None = None,
-                       released: int = 0) -> asyncio.Future[Any]:
-        keys, args = self.names(ticket)
-        return self.fcall("capsvc2_restore_ticket", keys, [
-            *args, sale_id, fingerprint, at, sale, body, expire_at,
-            "" if cancelled_at is None else cancelled_at, released])
+    def restore_tickets(self) -> TicketRestores:
+        """A batch of ticket records to put back (see TicketRestores)."""
+        return TicketRestores(self)
 
-    def restore_grid(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
-                     min_stake: int, first_draw: int, expire_at: list[int]
-                     ) -> asyncio.Future[Any]:
-        keys = bucket_keys(game, combo, first_draw, len(expire_at))
-        return self.fcall("capsvc_restore_grid", keys,
-                          [record, combo, stake, caps, min_stake, *expire_at])
+    def restore_counts(self) -> CountRestores:
+        """A batch of grids to count back or give back (see CountRestores)."""
+        return CountRestores(self)
+
+    def restore_budgets(self) -> BudgetRestores:
+        """A batch of player budgets to put back (see BudgetRestores)."""
+        return BudgetRestores(self)
 
     def identities(self) -> asyncio.Future[Any]:
         """INFO server and replication of every primary (see `identity`)."""
@@ -580,6 +598,246 @@ class PlayerStore:
     def state(self, player: str, today: str) -> asyncio.Future[Any]:
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
                           [today])
+
+
+RESTORE_OPS_PER_CALL = 512
+"""Ops per call of a bulk restore function: a few milliseconds of Redis CPU, which the
+other processes' calls wait behind."""
+
+
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
+
+
+def _mp_head(n: int) -> bytes:
+    """The header of a string of `n` bytes as Redis's cmsgpack packs it (str, never bin)."""
+    if n < 32:
+        return _FIXSTR[n]
+    if n <= 0xFF:
+        return b"\xd9" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xda" + n.to_bytes(2, "big")
+    return b"\xdb" + n.to_bytes(4, "big")
+
+
+def _mp_uint(n: int) -> bytes:
+    """A non-negative integer as Redis's cmsgpack packs it (the smallest form)."""
+    if n <= 0x7F:
+        return bytes((n,))
+    if n <= 0xFF:
+        return b"\xcc" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xcd" + n.to_bytes(2, "big")
+    if n <= 0xFFFFFFFF:
+        return b"\xce" + n.to_bytes(4, "big")
+    return b"\xcf" + n.to_bytes(8, "big")
+
+
+_NIL = b"\xc0"
+
+
+def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_id: str,
+                 sale: bytes, body: bytes, cancelled_at: int | None = None,
+                 released: int | None = None) -> bytes:
+    """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
+    packs it (TICKET RECORDS: the expiry, then st, fp, at, sid, sale, body, res, ca, rel;
+    `at`, `ca` and `rel` as decimal strings, nil for what is absent)."""
+    fp, instant, sid = fingerprint.encode(), b"%d" % at, sale_id.encode()
+    head = _mp_head
+    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(fp)), fp,
+             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale,
+             head(len(body)), body, _NIL]
+    if cancelled_at is None:
+        parts.append(_NIL)
+    else:
+        ca = b"%d" % cancelled_at
+        parts += (head(len(ca)), ca)
+    if released is None:
+        parts.append(_NIL)
+    else:
+        rel = b"%d" % released
+        parts += (head(len(rel)), rel)
+    return b"".join(parts)
+
+
+Op = tuple[list[str], list[Any]]
+"""One op of a bulk restore function: its KEYS and its ARGV, its letter first (lua/capsvc.lua,
+THE BULK RESTORE)."""
+
+
+class RecordLayout(msgspec.Struct, frozen=True):
+    """How a store lays out ticket records (`Store.names`) and keeps a sale in them
+    (`Store.sale_record`): all that naming a ticket's record and building the ops of a
+    restore take, without a connection (a restore plans its calls in processes of its own)."""
+
+    bucketed: bool
+    legacy_keys: bool
+    packed_sales: bool
+
+    def sale_record(self, sale: Sale) -> bytes:
+        return sale_record_of(sale, self.packed_sales)
+
+    def restore_sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+                     aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
+        """A sale's decision put back (`record`: ticket_value, state f), and, written with
+        it, the aggregates (game, draw, value, expiry) of its grids not capped."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
+        args += (expire_at, record, sale_id, len(aggregates))
+        for _, _, value, expiry in aggregates:
+            args += (value, expiry)
+        return keys, ["s", *args]
+
+    def restore_cancel(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
+                       aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+        """A cancel put back (`record`: ticket_value, state k, with when and how much), and
+        the aggregates (game, draw) of the sale given back."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys.append(pending_key_of(ticket))
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        return keys, ["c", *args, expire_at, record, sale_id, len(aggregates)]
+
+    def restore_void(self, ticket: str, sale_id: str,
+                     aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+        """A void: what the sale holds of the aggregates (game, draw), given back."""
+        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
+        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+        return keys, ["v", *args, sale_id, len(aggregates)]
+
+
+def restore_count(game: str, combo: str, record: bytes, stake: int, caps: str | int,
+                  min_stake: int, first_draw: int, expiries: list[int]) -> Op:
+    """An accepted grid: its stake counted back on every draw unless recorded."""
+    keys = bucket_keys(game, combo, first_draw, len(expiries))
+    return keys, ["g", len(keys), record, combo, stake, caps, min_stake, *expiries]
+
+
+def restore_release(game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
+                    first_draw: int, draws: int, expire_at: int) -> Op:
+    """A grid given back (and sealed), once."""
+    return (bucket_keys(game, combo, first_draw, draws),
+            ["r", draws, record, combo, caps, min_stake, expire_at])
+
+
+def restore_budget(player: str, ref: str, regulatory: int, expire_at: int,
+                   take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
+                   final: bool = False) -> Op:
+    """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the amounts
+    given (`final`: sealed); the same days for both."""
+    days = [day for day, _ in (take or settle or [])]
+    keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+    args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
+                       "1" if take is not None else "0",
+                       "" if settle is None else "1" if final else "0", *days]
+    args += [amount for _, amount in take] if take is not None else [0] * len(days)
+    args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
+    return keys, args
+
+
+def _tag(key: str) -> str:
+    return key[key.index("{") + 1:key.index("}")]
+
+
+class _Bulk:
+    """Ops of one bulk restore function (lua/capsvc.lua, THE BULK RESTORE), sent many per
+    FCALL, all calls at once: on one Redis, up to RESTORE_OPS_PER_CALL ops a call; on a
+    cluster, calls per hash tag (a call touches one slot). `send()` sends them and gives each
+    op's reply, in the order the ops were added."""
+
+    function = ""
+    by_first_key = False
+    """Whether a call's ops may be put in the order of their first keys (ops on one key
+    stay in the order they were added): their function does less when ops on one key
+    follow one another."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._tagged = not store.single_node
+        self._ops: dict[str, list[Op]] = {}
+        self._where: list[tuple[str, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def add(self, op: Op) -> None:
+        tag = _tag(op[0][0]) if self._tagged else ""
+        ops = self._ops.get(tag)
+        if ops is None:
+            ops = self._ops[tag] = []
+        self._where.append((tag, len(ops)))
+        ops.append(op)
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        raise NotImplementedError
+
+    def send(self) -> Coroutine[Any, Any, list[Any]]:
+        """Send every call now (behind what was sent before on each node's connection, and
+        before what is sent after); the awaitable of each op's reply, in the order the ops
+        were added."""
+        calls: list[tuple[str, list[int], list[str], list[Any]]] = []
+        for tag, ops in self._ops.items():
+            order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
+                     if self.by_first_key else range(len(ops)))
+            for start in range(0, len(ops), RESTORE_OPS_PER_CALL):
+                placed = list(order[start:start + RESTORE_OPS_PER_CALL])
+                keys: list[str] = []
+                args: list[Any] = []
+                for i in placed:
+                    keys += ops[i][0]
+                    args += ops[i][1]
+                calls.append((tag, placed, keys, args))
+        fcall, function = self._store.fcall, self.function
+        return self._replies(calls, [fcall(function, keys, args)
+                                     for _, _, keys, args in calls])
+
+    async def _replies(self, calls: list[tuple[str, list[int], list[str], list[Any]]],
+                       sent: list[asyncio.Future[Any]]) -> list[Any]:
+        found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
+        for (tag, placed, _, _), reply in zip(calls, await replies_of(sent), strict=True):
+            for i, one in zip(placed, self._split(reply, len(placed)), strict=True):
+                found[tag][i] = one
+        return [found[tag][i] for tag, i in self._where]
+
+
+class TicketRestores(_Bulk):
+    """Ticket records put back (capsvc_restore_tickets; ops of RecordLayout): never two ops
+    of one ticket in a batch. Each op's reply is a letter (see the function)."""
+
+    function = "capsvc_restore_tickets"
+    by_first_key = True
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return list(reply.decode())
+
+
+class CountRestores(_Bulk):
+    """Grids counted back or given back (capsvc_restore_counts; ops of restore_count and
+    restore_release). Each op's reply is (letter, draws above the cap or stake given back,
+    offsets)."""
+
+    function = "capsvc_restore_counts"
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        letters, details = reply
+        out: list[Any] = []
+        at = 0
+        for letter in letters.decode():
+            if letter == "x":
+                amount, n = int(details[at]), int(details[at + 1])
+                out.append((letter, amount, [int(o) for o in details[at + 2:at + 2 + n]]))
+                at += 2 + n
+            else:
+                out.append((letter, 0, []))
+        return out
+
+
+class BudgetRestores(_Bulk):
+    """Player budgets put back (capsvc_restore_budgets; ops of restore_budget). Each op's
+    reply is (taken: whether the amounts were put back, given: what the settle gave back)."""
+
+    function = "capsvc_restore_budgets"
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]
 
 
 JOURNALED_PER_CALL = 256

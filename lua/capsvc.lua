@@ -1329,6 +1329,16 @@ lost (a failover, a restart from an older file, a restored backup) is put back. 
 function writes only what is missing, fenced by the sale id, so that restoring twice
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
 
+-- extend(), once per key and instant in a call that names a key many times (`seen`: key ->
+-- the instant its TTL is known to reach).
+local function extend_once(seen, key, at, slack)
+  local known = seen[key]
+  if not known or known < at then
+    extend(key, at, slack)
+    seen[key] = at
+  end
+end
+
 --[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at
 ("" for a decision not cancelled), released
 Writes a journaled decision: when the ticket is unknown, or this sale is still pending
@@ -1374,25 +1384,49 @@ cap if need be (it was sold), and recorded. Nothing when the grid has a record (
 refused, or released: a cancel's release is never undone). Returns {1, over, sold-out
 offsets…} when counted (`over`: draws whose counter is now above its cap; the offsets: draws
 this brought to their cap), {0} when the record was there. ]]
-local function restore_grid(keys, args)
-  local last, field, combo = keys[#keys], args[1], args[2]
-  local stake, min_stake = tonumber(args[3]), tonumber(args[5])
-  local caps = caps_of(args[4], #keys)
-  if redis.call('HEXISTS', last, field) == 1 then
-    return {0}
+-- Count a journaled grid's stake back on its draws' buckets (`restore_grid`), past the cap
+-- if need be, unless the grid has a record: nil then; else the draws now above their cap and
+-- the offsets of those this brought to it (nil: none). `seen`: extend()'s of this call.
+local function count_back(buckets, field, combo, stake, caps, min_stake, expiries, seen)
+  local n = #buckets
+  -- The record is the fence; the last draw's counter is read with it and written with it
+  -- (one write for both: a write costs Redis more than a read).
+  local last = redis.call('HMGET', buckets[n], field, combo)
+  if last[1] then
+    return nil
   end
-  local out = {1, 0}
-  for i = 1, #keys do
-    local total = redis.call('HINCRBY', keys[i], combo, stake)
-    extend(keys[i], tonumber(args[5 + i]))
+  local over, sold = 0, nil
+  for i = 1, n do
+    local total
+    if i < n then
+      total = redis.call('HINCRBY', buckets[i], combo, stake)
+    else
+      total = (tonumber(last[2]) or 0) + stake
+      redis.call('HSET', buckets[n], field, stake, combo, total)
+    end
+    extend_once(seen, buckets[i], tonumber(expiries[i]))
     if total > caps[i] then
-      out[2] = out[2] + 1
+      over = over + 1
     end
     if caps[i] - total < min_stake and caps[i] - (total - stake) >= min_stake then
-      out[#out + 1] = i - 1
+      sold = sold or {}
+      sold[#sold + 1] = i - 1
     end
   end
-  redis.call('HSET', last, field, stake)
+  return over, sold
+end
+
+local function restore_grid(keys, args)
+  local over, sold = count_back(keys, args[1], args[2], tonumber(args[3]),
+                                caps_of(args[4], #keys), tonumber(args[5]),
+                                slice_from(args, 6), {})
+  if not over then
+    return {0}
+  end
+  local out = {1, over}
+  for _, offset in ipairs(sold or {}) do
+    out[#out + 1] = offset
+  end
   return out
 end
 
@@ -1414,6 +1448,266 @@ local function restore_limit(keys, args)
   end
   redis.call('PEXPIREAT', keys[1], tonumber(args[5]))
   return 1
+end
+
+--[[ THE BULK RESTORE. A Redis that lost everything takes back a journal of millions of
+decisions: hundreds of ops per FCALL (on a cluster, a call per slot: a call touches one
+slot), and as few commands per decision as can be (a command costs Redis about a
+microsecond, a write more than a read: the new records of a ticket bucket are one HMGET and
+one HSET, a grid's record and its last draw's counter one HMGET and one HSET, a key's TTL
+is looked at once per call). Each op does what the single function above does, compared and
+fenced the same way. The caller never puts two records of one ticket in one call (the next
+waits for this one's answer), so the ops of a call need no order among them but the order
+of the ops on one key, which the caller keeps (the journal's). Each op takes its keys from
+KEYS in turn (KEYS: the ops' keys, one op after another) and its fields from ARGV, after
+its letter. ]]
+
+local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
+
+-- A sale's ticket as `restore_ticket` puts it back (the fields from its packed record):
+-- the reply's letter (see restore_tickets).
+local function sale_back(k1, k2, field, exp, record)
+  local _, _, fp, at, sid, sale, body = cmsgpack.unpack(record)
+  return RESTORED[restore_ticket({k1, k2}, {field, sid, fp, at, sale, body, exp, '', 0})[1]]
+end
+
+-- Record what a sale accepted of the sizes not capped on each of its draws (`aggregate`),
+-- or with `give_back`, remove it: `n` aggregates from KEYS[k], values and expiries from
+-- ARGV[i] (value, expiry pairs; none to give back).
+local function aggregates_back(keys, k, n, args, i, sid, give_back, seen)
+  for j = 0, n - 1 do
+    local key = keys[k + j]
+    if give_back then
+      redis.call('HDEL', key, sid)
+    else
+      redis.call('HSET', key, sid, args[i + 2 * j])
+      extend_once(seen, key, tonumber(args[i + 2 * j + 1]))
+    end
+  end
+end
+
+--[[ restore_tickets: KEYS and ARGV of ops on ticket records (one slot on a cluster):
+  s  a sale: KEYS the record's two names (see TICKET RECORDS), its aggregates; ARGV field,
+     expire_at, record, sid, n aggregates, then value, expire_at of each aggregate
+  c  a cancel: KEYS the two names, the pending index, its aggregates; ARGV field,
+     expire_at, record, sid, n aggregates
+  v  a void: KEYS the two names, its aggregates; ARGV field, sid, n aggregates
+`record` is the ticket record as ticket_new packs it: expire_at, st, fp, at, sid, sale, body,
+res, ca, rel (st f for a sale; k with ca and rel for a cancel).
+A sale is `restore_ticket`'s: a ticket unknown (or of this sale and pending) is written
+decided; the aggregates of its grids not capped are written with it. A cancel: a ticket of
+this sale (or unknown) not cancelled yet is indexed and written cancelling (the caller
+releases, then calls `cancelled`), and its aggregates are given back. A void: a ticket
+unknown or this sale's claim (pending, expired) gives its aggregates back (the caller
+releases, then unclaims). Returns one letter per op, in order:
+  s  w written, p present (decided), o another sale holds the ticket id, c cancelled since
+  c  k cancelling (K: decided in one call: its aggregates are by number of picks), c
+     cancelled already, n another sale holds the ticket id
+  v  g unknown, u this sale's claim, n decided or another sale's: nothing to give back ]]
+local function restore_tickets(keys, args)
+  local now = now_ms()
+  local codes, seen = {}, {}
+  -- Sales that may go straight into their bucket, by bucket (`order`: the buckets), and
+  -- the keyed records they would be read from too.
+  local fresh, order, legacy = {}, {}, {}
+  local i, k, n = 1, 1, 0
+  while i <= #args do
+    n = n + 1
+    local op, k1, k2 = args[i], keys[k], keys[k + 1]
+    if op == 's' then
+      local aggs = tonumber(args[i + 5])
+      if string.byte(k1, 1) == R and tonumber(args[i + 2]) > now then
+        -- The bucketed layout, a record that lives: below, once keyed records are known.
+        local group = fresh[k1]
+        if not group then
+          group = {}
+          fresh[k1] = group
+          order[#order + 1] = k1
+        end
+        group[#group + 1] = {n, i, k}
+        if k2 ~= k1 then
+          legacy[#legacy + 1] = k2
+        end
+      else
+        codes[n] = sale_back(k1, k2, args[i + 1], tonumber(args[i + 2]), args[i + 3])
+        if codes[n] == 'w' then
+          aggregates_back(keys, k + 2, aggs, args, i + 6, args[i + 4], false, seen)
+        end
+      end
+      k, i = k + 2 + aggs, i + 6 + 2 * aggs
+    elseif op == 'c' then
+      local aggs, sid = tonumber(args[i + 5]), args[i + 4]
+      local T = ticket_of({k1, k2}, {args[i + 1]})
+      local st, held = ticket_state(T, now)
+      if not st or held == sid then
+        if st ~= 'c' then
+          local index, exp = keys[k + 2], tonumber(args[i + 2])
+          redis.call('ZADD', index, 'NX', now, T.name)
+          extend_once(seen, index, exp)
+          local _, _, fp, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
+          local reply = restore_ticket({k1, k2}, {args[i + 1], sid, fp, at, sale, body, exp,
+                                                  ca, rel})
+          codes[n] = reply[2] == 1 and 'K' or 'k'
+        else
+          codes[n] = 'c'
+        end
+      else
+        codes[n] = 'n'
+      end
+      aggregates_back(keys, k + 3, aggs, args, i, sid, true, seen)
+      k, i = k + 3 + aggs, i + 6
+    elseif op == 'v' then
+      local aggs, sid = tonumber(args[i + 3]), args[i + 2]
+      local st, held = ticket_state(ticket_of({k1, k2}, {args[i + 1]}), now)
+      if st and (held ~= sid or (st ~= 'p' and st ~= 'x')) then
+        codes[n] = 'n'
+      else
+        codes[n] = st and 'u' or 'g'
+        aggregates_back(keys, k + 2, aggs, args, i, sid, true, seen)
+      end
+      k, i = k + 2 + aggs, i + 4
+    else
+      return redis.error_reply('restore_tickets: unknown op ' .. tostring(op))
+    end
+  end
+  -- Keyed records (of a release before buckets): seldom any; one look for all of them.
+  local keyed = #legacy > 0 and redis.call('EXISTS', unpack(legacy)) > 0
+  for _, bucket in ipairs(order) do
+    local group = fresh[bucket]
+    -- The bucket's records of these tickets: one HSETNX for one, else one HMGET and one HSET
+    -- for all (a write costs Redis more than a read, and a command more than a field).
+    local held = {false}
+    if #group > 1 then
+      local fields = {}
+      for j, sale in ipairs(group) do
+        fields[j] = args[sale[2] + 1]
+      end
+      held = redis.call('HMGET', bucket, unpack(fields))
+    end
+    local new, latest = {}, 0
+    for j, sale in ipairs(group) do
+      local at, kk = sale[2], sale[3]
+      local key, field, record = keys[kk + 1], args[at + 1], args[at + 3]
+      local exp = tonumber(args[at + 2])
+      local code
+      if held[j] or (keyed and key ~= bucket and redis.call('EXISTS', key) == 1)
+          or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
+        -- A record of the ticket, live or not: compared as restore_ticket compares it.
+        code = sale_back(bucket, key, field, exp, record)
+      else
+        code = 'w'
+        if #group > 1 then
+          new[#new + 1] = field
+          new[#new + 1] = record
+        end
+        latest = math.max(latest, exp)
+      end
+      codes[sale[1]] = code
+      if code == 'w' then
+        aggregates_back(keys, kk + 2, tonumber(args[at + 5]), args, at + 6, args[at + 4],
+                        false, seen)
+      end
+    end
+    if #new > 0 then
+      redis.call('HSET', bucket, unpack(new))
+    end
+    if latest > 0 then
+      extend_once(seen, bucket, latest, BUCKET_SLACK_MS)
+    end
+  end
+  return table.concat(codes)
+end
+
+--[[ restore_counts: KEYS and ARGV of ops on counter buckets (one slot on a cluster):
+  g  an accepted grid: KEYS its buckets (draw 1..n); ARGV n, record, combo, stake, caps
+     (see CAPS), min_stake, expire_at of each draw: `restore_grid`
+  r  a grid given back: KEYS its buckets; ARGV n, record, combo, caps, min_stake,
+     expire_at (draw n): `release`
+Returns {letters, details}: one letter per op, in order: g 1 counted, 0 recorded already
+(nothing done), x counted and past the cap or to it; r 0 nothing given back, x given back.
+Details, for each x in turn: g's draws now above the cap, then how many offsets follow, the
+offsets of the draws it brought to the cap; r's stake given back, how many offsets follow,
+the offsets of the draws that left the cap. ]]
+local function restore_counts(keys, args)
+  local codes, details, seen = {}, {}, {}
+  local i, k = 1, 1
+  while i <= #args do
+    local op, n = args[i], tonumber(args[i + 1])
+    local buckets = {}
+    for j = 1, n do
+      buckets[j] = keys[k + j - 1]
+    end
+    local found, offsets
+    if op == 'g' then
+      local over, sold = count_back(buckets, args[i + 2], args[i + 3], tonumber(args[i + 4]),
+                                    caps_of(args[i + 5], n), tonumber(args[i + 6]),
+                                    {unpack(args, i + 7, i + 6 + n)}, seen)
+      if not over then
+        found = '0'
+      elseif over == 0 and not sold then
+        found = '1'
+      else
+        found, offsets = 'x', sold or {}
+        details[#details + 1] = over
+      end
+      i = i + 7 + n
+    elseif op == 'r' then
+      local out = release(buckets, {args[i + 2], args[i + 3], args[i + 4], args[i + 5],
+                                    args[i + 6]})
+      if out[1] == 0 then
+        found = '0'
+      else
+        found, offsets = 'x', slice_from(out, 2)
+        details[#details + 1] = out[1]
+      end
+      i = i + 7
+    else
+      return redis.error_reply('restore_counts: unknown op ' .. tostring(op))
+    end
+    codes[#codes + 1] = found
+    if offsets then
+      details[#details + 1] = #offsets
+      for _, o in ipairs(offsets) do
+        details[#details + 1] = o
+      end
+    end
+    k = k + n
+  end
+  return {table.concat(codes), details}
+end
+
+--[[ restore_budgets: KEYS and ARGV of ops on player budgets (one slot on a cluster):
+  b  KEYS the player's self-limit, the budget of each of m days; ARGV m, ref, regulatory,
+     expire_at, take, settle, then the m days, the m amounts taken, the m amounts settled
+`take` 1: the amounts are taken unchecked unless `ref` is recorded (`budget`, mode
+"restore"); `settle` "" nothing, 0 or 1 (final): `settle` to the amounts settled, after.
+Returns, per op in order, whether the take put the amounts back (`budget`'s {1, 0}) and
+what the settle gave back. ]]
+local function restore_budgets(keys, args)
+  local out = {}
+  local i, k = 1, 1
+  while i <= #args do
+    local m = tonumber(args[i + 1])
+    local ref = args[i + 2]
+    local days = {}
+    for j = 1, m do
+      days[j] = keys[k + j]
+    end
+    local taken, given = 0, 0
+    if args[i + 5] == '1' then
+      local reply = budget({keys[k], unpack(days)},
+                           {ref, args[i + 3], args[i + 4], 'restore',
+                            unpack(args, i + 7, i + 6 + 2 * m)})
+      taken = (reply[1] == 1 and reply[2] == 0) and 1 or 0
+    end
+    if args[i + 6] ~= '' then
+      given = settle(days, {ref, args[i + 6], unpack(args, i + 7 + 2 * m, i + 6 + 3 * m)})
+    end
+    out[#out + 1] = taken
+    out[#out + 1] = given
+    k, i = k + 1 + m, i + 7 + 3 * m
+  end
+  return out
 end
 
 -- A ticket's steps as this release calls them (see TICKET RECORDS).
@@ -1462,3 +1756,6 @@ redis.register_function{function_name = 'capsvc_marks', callback = marks,
 redis.register_function('capsvc_mark_restored', mark_restored)
 redis.register_function('capsvc_announce', announce)
 redis.register_function('capsvc_mark_keep', mark_keep)
+redis.register_function('capsvc_restore_tickets', restore_tickets)
+redis.register_function('capsvc_restore_counts', restore_counts)
+redis.register_function('capsvc_restore_budgets', restore_budgets)

@@ -245,6 +245,8 @@ class Reconciler:
                      for mark in marks}
             fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
                       for i, life in enumerate(names)}
+            for mark in marks:  # what the process has seen of the marks from now on
+                self.marks.saw(mark, _g(state[mark][0]))
             lacking_lives = [life for life in names if not covered(made[life], fields[life])]
             done: Restored | None = None
             if lacking_lives:

@@ -480,6 +480,9 @@ def test_a_host_that_saw_the_lost_answers_waits_for_them_though_it_lost_nothing(
     a = ServiceProcess(config, debug_redis.url).start()
     b = ServiceProcess(config, debug_redis.url).start()
     try:
+        for service in (a, b):  # listening is not ready: the start's restore comes first
+            _wait(lambda s=service: _call(s.base_url, "GET", "/readyz")[0] == 200, 20,
+                  "not ready")
         for trial, numbers in enumerate((X, Y, Z)):
             ledger = Ledger(current_draw(a.base_url) + 1 + trial)
             ledger.sell(a.base_url, numbers)

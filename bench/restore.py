@@ -1,0 +1,281 @@
+"""The journal's restore into an emptied Redis, side by side in one run: an older tree's
+restore (one round trip per ticket) against this tree's (bulk calls).
+
+    python bench/restore.py [--decisions 100000 1000000] [--mix one-grid mixed]
+                            [--rounds 2] [--old REV] [--ablation] [--compare]
+
+For each number of decisions and each mix (tests/journals.py: written by the product's own
+recorder and writer, under a temporary directory for the run), a redis-server with
+deploy/redis.conf's listpack limits is emptied (FLUSHALL) before each restore, and
+`python -m capsvc journal restore` of REV's tree (a git worktree, default `main`) and of
+this tree run in turn, round after round. Pinned when `taskset` is there: the restore on
+CPU 0, Redis on CPU 1.
+
+Prints, per target: decisions restored a second (the records of decisions still retained,
+over the command's wall time, start to end, its Python start included), Redis CPU per
+decision (INFO cpu), the restoring process's CPU per decision, and the ratio of this tree
+to REV. With --compare, whether both left the same data in Redis (every key's value and
+TTL; stream entries and index scores without their instants). With --ablation, where this
+tree's time goes (see `ablation`). Asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ab import REPO, checkout
+
+from capsvc.cluster import connect
+from capsvc.config import load_settings
+from capsvc.games import Catalog
+from capsvc.journal import restore as restore_module
+from capsvc.journal.planner import Planner
+from capsvc.journal.reader import retained_records
+from capsvc.journal.records import Open, SaleRecord, sale_of
+from capsvc.journal.restore import Restorer
+from capsvc.store import Store, bucket_keys, lua_source, record_field, ticket_key
+from capsvc.testing import RedisServer
+from tests.journals import MIXES, write_config, write_journal
+
+LISTPACKS = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "256")
+"""deploy/redis.conf's: a bucket of ticket records stays a listpack."""
+
+
+@dataclass
+class Run:
+    seconds: float
+    records: int
+    decisions: int
+    redis_cpu_s: float
+    client_cpu_s: float
+    put_back: str
+    """What the command said it put back."""
+
+
+@dataclass
+class Target:
+    label: str
+    tree: Path
+    runs: list[Run] = field(default_factory=list)
+    snapshot: dict[bytes, Any] | None = None
+
+
+def redis_cpu(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"] + info["used_cpu_user"])
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def restore(target: Target, redis: RedisServer, config: Path, journal: Path,
+            decisions: int) -> Run:
+    """Empty Redis, restore the journal with the target's tree, measure."""
+    client = redis.client()
+    client.flushall()
+    env = {**os.environ, "PYTHONPATH": str(target.tree), "PYTHONHASHSEED": "0"}
+    command = [sys.executable, "-m", "capsvc", "journal", "restore", "--config", str(config),
+               "--redis-url", redis.url, "--dir", str(journal)]
+    if shutil.which("taskset"):
+        command = ["taskset", "-c", "0", *command]
+    cpu, child = redis_cpu(client), children_cpu()
+    started = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=target.tree,
+                         check=False)
+    seconds = time.perf_counter() - started
+    if out.returncode != 0:
+        raise RuntimeError(f"{target.label}: {out.stderr.strip()}")
+    records = int(out.stdout.split(": ", 1)[1].split(" record", 1)[0])
+    put_back = out.stdout.splitlines()[1].strip()
+    return Run(seconds, records, decisions, redis_cpu(client) - cpu, children_cpu() - child,
+               put_back)
+
+
+def snapshot(client: Any) -> dict[bytes, Any]:
+    """Every key's type, value and expiry, without what the instant of the restore
+    decides (a stream's entry ids and `at`, an index's scores), nor a ticket bucket's TTL
+    beyond its having one (pushed a day past its newest record: by the order it met them)."""
+    out: dict[bytes, Any] = {}
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key).decode()
+        value: Any
+        if kind == "hash":
+            value = client.hgetall(key)
+        elif kind == "zset":
+            value = sorted(client.zrange(key, 0, -1))
+        elif kind == "set":
+            value = sorted(client.smembers(key))
+        elif kind == "string":
+            value = client.get(key)
+        elif kind == "stream":
+            value = sorted(tuple(sorted((k, v) for k, v in entry.items() if k != b"at"))
+                           for _, entry in client.xrange(key))
+        else:
+            value = kind
+        expiry = client.pexpiretime(key)
+        out[key] = (kind, value, expiry > 0 if key.startswith(b"r:") else expiry)
+    return out
+
+
+async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: int) -> None:
+    """Where a restore's time goes, one part at a time, in this process: Python decoding the
+    journal, then planning each record's ops (capsvc.journal.planner, no Redis); then the
+    restore (Restorer.run) with every record planned in the restoring process, and with one
+    planning process (forced, whatever the journal's size and the CPUs): decisions a second,
+    the restoring process's CPU and Redis's CPU per decision; last, Redis's CPU per decision
+    for plain pipelined commands that write the same ticket records, counters and TTLs with
+    nothing compared (the floor of any design that writes what a sale wrote)."""
+    settings = load_settings(config)
+    catalog = Catalog(settings.games)
+    client = redis.client()
+    gc.disable()  # as a restore does
+    started = time.process_time()
+    lines = list(retained_records(journal))
+    decode = time.process_time() - started
+    records = [r for r in lines if not isinstance(r, Open)]
+    print(f"  python, decoding the journal: {1e6 * decode / len(lines):.2f} µs a record "
+          f"({len(lines)} lines)")
+    transport = connect(redis.url, timeout_s=30, library=lua_source())
+    store = Store.of(transport, settings)
+    await store.load_library()
+    try:
+        started = time.process_time()
+        Planner(catalog, store.layout, 0).chunk(records)
+        plan = time.process_time() - started
+        print(f"  python, planning each record's ops (no Redis): "
+              f"{1e6 * plan / len(records):.2f} µs a record")
+        for label, workers in (("planned in the restoring process", 0),
+                               ("one planning process", 1)):
+            restore_module.POOL_BYTES = -1
+            restore_module.planners = lambda workers=workers: workers  # type: ignore[misc]
+            client.flushall()
+            cpu, mine, started = redis_cpu(client), time.process_time(), time.perf_counter()
+            await Restorer(journal, catalog, store).run()
+            seconds = time.perf_counter() - started
+            print(f"  restore, {label}: {decisions / seconds:,.0f}/s; CPU a decision: "
+                  f"restoring process {1e6 * (time.process_time() - mine) / decisions:.1f} "
+                  f"µs, Redis {1e6 * (redis_cpu(client) - cpu) / decisions:.1f} µs")
+        client.flushall()
+        cpu, started = redis_cpu(client), time.perf_counter()
+        await plain_writes(store, catalog, records)
+        plain_s, plain_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
+    finally:
+        await transport.aclose()
+    print(f"  redis CPU a decision for plain pipelined writes, nothing compared: "
+          f"{1e6 * plain_cpu / decisions:.1f} µs ({decisions / plain_s:,.0f}/s)")
+
+
+async def plain_writes(store: Store, catalog: Catalog, records: list[Any]) -> None:
+    """What a restored sale writes (its ticket record, each accepted grid's record and
+    counters, their TTLs), as plain commands pipelined 8,192 at a time."""
+    submit, queued = store.redis.submit, []
+    for r in records:
+        game = catalog.get(r.game)
+        if game is None or type(r) is not SaleRecord:
+            continue
+        keys, args = store.names(ticket_key(r.channel, r.ticket))
+        queued.append(submit("HSET", keys[0], args[0], bytes(r.decision)))
+        queued.append(submit("PEXPIREAT", keys[0], r.until))
+        for g in sale_of(r).grids:
+            if g.capped:
+                buckets = bucket_keys(r.game, g.combo, r.first_draw, r.draws)
+                queued.append(submit("HSET", buckets[-1], record_field(r.sale, g.index),
+                                     g.stake))
+                for d, bucket in enumerate(buckets):
+                    queued.append(submit("HINCRBY", bucket, g.combo, g.stake))
+                    queued.append(submit("PEXPIREAT", bucket, game.expire_at(r.first_draw + d)))
+        if len(queued) > 8192:
+            await asyncio.gather(*queued)
+            queued = []
+    await asyncio.gather(*queued)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--decisions", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--mix", choices=MIXES, nargs="+", default=list(MIXES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--old", default="main", help="the tree to compare with (a commit)")
+    parser.add_argument("--ablation", action="store_true")
+    parser.add_argument("--compare", action="store_true")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="capsvc-bench-restore-"))
+    redis = RedisServer(extra=LISTPACKS).start()
+    version = redis.client().info("server")["redis_version"]
+    if shutil.which("taskset"):
+        assert redis.process is not None
+        subprocess.run(["taskset", "-pc", "1", str(redis.process.pid)], check=True,
+                       capture_output=True)
+    (root / "trees").mkdir()
+    targets = [Target(args.old, checkout(args.old, root / "trees")), Target("this tree", REPO)]
+    results: dict[tuple[int, str], list[Target]] = {}
+    try:
+        for n in args.decisions:
+            for mix in args.mix:
+                journal = root / f"{mix}-{n}"
+                config = write_config(root / f"{mix}-{n}.toml")
+                catalog = Catalog(load_settings(config).games)
+                written = asyncio.run(write_journal(journal, catalog, n, mix, files=4))
+                print(f"{n:,} decisions, {mix}: {written:,} records", flush=True)
+                here = [Target(t.label, t.tree) for t in targets]
+                for r in range(args.rounds):
+                    for t in here if r % 2 == 0 else here[::-1]:
+                        t.runs.append(restore(t, redis, config, journal, n))
+                        print(f"  {t.label}: {n / t.runs[-1].seconds:,.0f}/s; "
+                              f"{t.runs[-1].put_back}", flush=True)
+                        if args.compare and r == 0:
+                            t.snapshot = snapshot(redis.client())
+                if args.compare:
+                    a, b = here[0].snapshot or {}, here[1].snapshot or {}
+                    differ = sorted({k.split(b"{")[0].decode() for k in a.keys() | b.keys()
+                                     if a.get(k) != b.get(k)})
+                    print(f"  the same data in Redis after either restore: {len(a)} keys, "
+                          f"{'all equal' if not differ else 'differing: ' + ' '.join(differ)}"
+                          " (a feed's events, f:, follow the order records are applied in)")
+                if args.ablation:
+                    asyncio.run(ablation(redis, config, journal, n))
+                results[(n, mix)] = here
+                shutil.rmtree(journal, ignore_errors=True)
+    finally:
+        redis.stop()
+        for tree in (root / "trees").iterdir():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                            str(tree)], capture_output=True, check=False)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+          f"{platform.python_version()}, redis-server {version} (listpacks as deploy/); "
+          f"restore on CPU 0, Redis on CPU 1; {args.rounds} rounds alternating, medians")
+    print(f"{'decisions':>10} {'mix':<9} {'target':<10} {'decisions/s':>11} {'s':>7} "
+          f"{'redis µs/d':>10} {'client µs/d':>11} {'ratio':>6}")
+    for (n, mix), (old, new) in results.items():
+        rates = {}
+        for t in (old, new):
+            rates[t.label] = statistics.median(r.decisions / r.seconds for r in t.runs)
+            print(f"{n:>10,} {mix:<9} {t.label[:10]:<10} {rates[t.label]:>11,.0f} "
+                  f"{statistics.median(r.seconds for r in t.runs):>7.2f} "
+                  f"{statistics.median(1e6 * r.redis_cpu_s / n for r in t.runs):>10.1f} "
+                  f"{statistics.median(1e6 * r.client_cpu_s / n for r in t.runs):>11.1f} "
+                  f"{rates[t.label] / rates[old.label]:>6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""The journal's restore in bulk (capsvc/journal/restore.py, lua/capsvc.lua's BULK RESTORE)
+on a real Redis, standalone and cluster: it leaves, key by key, what re-applying the records
+one at a time leaves (tests/restore_reference.py) on a journal of every kind of record, and
+reports the same; twice equals once; a decision Redis still has is not counted again; a
+grid counted past its cap is reported; a ticket id held by another sale; records of one
+ticket in journal order; games no longer configured; a restore while sales go on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from capsvc.cluster import connect
+from capsvc.config import Settings, load_settings
+from capsvc.decisions import build_decision
+from capsvc.games import Catalog
+from capsvc.journal import planner
+from capsvc.journal import restore as restore_module
+from capsvc.journal.reader import retained_records
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.records import Open, Record, SaleRecord, VoidRecord, sale_of
+from capsvc.journal.restore import Restored, Restorer
+from capsvc.journal.writer import open_journal
+from capsvc.models import TicketIn
+from capsvc.store import (
+    Store,
+    bucket_keys,
+    lua_source,
+    pending_key_of,
+    record_field,
+    ticket_key,
+)
+from capsvc.testing import RedisCluster, RedisServer
+from capsvc.validator import Sale, validate_ticket
+from tests.conftest import TEN, Client, services, ticket
+from tests.journals import write_config, write_journal
+from tests.records import TicketRecords
+from tests.restore_reference import OneByOne
+
+
+@pytest.fixture
+async def store(redis_backend: RedisServer | RedisCluster, redis_db: Any
+                ) -> AsyncIterator[Store]:
+    """A store on the test's emptied Redis, the library loaded."""
+    transport = connect(redis_backend.url, timeout_s=10, library=lua_source())
+    out = Store(transport)
+    await out.load_library()
+    yield out
+    await transport.aclose()
+
+
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Catalog]:
+    """A journal of 1,500 decisions of the mixed sales (tests/journals.py) in the files of two
+    processes, and its games."""
+    root = tmp_path_factory.mktemp("mixed")
+    catalog = Catalog(load_settings(write_config(root / "games.toml")).games)
+    asyncio.run(write_journal(root / "journal", catalog, 1_500, "mixed", seed=7, files=2))
+    return root / "journal", catalog
+
+
+def records_of(directory: Path) -> list[Open | Record]:
+    return list(retained_records(directory))
+
+
+def snapshot(db: Any) -> dict[bytes, Any]:
+    """Every key's type, value and expiry, without what the instant of the restore decides
+    (a stream entry's id and `at`, an index's scores), nor a ticket bucket's TTL beyond its
+    having one (a day past its newest record's expiry, by the order it met them)."""
+    out: dict[bytes, Any] = {}
+    for key in db.scan_iter(count=1000):
+        kind = db.type(key).decode()
+        value: Any = kind
+        if kind == "hash":
+            value = db.hgetall(key)
+        elif kind == "zset":
+            value = sorted(db.zrange(key, 0, -1))
+        elif kind == "set":
+            value = sorted(db.smembers(key))
+        elif kind == "string":
+            value = db.get(key)
+        elif kind == "stream":
+            value = sorted(tuple(sorted((k, v) for k, v in e.items() if k != b"at"))
+                           for _, e in db.xrange(key))
+        expiry = db.pexpiretime(key)
+        out[key] = (kind, value, expiry > 0 if key.startswith(b"r:") else expiry)
+    return out
+
+
+def figures(done: Restored) -> tuple[Any, ...]:
+    return (done.records, done.applied, done.grids, done.over_cap, done.other_sale,
+            done.skipped)
+
+
+@pytest.mark.parametrize("window", [restore_module.WINDOW, 7])
+async def test_bulk_restore_leaves_what_one_record_at_a_time_leaves(
+        journal: tuple[Path, Catalog], store: Store, redis_db: Any, window: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a journal of sales (partial, rejected, refused by the player's limit,
+    subscriptions), replays, cancels, voids and a ticket id sold again, stops, caps,
+    self-limits and stakes, the bulk restore leaves every key as the records re-applied one
+    at a time leave it and reports the same, in windows of any size."""
+    directory, catalog = journal
+    monkeypatch.setattr(restore_module, "WINDOW", window)
+    records = records_of(directory)
+    await seed(store, redis_db, catalog, records)
+    one_by_one = await OneByOne(catalog, store).restore(records)
+    expected = snapshot(redis_db)
+    redis_db.flushall()
+    await seed(store, redis_db, catalog, records)
+    bulk = await Restorer(directory, catalog, store).restore(records)
+    assert figures(bulk) == figures(one_by_one)
+    assert set(bulk.applied) == {"sale", "cancel", "void", "cap", "stop", "limit", "stake"}
+    assert bulk.other_sale > 0
+    assert snapshot(redis_db) == expected
+
+
+async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Record]
+               ) -> None:
+    """What a Redis may hold of a journal it is restored into: some of its decisions
+    (put back one at a time), some ticket ids held by another sale, and the abandoned claims
+    of some voids still pending, their grids counted."""
+    sales = [r for r in records if type(r) is SaleRecord]
+    await OneByOne(catalog, store).restore(sales[::7])
+    tickets = TicketRecords(db, "buckets")
+    for r in sales[3::11]:
+        tickets.put(ticket_key(r.channel, r.ticket), r.until, st="f", fp="another", at=r.at,
+                    sid="0" * 16, sale=b"another sale", body=b"{}")
+    for v in [r for r in records if isinstance(r, VoidRecord)][::2]:
+        game = catalog.games[v.game]
+        sale = sale_of(v)
+        tickets.put(ticket_key(v.channel, v.ticket), v.until, st="p", fp="fp", at=v.at,
+                    sid=v.sale, sale=store.sale_record(sale))
+        for g in sale.grids:
+            if g.capped:
+                await store.reserve(v.game, g.combo, record_field(v.sale, g.index), g.stake,
+                                    game.rules.cap_limit or 0, game.rules.min_stake,
+                                    v.first_draw, game.expiries(v.first_draw, v.draws),
+                                    game.calendar.close_ms(v.first_draw))
+
+
+class NoProcesses:
+    """A process pool that cannot start a process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def submit(self, *args: Any) -> Any:
+        raise OSError("no process can be started here")
+
+    def shutdown(self, **kwargs: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("processes", ["started", "refused"])
+async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
+        journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, processes: str) -> None:
+    """A large journal is read, decoded and planned by a process of its own, piece by piece
+    (or here, when no process can be started): with pieces of a few kilobytes (lines cut
+    across pieces) and a torn last line, the restore leaves what planning every record here
+    leaves, and reports the same."""
+    directory, catalog = journal
+    copy = tmp_path / "journal"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    torn = sorted(copy.glob("*.jsonl"))[-1]
+    torn.write_bytes(torn.read_bytes() + b'{"prev":"00","type":"sale","at":1,')
+    here = await Restorer(copy, catalog, store).restore(records_of(copy))
+    expected = snapshot(redis_db)
+    redis_db.flushall()
+    monkeypatch.setattr(restore_module, "POOL_BYTES", 0)
+    monkeypatch.setattr(restore_module, "planners", lambda: 1)
+    monkeypatch.setattr(planner, "CHUNK_BYTES", 7_000)
+    if processes == "refused":
+        monkeypatch.setattr(planner, "ProcessPoolExecutor", NoProcesses)
+    there = await Restorer(copy, catalog, store).run()
+    assert figures(there) == figures(here)
+    assert snapshot(redis_db) == expected
+
+
+async def test_restoring_twice_equals_restoring_once(journal: tuple[Path, Catalog],
+                                                     store: Store, redis_db: Any) -> None:
+    """The second restore of a journal puts nothing back and changes no key."""
+    directory, catalog = journal
+    first = await Restorer(directory, catalog, store).run()
+    assert first.applied
+    after = snapshot(redis_db)
+    again = await Restorer(directory, catalog, store).run()
+    assert again.applied == {}
+    assert again.grids == again.over_cap == 0
+    assert again.records == first.records
+    assert snapshot(redis_db) == after
+
+
+async def test_a_decision_redis_still_has_is_not_counted_again(
+        journal: tuple[Path, Catalog], store: Store, redis_db: Any) -> None:
+    """Redis kept the first part of the journal: restoring the whole of it puts back the
+    rest only (no grid counted twice), and leaves what a restore into an empty Redis does."""
+    directory, catalog = journal
+    records = records_of(directory)
+    whole = await Restorer(directory, catalog, store).restore(records)
+    expected = snapshot(redis_db)
+    redis_db.flushall()
+    half = len(records) // 2
+    kept = await Restorer(directory, catalog, store).restore(records[:half])
+    rest = await Restorer(directory, catalog, store).restore(records)
+    assert kept.grids + rest.grids == whole.grids
+    assert rest.applied["sale"] < whole.applied["sale"]
+    assert snapshot(redis_db) == expected
+
+
+RULES = load_settings(Path(__file__).parents[1] / "capsvc-test.toml").games["fdj-keno"]
+
+
+def fdj_sale(ticket_id: str, first: int, numbers: list[int], draws: int = 1,
+             stake: int = 500) -> Sale:
+    t = msgspec.convert({"ticket_id": ticket_id, "game": "fdj-keno", "first_draw": first,
+                         "draws": draws, "grids": [{"numbers": numbers, "stake": stake}]},
+                        TicketIn)
+    return validate_ticket(RULES, t)
+
+
+async def journaled(directory: Path, entries: list[tuple[str, tuple[Any, ...]]]) -> None:
+    """Write records (a Recorder method and its arguments each) into a journal."""
+    journal = open_journal(directory, max_file_bytes=1 << 30, keep_ms=86_400_000)
+    rec = Recorder(journal, lambda: 1)
+    await asyncio.gather(*[getattr(rec, method)(*args) for method, args in entries])
+    await journal.aclose()
+
+
+def sold(s: Sale, sid: str, at: int, until: int, accepted: bool = True
+         ) -> tuple[str, tuple[Any, ...]]:
+    """A sale record of `s` (its capped grid accepted, or refused by the cap)."""
+    first = s.first_draw
+    assert first is not None
+    replies = [[1, 0] if accepted else [0, 0, 0] for _ in s.grids]
+    body = msgspec.json.encode(build_decision("fr-retail", RULES.tz, s, sid, at, replies))
+    return "sale", ("answer", "fr-retail", s, sid, at, body, until, [RULES.cap_limit] * s.draws)
+
+
+@pytest.fixture
+def fdj(tmp_path: Path) -> tuple[Catalog, int, Path]:
+    """The test configuration's games, the first draw of a sale 10 draws on, a journal
+    directory."""
+    catalog = Catalog(load_settings(Path(__file__).parents[1] / "capsvc-test.toml").games)
+    game = catalog.games["fdj-keno"]
+    first = game.calendar.current(int(time.time() * 1000)) + 10
+    return catalog, first, tmp_path / "journal"
+
+
+async def test_grids_counted_past_the_cap_are_reported_once_a_grid_and_draw(
+        fdj: tuple[Catalog, int, Path], store: Store, redis_db: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another host sold the combination to its cap on both draws before this journal came
+    back: its 3 grids (one a subscription of the two draws) are counted all the same, past
+    the cap, and reported: 4 (grid, draw) over the cap, each grid logged and passed to
+    `on_over_cap`."""
+    catalog, first, directory = fdj
+    game = catalog.games["fdj-keno"]
+    numbers = TEN[:8]
+    until = game.expire_at(first + 1)
+    now = int(time.time() * 1000)
+    other = directory.parent / "other"
+    await journaled(other, [sold(fdj_sale(f"B{i}", first, numbers, 2, 1000), f"{i:016x}",
+                                 now, until) for i in range(5)])
+    await journaled(directory, [
+        sold(fdj_sale("A0", first, numbers, 2), "a" * 16, now, until),
+        sold(fdj_sale("A1", first, numbers), "b" * 16, now, until),
+        sold(fdj_sale("A2", first + 1, numbers), "c" * 16, now, until)])
+    full = await Restorer(other, catalog, store).run()
+    assert full.over_cap == 0
+    reported: list[tuple[str, int]] = []
+    with caplog.at_level(logging.WARNING, logger="capsvc.journal.restore"):
+        done = await Restorer(directory, catalog, store,
+                              lambda g, n: reported.append((g, n))).run()
+    assert done.over_cap == 4
+    assert sorted(reported) == [("fdj-keno", 1), ("fdj-keno", 1), ("fdj-keno", 2)]
+    assert sum("past the cap" in r.message for r in caplog.records) == 3
+    combo = fdj_sale("X", first, numbers).grids[0].combo.encode()
+    keys = bucket_keys("fdj-keno", combo.decode(), first, 2)
+    assert [int(redis_db.hget(k, combo)) for k in keys] == [6000, 6000]
+
+
+async def test_a_ticket_id_held_by_another_sale_keeps_it_and_counts_the_journaled_stakes(
+        fdj: tuple[Catalog, int, Path], store: Store, redis_db: Any) -> None:
+    """Redis holds the ticket id for another sale (claimed again after the loss): its
+    record stays as it is, the journaled sale's stake is counted, and it is reported."""
+    catalog, first, directory = fdj
+    game = catalog.games["fdj-keno"]
+    until = game.expire_at(first)
+    now = int(time.time() * 1000)
+    s = fdj_sale("T1", first, TEN[:8])
+    key = ticket_key("fr-retail", "T1")
+    claimed = await store.claim(key, "another fingerprint", b"sale", game.calendar.close_ms(
+        first), until, 60_000)
+    assert claimed[0] == b"new"
+    before = TicketRecords(redis_db, "buckets").fields(key)
+    await journaled(directory, [sold(s, "d" * 16, now, until)])
+    done = await Restorer(directory, catalog, store).run()
+    assert done.other_sale == 1
+    assert done.applied == {"sale": 1}
+    assert done.grids == 1
+    assert TicketRecords(redis_db, "buckets").fields(key) == before
+    combo = s.grids[0].combo
+    assert int(redis_db.hget(bucket_keys("fdj-keno", combo, first, 1)[0], combo)) == 500
+
+
+@pytest.mark.parametrize("window", [restore_module.WINDOW, 1])
+async def test_a_ticket_voided_then_sold_again_ends_with_the_new_sale(
+        fdj: tuple[Catalog, int, Path], store: Store, redis_db: Any, window: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records of one ticket are applied in journal order: an abandoned claim voided, then
+    the ticket id sold again, then that sale replayed and cancelled: the ticket ends as the
+    second sale cancelled, with nothing counted, whatever the window size."""
+    monkeypatch.setattr(restore_module, "WINDOW", window)
+    catalog, first, directory = fdj
+    game = catalog.games["fdj-keno"]
+    until = game.expire_at(first)
+    now = int(time.time() * 1000)
+    s = fdj_sale("T2", first, TEN[:8])
+    sale = sold(s, "f" * 16, now, until)
+    body = sale[1][5]
+    await journaled(directory, [
+        ("void", ("abandoned", "fr-retail", s, "e" * 16, now, until)), sale,
+        ("sale", ("replay", *sale[1][1:])),
+        ("cancel", ("answer", "fr-retail", s, "f" * 16, now, body, until, now + 5, 500))])
+    key = ticket_key("fr-retail", "T2")
+    done = await Restorer(directory, catalog, store).run()
+    assert done.applied == {"sale": 1, "cancel": 1}
+    assert TicketRecords(redis_db, "buckets").get(key, "st", "sid") == [b"c", b"f" * 16]
+    combo = s.grids[0].combo
+    assert redis_db.hget(bucket_keys("fdj-keno", combo, first, 1)[0], combo) is None
+    assert redis_db.zscore(pending_key_of(key), key) is None
+
+
+async def test_records_of_games_no_longer_configured_are_passed_over(
+        journal: tuple[Path, Catalog], store: Store, redis_db: Any) -> None:
+    """A journal restored with one of its two games gone from the configuration: that
+    game's records are counted as skipped, and nothing of that game is written."""
+    directory, catalog = journal
+    fdj_only = Catalog({"fdj-keno": catalog.games["fdj-keno"].rules})
+    records = records_of(directory)
+    done = await Restorer(directory, fdj_only, store).restore(records)
+    gone = sum(1 for r in records if not isinstance(r, Open) and r.game == "lnm-keno")
+    assert done.skipped == gone > 0
+    assert not [k for k in redis_db.scan_iter(count=1000)
+                if b"lnm-keno" in k or k.startswith((b"b:", b"l:"))]
+
+
+async def test_a_restore_while_sales_go_on_counts_nothing_twice(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any, settings: Settings,
+        tmp_path: Path) -> None:
+    """A service sells (and cancels) while its own journal is restored into its Redis,
+    again and again: every counter holds exactly the stakes of the journal's standing
+    decisions, and a last restore puts nothing back."""
+    async def restores(catalog: Catalog, stop: asyncio.Event) -> int:
+        transport = connect(redis_backend.url, timeout_s=10, library=lua_source())
+        store = Store(transport)
+        runs = 0
+        try:
+            while not stop.is_set():
+                await Restorer(Path(settings.journal_dir), catalog, store).run()
+                runs += 1
+        finally:
+            await transport.aclose()
+        return runs
+
+    catalog = Catalog(settings.games)
+    async with services([settings], redis_backend.url) as (client,):
+        draw = await client.current() + 1
+        stop = asyncio.Event()
+        restoring = asyncio.ensure_future(restores(catalog, stop))
+
+        async def sell(i: int) -> None:
+            numbers = [*TEN[:7], 60 + i % 10]
+            reply = await client.sell(ticket([{"numbers": numbers, "stake": 500}],
+                                             ticket_id=f"L{i}", first_draw=draw))
+            assert reply.status == 200, reply.body
+            if i % 7 == 0 and reply.body["status"] == "accepted":
+                cancel = await client.post(f"/v1/tickets/L{i}/cancel")
+                assert cancel.status == 200, cancel.body
+
+        for start in range(0, 120, 20):
+            await asyncio.gather(*[sell(i) for i in range(start, start + 20)])
+        stop.set()
+        assert await restoring > 0
+        await check_counters(client, Path(settings.journal_dir), draw)
+        transport = connect(redis_backend.url, timeout_s=10, library=lua_source())
+        try:
+            last = await Restorer(Path(settings.journal_dir), catalog,
+                                  Store(transport)).run()
+        finally:
+            await transport.aclose()
+        assert last.applied == {}
+        await check_counters(client, Path(settings.journal_dir), draw)
+
+
+async def check_counters(client: Client, directory: Path, draw: int) -> None:
+    """Each combination's counter equals the stakes its journaled decisions still hold."""
+    held: dict[tuple[int, ...], int] = {}
+    standing: dict[str, tuple[SaleRecord, bool]] = {}
+    for r in records_of(directory):
+        if isinstance(r, SaleRecord):
+            cancelled = type(r) is not SaleRecord or standing.get(r.ticket, (r, False))[1]
+            standing[r.ticket] = (r, cancelled)
+    for r, cancelled in standing.values():
+        decision = msgspec.json.decode(r.decision)
+        for g in decision["grids"]:
+            numbers = tuple(g["numbers"])
+            held.setdefault(numbers, 0)
+            if g["status"] == "accepted" and not cancelled:
+                held[numbers] += r.grids[g["index"]].stake
+    for numbers, stake in held.items():
+        assert await client.staked(list(numbers), draw) == stake, numbers
+

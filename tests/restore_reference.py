@@ -1,0 +1,194 @@
+"""The journal's restore one record at a time: each record re-applied through the single
+functions of lua/capsvc.lua's RESTORE part (restore_ticket, restore_grid, restore_limit)
+and the ledger's steps, in journal order, a round trip per step. What the restore did before
+it applied records in bulk; the tests compare the bulk restore against it, key by key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from capsvc.caps import DrawCaps, caps_argument
+from capsvc.decisions import accepted_grids
+from capsvc.games import Catalog, Game
+from capsvc.journal.records import (
+    CancelRecord,
+    CapRecord,
+    LimitRecord,
+    Open,
+    Record,
+    SaleRecord,
+    StakeRecord,
+    StopRecord,
+    VoidRecord,
+    sale_of,
+)
+from capsvc.journal.restore import Restored
+from capsvc.ledger import Ledger
+from capsvc.models import TicketOut
+from capsvc.store import Store, bucket_keys, record_field, replies_of, ticket_key
+
+_decision = msgspec.json.Decoder(TicketOut).decode
+
+
+class OneByOne:
+    """Re-applies records one at a time (see the module's docstring)."""
+
+    def __init__(self, catalog: Catalog, store: Store) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.caps = DrawCaps(store)
+        self.ledger = Ledger(store, self.caps)
+        self._caps_fixed: set[tuple[str, int]] = set()
+
+    async def restore(self, records: Iterable[Open | Record]) -> Restored:
+        out = Restored()
+        now = await self.store.time_ms()
+        for r in records:
+            if isinstance(r, Open) or r.until <= now:
+                continue
+            out.records += 1
+            kind = await self.apply(r, now, out)
+            if kind:
+                out.count(kind)
+        return out
+
+    def _restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int,
+                        sale: bytes, body: bytes, expire_at: int,
+                        cancelled_at: int | None = None, released: int = 0) -> Any:
+        keys, args = self.store.names(ticket)
+        return self.store.fcall("capsvc2_restore_ticket", keys, [
+            *args, sale_id, fingerprint, at, sale, body, expire_at,
+            "" if cancelled_at is None else cancelled_at, released])
+
+    def _restore_grid(self, game: str, combo: str, record: bytes, stake: int,
+                      caps: str | int, min_stake: int, first_draw: int,
+                      expire_at: list[int]) -> Any:
+        keys = bucket_keys(game, combo, first_draw, len(expire_at))
+        return self.store.fcall("capsvc_restore_grid", keys,
+                                [record, combo, stake, caps, min_stake, *expire_at])
+
+    async def apply(self, r: Record, now: int, out: Restored) -> str | None:
+        game = self.catalog.get(r.game)
+        if game is None:
+            out.skipped += 1
+            return None
+        if isinstance(r, CancelRecord):
+            return await self._cancel(game, r, now)
+        if isinstance(r, SaleRecord):
+            return await self._sale(game, r, out)
+        if isinstance(r, VoidRecord):
+            return await self._void(game, r)
+        if isinstance(r, StopRecord):
+            stops = await self.store.stops(r.game, r.draw, 1)
+            if stops[0] is not None:
+                return None
+            await self.store.stop(r.game, r.draw, r.until, r.at)
+            return "stop"
+        if isinstance(r, CapRecord):
+            before = await self.store.fix_cap(r.game, r.draw, r.cap, r.until)
+            return "cap" if before is None else None
+        if isinstance(r, LimitRecord):
+            pending = "none" if r.next_none else (None if r.next is None else str(r.next))
+            written = await self.ledger.players.restore_limit(
+                r.player, r.at, r.limit, pending, r.from_day, r.until)
+            return "limit" if written else None
+        if isinstance(r, StakeRecord):
+            if r.status != "accepted":
+                return None
+            reply = await self.ledger.players.reserve(
+                r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
+                [(r.day, r.amount)], restore=True)
+            return "stake" if reply == [1, 0] else None
+        return None
+
+    async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
+        sale = sale_of(r)
+        key = ticket_key(r.channel, r.ticket)
+        written = await self._restore_ticket(key, r.sale, r.fp, r.at,
+                                             self.store.sale_record(sale),
+                                             bytes(r.decision), r.until)
+        kind = written[0]
+        if kind == b"cancelled":
+            return None
+        if kind == b"other":
+            out.other_sale += 1
+        put_back = kind == b"written"
+        accepted = accepted_grids(_decision(r.decision))
+        grids = [g for g in sale.grids if g.capped and g.index in accepted]
+        caps = caps_argument(r.caps or [game.rules.cap_limit or 0], None)
+        calls: list[Any] = [
+            self._restore_grid(r.game, g.combo, record_field(r.sale, g.index), g.stake,
+                               caps, game.rules.min_stake, r.first_draw,
+                               game.expiries(r.first_draw, r.draws))
+            for g in grids]
+        fixing = [(r.first_draw + i, cap) for i, cap in enumerate(r.caps or ())
+                  if (r.game, r.first_draw + i) not in self._caps_fixed]
+        self._caps_fixed.update((r.game, d) for d, _ in fixing)
+        calls += [self.store.fix_cap(r.game, d, cap, game.expire_at(d)) for d, cap in fixing]
+        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
+        taking = plan is not None and bool(accepted)
+        if plan is not None and accepted:
+            calls.append(self.ledger.players.reserve(
+                plan.player, plan.ref, plan.regulatory, plan.until,
+                plan.shares(sale, accepted), restore=True))
+        if kind == b"written" and accepted:
+            calls += self.ledger.aggregates(key, game, sale, r.sale, accepted)
+        replies = await replies_of(calls)
+        n = len(grids)
+        put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
+        if taking:
+            put_back = put_back or replies[n + len(fixing)] == [1, 0]
+        if plan is not None:
+            settled = self.ledger.settle_budget(plan, sale, accepted)
+            if settled is not None and int(await settled):
+                put_back = True
+        marks = []
+        for g, reply in zip(grids, replies[:n], strict=True):
+            if reply[0] != 1:
+                continue
+            put_back = True
+            out.grids += 1
+            out.over_cap += int(reply[1])
+            marks += [self.store.mark_sold_out(r.game, r.first_draw + int(o), g.combo,
+                                               game.expire_at(r.first_draw + int(o)))
+                      for o in reply[2:]]
+        if marks:
+            await replies_of(marks)
+        return "sale" if put_back else None
+
+    async def _cancel(self, game: Game, r: CancelRecord, now: int) -> str | None:
+        sale = sale_of(r)
+        key = ticket_key(r.channel, r.ticket)
+        state, sid = (await self.store.ticket(key))[0:4:3]
+        ours = state is None or sid.decode() == r.sale
+        cancelling: list[Any] | None = None
+        if ours and state != b"c":
+            await self.store.index(key, now, r.until)
+            reply = await self._restore_ticket(key, r.sale, r.fp, r.at,
+                                               self.store.sale_record(sale),
+                                               bytes(r.decision), r.until,
+                                               r.cancelled_at, r.released)
+            cancelling = reply if reply[0] == b"cancelling" else None
+        given = await self.ledger.give_back(
+            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
+        if cancelling is not None:
+            one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
+            await self.store.cancelled(key, r.sale, one_call)
+        if cancelling is not None or (ours and state == b"c"):
+            await self.store.unindex(key)
+        return "cancel" if cancelling is not None or given else None
+
+    async def _void(self, game: Game, r: VoidRecord) -> str | None:
+        sale = sale_of(r)
+        key = ticket_key(r.channel, r.ticket)
+        state, sid = (await self.store.ticket(key))[0:4:3]
+        if state is not None and (sid.decode() != r.sale or state not in (b"p", b"x")):
+            return None
+        given = await self.ledger.give_back(
+            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
+        if state is not None:
+            await self.store.unclaim(key, r.sale)
+        return "void" if given or state is not None else None
