@@ -453,6 +453,9 @@ def test_a_process_killed_while_restoring_holds_the_others_back_only_until_its_a
     asyncio.run(fill())
     config = tmp_path / "capsvc.toml"
     config.write_text(Path(TEST_CONFIG).read_text().replace('settle = "0s"', 'settle = "1s"'))
+    # B first, ready before A starts restoring: it sells the moment A is killed.
+    b = ServiceProcess(str(config), redis.url).start()
+    draw = current_draw(b.base_url, "fdj-keno", "t-fr")
     a = ServiceProcess(str(config), redis.url, env={"CAPSVC_JOURNAL_DIR": str(long_journal)})
     starting = threading.Thread(target=lambda: _start_quietly(a), daemon=True)
     starting.start()
@@ -464,11 +467,9 @@ def test_a_process_killed_while_restoring_holds_the_others_back_only_until_its_a
     assert a.process is not None
     a.process.kill()
     killed = time.monotonic()
-    b = ServiceProcess(str(config), redis.url).start()
     try:
         http = HttpClient(timeout_s=15)
         refused = 0
-        draw = current_draw(b.base_url, "fdj-keno", "t-fr")
         while True:
             status, body = http.request(b.base_url, "POST", "/v1/tickets", token="t-fr", body={
                 "ticket_id": "B-1", "game": "fdj-keno", "first_draw": draw,
