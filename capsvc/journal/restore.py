@@ -298,8 +298,8 @@ class Restorer:
         others = asyncio.ensure_future(replies_of(
             [asyncio.ensure_future(self._other(r, now)) for r in window.others]))
         try:
-            steps, after = window.steps.send(), window.after.send()
-            codes, later = iter(await steps), iter(await after)
+            codes = iter(await window.steps.send())
+            later = iter(await window.after.send())  # a cancel's step after its sale's
             counts, budgets = self.store.restore_counts(), self.store.restore_budgets()
             caps = await self._caps_to_give_back(window.tickets)
             for t in window.tickets:
