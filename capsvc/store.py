@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from collections.abc import Coroutine, Sequence
+from collections import deque
+from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -603,6 +604,8 @@ class PlayerStore:
 RESTORE_OPS_PER_CALL = 512
 """Ops per call of a bulk restore function: a few milliseconds of Redis CPU, which the
 other processes' calls wait behind."""
+RESTORE_CALLS_IN_FLIGHT = 4
+"""Bulk restore calls sent and not answered yet, at most (see `_Bulk.send`)."""
 
 
 _FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
@@ -769,10 +772,11 @@ class _Bulk:
     def _split(self, reply: Any, ops: int) -> list[Any]:
         raise NotImplementedError
 
-    def send(self) -> Coroutine[Any, Any, list[Any]]:
-        """Send every call now (behind what was sent before on each node's connection, and
-        before what is sent after); the awaitable of each op's reply, in the order the ops
-        were added."""
+    async def send(self) -> list[Any]:
+        """Send every call, RESTORE_CALLS_IN_FLIGHT at a time, in order (on each node's
+        connection behind what was sent before); each op's reply, in the order the ops were
+        added. A few calls in flight keep Redis busy, and each call answered well within
+        the connection's deadline, however many the batch holds."""
         calls: list[tuple[str, list[int], list[str], list[Any]]] = []
         for tag, ops in self._ops.items():
             order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
@@ -786,15 +790,21 @@ class _Bulk:
                     args += ops[i][1]
                 calls.append((tag, placed, keys, args))
         fcall, function = self._store.fcall, self.function
-        return self._replies(calls, [fcall(function, keys, args)
-                                     for _, _, keys, args in calls])
-
-    async def _replies(self, calls: list[tuple[str, list[int], list[str], list[Any]]],
-                       sent: list[asyncio.Future[Any]]) -> list[Any]:
         found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
-        for (tag, placed, _, _), reply in zip(calls, await replies_of(sent), strict=True):
-            for i, one in zip(placed, self._split(reply, len(placed)), strict=True):
-                found[tag][i] = one
+        sent: deque[tuple[str, list[int], asyncio.Future[Any]]] = deque()
+        try:
+            for i in range(len(calls) + RESTORE_CALLS_IN_FLIGHT):
+                if i >= RESTORE_CALLS_IN_FLIGHT and sent:
+                    tag, placed, reply = sent.popleft()
+                    for at, one in zip(placed, self._split(await reply, len(placed)),
+                                       strict=True):
+                        found[tag][at] = one
+                if i < len(calls):
+                    tag, placed, keys, args = calls[i]
+                    sent.append((tag, placed, retrieving(fcall(function, keys, args))))
+        finally:
+            for _, _, reply in sent:
+                reply.cancel()
         return [found[tag][i] for tag, i in self._where]
 
 
