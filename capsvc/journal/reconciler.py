@@ -316,8 +316,8 @@ class Reconciler:
         self.gate.restoring = False
         self.metrics.restoring.set(0)
         if done is None:
-            log.info("journal: redis holds every decision of the journal directory",
-                     extra={"identities": held})
+            log.info("journal: redis reconciled with the journal: it holds every decision of "
+                     "the directory", extra={"identities": held})
             return
         self.metrics.restored_into_redis(done.applied, done.seconds)
         log.warning("journal: redis reconciled with the journal", extra={

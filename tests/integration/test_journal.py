@@ -409,7 +409,7 @@ def test_a_restart_on_the_same_redis_reads_nothing_a_redis_emptied_meanwhile_eve
     again = ServiceProcess(config, redis.url, env=env).start()
     again.stop()
     log = again.log.read_text()
-    assert "redis holds every decision of the journal directory" in log
+    assert "it holds every decision of the directory" in log
     assert "put_back" not in log
     redis.client().flushall()
     third = ServiceProcess(config, redis.url, env=env).start()
