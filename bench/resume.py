@@ -198,15 +198,18 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
                         concurrency: int = 256) -> None:
     """Sell `count` tickets of the mix on the next 10 draws, as one service process would
     (its journal directory: CAPSVC_JOURNAL_DIR), `concurrency` at a time; a tenth of them
-    looked up once more (journaled again, `lookup`), a fiftieth cancelled."""
+    looked up once more (journaled again, `lookup`), a fiftieth cancelled. A call that
+    times out is sent again (Redis's timeout is 10 s here: the machine is busy)."""
+    import dataclasses
+
     import msgspec
 
     from capsvc.config import load_settings
-    from capsvc.errors import ApiError
+    from capsvc.errors import ApiError, Unavailable
     from capsvc.models import TicketIn
     from capsvc.server import build, prepare
 
-    settings = load_settings(config)
+    settings = dataclasses.replace(load_settings(config), redis_timeout_ms=10_000)
     svc = build(settings, redis_url)
     await prepare(svc)
     channel = next(c for c in settings.channels if c.id == BULK_CHANNEL)
@@ -230,8 +233,8 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
                     if i % 50 == 0 and b'"status":"rejected"' not in out.body:
                         await tickets.cancel(channel, t.ticket_id)
                     break
-                except ApiError as e:
-                    if e.status < 500 or attempt == 9:
+                except (ApiError, Unavailable) as e:
+                    if (isinstance(e, ApiError) and e.status < 500) or attempt == 9:
                         raise
                     await asyncio.sleep(0.1)
 
