@@ -34,13 +34,13 @@ Prints, per scenario, layout and R:
   between answered sales that ends after the event);
 - no sales: the longest gap between answered sales the sellers saw (for a and b it holds
   the sentinels' election);
-- early: sales answered after the loss (b: the new primary known, c: FLUSHALL) before the
-  last restore was logged done, to attempts sent after it: judged on a Redis that lacked
-  decisions (b and c);
-- restore: what the services logged (capsvc.journal.reconciler): wall time from the first
-  restore's start to the last one's end, records read (once a journal directory, however
-  many workers read it), records that put something back, and records read a second; then
-  each process's own lines.
+- early: sales answered after the loss (b: the new primary known, c: FLUSHALL) before
+  every journal directory was back in Redis, to attempts sent after it: judged on a Redis
+  that lacked decisions (b and c);
+- restore: what the services logged (capsvc.journal.reconciler; `summarize_restores`):
+  wall time from the first restore's start to the last one's end, records read (once a
+  journal directory, however many workers read it), records that put something back, and
+  records read a second; then each process's own lines.
 Asserts nothing about time. `--tree DIR` runs another checkout (its `capsvc`, for this
 process and for every process it starts): the same script measures before and after.
 """
@@ -502,13 +502,25 @@ def outage(times: list[float], event: float, started: float) -> tuple[float, flo
     return max(gaps, key=lambda g: g[1] - g[0]) if gaps else None
 
 
+def holding(entry: dict[str, Any]) -> bool:
+    """A line saying sales are held for a restore (logged as it begins)."""
+    return entry.get("logger") == RESTORE_LOGGER and "holding sales" in entry.get("message", "")
+
+
 def summarize_restores(services: list[ServiceProcess], since: float, run: Run) -> float | None:
-    """Fill `run`'s restore figures from the services' logs after `since`; the end of the
-    last restore (time.monotonic())."""
-    spans, last = [], None
+    """Fill `run`'s restore figures from the services' logs after `since`; when every
+    journal directory was back in Redis (time.monotonic()).
+
+    A restore's span: from the first line holding sales (else its end less its `seconds`)
+    for its `seconds` (the reading and writing back; the wait for other processes and
+    `[journal] settle` come after). A directory is back once one of its workers has gone
+    through it (each checks every record)."""
+    spans, back = [], None
     for h, s in enumerate(services):
         name = f"host {h}" if len(services) > 1 else "service"
         read = 0  # the workers of one service read the same directory: counted once
+        began: float | None = None
+        ends = []
         for e in log_lines(s):
             if e["t"] < since or e.get("logger") != RESTORE_LOGGER:
                 continue
@@ -516,20 +528,27 @@ def summarize_restores(services: list[ServiceProcess], since: float, run: Run) -
                      if k not in ("time", "level", "logger", "message", "t")}
             run.logs.append(f"{name} +{e['t'] - since:6.2f} s {e['level']}: {e['message']}"
                             + (f" {json.dumps(extra)}" if extra else ""))
+            if holding(e) and began is None:
+                began = e["t"]
             if not restore_done(e):
                 continue
-            last = e["t"] if last is None else max(last, e["t"])
             read = max(read, int(e.get("records", 0) or 0))
             put_back = e.get("put_back") or {}
             run.put_back += sum(put_back.values()) if isinstance(put_back, dict) else 0
             seconds = e.get("seconds")
             if isinstance(seconds, int | float):
-                spans.append((e["t"] - seconds, e["t"]))
+                start = began if began is not None else e["t"] - seconds
+                spans.append((start, start + seconds))
+                ends.append(start + seconds)
+            else:
+                ends.append(e["t"])
         run.read += read
+        if ends:
+            back = min(ends) if back is None else max(back, min(ends))
     if spans:
         run.restore_s = max(b for _, b in spans) - min(a for a, _ in spans)
         run.rate = run.read / run.restore_s if run.restore_s > 0 and run.read else None
-    return last
+    return back
 
 
 def one_run(scenario: str, layout: Layout, data: Data, binary: str, config: Path,
@@ -577,9 +596,9 @@ def one_run(scenario: str, layout: Layout, data: Data, binary: str, config: Path
             run.resumed_s = gap[1] - event
         run.longest_gap_s = sellers.longest_gap()
         run.acknowledged = len(sellers.acknowledged)
-        last = summarize_restores(services, first_mark, run)
-        if scenario in ("b", "c") and last is not None:
-            run.early = sum(1 for s in sellers.acknowledged if s.sent_at >= loss and s.at < last)
+        back = summarize_restores(services, first_mark, run)
+        if scenario in ("b", "c") and back is not None:
+            run.early = sum(1 for s in sellers.acknowledged if s.sent_at >= loss and s.at < back)
         if scenario == "b":
             run.at_risk = sellers.sent_and_acknowledged_between("cut", "kill")
     return run
@@ -711,7 +730,7 @@ def main() -> int:
     print("election: kill -> new primary known; resumed: known (a, b) or FLUSHALL (c) -> "
           "first 200 after the outage;")
     print("no sales: longest gap between answered sales; early: 200s after the loss before "
-          "the last restore was done;")
+          "every journal was back;")
     print("restore s, read, put back: from the services' logs (read: once a journal directory); "
           "/s: read a second.")
     for run in runs:
