@@ -40,7 +40,8 @@ Prints, per scenario, layout and R:
 - restore: what the services logged (capsvc.journal.reconciler; `summarize_restores`):
   wall time from the first restore's start to the last one's end, records read (once a
   journal directory, however many workers read it), records that put something back, and
-  records read a second; then each process's own lines.
+  records read a second; then each process's own lines;
+- load: the machine's load average at the event.
 Asserts nothing about time. `--tree DIR` runs another checkout (its `capsvc`, for this
 process and for every process it starts): the same script measures before and after.
 """
@@ -491,6 +492,8 @@ class Run:
     put_back: int = 0
     rate: float | None = None
     acknowledged: int = 0
+    load: float | None = None
+    """The machine's load average (1 min) at the event: others' work slows a restore."""
     logs: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -587,6 +590,7 @@ def one_run(scenario: str, layout: Layout, data: Data, binary: str, config: Path
             event = loss = sellers.marks["known"] = watcher.wait(old)
             run.election_s = event - kill
             first_mark = sellers.marks.get("cut", kill)
+        run.load = os.getloadavg()[0]
         wait_recovered(services, sellers, first_mark, event, args.timeout)
         time.sleep(args.after)
         sellers.stop(60)
@@ -628,7 +632,7 @@ def wait_recovered(services: list[ServiceProcess], sellers: Sellers, since: floa
 
 COLUMNS = (("scenario", 16), ("layout", 11), ("R", 9), ("start s", 8), ("election", 8),
            ("resumed", 8), ("no sales", 8), ("early", 5), ("restore s", 9), ("read", 9),
-           ("put back", 8), ("/s", 8))
+           ("put back", 8), ("/s", 8), ("load", 5))
 
 
 def row(run: Run) -> str:
@@ -641,7 +645,7 @@ def row(run: Run) -> str:
     cells = (name, run.layout, f"{run.retained:,}", f(run.start_s, ".1f"),
              f(run.election_s), f(run.resumed_s), f(run.longest_gap_s),
              "-" if run.early is None else str(run.early), f(run.restore_s),
-             f"{run.read:,}", f"{run.put_back:,}", f(run.rate, ",.0f"))
+             f"{run.read:,}", f"{run.put_back:,}", f(run.rate, ",.0f"), f(run.load, ".1f"))
     return " ".join(c.ljust(w) if i < 2 else c.rjust(w)
                     for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True)))
 
@@ -732,7 +736,8 @@ def main() -> int:
     print("no sales: longest gap between answered sales; early: 200s after the loss before "
           "every journal was back;")
     print("restore s, read, put back: from the services' logs (read: once a journal directory); "
-          "/s: read a second.")
+          "/s: read a second;")
+    print(f"load: the load average at the event ({os.cpu_count()} CPUs).")
     for run in runs:
         if run.logs:
             risk = ("" if run.at_risk is None
