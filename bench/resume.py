@@ -469,10 +469,17 @@ def generate(layout: Layout, count: int, binary: str, config: Path, root: Path) 
             [sys.executable, __file__, "generate", "--config", str(config), "--redis-url",
              seed.url, "--count", str(share), "--prefix", f"R{k}", "--seed", str(k)],
             env=env, stdin=subprocess.DEVNULL))
-    failed = [p.wait() for p in procs]
-    if any(failed):
+    try:
+        failed = [p.wait() for p in procs]
+        if any(failed):
+            raise RuntimeError(f"generation failed: exit statuses {failed}")
+    except BaseException:  # interrupted too: nothing left running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         seed.stop()
-        raise RuntimeError(f"generation failed: exit statuses {failed}")
+        raise
     return Data(seed, dirs, count, time.monotonic() - t0)
 
 
