@@ -407,7 +407,7 @@ def listening(entry: dict[str, Any]) -> bool:
 def start_services(layout: Layout, config: Path, url: str, dirs: list[Path],
                    stack: ExitStack, timeout_s: float = 3600) -> tuple[list[ServiceProcess],
                                                                        float]:
-    """The layout's services, and how long they took to listen (their start's restore)."""
+    """The layout's services, and how long they took to listen with their restore done."""
     args = ("--workers", str(layout.workers)) if layout.workers > 1 else ()
     t0 = time.monotonic()
     services = []
@@ -421,7 +421,11 @@ def start_services(layout: Layout, config: Path, url: str, dirs: list[Path],
             assert s.process is not None
             if s.process.poll() is not None:
                 raise RuntimeError(f"capsvc exited at start: {s.log.read_text()[-2000:]}")
-        return all(sum(map(listening, log_lines(s))) >= layout.workers for s in services)
+        # A process listens once its restore is done or has taken 120 s (capsvc.server's
+        # prepare): both are waited for.
+        return all(sum(map(listening, lines)) >= layout.workers
+                   and sum(map(restore_done, lines)) >= layout.workers
+                   for lines in map(log_lines, services))
 
     _until(up, timeout_s, "the services' start", 0.2)
     return services, time.monotonic() - t0
@@ -572,7 +576,7 @@ def one_run(scenario: str, layout: Layout, data: Data, binary: str, config: Path
             link_copy(d, dirs[-1])
         services, run.start_s = start_services(layout, config, topo.url, dirs, stack)
         urls = [s.base_url for s in services]
-        draw = current_draw(urls[0])
+        draw = current_draw(urls[0], timeout_s=120)
         sellers = Sellers(urls, [draw + 1 + i for i in range(30)], count=args.sellers,
                           retry_pause_s=0.05, give_up_s=3600, seed=1)
         stack.callback(sellers.stop, 0)
