@@ -38,9 +38,9 @@ Prints, per scenario, layout and R:
   every journal directory was back in Redis, to attempts sent after it: judged on a Redis
   that lacked decisions (b and c);
 - restore: what the services logged (capsvc.journal.reconciler; `summarize_restores`):
-  wall time from the first restore's start to the last one's end, records read (once a
+  the longest restore's own seconds (reading and writing back), records read (once a
   journal directory, however many workers read it), records that put something back, and
-  records read a second; then each process's own lines;
+  records read a second over that time; then each process's own lines;
 - load: the machine's load average at the event.
 Asserts nothing about time. `--tree DIR` runs another checkout (its `capsvc`, for this
 process and for every process it starts): the same script measures before and after.
@@ -516,25 +516,25 @@ def outage(times: list[float], event: float, started: float) -> tuple[float, flo
     return max(gaps, key=lambda g: g[1] - g[0]) if gaps else None
 
 
-def holding(entry: dict[str, Any]) -> bool:
-    """A line saying sales are held for a restore (logged as it begins)."""
-    return entry.get("logger") == RESTORE_LOGGER and "holding sales" in entry.get("message", "")
+def waiting(entry: dict[str, Any]) -> bool:
+    """A line saying a process has done its restore and waits for others' before selling."""
+    return (entry.get("logger") == RESTORE_LOGGER
+            and "waiting for other processes" in entry.get("message", ""))
 
 
 def summarize_restores(services: list[ServiceProcess], since: float, run: Run) -> float | None:
     """Fill `run`'s restore figures from the services' logs after `since`; when every
     journal directory was back in Redis (time.monotonic()).
 
-    A restore's span: from the first line holding sales (else its end less its `seconds`)
-    for its `seconds` (the reading and writing back; the wait for other processes and
-    `[journal] settle` come after). A directory is back once one of its workers has gone
-    through it (each checks every record)."""
-    spans, back = [], None
+    A restore's duration is the `seconds` its process logs (reading the journal and writing
+    back; a failed attempt before it, the wait for other processes and `[journal] settle`
+    are not in it). A directory is back at the first line of its service saying that a
+    process is done or waits for the others (each process checks every record)."""
+    durations, back = [], None
     for h, s in enumerate(services):
         name = f"host {h}" if len(services) > 1 else "service"
         read = 0  # the workers of one service read the same directory: counted once
-        began: float | None = None
-        ends = []
+        done = []
         for e in log_lines(s):
             if e["t"] < since or e.get("logger") != RESTORE_LOGGER:
                 continue
@@ -542,25 +542,21 @@ def summarize_restores(services: list[ServiceProcess], since: float, run: Run) -
                      if k not in ("time", "level", "logger", "message", "t")}
             run.logs.append(f"{name} +{e['t'] - since:6.2f} s {e['level']}: {e['message']}"
                             + (f" {json.dumps(extra)}" if extra else ""))
-            if holding(e) and began is None:
-                began = e["t"]
+            if waiting(e):
+                done.append(e["t"])
             if not restore_done(e):
                 continue
+            done.append(e["t"])
             read = max(read, int(e.get("records", 0) or 0))
             put_back = e.get("put_back") or {}
             run.put_back += sum(put_back.values()) if isinstance(put_back, dict) else 0
-            seconds = e.get("seconds")
-            if isinstance(seconds, int | float):
-                start = began if began is not None else e["t"] - seconds
-                spans.append((start, start + seconds))
-                ends.append(start + seconds)
-            else:
-                ends.append(e["t"])
+            if isinstance(e.get("seconds"), int | float):
+                durations.append(float(e["seconds"]))
         run.read += read
-        if ends:
-            back = min(ends) if back is None else max(back, min(ends))
-    if spans:
-        run.restore_s = max(b for _, b in spans) - min(a for a, _ in spans)
+        if done:
+            back = min(done) if back is None else max(back, min(done))
+    if durations:
+        run.restore_s = max(durations)
         run.rate = run.read / run.restore_s if run.restore_s > 0 and run.read else None
     return back
 
@@ -746,8 +742,8 @@ def main() -> int:
           "first 200 after the outage;")
     print("no sales: longest gap between answered sales; early: 200s after the loss before "
           "every journal was back;")
-    print("restore s, read, put back: from the services' logs (read: once a journal directory); "
-          "/s: read a second;")
+    print("restore s, read, put back: the services' logs (restore s: the longest restore's "
+          "own seconds; read: once a journal directory); /s: read a second;")
     print(f"load: the load average at the event ({os.cpu_count()} CPUs).")
     for run in runs:
         if run.logs:
