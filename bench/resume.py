@@ -255,6 +255,16 @@ def _server(directory: Path, **kwargs: Any) -> RedisServer:
     return RedisServer(str(directory), **kwargs)
 
 
+def remove(path: Path) -> None:
+    """A directory and what is in it, again after a moment if something (a Redis's AOF
+    rewrite finishing after its server stopped) wrote in it meanwhile."""
+    for _ in range(5):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.5)
+
+
 def _info(server: RedisServer, section: str = "replication") -> dict[str, Any]:
     return dict(server.client().info(section))
 
@@ -728,14 +738,14 @@ def main() -> int:
                         except Exception as e:  # a broken run is reported, the others run
                             run = Run(scenario, layout.label, count, error=repr(e))
                         finally:
-                            shutil.rmtree(root, ignore_errors=True)
+                            remove(root)
                         runs.append(run)
                         print(row(run), flush=True)
                 finally:
                     data.seed.stop()
-                    shutil.rmtree(data_root, ignore_errors=True)
+                    remove(data_root)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        remove(base)
     print()
     print("start s: the services' start (their restore at start), not part of the figures;")
     print("election: kill -> new primary known; resumed: known (a, b) or FLUSHALL (c) -> "
