@@ -207,6 +207,7 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
 
     from capsvc.config import load_settings
     from capsvc.errors import ApiError, Unavailable
+    from capsvc.marks import Marks
     from capsvc.models import TicketIn
     from capsvc.server import build, prepare
 
@@ -228,10 +229,13 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
             t = msgspec.convert(body, TicketIn)
             for attempt in range(10):
                 try:
+                    Marks.begin()  # as every request does (capsvc.http): its records stamped
                     out = await tickets.sell(channel, t)
                     if i % 10 == 0:
+                        Marks.begin()
                         await tickets.ticket(channel, t.ticket_id)
                     if i % 50 == 0 and b'"status":"rejected"' not in out.body:
+                        Marks.begin()
                         await tickets.cancel(channel, t.ticket_id)
                     break
                 except (ApiError, Unavailable) as e:
@@ -243,6 +247,7 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
         await asyncio.gather(*[seller(k) for k in range(concurrency)])
     finally:
         if svc.journal is not None:
+            svc.usecases.journal.checkpoint(svc.store.marks.made)  # as a process that stops
             await svc.journal.aclose()
         await svc.redis.aclose()
 

@@ -161,6 +161,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     if journal is not None:
         store.marks = Marks(journal.life, single_node=store.single_node)
     usecases = build_usecases(settings, store, journal=journal)
+    usecases.journal.marks = store.marks
     usecases.audit.on_report = metrics.report_written
     usecases.audit.on_reconciled = lambda rec: metrics.reconciled(
         rec.game, rec.draw, counts(rec), usecases.clock.now() / 1000)

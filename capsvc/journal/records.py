@@ -148,7 +148,8 @@ class StopRecord(Struct, tag="stop", tag_field="type", omit_defaults=True,
     marks: dict[str, int] | None = None
 
 
-class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False):
+class CapRecord(Struct, tag="cap", tag_field="type", omit_defaults=True,
+                forbid_unknown_fields=False):
     """The cap in force for a draw, fixed by its first sale (written once per process and
     draw, when the process first learns it)."""
 
@@ -158,6 +159,7 @@ class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False
     draw: int
     cap: int
     until: int
+    marks: dict[str, int] | None = None
 
 
 class LimitRecord(Struct, tag="limit", tag_field="type", omit_defaults=True,

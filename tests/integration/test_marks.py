@@ -343,3 +343,22 @@ def test_a_lifetime_killed_is_gone(tmp_path: Path) -> None:
     child.wait()
     assert not alive(tmp_path, life)
     assert not list(tmp_path.glob(".life-*"))
+
+
+async def test_a_record_made_outside_a_request_is_stamped_with_all_the_process_wrote(
+        tmp_path: Path) -> None:
+    """A background task's record (no request's calls to go by) carries everything the
+    process has written through its marks: never lower than its calls, so a restore that
+    must put it back finds it above the Redis's mark."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+    recorder = Recorder(journal, lambda: 1)
+    recorder.marks = Marks(journal.life, single_node=True)
+    recorder.marks.made[NODE_MARK] = 41
+    stamp.set(None)
+    s = sale("BG")
+    await recorder.sale("janitor", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+    Marks.begin()["x"] = 3
+    await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+    await journal.aclose()
+    life = lives_of(tmp_path)[journal.life]
+    assert [r.marks for r in lacking(life, {}, 0)] == [{NODE_MARK: 41}, {"x": 3}]
