@@ -251,10 +251,16 @@ class Reconciler:
             done: Restored | None = None
             if lacking_lives:
                 await announcer.begin(marks)
-                done = Restored()
-                for life in lacking_lives:
-                    life_of = lives.get(life, Life(life, []))
-                    done.merge(await restorer.restore(lacking(life_of, fields[life], now)))
+                if all(not any(fields[life].values()) for life in lacking_lives):
+                    # Redis has no mark of any of them (emptied, or never reconciled): the
+                    # whole directory, read and planned apart from the event loop.
+                    done = await restorer.run()
+                else:
+                    done = Restored()
+                    for life in lacking_lives:
+                        life_of = lives.get(life, Life(life, []))
+                        done.merge(await restorer.restore(lacking(life_of, fields[life],
+                                                                  now)))
                 for mark in marks:
                     args: list[Any] = [self.life, announcer.token]
                     for life in lacking_lives:
