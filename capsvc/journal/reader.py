@@ -24,7 +24,6 @@ from capsvc.journal.records import (
     Line,
     Open,
     Record,
-    SaleRecord,
     chain_decoder,
     line_decoder,
     link_decoder,
@@ -189,34 +188,3 @@ def header_of(path: Path) -> Open | None:
             return None
         return record if isinstance(record, Open) else None
     return None
-
-
-TAIL_BYTES = 256 * 1024
-"""How much of a file's end `newest_decisions` reads."""
-
-
-def newest_decisions(directory: Path, *, modified_since: float = 0.0
-                     ) -> list[SaleRecord]:
-    """The last decision (sale or cancel) of each file written since `modified_since`,
-    read from the file's end only: what a Redis that went back to an older copy of itself
-    has lost first."""
-    out: list[SaleRecord] = []
-    for path in journal_files(directory):
-        try:
-            if os.stat(path).st_mtime < modified_since:
-                continue
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - TAIL_BYTES))
-                tail = f.read().split(b"\n")
-        except FileNotFoundError:
-            continue
-        for line in reversed(tail[1:] if size > TAIL_BYTES else tail):
-            try:
-                record = line_decoder.decode(line)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue  # a torn line, or the cut of the first line read
-            if isinstance(record, SaleRecord):
-                out.append(record)
-                break
-    return out
