@@ -63,6 +63,9 @@ def free_cluster_port() -> int:
         return port
 
 
+PORT_TRIES = 5
+
+
 def _wait(predicate: object, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -82,11 +85,16 @@ class RedisServer:
     def __init__(self, directory: str | None = None, port: int | None = None,
                  binary: str | None = None, extra: tuple[str, ...] = (),
                  replica_of: RedisServer | None = None,
-                 via: PartitionProxy | None = None) -> None:
+                 via: PartitionProxy | None = None,
+                 pick_port: Callable[[], int] = free_port) -> None:
         if via is not None and replica_of is None:
             raise ValueError("via= is the link to a primary: give replica_of= too")
         self.dir = Path(directory or tempfile.mkdtemp(prefix="capsvc-redis-"))
-        self.port = port or free_port()
+        self.port = port or pick_port()
+        self._pick_port = None if port else pick_port
+        """How another free port is found when the one picked was taken before the server
+        bound it (by another test's server, or as a connection's ephemeral port); None: the
+        port was given."""
         self.binary = binary or _test_binary()
         self.extra = extra
         self.replica_of = replica_of
@@ -137,6 +145,27 @@ class RedisServer:
         c.close()
 
     def start(self) -> RedisServer:
+        for _ in range(PORT_TRIES):
+            if self._start():
+                self._pick_port = None  # a restart keeps its port (a cluster knows it)
+                return self
+            assert self._pick_port is not None
+            self.port = self._pick_port()
+        raise RuntimeError(f"redis exited at start on {PORT_TRIES} free ports in turn: "
+                           f"{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            return (self.dir / "server.log").read_text()[-600:]
+        except OSError:
+            return "(no log)"
+
+    def _exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def _start(self) -> bool:
+        """Start the server and wait until it answers (and is in sync, as a replica): True;
+        False when it exited at once on a port it picked (taken meanwhile)."""
         primary, upstream = self.replica_of, self._upstream_port()
         replica = ("--replicaof", "127.0.0.1", str(upstream)) if upstream else ()
         self.process = subprocess.Popen(
@@ -147,13 +176,18 @@ class RedisServer:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )
         try:
-            _wait(self._answers, 10, f"redis on port {self.port}")
+            _wait(lambda: self._answers() or self._exited(), 30, f"redis on port {self.port}")
+            if self._exited():
+                self.process = None
+                if self._pick_port is not None:
+                    return False
+                raise RuntimeError(f"redis exited at start: {self._log_tail()}")
             if primary:
                 _wait(self.in_sync, 10, f"replica on port {self.port}")
         except BaseException:
             self.stop()
             raise
-        return self
+        return True
 
     def promote(self, timeout_s: float = 10) -> RedisServer:
         """`REPLICAOF NO ONE`: this replica becomes a primary, with what it has received."""
@@ -203,7 +237,7 @@ class RedisCluster:
         self.primaries = primaries
         self.replicas = replicas
         self.servers = [
-            RedisServer(port=free_cluster_port(), binary=binary,
+            RedisServer(pick_port=free_cluster_port, binary=binary,
                         extra=("--cluster-enabled", "yes", "--cluster-config-file",
                                "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms)))
             for _ in range(primaries * (1 + replicas))

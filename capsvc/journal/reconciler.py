@@ -192,6 +192,9 @@ class Reconciler:
                 # The library is loaded by the transport if Redis lacks it (a first call
                 # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
                 done, held = await self._reconcile(store)
+            except WentBack as e:
+                log.warning("journal: %s: restoring again", e)
+                continue
             except Exception as e:  # Redis unreachable, or refusing: try again
                 self.attempted.set()
                 if not quiet:
@@ -245,8 +248,10 @@ class Reconciler:
                      for mark in marks}
             fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
                       for i, life in enumerate(names)}
+            floor = {mark: _g(state[mark][0]) for mark in marks}
+            """G as this restore leaves each mark: never lower unless Redis went back."""
             for mark in marks:  # what the process has seen of the marks from now on
-                self.marks.saw(mark, _g(state[mark][0]))
+                self.marks.saw(mark, floor[mark])
             lacking_lives = [life for life in names if not covered(made[life], fields[life])]
             done: Restored | None = None
             if lacking_lives:
@@ -268,7 +273,8 @@ class Reconciler:
                             args += [life, made[life][mark]]
                     # LOST (an error) when Redis went back in time again meanwhile: then
                     # the restore runs again, from the start.
-                    await store.mark_call("capsvc_mark_restored", mark, args)
+                    floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,
+                                                           args))
             if lacking_lives or went_back or announcer.marks:
                 # Every live process has looked at the marks by then (its watch), and
                 # announced its own restore if it lost anything; then none is left.
@@ -276,10 +282,19 @@ class Reconciler:
                                         - loop.time()))
                 await announcer.end()
                 await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}))
+                # Redis may have gone back again while the restore waited (its watch does
+                # not look meanwhile, and other processes' restores raise G): what it put
+                # back must still be there, or it runs again. What was seen beyond G was
+                # lost by other processes, which have put back what they answered: G goes
+                # on from what is read here.
                 for mark in marks:
-                    g = _g((await store.mark_call("capsvc_marks", mark, []))[0])
-                    # What was seen beyond G was lost by other processes, which have put
-                    # back what they answered: G goes on from here.
+                    reply = await store.mark_call("capsvc_marks", mark, names)
+                    g = _g(reply[0])
+                    if g < floor[mark] or any(
+                            _g(reply[2 + i]) < made[life].get(mark, 0)
+                            for i, life in enumerate(names)):
+                        raise WentBack(f"redis went back in time again on {mark} while "
+                                       "the journal was put back")
                     self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
             return done, held
         finally:
@@ -330,6 +345,11 @@ class Reconciler:
             "records": done.records, "put_back": done.applied, "grids": done.grids,
             "over_cap": done.over_cap, "other_sale": done.other_sale,
             "seconds": round(done.seconds, 3)})
+
+
+class WentBack(Exception):
+    """Redis lost, while a restore waited for the other processes, what the restore had put
+    back: it runs again."""
 
 
 class _Announcer:

@@ -533,6 +533,51 @@ def test_a_rollback_while_the_process_restores_is_put_back_too(
         svc.stop()
 
 
+def test_a_rollback_while_a_restore_waits_for_the_others_is_put_back_too(
+        debug_redis: RedisServer) -> None:
+    """Redis goes back again after a restore has put everything back and raised the marks,
+    while it waits `[journal] settle` for the other processes: the restore finds what it put
+    back gone and runs again; the process answers nothing before."""
+    config = _config(settle="2s")
+    svc = ServiceProcess(config, debug_redis.url).start()
+    again: ServiceProcess | None = None
+    client = debug_redis.client()
+    try:
+        ledger = Ledger(current_draw(svc.base_url) + 1)
+        ledger.sell(svc.base_url, X)
+        backup = _dump_all(debug_redis)
+        g = int(client.hget(NODE_MARK, "*") or 0)
+        later = [ledger.sell(svc.base_url, X) for _ in range(3)]
+        assert svc.process is not None
+        svc.process.kill()
+        svc.process.wait()
+        svc.process = None
+        _restore_all(debug_redis, backup)
+        again = ServiceProcess(config, debug_redis.url, port=svc.port,
+                               env={"CAPSVC_JOURNAL_DIR": str(svc.journal_dir)})
+        starting = threading.Thread(target=again.start)
+        starting.start()
+        try:
+            # The restore of the killed lifetime's sales is done and its marks raised (G
+            # past the backup's): it waits for the settle.
+            _wait(lambda: int(client.hget(NODE_MARK, "*") or 0) > g, 20,
+                  "the restore never raised the marks")
+            _restore_all(debug_redis, backup)
+        finally:
+            starting.join()
+
+        problems = ledger.lost(via=lambda _: again.base_url, tickets=later)
+        ledger.sell_out(again.base_url, X)
+        problems += ledger.over(again.base_url)
+        problems += ledger.lost(via=lambda _: again.base_url)
+        _assert_none(problems)
+    finally:
+        client.close()
+        if again is not None:
+            again.stop()
+        svc.stop()
+
+
 # -- 4. two workers, one journal directory -----------------------------------------------------
 #
 # `capsvc serve --workers 2` (one file per worker): both workers answer sales before the save
