@@ -3,6 +3,7 @@ restore (one round trip per ticket) against this tree's (bulk calls).
 
     python bench/restore.py [--decisions 100000 1000000] [--mix one-grid mixed]
                             [--rounds 2] [--old REV] [--ablation] [--compare]
+                            [--redis-arg=ARG ...]
 
 For each number of decisions and each mix (tests/journals.py: written by the product's own
 recorder and writer, under a temporary directory for the run), a redis-server with
@@ -259,9 +260,12 @@ def main() -> int:
     parser.add_argument("--old", default="main", help="the tree to compare with (a commit)")
     parser.add_argument("--ablation", action="store_true")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--redis-arg", action="append", default=[],
+                        help="an argument for redis-server, e.g. --redis-arg=--appendonly "
+                             "--redis-arg=no")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="capsvc-bench-restore-"))
-    redis = RedisServer(extra=LISTPACKS).start()
+    redis = RedisServer(extra=(*LISTPACKS, *args.redis_arg)).start()
     version = redis.client().info("server")["redis_version"]
     if shutil.which("taskset"):
         assert redis.process is not None
