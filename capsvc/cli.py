@@ -10,10 +10,14 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from capsvc import logs
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
 from capsvc.models import MAX_DRAW
+
+if TYPE_CHECKING:
+    from capsvc.journal.verify import Anchor
 
 log = logging.getLogger("capsvc")
 
@@ -27,6 +31,16 @@ def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
         return int(text)
 
     return parse
+
+
+def _anchor(text: str) -> Anchor:
+    """An argparse type: a head `journal verify` printed (`file:line:sha256`)."""
+    from capsvc.journal.verify import Anchor
+
+    try:
+        return Anchor.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _settings(path: str | None) -> Settings:
@@ -211,7 +225,8 @@ def _journal_verify(args: argparse.Namespace) -> int:
         print(f"capsvc journal verify: no such directory: {', '.join(map(str, missing))}",
               file=sys.stderr)
         return 2
-    out = verify(dirs, settings.journal_keep_ms if settings else 90 * 86_400_000)
+    out = verify(dirs, settings.journal_keep_ms if settings else 90 * 86_400_000,
+                 args.anchor)
     compared = None
     if args.redis:
         assert settings is not None
@@ -226,7 +241,9 @@ def _journal_verify(args: argparse.Namespace) -> int:
             "ok": out.ok, "files": len(out.files), "records": out.records,
             "decisions": out.decisions, "totals": len(out.totals), "breaks": out.breaks,
             "tails": out.tails, "over_cap": out.over_cap, "mismatches": out.mismatches,
-            "compared_with_redis": compared, "notes": out.notes, "heads": out.heads},
+            "compared_with_redis": compared, "notes": out.notes,
+            "heads": [{"life": h.life, "proc": h.proc, "anchor": str(h.anchor)}
+                      for h in out.heads]},
             indent=2))
         return 0 if out.ok else 1
     print(f"{len(out.files)} file(s), {out.records} record(s), {out.decisions} sale(s), "
@@ -234,7 +251,8 @@ def _journal_verify(args: argparse.Namespace) -> int:
     for title, lines in (("chain broken", out.breaks), ("over the cap", out.over_cap),
                          ("differs from Redis", out.mismatches), ("torn tail (a crash; "
                          "not a break)", out.tails), ("note", out.notes),
-                        ("head (keep it elsewhere to anchor the chain's end)", out.heads)):
+                        ("head (write it down elsewhere; --anchor checks it later)",
+                         map(str, out.heads))):
         for line in lines:
             print(f"{title}: {line}")
     if compared is not None:
@@ -300,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_verify.add_argument("--redis", nargs="?", const=True, metavar="URL",
                           help="also compare the totals with Redis for draws still retained "
                                "(default URL: [redis] url)")
+    p_verify.add_argument("--anchor", action="append", default=[], type=_anchor,
+                          metavar="FILE:LINE:SHA256",
+                          help="a head an earlier verify printed, written down elsewhere: "
+                               "that line must still be there, unchanged (repeatable)")
     p_verify.add_argument("--json", action="store_true", help="machine-readable output")
     from capsvc.audit.commands import add_parsers, run
 

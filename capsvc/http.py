@@ -39,6 +39,7 @@ from capsvc.errors import (
 from capsvc.feed import Subscriber
 from capsvc.journal.gate import Gate
 from capsvc.journal.writer import Journal
+from capsvc.marks import Behind, Marks, Restoring
 from capsvc.metrics import Metrics
 from capsvc.models import (
     ID_PATTERN,
@@ -538,6 +539,7 @@ def _dispatch(api: Api, router: Router) -> Handler:
     stateful = frozenset(t for _, t in router.routes
                          if t.startswith("/v1/") and t not in _STATELESS)
     in_flight = metrics.in_flight  # exact: a once-a-second sample per worker, summed, is not
+    gate = api.gate
 
     def busy(message: str) -> Answer:
         return error_response(unavailable(message, settings.retry_after_s))
@@ -572,11 +574,19 @@ def _dispatch(api: Api, router: Router) -> Handler:
             counted = template != "/metrics" and template != STREAM_ROUTE
             if counted:
                 in_flight.inc()
+            # The marked calls of the request stamp its journal records (capsvc.marks).
+            Marks.begin()
+            epoch = gate.epoch if gate is not None else 0
             try:
                 try:
                     resp = await handler(request)
                 except ApiError as e:
                     resp = error_response(e)
+                if gate is not None and gate.epoch != epoch and template in stateful:
+                    # A restore began while the request ran: what it decided or read may
+                    # be among what Redis lost, and the restore may have read the journal
+                    # before this request's record reached it.
+                    resp = unknown(request, "Redis was found to have lost writes meanwhile")
                 if confirm is not None and resp.status in _CONFIRMED and template in stateful:
                     # replicas:N: no answer reports what a failover could take back — a
                     # decision, a replay, a GET, and a refusal (409, 422 draw_closed) that
@@ -590,6 +600,9 @@ def _dispatch(api: Api, router: Router) -> Handler:
                 resp = unknown(request, "the request took too long")
             except ApiError as e:
                 resp = error_response(e)
+            except (Behind, Restoring) as e:  # refused by Redis before anything ran
+                log.info("%s", e, extra={"request_id": rid, "route": template})
+                resp = unknown(request, "Redis is being restored from the journal")
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})

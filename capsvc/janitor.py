@@ -42,6 +42,7 @@ from capsvc.config import Settings
 from capsvc.errors import ApiError, Unavailable
 from capsvc.games import Catalog
 from capsvc.ledger import Ledger
+from capsvc.marks import Marks
 from capsvc.store import (
     RECORD_BUCKETS,
     TICKET_BUCKETS,
@@ -125,6 +126,7 @@ class Janitor:
     async def settle(self, key: str) -> int:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index
         entry; returns 1 if it was settled."""
+        Marks.begin()  # its journal record is stamped with this settlement's calls only
         reply = await self.store.expire(key, self.deadline_ms)
         if not reply:  # nothing to settle: its entry goes, unless a new sale took it
             await self.store.journaled(key, "", b"")

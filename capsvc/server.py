@@ -31,6 +31,7 @@ from capsvc.janitor import Janitor
 from capsvc.journal.gate import Gate
 from capsvc.journal.reconciler import Reconciler
 from capsvc.journal.writer import Journal, open_journal
+from capsvc.marks import Marks
 from capsvc.metrics import Metrics
 from capsvc.store import Store, lua_source
 from capsvc.usecases import UseCases, build_usecases
@@ -157,7 +158,10 @@ def build(settings: Settings, redis_url: str) -> Service:
                     on_batch=metrics.batch, on_error=metrics.redis_error,
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
     store = Store.of(redis, settings)
+    if journal is not None:
+        store.marks = Marks(journal.life, single_node=store.single_node)
     usecases = build_usecases(settings, store, journal=journal)
+    usecases.journal.marks = store.marks
     usecases.audit.on_report = metrics.report_written
     usecases.audit.on_reconciled = lambda rec: metrics.reconciled(
         rec.game, rec.draw, counts(rec), usecases.clock.now() / 1000)
@@ -165,7 +169,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     durability = Durability(redis, settings.durability_replicas, settings.wait_timeout_ms,
                             settings.retry_after_s)
     reconciler = (Reconciler(settings, redis_url, gate, usecases.catalog, metrics,
-                             journal.proc)
+                             store.marks, usecases.journal)
                   if gate is not None and journal is not None else None)
     app = create_app(settings, usecases, store, metrics, health, durability, journal,
                      reconciler.gate if reconciler else None)
@@ -263,8 +267,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
                                    at_start=True)),
     ]
     if svc.reconciler is not None:
-        background.append(asyncio.create_task(svc.reconciler.watch(store,
-                                                                   usecases.journal)))
+        background.append(asyncio.create_task(svc.reconciler.watch(store)))
     if svc.journal is not None and settings.audit_reports:
         # Each draw's report once final (one process of the journal directory at a time).
         background.append(asyncio.create_task(_every(
@@ -299,5 +302,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     if svc.reconciler is not None and svc.reconciler.task is not None:
         svc.reconciler.task.cancel()
     if svc.journal is not None:
+        # The last checkpoint: the next start reads no further back in this lifetime's files.
+        usecases.journal.checkpoint(store.marks.made)
         await svc.journal.aclose()
     log.info("stopped")

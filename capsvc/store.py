@@ -9,9 +9,11 @@ Every step that decides something reads Redis TIME inside its function.
 Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
 queues a command into the current tick's pipeline and returns a future, so a caller can
 issue several independent steps and await them together without an extra round trip.
-The claim, the reserve of a single-draw grid and every read touch one key each: a cluster
-slot that is migrating serves them (single-key commands follow ASK redirections), where a
-call naming a key that does not exist yet beside one that does would get TRYAGAIN.
+Every call that judges or reports a decision also names its slot's mark (capsvc.marks):
+on a cluster, while a slot is being migrated, such a call names a key that exists (the
+mark, once moved) beside keys that may not yet, and Redis answers TRYAGAIN until the slot
+has moved (the transport retries, capsvc.cluster): a sale on a migrating slot waits for the
+end of that slot's migration.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from capsvc.coalesce import Coalescer, Transport
+from capsvc.marks import MARKED, Marks
 from capsvc.validator import Sale, pack_sale
 
 if TYPE_CHECKING:
@@ -197,6 +200,9 @@ class Store:
         """Whether `legacy_keys` is final (else: until Redis holds no keyed record)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
+        self.marks = Marks.tool(self.single_node)
+        """The marks the calls that judge or report a decision carry (capsvc.marks): a
+        tool's until the service gives the store its own."""
 
     @classmethod
     def of(cls, redis: Transport, settings: Settings) -> Store:
@@ -245,8 +251,15 @@ class Store:
         return record_names(ticket, self.bucketed, self.legacy_keys)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one FCALL (the transport reloads the library if Redis lost it)."""
+        """Queue one FCALL (the transport reloads the library if Redis lost it); a function
+        that judges or reports a decision carries its mark (capsvc.marks)."""
+        if name in MARKED:
+            return self.marks.call(self.redis.submit, name, keys, args)
         return self.redis.submit("FCALL", name, len(keys), *keys, *args)
+
+    def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:
+        """One of the marks' own functions (lua/capsvc.lua, MARKS) on `mark`."""
+        return self.redis.submit("FCALL", name, 1, mark, *args)
 
     async def time_ms(self) -> int:
         """Redis TIME, in ms since the Unix epoch."""
@@ -538,13 +551,6 @@ def budget_key(player: str, day: str) -> str:
     return f"b:{{pl:{player}}}:{day}"
 
 
-def _settle_command(player: str, ref: str, shares: list[tuple[str, int]], final: bool
-                    ) -> tuple[Any, ...]:
-    keys = [budget_key(player, day) for day, _ in shares]
-    return ("FCALL", "capsvc_settle", len(keys), *keys, ref, int(final),
-            *[amount for _, amount in shares])
-
-
 class PlayerStore:
     """The player-budget steps (games with a daily limit), over the same transport."""
 
@@ -575,7 +581,9 @@ class PlayerStore:
                final: bool = False) -> asyncio.Future[Any]:
         """Make `ref` hold exactly `shares` (amount 0: give back); idempotent. `final` seals
         `ref` afterwards: no later settle changes it."""
-        return self.redis.submit(*_settle_command(player, ref, shares, final))
+        keys = [budget_key(player, day) for day, _ in shares]
+        return self.fcall("capsvc_settle", keys,
+                          [ref, int(final), *[amount for _, amount in shares]])
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
                   expire_at: int) -> asyncio.Future[Any]:

@@ -93,6 +93,152 @@ local function extend(key, at, slack)
   end
 end
 
+--[[ MARKS. What lets a process know, in the very call that judges or reports a decision,
+whether Redis went back in time behind it (a failover that lost writes, a restart from an
+older file, a backup put back, a rollback in place, FLUSHALL).
+
+  mark   m:{<tag>}   hash, TTL MARK_TTL_MS (pushed on by every process's watch)
+           "*"      -> G, the count of marked writes this node (standalone) or slot
+                       (cluster: one mark per slot, its tag chosen to hash to it) has run
+           <life>   -> the G of the newest write of process lifetime <life>
+           "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
+                       journal back into this Redis; every marked call refuses meanwhile
+
+Every marked function takes the mark as its LAST key and, as its last two ARGV, the caller's
+life and what it last saw of the mark, "<G seen>:<G of its own newest write>" (life "":
+a tool, neither checked nor counted). The call is refused with BEHIND (nothing run) when the
+mark is behind what the caller saw: G lower than the G it last saw (any process's writes
+lost), or its own field lower than its newest write (its own writes lost). A write then
+counts itself (G + 1, and its field set to it) and answers {G, reply} — a look-up
+too: a decision reported is a write of the reporter's, so that losing the decision loses
+the write, and the reporter sees it. The mark is written by the same call as the data it covers, so replication
+and the AOF keep them together: it can never be ahead of that data, and whatever Redis
+keeps of a node's history is a prefix of it. A journal record carries the G of the calls
+that made it: Redis holds it exactly when the mark of its process's life is not below. ]]
+local MARK_TTL_MS = 8 * 86400000
+
+-- nil when the caller may go on; else the error reply that refuses the call.
+local function mark_refusal(mark, life, seen)
+  local m = redis.call('HMGET', mark, '*', '!', life)
+  if m[2] and tonumber(m[2]) > now_ms() then
+    return redis.error_reply('RESTORING a process is putting its journal back into Redis')
+  end
+  local colon = string.find(seen, ':', 1, true)
+  local g, own = tonumber(m[1]) or 0, tonumber(m[3]) or 0
+  if g < tonumber(string.sub(seen, 1, colon - 1))
+      or own < tonumber(string.sub(seen, colon + 1)) then
+    return redis.error_reply('BEHIND ' .. g .. ':' .. own)
+  end
+  return nil, g
+end
+
+local function marked(fn)
+  return function(keys, args)
+    local mark = table.remove(keys)
+    local seen = table.remove(args)
+    local life = table.remove(args)
+    if life == '' then
+      return {0, fn(keys, args)}
+    end
+    local refused, g = mark_refusal(mark, life, seen)
+    if refused then
+      return refused
+    end
+    local reply = fn(keys, args)
+    g = g + 1
+    redis.call('HSET', mark, '*', g, life, g)
+    if g == 1 then
+      redis.call('PEXPIRE', mark, MARK_TTL_MS)
+    end
+    return {g, reply}
+  end
+end
+
+--[[ marks: KEYS mark; ARGV lives... (read only)
+Returns {G, announced until (or false), the G of each life (false when none)}. ]]
+local function marks(keys, args)
+  local m = redis.call('HMGET', keys[1], '*', '!', unpack(args))
+  return m
+end
+
+--[[ mark_restored: KEYS mark; ARGV restorer, token, (life, G of its newest write)...
+After a restore put lifetimes' records back: their fields and G raised to at least those G
+(never lowered), the mark's TTL renewed. Only if the restore's token (`announce`) is still
+there: else Redis went back in time (or was emptied) while the restore ran, and what it put
+back may be gone with it: error LOST, nothing written (the restore runs again). Returns
+the mark's G. ]]
+local function mark_restored(keys, args)
+  local mark = keys[1]
+  if redis.call('HGET', mark, '^' .. args[1]) ~= args[2] then
+    return redis.error_reply('LOST the restore\'s token is gone: Redis went back in time')
+  end
+  local g = tonumber(redis.call('HGET', mark, '*')) or 0
+  for i = 3, #args, 2 do
+    local made = tonumber(args[i + 1])
+    if (tonumber(redis.call('HGET', mark, args[i])) or 0) < made then
+      redis.call('HSET', mark, args[i], made)
+    end
+    if g < made then
+      g = made
+    end
+  end
+  redis.call('HSET', mark, '*', g)
+  redis.call('HDEL', mark, '^' .. args[1])
+  redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  return g
+end
+
+--[[ announce: KEYS mark; ARGV for_ms[, restorer, token]
+A restore under way: every marked call refuses until now + for_ms (at least; never
+shortened). When it begins (and only then: a renewal must not put back a token that Redis
+lost), the restore's token ("^<restorer>"), for mark_restored to find. Returns the
+announcement's end. ]]
+local function announce(keys, args)
+  local mark = keys[1]
+  local till = now_ms() + tonumber(args[1])
+  local cur = tonumber(redis.call('HGET', mark, '!')) or 0
+  if cur < till then
+    redis.call('HSET', mark, '!', till)
+  else
+    till = cur
+  end
+  if args[2] then
+    redis.call('HSET', mark, '^' .. args[2], args[3])
+  end
+  if redis.call('PTTL', mark) < 0 then
+    redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  end
+  return till
+end
+
+--[[ mark_keep: KEYS mark; ARGV life (each process's watch, once in a while)
+The mark's TTL renewed, an announcement past its end removed, the caller's lifetime noted
+alive ("@<life>" -> now), and the fields of lifetimes not alive for MARK_TTL_MS removed:
+their records are past their retention by then (a lifetime without its field has all of
+its records restored, which is never wrong). ]]
+local function mark_keep(keys, args)
+  local mark, now = keys[1], now_ms()
+  if redis.call('EXISTS', mark) == 0 then
+    return 0
+  end
+  redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  redis.call('HSET', mark, '@' .. args[1], now)
+  local till = redis.call('HGET', mark, '!')
+  if till and tonumber(till) <= now then
+    redis.call('HDEL', mark, '!')
+  end
+  local fields = redis.call('HGETALL', mark)
+  local gone = 0
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
+      redis.call('HDEL', mark, f, string.sub(f, 2))
+      gone = gone + 1
+    end
+  end
+  return gone
+end
+
 --[[ TICKET RECORDS. Two layouts:
   keyed      t:{t:NN}:<channel>/<ticket id>  a hash of its own (st, fp, …), with a TTL: what
              releases before bucketed records wrote.
@@ -1565,30 +1711,29 @@ local function restore_budgets(keys, args)
 end
 
 -- A ticket's steps as this release calls them (see TICKET RECORDS).
-redis.register_function('capsvc2_claim', claim)
-redis.register_function('capsvc2_finalize', finalize)
+redis.register_function('capsvc2_claim', marked(claim))
+redis.register_function('capsvc2_finalize', marked(finalize))
 redis.register_function('capsvc2_journaled_many', journaled_many)
-redis.register_function('capsvc2_unclaim', unclaim)
-redis.register_function('capsvc2_expire', expire)
-redis.register_function('capsvc2_cancel', cancel)
-redis.register_function('capsvc2_cancelled', cancelled)
-redis.register_function('capsvc2_sell', sell)
+redis.register_function('capsvc2_unclaim', marked(unclaim))
+redis.register_function('capsvc2_expire', marked(expire))
+redis.register_function('capsvc2_cancel', marked(cancel))
+redis.register_function('capsvc2_cancelled', marked(cancelled))
+redis.register_function('capsvc2_sell', marked(sell))
 redis.register_function('capsvc2_restore_ticket', restore_ticket)
 redis.register_function('capsvc_index', index)
-redis.register_function('capsvc_claim', claim)
-redis.register_function{function_name = 'capsvc_ticket', callback = ticket,
-                        flags = {'no-writes'}}
+redis.register_function('capsvc_claim', marked(claim))
+redis.register_function('capsvc_ticket', marked(ticket))
 redis.register_function('capsvc_sweep', sweep)
-redis.register_function('capsvc_finalize', finalize)
-redis.register_function('capsvc_unclaim', unclaim)
+redis.register_function('capsvc_finalize', marked(finalize))
+redis.register_function('capsvc_unclaim', marked(unclaim))
 redis.register_function('capsvc_journaled', journaled)
 redis.register_function('capsvc_journaled_many', journaled_many)
-redis.register_function('capsvc_expire', expire)
-redis.register_function('capsvc_cancel', cancel)
-redis.register_function('capsvc_cancelled', cancelled)
-redis.register_function('capsvc_reserve', reserve)
-redis.register_function('capsvc_release', release)
-redis.register_function('capsvc_stop', stop)
+redis.register_function('capsvc_expire', marked(expire))
+redis.register_function('capsvc_cancel', marked(cancel))
+redis.register_function('capsvc_cancelled', marked(cancelled))
+redis.register_function('capsvc_reserve', marked(reserve))
+redis.register_function('capsvc_release', marked(release))
+redis.register_function('capsvc_stop', marked(stop))
 redis.register_function('capsvc_sold_out', sold_out_add)
 redis.register_function('capsvc_feed_event', feed_event)
 redis.register_function('capsvc_feed_closed', feed_closed)
@@ -1597,15 +1742,20 @@ redis.register_function{function_name = 'capsvc_exposure', callback = exposure,
 redis.register_function('capsvc_aggregate', aggregate)
 redis.register_function{function_name = 'capsvc_aggregate_sum', callback = aggregate_sum,
                         flags = {'no-writes'}}
-redis.register_function('capsvc_budget', budget)
-redis.register_function('capsvc_stake', stake)
-redis.register_function('capsvc_settle', settle)
-redis.register_function('capsvc_set_limit', set_limit)
-redis.register_function('capsvc_player', player)
-redis.register_function('capsvc_sell', sell)
+redis.register_function('capsvc_budget', marked(budget))
+redis.register_function('capsvc_stake', marked(stake))
+redis.register_function('capsvc_settle', marked(settle))
+redis.register_function('capsvc_set_limit', marked(set_limit))
+redis.register_function('capsvc_player', marked(player))
+redis.register_function('capsvc_sell', marked(sell))
 redis.register_function('capsvc_restore_ticket', restore_ticket)
 redis.register_function('capsvc_restore_grid', restore_grid)
 redis.register_function('capsvc_restore_limit', restore_limit)
+redis.register_function{function_name = 'capsvc_marks', callback = marks,
+                        flags = {'no-writes'}}
+redis.register_function('capsvc_mark_restored', mark_restored)
+redis.register_function('capsvc_announce', announce)
+redis.register_function('capsvc_mark_keep', mark_keep)
 redis.register_function('capsvc_restore_tickets', restore_tickets)
 redis.register_function('capsvc_restore_counts', restore_counts)
 redis.register_function('capsvc_restore_budgets', restore_budgets)

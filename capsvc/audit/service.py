@@ -40,8 +40,9 @@ from capsvc.config import Channel, Settings
 from capsvc.errors import ApiError
 from capsvc.exposure import Exposure
 from capsvc.games import Catalog, Game
-from capsvc.journal.reconciler import DIRECTORY_ID
 from capsvc.journal.recorder import Recorder
+from capsvc.journal.verify import opened_at
+from capsvc.journal.writer import journal_files
 from capsvc.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.tickets import Tickets, derived_body
 from capsvc.validator import unpack_sale
@@ -217,11 +218,10 @@ class Audit:
         return len(missing)
 
     def _began_ms(self) -> int:
-        """When this journal directory was made (its id's file), within `[journal] keep`."""
-        try:
-            began = int(os.stat(self.directory / DIRECTORY_ID).st_mtime * 1000)
-        except FileNotFoundError:
-            began = int(time.time() * 1000)
+        """When this journal directory's oldest file was opened, within `[journal] keep`."""
+        files = journal_files(self.directory)
+        opened = opened_at(files[0].name) if files else None
+        began = int((opened if opened is not None else time.time()) * 1000)
         return max(began, self.clock.now() - self.settings.journal_keep_ms)
 
     async def _write(self, game: Game, draw: int, history: History) -> None:

@@ -23,6 +23,8 @@ class Gate:
     def __init__(self) -> None:
         self.reconciled: set[str] = set()
         self.restoring = False
+        self.epoch = 0
+        """Restores begun so far: a request during which it moved answers 503."""
         self.on_unknown: Callable[[str], None] = lambda identity: None
 
     def admits(self, ident: str | None) -> bool:

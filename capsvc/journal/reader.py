@@ -1,9 +1,11 @@
 """Reading journal files back: their records, and whether their chains hold.
 
 A file is read line by line (memory: one line at a time). A line that does not end with a
-newline, at the end of a file, is a torn tail (what a crash or a failed write leaves): it
-is reported, not taken for tampering, and never read as a record. Anything else that does
-not chain — a line removed, altered, inserted or moved — is a break, named by file and line.
+newline, at the end of a file, is a torn tail (what a crash leaves): it is reported, never
+read as a record (whether it is a break depends on what follows the file: `verify`).
+Anything else that does not chain — a line removed, altered, inserted or moved — is a
+break, named by file and line. A line of a type this reader does not know (a later
+version's) is chained like every other, and skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from capsvc.journal.records import (
+    KNOWN_TYPES,
     VERSION,
     Line,
     Open,
@@ -24,6 +27,7 @@ from capsvc.journal.records import (
     SaleRecord,
     chain_decoder,
     line_decoder,
+    link_decoder,
 )
 from capsvc.journal.writer import journal_files
 
@@ -81,15 +85,17 @@ def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] 
             digest.update(b"\n")
         check.size += len(line) + 1
         try:
-            head = chain_decoder.decode(line)
-            record = (None if wanted is not None and n > 1 and not wanted(head)
-                      else line_decoder.decode(line))
+            head = _head(line)
+            skip = n > 1 and (head.type not in KNOWN_TYPES
+                              or (wanted is not None and not wanted(head)))
+            record = None if skip else line_decoder.decode(line)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             check.breaks.append(f"line {n}: not a journal record ({e})")
             prev = hashlib.sha256(line).hexdigest()
             if n in capture:
                 check.captured[n] = prev
             check.lines = n
+            check.last_hash = prev
             continue
         if n == 1:
             check.first_prev = head.prev
@@ -114,6 +120,17 @@ def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] 
         check.last_hash = prev
         if record is not None:
             yield n, record
+
+
+def _head(line: bytes) -> Line:
+    """A line's head; of a line of a type this reader does not know, its link at least."""
+    try:
+        return chain_decoder.decode(line)
+    except msgspec.ValidationError:
+        link = link_decoder.decode(line)
+        if link.type in KNOWN_TYPES:
+            raise
+        return Line(link.prev, link.type)
 
 
 def records(directory: Path, *, modified_since: float = 0.0

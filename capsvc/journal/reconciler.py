@@ -1,170 +1,197 @@
-"""When a process restores its journal, and how processes on several hosts keep out of one
-another's way while they do.
+"""When a process puts its journal back into Redis, and how processes on several hosts keep
+out of one another's way while they do.
 
-- **Triggers.** The process's start; every connection to a server whose identity the
-  process has not reconciled (the gate, capsvc.journal.gate); and a Redis that kept its
-  identity but lost its data in place (`FLUSHALL`, a key space swapped): each restore
-  leaves the process's field in a marker hash (`j:{journal}`), and a watch reads it every
-  WATCH_S — a missing field is a Redis to restore. The same watch keeps an idle process's
-  connection in use, so that it notices a restarted or failed-over Redis within WATCH_S
-  even when nothing is sold.
-- **Several hosts.** Each host restores its own journal. A host that restored first must
-  not sell what another host's journal is about to put back: while a process restores, it
-  keeps a field in `r:{journal}` (its name, an expiry it refreshes every second), and a
-  process that has finished its own restore waits, before selling, until `[journal] settle`
-  has passed since the restore began (every live process has noticed the new Redis by then)
-  and no other process is restoring. A process that was down when Redis lost its data
-  restores when it comes back, after others may have sold: what it puts back then may go
-  past the cap; that is counted, logged and alerted (capsvc_journal_restore_over_cap_total).
+- **Triggers.** The process's start; a connection to a server whose identity the process
+  has not reconciled (the gate, capsvc.journal.gate: a failover, a restart); a marked call
+  that Redis refused because its mark is behind what the process saw (capsvc.marks: a
+  rollback in place, an emptied Redis, a backup put back); and the watch, which reads the
+  marks every WATCH_S on the process's own connection, so that an idle process notices as
+  soon as one that sells.
+- **What is restored.** For this process's lifetime and every lifetime of the journal
+  directory whose process is gone (the lifetimes before it; a worker that died), the records
+  the Redis lacks: those stamped above the lifetime's field in the mark
+  (capsvc.journal.lives). A lifetime whose process still runs (another worker of the
+  directory: its lock is held, capsvc.journal.writer.alive) restores its own. A Redis that lost
+  nothing costs a read of the marks; a failover that lost the last seconds, the read of the
+  files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
+  what it had written, never lowered.
+- **Several processes.** A process that restores announces it in the marks (lua/capsvc.lua,
+  MARKS): every marked call of every process is refused meanwhile. It keeps announcing
+  until `[journal] settle` has passed since its restore began — every live process has
+  looked at the marks by then (WATCH_S) and announced its own restore if it lost anything —
+  and, like any process that found Redis behind it, sells again only once no announcement
+  is left. So a live process may judge on a Redis that lost another live process's
+  decisions only if those were made after this process last saw the mark (its own calls
+  and its watch: at most WATCH_S before the loss when idle), and only until the process that
+  lost them has looked (WATCH_S after the loss at most) and announced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
+
+from redis.crc import key_slot
 
 from capsvc.cluster import connect
 from capsvc.config import Settings
 from capsvc.games import Catalog
-from capsvc.journal.gate import Gate, identity
-from capsvc.journal.reader import newest_decisions
+from capsvc.journal.gate import Gate
+from capsvc.journal.lives import Life, covered, lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
-from capsvc.journal.restore import Restored, restore_once
-from capsvc.journal.restore import identities as _identities
+from capsvc.journal.restore import Restored, Restorer, identities
+from capsvc.journal.writer import alive
+from capsvc.marks import NODE_MARK, Marks, mark_of_slot
 from capsvc.metrics import Metrics
-from capsvc.store import Store, lua_source, replies_of, ticket_key
+from capsvc.store import TICKET_BUCKETS, Store, lua_source, pending_key
 
 log = logging.getLogger(__name__)
 
-MARKER = "j:{journal}"
-"""Hash: journal directory id -> when a process of it last restored (Redis TIME, ms); the
-directory's field missing means the data was lost in place (or never restored)."""
-DIRECTORY_ID = "journal-id"
-"""The file, in the journal directory, naming it (random, made once): its marker field."""
-CHECKPOINT = "reconciled.json"
-"""The file, in the journal directory, naming the Redis identities it was last reconciled
-with: a process starting on one of them, its marker field there, has nothing to restore
-(every decision its directory holds was made on that Redis or restored into it)."""
-MARKER_TTL_MS = 400 * 86_400_000
-RESTORING = "r:{journal}"
-"""Hash: process -> expiry (ms, Redis TIME) while that process restores."""
-RESTORING_TTL_MS = 5_000
-WATCH_S = 0.25
-"""The watch's period; `[journal] settle` (1 s by default) should be several of them."""
+WATCH_S = 0.05
+"""The watch's period on one node (a read of one mark)."""
+WATCH_CLUSTER_S = 1.0
+"""The watch's period on a cluster (a read of every slot's mark this process wrote to)."""
+CHECKPOINT_S = 1.0
+"""How often the process writes down, in its journal, what it has written through each
+mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restore reads."""
+KEEP_S = 3600.0
+"""How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
+announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
+ANNOUNCE_MS = 500
+"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5): how long
+after its restore's end it still holds the processes (they cannot tell whose it is)."""
 PEERS_WAIT_S = 120.0
-"""How long a process waits for the others' restores before it sells anyway (a process
-that died restoring stops refreshing its field: it expires in RESTORING_TTL_MS)."""
+"""How long a process waits for the others' announcements to end before it sells anyway
+(a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
 RETRY_S = 0.5
 
 
 class Reconciler:
-    """Restores the journal directory into every Redis this process reaches with an
-    identity it has not reconciled, on a connection of its own; the gate holds every other
-    command meanwhile. See the module's docstring."""
+    """Restores the journal directory into the Redis this process uses whenever that Redis
+    may lack decisions of it, on a connection of its own, while the gate holds every other
+    command. See the module's docstring."""
 
     def __init__(self, settings: Settings, redis_url: str, gate: Gate, catalog: Catalog,
-                 metrics: Metrics, proc: str) -> None:
+                 metrics: Metrics, marks: Marks, recorder: Recorder) -> None:
         self.settings = settings
         self.url = redis_url
         self.gate = gate
         self.catalog = catalog
         self.metrics = metrics
-        self.proc = proc
+        self.marks = marks
+        self.recorder = recorder
+        self.dir = Path(settings.journal_dir)
+        self.life = marks.life
         self.task: asyncio.Task[None] | None = None
         self.attempted = asyncio.Event()
         """Set once a restore has been tried (done, or failed: Redis unreachable)."""
-        self.dir = Path(settings.journal_dir)
-        self.dir_id = directory_id(self.dir)
+        self.others: dict[str, dict[str, int]] = {}
+        """What each other lifetime of the directory had written through each mark, as its
+        files told the last restore (the watch checks their fields too)."""
+        self._made_cache: dict[tuple[Path, int, float], dict[str, int]] = {}
         gate.on_unknown = self.unknown
+        marks.on_behind = self.behind
 
     def unknown(self, identity: str) -> None:
         """A connection reached a server not reconciled: restore (once at a time)."""
+        self.trouble(f"redis {identity} not reconciled with the journal yet")
+
+    def behind(self, mark: str, found: str) -> None:
+        """A marked call was refused: Redis is behind what this process saw of `mark`."""
+        self.trouble(f"redis is behind what this process saw of {mark} (it holds {found}): "
+                     "it lost writes")
+
+    def trouble(self, why: str) -> None:
         if self.task is not None and not self.task.done():
             return
-        log.warning("journal: redis %s not reconciled yet: holding sales to restore the "
-                    "journal into it", identity)
+        log.warning("journal: %s: holding sales to restore the journal into it", why)
         self.start()
 
     def start(self) -> asyncio.Task[None]:
         if self.task is None or self.task.done():
             self.gate.restoring = True
+            self.gate.epoch += 1
             self.metrics.restoring.set(1)
             self.task = asyncio.get_running_loop().create_task(self._run())
         return self.task
 
-    async def watch(self, store: Store, recorder: Recorder | None = None) -> None:
-        """Every WATCH_S, through the process's own connection, three questions; a wrong
-        answer is a Redis to restore into:
-        - is every primary's identity still one reconciled? (A server can change it without
-          a reconnection: `REPLICAOF` a backup, then `REPLICAOF NO ONE`.)
-        - is the directory's mark there? (Gone: the data was emptied in place.)
-        - does Redis hold the newest decision this process journaled (`recorder.newest`)?
-          (Not: Redis went back to an older copy of itself, `DEBUG RELOAD` of an older
-          file, a backup put back key by key.)
-        The reads also reconnect after a Redis restart or failover, which the gate judges."""
+    # -- the watch -------------------------------------------------------------------------
+
+    async def watch(self, store: Store) -> None:
+        """Every WATCH_S (WATCH_CLUSTER_S on a cluster), on the process's own connection:
+        is any mark behind what this process saw, or behind what another lifetime of the
+        directory wrote? Then restore. Also: the checkpoint in the journal, once a second;
+        the marks' TTL, once an hour. The reads also reconnect after a Redis restart or
+        failover, which the gate judges."""
+        period = WATCH_S if store.single_node else WATCH_CLUSTER_S
+        loop = asyncio.get_running_loop()
+        checkpointed = loop.time()
+        kept = checkpointed - KEEP_S  # at once: the lifetime noted alive from its start
         while True:
-            await asyncio.sleep(WATCH_S)
+            await asyncio.sleep(period)
+            now = loop.time()
+            if now - checkpointed >= CHECKPOINT_S:
+                checkpointed = now
+                self.recorder.checkpoint(self.marks.made)
             if self.gate.restoring:
                 continue
             try:
-                problem = await self._lost(store, recorder)
+                problem = await self._look(store)
+                if problem is None and now - kept >= KEEP_S:
+                    kept = now
+                    for mark in self._marks(store):
+                        await store.mark_call("capsvc_mark_keep", mark, [self.life])
             except Exception:  # unreachable, or held by the gate: not the watch's to judge
                 continue
-            if problem is not None and not self.gate.restoring:
-                log.warning("journal: %s: holding sales to restore the journal into it",
-                            problem)
-                self.gate.reconciled.clear()
-                self.start()
+            if problem is not None:
+                self.trouble(problem)
 
-    async def _lost(self, store: Store, recorder: Recorder | None) -> str | None:
-        """Why Redis may have lost decisions of this directory (None: no sign of it)."""
-        newest = recorder.newest if recorder is not None else None
-        info, present, record = await asyncio.gather(
-            store.identities(),
-            store.redis.submit("HEXISTS", MARKER, self.dir_id),
-            store.ticket(ticket_key(newest[0], newest[1]))
-            if newest is not None else _nothing())
-        held = None if record is None else record[3]  # Store.ticket: [st, body, sale, sid, …]
-        identities = [identity(i) for i in info]
-        if any(i is not None and i not in self.gate.reconciled for i in identities):
-            return "redis changed identity without a new connection"
-        if not present:
-            return "redis lost its data in place (the journal directory's mark is gone)"
-        if newest is not None and (held is None or held.decode() != newest[2]) and (
-                newest[3] > await store.time_ms()):
-            return (f"redis lacks the newest decision journaled (ticket {newest[1]}): it went "
-                    "back to an older copy of its data")
+    def _marks(self, store: Store) -> list[str]:
+        if store.single_node:
+            return [NODE_MARK]
+        keys = set(self.marks.seen)
+        for made in self.others.values():
+            keys.update(made)
+        return sorted(keys)
+
+    async def _look(self, store: Store) -> str | None:
+        """Why Redis may lack decisions of this directory (None: no sign of it)."""
+        lives = [self.life, *self.others]
+        marks = self._marks(store)
+        # What the process saw of the marks when the reads were sent: they travel behind
+        # every call sent before them on the connection, not behind the ones sent after
+        # (whose replies may be read before this coroutine resumes).
+        seen, made = dict(self.marks.seen), dict(self.marks.made)
+        replies = await asyncio.gather(*[
+            store.mark_call("capsvc_marks", mark, lives) for mark in marks])
+        for mark, reply in zip(marks, replies, strict=True):
+            g, fields = _g(reply[0]), [_g(f) for f in reply[2:]]
+            if g < seen.get(mark, 0):
+                return f"redis went back in time on {mark} ({g} < {seen[mark]})"
+            if fields[0] < made.get(mark, 0):
+                return f"redis lost writes of this process on {mark}"
+            for life, field in zip(lives[1:], fields[1:], strict=True):
+                if field < self.others[life].get(mark, 0):
+                    return f"redis lost writes of the journal's lifetime {life} on {mark}"
+            self.marks.saw(mark, g)
         return None
 
+    # -- the restore -----------------------------------------------------------------------
+
     async def _run(self) -> None:
-        directory = self.dir
         quiet = False
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
             store = Store.of(redis, self.settings)
-            announcing: asyncio.Task[None] | None = None
             try:
-                await store.load_library()
-                if await self._already_reconciled(store):
-                    self.attempted.set()
-                    return
-                began = await store.time_ms()
-                announcing = asyncio.get_running_loop().create_task(self._announce(store))
-                done, identities = await restore_once(
-                    directory, self.catalog, store, self.metrics.restored_over_cap)
-                announcing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await announcing
-                await store.redis.submit("HDEL", RESTORING, self.proc)
-                await self._wait_for_peers(store, began)
-                await store.redis.submit("HSET", MARKER, self.dir_id, await store.time_ms())
-                await store.redis.submit("PEXPIRE", MARKER, MARKER_TTL_MS)
-                self._checkpoint(identities)
+                # The library is loaded by the transport if Redis lacks it (a first call
+                # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
+                done, held = await self._reconcile(store)
             except Exception as e:  # Redis unreachable, or refusing: try again
                 self.attempted.set()
                 if not quiet:
@@ -173,119 +200,182 @@ class Reconciler:
                 await asyncio.sleep(RETRY_S)
                 continue
             finally:
-                if announcing is not None:
-                    announcing.cancel()
                 await redis.aclose()
-            self._reconciled(done, identities)
+            self._reconciled(done, held)
             self.attempted.set()
             return
 
-    async def _already_reconciled(self, store: Store) -> bool:
-        """Whether the directory was reconciled with this very Redis and the Redis has kept
-        the mark of it: then the gate opens at once (a process restarting on the Redis it
-        left does not read its journal again)."""
+    async def _reconcile(self, store: Store) -> tuple[Restored | None, list[str | None]]:
+        """Put back what Redis lacks of this lifetime and of the directory's lifetimes gone;
+        what was done (None: nothing was lacking) and the identities of the Redis it was
+        done on."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        # On a cluster the announcement goes to the ticket slots' marks too: every sale's
+        # first call is in one of them, whatever slots this process wrote to.
+        own = self._marks(store)
+        mine = dict(self.marks.made)
+        first = {mark: await store.mark_call("capsvc_marks", mark, [self.life]) for mark in own}
+        went_back = any(_g(first[m][0]) < self.marks.seen.get(m, 0) for m in own)
+        announcer = _Announcer(store, self.life, ticket_marks(store))
         try:
-            known = json.loads((self.dir / CHECKPOINT).read_text())["identities"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        identities = await _identities(store)
-        if not identities or set(identities) - set(known) or None in identities:
-            return False
-        if not await store.redis.submit("HEXISTS", MARKER, self.dir_id):
-            return False
-        # The newest decisions of the directory's files must be there: a Redis put back to
-        # an older copy of itself (a backup restored key by key) keeps its identity and the
-        # mark, not them.
-        now = await store.time_ms()
-        newest = [r for r in await asyncio.get_running_loop().run_in_executor(
-            None, newest_decisions, self.dir) if r.until > now]
-        held = [reply[3] for reply in await replies_of([
-            store.ticket(ticket_key(r.channel, r.ticket)) for r in newest])]
-        if any(h is None or h.decode() != r.sale for r, h in zip(newest, held, strict=True)):
-            log.warning("journal: redis lacks the newest decisions of the journal directory "
-                        "(an older copy of its data): restoring in full")
-            return False
-        self.gate.reconciled.update(i for i in identities if i is not None)
-        self.gate.restoring = False
-        self.metrics.restoring.set(0)
-        log.info("journal: redis already reconciled with the journal directory",
-                 extra={"identities": identities})
-        return True
-
-    def _checkpoint(self, identities: list[str | None]) -> None:
-        """Write down (atomically) the identities the directory is reconciled with."""
-        path = self.dir / CHECKPOINT
-        tmp = path.with_name(f".{CHECKPOINT}.{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps({"identities": [i for i in identities if i]}))
-            os.replace(tmp, path)
-        except OSError as e:  # the next start restores again: slower, not wrong
-            log.warning("journal: cannot write %s: %s", path, e)
-
-    def _reconciled(self, done: Restored, identities: list[str | None]) -> None:
-        self.gate.reconciled.update(i for i in identities if i is not None)
-        self.gate.restoring = False
-        self.metrics.restoring.set(0)
-        self.metrics.restored_into_redis(done.applied, done.seconds)
-        applied = sum(done.applied.values())
-        (log.warning if applied else log.info)(
-            "journal: redis reconciled with the journal", extra={
-                "records": done.records, "put_back": done.applied, "grids": done.grids,
-                "over_cap": done.over_cap, "other_sale": done.other_sale,
-                "seconds": round(done.seconds, 3)})
-
-    async def _announce(self, store: Store) -> None:
-        """Keep this process's field in RESTORING alive while it restores."""
-        while True:
+            if not covered(mine, {m: _g(first[m][2]) for m in own}):
+                # Its own writes lost: announced at once, before the journal is read, so
+                # that other processes stop judging as soon as possible.
+                await announcer.begin(own)
+            held = await identities(store)
             now = await store.time_ms()
-            await store.redis.submit("HSET", RESTORING, self.proc, now + RESTORING_TTL_MS)
-            await store.redis.submit("PEXPIRE", RESTORING, 10 * RESTORING_TTL_MS)
-            await asyncio.sleep(RESTORING_TTL_MS / 5000)
+            restorer = Restorer(self.dir, self.catalog, store, self.metrics.restored_over_cap)
+            since = restorer.oldest_useful(now)
+            lives = await loop.run_in_executor(None, lambda: lives_of(self.dir,
+                                                                      modified_since=since))
+            # Another process that still runs (a worker of the same directory) restores its
+            # own: nobody else raises its field, or a request of its own, answered once its
+            # record is written, could find its writes lost and its field raised over them.
+            gone = [life for life in lives
+                    if life != self.life and not await loop.run_in_executor(None, alive,
+                                                                           self.dir, life)]
+            made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
+                    for life in gone}
+            self.others = made
+            made = {**made, self.life: mine}
+            marks = self._marks(store)
+            names = list(made)
+            state = {mark: await store.mark_call("capsvc_marks", mark, names)
+                     for mark in marks}
+            fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
+                      for i, life in enumerate(names)}
+            for mark in marks:  # what the process has seen of the marks from now on
+                self.marks.saw(mark, _g(state[mark][0]))
+            lacking_lives = [life for life in names if not covered(made[life], fields[life])]
+            done: Restored | None = None
+            if lacking_lives:
+                await announcer.begin(marks)
+                if all(not any(fields[life].values()) for life in lacking_lives):
+                    # Redis has no mark of any of them (emptied, or never reconciled): the
+                    # whole directory, read and planned apart from the event loop.
+                    done = await restorer.run()
+                else:
+                    done = Restored()
+                    for life in lacking_lives:
+                        life_of = lives.get(life, Life(life, []))
+                        done.merge(await restorer.restore(lacking(life_of, fields[life],
+                                                                  now)))
+                for mark in marks:
+                    args: list[Any] = [self.life, announcer.token]
+                    for life in lacking_lives:
+                        if made[life].get(mark):
+                            args += [life, made[life][mark]]
+                    # LOST (an error) when Redis went back in time again meanwhile: then
+                    # the restore runs again, from the start.
+                    await store.mark_call("capsvc_mark_restored", mark, args)
+            if lacking_lives or went_back or announcer.marks:
+                # Every live process has looked at the marks by then (its watch), and
+                # announced its own restore if it lost anything; then none is left.
+                await asyncio.sleep(max(0.0, began + self.settings.journal_settle_ms / 1000
+                                        - loop.time()))
+                await announcer.end()
+                await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}))
+                for mark in marks:
+                    g = _g((await store.mark_call("capsvc_marks", mark, []))[0])
+                    # What was seen beyond G was lost by other processes, which have put
+                    # back what they answered: G goes on from here.
+                    self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
+            return done, held
+        finally:
+            await announcer.end()
 
-    async def _wait_for_peers(self, store: Store, began: int) -> None:
-        """Until `[journal] settle` after `began` (Redis TIME) and no other process
-        restoring."""
+    def _made_by(self, life: Life) -> dict[str, int]:
+        """made_by, remembered while the lifetime's newest file does not change."""
+        newest = life.files[-1]
+        try:
+            st = newest.stat()
+        except FileNotFoundError:
+            return made_by(life)
+        key = (newest, st.st_size, st.st_mtime)
+        cached = self._made_cache.get(key)
+        if cached is None:
+            cached = self._made_cache[key] = made_by(life)
+        return cached
+
+    async def _wait_for_peers(self, store: Store, marks: list[str]) -> None:
+        """Until no process announces a restore any more (PEERS_WAIT_S at most)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PEERS_WAIT_S
         said = False
         while True:
             now = await store.time_ms()
-            wait = began + self.settings.journal_settle_ms - now
-            if wait > 0:
-                await asyncio.sleep(wait / 1000)
-                continue
-            fields = await store.redis.submit("HGETALL", RESTORING)
-            others = [fields[i].decode() for i in range(0, len(fields), 2)
-                      if fields[i].decode() != self.proc and int(fields[i + 1]) > now]
-            if not others:
+            ends = [_g((await store.mark_call("capsvc_marks", mark, []))[1]) for mark in marks]
+            if all(end <= now for end in ends):
                 return
             if loop.time() > deadline:
-                log.error("journal: other processes still restoring after %.0f s (%s): "
-                          "selling anyway", PEERS_WAIT_S, ", ".join(others))
+                log.error("journal: other processes still restoring after %.0f s: selling "
+                          "anyway", PEERS_WAIT_S)
                 return
             if not said:
-                log.info("journal: waiting for other processes' restores before selling",
-                         extra={"processes": others})
+                log.info("journal: waiting for other processes' restores before selling")
                 said = True
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
+
+    def _reconciled(self, done: Restored | None, held: list[str | None]) -> None:
+        self.gate.reconciled.update(i for i in held if i is not None)
+        self.gate.restoring = False
+        self.metrics.restoring.set(0)
+        if done is None:
+            log.info("journal: redis reconciled with the journal: it holds every decision of "
+                     "the directory", extra={"identities": held})
+            return
+        self.metrics.restored_into_redis(done.applied, done.seconds)
+        log.warning("journal: redis reconciled with the journal", extra={
+            "records": done.records, "put_back": done.applied, "grids": done.grids,
+            "over_cap": done.over_cap, "other_sale": done.other_sale,
+            "seconds": round(done.seconds, 3)})
 
 
-def directory_id(directory: Path) -> str:
-    """The journal directory's id (made once, shared by every process writing there)."""
-    path = directory / DIRECTORY_ID
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        pass
-    directory.mkdir(parents=True, exist_ok=True)
-    new = os.urandom(8).hex()
-    try:
-        with open(path, "x") as f:
-            f.write(new)
-        return new
-    except FileExistsError:  # another worker made it first
-        return path.read_text().strip()
+class _Announcer:
+    """A restore's announcement in the marks (lua/capsvc.lua, MARKS): begun with a token of
+    its own (which capsvc_mark_restored checks), renewed every ANNOUNCE_MS / 5 until ended."""
+
+    def __init__(self, store: Store, life: str, everywhere: list[str]) -> None:
+        self.store = store
+        self.life = life
+        self.everywhere = everywhere
+        """Marks announced in whatever is restored (the ticket slots' on a cluster)."""
+        self.token = os.urandom(8).hex()
+        self.marks: list[str] = []
+        self._renewing: asyncio.Task[None] | None = None
+
+    async def begin(self, marks: list[str]) -> None:
+        new = [m for m in sorted({*marks, *self.everywhere}) if m not in self.marks]
+        for mark in new:
+            await self.store.mark_call("capsvc_announce", mark,
+                                       [ANNOUNCE_MS, self.life, self.token])
+        self.marks += new
+        if self._renewing is None:
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(ANNOUNCE_MS / 5000)
+            for mark in self.marks:
+                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS])
+
+    async def end(self) -> None:
+        """Stop renewing (the announcement ends within ANNOUNCE_MS)."""
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+            self._renewing = None
 
 
-async def _nothing() -> None:
-    return None
+def ticket_marks(store: Store) -> list[str]:
+    """The marks of the slots that hold ticket records (none apart on one node)."""
+    if store.single_node:
+        return [NODE_MARK]
+    return sorted({mark_of_slot(key_slot(pending_key(b).encode()))
+                   for b in range(TICKET_BUCKETS)})
+
+
+def _g(value: Any) -> int:
+    return int(value) if value else 0

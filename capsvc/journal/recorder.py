@@ -17,6 +17,7 @@ import msgspec
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
+    Checkpoint,
     LimitRecord,
     SaleRecord,
     StakeRecord,
@@ -26,6 +27,7 @@ from capsvc.journal.records import (
     grids_of,
 )
 from capsvc.journal.writer import Journal
+from capsvc.marks import Marks
 from capsvc.validator import Sale
 
 
@@ -38,9 +40,10 @@ class Recorder:
         """Redis TIME (ms), as the process's Redis clock tells it."""
         self.proc = journal.proc if journal is not None else ""
         self._done: asyncio.Future[None] | None = None
-        self.newest: tuple[str, str, str, int] | None = None
-        """(channel, ticket id, sale id, until) of the newest decision journaled: Redis
-        must hold it (capsvc.journal.reconciler's watch looks)."""
+        self._checkpointed: dict[str, int] = {}
+        self.marks: Marks | None = None
+        """The process's marks (capsvc.marks), set by the service: what a record made
+        outside a request is stamped with."""
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +66,6 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(SaleRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
@@ -73,7 +75,6 @@ class Recorder:
         journal = self.journal
         if journal is None:
             return self._resolved()
-        self.newest = (channel, sale.ticket_id, sale_id, until)
         return journal.append(CancelRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
             cancelled_at=cancelled_at, released=released))
@@ -87,7 +88,7 @@ class Recorder:
                 "first_draw": sale.first_draw, "draws": sale.draws, "fp": sale.fingerprint,
                 "until": until, "grids": grids_of(sale), "decision": msgspec.Raw(body),
                 "player": sale.player_id, "joker_plus": sale.joker_plus,
-                "joker_cost": sale.joker_cost}
+                "joker_cost": sale.joker_cost, "marks": self.stamp()}
 
     def ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,
@@ -110,7 +111,7 @@ class Recorder:
         return journal.append(VoidRecord(
             at=at, why=why, proc=self.proc, channel=channel, ticket=sale.ticket_id,
             sale=sale_id, game=sale.game, first_draw=sale.first_draw, draws=sale.draws,
-            until=until, grids=grids_of(sale), player=sale.player_id))
+            until=until, grids=grids_of(sale), player=sale.player_id, marks=self.stamp()))
 
     def stop(self, channel: str, game: str, draw: int, at: int, until: int
              ) -> asyncio.Future[None]:
@@ -118,14 +119,14 @@ class Recorder:
         if journal is None:
             return self._resolved()
         return journal.append(StopRecord(at=at, proc=self.proc, channel=channel, game=game,
-                                         draw=draw, until=until))
+                                         draw=draw, until=until, marks=self.stamp()))
 
     def cap(self, game: str, draw: int, cap: int, until: int) -> None:
         """A draw's cap, first learnt by this process (nobody waits for it: the decisions
         judged by it carry it too, in the same batch or a later one)."""
         if self.journal is not None:
             self.journal.note(CapRecord(at=self.now(), proc=self.proc, game=game, draw=draw,
-                                        cap=cap, until=until))
+                                        cap=cap, until=until, marks=self.stamp()))
 
     def limit(self, channel: str, player: str, game: str, daily: int | None, at: int,
               until: int, reply: list[Any]) -> asyncio.Future[None]:
@@ -139,7 +140,8 @@ class Recorder:
         return journal.append(LimitRecord(
             at=at, proc=self.proc, channel=channel, player=player, game=game, daily=daily,
             until=until, limit=in_force, next=pending,
-            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from))
+            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from,
+            marks=self.stamp()))
 
     def stake(self, channel: str, player: str, game: str, ref: str, amount: int, day: str,
               accepted: bool, remaining: int, at: int, until: int) -> asyncio.Future[None]:
@@ -149,4 +151,23 @@ class Recorder:
         return journal.append(StakeRecord(
             at=at, via="answer", proc=self.proc, channel=channel, player=player, game=game,
             ref=ref, amount=amount, day=day, status="accepted" if accepted else "rejected",
-            remaining=remaining, until=until))
+            remaining=remaining, until=until, marks=self.stamp()))
+
+    def stamp(self) -> dict[str, int] | None:
+        """A record's stamp: the G of the current request's marked calls; outside a request
+        (a background task), all that the process has written through its marks so far —
+        no lower than the calls that made the record, so a restore that must put the record
+        back finds it stamped above the Redis's mark."""
+        current = Marks.current()
+        if current is not None or self.marks is None:
+            return current
+        return dict(self.marks.made)
+
+    def checkpoint(self, made: dict[str, int]) -> None:
+        """Write down what this process has written through each mark (`made`, capsvc.marks),
+        if that moved since the last checkpoint: a restore reads no further back than the
+        newest checkpoint Redis covers (capsvc.journal.lives)."""
+        journal = self.journal
+        if journal is not None and made != self._checkpointed:
+            self._checkpointed = dict(made)
+            journal.note(Checkpoint(life=journal.life, made=self._checkpointed))

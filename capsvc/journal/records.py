@@ -14,7 +14,7 @@ response body), the cap in force on each draw, and when it expires from Redis (`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 from msgspec import Raw, Struct
@@ -45,16 +45,29 @@ class Open(Struct, tag="open", tag_field="type", forbid_unknown_fields=False):
     v: int
     file: str
     proc: str
-    """host/pid of the process that writes the file."""
+    """host/pid of the process that writes the file: for people (in a container every
+    process may be pid 1)."""
+    life: str
+    """The process lifetime's own id (16 hex digits, random): its files are one chain."""
     seq: int
-    """0 for the first file of a process, then 1, 2, …"""
+    """0 for the first file of a lifetime, then 1, 2, …"""
     opened: str
     """When the file was opened, by the host's clock (RFC 3339, UTC): for people only."""
     after: str | None = None
-    """The file of the same process this one follows (its `seq` is one less)."""
+    """The file of the same lifetime this one follows (its `seq` is one less)."""
     after_lines: int | None = None
-    """How many lines of `after` were durable when this file was opened: `prev` is the hash
-    of the last of them (lines after it are what a failed write left: a tail)."""
+    """How many lines `after` has: `prev` is the hash of the last of them, and `after` ends
+    there."""
+
+
+class Checkpoint(Struct, tag="marks", tag_field="type", forbid_unknown_fields=False):
+    """What the process had written through each mark when this line was written (the G of
+    its newest write there, lua/capsvc.lua, MARKS): every record before this line is
+    stamped no higher, so a Redis whose marks of this lifetime reach these lacks none of
+    them. Written once a second while the marks move, and when the process stops."""
+
+    life: str
+    made: dict[str, int]
 
 
 class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
@@ -85,6 +98,10 @@ class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
     joker_cost: int = 0
     caps: list[int] | None = None
     """The cap in force on each draw of the ticket, when a grid is capped."""
+    marks: dict[str, int] | None = None
+    """The G of the calls that made or reported it, by mark (lua/capsvc.lua, MARKS): Redis
+    holds it if the marks of the record's process lifetime are no lower (absent: restored
+    whenever its lifetime's records are)."""
 
 
 class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
@@ -114,9 +131,11 @@ class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
     until: int
     grids: list[Grid]
     player: str | None = None
+    marks: dict[str, int] | None = None
 
 
-class StopRecord(Struct, tag="stop", tag_field="type", forbid_unknown_fields=False):
+class StopRecord(Struct, tag="stop", tag_field="type", omit_defaults=True,
+                 forbid_unknown_fields=False):
     """An admin stopped the sales of a draw."""
 
     at: int
@@ -126,9 +145,11 @@ class StopRecord(Struct, tag="stop", tag_field="type", forbid_unknown_fields=Fal
     game: str
     draw: int
     until: int
+    marks: dict[str, int] | None = None
 
 
-class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False):
+class CapRecord(Struct, tag="cap", tag_field="type", omit_defaults=True,
+                forbid_unknown_fields=False):
     """The cap in force for a draw, fixed by its first sale (written once per process and
     draw, when the process first learns it)."""
 
@@ -138,6 +159,7 @@ class CapRecord(Struct, tag="cap", tag_field="type", forbid_unknown_fields=False
     draw: int
     cap: int
     until: int
+    marks: dict[str, int] | None = None
 
 
 class LimitRecord(Struct, tag="limit", tag_field="type", omit_defaults=True,
@@ -159,6 +181,7 @@ class LimitRecord(Struct, tag="limit", tag_field="type", omit_defaults=True,
     next_none: bool = False
     """The pending change removes the self-limit."""
     from_day: str | None = None
+    marks: dict[str, int] | None = None
 
 
 class StakeRecord(Struct, tag="stake", tag_field="type", omit_defaults=True,
@@ -178,6 +201,7 @@ class StakeRecord(Struct, tag="stake", tag_field="type", omit_defaults=True,
     status: Literal["accepted", "rejected"]
     remaining: int
     until: int
+    marks: dict[str, int] | None = None
 
 
 Record = (SaleRecord | CancelRecord | VoidRecord | StopRecord | CapRecord | LimitRecord
@@ -188,12 +212,22 @@ _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 
 
-class Line(Struct, forbid_unknown_fields=False):
-    """What every line has, whatever its type (to read the chain), and what tells which
-    game and draws a record is about (to skip the full decoding of the others)."""
+KNOWN_TYPES = frozenset(str(t.__struct_config__.tag) for t in (Open, *get_args(Record)))
+"""The record types this reader decodes; a line of another type (a later version's) is
+chained like any other and skipped."""
+
+
+class Link(Struct, forbid_unknown_fields=False):
+    """What every line has, whatever its type: its place in the chain."""
 
     prev: str | None = None
     type: str = ""
+
+
+class Line(Link, forbid_unknown_fields=False):
+    """A line's link, and what tells which game and draws a record is about (to skip the
+    full decoding of the others)."""
+
     game: str | None = None
     first_draw: int | None = None
     draws: int | None = None
@@ -203,6 +237,8 @@ class Line(Struct, forbid_unknown_fields=False):
 line_decoder = msgspec.json.Decoder(Open | Record)
 """Decodes a line's record (the `prev` field is read with `Line`)."""
 chain_decoder = msgspec.json.Decoder(Line)
+link_decoder = msgspec.json.Decoder(Link)
+"""For a line of an unknown type whose fields `Line` cannot read."""
 
 
 def grids_of(sale: Sale) -> list[Grid]:

@@ -116,6 +116,17 @@ class Restored:
     def count(self, kind: str) -> None:
         self.applied[kind] = self.applied.get(kind, 0) + 1
 
+    def merge(self, other: Restored) -> None:
+        """Add what another restore did."""
+        self.records += other.records
+        for kind, n in other.applied.items():
+            self.applied[kind] = self.applied.get(kind, 0) + n
+        self.grids += other.grids
+        self.over_cap += other.over_cap
+        self.other_sale += other.other_sale
+        self.skipped += other.skipped
+        self.seconds += other.seconds
+
 
 @dataclass(slots=True)
 class _Window:

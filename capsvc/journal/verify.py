@@ -1,11 +1,14 @@
 """`capsvc journal verify`: are the journal files intact, and did every cap hold?
 
-1. Each file's chain: every line names the SHA-256 of the line before it; a file's first
-   line (`open`) names the file it follows (same process, `seq` one less) and the hash of
-   that file's last durable line. A removed, altered, inserted or moved line, or a file
-   missing between two of one process's files, is a break, named by file and line. A torn
-   last line (a crash, a failed write) is a tail: reported, not a break. A process's first
+1. Each lifetime's chain: every line names the SHA-256 of the line before it; a file's
+   first line (`open`) names the file it follows (same lifetime, `seq` one less), how many
+   lines that file has and the hash of the last of them. A removed, altered, inserted or
+   moved line, a line after the end the next file names, or a file missing between two of
+   one lifetime's files, is a break, named by file and line. A torn last line of a
+   lifetime's newest file is a crash's tail: reported, not a break. A lifetime's first
    files may be missing (pruned past `[journal] keep`); a gap after a present file may not.
+   The end of each lifetime's chain, its head, is printed: anchored elsewhere and given back
+   (`anchors`), the lines up to it are checked too.
 2. The totals: every (game, draw, combination) total recomputed from the decisions alone
    (one per sale, whichever process or how many times it was journaled; a cancel takes it
    back), against the cap in force on that draw (carried by the decisions). Any over its
@@ -15,6 +18,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,15 +30,49 @@ import msgspec
 from capsvc import combination
 from capsvc.games import Catalog
 from capsvc.journal.reader import FileCheck, header_of, read
-from capsvc.journal.records import CancelRecord, CapRecord, SaleRecord
+from capsvc.journal.records import CancelRecord, CapRecord, Open, SaleRecord
 from capsvc.journal.writer import journal_files
 from capsvc.models import TicketOut
 from capsvc.store import Store, replies_of, ticket_key
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
+_ANCHOR = re.compile(r"([^:/]+):([1-9][0-9]*):([0-9a-fA-F]{64})")
+
 Total = tuple[str, int, str]
 """(game, draw, combination key)."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A line written down elsewhere: `file:line:sha256`."""
+
+    file: str
+    line: int
+    sha256: str
+
+    @classmethod
+    def parse(cls, text: str) -> Anchor:
+        """Raises ValueError unless `text` is `file:line:sha256`."""
+        match = _ANCHOR.fullmatch(text)
+        if match is None:
+            raise ValueError(f"not file:line:sha256: {text!r}")
+        return cls(match[1], int(match[2]), match[3].lower())
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.sha256}"
+
+
+@dataclass(frozen=True)
+class Head:
+    """The end of a lifetime's chain: the last line of its newest file."""
+
+    life: str
+    proc: str
+    anchor: Anchor
+
+    def __str__(self) -> str:
+        return f"{self.anchor} (life {self.life}, {self.proc})"
 
 
 @dataclass
@@ -55,9 +93,9 @@ class Verification:
     """The latest expiry (Redis ms) of a decision on each (game, draw)."""
     over_cap: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
-    heads: list[str] = field(default_factory=list)
-    """The last line of each process's newest file, with its hash: nothing in the files
-    names it yet; keep it elsewhere (or ship the files) to anchor it."""
+    heads: list[Head] = field(default_factory=list)
+    """The last line of each lifetime's newest file: nothing in the files names it; keep
+    it elsewhere to anchor it."""
 
     @property
     def ok(self) -> bool:
@@ -68,39 +106,46 @@ def numbers_of(combo: str) -> str:
     return "-".join(str(n) for n in combination.decode(combo))
 
 
-def verify(directories: Iterable[Path], keep_ms: int = 90 * 86_400_000) -> Verification:
+def verify(directories: Iterable[Path], keep_ms: int = 90 * 86_400_000,
+           anchors: Iterable[Anchor] = ()) -> Verification:
     """Check `directories` (see the module's docstring); `keep_ms`: the `[journal] keep`
-    they were written with (a missing file younger than that cannot have been pruned)."""
+    they were written with (a missing file younger than that cannot have been pruned);
+    `anchors`: heads printed by an earlier `verify`, which must still be there."""
     out = Verification()
+    anchors = list(anchors)
     counted: set[tuple[str, str, str]] = set()
     cancelled: set[tuple[str, str, str]] = set()
+    paths: list[Path] = []
     for directory in directories:
         files = journal_files(directory)
         if not files:
             out.notes.append(f"{directory}: no journal file")
-        # The lines other files say they follow: their hashes are kept while reading.
-        wanted: dict[str, set[int]] = {}
-        for path in files:
-            header = header_of(path)
-            if header is not None and header.after is not None and header.after_lines:
-                wanted.setdefault(header.after, set()).add(header.after_lines)
-        for path in files:
-            check = FileCheck(path)
-            capture = frozenset(wanted.get(path.name, ()))
-            for n, record in read(path, check, capture=capture):
-                out.records += 1
-                if isinstance(record, SaleRecord):
-                    try:
-                        _decision_of(out, record, counted, cancelled)
-                    except msgspec.ValidationError as e:
-                        check.breaks.append(f"line {n}: its decision is not one ({e})")
-                elif isinstance(record, CapRecord):
-                    out.caps.setdefault((record.game, record.draw), record.cap)
-            out.files.append(check)
-            out.breaks += [f"{path}: {b}" for b in check.breaks]
-            if check.tail:
-                out.tails.append(f"{path}: {check.tail}")
-    _check_sequences(out, keep_ms)
+        paths += files
+    # The lines other files say they follow, and the anchored ones: their hashes are kept
+    # while reading.
+    wanted: dict[str, set[int]] = {}
+    for anchor in anchors:
+        wanted.setdefault(anchor.file, set()).add(anchor.line)
+    for path in paths:
+        header = header_of(path)
+        if header is not None and header.after is not None and header.after_lines:
+            wanted.setdefault(header.after, set()).add(header.after_lines)
+    for path in paths:
+        check = FileCheck(path)
+        capture = frozenset(wanted.get(path.name, ()))
+        for n, record in read(path, check, capture=capture):
+            out.records += 1
+            if isinstance(record, SaleRecord):
+                try:
+                    _decision_of(out, record, counted, cancelled)
+                except msgspec.ValidationError as e:
+                    check.breaks.append(f"line {n}: its decision is not one ({e})")
+            elif isinstance(record, CapRecord):
+                out.caps.setdefault((record.game, record.draw), record.cap)
+        out.files.append(check)
+        out.breaks += [f"{path}: {b}" for b in check.breaks]
+    _check_lifetimes(out, keep_ms)
+    _check_anchors(out, anchors, keep_ms)
     for (game, draw, combo), total in sorted(out.totals.items()):
         cap = out.caps.get((game, draw))
         if cap is not None and total > cap:
@@ -151,43 +196,94 @@ def opened_at(name: str) -> float | None:
         return None
 
 
-def _check_sequences(out: Verification, keep_ms: int) -> None:
-    """Each process's files follow one another: none missing after the first present, and
-    none missing before it that is too young to have been pruned."""
-    by_proc: dict[str, list[FileCheck]] = {}
+def _prunable(name: str, keep_ms: int) -> bool:
+    """Whether a file of that name can be gone past `keep` (its name says when it opened)."""
+    opened = opened_at(name)
+    return opened is None or opened < time.time() - keep_ms / 1000
+
+
+def _check_lifetimes(out: Verification, keep_ms: int) -> None:
+    """Each lifetime's files are one chain: each follows the one before (seq one less) from
+    its exact end, none is missing after the first present, none missing before it is too
+    young to have been pruned; a torn line ends only a lifetime's newest file."""
+    by_life: dict[str, list[tuple[Open, FileCheck]]] = {}
     for check in out.files:
         if check.header is not None:
-            by_proc.setdefault(check.header.proc, []).append(check)
-    for proc, checks in by_proc.items():
-        checks.sort(key=lambda c: c.header.seq if c.header else 0)
-        names = {c.path.name: c for c in checks}
-        newest = checks[-1]
-        out.heads.append(f"{proc}: {newest.path.name} line {newest.lines} sha256 "
-                         f"{newest.last_hash}")
-        for i, check in enumerate(checks):
-            header = check.header
-            assert header is not None
+            by_life.setdefault(check.header.life, []).append((check.header, check))
+        elif check.tail:  # torn in its first line: a crash as the file opened
+            out.tails.append(f"{check.path}: {check.tail}")
+    for life, files in by_life.items():
+        files.sort(key=lambda f: f[0].seq)
+        header, newest = files[-1]
+        out.heads.append(Head(life, header.proc, Anchor(newest.path.name, newest.lines,
+                                                        newest.last_hash or "")))
+        if newest.tail:
+            out.tails.append(f"{newest.path}: {newest.tail}")
+        names = {check.path.name: (header, check) for header, check in files}
+        for i, (header, check) in enumerate(files):
+            if i and files[i - 1][0].seq == header.seq:
+                out.breaks.append(f"{check.path}: seq {header.seq} of lifetime {life} "
+                                  f"again (also {files[i - 1][1].path.name})")
             if header.after is None:
+                if header.seq:
+                    out.breaks.append(f"{check.path}: seq {header.seq} of lifetime {life} "
+                                      "follows no file")
                 continue
             before = names.get(header.after)
-            opened = opened_at(header.after)
-            prunable = opened is None or opened < time.time() - keep_ms / 1000
             if before is None:
+                prunable = _prunable(header.after, keep_ms)
                 if i == 0 and prunable:
                     out.notes.append(f"{check.path}: follows {header.after}, not present "
                                      "(pruned, or kept elsewhere)")
                 else:
                     why = "" if prunable else ", opened within [journal] keep: not pruned"
                     out.breaks.append(f"{check.path}: follows {header.after}, which is "
-                                      f"missing (process {proc}{why})")
+                                      f"missing (lifetime {life}, {header.proc}{why})")
                 continue
-            wanted = header.after_lines or 0
-            if before.lines < wanted:
-                out.breaks.append(f"{check.path}: follows line {wanted} of {header.after}, "
-                                  f"which has {before.lines} line(s): lines were removed")
-            elif wanted and check.first_prev != before.captured.get(wanted):
-                out.breaks.append(f"{check.path}: line 1 does not follow line {wanted} of "
-                                  f"{header.after} (its prev hash differs)")
+            if before[0].seq != header.seq - 1:
+                out.breaks.append(f"{check.path}: seq {header.seq} follows {header.after}, "
+                                  f"of seq {before[0].seq}")
+            _check_end(out, before[1], check, header.after_lines or 0)
+
+
+def _check_end(out: Verification, before: FileCheck, check: FileCheck, lines: int) -> None:
+    """`before` ends with its line `lines`, the line `check`'s first line follows."""
+    follows = f"{check.path.name} follows its line {lines}"
+    if before.lines < lines:
+        out.breaks.append(f"{check.path}: follows line {lines} of {before.path.name}, "
+                          f"which has {before.lines} line(s): lines were removed")
+        return
+    if before.lines > lines:
+        out.breaks.append(f"{before.path}: line {lines + 1}: past the file's end "
+                          f"({follows}): {before.lines - lines} line(s) added to a closed "
+                          "file")
+    if before.tail:
+        out.breaks.append(f"{before.path}: {before.tail}, past the file's end ({follows})")
+    if lines and check.first_prev != before.captured.get(lines):
+        out.breaks.append(f"{check.path}: line 1 does not follow line {lines} of "
+                          f"{before.path.name} (its prev hash differs)")
+
+
+def _check_anchors(out: Verification, anchors: list[Anchor], keep_ms: int) -> None:
+    """Each anchored line is still there, unchanged (and so is every line before it: the
+    chain names them)."""
+    by_name = {check.path.name: check for check in out.files}
+    for anchor in anchors:
+        check = by_name.get(anchor.file)
+        if check is None:
+            if _prunable(anchor.file, keep_ms):
+                out.notes.append(f"anchored {anchor.file}: not present (pruned, or kept "
+                                 "elsewhere)")
+            else:
+                out.breaks.append(f"anchored {anchor.file}: missing (opened within "
+                                  "[journal] keep: not pruned)")
+        elif check.lines < anchor.line:
+            out.breaks.append(f"{check.path}: line {anchor.line} anchored, the file has "
+                              f"{check.lines} line(s): lines were removed")
+        elif check.captured.get(anchor.line) != anchor.sha256:
+            out.breaks.append(f"{check.path}: line {anchor.line}: not the anchored line (its "
+                              "sha256 differs: it, or a line before it, was altered, removed "
+                              "or inserted)")
 
 
 async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) -> int:

@@ -7,20 +7,25 @@ cannot be written fails all of its callers (their answer is a 503: a decision th
 journaled is not acknowledged).
 
 The chain is made in the writer thread, as lines are written: each line starts with
-`"prev"`, the SHA-256 of the line before it in the file. After a failed write nothing more
-goes to that file: what the failure left there is its tail, and the next batch opens a new
-file whose first line chains to the last line known durable.
+`"prev"`, the SHA-256 of the line before it in the file. After a failed write the file is
+cut back to its durable lines and nothing more goes to it; the next batch opens a new file
+whose first line chains to the last of them and says how many there are, so a closed file
+ends exactly there.
 
-Files: `capsvc-<UTC time opened>-<host>-<pid>-<seq>.jsonl`, so that names sort in time.
-A file is closed past `max_file_bytes` and at each UTC midnight; files whose last write is
-older than `keep` are deleted (by whichever process rotates next). What waits for the disk
-is bounded (MAX_PENDING_BYTES): beyond it appends are refused (503), memory does not grow.
+Each writer is one process lifetime, with an id of its own (`life`): host and pid repeat
+(in a container every process may be pid 1), the life id does not. Files:
+`capsvc-<UTC time opened>-<host>-<life>-<seq>.jsonl`, so that names sort in time and never
+collide. A file is closed past `max_file_bytes` and at each UTC midnight; files whose last
+write is older than `keep` are deleted (by whichever process rotates next). What waits for
+the disk is bounded (MAX_PENDING_BYTES): beyond it appends are refused (503), memory does
+not grow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -33,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from capsvc.errors import Unavailable
-from capsvc.journal.records import VERSION, Open, Record, encode
+from capsvc.journal.records import VERSION, Checkpoint, Open, Record, encode
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,45 @@ def process_name() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
+def _life_lock(directory: Path, life: str) -> Path:
+    return directory / f".life-{life}.lock"
+
+
+def hold_life(directory: Path, life: str) -> int:
+    """Lock lifetime `life`'s file in `directory` for as long as the process lives (the
+    kernel lets go of it when the process dies, however it dies)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(_life_lock(directory, life), os.O_WRONLY | os.O_CREAT, 0o640)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def release_life(directory: Path, life: str, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        _life_lock(directory, life).unlink()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def alive(directory: Path, life: str) -> bool:
+    """Whether the process of lifetime `life` still runs (holds its lock in `directory`);
+    the lock of a lifetime gone is removed."""
+    path = _life_lock(directory, life)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
+
+
 def journal_files(directory: Path) -> list[Path]:
     """The journal files of a directory, oldest first (their names sort in time)."""
     try:
@@ -77,6 +121,13 @@ class Journal:
                  on_files: Callable[[int], None] = _ignore) -> None:
         self.dir = Path(directory)
         self.proc = proc or process_name()
+        self.life = os.urandom(8).hex()
+        """This process lifetime's identity (16 hex digits, random): its files are one
+        chain, and it names the lifetime's field in Redis's marks (lua/capsvc.lua, MARKS).
+        Not host/pid, which repeat (PID 1 in a container, every lifetime)."""
+        self._alive = hold_life(self.dir, self.life)
+        """This lifetime's lock in the directory: held while the process lives, so that
+        another process of the directory can tell it from a lifetime gone (`alive`)."""
         self.max_file_bytes = max_file_bytes
         self.keep_s = keep_ms / 1000
         self._on_write, self._on_error, self._on_files = on_write, on_error, on_files
@@ -103,7 +154,6 @@ class Journal:
         self._last: bytes | None = None
         """Hash (hex, bytes) of the last durable line of the current (or last) file."""
         self._day = ""
-        self._pid = os.getpid()
 
     @property
     def current(self) -> str | None:
@@ -128,7 +178,7 @@ class Journal:
             loop.call_soon(self._start)
         return fut
 
-    def note(self, record: Record) -> None:
+    def note(self, record: Record | Checkpoint) -> None:
         """Queue a record nobody waits for (durable with the batch it falls in)."""
         body = encode(record)
         if self._pending + len(body) > MAX_PENDING_BYTES:
@@ -165,6 +215,7 @@ class Journal:
                 await self._idle
         await asyncio.get_running_loop().run_in_executor(self._executor, self._abandon)
         self._executor.shutdown(wait=True)
+        release_life(self.dir, self.life, self._alive)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()
@@ -239,6 +290,7 @@ class Journal:
                 view = view[os.write(fd, view):]
             os.fdatasync(fd)
         except OSError:
+            self._cut_back(fd)
             self._abandon()
             raise
         self._last = last
@@ -258,10 +310,11 @@ class Journal:
         now = datetime.now(UTC)
         host = socket.gethostname().replace("/", "_")
         stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
-        name = f"capsvc-{stamp}-{host}-{self._pid}-{self._seq:04d}{SUFFIX}"
+        name = f"capsvc-{stamp}-{host}-{self.life}-{self._seq:04d}{SUFFIX}"
         fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o640)
         try:
-            header = encode(Open(v=VERSION, file=name, proc=self.proc, seq=self._seq,
+            header = encode(Open(v=VERSION, file=name, proc=self.proc, life=self.life,
+                                 seq=self._seq,
                                  opened=now.isoformat(timespec="seconds").replace("+00:00", "Z"),
                                  after=after, after_lines=after_lines))
             last = self._last
@@ -289,9 +342,21 @@ class Journal:
         log.info("journal file opened", extra={"file": str(self.dir / name)})
         self._prune()
 
+    def _cut_back(self, fd: int) -> None:
+        """After a failed write: the file cut back to its durable lines, where the next
+        file's `open` line will say it ends (what the failure left there was never
+        acknowledged). If the disk refuses even that, `verify` names those lines."""
+        try:
+            os.ftruncate(fd, self._size)
+            os.fdatasync(fd)
+        except OSError as e:
+            log.error("a journal file could not be cut back to its durable lines after a "
+                      "failed write: verify will name the lines past them",
+                      extra={"file": str(self.dir / (self._name or "")),
+                             "lines": self._lines, "error": str(e)})
+
     def _abandon(self) -> None:
-        """Close the file: nothing more goes to it (after a failed write, what it ends with
-        is a tail)."""
+        """Close the file: nothing more goes to it."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

@@ -36,7 +36,8 @@ async def test_every_key_written_has_a_ttl(
     assert (await client.sell(pending, token="ma")).status == 503
     keys = list(redis_db.scan_iter(count=1000))
     kinds = {k.split(b":")[0] for k in keys}
-    # j: the journal's mark of the start's restore (one hash, 400 days, not a draw's).
-    assert kinds == {b"c", b"r", b"p", b"s", b"x", b"b", b"k", b"f", b"e", b"a", b"j"}
+    # m: the marks (one hash a node or slot, 8 days past the last process's watch, not a
+    # draw's: lua/capsvc.lua, MARKS).
+    assert kinds == {b"c", b"r", b"p", b"s", b"x", b"b", b"k", b"f", b"e", b"a", b"m"}
     forever = [k for k in keys if redis_db.pttl(k) < 0]
     assert forever == []

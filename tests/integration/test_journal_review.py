@@ -302,27 +302,25 @@ def journal_with_sales() -> Iterator[tuple[Path, str, str]]:
         redis.stop()
 
 
-def test_verify_detects_an_altered_last_record(
+def test_verify_detects_an_altered_last_sale(
         journal_with_sales: tuple[Path, str, str]) -> None:
-    """The last record of a process's newest file is altered (here: its ticket id and a
-    grid's stake made to look like another sale): nothing follows it in the chain, so no
-    hash names it, and the files alone cannot tell (docs/journal.md says so, and how to
-    anchor the head: verify prints it). Against Redis, while the draw is retained, the
-    totals no longer match: `verify --redis` fails and names the combination."""
+    """The last sale a process journaled is altered (its ticket id and a grid's stake made
+    to look like another sale): the process's last checkpoint, written as it stopped,
+    follows it in the chain, so verify names the break; against Redis, while the draw is
+    retained, the totals no longer match either."""
     directory, config, redis_url = journal_with_sales
-    newest = _files(directory)[-1]
+    newest = next(f for f in reversed(_files(directory)) if b'"type":"sale"' in f.read_bytes())
     lines = newest.read_bytes().split(b"\n")
     assert lines[-1] == b""
-    last = json.loads(lines[-2])
-    assert last["type"] == "sale"
+    n = max(i for i, line in enumerate(lines) if b'"type":"sale"' in line)
+    last = json.loads(lines[n])
     last["ticket"] = last["ticket"] + "-forged"
     last["grids"][0]["stake"] = 100
-    lines[-2] = json.dumps(last, separators=(",", ":")).encode()
-    head = _verify(directory).stdout
+    lines[n] = json.dumps(last, separators=(",", ":")).encode()
     newest.write_bytes(b"\n".join(lines))
     out = _verify(directory)
-    assert out.returncode == 0, out.stdout  # the known limit: the head is not anchored
-    assert out.stdout != head  # ...but the head it prints has changed
+    assert out.returncode == 1, out.stdout
+    assert "differs" in out.stdout or "does not follow" in out.stdout, out.stdout
     against = subprocess.run([sys.executable, "-m", "capsvc", "journal", "verify",
                               str(directory), "--config", config, "--redis", redis_url],
                              capture_output=True, text=True, timeout=60)

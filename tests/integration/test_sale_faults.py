@@ -142,7 +142,7 @@ def test_a_get_cut_short_is_a_503_that_says_nothing_changed(
     body = sale((TEN[:8], 500))
     assert api.sell(body).status_code == 200
     key = ticket_key("fr-retail", body["ticket_id"])
-    rule = proxy.delay_reply(command("FCALL", "capsvc_ticket", "2", record_bucket_of(key)), 1.0)
+    rule = proxy.delay_reply(command("FCALL", "capsvc_ticket", "3", record_bucket_of(key)), 1.0)
     resp = api.call("GET", f"/v1/tickets/{body['ticket_id']}")
     assert resp.status_code == 503, resp.text
     error = resp.json()["error"]

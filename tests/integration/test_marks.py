@@ -1,0 +1,364 @@
+"""The marks (lua/capsvc.lua, MARKS; capsvc/marks.py) on a real Redis: every call that judges
+or reports a decision counts itself in its node's (or slot's) mark and is refused, running
+nothing, when the mark is behind what the caller saw; a restore announced refuses every
+marked call; and a journal record is stamped with the count Redis gave its calls, so that
+what a Redis that went back in time lacks is exactly the records stamped above it, whatever
+order the calls reached Redis in (pipelines, a connection left for another, a delayed one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_py
+from redis.crc import key_slot
+
+from capsvc.cluster import connect
+from capsvc.errors import Unavailable
+from capsvc.faults import FaultProxy, command
+from capsvc.journal.lives import lacking, lives_of, made_by
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.writer import alive, open_journal
+from capsvc.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
+from capsvc.store import Store, lua_source, ticket_key
+from capsvc.testing import RedisCluster, RedisServer
+from tests.unit.test_journal import decision, sale
+
+DAY = 86_400_000
+
+
+class Recorded:
+    """A store whose marks report what Redis refused."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.behind: list[tuple[str, str]] = []
+        store.marks = Marks("life-a", single_node=store.single_node,
+                            on_behind=lambda mark, found: self.behind.append((mark, found)))
+
+    @property
+    def marks(self) -> Marks:
+        return self.store.marks
+
+
+async def opened(url: str) -> Store:
+    store = Store(connect(url, timeout_s=2.0, library=lua_source()))
+    await store.load_library()
+    return store
+
+
+@pytest.fixture
+async def recorded(redis_backend: RedisServer | RedisCluster, redis_db: Any
+                   ) -> AsyncIterator[Recorded]:
+    store = await opened(redis_backend.url)
+    yield Recorded(store)
+    await store.redis.aclose()
+
+
+def mark_of(store: Store, key: str) -> str:
+    return NODE_MARK if store.single_node else mark_of_slot(key_slot(key.encode()))
+
+
+def neighbour(ticket_id: str, n: int = 1) -> str:
+    """Another ticket id whose record sits in the same slot as `ticket_id`'s."""
+    slot = key_slot(ticket_key("fr", ticket_id).encode())
+    found = [f"{ticket_id}-{i}" for i in range(10_000)
+             if key_slot(ticket_key("fr", f"{ticket_id}-{i}").encode()) == slot]
+    return found[n - 1]
+
+
+async def claim(store: Store, ticket_id: str) -> Any:
+    now = await store.time_ms()
+    return await store.claim(ticket_key("fr", ticket_id), "fp", b"sale", now + DAY,
+                             now + DAY, 60_000)
+
+
+async def test_a_call_counts_itself_in_the_mark_of_its_node_or_slot(
+        recorded: Recorded, redis_db: Any) -> None:
+    """Two claims: the mark (in the ticket's slot on a cluster) counts 2, the caller's
+    field holds 2, and the process has seen and made 2 there."""
+    key = ticket_key("fr", "A-1")
+    await claim(recorded.store, "A-1")
+    await recorded.store.ticket(key)
+    mark = mark_of(recorded.store, key)
+    assert redis_db.hgetall(mark) == {b"*": b"2", b"life-a": b"2"}
+    assert recorded.marks.seen == {mark: 2}
+    assert recorded.marks.made == {mark: 2}
+    assert redis_db.pttl(mark) > 0
+
+
+async def test_a_redis_behind_what_the_process_saw_refuses_and_runs_nothing(
+        recorded: Recorded, redis_db: Any) -> None:
+    """The mark's G lowered (another process's writes lost): the next claim is refused
+    with Behind, the restore is asked for, and no ticket is claimed."""
+    await claim(recorded.store, "A-1")
+    mark = mark_of(recorded.store, ticket_key("fr", "A-1"))
+    redis_db.hset(mark, mapping={"*": 0, "life-a": 1})
+    recorded.marks.seen[mark] = 5  # the process saw more of it (its watch, others' writes)
+    with pytest.raises(Behind):
+        await claim(recorded.store, neighbour("A-1"))
+    assert recorded.behind == [(mark, "0:1")]
+    assert redis_db.hget(mark, "*") == b"0"
+    redis_db.hset(mark, "*", 5)  # put back as the process saw it: the claim runs now
+    assert (await claim(recorded.store, neighbour("A-1")))[0] == b"new"  # it had not run
+
+
+async def test_its_own_writes_lost_are_seen_though_others_wrote_since(
+        recorded: Recorded, redis_db: Any) -> None:
+    """The caller's own field behind its newest write, G ahead (others kept writing after
+    a rollback): refused all the same."""
+    await claim(recorded.store, "A-1")
+    mark = mark_of(recorded.store, ticket_key("fr", "A-1"))
+    redis_db.hset(mark, mapping={"*": 100, "life-a": 0})
+    with pytest.raises(Behind):
+        await claim(recorded.store, neighbour("A-1"))
+    assert recorded.behind == [(mark, "100:0")]
+
+
+async def test_an_emptied_redis_refuses_the_next_call(recorded: Recorded, redis_db: Any
+                                                      ) -> None:
+    """FLUSHALL: the mark is gone with the data; the process's next call is refused (no
+    sale is judged on an emptied Redis), though the call's own keys would be new."""
+    await claim(recorded.store, "A-1")
+    redis_db.flushall()
+    with pytest.raises(Behind):
+        await claim(recorded.store, neighbour("A-1"))
+    assert redis_db.keys("*") == []
+
+
+async def test_an_announced_restore_refuses_every_marked_call_until_it_ends(
+        recorded: Recorded, redis_db: Any) -> None:
+    """Another process announces a restore: calls are refused (Unavailable, not Behind: this
+    process lost nothing) until the announcement's end, then go through."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    await store.mark_call("capsvc_announce", mark, [400])
+    with pytest.raises(Unavailable) as refused:
+        await claim(store, "A-1")
+    assert not isinstance(refused.value, Behind)
+    assert recorded.behind == []
+    await asyncio.sleep(0.45)
+    assert (await claim(store, "A-1"))[0] == b"new"
+
+
+async def test_a_tools_call_is_neither_checked_nor_counted(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """A store with a tool's marks (a restore, an audit): its calls go through whatever the
+    mark says and leave it as it was."""
+    store = await opened(redis_backend.url)
+    try:
+        mark = mark_of(store, ticket_key("fr", "A-1"))
+        redis_db.hset(mark, mapping={"*": 7, "!": 2**60})
+        assert (await claim(store, "A-1"))[0] == b"new"
+        assert redis_db.hgetall(mark) == {b"*": b"7", b"!": str(2**60).encode()}
+    finally:
+        await store.redis.aclose()
+
+
+async def test_mark_restored_raises_fields_and_g_and_never_lowers_them(
+        recorded: Recorded, redis_db: Any) -> None:
+    """capsvc_mark_restored: each lifetime's field and G raised to what it had written, the
+    restore's token taken away."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    redis_db.hset(mark, mapping={"*": 10, "a": 3, "b": 9})
+    await store.mark_call("capsvc_announce", mark, [50, "r", "tok"])
+    g = await store.mark_call("capsvc_mark_restored", mark, ["r", "tok", "a", 12, "b", 5])
+    assert g == 12
+    fields = redis_db.hgetall(mark)
+    fields.pop(b"!")
+    assert fields == {b"*": b"12", b"a": b"12", b"b": b"9"}
+
+
+async def test_mark_restored_refuses_once_redis_lost_the_restores_token(
+        recorded: Recorded, redis_db: Any) -> None:
+    """Redis went back in time (or was emptied) while a restore ran: its token is gone, and
+    capsvc_mark_restored refuses (LOST) and writes nothing; a renewal of the announcement
+    does not put the token back."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    await store.mark_call("capsvc_announce", mark, [500, "r", "tok"])
+    redis_db.delete(mark)  # what a FLUSHALL or a reload to an older file does to it
+    await store.mark_call("capsvc_announce", mark, [500])
+    with pytest.raises(redis_py.ResponseError, match="LOST"):
+        await store.mark_call("capsvc_mark_restored", mark, ["r", "tok", "a", 12])
+    assert redis_db.hget(mark, "a") is None
+    assert redis_db.hget(mark, "*") is None
+
+
+# -- which records a Redis that went back in time lacks ---------------------------------------
+
+
+@pytest.fixture
+def debug_redis() -> Any:
+    """A redis-server of the test's own that takes DEBUG RELOAD."""
+    server = RedisServer(extra=("--enable-debug-command", "yes")).start()
+    yield server
+    server.stop()
+
+
+async def test_calls_reordered_across_connections_are_stamped_as_redis_ran_them(
+        debug_redis: RedisServer, tmp_path: Path) -> None:
+    """One process, two connections (a call held on the first, as a connection that stalls
+    and is left for another): B is sent after A but runs first. Redis saved between them,
+    then went back to that save: the process is refused, and what the journal lacks is A's
+    record exactly — stamped above the surviving mark — not B's."""
+    release = threading.Event()
+    with FaultProxy("127.0.0.1", debug_redis.port) as proxy:
+        slow = await opened(proxy.url)
+        fast = await opened(debug_redis.url)
+        journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+        fast.marks = slow.marks = Marks(journal.life, single_node=True)
+        recorder = Recorder(journal, lambda: 1)
+        proxy.hold_request(command("FCALL", "capsvc2_claim"), release)
+        db = redis_py.Redis(port=debug_redis.port)
+
+        async def sell(store: Store, ticket_id: str) -> None:
+            Marks.begin()
+            await claim(store, ticket_id)
+            s = sale(ticket_id)
+            await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+
+        a = asyncio.get_running_loop().create_task(sell(slow, "A"))
+        await asyncio.sleep(0.2)
+        await sell(fast, "B")
+        db.save()
+        release.set()
+        await a
+        assert slow.marks.made == {NODE_MARK: 2}
+        db.execute_command("DEBUG", "RELOAD", "NOSAVE")
+        with pytest.raises(Behind):
+            await claim(fast, "C")
+        await journal.aclose()
+        field = int(db.hget(NODE_MARK, journal.life) or 0)
+        assert field == 1
+        life = lives_of(tmp_path)[journal.life]
+        assert made_by(life) == {NODE_MARK: 2}
+        assert [r.ticket for r in lacking(life, {NODE_MARK: field}, 0)] == ["A"]
+        await slow.redis.aclose()
+        await fast.redis.aclose()
+        db.close()
+
+
+async def test_a_checkpoint_bounds_what_is_read_back(tmp_path: Path) -> None:
+    """Records before a checkpoint the Redis covers are not read back; after it, only those
+    stamped above the Redis's field; with no field at all, every one."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+    recorder = Recorder(journal, lambda: 1)
+    made: dict[str, int] = {}
+    for i in range(1, 7):
+        stamp.set({NODE_MARK: i})
+        made[NODE_MARK] = i
+        s = sale(f"T{i}")
+        await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+        if i == 3:
+            recorder.checkpoint(made)
+    await journal.aclose()
+    life = lives_of(tmp_path)[journal.life]
+    assert made_by(life) == {NODE_MARK: 6}
+    assert [r.ticket for r in lacking(life, {NODE_MARK: 4}, 0)] == ["T5", "T6"]
+    assert [r.ticket for r in lacking(life, {NODE_MARK: 2}, 0)] == [
+        "T3", "T4", "T5", "T6"]
+    assert [r.ticket for r in lacking(life, {}, 0)] == [f"T{i}" for i in range(1, 7)]
+    assert [r.ticket for r in lacking(life, {NODE_MARK: 6}, 0)] == []
+    assert [r.ticket for r in lacking(life, {NODE_MARK: 2}, 10**14)] == []  # past `until`
+
+
+async def test_a_cluster_shard_behind_refuses_only_the_calls_of_its_slots(
+        redis_cluster: RedisCluster) -> None:
+    """On a cluster each slot has its own mark: one slot's mark behind refuses the calls of
+    that slot, while a ticket in another slot is claimed."""
+    redis_db = redis_cluster.client()
+    redis_db.flushall()
+    store = await opened(redis_cluster.url)
+    try:
+        rec = Recorded(store)
+        by_slot: dict[int, list[str]] = {}
+        i = 0
+        while len(by_slot) < 2 or max(len(v) for v in by_slot.values()) < 2:
+            by_slot.setdefault(key_slot(ticket_key("fr", f"S-{i}").encode()), []).append(
+                f"S-{i}")
+            i += 1
+        slot_a = next(slot for slot, ids in by_slot.items() if len(ids) >= 2)
+        a, a2 = by_slot[slot_a][:2]
+        b = next(ids[0] for slot, ids in by_slot.items() if slot != slot_a)
+        await claim(store, a)
+        await claim(store, b)
+        mark = mark_of_slot(slot_a)
+        redis_db.hset(mark, "life-a", 0)
+        with pytest.raises(Behind):
+            await claim(store, a2)
+        assert rec.behind == [(mark, "1:0")]
+        assert (await claim(store, b))[0] == b"pending"
+    finally:
+        await store.redis.aclose()
+
+
+
+async def test_mark_keep_forgets_lifetimes_gone_for_the_marks_ttl(
+        recorded: Recorded, redis_db: Any) -> None:
+    """capsvc_mark_keep: the caller noted alive, the mark's TTL renewed, an announcement past
+    its end removed, and a lifetime not noted alive for MARK_TTL_MS forgotten."""
+    store = recorded.store
+    await claim(store, "A-1")
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    now = await store.time_ms()
+    redis_db.hset(mark, mapping={"old": 3, "@old": now - 9 * DAY, "recent": 4,
+                                 "@recent": now - DAY, "!": now - 1})
+    redis_db.persist(mark)
+    assert await store.mark_call("capsvc_mark_keep", mark, ["life-a"]) == 1
+    fields = redis_db.hgetall(mark)
+    assert set(fields) == {b"*", b"life-a", b"@life-a", b"recent", b"@recent"}
+    assert redis_db.pttl(mark) > 7 * DAY
+
+
+async def test_a_lifetime_is_alive_exactly_while_its_process_holds_its_journal(
+        tmp_path: Path) -> None:
+    """Another process of the directory restores only the lifetimes gone: one whose journal
+    is open is alive; once closed, it is gone."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+    assert alive(tmp_path, journal.life)
+    await journal.aclose()
+    assert not alive(tmp_path, journal.life)
+
+
+def test_a_lifetime_killed_is_gone(tmp_path: Path) -> None:
+    """A process killed (SIGKILL) with its journal open: its lifetime is gone at once (the
+    kernel drops its lock), and its lock file is cleared by whoever finds it so."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from capsvc.journal.writer import open_journal; "
+        f"j = open_journal({str(tmp_path)!r}, max_file_bytes=1 << 20, keep_ms=1); "
+        "print(j.life, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    life = child.stdout.readline().strip()
+    assert alive(tmp_path, life)
+    child.kill()
+    child.wait()
+    assert not alive(tmp_path, life)
+    assert not list(tmp_path.glob(".life-*"))
+
+
+async def test_a_record_made_outside_a_request_is_stamped_with_all_the_process_wrote(
+        tmp_path: Path) -> None:
+    """A background task's record (no request's calls to go by) carries everything the
+    process has written through its marks: never lower than its calls, so a restore that
+    must put it back finds it above the Redis's mark."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
+    recorder = Recorder(journal, lambda: 1)
+    recorder.marks = Marks(journal.life, single_node=True)
+    recorder.marks.made[NODE_MARK] = 41
+    stamp.set(None)
+    s = sale("BG")
+    await recorder.sale("janitor", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+    Marks.begin()["x"] = 3
+    await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
+    await journal.aclose()
+    life = lives_of(tmp_path)[journal.life]
+    assert [r.marks for r in lacking(life, {}, 0)] == [{NODE_MARK: 41}, {"x": 3}]

@@ -1,0 +1,54 @@
+"""The Redis commands a one-grid sale issues, pinned: a count read from INFO commandstats
+(deterministic, not a time), so that what each sale costs Redis cannot grow unnoticed.
+
+Raise a pinned number only with the reason in the commit that raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis
+
+from capsvc.testing import RedisServer
+from tests.conftest import TEN, Client, ticket
+
+ONE_GRID_SALE = {
+    # capsvc2_sell and capsvc2_journaled_many (the index entry let go once journaled), each
+    # reading Redis TIME; the ticket's record, the grid's counter bucket and record, the
+    # draws' aggregate, the expiries looked at and pushed on, the pending index; and the
+    # mark (lua/capsvc.lua, MARKS): one HMGET and one HSET of the sale's call
+    "fcall": 2, "time": 2, "hget": 3, "hset": 3, "hmget": 2, "pexpiretime": 3,
+    "pexpireat": 3, "hincrby": 1, "zadd": 1, "zrem": 1,
+}
+"""Commands by name for one sale of one 8-number grid on a standalone Redis, the index
+entry's release (capsvc2_journaled_many, once the decision is journaled) included."""
+
+
+def commands(db: redis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = db.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_one_grid_sale_issues_the_pinned_commands(
+        service: Any, client: Client, redis_server: RedisServer, standalone_db: redis.Redis
+        ) -> None:
+    """One 8-number grid sold in one call (standalone): exactly the pinned commands."""
+    svc, _ = service
+    assert svc.store.single_node
+    await client.current()
+    warm = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]))
+    assert warm.status == 200  # the draw's cap is known from here on, as in steady sales
+    await asyncio.sleep(0.1)  # its index entry released
+    standalone_db.config_resetstat()
+    reply = await client.sell(ticket([{"numbers": TEN[1:9], "stake": 500}]))
+    assert reply.status == 200
+    assert reply.body["status"] == "accepted"
+    await asyncio.sleep(0.1)
+    used = commands(standalone_db)
+    used.pop("config|resetstat", None)
+    used.pop("info", None)
+    assert used == ONE_GRID_SALE
