@@ -3,6 +3,7 @@ restore (one round trip per ticket) against this tree's (bulk calls).
 
     python bench/restore.py [--decisions 100000 1000000] [--mix one-grid mixed]
                             [--rounds 2] [--old REV] [--ablation] [--compare]
+                            [--redis-arg=ARG ...]
 
 For each number of decisions and each mix (tests/journals.py: written by the product's own
 recorder and writer, under a temporary directory for the run), a redis-server with
@@ -140,9 +141,11 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     journal, then planning each record's ops (capsvc.journal.planner, no Redis); then the
     restore (Restorer.run) with every record planned in the restoring process, and with one
     planning process (forced, whatever the journal's size and the CPUs): decisions a second,
-    the restoring process's CPU and Redis's CPU per decision; last, Redis's CPU per decision
-    for plain pipelined commands that write the same ticket records, counters and TTLs with
-    nothing compared (the floor of any design that writes what a sale wrote)."""
+    the restoring process's CPU and Redis's CPU per decision; then the same with a library
+    whose bulk ticket and count calls only read their ops and answer (what the calls cost
+    Redis without a command); last, Redis's CPU per decision for plain pipelined commands
+    that write the same ticket records, counters and TTLs with nothing compared (the floor
+    of any design that writes what a sale wrote)."""
     settings = load_settings(config)
     catalog = Catalog(settings.games)
     client = redis.client()
@@ -173,6 +176,14 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
             print(f"  restore, {label}: {decisions / seconds:,.0f}/s; CPU a decision: "
                   f"restoring process {1e6 * (time.process_time() - mine) / decisions:.1f} "
                   f"µs, Redis {1e6 * (redis_cpu(client) - cpu) / decisions:.1f} µs")
+        client.function_load(without_commands(lua_source()), replace=True)
+        client.flushall()
+        cpu, started = redis_cpu(client), time.perf_counter()
+        await Restorer(journal, catalog, store).run()
+        seconds = time.perf_counter() - started
+        print(f"  restore, its calls running no command: {decisions / seconds:,.0f}/s; Redis "
+              f"CPU a decision {1e6 * (redis_cpu(client) - cpu) / decisions:.1f} µs")
+        await store.load_library()
         client.flushall()
         cpu, started = redis_cpu(client), time.perf_counter()
         await plain_writes(store, catalog, records)
@@ -181,6 +192,39 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
         await transport.aclose()
     print(f"  redis CPU a decision for plain pipelined writes, nothing compared: "
           f"{1e6 * plain_cpu / decisions:.1f} µs ({decisions / plain_s:,.0f}/s)")
+
+
+NO_COMMANDS = {
+    "local function restore_tickets(keys, args)\n": """
+  local codes, i = {}, 1
+  while i <= #args do
+    local op = args[i]
+    codes[#codes + 1] = op == 's' and 'w' or op == 'c' and 'k' or 'g'
+    i = i + (op == 's' and 6 + 2 * tonumber(args[i + 5]) or op == 'c' and 6 or 4)
+  end
+  if true then return table.concat(codes) end
+""",
+    "local function restore_counts(keys, args)\n": """
+  local codes, i = {}, 1
+  while i <= #args do
+    codes[#codes + 1] = args[i] == 'g' and '1' or '0'
+    i = i + 7 + (args[i] == 'g' and tonumber(args[i + 1]) or 0)
+  end
+  if true then return {table.concat(codes), {}} end
+""",
+}
+"""What `without_commands` puts at the top of the bulk functions (after their first line)."""
+
+
+def without_commands(source: str) -> str:
+    """The library with capsvc_restore_tickets and capsvc_restore_counts reading their ops
+    and answering as if every ticket were written and every grid counted, running no
+    command."""
+    for anchor, body in NO_COMMANDS.items():
+        if anchor not in source:
+            raise SystemExit(f"bench/restore.py: lua/capsvc.lua has no {anchor.strip()!r}")
+        source = source.replace(anchor, anchor + body)
+    return source
 
 
 async def plain_writes(store: Store, catalog: Catalog, records: list[Any]) -> None:
@@ -216,9 +260,12 @@ def main() -> int:
     parser.add_argument("--old", default="main", help="the tree to compare with (a commit)")
     parser.add_argument("--ablation", action="store_true")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--redis-arg", action="append", default=[],
+                        help="an argument for redis-server, e.g. --redis-arg=--appendonly "
+                             "--redis-arg=no")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="capsvc-bench-restore-"))
-    redis = RedisServer(extra=LISTPACKS).start()
+    redis = RedisServer(extra=(*LISTPACKS, *args.redis_arg)).start()
     version = redis.client().info("server")["redis_version"]
     if shutil.which("taskset"):
         assert redis.process is not None

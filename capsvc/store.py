@@ -604,8 +604,9 @@ class PlayerStore:
 RESTORE_OPS_PER_CALL = 512
 """Ops per call of a bulk restore function: a few milliseconds of Redis CPU, which the
 other processes' calls wait behind."""
-RESTORE_CALLS_IN_FLIGHT = 4
-"""Bulk restore calls sent and not answered yet, at most (see `_Bulk.send`)."""
+RESTORE_OPS_IN_FLIGHT = 4 * RESTORE_OPS_PER_CALL
+"""Ops of bulk restore calls sent and not answered yet, at most (see `_Bulk.send`): a few
+full calls on one Redis, many small ones on a cluster (a call per slot)."""
 
 
 _FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
@@ -773,10 +774,10 @@ class _Bulk:
         raise NotImplementedError
 
     async def send(self) -> list[Any]:
-        """Send every call, RESTORE_CALLS_IN_FLIGHT at a time, in order (on each node's
-        connection behind what was sent before); each op's reply, in the order the ops were
-        added. A few calls in flight keep Redis busy, and each call answered well within
-        the connection's deadline, however many the batch holds."""
+        """Send every call, in order (on each node's connection behind what was sent
+        before), with at most RESTORE_OPS_IN_FLIGHT ops unanswered; each op's reply, in the
+        order the ops were added. What is in flight keeps Redis busy and each call answered
+        well within the connection's deadline, however many ops the batch holds."""
         calls: list[tuple[str, list[int], list[str], list[Any]]] = []
         for tag, ops in self._ops.items():
             order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
@@ -792,20 +793,27 @@ class _Bulk:
         fcall, function = self._store.fcall, self.function
         found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
         sent: deque[tuple[str, list[int], asyncio.Future[Any]]] = deque()
+        in_flight = 0
         try:
-            for i in range(len(calls) + RESTORE_CALLS_IN_FLIGHT):
-                if i >= RESTORE_CALLS_IN_FLIGHT and sent:
-                    tag, placed, reply = sent.popleft()
-                    for at, one in zip(placed, self._split(await reply, len(placed)),
-                                       strict=True):
-                        found[tag][at] = one
-                if i < len(calls):
-                    tag, placed, keys, args = calls[i]
-                    sent.append((tag, placed, retrieving(fcall(function, keys, args))))
+            for tag, placed, keys, args in calls:
+                while sent and in_flight + len(placed) > RESTORE_OPS_IN_FLIGHT:
+                    in_flight -= await self._take_reply(sent, found)
+                sent.append((tag, placed, retrieving(fcall(function, keys, args))))
+                in_flight += len(placed)
+            while sent:
+                await self._take_reply(sent, found)
         finally:
             for _, _, reply in sent:
                 reply.cancel()
         return [found[tag][i] for tag, i in self._where]
+
+    async def _take_reply(self, sent: deque[tuple[str, list[int], asyncio.Future[Any]]],
+                          found: dict[str, list[Any]]) -> int:
+        """The oldest call's reply, split into its ops' places; how many ops it had."""
+        tag, placed, reply = sent.popleft()
+        for at, one in zip(placed, self._split(await reply, len(placed)), strict=True):
+            found[tag][at] = one
+        return len(placed)
 
 
 class TicketRestores(_Bulk):

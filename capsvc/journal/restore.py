@@ -17,7 +17,7 @@ on a Redis it has not reconciled with its journal directory:
 
 At the speed of Redis: a Redis that lost everything takes back millions of decisions while
 nothing is sold. Each record's ops are planned from the record alone (capsvc.journal.planner:
-for a large journal in processes of their own, which read and decode the files too), and
+for a large journal, in a process of its own that reads and decodes the files too), and
 records are applied in windows of thousands, each in three rounds of bulk calls
 (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records, then what
 their answers call for (grids counted or released, caps, budgets), then what follows those
