@@ -301,8 +301,10 @@ class Tickets:
             # A draw closed while the sale ran. Other requests of this sale may be running:
             # conclude it as the janitor would, so that all of them reach the same end.
             concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
-            if concluded is None:  # given back: forgotten, nothing was answered
-                await self.store.unclaim(key, sale_id)
+            if concluded is None:  # given back: nothing was answered
+                await self.journal.void("closed", channel.id, sale, sale_id, at,
+                                        game.expire_at(first + sale.draws - 1))
+                await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
                 raise _closed(first)
             out = concluded.decision
             body = _encode(out)

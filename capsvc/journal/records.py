@@ -117,10 +117,12 @@ class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
 class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
                  forbid_unknown_fields=False):
     """A sale that does not stand and was never answered: given back by the janitor
-    (abandoned before it was decided) or voided (claimed once a draw of it was stopped)."""
+    (`abandoned` before it was decided), voided (`stopped`: claimed once a draw of it was
+    stopped) or given back by its request (`closed`: its first draw closed between its
+    claim and its grids)."""
 
     at: int
-    why: Literal["abandoned", "stopped"]
+    why: Literal["abandoned", "stopped", "closed"]
     proc: str
     channel: str
     ticket: str
