@@ -18,8 +18,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from capsvc.faults import FaultProxy, command
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TOKENS, ticket
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 
 @pytest.fixture

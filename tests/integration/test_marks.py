@@ -28,7 +28,7 @@ from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
 from capsvc.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.store import Store, lua_source, ticket_key
-from capsvc.testing import RedisCluster, RedisServer
+from tests.support.servers import RedisCluster, RedisServer
 from tests.unit.test_journal import decision, sale
 
 DAY = 86_400_000

@@ -25,10 +25,11 @@ from capsvc.coalesce import Coalescer
 from capsvc.config import load_settings
 from capsvc.faults import Command, FaultProxy, command
 from capsvc.store import Store, lua_source, record_bucket_of, ticket_key
-from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
 from tests.conftest import TEN, TOKENS, new_id, past_deadline
 from tests.records import held
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 ONE_CALL = Path(__file__).parent.parent / "capsvc-faults.toml"
 """Short deadlines; a sale of a game without player limits is one call on standalone."""
