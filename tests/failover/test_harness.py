@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from capsvc.faults import PartitionProxy
+from tests.support.faults import PartitionProxy
 from tests.support.servers import RedisServer
 
 

@@ -33,9 +33,9 @@ from capsvc.client import (
     OutcomeUnknown,
     TicketOut,
 )
-from capsvc.faults import FaultProxy, command
-from capsvc.http_faults import Chaos, HttpFaultProxy, request
 from tests.conftest import TEN, TOKENS, new_id, ticket
+from tests.support.faults import FaultProxy, command
+from tests.support.http_faults import Chaos, HttpFaultProxy, request
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess
 

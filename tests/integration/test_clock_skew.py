@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from capsvc.faults import FaultProxy
 from tests.conftest import TEN
 from tests.integration.test_sale_faults import CONFIG, Api, reserve_of, sale, unknown_outcome
+from tests.support.faults import FaultProxy
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from capsvc.faults import PartitionProxy
+from tests.support.faults import PartitionProxy
 from tests.support.servers import (
     RedisCluster,
     RedisSentinels,

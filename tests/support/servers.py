@@ -21,7 +21,7 @@ import redis
 import redis.cluster
 
 from capsvc.embedded import server_binary, stop_process
-from capsvc.faults import PartitionProxy
+from tests.support.faults import PartitionProxy
 
 
 def free_port() -> int:
