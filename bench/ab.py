@@ -47,7 +47,9 @@ from run import (
     wrk,
 )
 
-from capsvc.testing import RedisServer, ServiceProcess, free_port
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer, free_port
+from tests.support.service import ServiceProcess
 
 REPO = HERE.parent
 

@@ -33,7 +33,10 @@ import msgspec
 from run import with_fixed_hash_seed
 
 from capsvc.client import Client, GridIn, TicketIn, TicketOut
-from capsvc.testing import RedisServer, ServiceProcess
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 TOKEN = "bench-token"
 

@@ -20,10 +20,13 @@ import platform
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from run import Result, config_file, cpu_seconds, tools_present, wrk
 
-from capsvc.testing import RedisServer, ServiceProcess
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 SCRIPT = "one_grid.lua"
 MODES = ("default", "replicas:1")

@@ -2,7 +2,7 @@
 
     python bench/failover.py [--server redis|valkey|both] [--scenario partition ...]
 
-Runs the failover scenarios of tests/failover (capsvc.testing: the same harness, eight
+Runs the failover scenarios of tests/failover (tests/support: the same harness, eight
 sellers retrying every 503 with the same ticket id and body) in `default` mode with the
 journal (the default), in `default` mode without it (`[journal] enabled = false`: what
 Redis alone keeps), and in `replicas:1` mode:
@@ -33,15 +33,16 @@ import argparse
 import shutil
 import sys
 import time
+from pathlib import Path
 
-from capsvc.testing import (
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.failover import (
     FailoverRun,
     cluster_scenario,
     partition_scenario,
     sentinel_scenario,
-    server_version,
-    valkey_binary,
 )
+from tests.support.servers import server_version, valkey_binary
 
 MODES = ("default", "default, no journal", "replicas:1")
 SCENARIOS = ("partition", "partition-redirect", "sentinel", "sentinel-manual", "cluster-kill",

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import aiohttp
 
-from capsvc.testing import RedisServer, ServiceProcess
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import TOKEN, config_file, cpu_seconds, wrk

@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from record import round_of, sales
 from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
@@ -44,8 +45,11 @@ from capsvc.store import (
     stops_key,
     ticket_key,
 )
-from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.validator import pack_sale
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 GAME, DRAW, CAP, MIN_STAKE = "fdj-keno", 13179, 5000, 100
 

@@ -32,7 +32,10 @@ from run import Result, config_file, cpu_seconds, tools_present, wrk
 
 from capsvc.journal.reader import records
 from capsvc.journal.records import SaleRecord
-from capsvc.testing import RedisServer, ServiceProcess
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 SCRIPT = "tickets.lua"
 MODES = ("journal on", "journal off")

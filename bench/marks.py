@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import statistics
 import sys
+from pathlib import Path
 
 from record import fcall_usec, round_of, sales
 from run import cpu_seconds, with_fixed_hash_seed
@@ -23,8 +24,10 @@ from run import cpu_seconds, with_fixed_hash_seed
 from capsvc.coalesce import Coalescer
 from capsvc.marks import Marks
 from capsvc.store import Store, lua_source
-from capsvc.testing import RedisServer
 from capsvc.validator import pack_sale
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
 
 
 async def measure(calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]:

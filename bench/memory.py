@@ -36,8 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -47,7 +49,10 @@ from capsvc import combination
 from capsvc.client import Client
 from capsvc.coalesce import Coalescer
 from capsvc.store import COUNTER_BUCKETS, Store, lua_source, record_field, ticket_key
-from capsvc.testing import RedisServer, ServiceProcess
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 GAME, CAP, MIN_STAKE = "fdj-keno", 5000, 100
 FAR = 10**13  # a close instant far ahead (ms)

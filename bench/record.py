@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 from run import with_fixed_hash_seed
@@ -33,8 +34,10 @@ from run import with_fixed_hash_seed
 from capsvc import combination
 from capsvc.coalesce import Coalescer
 from capsvc.store import Store, lua_source, ticket_key
-from capsvc.testing import RedisServer
 from capsvc.validator import Sale, SaleGrid, fingerprint_of, pack_sale
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer
 
 GAME, CAP, MIN_STAKE, DRAW = "fdj-keno", 5000, 100, 13179
 ENCODINGS: dict[str, Callable[[Sale], bytes]] = {"json": msgspec.json.encode,

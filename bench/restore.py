@@ -51,8 +51,10 @@ from capsvc.journal.reader import retained_records
 from capsvc.journal.records import Open, SaleRecord, sale_of
 from capsvc.journal.restore import Restorer
 from capsvc.store import Store, bucket_keys, lua_source, record_field, ticket_key
-from capsvc.testing import RedisServer
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.journals import MIXES, write_config, write_journal
+from tests.support.servers import RedisServer
 
 LISTPACKS = ("--hash-max-listpack-entries", "512", "--hash-max-listpack-value", "256")
 """deploy/redis.conf's: a bucket of ticket records stays a listpack."""

@@ -22,7 +22,7 @@ Before each layout's runs, R retained decisions are made once (`sell_retained`, 
 the product's own sale path, in processes of their own, into a seed Redis and the layout's
 journal directories); each run loads its primary from the seed (REPLICAOF), hard-links the
 journal files into directories of its own and starts the services on it, which reconcile
-at start (timed apart: "start"). Then steady sellers (capsvc.testing.Sellers: every 503
+at start (timed apart: "start"). Then steady sellers (tests.support.failover.Sellers: every 503
 sent again after 50 ms) sell for a while, the event happens, and once every service has
 logged its restore and sales are answered again, a few more seconds.
 
@@ -48,8 +48,14 @@ process and for every process it starts): the same script measures before and af
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+
+# The harness (tests.support) comes from this repository whatever `--tree` names: its
+# package is bound before that checkout, which may have none, comes first on sys.path.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+importlib.import_module("tests")
 
 
 def _tree_from_argv() -> Path | None:
@@ -87,17 +93,19 @@ from datetime import datetime  # noqa: E402
 from typing import Any  # noqa: E402
 
 import capsvc  # noqa: E402
-from capsvc.testing import (  # noqa: E402
+from tests.support.failover import (  # noqa: E402
     FAILOVER_GAME,
     SELLER_TOKEN,
+    Sellers,
+    current_draw,
+)
+from tests.support.servers import (  # noqa: E402
     RedisSentinels,
     RedisServer,
-    Sellers,
-    ServiceProcess,
-    current_draw,
     server_version,
     valkey_binary,
 )
+from tests.support.service import ServiceProcess  # noqa: E402
 
 SCENARIOS = {"a": "failover", "b": "lossy failover", "c": "emptied"}
 BULK_GAME = "fdj-keno"
@@ -122,8 +130,8 @@ LAYOUTS = {"one": Layout("one", "1 worker", 1, 1),
 def config_text(settle: str) -> str:
     """The services' configuration: the failover harness's timeouts (a dead primary is a
     503 within a fraction of a second), the steady sellers' game and channel
-    (capsvc.testing's FAILOVER_GAME, cap 2,000) and the bulk game of the retained decisions
-    (FDJ Keno as configured by default)."""
+    (tests.support.failover's FAILOVER_GAME, cap 2,000) and the bulk game of the retained
+    decisions (FDJ Keno as configured by default)."""
 
     def digest(token: str) -> str:
         import hashlib

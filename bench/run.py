@@ -36,7 +36,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from capsvc.testing import RedisServer, ServiceProcess, free_port
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.servers import RedisServer, free_port
+from tests.support.service import ServiceProcess
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-token"

@@ -19,8 +19,9 @@ import redis
 from capsvc.config import Settings, load_settings
 from capsvc.janitor import Janitor
 from capsvc.server import Service, Serving, build, prepare, start_serving
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from capsvc.workers import listen
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
 TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",

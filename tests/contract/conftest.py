@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from capsvc.testing import ServiceProcess, served
+from tests.support.service import ServiceProcess, served
 
 HERE = Path(__file__).parent
 CONFIG = HERE / "capsvc.toml"

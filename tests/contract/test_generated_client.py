@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from capsvc.testing import ServiceProcess
 from tests.contract.conftest import TOKEN
+from tests.support.service import ServiceProcess
 
 TEN = [3, 7, 12, 18, 25, 33, 41, 56, 60, 70]
 

@@ -10,8 +10,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from capsvc.testing import ServiceProcess
 from tests.contract.conftest import HERE
+from tests.support.service import ServiceProcess
 
 ROOT = HERE.parent.parent
 

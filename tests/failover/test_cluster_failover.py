@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from capsvc.testing import cluster_scenario
 from tests.failover.conftest import assert_harness_worked, report
+from tests.support.failover import cluster_scenario
 
 pytestmark = pytest.mark.slow
 

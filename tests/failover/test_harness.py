@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from capsvc.testing import PartitionProxy, RedisServer
+from tests.support.faults import PartitionProxy
+from tests.support.servers import RedisServer
 
 
 @pytest.fixture

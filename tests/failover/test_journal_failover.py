@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from capsvc.testing import FailoverRun, cluster_scenario, partition_scenario
 from tests.failover.conftest import assert_harness_worked, report
+from tests.support.failover import FailoverRun, cluster_scenario, partition_scenario
 
 pytestmark = pytest.mark.slow
 

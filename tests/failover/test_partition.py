@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from capsvc.testing import (
+from tests.failover.conftest import assert_harness_worked, report
+from tests.support.failover import (
     FAILOVER_CAP,
     FAILOVER_GAME,
     HOT_COMBINATIONS,
     SELLER_TOKEN,
     HttpClient,
-    ServiceProcess,
     Transport,
     combination_key,
     current_draw,
@@ -30,7 +30,7 @@ from capsvc.testing import (
     partitioned_pair,
     write_failover_config,
 )
-from tests.failover.conftest import assert_harness_worked, report
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from capsvc.testing import sentinel_scenario
 from tests.failover.conftest import assert_harness_worked, report
+from tests.support.failover import sentinel_scenario
 
 pytestmark = pytest.mark.slow
 

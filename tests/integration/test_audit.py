@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 import requests
 
-from capsvc.faults import FaultProxy, command
 from capsvc.store import ticket_key
-from capsvc.testing import HttpClient, RedisCluster, RedisServer, Sellers, ServiceProcess
 from tests.records import held
+from tests.support.failover import HttpClient, Sellers
+from tests.support.faults import FaultProxy, command
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

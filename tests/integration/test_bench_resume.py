@@ -15,7 +15,7 @@ import pytest
 
 from capsvc.journal.reader import records
 from capsvc.journal.records import CancelRecord, SaleRecord
-from capsvc.testing import RedisServer
+from tests.support.servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_resume", REPO / "bench" / "resume.py")

@@ -24,8 +24,9 @@ import requests
 
 from capsvc import combination
 from capsvc.store import bucket_keys
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import TEN, TOKENS, new_id
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 CONFIG = Path(__file__).parent.parent / "capsvc-faults.toml"
 HOT = [TEN[:8], TEN[:9], TEN]

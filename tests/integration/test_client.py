@@ -24,9 +24,9 @@ from capsvc.client import (
 )
 from capsvc.errors import Unavailable
 from capsvc.server import Service
-from capsvc.testing import ServiceProcess, served
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
 from tests.conftest import Client as Http
+from tests.support.service import ServiceProcess, served
 
 
 async def test_sell_look_up_and_cancel_with_typed_decisions_and_errors(

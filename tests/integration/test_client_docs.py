@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import capsvc
-from capsvc.testing import ServiceProcess, served
+from tests.support.service import ServiceProcess, served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 LOCAL = Path(capsvc.__file__).parent / "default.toml"

@@ -33,10 +33,11 @@ from capsvc.client import (
     OutcomeUnknown,
     TicketOut,
 )
-from capsvc.faults import FaultProxy, command
-from capsvc.http_faults import Chaos, HttpFaultProxy, request
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import TEN, TOKENS, new_id, ticket
+from tests.support.faults import FaultProxy, command
+from tests.support.http_faults import Chaos, HttpFaultProxy, request
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 FAULTS = Path(__file__).parent.parent / "capsvc-faults.toml"
 """Short deadlines: Redis timeout 300 ms, request timeout 1 s, pending deadline 3 s."""

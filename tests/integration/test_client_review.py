@@ -28,9 +28,9 @@ from capsvc.client import (
     ValidationError,
 )
 from capsvc.client.api import sse_events
-from capsvc.http_faults import HttpFaultProxy, request
-from capsvc.testing import ServiceProcess, served
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
+from tests.support.http_faults import HttpFaultProxy, request
+from tests.support.service import ServiceProcess, served
 
 SALE = {"ticket_id": "R-1", "game": "fdj-keno", "grids": [{"numbers": TEN, "stake": 500}]}
 

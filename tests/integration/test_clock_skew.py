@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from capsvc.faults import FaultProxy
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import TEN
 from tests.integration.test_sale_faults import CONFIG, Api, reserve_of, sale, unknown_outcome
+from tests.support.faults import FaultProxy
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 SKEWS = ["+0", "+5m", "-5m"]

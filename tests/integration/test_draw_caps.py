@@ -15,8 +15,9 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, Client, services, ticket
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
 
 FDJ = 'id = "fdj-keno"\npreset = "fdj-keno-2008"\n'
 

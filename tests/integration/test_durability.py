@@ -18,8 +18,9 @@ import redis
 from capsvc.cluster import ClusterCoalescer
 from capsvc.coalesce import Coalescer
 from capsvc.embedded import server_binary
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import Client, ticket
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
 
 CONFIG = """
 [server]

@@ -14,8 +14,8 @@ import pytest
 from capsvc.config import Settings
 from capsvc.errors import rule_error
 from capsvc.server import Service, build
-from capsvc.testing import RedisServer
 from tests.conftest import TEN, Client, start_service, ticket
+from tests.support.servers import RedisServer
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""capsvc.faults.FaultProxy over a real redis-server: traffic passes unchanged, replies stay
-matched to their commands, and each fault does what it says, checked on Redis itself."""
+"""tests.support.faults.FaultProxy over a real redis-server: traffic passes unchanged,
+replies stay matched to their commands, and each fault does what it says, checked on Redis
+itself."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from capsvc.faults import FaultProxy, command
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TOKENS, ticket
+from tests.support.faults import FaultProxy, command
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 
 @pytest.fixture

@@ -21,11 +21,12 @@ import pytest
 
 from capsvc import feed as feed_module
 from capsvc.errors import Unavailable
-from capsvc.faults import FaultProxy, command
 from capsvc.server import Service
 from capsvc.store import feed_key
-from capsvc.testing import RedisCluster, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, TOKENS, Client, ticket
+from tests.support.faults import FaultProxy, command
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
 
 STREAM = "/v1/games/fdj-keno/capped/stream"
 

@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from capsvc.config import GameRules, Settings
-from capsvc.testing import RedisCluster, RedisServer
 from tests.conftest import TEN, Client, services, ticket
+from tests.support.servers import RedisCluster, RedisServer
 
 
 def with_game(settings: Settings, rules: GameRules) -> Settings:

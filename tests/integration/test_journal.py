@@ -26,19 +26,19 @@ import pytest
 
 from capsvc.journal.reader import records
 from capsvc.journal.records import SaleRecord
-from capsvc.testing import (
+from tests.support.failover import (
     FAILOVER_GAME,
     HOT_COMBINATIONS,
     OPS_TOKEN,
     SELLER_TOKEN,
     HttpClient,
-    RedisServer,
     Sellers,
-    ServiceProcess,
     audit,
     current_draw,
     write_failover_config,
 )
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

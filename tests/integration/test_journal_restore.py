@@ -37,12 +37,12 @@ from capsvc.store import (
     record_field,
     ticket_key,
 )
-from capsvc.testing import RedisCluster, RedisServer
 from capsvc.validator import Sale, validate_ticket
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords
 from tests.restore_reference import OneByOne
+from tests.support.servers import RedisCluster, RedisServer
 
 
 @pytest.fixture

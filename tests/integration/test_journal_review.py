@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 
 from capsvc.journal.reconciler import WATCH_S
-from capsvc.testing import HttpClient, RedisServer, ServiceProcess
 from tests.conftest import CONFIG, TEN, TOKENS
+from tests.support.failover import HttpClient
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.conftest import CONFIG
 from tests.integration.test_journal_review import (
     EIGHT,
@@ -28,6 +27,8 @@ from tests.integration.test_journal_review import (
     _staked,
     _until_answer,
 )
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import aiohttp
 import redis
 
-from capsvc.testing import RedisServer, ServiceProcess, free_port
 from tests.conftest import CONFIG, TEN, Client, ticket
+from tests.support.servers import RedisServer, free_port
+from tests.support.service import ServiceProcess
 
 
 def config_with(redis_timeout: str, **server: str) -> str:

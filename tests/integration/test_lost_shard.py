@@ -17,9 +17,9 @@ import pytest
 from capsvc import combination
 from capsvc.config import Settings
 from capsvc.store import bucket_keys, record_field, ticket_key
-from capsvc.testing import RedisCluster
 from tests.conftest import TEN, Client, services, ticket
 from tests.records import held
+from tests.support.servers import RedisCluster
 
 STAKE = 1000
 

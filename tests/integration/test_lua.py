@@ -36,8 +36,8 @@ from capsvc.store import (
     stops_key,
     ticket_key,
 )
-from capsvc.testing import RedisCluster, RedisServer
 from tests.records import TicketRecords
+from tests.support.servers import RedisCluster, RedisServer
 
 GAME = "g"
 COMBO = encode([3, 7, 12, 18, 25, 33, 41, 56, 60, 70])

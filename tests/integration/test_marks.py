@@ -22,13 +22,13 @@ from redis.crc import key_slot
 
 from capsvc.cluster import connect
 from capsvc.errors import Unavailable
-from capsvc.faults import FaultProxy, command
 from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
 from capsvc.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.store import Store, lua_source, ticket_key
-from capsvc.testing import RedisCluster, RedisServer
+from tests.support.faults import FaultProxy, command
+from tests.support.servers import RedisCluster, RedisServer
 from tests.unit.test_journal import decision, sale
 
 DAY = 86_400_000

@@ -33,9 +33,10 @@ from capsvc import combination
 from capsvc.calendar import DrawCalendar
 from capsvc.config import load_settings
 from capsvc.store import bucket_keys, record_bucket_of, ticket_key
-from capsvc.testing import RedisServer, ServiceProcess
 from tests.model import MARGIN_MS, Expected, Model, Rules
 from tests.records import unpack
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 TOKENS = {"fr": "m-fr", "pf": "m-pf", "ops": "m-ops"}
 SWEPT_MS = 2_000 + 500

@@ -14,8 +14,8 @@ import redis
 
 from capsvc.config import Settings
 from capsvc.server import build
-from capsvc.testing import RedisServer
 from tests.conftest import TEN, Client, services, start_service, ticket
+from tests.support.servers import RedisServer
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
     """pip wheel . puts lua/capsvc.lua, both presets, default.toml and every subpackage
-    inside the package."""
+    inside the package, and nothing of the test harness."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("capsvc-*.whl")
@@ -25,6 +25,10 @@ def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
     for package in (ROOT / "capsvc").rglob("__init__.py"):
         module = package.relative_to(ROOT).as_posix()
         assert module in names, f"{module} is missing from the wheel (pyproject packages)"
+    # The test harness (tests/support) is not the product's: nothing of it ships.
+    for harness in ("testing.py", "faults.py", "http_faults.py"):
+        assert not [n for n in names if n.endswith(f"/{harness}")], harness
+    assert not [n for n in names if n.startswith("tests/")]
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "capsvc = capsvc.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 

@@ -32,9 +32,9 @@ import pytest
 import redis
 import yaml
 
-from capsvc.testing import RedisServer, free_port
 from tests.conftest import CONFIG, TOKENS
 from tests.integration.test_workers import wait_ready
+from tests.support.servers import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "capsvc.json"

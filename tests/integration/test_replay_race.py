@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from capsvc.config import Settings
-from capsvc.testing import RedisCluster, RedisServer
 from tests.conftest import TEN, Client, new_id, services, ticket
 from tests.integration.test_metrics import delta, scrape
+from tests.support.servers import RedisCluster, RedisServer
 
 ROUNDS = 20
 COPIES = 40

@@ -16,8 +16,8 @@ from capsvc.cluster import slot_of
 from capsvc.config import Settings
 from capsvc.server import build
 from capsvc.store import bucket_keys, ticket_key
-from capsvc.testing import RedisCluster, cli_binary
 from tests.conftest import TEN, Client, start_service, ticket
+from tests.support.servers import RedisCluster, cli_binary
 
 
 @pytest.fixture

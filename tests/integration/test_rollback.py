@@ -38,19 +38,19 @@ from urllib.parse import urlsplit
 import pytest
 
 from capsvc.marks import NODE_MARK
-from capsvc.testing import (
+from tests.support.failover import (
     FAILOVER_GAME,
     OPS_TOKEN,
     SELLER_TOKEN,
-    RedisServer,
     Sellers,
-    ServiceProcess,
     Transport,
     audit,
     combination_key,
     current_draw,
     write_failover_config,
 )
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -658,7 +658,7 @@ def test_two_workers_put_back_what_either_answered_after_a_reload(
 
 # -- 5. FLUSHALL under load --------------------------------------------------------------------
 #
-# Six sellers (capsvc.testing.Sellers: every 503 sent again, same id and body) on three
+# Six sellers (tests.support.failover.Sellers: every 503 sent again, same id and body) on three
 # combinations and two draws until every counter is at its cap, then FLUSHALL while they go
 # on. Nothing is cancelled: once a counter is full no later sale fits, so a sale sent after
 # the FLUSHALL and accepted was judged against the emptied Redis.

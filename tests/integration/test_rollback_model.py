@@ -58,17 +58,17 @@ from capsvc.calendar import DrawCalendar
 from capsvc.config import load_settings
 from capsvc.marks import NODE_MARK
 from capsvc.store import record_bucket_of, ticket_key
-from capsvc.testing import (
+from tests.model import Expected, Model, Rules, Ticket
+from tests.support.failover import (
     FAILOVER_GAME,
     OPS_TOKEN,
     SELLER_TOKEN,
-    RedisServer,
-    ServiceProcess,
     Transport,
     combination_key,
     write_failover_config,
 )
-from tests.model import Expected, Model, Rules, Ticket
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

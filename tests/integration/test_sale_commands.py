@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from capsvc.testing import RedisServer
 from tests.conftest import TEN, Client, ticket
+from tests.support.servers import RedisServer
 
 ONE_GRID_SALE = {
     # capsvc2_sell and capsvc2_journaled_many (the index entry let go once journaled), each

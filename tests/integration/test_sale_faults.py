@@ -1,6 +1,6 @@
 """Faults between the service and Redis at each step of a sale and of a cancel.
 
-A real `capsvc serve` talks to a real Redis through `capsvc.faults.FaultProxy`, which
+A real `capsvc serve` talks to a real Redis through `tests.support.faults.FaultProxy`, which
 delays or loses a chosen reply or request. Each test is one of the failures a review found
 in the first release; each ends with the counters equal to what was accepted minus what was
 released, and with one decision that the client can see.
@@ -23,12 +23,13 @@ import requests
 from capsvc import combination
 from capsvc.coalesce import Coalescer
 from capsvc.config import load_settings
-from capsvc.faults import Command, FaultProxy, command
 from capsvc.store import Store, lua_source, record_bucket_of, ticket_key
-from capsvc.testing import RedisServer, ServiceProcess
 from capsvc.usecases import build_usecases
 from tests.conftest import TEN, TOKENS, new_id, past_deadline
 from tests.records import held
+from tests.support.faults import Command, FaultProxy, command
+from tests.support.servers import RedisServer
+from tests.support.service import ServiceProcess
 
 ONE_CALL = Path(__file__).parent.parent / "capsvc-faults.toml"
 """Short deadlines; a sale of a game without player limits is one call on standalone."""

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import requests
 
-from capsvc.testing import RedisSentinels, RedisServer, ServiceProcess, free_port
 from tests.conftest import new_id
+from tests.support.servers import RedisSentinels, RedisServer, free_port
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

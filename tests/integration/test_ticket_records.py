@@ -24,8 +24,8 @@ from capsvc.store import (
     record_bucket_of,
     ticket_key,
 )
-from capsvc.testing import RedisCluster, RedisServer
 from tests.records import TicketRecords
+from tests.support.servers import RedisCluster, RedisServer
 
 HOUR, DAY = 3_600_000, 86_400_000
 

@@ -20,9 +20,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from capsvc.testing import RedisCluster, RedisServer, free_port
 from capsvc.workers import Restarts, listen, supervise
 from tests.conftest import CONFIG, TEN, Client, ticket
+from tests.support.servers import RedisCluster, RedisServer, free_port
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from capsvc.config import Settings
-from capsvc.testing import RedisCluster, RedisServer
 from tests.conftest import TEN, Client, services, ticket
+from tests.support.servers import RedisCluster, RedisServer
 
 PAUSE_MS = 1500
 SELLERS = 24

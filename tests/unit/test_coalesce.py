@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 from capsvc.cluster import ClusterCoalescer
 from capsvc.coalesce import FLUSH_EVERY, Coalescer, encode_command
 from capsvc.errors import Unavailable
-from capsvc.testing import free_port
+from tests.support.servers import free_port
 
 
 @pytest.fixture(scope="module")

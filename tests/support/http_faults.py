@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from capsvc.faults import (
+from tests.support.faults import (
     BackgroundProxy,
     DelayReply,
     DropReply,
