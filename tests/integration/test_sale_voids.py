@@ -17,9 +17,9 @@ from capsvc.config import Settings
 from capsvc.journal.reader import records
 from capsvc.journal.records import VoidRecord
 from capsvc.server import Service, build
-from capsvc.testing import RedisCluster, RedisServer
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.integration.test_journaled import indexed
+from tests.support.servers import RedisCluster, RedisServer
 
 
 @pytest.fixture
