@@ -85,6 +85,10 @@ class Marks:
         """Per mark, the highest G this process has seen there."""
         self.made: dict[str, int] = {}
         """Per mark, the G of this process's newest write there."""
+        self.sent: dict[str, int] = {}
+        """Per mark, how many of this process's writes were sent there and not seen to
+        fail (answered, or not yet): Redis's count of them ("#<life>") is never lower
+        unless it lost some."""
         self.on_behind = on_behind or (lambda mark, found: None)
 
     @classmethod
@@ -104,8 +108,11 @@ class Marks:
         life and what it saw of the mark as the last ARGV. The future answers the function's
         own reply."""
         mark = self.mark_of(keys[0])
-        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}"
+        sent = self.sent.get(mark, 0)
+        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
         reply = submit("FCALL", name, len(keys) + 1, *keys, mark, *args, self.life, seen)
+        if self.life:
+            self.sent[mark] = sent + 1
         out: asyncio.Future[Any] = reply.get_loop().create_future()
         reply.add_done_callback(functools.partial(self._unwrap, mark, stamp.get(), out))
         return out
@@ -113,10 +120,16 @@ class Marks:
     def _unwrap(self, mark: str, stamped: dict[str, int] | None, out: asyncio.Future[Any],
                 reply: asyncio.Future[Any]) -> None:
         if reply.cancelled():
+            if self.life:
+                self.sent[mark] -= 1
             out.cancel()
             return
         error = reply.exception()  # retrieved even when nobody waits for `out` any more
         if error is not None:
+            # Refused, or its fate unknown (a lost connection, a timeout): counted as not
+            # run. One that ran leaves Redis's count higher, which no check minds.
+            if self.life:
+                self.sent[mark] -= 1
             if not out.done():
                 out.set_exception(self._refusal(mark, error))
             return

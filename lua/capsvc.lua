@@ -101,15 +101,20 @@ older file, a backup put back, a rollback in place, FLUSHALL).
            "*"      -> G, the count of marked writes this node (standalone) or slot
                        (cluster: one mark per slot, its tag chosen to hash to it) has run
            <life>   -> the G of the newest write of process lifetime <life>
+           "#<life>" -> how many writes lifetime <life> has made
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
 
 Every marked function takes the mark as its LAST key and, as its last two ARGV, the caller's
-life and what it last saw of the mark, "<G seen>:<G of its own newest write>" (life "":
-a tool, neither checked nor counted). The call is refused with BEHIND (nothing run) when the
-mark is behind what the caller saw: G lower than the G it last saw (any process's writes
-lost), or its own field lower than its newest write (its own writes lost). A write then
-counts itself (G + 1, and its field set to it) and answers {G, reply} — a look-up
+life and what it knows of the mark, "<G seen>:<G of its own newest write answered>:<its
+writes sent before this one>" (life "": a tool, neither checked nor counted). The call is
+refused with BEHIND (nothing run) when the mark is behind what the caller knows: G lower
+than the G it last saw (any process's writes lost), its own field lower than its newest
+write answered, or fewer of its writes than it sent before this call and did not see fail
+(its own writes lost, also those whose answer it has not read yet: a call queued behind
+them on the connection would otherwise write their G again over a rollback that lost them).
+A write then counts itself (G + 1, its field set to it, its count + 1) and answers
+{G, reply} — a look-up
 too: a decision reported is a write of the reporter's, so that losing the decision loses
 the write, and the reporter sees it. The mark is written by the same call as the data it covers, so replication
 and the AOF keep them together: it can never be ahead of that data, and whatever Redis
@@ -119,17 +124,20 @@ local MARK_TTL_MS = 8 * 86400000
 
 -- nil when the caller may go on; else the error reply that refuses the call.
 local function mark_refusal(mark, life, seen)
-  local m = redis.call('HMGET', mark, '*', '!', life)
+  local count = '#' .. life
+  local m = redis.call('HMGET', mark, '*', '!', life, count)
   if m[2] and tonumber(m[2]) > now_ms() then
     return redis.error_reply('RESTORING a process is putting its journal back into Redis')
   end
-  local colon = string.find(seen, ':', 1, true)
-  local g, own = tonumber(m[1]) or 0, tonumber(m[3]) or 0
-  if g < tonumber(string.sub(seen, 1, colon - 1))
-      or own < tonumber(string.sub(seen, colon + 1)) then
-    return redis.error_reply('BEHIND ' .. g .. ':' .. own)
+  local c1 = string.find(seen, ':', 1, true)
+  local c2 = string.find(seen, ':', c1 + 1, true)
+  local g, own, sent = tonumber(m[1]) or 0, tonumber(m[3]) or 0, tonumber(m[4]) or 0
+  if g < tonumber(string.sub(seen, 1, c1 - 1))
+      or own < tonumber(string.sub(seen, c1 + 1, c2 - 1))
+      or sent < tonumber(string.sub(seen, c2 + 1)) then
+    return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. sent)
   end
-  return nil, g
+  return nil, g, count, sent
 end
 
 local function marked(fn)
@@ -140,13 +148,13 @@ local function marked(fn)
     if life == '' then
       return {0, fn(keys, args)}
     end
-    local refused, g = mark_refusal(mark, life, seen)
+    local refused, g, count, sent = mark_refusal(mark, life, seen)
     if refused then
       return refused
     end
     local reply = fn(keys, args)
     g = g + 1
-    redis.call('HSET', mark, '*', g, life, g)
+    redis.call('HSET', mark, '*', g, life, g, count, sent + 1)
     if g == 1 then
       redis.call('PEXPIRE', mark, MARK_TTL_MS)
     end
@@ -163,7 +171,8 @@ end
 
 --[[ mark_restored: KEYS mark; ARGV restorer, token, (life, G of its newest write)...
 After a restore put lifetimes' records back: their fields and G raised to at least those G
-(never lowered), the mark's TTL renewed. Only if the restore's token (`announce`) is still
+(never lowered; a field "#<life>", a count of writes, raises only itself), the mark's TTL
+renewed. Only if the restore's token (`announce`) is still
 there: else Redis went back in time (or was emptied) while the restore ran, and what it put
 back may be gone with it: error LOST, nothing written (the restore runs again). Returns
 the mark's G. ]]
@@ -178,7 +187,7 @@ local function mark_restored(keys, args)
     if (tonumber(redis.call('HGET', mark, args[i])) or 0) < made then
       redis.call('HSET', mark, args[i], made)
     end
-    if g < made then
+    if g < made and string.sub(args[i], 1, 1) ~= '#' then
       g = made
     end
   end
@@ -232,7 +241,7 @@ local function mark_keep(keys, args)
   for i = 1, #fields, 2 do
     local f = fields[i]
     if string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
-      redis.call('HDEL', mark, f, string.sub(f, 2))
+      redis.call('HDEL', mark, f, string.sub(f, 2), '#' .. string.sub(f, 2))
       gone = gone + 1
     end
   end

@@ -271,6 +271,8 @@ class Reconciler:
                     for life in lacking_lives:
                         if made[life].get(mark):
                             args += [life, made[life][mark]]
+                    if self.marks.sent.get(mark):  # its count of writes, as they were sent
+                        args += [f"#{self.life}", self.marks.sent[mark]]
                     # LOST (an error) when Redis went back in time again meanwhile: then
                     # the restore runs again, from the start.
                     floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,

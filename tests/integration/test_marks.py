@@ -88,7 +88,7 @@ async def test_a_call_counts_itself_in_the_mark_of_its_node_or_slot(
     await claim(recorded.store, "A-1")
     await recorded.store.ticket(key)
     mark = mark_of(recorded.store, key)
-    assert redis_db.hgetall(mark) == {b"*": b"2", b"life-a": b"2"}
+    assert redis_db.hgetall(mark) == {b"*": b"2", b"life-a": b"2", b"#life-a": b"2"}
     assert recorded.marks.seen == {mark: 2}
     assert recorded.marks.made == {mark: 2}
     assert redis_db.pttl(mark) > 0
@@ -104,7 +104,7 @@ async def test_a_redis_behind_what_the_process_saw_refuses_and_runs_nothing(
     recorded.marks.seen[mark] = 5  # the process saw more of it (its watch, others' writes)
     with pytest.raises(Behind):
         await claim(recorded.store, neighbour("A-1"))
-    assert recorded.behind == [(mark, "0:1")]
+    assert recorded.behind == [(mark, "0:1:1")]
     assert redis_db.hget(mark, "*") == b"0"
     redis_db.hset(mark, "*", 5)  # put back as the process saw it: the claim runs now
     assert (await claim(recorded.store, neighbour("A-1")))[0] == b"new"  # it had not run
@@ -119,7 +119,7 @@ async def test_its_own_writes_lost_are_seen_though_others_wrote_since(
     redis_db.hset(mark, mapping={"*": 100, "life-a": 0})
     with pytest.raises(Behind):
         await claim(recorded.store, neighbour("A-1"))
-    assert recorded.behind == [(mark, "100:0")]
+    assert recorded.behind == [(mark, "100:0:1")]
 
 
 async def test_an_emptied_redis_refuses_the_next_call(recorded: Recorded, redis_db: Any
@@ -204,12 +204,13 @@ def debug_redis() -> Any:
     server.stop()
 
 
-async def test_calls_reordered_across_connections_are_stamped_as_redis_ran_them(
+async def test_a_call_never_runs_ahead_of_an_earlier_write_still_in_flight(
         debug_redis: RedisServer, tmp_path: Path) -> None:
-    """One process, two connections (a call held on the first, as a connection that stalls
-    and is left for another): B is sent after A but runs first. Redis saved between them,
-    then went back to that save: the process is refused, and what the journal lacks is A's
-    record exactly — stamped above the surviving mark — not B's."""
+    """One process, two connections (a call held on the first, as on a connection that
+    stalls): B, sent while A is still on its way, is refused and runs nothing — Redis holds
+    fewer of the process's writes than it had sent — so the process's writes run, and are
+    stamped, in the order it sent them. Once A has run, B runs; Redis then saved between
+    them and went back to that save: what the journal lacks is B's record exactly."""
     release = threading.Event()
     with FaultProxy("127.0.0.1", debug_redis.port) as proxy:
         slow = await opened(proxy.url)
@@ -222,16 +223,18 @@ async def test_calls_reordered_across_connections_are_stamped_as_redis_ran_them(
 
         async def sell(store: Store, ticket_id: str) -> None:
             Marks.begin()
-            await claim(store, ticket_id)
+            assert (await claim(store, ticket_id))[0] == b"new"  # a refused call ran nothing
             s = sale(ticket_id)
             await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
 
         a = asyncio.get_running_loop().create_task(sell(slow, "A"))
         await asyncio.sleep(0.2)
-        await sell(fast, "B")
-        db.save()
+        with pytest.raises(Behind):
+            await claim(fast, "B")
         release.set()
         await a
+        db.save()
+        await sell(fast, "B")
         assert slow.marks.made == {NODE_MARK: 2}
         db.execute_command("DEBUG", "RELOAD", "NOSAVE")
         with pytest.raises(Behind):
@@ -241,7 +244,7 @@ async def test_calls_reordered_across_connections_are_stamped_as_redis_ran_them(
         assert field == 1
         life = lives_of(tmp_path)[journal.life]
         assert made_by(life) == {NODE_MARK: 2}
-        assert [r.ticket for r in lacking(life, {NODE_MARK: field}, 0)] == ["A"]
+        assert [r.ticket for r in lacking(life, {NODE_MARK: field}, 0)] == ["B"]
         await slow.redis.aclose()
         await fast.redis.aclose()
         db.close()
@@ -295,7 +298,7 @@ async def test_a_cluster_shard_behind_refuses_only_the_calls_of_its_slots(
         redis_db.hset(mark, "life-a", 0)
         with pytest.raises(Behind):
             await claim(store, a2)
-        assert rec.behind == [(mark, "1:0")]
+        assert rec.behind == [(mark, "1:0:1")]
         assert (await claim(store, b))[0] == b"pending"
     finally:
         await store.redis.aclose()
@@ -315,7 +318,7 @@ async def test_mark_keep_forgets_lifetimes_gone_for_the_marks_ttl(
     redis_db.persist(mark)
     assert await store.mark_call("capsvc_mark_keep", mark, ["life-a"]) == 1
     fields = redis_db.hgetall(mark)
-    assert set(fields) == {b"*", b"life-a", b"@life-a", b"recent", b"@recent"}
+    assert set(fields) == {b"*", b"life-a", b"#life-a", b"@life-a", b"recent", b"@recent"}
     assert redis_db.pttl(mark) > 7 * DAY
 
 

@@ -49,6 +49,7 @@ from tests.support.failover import (
     current_draw,
     write_failover_config,
 )
+from tests.support.faults import FaultProxy
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess
 
@@ -576,6 +577,56 @@ def test_a_rollback_while_a_restore_waits_for_the_others_is_put_back_too(
         if again is not None:
             again.stop()
         svc.stop()
+
+
+def _sale_of(ticket_id: str) -> Callable[[Sequence[bytes]], bool]:
+    """A FaultProxy match: the sale's call (the one FCALL a one-call sale sends)."""
+    tid = ticket_id.encode()
+    return lambda command: (command[0].upper() == b"FCALL"
+                            and any(tid in arg for arg in command))
+
+
+def test_a_call_sent_before_the_last_reply_was_read_is_refused_after_a_rollback(
+        debug_redis: RedisServer, config: str) -> None:
+    """Two sales on one connection: X2 is sent while X1's reply is still on its way; Redis
+    runs X1, goes back in place to before it, then runs X2. X2 must not pass on what the
+    process knew when X2 was sent (X1's G not read yet): it would write X1's G again and
+    the mark would cover the lost X1. Refused, X1 is put back; nothing past the cap."""
+    proxy = FaultProxy("127.0.0.1", debug_redis.port).start()
+    svc = ServiceProcess(config, proxy.url).start()
+    client = debug_redis.client()
+    try:
+        ledger = Ledger(current_draw(svc.base_url) + 1)
+        ledger.sell(svc.base_url, X)
+        ledger.sell(svc.base_url, X)
+        client.save()
+        x1, x2 = ledger.body(X, prefix="X1"), ledger.body(X, prefix="X2")
+        proxy.delay_reply(_sale_of(x1["ticket_id"]), 0.12)
+        release = threading.Event()
+        held = proxy.hold_request(_sale_of(x2["ticket_id"]), release)
+        first = ThreadPoolExecutor(2)
+        try:
+            one = first.submit(ledger.send, svc.base_url, x1)
+            proxy.wait_for(_sale_of(x1["ticket_id"]))
+            two = first.submit(ledger.send, svc.base_url, x2)  # 503s are sent again
+            assert held.fired.wait(5), "X2 never reached Redis's connection"
+            one.result(timeout=30)
+            client.execute_command("DEBUG", "RELOAD", "NOSAVE")  # X1 lost
+            release.set()
+            two.result(timeout=60)
+        finally:
+            release.set()
+            first.shutdown()
+
+        problems = ledger.lost()
+        ledger.sell_out(svc.base_url, X)
+        problems += ledger.over(svc.base_url)
+        problems += ledger.lost()
+        _assert_none(problems)
+    finally:
+        client.close()
+        svc.stop()
+        proxy.stop()
 
 
 # -- 4. two workers, one journal directory -----------------------------------------------------
