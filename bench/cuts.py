@@ -6,7 +6,7 @@ Builds throwaway trees of REV (default HEAD), each a git worktree whose sale ans
 constant body at one step, then runs bench/ab.py on REV and those trees (each on its own
 redis-server, pinned to CPU 0, rounds alternating, the bare handler beside them). A step's
 cost is the difference between two cuts in server CPU a ticket (`cpu µs/t`); `/ bare` is
-the ratio issue 20's target is about (0.70 with the journal on).
+the ratio to the bare handler in the same run.
 
 The cuts (lines patched into capsvc/tickets.py and capsvc/store.py; the script stops if
 the code they anchor on has changed):

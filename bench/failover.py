@@ -8,15 +8,15 @@ journal (the default), in `default` mode without it (`[journal] enabled = false`
 Redis alone keeps), and in `replicas:1` mode:
 
 - partition: a primary and its replica, the link frozen 2 s (TCP up), then the primary
-  killed, the replica promoted by hand and capsvc restarted on it (issue 16's a and b);
+  killed, the replica promoted by hand and capsvc restarted on it;
 - partition-redirect: the same, capsvc not restarted, its Redis address now leading to the
-  promoted replica (issue 17's second row);
+  promoted replica;
 - sentinel: three sentinels, a primary and two replicas, the primary killed; capsvc on the
-  `redis+sentinel://` URL follows the switch without a restart (c);
+  `redis+sentinel://` URL follows the switch without a restart;
 - sentinel-manual: the same, by `SENTINEL FAILOVER` with the old primary alive (its second
   replica acknowledges its writes until it is re-pointed);
 - cluster-kill, cluster-failover: a 3-primary Redis Cluster with a replica each, a primary
-  killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica (d);
+  killed (then restarted as a replica), or `CLUSTER FAILOVER` on a replica;
 - cluster-lag: cluster-kill, the killed primary's replica cut off 2 s before (its shard
   loses those 2 s of answered sales).
 

@@ -7,7 +7,7 @@ Calls `capsvc_sell` (the whole sale: claim, count, record, index) straight from 
 process through the Store, as a capsvc worker does, for `--tickets` new one-draw tickets of
 `--grids` capped grids each (8-10 numbers, distinct combinations), alternating round by
 round:
-- `json`: the sale kept as the releases before issue 20 kept it (`Sale` as JSON);
+- `json`: the sale kept as JSON (`Sale`);
 - `packed`: `validator.pack_sale` (MessagePack, nothing derivable).
 
 Each round on a fresh Redis database; Redis CPU from `INFO commandstats` (the sell calls

@@ -361,7 +361,7 @@ def main() -> int:
         "other one, so this says nothing of scaling)")
     print(f"capsvc --workers 2 on CPUs {cores}: {rps:.0f} tickets/s = "
           f"{rps / peak:.2f} x one worker{note}")
-    print("issue 20 targets: capsvc / bare >= 0.70 with the journal on (mix {:.2f}, one-grid "
+    print("targets: capsvc / bare >= 0.70 with the journal on (mix {:.2f}, one-grid "
           "{:.2f}; journal off {:.2f}, {:.2f}); Redis µs per ticket <= 35 on the mix ({:.1f}), "
           "<= 20 one-grid ({:.1f})".format(
               ratios["mix"], ratios["one-grid"], ratios_off["mix"], ratios_off["one-grid"],

@@ -1207,8 +1207,8 @@ time is rendered in the zone of the sale, whatever the configuration says later)
 "fix" when the caller does not know the draws' caps (the last n keys are then their cap
 keys, fixed here; the reply's last element gives the caps the sale was judged by), then
 the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
-of a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them, older than
-issue 20, has them decoded).
+of a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them has them
+decoded).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is

@@ -1,4 +1,4 @@
-"""Failover scenarios of issue 16 on real processes on loopback: a primary, its replicas,
+"""Failover scenarios on real processes on loopback: a primary, its replicas,
 sentinels or a Redis Cluster with replicas, `capsvc serve`, and eight sellers that retry
 every 503 with the same ticket id and body (tests/support: the harness, shared with
 bench/failover.py). Each scenario runs on Debian's redis-server 7.0, the key ones also on

@@ -1,4 +1,4 @@
-"""The failures the journal exists for, in `default` durability (issue 17's measured rows):
+"""The failures the journal exists for, in `default` durability (bench/failover.py's rows):
 a Redis that loses what it answered, and capsvc restoring it before the next sale.
 
 - a primary and its replica, the replication link frozen 2 s (TCP up), the primary killed,

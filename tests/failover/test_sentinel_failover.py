@@ -58,8 +58,8 @@ def test_a_manual_sentinel_failover_loses_no_answered_sale(
     """SENTINEL FAILOVER with the old primary alive: its second replica goes on
     acknowledging its writes after the first one is promoted, and would drop them when it
     follows the new primary. capsvc stops using the old primary as soon as the sentinels
-    choose the replica to promote: 0 answered lost, 0 over the cap (the review measured
-    ~20 % of the answered sales lost before)."""
+    choose the replica to promote: 0 answered lost, 0 over the cap (without that hold,
+    ~20 % of the answered sales are lost)."""
     run = sentinel_scenario("replicas:1", "manual", binary=binary, workers=2)
     report(run, record_property)
     assert_harness_worked(run, "kill", "switched")

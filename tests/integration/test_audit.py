@@ -1,4 +1,4 @@
-"""Each draw balanced and on the record (issue 18), on real processes and a real Redis:
+"""Each draw balanced and on the record, on real processes and a real Redis:
 the service writes a draw's report once final, equal to Redis's counters while the draw is
 retained and to what the sellers were answered, after a run with faults between the
 service and Redis, cancels, retries and a worker killed; after the retention, the same
@@ -423,7 +423,7 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         service.stop()
 
 
-# -- review 1 of the audit: each reproduction a test ---------------------------------------
+# -- reports and reconciliations at their edges -----------------------------------------
 
 
 def _sell(base: str, tid: str, game: str, draw: int, numbers: tuple[int, ...] = HOT[0],
@@ -662,7 +662,7 @@ def test_report_out_into_a_missing_directory_is_a_usage_error(
     assert len(out.stderr.splitlines()) == 1
 
 
-# -- review 2 of the audit --------------------------------------------------------------
+# -- decisions that reach the journal late; the commands' usage errors ------------------
 
 
 def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_indexed(

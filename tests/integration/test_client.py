@@ -1,4 +1,4 @@
-"""capsvc.client against the real service (issue 19, first part): typed decisions and
+"""capsvc.client against the real service: typed decisions and
 errors, a sale whose answer was lost sent again until decided (counted once), a deadline
 passed without a decision is OutcomeUnknown and the ticket is then exactly one of "never
 counted" or "decided", never a 4xx sent again; the blocking client for scripts."""

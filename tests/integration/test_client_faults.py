@@ -1,4 +1,4 @@
-"""capsvc.client through faults, against the real service (issue 19, part 2).
+"""capsvc.client through faults, against the real service.
 
 Between the client and the service, `HttpFaultProxy`: answers lost after the service ran
 the request, answers delayed past the client's timeout, connections reset before the request

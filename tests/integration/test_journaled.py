@@ -113,7 +113,7 @@ async def test_a_library_without_the_batched_release_is_replaced_and_entries_sti
     capsvc_journaled_many): the first release is refused as unknown, the transport loads
     this release's library and sends it again; no entry is left, nothing journaled twice.
     (A function whose arguments change gets a new name, so that this is what an older
-    library answers: an adversarial review ran two versions of one name side by side.)"""
+    library answers: two versions of one name side by side would never converge.)"""
     svc, _ = service
     source = lua_source()
     older = source.replace(
@@ -130,7 +130,7 @@ async def test_a_library_without_the_batched_release_is_replaced_and_entries_sti
     assert [journaled(svc, b["ticket_id"]) for b in sold] == [[("sale", "answer")]] * 5
 
 
-# -- review 2 of the audit: the entry goes only while the ticket holds what was journaled ---
+# -- the entry goes only while the ticket holds what was journaled -----------------------
 
 
 def refuse_journal(monkeypatch: pytest.MonkeyPatch, recorder: Any, method: str) -> None:

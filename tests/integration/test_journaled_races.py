@@ -1,4 +1,4 @@
-"""Review 3 of the audit, each reproduction a test: the pending index keeps every
+"""Races around the pending index, each a test: the pending index keeps every
 decision Redis holds until a journal has it, whatever races the janitor, replays, cancels,
 entries that must wait and short retentions bring; and the reconciliation looks up in
 Redis a ticket voided here and sold by another host."""

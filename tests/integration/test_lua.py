@@ -947,7 +947,7 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     close, expire = now + HOUR, now + DAY
     key = ticket_key("ch", secrets.token_hex(4))
     db.hset(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], COMBO, CAP - 200)
-    # "\0" "4": four numbers, not capped; HASH starts with 35, "#" (an old marker's bug).
+    # "\0" "4": four numbers, not capped; HASH starts with 35, "#": capped all the same.
     grids = [(COMBO, 300), ("\0" "4", 500), (OTHER, CAP), (HASH, 200)]
 
     def sell(fingerprint: str = "fp") -> Any:

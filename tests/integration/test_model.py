@@ -53,7 +53,7 @@ sweep = "2s"
 
 # Each example starts from an emptied Redis (FLUSHALL under the running service): the
 # journal would rightly put the earlier examples' decisions back. Its own guarantees are
-# tested in test_journal.py and test_journal_review.py.
+# tested in test_journal.py and test_journal_redis_loss.py.
 [journal]
 enabled = false
 

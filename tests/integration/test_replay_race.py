@@ -2,9 +2,9 @@
 standalone Redis), sent to two services: whichever request writes the decision answers it
 first and is the only one to count it in the metrics; every other answers it as a replay.
 
-Before the fix, a duplicate that resumed the pending sale and wrote its decision answered
-it as a replay (it had found the claim pending), and the request that had made the claim,
-finding it decided, answered a replay too: nobody answered it first nor counted it.
+The race: a duplicate that resumes the pending sale and writes its decision must answer
+it first even though it found the claim pending, and the request that made the claim,
+finding it decided, answers a replay: exactly one answers it first and counts it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Faults between the service and Redis at each step of a sale and of a cancel.
 
 A real `capsvc serve` talks to a real Redis through `tests.support.faults.FaultProxy`, which
-delays or loses a chosen reply or request. Each test is one of the failures a review found
-in the first release; each ends with the counters equal to what was accepted minus what was
-released, and with one decision that the client can see.
+delays or loses a chosen reply or request. Each test is one way a step can fail; each
+ends with the counters equal to what was accepted minus what was released, and with one
+decision that the client can see.
 """
 
 from __future__ import annotations

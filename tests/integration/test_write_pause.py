@@ -3,9 +3,9 @@ slow fsync): each request answers 503 (outcome unknown) or its decision, and no 
 call of a failed request is left with an error nobody retrieved, which asyncio logs as
 "Future exception was never retrieved" (one error-level line per lost call).
 
-Before the fix, a sale in steps queued the janitor's index beside its claim and awaited
-the claim first: when the claim failed, the index's failure was never retrieved (one line
-per request during every pause)."""
+A sale in steps queues the janitor's index beside its claim and awaits the claim first:
+when the claim fails, the index's failure must be retrieved too, or every request during a
+pause logs a line."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Second adversarial review of the journal: the checkpoint of reconciled identities, the
-marker field per journal directory and the watch, against real redis-server and real
-`capsvc serve` processes over HTTP.
+"""Redis given back an older copy of its own data — a backup loaded through replication, an
+older RDB file reloaded in place, a backup restored key by key while the service was
+stopped — against real redis-server and real `capsvc serve` processes over HTTP.
 
-Each test reproduces one failure and asserts the guaranteed behaviour (API.md, "What an
-answer promises": whatever Redis later loses — a restart from an older file, a restored
-backup — the process that reported a decision puts it back before it judges another sale;
-"Restore": whenever the Redis it reaches has another identity).
+Each test asserts the guaranteed behaviour (API.md, "What an answer promises": whatever
+Redis later loses — a restart from an older file, a restored backup — the process that
+reported a decision puts it back before it judges another sale): the ticket answered after
+the copy was taken is found, and the combination is not sold past its cap.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CONFIG
-from tests.integration.test_journal_review import (
+from tests.integration.test_journal_redis_loss import (
     EIGHT,
     FDJ_CAP,
     _current,
@@ -61,17 +61,13 @@ def debug_redis() -> Iterator[RedisServer]:
 def test_backup_loaded_through_replication_is_restored(debug_redis: RedisServer) -> None:
     """An operator gives the service's Redis an older copy of its data the way Redis allows
     without a restart: `REPLICAOF <server holding the backup>`, full sync, `REPLICAOF NO
-    ONE`. The Redis keeps its run_id, but its master_replid changes (the identity the
-    contract names as a trigger). The service (paused a moment meanwhile: a GC pause, a
-    starved CPU; without the pause it happens too, 2 runs in 3, whenever no write of its
-    lands in the replica phase) keeps its connection: identities are judged only in a new
-    connection's handshake (capsvc/coalesce.py _handshake), and the watch reads only
-    `HEXISTS j:{journal} <dir id>`, which the backup holds too. Nothing is restored: the
-    ticket answered after the backup is 404 forever, and the combination sells past the
-    cap.
+    ONE`. The Redis keeps its run_id, but its master_replid changes. The service is paused
+    a moment meanwhile (a GC pause, a starved CPU), so that none of its writes lands in the
+    replica phase, and it keeps its connection: nothing but the data tells it what
+    happened.
 
-    Expected: a changed identity (here master_replid) is noticed and restored before the
-    next sale; the answered ticket is found by GET and the cap holds."""
+    Expected: the loss is noticed and restored before the next sale; the answered ticket is
+    found by GET and the cap holds."""
     backup = RedisServer().start()
     svc = ServiceProcess(str(CONFIG), debug_redis.url).start()
     try:
@@ -110,18 +106,14 @@ def test_backup_loaded_through_replication_is_restored(debug_redis: RedisServer)
         backup.stop()
 
 
-# -- 2. a reload from an older file: same identity, the marker comes back with the data ----
+# -- 2. a reload from an older file: same identity, only the data went back --------------
 
 def test_reload_from_an_older_file_is_restored(debug_redis: RedisServer) -> None:
     """`DEBUG RELOAD NOSAVE`: Redis reloads its RDB file (saved after the first sale) in
-    place, losing what was written since; run_id and master_replid are unchanged, and the
-    marker field the watch looks for was in the file. The running service never restores:
-    the ticket answered after the save is 404, the cap is sold again.
+    place, losing what was written since; run_id and master_replid are unchanged.
 
     Expected (What an answer promises: "a restart from an older file, a restored backup"):
-    the answered ticket is put back before the next sale. The marker cannot tell a Redis
-    that kept everything from one that went back to an older copy of itself: it is the
-    same field with the same value in both."""
+    the answered ticket is put back before the next sale, and the cap is not sold again."""
     svc = ServiceProcess(str(CONFIG), debug_redis.url).start()
     try:
         draw = _current(svc.base_url)
@@ -142,7 +134,7 @@ def test_reload_from_an_older_file_is_restored(debug_redis: RedisServer) -> None
         svc.stop()
 
 
-# -- 3. the checkpoint: a restart on a Redis given back a backup of itself -----------------
+# -- 3. a restart on a Redis given back a backup of itself ---------------------------------
 
 def _dump_all(server: RedisServer) -> list[tuple[bytes, int, bytes]]:
     c = server.client()
@@ -163,12 +155,11 @@ def _restore_all(server: RedisServer, keys: list[tuple[bytes, int, Any]]) -> Non
 def test_restart_after_a_backup_restored_in_place_restores() -> None:
     """The service is stopped; the operator gives its Redis back yesterday's backup in
     place (FLUSHALL, then every key of a DUMP taken after the first sale RESTOREd — what
-    key-copying backup tools do). The service starts again on its own journal directory:
-    the Redis has the identity in `reconciled.json` and holds the directory's marker field
-    (it was in the backup), so `_already_reconciled` skips the restore. The ticket answered
-    after the backup is 404, and the cap is sold again.
+    key-copying backup tools do). The service starts again on its own journal directory,
+    on a Redis with the same identity as when it stopped.
 
-    Expected: the start restores what Redis lost (the journal holds it) before selling."""
+    Expected: the start restores what Redis lost (the journal holds it) before selling; the
+    ticket answered after the backup is found, and the cap is not sold again."""
     server = RedisServer().start()
     svc = ServiceProcess(str(CONFIG), server.url).start()
     again: ServiceProcess | None = None

@@ -1,11 +1,11 @@
-"""Adversarial review of the journal (records, restore, the identity gate, verify), against
-real redis-server and real `capsvc serve` processes over HTTP.
+"""The journal when Redis loses answered decisions, and when the journal itself is harmed,
+against real redis-server and real `capsvc serve` processes over HTTP.
 
-Each test reproduced one failure the review found, and asserts the guaranteed behaviour
-(the docstrings say what was found and how it was fixed): the cap exceeded by a second
-process selling before an idle one restored, a player charged a grid the cap refused, a
-Redis emptied in place never restored, a full disk leaving a file per failed write, and
-what verify can and cannot see of a tampered journal.
+Each test asserts a guaranteed behaviour: the cap holds when a second process sells before
+an idle one has restored, a player is charged only what a restore from an older file says
+was accepted, a Redis emptied in place is restored before the next sale, a full journal
+disk leaves a bounded number of files, and verify names a tampered last sale and a missing
+file too young to have been pruned.
 """
 
 from __future__ import annotations
@@ -110,20 +110,21 @@ def _restart_empty(server: RedisServer) -> None:
     server.start()
 
 
-# -- 1. restore is per process: another process sells past the cap before it ---------------
+# -- 1. restore is per process: no other process sells past the cap before it ------------
 
 def test_cap_holds_across_processes_after_redis_loses_everything(
         volatile_redis: RedisServer) -> None:
     """Two capsvc processes on one Redis, each with its own journal (the shipped StatefulSet:
     one volume claim per pod). A sells a combination to its cap; Redis restarts empty (new
-    run id). B restores its own (empty) journal and sells the same combination again, to the
-    cap, before A has put its decisions back: the acknowledged accepted stakes add up to
-    twice the cap, and once A restores, the counter is above the cap too.
+    run id). B, which has nothing of its own to put back, then sells the same combination:
+    were B to sell before A has put its decisions back, the acknowledged accepted stakes
+    would add up to twice the cap, and the counter would pass it once A restores.
 
-    Fixed: every process watches its Redis (a restart is noticed within the watch period,
-    even by an idle process) and announces its restore in Redis; a process that restored
-    waits `[journal] settle` (1 s, the default) and for every announced restore to end
-    before it sells."""
+    What holds it: every process watches its Redis (a loss is noticed within the watch
+    period, even by an idle process) and announces its restore in Redis; a process that
+    found Redis behind waits `[journal] settle` (1 s, the default) and for every announced
+    restore to end before it sells. The acknowledged accepted stakes and the counter stay
+    within the cap."""
     config = Path(tempfile.mkdtemp(prefix="jr-settle-")) / "capsvc.toml"
     config.write_text(CONFIG.read_text().replace('settle = "0s"', 'settle = "1s"'))
     a = ServiceProcess(str(config), volatile_redis.url).start()
@@ -154,17 +155,17 @@ def test_cap_holds_across_processes_after_redis_loses_everything(
         b.stop()
 
 
-# -- 2. restore from an older file: the player's budget keeps a cap-rejected grid ----------
+# -- 2. restore from an older file: the player is charged only the accepted cost ---------
 
 def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> None:
     """An lnm-keno sale (daily limit: a sale in steps: claim, take the requested cost from
     the budget, reserve, settle the budget to the accepted cost, finalize) answered
     `partial`: grid 0 refused by the cap, grid 1 accepted (cost 2500). Redis then restarts
     from an older AOF, one that has the budget's take but not its settlement (the AOF cut
-    right before the settle's MULTI). The restore writes the journaled decision, but the
-    budget keeps the full requested 5000: the player is charged for a grid the cap refused
-    ("Stakes of grids rejected by the cap do not use the budget"), and as the ticket is now
-    decided, the janitor will never settle it."""
+    right before the settle's MULTI). The restore writes the journaled decision and settles
+    the budget to it: the player's day holds 2500, not the requested 5000 ("Stakes of grids
+    rejected by the cap do not use the budget"), and the janitor's later turns change
+    nothing, the ticket being decided."""
     redis = RedisServer(extra=("--appendfsync", "always")).start()
     svc = ServiceProcess(str(CONFIG), redis.url).start()
     player = f"P-{_RUN}"
@@ -214,14 +215,14 @@ def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> 
         redis.stop()
 
 
-# -- 3. a Redis emptied in place keeps its identity: nothing is restored -------------------
+# -- 3. a Redis emptied in place keeps its identity, and is restored all the same --------
 
 def test_flushall_is_restored_before_the_next_sale() -> None:
     """Redis loses everything without a restart (FLUSHALL, as an operator's mistake or a
-    restored empty backup in place): its run id and replication id stay, so the gate alone
-    would never restore. The watch finds the process's mark of its last restore gone within
-    its period (capsvc.journal.reconciler.WATCH_S) and restores: the next sale is judged on
-    the restored counters, and the answered ticket is found."""
+    restored empty backup in place): its run id and replication id stay. The watch finds
+    the process's mark gone within its period (capsvc.journal.reconciler.WATCH_S) and
+    restores: the next sale is judged on the restored counters, and the answered ticket is
+    found."""
     redis = RedisServer().start()
     svc = ServiceProcess(str(CONFIG), redis.url).start()
     try:
@@ -241,14 +242,13 @@ def test_flushall_is_restored_before_the_next_sale() -> None:
         redis.stop()
 
 
-# -- 4. a full journal disk: every failed batch leaves a new empty file --------------------
+# -- 4. a full journal disk: the failed batches leave a bounded number of files -----------
 
 def test_full_journal_disk_does_not_create_files_without_bound(tmp_path: Path) -> None:
-    """The journal directory on a 64 KiB tmpfs. Once it is full, every batch that fails
-    (each sale answering 503, as it must) and every /readyz probe rotates to a new file:
-    os.open(O_CREAT) succeeds, the `open` line's write fails with ENOSPC, and the empty
-    file is left behind (writer._rotate closes the fd but never unlinks it). The files grow
-    with the number of requests for as long as the disk stays full."""
+    """The journal directory on a 64 KiB tmpfs. Once it is full, every batch fails (each
+    sale answering 503, as it must), and a failed write's file is cut back rather than left
+    behind: however many requests fail while the disk stays full, the directory holds at
+    most a handful of files."""
     mount = tmp_path / "mnt"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
@@ -277,7 +277,7 @@ def test_full_journal_disk_does_not_create_files_without_bound(tmp_path: Path) -
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
-# -- 5./6. verify: tampering it does not see --------------------------------------------
+# -- 5./6. verify: tampering at the newest end of a journal ------------------------------
 
 @pytest.fixture
 def journal_with_sales() -> Iterator[tuple[Path, str, str]]:
@@ -333,8 +333,8 @@ def test_verify_detects_an_altered_last_sale(
 def test_verify_detects_a_missing_file_that_cannot_have_been_pruned(
         journal_with_sales: tuple[Path, str, str]) -> None:
     """The first file of a process (its decisions of the last seconds, far from `keep`,
-    90 days) is deleted: verify takes it for a file pruned past `keep` and exits 0, though
-    the next file's `open` line names it (and its name says when it was opened)."""
+    90 days) is deleted: the next file's `open` line names it and its name says when it was
+    opened, so verify cannot take it for a file pruned past `keep` and exits non-zero."""
     directory, _, _ = journal_with_sales
     first = _files(directory)[0]
     assert b'"seq":0' in first.read_bytes().split(b"\n")[0]

@@ -1,4 +1,6 @@
-"""capsvc.client: the failures an adversarial review reproduced (issue 19), each a test.
+"""capsvc.client at its edges: odd ids and paths, answers that are not the service's, event
+streams cut anywhere, Retry-After in any form, a deadline used to its end, and closing the
+client while a sale or a feed is in flight.
 
 Against the real service where the fault is the service's own behaviour (ids "." and "..");
 against a stand-in HTTP server where it plays what sits between a sales system and capsvc
@@ -252,7 +254,7 @@ async def test_the_deadline_is_used_to_its_end(stand_in: StandIn) -> None:
             assert deadline - 0.1 <= elapsed <= deadline + 0.2, (deadline, elapsed)
 
 
-# -- the second review ----------------------------------------------------------------------
+# -- answers half read, closing from other threads, headers and paths ---------------------
 
 
 async def half_an_answer(req: web.Request) -> web.StreamResponse:

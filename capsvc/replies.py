@@ -1,0 +1,209 @@
+"""The replies of the Lua functions that act for a ticket, decoded into named types.
+
+lua/capsvc.lua documents each reply in the header of its function; each type here carries
+that layout (`LUA`, as the header writes it), and tests/unit/test_replies.py holds the two
+in step. Nothing above
+the store indexes a reply by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _text(value: bytes) -> str:
+    return value.decode()
+
+
+# -- a sale's first call: claim (steps) or sell (one call) ---------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The ticket id is this sale's now (steps): its grids are still to be decided."""
+
+    LUA: ClassVar[str] = "{'new', at, sid}"
+    at: int
+    sale_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sold:
+    """The sale made and decided in that same call (one call)."""
+
+    LUA: ClassVar[str] = "{'new', at, sid, res, near, sold, shadowed"
+    at: int
+    sale_id: str
+    results: bytes
+    near_cap: int
+    """Counters this sale brought to 80 % of their cap."""
+    sold_out: int
+    """Counters at their cap after this sale."""
+    shadowed: int
+    """Grids accepted that the shadow cap would have refused."""
+    caps: list[int] | None
+    """The draws' caps the sale was judged by, when the call fixed them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """The ticket id already holds a decision of this request: a replay."""
+
+    LUA: ClassVar[str] = ("{'final', body or false, at, sid, sale, res or false, st, "
+                          "cancelled at or false, released or false}")
+    body: bytes | None
+    """The decision's body, or None when it is kept as `results` (one call)."""
+    at: int
+    sale_id: str
+    sale: bytes
+    results: bytes | None
+    state: bytes
+    """b"f" decided, b"k" being cancelled, b"c" cancelled."""
+    cancelled_at: int | None
+    released: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """The ticket id holds this request's sale, not decided yet: resume it."""
+
+    LUA: ClassVar[str] = "{'pending', at, sid, sale}"
+    at: int
+    sale_id: str
+    sale: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoppedAt:
+    """An admin stopped the draw at `offset`: nothing was written (one call)."""
+
+    LUA: ClassVar[str] = "{'stopped', offset}"
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Nothing claimed: `conflict` (the id holds another request), `stale` (its sale is
+    the janitor's now) or `closed` (the first draw's close has passed)."""
+
+    LUA: ClassVar[str] = "{'conflict'} | {'stale'} | {'closed'}"
+    why: str
+
+
+Claim = Claimed | Sold | Decided | Pending | StoppedAt | Refused
+
+
+def claim_of(reply: list[Any]) -> Claim:
+    """A claim's or a one-call sale's reply."""
+    kind = reply[0]
+    if kind == b"new":
+        if len(reply) == 3:
+            return Claimed(int(reply[1]), _text(reply[2]))
+        caps = reply[7] if len(reply) > 7 else None
+        return Sold(int(reply[1]), _text(reply[2]), reply[3], int(reply[4]), int(reply[5]),
+                    int(reply[6]), [int(c) for c in caps.split(b",")] if caps else None)
+    if kind == b"final":
+        return Decided(reply[1], int(reply[2]), _text(reply[3]), reply[4], reply[5],
+                       reply[6], _int(reply[7] if len(reply) > 7 else None),
+                       _int(reply[8] if len(reply) > 8 else None))
+    if kind == b"pending":
+        return Pending(int(reply[1]), _text(reply[2]), reply[3])
+    if kind == b"stopped":
+        return StoppedAt(int(reply[1]))
+    return Refused(_text(kind))
+
+
+# -- a ticket's record -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TicketRecord:
+    """A ticket id's record as it stands (`ticket`)."""
+
+    LUA: ClassVar[str] = "st, body, sale, sid, at, ca, rel, res, fp"
+    state: bytes
+    """b"p" pending, b"x" expired, b"f" decided, b"k" being cancelled, b"c" cancelled."""
+    body: bytes | None
+    sale: bytes
+    sale_id: str
+    at: int
+    cancelled_at: int | None
+    released: int | None
+    results: bytes | None
+    fingerprint: bytes | None
+
+    @property
+    def decided(self) -> bool:
+        return self.state in (b"f", b"k", b"c")
+
+
+def ticket_of(reply: list[Any]) -> TicketRecord | None:
+    """A `ticket` reply; None when the ticket id holds nothing."""
+    if reply[0] is None:
+        return None
+    return TicketRecord(reply[0], reply[1], reply[2], _text(reply[3]), int(reply[4]),
+                        _int(reply[5]), _int(reply[6]), reply[7], reply[8])
+
+
+# -- the janitor's hand-over ---------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A ticket handed to the janitor (`expire`): a sale left pending (b"x"), a cancel left
+    unfinished (b"k") or a decision maybe never journaled (b"f", b"c")."""
+
+    LUA: ClassVar[str] = ("{'x', at, sid, sale} | {'k' or 'c', at, sid, sale, body, "
+                          "cancelled at, released, res}")
+    state: bytes
+    at: int
+    sale_id: str
+    sale: bytes
+    body: bytes | None = None
+    cancelled_at: int | None = None
+    released: int | None = None
+    results: bytes | None = None
+
+
+def due_of(reply: list[Any]) -> Due | bool | None:
+    """An `expire` reply: what to settle; False when not due yet; None when the janitor has
+    nothing to do with the ticket (its entry goes)."""
+    if not reply:
+        return None
+    if reply[0] == b"wait":
+        return False
+    if reply[0] == b"x":
+        return Due(b"x", int(reply[1]), _text(reply[2]), reply[3])
+    return Due(reply[0], int(reply[1]), _text(reply[2]), reply[3], reply[4], _int(reply[5]),
+               _int(reply[6]), reply[7])
+
+
+# -- a cancel ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Cancelling:
+    """The cancel is decided (b"k": what the sale took is to be given back now; b"c":
+    given back already, a replay)."""
+
+    LUA: ClassVar[str] = ("{'k', at, released, sid} (also when an earlier cancel was "
+                          "interrupted) | {'c', at, released}")
+    state: bytes
+    at: int
+    released: int
+
+
+@dataclass(frozen=True, slots=True)
+class NotCancelled:
+    """Nothing decided: `closed` (the first draw is closed or stopped), `missing`,
+    `undecided`."""
+
+    LUA: ClassVar[str] = "{'closed'} | {'missing'} | {'undecided'}"
+    why: str
+
+
+def cancel_of(reply: list[Any]) -> Cancelling | NotCancelled:
+    if reply[0] in (b"k", b"c"):
+        return Cancelling(reply[0], int(reply[1]), int(reply[2]))
+    return NotCancelled(_text(reply[0]))

@@ -1,0 +1,66 @@
+"""The typed replies (capsvc.replies) and the Lua headers that document them agree, and
+each decoder reads the layout its header gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capsvc import replies as r
+
+LUA = (Path(__file__).parents[2] / "lua" / "capsvc.lua").read_text()
+
+DOCUMENTED = {
+    "claim": [r.Claimed, r.Decided, r.Pending, r.Refused],
+    "sell": [r.Sold, r.Decided, r.Pending, r.Refused, r.StoppedAt],
+    "ticket": [r.TicketRecord],
+    "expire": [r.Due],
+    "cancel": [r.Cancelling, r.NotCancelled],
+}
+
+
+def header(function: str) -> str:
+    """The header of `function`: the `--[[ <function>: … ]]` block before its
+    `local function`, whitespace collapsed."""
+    at = LUA.index(f"local function {function}(")
+    begin = LUA.rindex(f"--[[ {function}:", 0, at)
+    return " ".join(LUA[begin:LUA.index("]]", begin)].split())
+
+
+@pytest.mark.parametrize(("function", "types"), DOCUMENTED.items())
+def test_each_reply_type_is_the_layout_its_function_documents(
+        function: str, types: list[type]) -> None:
+    text = header(function)
+    for t in types:
+        layout = " ".join(t.LUA.split())  # type: ignore[attr-defined]
+        assert layout in text, f"{t.__name__}: {layout!r} not in the header of {function}"
+
+
+def test_claims_decode_by_kind() -> None:
+    assert r.claim_of([b"new", 5, b"s1"]) == r.Claimed(5, "s1")
+    sold = r.claim_of([b"new", 5, b"s1", b"Europe/Paris|1", 1, 0, 0, b"5000,5000"])
+    assert sold == r.Sold(5, "s1", b"Europe/Paris|1", 1, 0, 0, [5000, 5000])
+    assert r.claim_of([b"new", 5, b"s1", b"res", 0, 0, 0]) == r.Sold(5, "s1", b"res", 0, 0,
+                                                                     0, None)
+    assert r.claim_of([b"final", b"{}", 5, b"s1", b"sale", None, b"c", 7, 500]) == r.Decided(
+        b"{}", 5, "s1", b"sale", None, b"c", 7, 500)
+    assert r.claim_of([b"pending", 5, b"s1", b"sale"]) == r.Pending(5, "s1", b"sale")
+    assert r.claim_of([b"stopped", 2]) == r.StoppedAt(2)
+    for why in ("conflict", "stale", "closed"):
+        assert r.claim_of([why.encode()]) == r.Refused(why)
+
+
+def test_tickets_hand_overs_and_cancels_decode() -> None:
+    assert r.ticket_of([None] * 9) is None
+    record = r.ticket_of([b"f", b"{}", b"sale", b"s1", b"5", None, None, None, b"fp"])
+    assert record == r.TicketRecord(b"f", b"{}", b"sale", "s1", 5, None, None, None, b"fp")
+    assert record.decided
+    assert r.due_of([]) is None
+    assert r.due_of([b"wait"]) is False
+    assert r.due_of([b"x", b"5", b"s1", b"sale"]) == r.Due(b"x", 5, "s1", b"sale")
+    assert r.due_of([b"k", b"5", b"s1", b"sale", b"{}", b"9", b"500", None]) == r.Due(
+        b"k", 5, "s1", b"sale", b"{}", 9, 500, None)
+    assert r.cancel_of([b"k", b"9", b"500", b"s1"]) == r.Cancelling(b"k", 9, 500)
+    assert r.cancel_of([b"c", b"9", b"500"]) == r.Cancelling(b"c", 9, 500)
+    assert r.cancel_of([b"missing"]) == r.NotCancelled("missing")
