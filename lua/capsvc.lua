@@ -1219,7 +1219,8 @@ lists, and the ticket is written decided, its decision kept as the grids' result
 function of them, the sale, sid and at). No pending state; the ticket is indexed until the
 caller has journaled its decision (the janitor journals it otherwise). Returns
 {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
-| {'final', body or false, at, sid, sale, res or false, st}
+| {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
+  released or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
 local function sell(keys, args)
   local T
