@@ -113,9 +113,6 @@ class Settings:
     """On a standalone Redis, sell a ticket of a game without player limits in one atomic
     call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
     protocol a Redis Cluster always uses, whose keys are spread over slots)."""
-    packed_sales: bool = True
-    """Ticket records keep their sale packed (validator.pack_sale); False: as JSON, what
-    releases before it read (for a rolling upgrade from one of them)."""
     ticket_records: str = "buckets"
     """`[redis] ticket_records` (capsvc.store.TICKET_RECORDS): where ticket records are
     written and read."""
@@ -423,7 +420,7 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 _SECTIONS = {
     "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls",
-                        "sale_record", "ticket_records"}),
+                        "ticket_records"}),
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
@@ -546,8 +543,6 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
         one_call_sales=c.choice("redis.sale_calls", redis.get("sale_calls", "one"),
                                 ("one", "steps")) == "one",
-        packed_sales=c.choice("redis.sale_record", redis.get("sale_record", "packed"),
-                              ("packed", "json")) == "packed",
         ticket_records=c.choice("redis.ticket_records",
                                 redis.get("ticket_records", "buckets"),
                                 ("buckets", "buckets+keys", "keys")),

@@ -30,12 +30,10 @@ import msgspec
 
 from capsvc.coalesce import Coalescer, Transport
 from capsvc.marks import MARKED, Marks
-from capsvc.validator import Sale, pack_sale
 
 if TYPE_CHECKING:
     from capsvc.config import Settings
 
-_json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
@@ -169,11 +167,6 @@ def record_names(ticket: str, bucketed: bool, legacy_keys: bool
     return [bucket, ticket if legacy_keys else bucket], [ident_of(ticket)]
 
 
-def sale_record_of(sale: Sale, packed: bool, asked: bool | None = None) -> bytes:
-    """The sale as a ticket record keeps it (Store.sale_record)."""
-    return pack_sale(sale, asked) if packed else _json_encode(sale)
-
-
 def stop_instants(replies: list[Any]) -> list[int | None]:
     """The instants (ms) sales stopped from HMGET replies of the stops hash."""
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
@@ -182,16 +175,13 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
-    def __init__(self, redis: Transport, *, packed_sales: bool = True,
-                 ticket_records: str = "buckets") -> None:
+    def __init__(self, redis: Transport, *, ticket_records: str = "buckets") -> None:
         if ticket_records not in TICKET_RECORDS:
             raise ValueError(f"ticket_records: {ticket_records!r}")
         self.redis = redis
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
-        self.packed_sales = packed_sales
-        """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
         self.bucketed = ticket_records != "keys"
         """Ticket records written into buckets (lua/capsvc.lua, TICKET RECORDS)."""
         self.legacy_keys = ticket_records != "keys"
@@ -207,19 +197,12 @@ class Store:
     @classmethod
     def of(cls, redis: Transport, settings: Settings) -> Store:
         """The store as `settings` lay it out."""
-        return cls(redis, packed_sales=settings.packed_sales,
-                   ticket_records=settings.ticket_records)
-
-    def sale_record(self, sale: Sale, asked: bool | None = None) -> bytes:
-        """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
-        processes of a release before it still run, the JSON they read. Read back by
-        validator.unpack_sale either way."""
-        return sale_record_of(sale, self.packed_sales, asked)
+        return cls(redis, ticket_records=settings.ticket_records)
 
     @property
     def layout(self) -> RecordLayout:
         """How this store lays out ticket records now (see RecordLayout)."""
-        return RecordLayout(self.bucketed, self.legacy_keys, self.packed_sales)
+        return RecordLayout(self.bucketed, self.legacy_keys)
 
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
@@ -669,16 +652,12 @@ THE BULK RESTORE)."""
 
 
 class RecordLayout(msgspec.Struct, frozen=True):
-    """How a store lays out ticket records (`Store.names`) and keeps a sale in them
-    (`Store.sale_record`): all that naming a ticket's record and building the ops of a
-    restore take, without a connection (a restore plans its calls in processes of its own)."""
+    """How a store lays out ticket records (`Store.names`): all that naming a ticket's record
+    and building the ops of a restore take, without a connection (a restore plans its calls
+    in processes of its own)."""
 
     bucketed: bool
     legacy_keys: bool
-    packed_sales: bool
-
-    def sale_record(self, sale: Sale) -> bytes:
-        return sale_record_of(sale, self.packed_sales)
 
     def restore_sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
                      aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:

@@ -29,6 +29,7 @@ from capsvc.journal.restore import Restored
 from capsvc.ledger import Ledger
 from capsvc.models import TicketOut
 from capsvc.store import Store, bucket_keys, record_field, replies_of, ticket_key
+from capsvc.validator import pack_sale
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
@@ -107,8 +108,7 @@ class OneByOne:
     async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        written = await self._restore_ticket(key, r.sale, r.fp, r.at,
-                                             self.store.sale_record(sale),
+        written = await self._restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
                                              bytes(r.decision), r.until)
         kind = written[0]
         if kind == b"cancelled":
@@ -168,7 +168,7 @@ class OneByOne:
         if ours and state != b"c":
             await self.store.index(key, now, r.until)
             reply = await self._restore_ticket(key, r.sale, r.fp, r.at,
-                                               self.store.sale_record(sale),
+                                               pack_sale(sale),
                                                bytes(r.decision), r.until,
                                                r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None

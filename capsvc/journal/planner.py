@@ -49,7 +49,7 @@ from capsvc.store import (
     ticket_key,
     ticket_value,
 )
-from capsvc.validator import Sale
+from capsvc.validator import Sale, pack_sale
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """How much of a journal file a planning process reads, decodes and plans at a time."""
@@ -187,7 +187,7 @@ class Planner:
                            budget=self._budget(game, r, sale, ()))
         accepted = tuple(g.index for g in _outcomes(r.decision).grids
                          if g.status == "accepted")
-        packed = layout.sale_record(sale)
+        packed = pack_sale(sale)
         body = bytes(r.decision)
         if isinstance(r, CancelRecord):
             step = layout.restore_cancel(key, r.sale, r.until, ticket_value(

@@ -38,7 +38,7 @@ from capsvc.store import (
     ticket_key,
 )
 from capsvc.testing import RedisCluster, RedisServer
-from capsvc.validator import Sale, validate_ticket
+from capsvc.validator import Sale, pack_sale, validate_ticket
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords
@@ -137,7 +137,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         game = catalog.games[v.game]
         sale = sale_of(v)
         tickets.put(ticket_key(v.channel, v.ticket), v.until, st="p", fp="fp", at=v.at,
-                    sid=v.sale, sale=store.sale_record(sale))
+                    sid=v.sale, sale=pack_sale(sale))
         for g in sale.grids:
             if g.capped:
                 await store.reserve(v.game, g.combo, record_field(v.sale, g.index), g.stake,

@@ -25,6 +25,8 @@ from capsvc.store import (
     ticket_key,
 )
 from capsvc.testing import RedisCluster, RedisServer
+from capsvc.validator import unpack_sale
+from tests.conftest import TEN, Client, ticket
 from tests.records import TicketRecords
 
 HOUR, DAY = 3_600_000, 86_400_000
@@ -112,6 +114,22 @@ async def test_each_setting_writes_where_it_says(stores: dict[str, Store], redis
             assert bucketed.expiry(key) == now + DAY
             assert redis_db.pexpiretime(record_bucket_of(key)) >= now + DAY
         assert (await store.ticket(key))[0:2] == [b"f", b"body"]
+
+
+async def test_a_sold_ticket_s_record_keeps_its_sale_packed(client: Client,
+                                                            redis_db: redis.Redis) -> None:
+    """A ticket sold through the service: its record is a field of its bucket (no key of its
+    own), and keeps the sale packed (validator.pack_sale), not as JSON."""
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 100}], first_draw=draw)
+    assert (await client.sell(body)).status == 200
+    key = ticket_key("fr-retail", body["ticket_id"])
+    records = TicketRecords(redis_db, "buckets")
+    assert redis_db.exists(key) == 0
+    assert records.get(key, "st") == b"f"
+    sale = records.get(key, "sale")
+    assert sale[:1] != b"["
+    assert unpack_sale(sale).ticket_id == body["ticket_id"]
 
 
 async def test_a_record_is_found_whichever_layout_holds_it(stores: dict[str, Store],
