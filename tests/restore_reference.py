@@ -60,7 +60,7 @@ class OneByOne:
                         sale: bytes, body: bytes, expire_at: int,
                         cancelled_at: int | None = None, released: int = 0) -> Any:
         keys, args = self.store.names(ticket)
-        return self.store.fcall("capsvc2_restore_ticket", keys, [
+        return self.store.fcall("capsvc_restore_ticket", keys, [
             *args, sale_id, fingerprint, at, sale, body, expire_at,
             "" if cancelled_at is None else cancelled_at, released])
 

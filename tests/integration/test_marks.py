@@ -217,7 +217,7 @@ async def test_calls_reordered_across_connections_are_stamped_as_redis_ran_them(
         journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
         fast.marks = slow.marks = Marks(journal.life, single_node=True)
         recorder = Recorder(journal, lambda: 1)
-        proxy.hold_request(command("FCALL", "capsvc2_claim"), release)
+        proxy.hold_request(command("FCALL", "capsvc_claim"), release)
         db = redis_py.Redis(port=debug_redis.port)
 
         async def sell(store: Store, ticket_id: str) -> None:
