@@ -200,10 +200,9 @@ class Store:
 
     # -- tickets ---------------------------------------------------------------------------
 
-    def index(self, ticket: str, instant: int, expire_at: int) -> asyncio.Future[Any]:
-        """Register a ticket for the janitor before claiming it, at Redis TIME (`instant`,
-        this process's estimate of it, is what a library older than that used)."""
-        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, instant, expire_at])
+    def index(self, ticket: str, expire_at: int) -> asyncio.Future[Any]:
+        """Register a ticket for the janitor before claiming it, at Redis TIME."""
+        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Any]:

@@ -169,7 +169,7 @@ class Tickets:
                 # only write that decides; admin stops are checked once it has been made.
                 # Awaited together: when Redis fails, both fail, and both are retrieved.
                 _, claim = await replies_of([
-                    self.store.index(key, self.clock.now(), expire_at),
+                    self.store.index(key, expire_at),
                     self.store.claim(key, sale.fingerprint,
                                      pack_sale(stored, sale.first_draw is not None),
                                      close_ms, expire_at, self.stale_after_ms)])

@@ -339,14 +339,14 @@ local function ticket_delete(T)
   redis.call('HDEL', T.bucket, T.field)
 end
 
---[[ index: KEYS pending; ARGV ticket key, (unused), expire_at
+--[[ index: KEYS pending; ARGV ticket key, expire_at
 Registers a ticket that may need the janitor (before it is claimed, so that no claimed
 ticket is ever missing from the index), at Redis TIME: a draw's report waits for the
 entries made before its close, judged by the clock that judged the close (a caller's
 estimate of it could put a claim made just before the close after it). ]]
 local function index(keys, args)
   redis.call('ZADD', keys[1], 'NX', now_ms(), args[1])
-  extend(keys[1], tonumber(args[3]))
+  extend(keys[1], tonumber(args[2]))
   return 1
 end
 
@@ -714,15 +714,6 @@ local function recorded(buckets, combo, rec, caps, min_stake)
   table.insert(out, 1, 0)
   table.insert(out, 1, 1)
   return out
-end
-
--- The bytes a hex string spells.
-local function unhex(hex)
-  local bytes = {}
-  for i = 1, #hex, 2 do
-    bytes[#bytes + 1] = tonumber(string.sub(hex, i, i + 1), 16)
-  end
-  return string.char(unpack(bytes))
 end
 
 local function slice_from(list, from)
@@ -1109,8 +1100,7 @@ time is rendered in the zone of the sale, whatever the configuration says later)
 "fix" when the caller does not know the draws' caps (the last n keys are then their cap
 keys, fixed here; the reply's last element gives the caps the sale was judged by), then
 the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
-of a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them, older than
-issue 20, has them decoded).
+of a one-grid sale's ~65 µs of Redis CPU).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
@@ -1152,9 +1142,6 @@ local function sell(keys, args)
   -- Its 8 bytes, taken as sent: the caller makes the hex and the bytes from one nonce
   -- (checking them here would cost what sending them saves).
   local sid_bytes = args[14 + 2 * tonumber(args[11]) + n]
-  if sid_bytes and #sid_bytes ~= 8 then
-    sid_bytes = nil
-  end
   local caps, shadow = caps_of(args[9], n)
   local min_stake, grids = args[10], tonumber(args[11])
   local expiries = {}
@@ -1194,7 +1181,6 @@ local function sell(keys, args)
         buckets[i] = keys[k + i - 1]
       end
       k = k + n
-      sid_bytes = sid_bytes or unhex(sid)
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting.
       local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,

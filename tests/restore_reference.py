@@ -166,7 +166,7 @@ class OneByOne:
         ours = state is None or sid.decode() == r.sale
         cancelling: list[Any] | None = None
         if ours and state != b"c":
-            await self.store.index(key, now, r.until)
+            await self.store.index(key, r.until)
             reply = await self._restore_ticket(key, r.sale, r.fp, r.at,
                                                pack_sale(sale),
                                                bytes(r.decision), r.until,

@@ -680,16 +680,16 @@ async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
     pending = pending_key_of(key)
     assert key_slot(pending.encode()) == key_slot(key.encode())
     t0 = redis_ms(redis_db)
-    assert await store.index(key, now - HOUR, now + DAY) == 1  # the caller's instant: unused
+    assert await store.index(key, now + DAY) == 1
     ((member, first),) = redis_db.zrange(pending, 0, -1, withscores=True)
     assert member == key.encode()
     assert t0 <= first <= redis_ms(redis_db)  # Redis TIME
     assert redis_db.pexpiretime(pending) == now + DAY
-    assert await store.index(key, now + 5, now + HOUR) == 1
+    assert await store.index(key, now + HOUR) == 1
     assert redis_db.zscore(pending, key) == first
     assert redis_db.pexpiretime(pending) == now + DAY
     other = key.replace("T-index", "T-index-2")  # same hash tag, same zset
-    assert await store.index(other, now + 7, now + 2 * DAY) == 1
+    assert await store.index(other, now + 2 * DAY) == 1
     assert redis_db.zcard(pending) == 2
     assert redis_db.pexpiretime(pending) == now + 2 * DAY
 
@@ -967,24 +967,13 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert db.pexpiretime(pending_key_of(key)) == expire
 
 
-@pytest.mark.parametrize("nonce", ["sent", "not sent", "not 8 bytes"])
 async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
-        one_node: Store, standalone_db: redis.Redis, nonce: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        one_node: Store, standalone_db: redis.Redis) -> None:
     """The caller sends the sale id's 8 bytes after its hex (decoding the hex in Lua was an
-    eighth of the call); a caller older than that sends none, and bytes of another length
-    are not taken: the id's hex is decoded then. Either way a grid's record is the field
-    `record_field(sid)` that a reserve, a release and a cancel look for."""
+    eighth of the call): a grid's record is the field `record_field(sid)` that a reserve, a
+    release and a cancel look for."""
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
-    fcall = one_node.fcall
-
-    def older(name: str, keys: list[str], args: list[Any]) -> Any:
-        if name == "capsvc_sell" and nonce != "sent":
-            args = args[:-1] if nonce == "not sent" else [*args[:-1], b"\x01\x02\x03"]
-        return fcall(name, keys, args)
-
-    monkeypatch.setattr(one_node, "fcall", older)
     new = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
                               1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
     assert new[0] == b"new"
