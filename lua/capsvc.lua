@@ -250,8 +250,8 @@ A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below
 ARGV[1], its field, before the call's own ARGV. ]]
 local FIELD = {st = 1, fp = 2, at = 3, sid = 4, sale = 5, body = 6, res = 7, ca = 8, rel = 9}
 
--- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place
--- (a sale's ARGV can be more than `unpack` takes), so that the call's own ARGV come first.
+-- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place,
+-- so that the call's own ARGV come first.
 local function ticket_of(keys, args)
   local bucket, field = keys[1], table.remove(args, 1)
   return {bucket = bucket, field = field,

@@ -160,8 +160,8 @@ async def test_every_record_bucket_is_in_its_tickets_slot(redis_db: redis.Redis)
 
 async def test_a_sale_of_thousands_of_keys_is_one_call(redis_server: RedisServer,
                                                        standalone_db: redis.Redis) -> None:
-    """20 grids on 400 draws name ~9,000 keys in one call (more than Lua's `unpack` takes):
-    the ticket's field is taken out of ARGV in place, and the sale is decided."""
+    """20 grids on 400 draws name ~9,000 keys in one call (more than Lua's `unpack` takes),
+    and the sale is decided."""
     coalescer = connect(redis_server.url, timeout_s=10, library=lua_source())
     store = Store(coalescer)
     try:
