@@ -50,8 +50,8 @@ def ticket_key(channel: str, ticket_id: str) -> str:
 
 
 def record_bucket_of(ticket: str) -> str:
-    """The hash that holds ticket `ticket`'s record in the bucketed layout: in its slot,
-    chosen by the next bits of the hash that chose the slot."""
+    """The hash that holds ticket `ticket`'s record: in its slot, chosen by the next bits of
+    the hash that chose the slot."""
     end = ticket.index("}") + 1
     ident = ticket[end + 1:]
     bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
