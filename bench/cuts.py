@@ -18,7 +18,7 @@ the code they anchor on has changed):
     floor       validated, a PING and a durable journal record: the least a journaled
                 sale can do
     args        the sale call's keys and arguments built, a PING sent instead of it
-    called      the sale's own call (capsvc2_sell) made, its reply not read
+    called      the sale's own call (capsvc_sell) made, its reply not read
     decided     the decision built from the reply and encoded, not journaled
 
 Prints what bench/ab.py prints; asserts nothing. Removes its trees when done.
@@ -49,7 +49,7 @@ DECIDED = """                    body = _encode(out)
                     await self._journaled(key, sale_id, b"f", self.journal.sale(
                         "answer", channel.id, stored, sale_id, at, body, expire_at,
 """
-CALL = """        return self.fcall("capsvc2_sell", keys,
+CALL = """        return self.fcall("capsvc_sell", keys,
                           [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
 """
 PING = '        await self.store.redis.call("PING")\n'

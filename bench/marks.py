@@ -2,7 +2,7 @@
 
     python bench/marks.py [--calls 20000] [--rounds 6]
 
-On one redis-server, rounds alternating: `capsvc2_sell` through `Store.sell` as a worker
+On one redis-server, rounds alternating: `capsvc_sell` through `Store.sell` as a worker
 calls it, once with a process's marks (checked and counted: one HMGET, one HSET) and once
 with a tool's (the same function, its mark neither checked nor counted). Prints, per
 variant, the median Redis CPU (the process's, from /proc) and FCALL time (INFO
@@ -70,7 +70,7 @@ def main() -> int:
     if rerun is not None:
         return rerun
     results = asyncio.run(measure(args.calls, args.rounds))
-    print(f"a one-grid capsvc2_sell, {args.calls} calls a round, {args.rounds} rounds "
+    print(f"a one-grid capsvc_sell, {args.calls} calls a round, {args.rounds} rounds "
           "alternating (medians; Redis CPU from /proc, FCALL from INFO commandstats)")
     medians = {}
     for name, rows in results.items():

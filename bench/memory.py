@@ -15,10 +15,8 @@ combination.
    process (capsvc.client, 32 at a time), waits until their decisions are journaled (the
    pending index empty), and prints the `used_memory` delta per ticket, everything the
    sales left in Redis counted, with Redis's default hash limits and with
-   deploy/redis.conf's, for each `[redis] ticket_records` of `--ticket-records` (records in
-   buckets, the default, or a key each); then MEMORY USAGE by kind of key, and one ticket
-   record (or bucket). The sizing rule: bytes per ticket x tickets retained (README,
-   "Sizing Redis").
+   deploy/redis.conf's; then MEMORY USAGE by kind of key, and one bucket of ticket records.
+   The sizing rule: bytes per ticket x tickets retained (README, "Sizing Redis").
 4. (`--layouts N`.) What a ticket record costs by how it is kept, everything else equal: N
    records of the mix's sizes (a packed sale of 36-90 bytes, results of 1-5 grids), each a
    key of its own with a TTL, written straight into Redis with deploy/redis.conf's hash
@@ -247,12 +245,12 @@ async def sell_mix(url: str, tickets: int, seed: int) -> int:
     return draw
 
 
-def per_ticket(server: RedisServer, tickets: int, ticket_records: str) -> dict[str, Any]:
+def per_ticket(server: RedisServer, tickets: int) -> dict[str, Any]:
     """Redis memory per ticket of the mix sold through the service, everything it leaves in
     Redis counted (ticket records, counters and grid records, aggregates, the pending
     index once the decisions are journaled), and what each kind of key holds."""
     # bench/run.py's: the token, fdj-keno.
-    config = config_file(redis=f'ticket_records = "{ticket_records}"')
+    config = config_file()
     client = server.client()
     client.flushall()
     service = ServiceProcess(config, server.url).start()
@@ -274,16 +272,14 @@ def per_ticket(server: RedisServer, tickets: int, ticket_records: str) -> dict[s
             usage = kinds.setdefault(kind, [0, 0])
             usage[0] += 1
             usage[1] += client.memory_usage(key, samples=0) or 0
-        one = next(k for k in client.scan_iter("t:*" if ticket_records == "keys" else "r:*"))
+        one = next(k for k in client.scan_iter("r:*"))
         fields = client.hgetall(one)
         return {"per_ticket": (after - before) / tickets, "kinds": kinds,
                 "record": client.memory_usage(one, samples=0),
                 "record_encoding": client.object("encoding", one),
-                "record_fields": ({f.decode(): len(v) for f, v in fields.items()}
-                                  if ticket_records == "keys" else
-                                  f"{len(fields)} records of "
-                                  f"{min(map(len, fields.values()))}-"
-                                  f"{max(map(len, fields.values()))} bytes")}
+                "record_fields": f"{len(fields)} records of "
+                                 f"{min(map(len, fields.values()))}-"
+                                 f"{max(map(len, fields.values()))} bytes"}
     finally:
         service.stop()
 
@@ -294,8 +290,6 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=1000)
     parser.add_argument("--tickets", type=int, default=20_000,
                         help="tickets of the mix sold through the service (3.); 0: skip")
-    parser.add_argument("--ticket-records", default="buckets,keys",
-                        help="[redis] ticket_records of the service (3.), comma-separated")
     parser.add_argument("--limits", default="shipped,defaults",
                         help="Redis hash limits (3.): shipped (deploy/redis.conf's), "
                              "defaults (Redis's), value128 (values up to 128 bytes)")
@@ -313,24 +307,23 @@ def main() -> None:
               "value128": ("hash-max-listpack-value 128 (the release before's)",
                            BUCKETED["value 128"])}
     for name, extra in (limits[k] for k in args.limits.split(",")):
-        for records in args.ticket_records.split(","):
-            if not args.tickets:
-                break
-            server = RedisServer(extra=extra).start()
-            try:
-                version = server.client().info("server")["redis_version"]
-                r = per_ticket(server, args.tickets, records)
-            finally:
-                server.stop()
-            print(f"redis {version}, {name}, ticket_records = {records}: {args.tickets} tickets "
-                  f"of the mix sold through capsvc, decisions journaled: used_memory "
-                  f"{r['per_ticket']:.0f} bytes per ticket")
-            total = sum(v[1] for v in r["kinds"].values())
-            for kind, (count, used) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][1]):
-                print(f"  {kind + ':*':6} {count:7} keys  MEMORY USAGE {used:12,} B  "
-                      f"({used / args.tickets:6.0f} B a ticket, {used / total:4.0%})")
-            print(f"  a ticket record{'' if records == 'keys' else ' bucket'}: {r['record']} B "
-                  f"({r['record_encoding']!r}), {r['record_fields']}")
+        if not args.tickets:
+            break
+        server = RedisServer(extra=extra).start()
+        try:
+            version = server.client().info("server")["redis_version"]
+            r = per_ticket(server, args.tickets)
+        finally:
+            server.stop()
+        print(f"redis {version}, {name}: {args.tickets} tickets "
+              f"of the mix sold through capsvc, decisions journaled: used_memory "
+              f"{r['per_ticket']:.0f} bytes per ticket")
+        total = sum(v[1] for v in r["kinds"].values())
+        for kind, (count, used) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][1]):
+            print(f"  {kind + ':*':6} {count:7} keys  MEMORY USAGE {used:12,} B  "
+                  f"({used / args.tickets:6.0f} B a ticket, {used / total:4.0%})")
+        print(f"  a ticket record bucket: {r['record']} B "
+              f"({r['record_encoding']!r}), {r['record_fields']}")
     for entries in (128, 512) if args.counters else ():
         server = RedisServer(extra=("--hash-max-listpack-entries", str(entries))).start()
         try:

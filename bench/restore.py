@@ -159,11 +159,11 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     print(f"  python, decoding the journal: {1e6 * decode / len(lines):.2f} µs a record "
           f"({len(lines)} lines)")
     transport = connect(redis.url, timeout_s=30, library=lua_source())
-    store = Store.of(transport, settings)
+    store = Store(transport)
     await store.load_library()
     try:
         started = time.process_time()
-        Planner(catalog, store.layout, 0).chunk(records)
+        Planner(catalog, 0).chunk(records)
         plan = time.process_time() - started
         print(f"  python, planning each record's ops (no Redis): "
               f"{1e6 * plan / len(records):.2f} µs a record")

@@ -185,7 +185,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
                         library=lua_source())
         try:
             done, _ = await restore_once(directory, Catalog(settings.games),
-                                         Store.of(redis, settings))
+                                         Store(redis))
         finally:
             await redis.aclose()
         rate = done.records / done.seconds if done.seconds else 0.0
@@ -270,7 +270,7 @@ async def _compare(out: object, url: str, settings: Settings) -> int:
     assert isinstance(out, Verification)
     redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0))
     try:
-        return await compare_with_redis(out, Store.of(redis, settings), Catalog(settings.games))
+        return await compare_with_redis(out, Store(redis), Catalog(settings.games))
     finally:
         await redis.aclose()
 

@@ -125,34 +125,6 @@ class ClusterCoalescer:
         primaries = sorted({n for n in self._slots if n is not None})
         return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
 
-    async def find_key(self, match: str, count: int) -> bytes | None:
-        """The primaries are scanned one after the other: a key that a reshard moves from
-        one not scanned yet to one already scanned would be on neither. So None ("no such
-        key") is answered only when no slot was being migrated before the scan nor after it
-        and the slots' owners did not change in between (a migration starts with a
-        MIGRATING slot and ends with a new owner); else b"" (not known)."""
-        before = await self._owners()
-        for n in sorted({n for n in self._slots if n is not None}):
-            found = await self._node(n).find_key(match, count)
-            if found is not None:
-                return found
-        after = await self._owners()
-        return None if before is not None and before == after else b""
-
-    async def _owners(self) -> frozenset[tuple[str, ...]] | None:
-        """Each primary's id and slot ranges as every primary sees them (CLUSTER NODES);
-        None while a slot is being migrated (a `[slot->-…]` or `[slot-<-…]` mark)."""
-        await self._ensure_map()
-        owners: set[tuple[str, ...]] = set()
-        for reply in await self.broadcast("CLUSTER", "NODES"):
-            for line in (reply.decode() if isinstance(reply, bytes) else reply).splitlines():
-                fields = line.split()
-                if any(f.startswith("[") for f in fields[8:]):
-                    return None
-                if len(fields) > 8:
-                    owners.add((fields[0], *fields[8:]))
-        return frozenset(owners)
-
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT on every primary; the fewest acknowledgements of any of them."""
         await self._ensure_map()  # no suspension once the map is known: same tick as the writes

@@ -110,12 +110,6 @@ class Transport(Protocol):
 
     async def broadcast(self, *args: Any) -> list[Any]: ...
 
-    async def find_key(self, match: str, count: int) -> bytes | None:
-        """A key matching the glob `match`, by a whole SCAN of every primary, `count` keys a
-        call, until one is found; None only when there is none (b"": not known, a cluster
-        being resharded)."""
-        ...
-
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """`WAIT replicas timeout_ms` after every write issued so far, on every primary; the
         fewest replicas that acknowledged them on any primary."""
@@ -304,15 +298,6 @@ class Coalescer:
     async def broadcast(self, *args: Any) -> list[Any]:
         """A keyless command on every primary: here, the one node."""
         return [await self.call(*args)]
-
-    async def find_key(self, match: str, count: int) -> bytes | None:
-        cursor: Any = 0
-        while True:
-            cursor, keys = await self.call("SCAN", cursor, "MATCH", match, "COUNT", count)
-            if keys:
-                return bytes(keys[0])
-            if int(cursor) == 0:
-                return None
 
     def submit_wait(self, replicas: int, timeout_ms: int) -> asyncio.Future[Any]:
         """Queue `WAIT replicas timeout_ms` behind everything queued in this tick; the

@@ -113,12 +113,6 @@ class Settings:
     """On a standalone Redis, sell a ticket of a game without player limits in one atomic
     call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
     protocol a Redis Cluster always uses, whose keys are spread over slots)."""
-    packed_sales: bool = True
-    """Ticket records keep their sale packed (validator.pack_sale); False: as JSON, what
-    releases before it read (for a rolling upgrade from one of them)."""
-    ticket_records: str = "buckets"
-    """`[redis] ticket_records` (capsvc.store.TICKET_RECORDS): where ticket records are
-    written and read."""
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080
@@ -422,8 +416,7 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 
 _SECTIONS = {
-    "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls",
-                        "sale_record", "ticket_records"}),
+    "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
     "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
@@ -546,11 +539,6 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         durability_replicas=c.durability("redis.durability", redis.get("durability", "default")),
         one_call_sales=c.choice("redis.sale_calls", redis.get("sale_calls", "one"),
                                 ("one", "steps")) == "one",
-        packed_sales=c.choice("redis.sale_record", redis.get("sale_record", "packed"),
-                              ("packed", "json")) == "packed",
-        ticket_records=c.choice("redis.ticket_records",
-                                redis.get("ticket_records", "buckets"),
-                                ("buckets", "buckets+keys", "keys")),
         # At least 1ms: WAIT with timeout 0 blocks for ever.
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),

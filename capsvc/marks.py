@@ -28,11 +28,10 @@ from redis.exceptions import ResponseError
 from capsvc.errors import Unavailable
 
 MARKED = frozenset({
-    "capsvc2_claim", "capsvc2_finalize", "capsvc2_unclaim", "capsvc2_expire",
-    "capsvc2_cancel", "capsvc2_cancelled", "capsvc2_sell", "capsvc_claim", "capsvc_ticket",
-    "capsvc_finalize", "capsvc_unclaim", "capsvc_expire", "capsvc_cancel", "capsvc_cancelled",
-    "capsvc_reserve", "capsvc_release", "capsvc_stop", "capsvc_budget", "capsvc_stake",
-    "capsvc_settle", "capsvc_set_limit", "capsvc_player", "capsvc_sell"})
+    "capsvc_claim", "capsvc_ticket", "capsvc_finalize", "capsvc_unclaim", "capsvc_expire",
+    "capsvc_cancel", "capsvc_cancelled", "capsvc_reserve", "capsvc_release", "capsvc_stop",
+    "capsvc_budget", "capsvc_stake", "capsvc_settle", "capsvc_set_limit", "capsvc_player",
+    "capsvc_sell"})
 """The functions that judge or report a decision: lua/capsvc.lua registers them marked."""
 
 NODE_MARK = "m:{marks}"

@@ -157,7 +157,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     redis = connect(redis_url, timeout_s=settings.redis_timeout_ms / 1000,
                     on_batch=metrics.batch, on_error=metrics.redis_error,
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
-    store = Store.of(redis, settings)
+    store = Store(redis)
     if journal is not None:
         store.marks = Marks(journal.life, single_node=store.single_node)
     usecases = build_usecases(settings, store, journal=journal)
@@ -187,25 +187,7 @@ async def prepare(svc: Service, wait_s: float = 120.0) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(svc.reconciler.attempted.wait(), wait_s)
     await svc.store.load_library()
-    await _settle_layout(svc.store, warn=True)
     await svc.usecases.clock.sync()
-
-
-LAYOUT_CHECK_S = 300.0
-"""How often a process set to `ticket_records = "buckets"` that found keyed ticket records
-looks again whether any is left."""
-
-
-async def _settle_layout(store: Store, warn: bool = False) -> None:
-    """Read only buckets once Redis holds no keyed ticket record (Store.settle_layout)."""
-    if store.layout_settled:
-        return
-    if await store.settle_layout():
-        log.info("ticket records: buckets only (redis holds no keyed record)")
-    elif warn:
-        log.warning("redis holds ticket records kept as a key each (by a release before, or "
-                    "ticket_records = \"keys\"): reading them too until their retention has "
-                    "passed")
 
 
 class Serving:
@@ -260,8 +242,6 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         asyncio.create_task(_every("janitor", settings.janitor_interval_ms / 1000,
                                    lambda: _settle(usecases.janitor, metrics))),
         asyncio.create_task(_flush_metrics(metrics)),
-        asyncio.create_task(_every("ticket records", LAYOUT_CHECK_S,
-                                   lambda: _settle_layout(store))),
         asyncio.create_task(_every("exposure gauges", EXPOSURE_GAUGES_S,
                                    lambda: _exposure_gauges(usecases, metrics, store),
                                    at_start=True)),

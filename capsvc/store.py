@@ -24,33 +24,17 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 from importlib import resources
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import Any
 
 from capsvc.coalesce import Coalescer, Transport
 from capsvc.marks import MARKED, Marks
-from capsvc.validator import Sale, pack_sale
 
-if TYPE_CHECKING:
-    from capsvc.config import Settings
-
-_json_encode = msgspec.json.Encoder().encode
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
-KEYED_SCAN = 10_000
-"""Keys a SCAN call looks at, looking for records of the keyed layout (`Store.settle_layout`)."""
 RECORD_BUCKETS = 256
-"""Hashes per ticket slot that bucketed ticket records are spread over (see lua/capsvc.lua,
-TICKET RECORDS): part of the layout, never to be changed while records are retained."""
-TICKET_RECORDS = ("buckets", "buckets+keys", "keys")
-"""`[redis] ticket_records` (lua/capsvc.lua, TICKET RECORDS): records written into buckets,
-keyed records read too while Redis holds any (the default: `Store.settle_layout`); written
-into buckets and both layouts always read; or written as a key each and both read (while
-processes of a release that kept a key per ticket still run: they read only keys). Reading
-both names two keys in a call: on a cluster, a slot being migrated then answers TRYAGAIN
-until its migration ends (the calls wait for it)."""
+"""Hashes per ticket slot that ticket records are spread over (see lua/capsvc.lua, TICKET
+RECORDS): part of the layout, never to be changed while records are retained."""
 COUNTER_BUCKETS = 4096
 """Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
 the layout, never to be changed while a draw is on sale or retained)."""
@@ -66,8 +50,8 @@ def ticket_key(channel: str, ticket_id: str) -> str:
 
 
 def record_bucket_of(ticket: str) -> str:
-    """The hash that holds ticket `ticket`'s record in the bucketed layout: in its slot,
-    chosen by the next bits of the hash that chose the slot."""
+    """The hash that holds ticket `ticket`'s record: in its slot, chosen by the next bits of
+    the hash that chose the slot."""
     end = ticket.index("}") + 1
     ident = ticket[end + 1:]
     bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
@@ -85,7 +69,7 @@ def ident_of(ticket: str) -> str:
 
 
 def channel_of(ticket: str) -> str:
-    """The channel of a ticket record's key."""
+    """The channel of a ticket's name."""
     return ticket[ticket.index("}:") + 2 :].rsplit("/", 1)[0]
 
 
@@ -158,20 +142,11 @@ def feed_closes_key(game: str) -> str:
     return f"e:{{{game}}}"
 
 
-def record_names(ticket: str, bucketed: bool, legacy_keys: bool
-                 ) -> tuple[list[str], list[Any]]:
-    """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before the
-    call's own: where a new record goes first, then where records are read too, and its
-    field in a bucket (lua/capsvc.lua, TICKET RECORDS)."""
-    bucket = record_bucket_of(ticket)
-    if not bucketed:
-        return [ticket, bucket], [ident_of(ticket)]
-    return [bucket, ticket if legacy_keys else bucket], [ident_of(ticket)]
-
-
-def sale_record_of(sale: Sale, packed: bool, asked: bool | None = None) -> bytes:
-    """The sale as a ticket record keeps it (Store.sale_record)."""
-    return pack_sale(sale, asked) if packed else _json_encode(sale)
+def record_names(ticket: str) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV that name ticket `ticket`'s record in a call of one of its
+    functions, before the call's own: its bucket, and its field in it (lua/capsvc.lua,
+    TICKET RECORDS)."""
+    return [record_bucket_of(ticket)], [ident_of(ticket)]
 
 
 def stop_instants(replies: list[Any]) -> list[int | None]:
@@ -182,73 +157,30 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
-    def __init__(self, redis: Transport, *, packed_sales: bool = True,
-                 ticket_records: str = "buckets") -> None:
-        if ticket_records not in TICKET_RECORDS:
-            raise ValueError(f"ticket_records: {ticket_records!r}")
+    def __init__(self, redis: Transport) -> None:
         self.redis = redis
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
-        self.packed_sales = packed_sales
-        """`[redis] sale_record`: how a ticket record keeps its sale (see sale_record)."""
-        self.bucketed = ticket_records != "keys"
-        """Ticket records written into buckets (lua/capsvc.lua, TICKET RECORDS)."""
-        self.legacy_keys = ticket_records != "keys"
-        """Records of the keyed layout read too (those of a release before)."""
-        self.layout_settled = ticket_records != "buckets"
-        """Whether `legacy_keys` is final (else: until Redis holds no keyed record)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
         self.marks = Marks.tool(self.single_node)
         """The marks the calls that judge or report a decision carry (capsvc.marks): a
         tool's until the service gives the store its own."""
 
-    @classmethod
-    def of(cls, redis: Transport, settings: Settings) -> Store:
-        """The store as `settings` lay it out."""
-        return cls(redis, packed_sales=settings.packed_sales,
-                   ticket_records=settings.ticket_records)
-
-    def sale_record(self, sale: Sale, asked: bool | None = None) -> bytes:
-        """The sale as a ticket record keeps it: packed (validator.pack_sale), or, while
-        processes of a release before it still run, the JSON they read. Read back by
-        validator.unpack_sale either way."""
-        return sale_record_of(sale, self.packed_sales, asked)
-
-    @property
-    def layout(self) -> RecordLayout:
-        """How this store lays out ticket records now (see RecordLayout)."""
-        return RecordLayout(self.bucketed, self.legacy_keys, self.packed_sales)
-
     async def load_library(self) -> None:
         """Install (or replace) the Lua library on every primary; idempotent, safe from
         every process."""
         await self.redis.broadcast("FUNCTION", "LOAD", "REPLACE", self._source)
-
-    async def settle_layout(self) -> bool:
-        """With `ticket_records = "buckets"`: read only buckets from now on if Redis holds no
-        record of the keyed layout (a whole SCAN of every primary, until one is found), else
-        keep reading both. Whether it is settled. Keyed records are written by a release
-        before or under `keys` only, neither of which runs beside `buckets`: once none is
-        left, none comes back."""
-        # find_key answers None only when it knows there is none (not during a reshard).
-        if not self.layout_settled and await self.redis.find_key("t:{t:*", KEYED_SCAN) is None:
-            self.legacy_keys, self.layout_settled = False, True
-        return self.layout_settled
-
-    async def key_count(self) -> int:
-        """The keys of every primary (DBSIZE), together."""
-        return sum(int(n) for n in await self.redis.broadcast("DBSIZE"))
 
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
         return all(bool(r) for r in replies)
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:
-        """The KEYS and ARGV that name ticket `ticket`'s record in a capsvc2_ call, before
-        the call's own (see record_names)."""
-        return record_names(ticket, self.bucketed, self.legacy_keys)
+        """The KEYS and ARGV that name ticket `ticket`'s record in a call, before the call's
+        own (see record_names)."""
+        return record_names(ticket)
 
     def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it); a function
@@ -268,15 +200,14 @@ class Store:
 
     # -- tickets ---------------------------------------------------------------------------
 
-    def index(self, ticket: str, instant: int, expire_at: int) -> asyncio.Future[Any]:
-        """Register a ticket for the janitor before claiming it, at Redis TIME (`instant`,
-        this process's estimate of it, is what a library older than that used)."""
-        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, instant, expire_at])
+    def index(self, ticket: str, expire_at: int) -> asyncio.Future[Any]:
+        """Register a ticket for the janitor before claiming it, at Redis TIME."""
+        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Any]:
         keys, args = self.names(ticket)
-        return self.fcall("capsvc2_claim", keys, [
+        return self.fcall("capsvc_claim", keys, [
             *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
@@ -284,7 +215,7 @@ class Store:
         pending claim (decided or forgotten by another actor). Its index entry stays until
         the decision is journaled (`journaled`)."""
         keys, args = self.names(ticket)
-        return bool(await self.fcall("capsvc2_finalize", keys, [*args, sale_id, body]))
+        return bool(await self.fcall("capsvc_finalize", keys, [*args, sale_id, body]))
 
     def journaled(self, ticket: str, sale_id: str, state: bytes) -> asyncio.Future[Any]:
         """The decision of sale `sale_id` in `state` (b"f" sold, b"c" cancelled, b"" voided:
@@ -293,7 +224,7 @@ class Store:
         there past the deadline). A request need not wait for it: an entry left by a
         failure only makes the janitor journal the decision again."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc2_journaled_many", [pending_key_of(ticket), *keys],
+        return self.fcall("capsvc_journaled_many", [pending_key_of(ticket), *keys],
                           [*args, sale_id, state])
 
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
@@ -317,13 +248,13 @@ class Store:
                     record_keys, record_args = self.names(ticket)
                     keys += (pending_key_of(ticket), *record_keys)
                     args += (*record_args, sale_id, state)
-                retrieving(self.fcall("capsvc2_journaled_many", keys, args))
+                retrieving(self.fcall("capsvc_journaled_many", keys, args))
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         """Forget the pending claim of `sale_id` (what it took given back, its void
         journaled), and its index entry."""
         keys, args = self.names(ticket)
-        await self.fcall("capsvc2_unclaim", keys, [*args, sale_id])
+        await self.fcall("capsvc_unclaim", keys, [*args, sale_id])
         await self.journaled(ticket, sale_id, b"")
 
     async def unindex(self, ticket: str) -> None:
@@ -331,13 +262,13 @@ class Store:
 
     def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
         keys, args = self.names(ticket)
-        return self.fcall("capsvc2_expire", keys, [*args, deadline_ms])
+        return self.fcall("capsvc_expire", keys, [*args, deadline_ms])
 
     def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
                expire_at: int) -> asyncio.Future[Any]:
         """Decide a cancellation (indexing the ticket with it, for the janitor)."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc2_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
+        return self.fcall("capsvc_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
                           [*args, close_ms, f"{game}:{first_draw}", released, expire_at])
 
     async def cancelled(self, ticket: str, sale_id: str,
@@ -346,7 +277,7 @@ class Store:
         aggregate keys and the picks, stake pairs to take out of them."""
         keys, args = self.names(ticket)
         aggregate_keys_, amounts = aggregates or ([], [])
-        await self.fcall("capsvc2_cancelled", [*keys, *aggregate_keys_],
+        await self.fcall("capsvc_cancelled", [*keys, *aggregate_keys_],
                          [*args, sale_id, *amounts])
 
     def ticket(self, ticket: str) -> asyncio.Future[Any]:
@@ -378,7 +309,7 @@ class Store:
                  nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc2_sell", keys,
+        return self.fcall("capsvc_sell", keys,
                           [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
@@ -668,44 +599,34 @@ Op = tuple[list[str], list[Any]]
 THE BULK RESTORE)."""
 
 
-class RecordLayout(msgspec.Struct, frozen=True):
-    """How a store lays out ticket records (`Store.names`) and keeps a sale in them
-    (`Store.sale_record`): all that naming a ticket's record and building the ops of a
-    restore take, without a connection (a restore plans its calls in processes of its own)."""
+def restore_sale(ticket: str, sale_id: str, expire_at: int, record: bytes,
+                 aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
+    """A sale's decision put back (`record`: ticket_value, state f), and, written with it,
+    the aggregates (game, draw, value, expiry) of its grids not capped."""
+    keys, args = record_names(ticket)
+    keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
+    args += (expire_at, record, sale_id, len(aggregates))
+    for _, _, value, expiry in aggregates:
+        args += (value, expiry)
+    return keys, ["s", *args]
 
-    bucketed: bool
-    legacy_keys: bool
-    packed_sales: bool
 
-    def sale_record(self, sale: Sale) -> bytes:
-        return sale_record_of(sale, self.packed_sales)
+def restore_cancel(ticket: str, sale_id: str, expire_at: int, record: bytes,
+                   aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+    """A cancel put back (`record`: ticket_value, state k, with when and how much), and the
+    aggregates (game, draw) of the sale given back."""
+    keys, args = record_names(ticket)
+    keys.append(pending_key_of(ticket))
+    keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+    return keys, ["c", *args, expire_at, record, sale_id, len(aggregates)]
 
-    def restore_sale(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
-                     aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
-        """A sale's decision put back (`record`: ticket_value, state f), and, written with
-        it, the aggregates (game, draw, value, expiry) of its grids not capped."""
-        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
-        keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
-        args += (expire_at, record, sale_id, len(aggregates))
-        for _, _, value, expiry in aggregates:
-            args += (value, expiry)
-        return keys, ["s", *args]
 
-    def restore_cancel(self, ticket: str, sale_id: str, expire_at: int, record: bytes,
-                       aggregates: Sequence[tuple[str, int]] = ()) -> Op:
-        """A cancel put back (`record`: ticket_value, state k, with when and how much), and
-        the aggregates (game, draw) of the sale given back."""
-        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
-        keys.append(pending_key_of(ticket))
-        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
-        return keys, ["c", *args, expire_at, record, sale_id, len(aggregates)]
-
-    def restore_void(self, ticket: str, sale_id: str,
-                     aggregates: Sequence[tuple[str, int]] = ()) -> Op:
-        """A void: what the sale holds of the aggregates (game, draw), given back."""
-        keys, args = record_names(ticket, self.bucketed, self.legacy_keys)
-        keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
-        return keys, ["v", *args, sale_id, len(aggregates)]
+def restore_void(ticket: str, sale_id: str, aggregates: Sequence[tuple[str, int]] = ()
+                 ) -> Op:
+    """A void: what the sale holds of the aggregates (game, draw), given back."""
+    keys, args = record_names(ticket)
+    keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+    return keys, ["v", *args, sale_id, len(aggregates)]
 
 
 def restore_count(game: str, combo: str, record: bytes, stake: int, caps: str | int,
@@ -817,8 +738,9 @@ class _Bulk:
 
 
 class TicketRestores(_Bulk):
-    """Ticket records put back (capsvc_restore_tickets; ops of RecordLayout): never two ops
-    of one ticket in a batch. Each op's reply is a letter (see the function)."""
+    """Ticket records put back (capsvc_restore_tickets; ops of restore_sale, restore_cancel
+    and restore_void): never two ops of one ticket in a batch. Each op's reply is a letter
+    (see the function)."""
 
     function = "capsvc_restore_tickets"
     by_first_key = True

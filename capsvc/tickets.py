@@ -48,6 +48,7 @@ from capsvc.models import CancelOut, TicketIn, TicketOut
 from capsvc.store import Store, replies_of, retrieving, stop_instants, ticket_key
 from capsvc.validator import (
     Sale,
+    pack_sale,
     request_fingerprint,
     unpack_sale,
     validate_ticket,
@@ -168,9 +169,9 @@ class Tickets:
                 # only write that decides; admin stops are checked once it has been made.
                 # Awaited together: when Redis fails, both fail, and both are retrieved.
                 _, claim = await replies_of([
-                    self.store.index(key, self.clock.now(), expire_at),
+                    self.store.index(key, expire_at),
                     self.store.claim(key, sale.fingerprint,
-                                     self.store.sale_record(stored, sale.first_draw is not None),
+                                     pack_sale(stored, sale.first_draw is not None),
                                      close_ms, expire_at, self.stale_after_ms)])
             kind = claim[0]
             try:
@@ -243,7 +244,7 @@ class Tickets:
         fix = capped and known is None
         caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
         reply: list[Any] = await self.store.sell(
-            key, sale.fingerprint, self.store.sale_record(sale, asked), close_ms, expire_at,
+            key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at,
             self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],

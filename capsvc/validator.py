@@ -133,7 +133,6 @@ def fingerprint_of(game: str, player_id: str | None, first_draw: int | None, dra
 
 _pack = msgspec.msgpack.Encoder().encode
 _unpack = msgspec.msgpack.Decoder(list[Any]).decode
-_legacy = msgspec.json.Decoder(Sale).decode
 _MULTIPLIER, _CAPPED = 1, 2
 
 
@@ -145,8 +144,7 @@ def pack_sale(sale: Sale, asked: bool | None = None) -> bytes:
     index (its place), combination (its numbers), cost (stake x multiplier x draws), and
     the fingerprint, recomputed from the rest; `first_draw` is negative when the request
     left it to the service (the fingerprint has None there). A fingerprint that cannot be
-    recomputed so (another algorithm's) is kept, ninth. Read by `unpack_sale`, which also
-    reads the JSON of the records written before (a rolling upgrade).
+    recomputed so (another algorithm's) is kept, ninth. Read by `unpack_sale`.
 
     `asked`: whether the request named its first draw, when the caller knows (a sale being
     made: its fingerprint is then this code's, nothing to recompute); None: found out by
@@ -172,9 +170,7 @@ def pack_sale(sale: Sale, asked: bool | None = None) -> bytes:
 
 
 def unpack_sale(raw: bytes) -> Sale:
-    """The sale of a ticket record, packed by `pack_sale` or, written before it, JSON."""
-    if raw[:1] == b"[":
-        return _legacy(raw)
+    """The sale of a ticket record, packed by `pack_sale`."""
     tid, game, player, first, draws, joker, joker_cost, packed, *kept = _unpack(raw)
     grids = []
     for i, (numbers, stake, flags) in enumerate(packed):

@@ -7,16 +7,16 @@ cluster pipeline accepts FCALL.
 
 THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}).
 
-  ticket record  one of two layouts (see TICKET RECORDS); the ticket's name, what the
-                 pending index and the callers know it by, is t:{t:NN}:<channel>/<ticket id>
+  ticket record  a field of a bucket r:{t:NN}:<m> (see TICKET RECORDS); the ticket's name,
+                 what the pending index and the callers know it by, is
+                 t:{t:NN}:<channel>/<ticket id>
                  fields st, fp, at, sid, sale, body | res, ca, rel
                  kept until: close of the ticket's last draw + retention.
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
-                 process that journals the decision removes the entry (`journaled`, or
-                 `journaled_many` for a journal batch: only if the ticket is still in
-                 that state), else the janitor journals it
+                 process that journals the decision removes the entry (`journaled_many`:
+                 only if the ticket is still in that state), else the janitor journals it
   aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
@@ -248,50 +248,24 @@ local function mark_keep(keys, args)
   return gone
 end
 
---[[ TICKET RECORDS. Two layouts:
-  keyed      t:{t:NN}:<channel>/<ticket id>  a hash of its own (st, fp, …), with a TTL: what
-             releases before bucketed records wrote.
-  bucketed   r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records of
-             many tickets (m: the ticket's second hash, see capsvc/store.py). The value is
-             MessagePack: expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when
-             absent). A record past its expiry (by Redis TIME) is absent to every reader, as
-             an expired key is; the janitor's `sweep` deletes it, and the bucket itself has a
-             TTL past its newest record's expiry (by a day at most: BUCKET_SLACK_MS). ~210
-             bytes a ticket in a listpack bucket at 100,000 tickets, against ~280 for a key,
-             its expiry entry and a hash of its own (bench/memory.py).
-A ticket's functions are registered under two names. `capsvc_<step>` keeps the calls of
-releases before this layout: KEYS[1] the ticket's key, and their ARGV (keyed only).
-`capsvc2_<step>` (what this release calls; an older library answers "Function not found",
-and the caller loads this one) names the record with two KEYS and one ARGV before the call's
-own:
-  KEYS bucket, bucket; ARGV field     bucketed only (`[redis] ticket_records = "buckets"`)
-  KEYS bucket, key;    ARGV field     written into the bucket, read from both ("buckets+keys")
-  KEYS key, bucket;    ARGV field     written as a key, read from both ("keys": beside
-                                      processes of a release before, which read only keys)
-At most one of the two holds a live record (a record is created only where neither does), and
-a record is worked on where it was found. ]]
-local NAMES = {'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel'}
+--[[ TICKET RECORDS. r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records
+of many tickets (m: the ticket's second hash, see capsvc/store.py). The value is MessagePack:
+expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when absent). A record past its
+expiry (by Redis TIME) is absent to every reader, as an expired key is; the janitor's
+`sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
+day at most: BUCKET_SLACK_MS). ~210 bytes a ticket in a listpack bucket at 100,000 tickets,
+against ~280 for a key, its expiry entry and a hash of its own (bench/memory.py).
+A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below), and
+ARGV[1], its field, before the call's own ARGV. ]]
 local FIELD = {st = 1, fp = 2, at = 3, sid = 4, sale = 5, body = 6, res = 7, ca = 8, rel = 9}
-local R = 114  -- 'r' (the library's loading has no string module)
 
--- The ticket a call is about, and the call's other KEYS and ARGV as a keyed call has them
--- (KEYS[1] the record's first name, the rest as a keyed call's): the record's second name and
--- its field are taken out of them, in place (a sale's KEYS can be more than `unpack` takes).
+-- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place,
+-- so that the call's own ARGV come first.
 local function ticket_of(keys, args)
-  local first, second = keys[1], keys[2]
-  local T
-  if string.byte(first, 1) == R then
-    T = {bucket = first, legacy = second ~= first and second or nil}
-  elseif second and string.byte(second, 1) == R then
-    T = {bucket = second, legacy = first, keyed = first}
-  else
-    return {key = first, name = first}, keys, args
-  end
-  T.field = table.remove(args, 1)
-  table.remove(keys, 2)
-  T.name = 't:' .. string.sub(T.bucket, 3, string.find(T.bucket, '}', 3, true)) .. ':'
-           .. T.field
-  return T, keys, args
+  local bucket, field = keys[1], table.remove(args, 1)
+  return {bucket = bucket, field = field,
+          name = 't:' .. string.sub(bucket, 3, string.find(bucket, '}', 3, true)) .. ':'
+                 .. field}
 end
 
 -- The bucket's value of the record and its expiry, if it is live at `now` (past its expiry,
@@ -310,9 +284,6 @@ end
 -- for no ticket), read at `now`.
 local function ticket_read(T, now)
   T.now = now
-  if T.key then
-    return redis.call('HMGET', T.key, unpack(NAMES))
-  end
   local v, exp = live_value(T, now)
   if v then
     local _, a, b, c, d, e, f, g, h, i = cmsgpack.unpack(v)
@@ -321,14 +292,6 @@ local function ticket_read(T, now)
              g or false, h or false, i or false}
     return T.rec
   end
-  if T.legacy then
-    local rec = redis.call('HMGET', T.legacy, unpack(NAMES))
-    if rec[1] then
-      T.key = T.legacy
-      return rec
-    end
-  end
-  T.key = T.keyed  -- where a new record goes: the key, or (nil) the bucket
   T.rec = {false, false, false, false, false, false, false, false, false}
   return T.rec
 end
@@ -336,20 +299,12 @@ end
 -- The record's st and sid only (false when there is none), read at `now`: what a journal
 -- batch's release looks at, without decoding the rest.
 local function ticket_state(T, now)
-  local key = T.key
-  if not key then
-    local v = live_value(T, now)
-    if v then
-      local _, _, st, _, _, sid = cmsgpack.unpack_limit(v, 5)
-      return st, sid
-    end
-    key = T.legacy
-    if not key then
-      return false, false
-    end
+  local v = live_value(T, now)
+  if v then
+    local _, _, st, _, _, sid = cmsgpack.unpack_limit(v, 5)
+    return st, sid
   end
-  local rec = redis.call('HMGET', key, 'st', 'sid')
-  return rec[1], rec[2]
+  return false, false
 end
 
 -- How much longer than its newest record a bucket is given to live, so that the records of
@@ -372,10 +327,6 @@ end
 
 -- Set fields (name, value, …) of the record read by ticket_read.
 local function ticket_set(T, ...)
-  if T.key then
-    redis.call('HSET', T.key, ...)
-    return
-  end
   local set = {...}
   for i = 1, #set, 2 do
     local v = set[i + 1]
@@ -388,41 +339,23 @@ end
 -- body, res, ca, rel or false (none). Positional: a sale's hot path builds no other table.
 local function ticket_new(T, expire_at, st, fp, at, sid, sale, body, res, ca, rel)
   at = string.format('%d', at)
-  if T.key then
-    redis.call('HSET', T.key, 'st', st, 'fp', fp, 'at', at, 'sid', sid, 'sale', sale)
-    if body then
-      redis.call('HSET', T.key, 'body', body)
-    end
-    if res then
-      redis.call('HSET', T.key, 'res', res)
-    end
-    if ca then
-      redis.call('HSET', T.key, 'ca', ca, 'rel', rel)
-    end
-    redis.call('PEXPIREAT', T.key, expire_at)
-    return
-  end
   T.rec = {st, fp, at, sid, sale, body or false, res or false, ca or false, rel or false}
   T.exp = expire_at
   ticket_store(T)
 end
 
 local function ticket_delete(T)
-  if T.key then
-    redis.call('DEL', T.key)
-  else
-    redis.call('HDEL', T.bucket, T.field)
-  end
+  redis.call('HDEL', T.bucket, T.field)
 end
 
---[[ index: KEYS pending; ARGV ticket key, (unused), expire_at
+--[[ index: KEYS pending; ARGV ticket key, expire_at
 Registers a ticket that may need the janitor (before it is claimed, so that no claimed
 ticket is ever missing from the index), at Redis TIME: a draw's report waits for the
 entries made before its close, judged by the clock that judged the close (a caller's
 estimate of it could put a claim made just before the close after it). ]]
 local function index(keys, args)
   redis.call('ZADD', keys[1], 'NX', now_ms(), args[1])
-  extend(keys[1], tonumber(args[3]))
+  extend(keys[1], tonumber(args[2]))
   return 1
 end
 
@@ -451,8 +384,7 @@ local function known_ticket(rec, fingerprint, now, stale_after_ms)
 end
 
 local function claim(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local rec = ticket_read(T, now)
@@ -546,8 +478,7 @@ Writes the decision of sale `sid` if it is still pending (or being settled).
 Returns 1 if written: of the requests of one sale, the one whose finalize writes answers
 the decision first (and counts it); the others find it written (0) and replay it. ]]
 local function finalize(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
   if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
     ticket_set(T, 'st', 'f', 'body', args[2])
@@ -556,28 +487,22 @@ local function finalize(keys, args)
   return 0
 end
 
---[[ journaled_many: KEYS index 1, ticket 1, …, index n, ticket n; ARGV sid 1, state 1, …,
-sid n, state n
-`journaled` (below) for n tickets at once (the decisions of a batch of the journal, made
-durable together): one call, and one ZREM per index, instead of n calls. On a cluster the
-caller sends one call per index (a call's keys share a slot). Returns how many entries
-went. ]]
+--[[ journaled_many: KEYS index 1, ticket 1, …, index n, ticket n; ARGV field 1, sid 1,
+state 1, …, field n, sid n, state n
+The decisions of sales `sid` in states `state` (f: sold, c: cancelled; '': voided, the
+ticket forgotten) are journaled (a batch of the journal, made durable together): each
+ticket's index entry goes, unless the ticket has moved on since (a cancel decided
+meanwhile, another sale of the id): the janitor then journals what it holds now. One call,
+and one ZREM per index; on a cluster the caller sends one call per index (a call's keys
+share a slot). Returns how many entries went. ]]
 local function journaled_many(keys, args)
   local gone, order = {}, {}
   local now = now_ms()
-  local i, j = 1, 1  -- the next ticket's index in KEYS, its sid in ARGV
+  local i, j = 1, 1  -- the next ticket's index in KEYS, its field in ARGV
   while i <= #keys do
-    -- KEYS index, the record's two names; ARGV field, sid, state (capsvc2_journaled_many),
-    -- or KEYS index, ticket; ARGV sid, state (see TICKET RECORDS).
-    local after = keys[i + 2]
-    local named = string.byte(keys[i + 1], 1) == R or (after and string.byte(after, 1) == R)
-    local T = ticket_of(named and {keys[i + 1], after} or {keys[i + 1]},
-                        named and {args[j]} or {})
-    if named then
-      j = j + 1
-    end
+    local T = ticket_of({keys[i + 1]}, {args[j]})
     local st, sid = ticket_state(T, now)
-    if not st or (st == args[j + 1] and sid == args[j]) then
+    if not st or (st == args[j + 2] and sid == args[j + 1]) then
       local index = keys[i]
       if not gone[index] then
         gone[index] = {}
@@ -586,8 +511,7 @@ local function journaled_many(keys, args)
       local members = gone[index]
       members[#members + 1] = T.name
     end
-    i = i + (named and 3 or 2)
-    j = j + 2
+    i, j = i + 2, j + 3
   end
   local removed = 0
   for _, index in ipairs(order) do
@@ -596,21 +520,11 @@ local function journaled_many(keys, args)
   return removed
 end
 
---[[ journaled: KEYS pending index, ticket; ARGV ticket key, sid, state
-The decision of sale `sid` in state `state` (f: sold, c: cancelled; '': voided, the ticket
-forgotten) is journaled: the ticket's index entry goes, unless the ticket has moved on
-since (a cancel decided meanwhile, another sale of the id): the janitor then journals what
-it holds now. Returns 1 if the entry went. ]]
-local function journaled(keys, args)
-  return journaled_many(keys, {args[2], args[3]})  -- args[1], the ticket key, is keys[2]
-end
-
 --[[ unclaim: KEYS ticket; ARGV sid
 Forgets sale `sid` while it is pending or being settled (what it took must be released
 first). Returns 1 if forgotten. ]]
 local function unclaim(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
   if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
     ticket_delete(T)
@@ -628,8 +542,7 @@ Returns {'x', at, sid, sale} | {'k' or 'c', at, sid, sale, body, cancelled at, r
 res} | {'f', at, sid, sale, body, false, false, res} to settle, {'wait'} when the ticket is
 not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local now, deadline = now_ms(), tonumber(args[1])
   local rec = ticket_read(T, now)
   local st = rec[1]
@@ -661,8 +574,7 @@ the caller then releases the sale's records and calls `cancelled`. Returns {'k',
 released, sid} (also when an earlier cancel was interrupted) | {'c', at, released}
 | {'closed'} | {'missing'} | {'undecided'}. ]]
 local function cancel(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local now = now_ms()
   local rec = ticket_read(T, now)
   local st = rec[1]
@@ -696,8 +608,7 @@ of its draws; ARGV sid, then picks, stake pairs
 Marks the cancel of sale `sid` complete (every record released), and takes a ticket sold in
 one call out of its draws' aggregates (see AGGREGATES). ]]
 local function cancelled(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
   if rec[1] == 'k' and rec[4] == args[1] then
     ticket_set(T, 'st', 'c')
@@ -812,15 +723,6 @@ local function recorded(buckets, combo, rec, caps, min_stake)
   table.insert(out, 1, 0)
   table.insert(out, 1, 1)
   return out
-end
-
--- The bytes a hex string spells.
-local function unhex(hex)
-  local bytes = {}
-  for i = 1, #hex, 2 do
-    bytes[#bytes + 1] = tonumber(string.sub(hex, i, i + 1), 16)
-  end
-  return string.char(unpack(bytes))
 end
 
 local function slice_from(list, from)
@@ -1207,8 +1109,7 @@ time is rendered in the zone of the sale, whatever the configuration says later)
 "fix" when the caller does not know the draws' caps (the last n keys are then their cap
 keys, fixed here; the reply's last element gives the caps the sale was judged by), then
 the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
-of a one-grid sale's ~65 µs of Redis CPU; a caller that does not send them has them
-decoded).
+of a one-grid sale's ~65 µs of Redis CPU).
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
 for a game without player limits: the claim's answers for a known ticket id, else the close
 and the admin stops (nothing is written if a draw is stopped), then every capped grid is
@@ -1223,8 +1124,7 @@ caller has journaled its decision (the janitor journals it otherwise). Returns
   released or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
 local function sell(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local rec = ticket_read(T, now)
@@ -1252,9 +1152,6 @@ local function sell(keys, args)
   -- Its 8 bytes, taken as sent: the caller makes the hex and the bytes from one nonce
   -- (checking them here would cost what sending them saves).
   local sid_bytes = args[14 + 2 * tonumber(args[11]) + n]
-  if sid_bytes and #sid_bytes ~= 8 then
-    sid_bytes = nil
-  end
   local caps, shadow = caps_of(args[9], n)
   local min_stake, grids = args[10], tonumber(args[11])
   local expiries = {}
@@ -1294,7 +1191,6 @@ local function sell(keys, args)
         buckets[i] = keys[k + i - 1]
       end
       k = k + n
-      sid_bytes = sid_bytes or unhex(sid)
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting.
       local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
@@ -1360,8 +1256,7 @@ ticket of this sale that the journal says was cancelled becomes cancelling too. 
 | {'other'} (the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
 kept as results (sold in one call: its aggregates are by number of picks). ]]
 local function restore_ticket(keys, args)
-  local T
-  T, keys, args = ticket_of(keys, args)
+  local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
   local st = rec[1]
   local cancel = args[7] ~= ''
@@ -1476,9 +1371,9 @@ local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 
 -- A sale's ticket as `restore_ticket` puts it back (the fields from its packed record):
 -- the reply's letter (see restore_tickets).
-local function sale_back(k1, k2, field, exp, record)
+local function sale_back(bucket, field, exp, record)
   local _, _, fp, at, sid, sale, body = cmsgpack.unpack(record)
-  return RESTORED[restore_ticket({k1, k2}, {field, sid, fp, at, sale, body, exp, '', 0})[1]]
+  return RESTORED[restore_ticket({bucket}, {field, sid, fp, at, sale, body, exp, '', 0})[1]]
 end
 
 -- Record what a sale accepted of the sizes not capped on each of its draws (`aggregate`),
@@ -1497,11 +1392,11 @@ local function aggregates_back(keys, k, n, args, i, sid, give_back, seen)
 end
 
 --[[ restore_tickets: KEYS and ARGV of ops on ticket records (one slot on a cluster):
-  s  a sale: KEYS the record's two names (see TICKET RECORDS), its aggregates; ARGV field,
+  s  a sale: KEYS the record's bucket (see TICKET RECORDS), its aggregates; ARGV field,
      expire_at, record, sid, n aggregates, then value, expire_at of each aggregate
-  c  a cancel: KEYS the two names, the pending index, its aggregates; ARGV field,
-     expire_at, record, sid, n aggregates
-  v  a void: KEYS the two names, its aggregates; ARGV field, sid, n aggregates
+  c  a cancel: KEYS the bucket, the pending index, its aggregates; ARGV field, expire_at,
+     record, sid, n aggregates
+  v  a void: KEYS the bucket, its aggregates; ARGV field, sid, n aggregates
 `record` is the ticket record as ticket_new packs it: expire_at, st, fp, at, sid, sale, body,
 res, ca, rel (st f for a sale; k with ca and rel for a cancel).
 A sale is `restore_ticket`'s: a ticket unknown (or of this sale and pending) is written
@@ -1517,45 +1412,41 @@ releases, then unclaims). Returns one letter per op, in order:
 local function restore_tickets(keys, args)
   local now = now_ms()
   local codes, seen = {}, {}
-  -- Sales that may go straight into their bucket, by bucket (`order`: the buckets), and
-  -- the keyed records they would be read from too.
-  local fresh, order, legacy = {}, {}, {}
+  -- Sales that may go straight into their bucket, by bucket (`order`: the buckets).
+  local fresh, order = {}, {}
   local i, k, n = 1, 1, 0
   while i <= #args do
     n = n + 1
-    local op, k1, k2 = args[i], keys[k], keys[k + 1]
+    local op, bucket = args[i], keys[k]
     if op == 's' then
       local aggs = tonumber(args[i + 5])
-      if string.byte(k1, 1) == R and tonumber(args[i + 2]) > now then
-        -- The bucketed layout, a record that lives: below, once keyed records are known.
-        local group = fresh[k1]
+      if tonumber(args[i + 2]) > now then
+        -- A record that lives: below, with the others of its bucket.
+        local group = fresh[bucket]
         if not group then
           group = {}
-          fresh[k1] = group
-          order[#order + 1] = k1
+          fresh[bucket] = group
+          order[#order + 1] = bucket
         end
         group[#group + 1] = {n, i, k}
-        if k2 ~= k1 then
-          legacy[#legacy + 1] = k2
-        end
       else
-        codes[n] = sale_back(k1, k2, args[i + 1], tonumber(args[i + 2]), args[i + 3])
+        codes[n] = sale_back(bucket, args[i + 1], tonumber(args[i + 2]), args[i + 3])
         if codes[n] == 'w' then
-          aggregates_back(keys, k + 2, aggs, args, i + 6, args[i + 4], false, seen)
+          aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen)
         end
       end
-      k, i = k + 2 + aggs, i + 6 + 2 * aggs
+      k, i = k + 1 + aggs, i + 6 + 2 * aggs
     elseif op == 'c' then
       local aggs, sid = tonumber(args[i + 5]), args[i + 4]
-      local T = ticket_of({k1, k2}, {args[i + 1]})
+      local T = ticket_of({bucket}, {args[i + 1]})
       local st, held = ticket_state(T, now)
       if not st or held == sid then
         if st ~= 'c' then
-          local index, exp = keys[k + 2], tonumber(args[i + 2])
+          local index, exp = keys[k + 1], tonumber(args[i + 2])
           redis.call('ZADD', index, 'NX', now, T.name)
           extend_once(seen, index, exp)
           local _, _, fp, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
-          local reply = restore_ticket({k1, k2}, {args[i + 1], sid, fp, at, sale, body, exp,
+          local reply = restore_ticket({bucket}, {args[i + 1], sid, fp, at, sale, body, exp,
                                                   ca, rel})
           codes[n] = reply[2] == 1 and 'K' or 'k'
         else
@@ -1564,24 +1455,22 @@ local function restore_tickets(keys, args)
       else
         codes[n] = 'n'
       end
-      aggregates_back(keys, k + 3, aggs, args, i, sid, true, seen)
-      k, i = k + 3 + aggs, i + 6
+      aggregates_back(keys, k + 2, aggs, args, i, sid, true, seen)
+      k, i = k + 2 + aggs, i + 6
     elseif op == 'v' then
       local aggs, sid = tonumber(args[i + 3]), args[i + 2]
-      local st, held = ticket_state(ticket_of({k1, k2}, {args[i + 1]}), now)
+      local st, held = ticket_state(ticket_of({bucket}, {args[i + 1]}), now)
       if st and (held ~= sid or (st ~= 'p' and st ~= 'x')) then
         codes[n] = 'n'
       else
         codes[n] = st and 'u' or 'g'
-        aggregates_back(keys, k + 2, aggs, args, i, sid, true, seen)
+        aggregates_back(keys, k + 1, aggs, args, i, sid, true, seen)
       end
-      k, i = k + 2 + aggs, i + 4
+      k, i = k + 1 + aggs, i + 4
     else
       return redis.error_reply('restore_tickets: unknown op ' .. tostring(op))
     end
   end
-  -- Keyed records (of a release before buckets): seldom any; one look for all of them.
-  local keyed = #legacy > 0 and redis.call('EXISTS', unpack(legacy)) > 0
   for _, bucket in ipairs(order) do
     local group = fresh[bucket]
     -- The bucket's records of these tickets: one HSETNX for one, else one HMGET and one HSET
@@ -1597,13 +1486,12 @@ local function restore_tickets(keys, args)
     local new, latest = {}, 0
     for j, sale in ipairs(group) do
       local at, kk = sale[2], sale[3]
-      local key, field, record = keys[kk + 1], args[at + 1], args[at + 3]
+      local field, record = args[at + 1], args[at + 3]
       local exp = tonumber(args[at + 2])
       local code
-      if held[j] or (keyed and key ~= bucket and redis.call('EXISTS', key) == 1)
-          or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
+      if held[j] or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
         -- A record of the ticket, live or not: compared as restore_ticket compares it.
-        code = sale_back(bucket, key, field, exp, record)
+        code = sale_back(bucket, field, exp, record)
       else
         code = 'w'
         if #group > 1 then
@@ -1614,7 +1502,7 @@ local function restore_tickets(keys, args)
       end
       codes[sale[1]] = code
       if code == 'w' then
-        aggregates_back(keys, kk + 2, tonumber(args[at + 5]), args, at + 6, args[at + 4],
+        aggregates_back(keys, kk + 1, tonumber(args[at + 5]), args, at + 6, args[at + 4],
                         false, seen)
       end
     end
@@ -1720,23 +1608,12 @@ local function restore_budgets(keys, args)
   return out
 end
 
--- A ticket's steps as this release calls them (see TICKET RECORDS).
-redis.register_function('capsvc2_claim', marked(claim))
-redis.register_function('capsvc2_finalize', marked(finalize))
-redis.register_function('capsvc2_journaled_many', journaled_many)
-redis.register_function('capsvc2_unclaim', marked(unclaim))
-redis.register_function('capsvc2_expire', marked(expire))
-redis.register_function('capsvc2_cancel', marked(cancel))
-redis.register_function('capsvc2_cancelled', marked(cancelled))
-redis.register_function('capsvc2_sell', marked(sell))
-redis.register_function('capsvc2_restore_ticket', restore_ticket)
 redis.register_function('capsvc_index', index)
 redis.register_function('capsvc_claim', marked(claim))
 redis.register_function('capsvc_ticket', marked(ticket))
 redis.register_function('capsvc_sweep', sweep)
 redis.register_function('capsvc_finalize', marked(finalize))
 redis.register_function('capsvc_unclaim', marked(unclaim))
-redis.register_function('capsvc_journaled', journaled)
 redis.register_function('capsvc_journaled_many', journaled_many)
 redis.register_function('capsvc_expire', marked(expire))
 redis.register_function('capsvc_cancel', marked(cancel))

@@ -1,5 +1,5 @@
-"""Ticket records read and written by tests in either layout (lua/capsvc.lua, TICKET
-RECORDS): a hash per ticket (`keys`) or a field of a bucket hash (`buckets`)."""
+"""Ticket records read and written by tests (lua/capsvc.lua, TICKET RECORDS): each a field
+of a bucket hash."""
 
 from __future__ import annotations
 
@@ -66,11 +66,10 @@ def _bytes(value: Any) -> bytes:
 
 
 class TicketRecords:
-    """What a ticket record holds, whichever layout holds it."""
+    """What a ticket record holds."""
 
-    def __init__(self, db: redis.Redis, ticket_records: str) -> None:
+    def __init__(self, db: redis.Redis) -> None:
         self.db = db
-        self.bucketed = ticket_records != "keys"
 
     def _value(self, ticket: str) -> tuple[int, dict[bytes, bytes]] | None:
         raw = self.db.hget(record_bucket_of(ticket), ident_of(ticket))
@@ -82,8 +81,6 @@ class TicketRecords:
 
     def fields(self, ticket: str) -> dict[bytes, bytes]:
         """The record's fields ({} when there is none; an expired one is still shown)."""
-        if not self.bucketed:
-            return dict(self.db.hgetall(ticket))
         value = self._value(ticket)
         return {} if value is None else value[1]
 
@@ -98,22 +95,16 @@ class TicketRecords:
 
     def expiry(self, ticket: str) -> int:
         """The instant (ms) the record is kept until; -2 when there is none."""
-        if not self.bucketed:
-            return int(self.db.pexpiretime(ticket))
         value = self._value(ticket)
         return -2 if value is None else value[0]
 
     def put(self, ticket: str, expire_at: int, **fields: Any) -> None:
-        """Write a record as the layout keeps it (for states no call leads to)."""
-        if not self.bucketed:
-            self.db.hset(ticket, mapping=fields)
-            self.db.pexpireat(ticket, expire_at)
-            return
+        """Write a record (for states no call leads to)."""
         packed = pack([expire_at, *[fields.get(n) for n in NAMES]])
         self.db.hset(record_bucket_of(ticket), ident_of(ticket), packed)
 
 
 def held(db: redis.Redis, ticket: str, name: str) -> bytes | None:
-    """One field of a ticket's record, whichever layout holds it (a bucket, else the key)."""
-    value: bytes | None = TicketRecords(db, "buckets").get(ticket, name)
-    return value if value is not None else TicketRecords(db, "keys").get(ticket, name)
+    """One field of a ticket's record (None when absent)."""
+    value: bytes | None = TicketRecords(db).get(ticket, name)
+    return value

@@ -29,6 +29,7 @@ from capsvc.journal.restore import Restored
 from capsvc.ledger import Ledger
 from capsvc.models import TicketOut
 from capsvc.store import Store, bucket_keys, record_field, replies_of, ticket_key
+from capsvc.validator import pack_sale
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
@@ -59,7 +60,7 @@ class OneByOne:
                         sale: bytes, body: bytes, expire_at: int,
                         cancelled_at: int | None = None, released: int = 0) -> Any:
         keys, args = self.store.names(ticket)
-        return self.store.fcall("capsvc2_restore_ticket", keys, [
+        return self.store.fcall("capsvc_restore_ticket", keys, [
             *args, sale_id, fingerprint, at, sale, body, expire_at,
             "" if cancelled_at is None else cancelled_at, released])
 
@@ -107,8 +108,7 @@ class OneByOne:
     async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        written = await self._restore_ticket(key, r.sale, r.fp, r.at,
-                                             self.store.sale_record(sale),
+        written = await self._restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
                                              bytes(r.decision), r.until)
         kind = written[0]
         if kind == b"cancelled":
@@ -166,9 +166,9 @@ class OneByOne:
         ours = state is None or sid.decode() == r.sale
         cancelling: list[Any] | None = None
         if ours and state != b"c":
-            await self.store.index(key, now, r.until)
+            await self.store.index(key, r.until)
             reply = await self._restore_ticket(key, r.sale, r.fp, r.at,
-                                               self.store.sale_record(sale),
+                                               pack_sale(sale),
                                                bytes(r.decision), r.until,
                                                r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None

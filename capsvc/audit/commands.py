@@ -183,7 +183,7 @@ async def _with_redis(settings: Settings, url: str, work: Any, *, journaled: boo
                             keep_ms=settings.journal_keep_ms)
                if journaled and settings.journal_enabled else None)
     try:
-        store = Store.of(redis, settings)
+        store = Store(redis)
         usecases = build_usecases(settings, store, journal=journal)
         await usecases.clock.sync()
         return await work(usecases.audit)

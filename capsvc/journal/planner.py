@@ -1,5 +1,5 @@
 """What each journal record's restore calls for, planned from the record alone (no Redis):
-the bulk ops of a sale, a cancel or a void (capsvc.store, RecordLayout and its kin), in this
+the bulk ops of a sale, a cancel or a void (capsvc.store, restore_sale and its kin), in this
 process or, for a large journal, in a process of its own that reads and decodes the files
 too (the part of a restore that takes Python the longest, out of the event loop's way).
 
@@ -42,14 +42,16 @@ from capsvc.journal.writer import journal_files
 from capsvc.ledger import Ledger, aggregate_value
 from capsvc.store import (
     Op,
-    RecordLayout,
     record_field,
     restore_budget,
+    restore_cancel,
     restore_count,
+    restore_sale,
+    restore_void,
     ticket_key,
     ticket_value,
 )
-from capsvc.validator import Sale
+from capsvc.validator import Sale, pack_sale
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """How much of a journal file a planning process reads, decodes and plans at a time."""
@@ -141,12 +143,11 @@ _chunk_encoder = msgspec.msgpack.Encoder()
 
 
 class Planner:
-    """Plans records (see the module's docstring) for the games of `catalog`, the ticket
-    records laid out as `layout`, the records still retained at Redis TIME `now`."""
+    """Plans records (see the module's docstring) for the games of `catalog`, the records
+    still retained at Redis TIME `now`."""
 
-    def __init__(self, catalog: Catalog, layout: RecordLayout, now: int) -> None:
+    def __init__(self, catalog: Catalog, now: int) -> None:
         self.catalog = catalog
-        self.layout = layout
         self.now = now
         self._expiries: dict[tuple[str, int], int] = {}
 
@@ -180,23 +181,23 @@ class Planner:
             return r
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        first, draws, layout = r.first_draw, r.draws, self.layout
+        first, draws = r.first_draw, r.draws
         if isinstance(r, VoidRecord):
             return Planned("void", r.channel, r.ticket, r.sale, r.game, first, draws, key, sale,
-                           (), (), layout.restore_void(key, r.sale, self._given_back(sale, r)),
+                           (), (), restore_void(key, r.sale, self._given_back(sale, r)),
                            budget=self._budget(game, r, sale, ()))
         accepted = tuple(g.index for g in _outcomes(r.decision).grids
                          if g.status == "accepted")
-        packed = layout.sale_record(sale)
+        packed = pack_sale(sale)
         body = bytes(r.decision)
         if isinstance(r, CancelRecord):
-            step = layout.restore_cancel(key, r.sale, r.until, ticket_value(
+            step = restore_cancel(key, r.sale, r.until, ticket_value(
                 r.until, b"k", r.fp, r.at, r.sale, packed, body, r.cancelled_at, r.released),
                 self._given_back(sale, r))
             return Planned("cancel", r.channel, r.ticket, r.sale, r.game, first, draws, key,
                            sale, accepted, (), step, budget=self._budget(game, r, sale, ()))
         value = aggregate_value(sale, set(accepted)) if accepted else None
-        step = layout.restore_sale(
+        step = restore_sale(
             key, r.sale, r.until, ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
             [(r.game, d, value, self.expire_at(game, d)) for d in range(first, first + draws)]
             if value is not None else ())
@@ -248,9 +249,9 @@ _planner: Planner | None = None
 """A planning process's planner (set by `_start`)."""
 
 
-def _start(games: dict[str, GameRules], layout: RecordLayout, now: int) -> None:
+def _start(games: dict[str, GameRules], now: int) -> None:
     global _planner
-    _planner = Planner(Catalog(games), layout, now)
+    _planner = Planner(Catalog(games), now)
     gc.disable()  # a piece's objects are freed by reference counting, none is cyclic
 
 
@@ -310,14 +311,13 @@ def pieces(directory: Path, modified_since: float) -> list[tuple[str, int, int]]
 
 
 async def planned_in_processes(pieces: list[tuple[str, int, int]], catalog: Catalog,
-                               layout: RecordLayout, now: int, workers: int
-                               ) -> AsyncGenerator[Chunk, None]:
+                               now: int, workers: int) -> AsyncGenerator[Chunk, None]:
     """The pieces' chunks, in order, planned by `workers` processes of their own (started
     fresh, not forked: this process has threads), a few pieces ahead. Raises PlanningFailed
     when none can be started or one dies."""
     games = {gid: game.rules for gid, game in catalog.games.items()}
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start, initargs=(games, layout, now))
+                               initializer=_start, initargs=(games, now))
     ahead: deque[Future[Any]] = deque()
 
     async def planned(piece: Future[Any]) -> Chunk:

@@ -187,7 +187,7 @@ class Reconciler:
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
-            store = Store.of(redis, self.settings)
+            store = Store(redis)
             try:
                 # The library is loaded by the transport if Redis lacks it (a first call
                 # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.

@@ -82,11 +82,6 @@ thousand keeps Redis busy."""
 CHUNK = 256
 """Records decoded and planned between two turns of the event loop (the replies of the
 window being applied are read meanwhile)."""
-LAYOUT_SCAN_KEYS = 1_000_000
-"""A restore into a Redis of at most this many keys first scans it for ticket records of
-the keyed layout (Store.settle_layout: a few hundred milliseconds at most); when there is
-none, a new record goes straight into its bucket, without a look for a key of its ticket
-(which costs Redis about as much as writing the record)."""
 MARGIN_S = 2 * 86_400
 """Journal files last written this much before the oldest decision that can still be
 retained are read too (the host's clock judges a file's age; a record's own expiry is
@@ -176,7 +171,6 @@ class Restorer:
         """Restore every record of a decision still retained; returns what was done. A
         large journal is read, decoded and planned by a process of its own (planner), or
         here if it cannot be (what it had applied is found present and not counted twice)."""
-        await self._settle_layout()
         now = await self.store.time_ms()
         since = self.oldest_useful(now)
         found = pieces(self.dir, since)
@@ -185,7 +179,7 @@ class Restorer:
         if workers and sum(end - start for _, start, end in found) > POOL_BYTES:
             try:
                 return await self._restore(planned_in_processes(
-                    found, self.catalog, self.store.layout, now, workers), now, out)
+                    found, self.catalog, now, workers), now, out)
             except PlanningFailed as e:
                 log.warning("restore: no planning process (%s): planning here", e)
                 out.records = out.skipped = 0
@@ -197,22 +191,14 @@ class Restorer:
         written) with the semantics of the module's docstring; records of decisions no
         longer retained (by Redis TIME) and `open` lines are passed over. Returns what was
         done."""
-        await self._settle_layout()
         now = await self.store.time_ms()
         return await self._restore(self._planned(records, now), now, Restored())
-
-    async def _settle_layout(self) -> None:
-        """Read ticket records from buckets only, when Redis holds no keyed one and is
-        small enough to be sure of it at once (LAYOUT_SCAN_KEYS)."""
-        store = self.store
-        if not store.layout_settled and await store.key_count() <= LAYOUT_SCAN_KEYS:
-            await store.settle_layout()
 
     async def _planned(self, records: Iterable[Open | Record], now: int
                        ) -> AsyncGenerator[Chunk, None]:
         """`records` planned here, CHUNK at a time (the event loop reads the replies of the
         window being applied in between)."""
-        planner = Planner(self.catalog, self.store.layout, now)
+        planner = Planner(self.catalog, now)
         source = iter(records)
         while batch := list(islice(source, CHUNK)):
             yield planner.chunk(batch)

@@ -244,8 +244,8 @@ def test_reports_after_chaos_equal_redis_and_the_sellers_then_the_journal_alone(
             "grids": [{"numbers": list(HOT[2]), "stake": 100}]})
         assert (status, sub["status"]) == (200, "accepted")
         if proxy is not None:  # replies lost after Redis ran them: 503s, retried
-            proxy.drop_reply(command("FCALL", "capsvc2_sell"), count=15)
-            proxy.drop_reply(command("FCALL", "capsvc2_cancel"), count=3)
+            proxy.drop_reply(command("FCALL", "capsvc_sell"), count=15)
+            proxy.drop_reply(command("FCALL", "capsvc_cancel"), count=3)
         sellers = Sellers([base], draws, game=GAME, combinations=HOT, token=SELLER,
                           count=6, stakes=(100, 200, 500), max_grids=2,
                           retry_pause_s=0.05, seed=7)
@@ -502,7 +502,7 @@ def test_a_sale_whose_answer_was_lost_is_journaled_by_the_janitor_and_reconciled
             draw, _ = current(base, SLOW)
             status, a = _sell(base, "A", SLOW, draw)
             assert status == 200
-            rule = proxy.drop_reply(command("FCALL", "capsvc2_sell"))
+            rule = proxy.drop_reply(command("FCALL", "capsvc_sell"))
             status, _ = _sell(base, "B", SLOW, draw, retry=False)
             assert rule.fired.wait(5)
             assert status in (0, 503)
@@ -536,11 +536,11 @@ def test_a_written_report_waits_for_decisions_not_journaled_yet(
             d = draw + 2
             status, _ = _sell(base, "C1", GAME, d, HOT[1])
             assert status == 200
-            rule = proxy.drop_reply(command("FCALL", "capsvc2_cancelled"))
+            rule = proxy.drop_reply(command("FCALL", "capsvc_cancelled"))
             status, _ = call(base, "POST", "/v1/tickets/C1/cancel", token=SELLER,
                              retry=False)
             assert rule.fired.wait(5)
-            rule = proxy.drop_reply(command("FCALL", "capsvc2_sell"))
+            rule = proxy.drop_reply(command("FCALL", "capsvc_sell"))
             status, _ = _sell(base, "LOST", GAME, d, HOT[2], retry=False)
             assert rule.fired.wait(5)
             assert status in (0, 503)
@@ -569,7 +569,7 @@ def test_reports_written_after_a_restart_wait_for_the_janitor(
             d = draw + 2
             assert _sell(service.base_url, "C1", GAME, d, HOT[1])[0] == 200
             close = _close_of(service.base_url, d)
-            rule = proxy.drop_reply(command("FCALL", "capsvc2_cancel"))
+            rule = proxy.drop_reply(command("FCALL", "capsvc_cancel"))
             call(service.base_url, "POST", "/v1/tickets/C1/cancel", token=SELLER, retry=False)
             assert rule.fired.wait(5)
             _kill(service)
@@ -678,10 +678,10 @@ def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_index
         try:
             draw, _ = current(a.base_url, SLOW)
             release = threading.Event()
-            removal = proxy_a.hold_request(command("FCALL", "capsvc2_journaled_many"), release)
+            removal = proxy_a.hold_request(command("FCALL", "capsvc_journaled_many"), release)
             assert _sell(a.base_url, "Z-1", SLOW, draw)[0] == 200
             assert removal.fired.wait(5)
-            lost = proxy_b.drop_reply(command("FCALL", "capsvc2_cancel"))
+            lost = proxy_b.drop_reply(command("FCALL", "capsvc_cancel"))
             status, _ = call(b.base_url, "POST", "/v1/tickets/Z-1/cancel", token=SELLER,
                              retry=False)
             assert lost.fired.wait(5)
@@ -709,7 +709,7 @@ def test_a_report_waits_for_a_decision_whose_cancel_was_refused_after_a_stop(
             if left < 2.5:
                 time.sleep(left + 0.2)
                 draw, _ = current(base)
-            lost = proxy.drop_reply(command("FCALL", "capsvc2_sell"))
+            lost = proxy.drop_reply(command("FCALL", "capsvc_sell"))
             status, _ = _sell(base, "R-1", GAME, draw, retry=False)
             assert lost.fired.wait(5)
             assert status == 503
@@ -740,7 +740,7 @@ def test_a_decision_of_a_game_no_longer_configured_is_journaled_once_it_is_again
         first = ServiceProcess(str(full), proxy.url, env=env).start()
         try:
             draw, _ = current(first.base_url, OTHER)
-            lost = proxy.drop_reply(command("FCALL", "capsvc2_sell"))
+            lost = proxy.drop_reply(command("FCALL", "capsvc_sell"))
             status, _ = _sell(first.base_url, "G-1", OTHER, draw, retry=False)
             assert lost.fired.wait(5)
             assert status == 503

@@ -37,7 +37,7 @@ from capsvc.store import (
     record_field,
     ticket_key,
 )
-from capsvc.validator import Sale, validate_ticket
+from capsvc.validator import Sale, pack_sale, validate_ticket
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords
@@ -129,7 +129,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
     of some voids still pending, their grids counted."""
     sales = [r for r in records if type(r) is SaleRecord]
     await OneByOne(catalog, store).restore(sales[::7])
-    tickets = TicketRecords(db, "buckets")
+    tickets = TicketRecords(db)
     for r in sales[3::11]:
         tickets.put(ticket_key(r.channel, r.ticket), r.until, st="f", fp="another", at=r.at,
                     sid="0" * 16, sale=b"another sale", body=b"{}")
@@ -137,7 +137,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         game = catalog.games[v.game]
         sale = sale_of(v)
         tickets.put(ticket_key(v.channel, v.ticket), v.until, st="p", fp="fp", at=v.at,
-                    sid=v.sale, sale=store.sale_record(sale))
+                    sid=v.sale, sale=pack_sale(sale))
         for g in sale.grids:
             if g.capped:
                 await store.reserve(v.game, g.combo, record_field(v.sale, g.index), g.stake,
@@ -303,13 +303,13 @@ async def test_a_ticket_id_held_by_another_sale_keeps_it_and_counts_the_journale
     claimed = await store.claim(key, "another fingerprint", b"sale", game.calendar.close_ms(
         first), until, 60_000)
     assert claimed[0] == b"new"
-    before = TicketRecords(redis_db, "buckets").fields(key)
+    before = TicketRecords(redis_db).fields(key)
     await journaled(directory, [sold(s, "d" * 16, now, until)])
     done = await Restorer(directory, catalog, store).run()
     assert done.other_sale == 1
     assert done.applied == {"sale": 1}
     assert done.grids == 1
-    assert TicketRecords(redis_db, "buckets").fields(key) == before
+    assert TicketRecords(redis_db).fields(key) == before
     combo = s.grids[0].combo
     assert int(redis_db.hget(bucket_keys("fdj-keno", combo, first, 1)[0], combo)) == 500
 
@@ -336,7 +336,7 @@ async def test_a_ticket_voided_then_sold_again_ends_with_the_new_sale(
     key = ticket_key("fr-retail", "T2")
     done = await Restorer(directory, catalog, store).run()
     assert done.applied == {"sale": 1, "cancel": 1}
-    assert TicketRecords(redis_db, "buckets").get(key, "st", "sid") == [b"c", b"f" * 16]
+    assert TicketRecords(redis_db).get(key, "st", "sid") == [b"c", b"f" * 16]
     combo = s.grids[0].combo
     assert redis_db.hget(bucket_keys("fdj-keno", combo, first, 1)[0], combo) is None
     assert redis_db.zscore(pending_key_of(key), key) is None

@@ -109,11 +109,9 @@ async def test_sales_cancels_and_replays_leave_no_index_entry_behind(
 
 async def test_a_library_without_the_batched_release_is_replaced_and_entries_still_go(
         service: tuple[Service, str], client: Client, redis_db: redis.Redis) -> None:
-    """A process of the release before loaded its library last (`FUNCTION LOAD REPLACE`, no
-    capsvc_journaled_many): the first release is refused as unknown, the transport loads
-    this release's library and sends it again; no entry is left, nothing journaled twice.
-    (A function whose arguments change gets a new name, so that this is what an older
-    library answers: two versions of one name side by side would never converge.)"""
+    """An older library, without capsvc_journaled_many, was loaded last (`FUNCTION LOAD
+    REPLACE`): the first release is refused as unknown, the transport loads this library and
+    sends it again; no entry is left, nothing journaled twice."""
     svc, _ = service
     source = lua_source()
     older = source.replace(

@@ -60,42 +60,30 @@ def new_sale() -> str:
     return secrets.token_hex(8)
 
 
-async def store_on(url: str, ticket_records: str = "buckets") -> AsyncIterator[Store]:
+async def store_on(url: str) -> AsyncIterator[Store]:
     """A store on `url` with the library loaded, closed afterwards."""
     coalescer = connect(url, timeout_s=2, library=lua_source())
-    s = Store(coalescer, ticket_records=ticket_records)
-    if ticket_records == "buckets":  # as once Redis holds no keyed record (settle_layout)
-        s.legacy_keys = False
+    s = Store(coalescer)
     await s.load_library()
     yield s
     await coalescer.aclose()
 
 
 @pytest.fixture
-def ticket_records() -> str:
-    """The layout of ticket records (lua/capsvc.lua, TICKET RECORDS); the tests of the
-    ticket's functions run on both (`both_layouts`)."""
-    return "buckets"
-
-
-both_layouts = pytest.mark.parametrize("ticket_records", ["buckets", "buckets+keys", "keys"])
-
-
-@pytest.fixture
-async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
-                ticket_records: str) -> AsyncIterator[Store]:
-    async for s in store_on(redis_backend.url, ticket_records):
+async def store(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
+                ) -> AsyncIterator[Store]:
+    async for s in store_on(redis_backend.url):
         yield s
 
 
 @pytest.fixture
-def records(redis_db: redis.Redis, ticket_records: str) -> TicketRecords:
-    return TicketRecords(redis_db, ticket_records)
+def records(redis_db: redis.Redis) -> TicketRecords:
+    return TicketRecords(redis_db)
 
 
 def call(store: Store, name: str, ticket: str, args: list[Any], keys: tuple[str, ...] = ()
          ) -> Any:
-    """FCALL of a ticket's function (capsvc2_…) as the store names the ticket."""
+    """FCALL of a ticket's function (capsvc_…) as the store names the ticket."""
     ticket_keys, ticket_args = store.names(ticket)
     return store.fcall(name, [*ticket_keys, *keys], [*ticket_args, *args])
 
@@ -235,7 +223,7 @@ async def test_other_sale_of_the_same_ticket_and_grid_counts_separately(
     sale_a = first[2].decode()
     assert await combos.reserve(sale_a, 500) == [1, 0]
     assert await combos.release(sale_a) == [500]
-    assert await call(store, "capsvc2_unclaim", key, [sale_a]) == 1
+    assert await call(store, "capsvc_unclaim", key, [sale_a]) == 1
     second = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
     sale_b = second[2].decode()
     assert second[0] == b"new"
@@ -508,10 +496,9 @@ async def claimed(store: Store, key: str, now: int) -> tuple[int, str]:
 
 
 async def finalize(store: Store, key: str, sid: str, body: bytes = b"body") -> Any:
-    return await call(store, "capsvc2_finalize", key, [sid, body])
+    return await call(store, "capsvc_finalize", key, [sid, body])
 
 
-@both_layouts
 async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: redis.Redis,
                                                       now: int, records: TicketRecords) -> None:
     """A new claim answers {new, at (Redis TIME, ms), 16-hex sid}; the record has the TTL."""
@@ -531,7 +518,6 @@ async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: r
     assert other[2].decode() != sid
 
 
-@both_layouts
 async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
                                                               now: int) -> None:
     """A claim replays {pending}, {conflict}, {stale}, and {final, body} even after the close."""
@@ -546,7 +532,6 @@ async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
     assert await claim(store, key, now, fp="fp2") == [b"conflict"]
 
 
-@both_layouts
 async def test_claim_refuses_after_the_close(store: Store, redis_db: redis.Redis,
                                              now: int, records: TicketRecords) -> None:
     """A ticket whose first draw closed (close_ms in the past) is not claimed at all."""
@@ -555,7 +540,6 @@ async def test_claim_refuses_after_the_close(store: Store, redis_db: redis.Redis
     assert records.exists(key) == 0
 
 
-@both_layouts
 async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     """Once the janitor took a pending ticket (x), a replay is told {stale}."""
     key = ticket_key("ch", "T-x")
@@ -564,7 +548,6 @@ async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     assert await claim(store, key, now) == [b"stale"]
 
 
-@both_layouts
 async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
                                                        now: int, records: TicketRecords) -> None:
     """finalize writes only for the ticket's own sale id, in state p or x; never creates a key."""
@@ -589,32 +572,30 @@ async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: r
     assert records.exists(missing) == 0
 
 
-@both_layouts
 async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
                                                       now: int, records: TicketRecords) -> None:
     """unclaim forgets a ticket only for its own sale id, in state p or x (never f, k, c)."""
     key = ticket_key("ch", "T-un")
     _, sid = await claimed(store, key, now)
-    assert await call(store, "capsvc2_unclaim", key, [new_sale()]) == 0
+    assert await call(store, "capsvc_unclaim", key, [new_sale()]) == 0
     assert records.exists(key) == 1
-    assert await call(store, "capsvc2_unclaim", key, [sid]) == 1
+    assert await call(store, "capsvc_unclaim", key, [sid]) == 1
     assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert (await store.expire(key, 0))[0] == b"x"
-    assert await call(store, "capsvc2_unclaim", key, [sid]) == 1
+    assert await call(store, "capsvc_unclaim", key, [sid]) == 1
     assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert await finalize(store, key, sid) == 1
-    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
+    assert await call(store, "capsvc_unclaim", key, [sid]) == 0
     assert records.get(key, "st") == b"f"
     assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
-    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
-    assert await call(store, "capsvc2_unclaim", key, [sid]) == 0
+    assert await call(store, "capsvc_unclaim", key, [sid]) == 0
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 1
+    assert await call(store, "capsvc_unclaim", key, [sid]) == 0
     assert records.get(key, "st") == b"c"
 
 
-@both_layouts
 async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -> None:
     """expire hands tickets due by Redis TIME to the janitor (x, k, and f or c: a decision
     maybe never journaled); {'wait'} before; else {}."""
@@ -634,13 +615,12 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     assert await store.expire(key, HOUR) == [b"wait"]
     assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
                                           b"body", str(k[1]).encode(), b"500", None]
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 1
     assert await store.expire(key, HOUR) == [b"wait"]
     assert (await store.expire(key, 0))[0] == b"c"
     assert await store.expire(ticket_key("ch", "T-exp-missing"), 0) == []
 
 
-@both_layouts
 async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int,
                                    records: TicketRecords) -> None:
     """cancel decides once (k, at Redis TIME, the ticket indexed with it) if open and not
@@ -667,33 +647,31 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     again = await store.cancel(key, now - 1, "g", 99, 99, now + DAY)
     assert again == [b"k", ca, 10, sid.encode()]
     assert (await claim(store, key, now))[:2] == [b"final", b"body"]
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 1
     assert await store.cancel(key, now - 1, "g", 99, 99, now + DAY) == [b"c", ca, 10]
     assert await store.cancel(key, now + HOUR, "g", 100, 99, now + DAY) == [b"c", ca, 10]
     assert records.get(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
 
 
-@both_layouts
 async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis.Redis,
                                                    now: int, records: TicketRecords) -> None:
     """cancelled completes only the cancel of the ticket's own sale id, in state k."""
     key = ticket_key("ch", "T-cancelled")
     _, sid = await claimed(store, key, now)
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 0  # pending
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 0  # pending
     assert await finalize(store, key, sid) == 1
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 0  # final, not cancelling
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 0  # final, not cancelling
     assert records.get(key, "st") == b"f"
     assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
-    assert await call(store, "capsvc2_cancelled", key, [new_sale()]) == 0
+    assert await call(store, "capsvc_cancelled", key, [new_sale()]) == 0
     assert records.get(key, "st") == b"k"
-    assert await call(store, "capsvc2_cancelled", key, [sid]) == 1
+    assert await call(store, "capsvc_cancelled", key, [sid]) == 1
     assert records.get(key, "st") == b"c"
     missing = ticket_key("ch", "T-cancelled-missing")
-    assert await call(store, "capsvc2_cancelled", missing, [sid]) == 0
+    assert await call(store, "capsvc_cancelled", missing, [sid]) == 0
     assert records.exists(missing) == 0
 
 
-@both_layouts
 async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
         store: Store, redis_db: redis.Redis, now: int) -> None:
     """index adds the ticket to its slot's pending zset at Redis TIME (the first instant
@@ -702,16 +680,16 @@ async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
     pending = pending_key_of(key)
     assert key_slot(pending.encode()) == key_slot(key.encode())
     t0 = redis_ms(redis_db)
-    assert await store.index(key, now - HOUR, now + DAY) == 1  # the caller's instant: unused
+    assert await store.index(key, now + DAY) == 1
     ((member, first),) = redis_db.zrange(pending, 0, -1, withscores=True)
     assert member == key.encode()
     assert t0 <= first <= redis_ms(redis_db)  # Redis TIME
     assert redis_db.pexpiretime(pending) == now + DAY
-    assert await store.index(key, now + 5, now + HOUR) == 1
+    assert await store.index(key, now + HOUR) == 1
     assert redis_db.zscore(pending, key) == first
     assert redis_db.pexpiretime(pending) == now + DAY
     other = key.replace("T-index", "T-index-2")  # same hash tag, same zset
-    assert await store.index(other, now + 7, now + 2 * DAY) == 1
+    assert await store.index(other, now + 2 * DAY) == 1
     assert redis_db.zcard(pending) == 2
     assert redis_db.pexpiretime(pending) == now + 2 * DAY
 
@@ -930,20 +908,19 @@ async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
 # -- sell: the whole sale in one call (standalone Redis) --------------------------------------
 
 @pytest.fixture
-async def one_node(redis_server: RedisServer, standalone_db: redis.Redis, ticket_records: str
+async def one_node(redis_server: RedisServer, standalone_db: redis.Redis
                    ) -> AsyncIterator[Store]:
-    async for s in store_on(redis_server.url, ticket_records):
+    async for s in store_on(redis_server.url):
         yield s
 
 
-@both_layouts
 async def test_sell_counts_decides_and_replays_in_one_call(
-        one_node: Store, standalone_db: redis.Redis, ticket_records: str) -> None:
+        one_node: Store, standalone_db: redis.Redis) -> None:
     """One call claims, counts every capped grid on every draw (all or nothing per grid),
     marks what reached the cap as sold out, and writes the ticket decided with its results;
     the same call again answers them; another body is a conflict; nothing is pending."""
     db, now = standalone_db, redis_ms(standalone_db)
-    records = TicketRecords(db, ticket_records)
+    records = TicketRecords(db)
     close, expire = now + HOUR, now + DAY
     key = ticket_key("ch", secrets.token_hex(4))
     db.hset(bucket_keys(GAME, COMBO, FIRST + 1, 1)[0], COMBO, CAP - 200)
@@ -990,25 +967,13 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert db.pexpiretime(pending_key_of(key)) == expire
 
 
-@pytest.mark.parametrize("nonce", ["sent", "not sent", "not 8 bytes"])
-@both_layouts
 async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
-        one_node: Store, standalone_db: redis.Redis, nonce: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        one_node: Store, standalone_db: redis.Redis) -> None:
     """The caller sends the sale id's 8 bytes after its hex (decoding the hex in Lua was an
-    eighth of the call); a caller older than that sends none, and bytes of another length
-    are not taken: the id's hex is decoded then. Either way a grid's record is the field
-    `record_field(sid)` that a reserve, a release and a cancel look for."""
+    eighth of the call): a grid's record is the field `record_field(sid)` that a reserve, a
+    release and a cancel look for."""
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
-    fcall = one_node.fcall
-
-    def older(name: str, keys: list[str], args: list[Any]) -> Any:
-        if name == "capsvc2_sell" and nonce != "sent":
-            args = args[:-1] if nonce == "not sent" else [*args[:-1], b"\x01\x02\x03"]
-        return fcall(name, keys, args)
-
-    monkeypatch.setattr(one_node, "fcall", older)
     new = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
                               1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
     assert new[0] == b"new"
@@ -1024,7 +989,6 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     assert int(again[0]) == 0
 
 
-@both_layouts
 async def test_sell_writes_nothing_when_closed_or_stopped(
         one_node: Store, standalone_db: redis.Redis) -> None:
     """Past the close, or with a draw of the ticket stopped by an admin, the call answers so
@@ -1068,7 +1032,6 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000, b"3": 250}
 
 
-@both_layouts
 async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
         store: Store, redis_db: redis.Redis, now: int, monkeypatch: pytest.MonkeyPatch,
         records: TicketRecords) -> None:
@@ -1104,5 +1067,5 @@ async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
         assert sorted(redis_db.zrange(pending_key_of(group[0]), 0, -1)) == sorted(
             [group[1].encode(), group[3].encode()])
     # One call in all on a standalone Redis; one per index on a cluster.
-    assert calls == ["capsvc2_journaled_many"] * (1 if store.single_node else 2)
+    assert calls == ["capsvc_journaled_many"] * (1 if store.single_node else 2)
 

@@ -218,7 +218,7 @@ async def test_a_call_never_runs_ahead_of_an_earlier_write_still_in_flight(
         journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
         fast.marks = slow.marks = Marks(journal.life, single_node=True)
         recorder = Recorder(journal, lambda: 1)
-        proxy.hold_request(command("FCALL", "capsvc2_claim"), release)
+        proxy.hold_request(command("FCALL", "capsvc_claim"), release)
         db = redis_py.Redis(port=debug_redis.port)
 
         async def sell(store: Store, ticket_id: str) -> None:

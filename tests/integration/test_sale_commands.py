@@ -16,7 +16,7 @@ from tests.conftest import TEN, Client, ticket
 from tests.support.servers import RedisServer
 
 ONE_GRID_SALE = {
-    # capsvc2_sell and capsvc2_journaled_many (the index entry let go once journaled), each
+    # capsvc_sell and capsvc_journaled_many (the index entry let go once journaled), each
     # reading Redis TIME; the ticket's record, the grid's counter bucket and record, the
     # draws' aggregate, the expiries looked at and pushed on, the pending index; and the
     # mark (lua/capsvc.lua, MARKS): one HMGET and one HSET of the sale's call
@@ -24,7 +24,7 @@ ONE_GRID_SALE = {
     "pexpireat": 3, "hincrby": 1, "zadd": 1, "zrem": 1,
 }
 """Commands by name for one sale of one 8-number grid on a standalone Redis, the index
-entry's release (capsvc2_journaled_many, once the decision is journaled) included."""
+entry's release (capsvc_journaled_many, once the decision is journaled) included."""
 
 
 def commands(db: redis.Redis) -> dict[str, int]:

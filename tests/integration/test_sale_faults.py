@@ -39,7 +39,7 @@ faults between those steps, on a standalone Redis."""
 CONFIG.write_text(ONE_CALL.read_text().replace("[redis]\n", '[redis]\nsale_calls = "steps"\n', 1))
 RESERVE = command("FCALL", "capsvc_reserve")
 RELEASE = command("FCALL", "capsvc_release")
-FINALIZE = command("FCALL", "capsvc2_finalize")
+FINALIZE = command("FCALL", "capsvc_finalize")
 
 
 def reserve_of(numbers: list[int]) -> Callable[[Command], bool]:
@@ -143,7 +143,7 @@ def test_a_get_cut_short_is_a_503_that_says_nothing_changed(
     body = sale((TEN[:8], 500))
     assert api.sell(body).status_code == 200
     key = ticket_key("fr-retail", body["ticket_id"])
-    rule = proxy.delay_reply(command("FCALL", "capsvc_ticket", "3", record_bucket_of(key)), 1.0)
+    rule = proxy.delay_reply(command("FCALL", "capsvc_ticket", "2", record_bucket_of(key)), 1.0)
     resp = api.call("GET", f"/v1/tickets/{body['ticket_id']}")
     assert resp.status_code == 503, resp.text
     error = resp.json()["error"]
@@ -337,7 +337,7 @@ def test_a_sale_claimed_after_an_admin_stop_does_not_stand(
     draw = direct.current()
     body = sale((TEN[:8], 500), first_draw=draw)
     release = threading.Event()
-    held = proxy.hold_request(command("FCALL", "capsvc2_claim"), release)
+    held = proxy.hold_request(command("FCALL", "capsvc_claim"), release)
     thread, answers = in_background(lambda: slow.sell(body))
     assert held.fired.wait(5)
     assert direct.call("POST", f"/v1/games/fdj-keno/draws/{draw}/close",
@@ -359,7 +359,7 @@ def test_a_cancel_decided_after_an_admin_stop_is_refused(
     body = sale((TEN[:8], 500), first_draw=draw)
     assert direct.sell(body).status_code == 200
     release = threading.Event()
-    held = proxy.hold_request(command("FCALL", "capsvc2_cancel"), release)
+    held = proxy.hold_request(command("FCALL", "capsvc_cancel"), release)
     path = f"/v1/tickets/{body['ticket_id']}/cancel"
     thread, answers = in_background(lambda: slow.call("POST", path))
     assert held.fired.wait(5)
@@ -457,7 +457,7 @@ def test_a_sale_concluded_by_the_janitor_puts_its_capped_combination_on_the_list
 
 # -- the one-call sale (standalone Redis, games without player limits) ----------------------
 
-SELL = command("FCALL", "capsvc2_sell")
+SELL = command("FCALL", "capsvc_sell")
 
 
 @pytest.fixture
@@ -497,7 +497,7 @@ def test_a_one_call_sale_cancelled_and_replayed_gives_back_once(
     body = sale((TEN[:8], 500), (TEN[:10], 1000))
     first = api.sell(body)
     assert first.status_code == 200
-    rule = proxy.drop_reply(command("FCALL", "capsvc2_cancel"))
+    rule = proxy.drop_reply(command("FCALL", "capsvc_cancel"))
     unknown_outcome(api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel"))
     assert rule.fired.wait(5)
     done = api.call("POST", f"/v1/tickets/{body['ticket_id']}/cancel")

@@ -1,7 +1,6 @@
 """The sale as a ticket record keeps it (validator.pack_sale / unpack_sale): every sale comes
 back whole (the fingerprint recomputed, the first draw asked or defaulted), small enough for
-Redis to keep a record of one or two grids as a listpack (values of at most 64 bytes), and
-a record written before, in JSON, is still read (a rolling upgrade)."""
+Redis to keep a record of one or two grids as a listpack (values of at most 64 bytes)."""
 
 from __future__ import annotations
 
@@ -55,13 +54,6 @@ def test_every_sale_comes_back_whole(case: tuple[Sale, bool]) -> None:
     sale, asked = case
     assert pack_sale(sale, asked) == pack_sale(sale)
     assert unpack_sale(pack_sale(sale, asked)) == sale
-
-
-@settings(max_examples=200, deadline=None)
-@given(sales())
-def test_a_record_written_in_json_before_is_still_read(case: tuple[Sale, bool]) -> None:
-    sale, _ = case
-    assert unpack_sale(msgspec.json.encode(sale)) == sale
 
 
 def test_a_fingerprint_of_another_algorithm_is_kept() -> None:
