@@ -33,12 +33,12 @@ from capsvc.audit.history import Spans, read_history
 from capsvc.audit.reconcile import read_export, reconcile
 from capsvc.audit.report import build, to_csv
 from capsvc.config import load_settings
-from capsvc.decisions import ACCEPTED, REJECTED, build_decision
-from capsvc.games import Game
+from capsvc.domain.decisions import ACCEPTED, REJECTED, build_decision
+from capsvc.domain.games import Game
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
-from capsvc.models import TicketIn
-from capsvc.validator import validate_ticket
 
 TZ = ZoneInfo("Europe/Paris")
 

@@ -8,8 +8,8 @@ redis-server, pinned to CPU 0, rounds alternating, the bare handler beside them)
 cost is the difference between two cuts in server CPU a ticket (`cpu µs/t`); `/ bare` is
 the ratio to the bare handler in the same run.
 
-The cuts (lines patched into capsvc/tickets.py and capsvc/store.py; the script stops if
-the code they anchor on has changed):
+The cuts (lines patched into capsvc/service/tickets.py and capsvc/redis/store.py; the script
+stops if the code they anchor on has changed):
 
     auth        after authentication and the body's decoding
     validated   after the ticket is validated (rules, fingerprint) and named
@@ -61,20 +61,22 @@ RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.n
 
 def validated_then(*steps: str) -> dict[str, dict[str, tuple[str, str]]]:
     """A cut after validation: `steps`, then the constant answer."""
-    return {"capsvc/tickets.py": {VALIDATE: (VALIDATE, "".join(steps) + f"        {ANSWER}\n")}}
+    return {"capsvc/service/tickets.py": {
+        VALIDATE: (VALIDATE, "".join(steps) + f"        {ANSWER}\n")}}
 
 
 CUTS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
-    "auth": {"capsvc/tickets.py": {VALIDATE: ("", f"        {ANSWER}\n")}},
+    "auth": {"capsvc/service/tickets.py": {VALIDATE: ("", f"        {ANSWER}\n")}},
     "validated": validated_then(),
     "ping": validated_then(PING),
     "journal": validated_then(RECORD),
     "floor": validated_then(PING, RECORD),
-    "args": {"capsvc/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")},
-             "capsvc/store.py": {CALL: ("", "        _ = [*args, *expiries, time_zone, nonce]\n"
-                                            "        return self.redis.submit(\"PING\")\n")}},
-    "called": {"capsvc/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")}},
-    "decided": {"capsvc/tickets.py": {DECIDED: ("                    body = _encode(out)\n",
+    "args": {"capsvc/service/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")},
+             "capsvc/redis/store.py": {
+                 CALL: ("", "        _ = [*args, *expiries, time_zone, nonce]\n"
+                            "        return self.redis.submit(\"PING\")\n")}},
+    "called": {"capsvc/service/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")}},
+    "decided": {"capsvc/service/tickets.py": {DECIDED: ("                    body = _encode(out)\n",
                                                 "                    return SaleOutcome("
                                                 "body=body, replayed=False)\n")}},
 }
@@ -91,7 +93,7 @@ def patch(tree: Path, edits: dict[str, dict[str, tuple[str, str]]]) -> None:
                 raise SystemExit(f"{name} changed: the cut's anchor is not found once:\n{anchor}")
             replacement = keep + lines + anchor[len(keep):] if keep else lines + anchor
             text = text.replace(anchor, replacement)
-        if name == "capsvc/tickets.py":
+        if name == "capsvc/service/tickets.py":
             text = text.replace("_ATTEMPTS = 4\n", f"_ATTEMPTS = 4\n_CONST = {CONST}\n", 1)
         path.write_text(text)
 

@@ -32,8 +32,8 @@ from pathlib import Path
 from record import round_of, sales
 from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
 
-from capsvc.coalesce import Coalescer
-from capsvc.store import (
+from capsvc.domain.validator import pack_sale
+from capsvc.redis.store import (
     Store,
     aggregate_key,
     bucket_keys,
@@ -45,7 +45,7 @@ from capsvc.store import (
     stops_key,
     ticket_key,
 )
-from capsvc.validator import pack_sale
+from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.support.servers import RedisServer

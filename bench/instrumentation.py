@@ -14,8 +14,8 @@ import timeit
 
 from prometheus_client import CollectorRegistry
 
-from capsvc.metrics import Metrics
-from capsvc.models import GridOut, Receipt, TicketOut
+from capsvc.domain.models import GridOut, Receipt, TicketOut
+from capsvc.ops.metrics import Metrics
 
 N = 200_000
 

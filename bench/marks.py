@@ -21,10 +21,10 @@ from pathlib import Path
 from record import fcall_usec, round_of, sales
 from run import cpu_seconds, with_fixed_hash_seed
 
-from capsvc.coalesce import Coalescer
-from capsvc.marks import Marks
-from capsvc.store import Store, lua_source
-from capsvc.validator import pack_sale
+from capsvc.domain.validator import pack_sale
+from capsvc.redis.marks import Marks
+from capsvc.redis.store import Store, lua_source
+from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.support.servers import RedisServer

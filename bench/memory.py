@@ -43,10 +43,10 @@ from typing import Any
 import msgspec
 from run import TOKEN, config_file
 
-from capsvc import combination
 from capsvc.client import Client
-from capsvc.coalesce import Coalescer
-from capsvc.store import COUNTER_BUCKETS, Store, lua_source, record_field, ticket_key
+from capsvc.domain import combination
+from capsvc.redis.store import COUNTER_BUCKETS, Store, lua_source, record_field, ticket_key
+from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.support.servers import RedisServer

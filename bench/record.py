@@ -31,10 +31,10 @@ from pathlib import Path
 import msgspec
 from run import with_fixed_hash_seed
 
-from capsvc import combination
-from capsvc.coalesce import Coalescer
-from capsvc.store import Store, lua_source, ticket_key
-from capsvc.validator import Sale, SaleGrid, fingerprint_of, pack_sale
+from capsvc.domain import combination
+from capsvc.domain.validator import Sale, SaleGrid, fingerprint_of, pack_sale
+from capsvc.redis.store import Store, lua_source, ticket_key
+from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.support.servers import RedisServer

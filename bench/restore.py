@@ -42,15 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import REPO, checkout
 
-from capsvc.cluster import connect
 from capsvc.config import load_settings
-from capsvc.games import Catalog
-from capsvc.journal import restore as restore_module
-from capsvc.journal.planner import Planner
+from capsvc.domain.games import Catalog
 from capsvc.journal.reader import retained_records
 from capsvc.journal.records import Open, SaleRecord, sale_of
-from capsvc.journal.restore import Restorer
-from capsvc.store import Store, bucket_keys, lua_source, record_field, ticket_key
+from capsvc.recovery import restore as restore_module
+from capsvc.recovery.planner import Planner
+from capsvc.recovery.restore import Restorer
+from capsvc.redis.cluster import connect
+from capsvc.redis.store import Store, bucket_keys, lua_source, record_field, ticket_key
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.journals import MIXES, write_config, write_journal
@@ -140,7 +140,7 @@ def snapshot(client: Any) -> dict[bytes, Any]:
 
 async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: int) -> None:
     """Where a restore's time goes, one part at a time, in this process: Python decoding the
-    journal, then planning each record's ops (capsvc.journal.planner, no Redis); then the
+    journal, then planning each record's ops (capsvc.recovery.planner, no Redis); then the
     restore (Restorer.run) with every record planned in the restoring process, and with one
     planning process (forced, whatever the journal's size and the CPUs): decisions a second,
     the restoring process's CPU and Redis's CPU per decision; then the same with a library

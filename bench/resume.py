@@ -37,7 +37,7 @@ Prints, per scenario, layout and R:
 - early: sales answered after the loss (b: the new primary known, c: FLUSHALL) before
   every journal directory was back in Redis, to attempts sent after it: judged on a Redis
   that lacked decisions (b and c);
-- restore: what the services logged (capsvc.journal.reconciler; `summarize_restores`):
+- restore: what the services logged (capsvc.recovery.reconciler; `summarize_restores`):
   the longest restore's own seconds (reading and writing back), records read (once a
   journal directory, however many workers read it), records that put something back, and
   records read a second over that time; then each process's own lines;
@@ -179,10 +179,10 @@ scopes = ["sell", "read"]
 
 # -- the retained decisions -----------------------------------------------------------------
 #
-# Made by the product's own sale path (capsvc.server.build: the use-cases, their Redis
+# Made by the product's own sale path (capsvc.http.server.build: the use-cases, their Redis
 # calls, the Recorder and the journal's writer; everything but HTTP), so that whatever a
 # sale writes — in Redis and in its journal record — is written as the service would.
-# What this relies on: capsvc.server.build and prepare, UseCases.tickets.sell / ticket /
+# What this relies on: capsvc.http.server.build and prepare, UseCases.tickets.sell / ticket /
 # cancel. A tree where those change: adapt `sell_retained` only.
 
 STAKES = (100, 200, 300, 500, 1000)
@@ -214,10 +214,10 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
     import msgspec
 
     from capsvc.config import load_settings
-    from capsvc.errors import ApiError, Unavailable
-    from capsvc.marks import Marks
-    from capsvc.models import TicketIn
-    from capsvc.server import build, prepare
+    from capsvc.domain.errors import ApiError, Unavailable
+    from capsvc.domain.models import TicketIn
+    from capsvc.http.server import build, prepare
+    from capsvc.redis.marks import Marks
 
     settings = dataclasses.replace(load_settings(config), redis_timeout_ms=10_000)
     svc = build(settings, redis_url)
@@ -237,7 +237,7 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
             t = msgspec.convert(body, TicketIn)
             for attempt in range(10):
                 try:
-                    Marks.begin()  # as every request does (capsvc.http): its records stamped
+                    Marks.begin()  # as every request does (capsvc.http.app): its records stamped
                     out = await tickets.sell(channel, t)
                     if i % 10 == 0:
                         Marks.begin()
@@ -398,7 +398,7 @@ class SwitchWatcher:
 # -- the services and what they log ---------------------------------------------------------
 
 WALL_OFFSET = time.time() - time.monotonic()
-RESTORE_LOGGER = "capsvc.journal.reconciler"
+RESTORE_LOGGER = "capsvc.recovery.reconciler"
 
 
 def log_lines(service: ServiceProcess) -> list[dict[str, Any]]:
@@ -444,7 +444,7 @@ def start_services(layout: Layout, config: Path, url: str, dirs: list[Path],
             assert s.process is not None
             if s.process.poll() is not None:
                 raise RuntimeError(f"capsvc exited at start: {s.log.read_text()[-2000:]}")
-        # A process listens once its restore is done or has taken 120 s (capsvc.server's
+        # A process listens once its restore is done or has taken 120 s (capsvc.http.server's
         # prepare): both are waited for.
         return all(sum(map(listening, lines)) >= layout.workers
                    and sum(map(restore_done, lines)) >= layout.workers

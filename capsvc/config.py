@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from capsvc.sentinel import is_sentinel_url, parse_sentinel_url, redacted
+from capsvc.urls import is_sentinel_url, parse_sentinel_url, redacted
 
 PRESETS = ("fdj-keno-2008", "lnm-keno")
 CANCEL_POLICIES = ("before_first_draw", "single_draw_only", "never")
@@ -124,7 +124,7 @@ class Settings:
     janitor_interval_ms: int = 5_000
     sweep_ms: int = 600_000
     """`[janitor] sweep`: how long one process takes to sweep every record bucket once (the
-    records past their expiry deleted: capsvc.janitor)."""
+    records past their expiry deleted: capsvc.service.janitor)."""
     retry_after_s: int = 1
     drain_delay_ms: int = 1000
     access_log: bool = False
@@ -140,7 +140,7 @@ class Settings:
     journal_settle_ms: int = 1000
     """After restoring into a Redis, how long (from the restore's start) a process waits
     before selling, so that every other live process has noticed that Redis and announced
-    its own restore (capsvc.journal.reconciler)."""
+    its own restore (capsvc.recovery.reconciler)."""
     audit_reports: bool = True
     """Each process writes the report of every draw once final (capsvc.audit)."""
     audit_interval_ms: int = 30_000

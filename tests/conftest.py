@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from capsvc.config import Settings, load_settings
-from capsvc.janitor import Janitor
-from capsvc.server import Service, Serving, build, prepare, start_serving
-from capsvc.workers import listen
+from capsvc.http.server import Service, Serving, build, prepare, start_serving
+from capsvc.ops.workers import listen
+from capsvc.service.janitor import Janitor
 from tests.support.servers import RedisCluster, RedisServer
 from tests.support.service import ServiceProcess
 

@@ -23,12 +23,12 @@ from typing import Any
 import msgspec
 
 from capsvc.config import GameRules
-from capsvc.decisions import budget_plan, build_decision, player_limit_decision
-from capsvc.games import Catalog, Game
+from capsvc.domain.decisions import budget_plan, build_decision, player_limit_decision
+from capsvc.domain.games import Catalog, Game
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import open_journal
-from capsvc.models import TicketIn
-from capsvc.validator import Sale, validate_ticket
 
 CONFIG = """
 [[games]]

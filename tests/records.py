@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from capsvc.store import ident_of, record_bucket_of
+from capsvc.redis.store import ident_of, record_bucket_of
 
 NAMES = ("st", "fp", "at", "sid", "sale", "body", "res", "ca", "rel")
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 
-from capsvc.caps import DrawCaps, caps_argument
-from capsvc.decisions import accepted_grids
-from capsvc.games import Catalog, Game
+from capsvc.domain.decisions import accepted_grids
+from capsvc.domain.games import Catalog, Game
+from capsvc.domain.models import TicketOut
+from capsvc.domain.validator import pack_sale
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
@@ -25,11 +26,10 @@ from capsvc.journal.records import (
     VoidRecord,
     sale_of,
 )
-from capsvc.journal.restore import Restored
-from capsvc.ledger import Ledger
-from capsvc.models import TicketOut
-from capsvc.store import Store, bucket_keys, record_field, replies_of, ticket_key
-from capsvc.validator import pack_sale
+from capsvc.recovery.restore import Restored
+from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
+from capsvc.service.caps import DrawCaps, caps_argument
+from capsvc.service.steps import Ledger
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

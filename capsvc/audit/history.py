@@ -21,7 +21,9 @@ from pathlib import Path
 
 import msgspec
 
-from capsvc.games import Game
+from capsvc.domain.games import Game
+from capsvc.domain.models import TicketOut
+from capsvc.domain.reports import Source
 from capsvc.journal.reader import FileCheck, read
 from capsvc.journal.records import (
     CancelRecord,
@@ -33,7 +35,6 @@ from capsvc.journal.records import (
     VoidRecord,
 )
 from capsvc.journal.writer import journal_files
-from capsvc.models import TicketOut
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
@@ -61,20 +62,6 @@ class Sold:
     def plays(self, draw: int) -> bool:
         r = self.record
         return r.first_draw <= draw < r.first_draw + r.draws
-
-
-class Source(msgspec.Struct, frozen=True):
-    """A journal file read, as it was when read (a report names each)."""
-
-    directory: str
-    file: str
-    proc: str | None
-    """The process that wrote it."""
-    sha256: str
-    """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
-    to any more."""
-    bytes: int
-    lines: int
 
 
 @dataclass

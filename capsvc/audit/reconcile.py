@@ -27,8 +27,8 @@ from typing import Literal
 from msgspec import Struct
 
 from capsvc.audit.history import History, Sold
-from capsvc.calendar import instant
 from capsvc.config import ID_RE
+from capsvc.domain.calendar import instant
 
 REQUIRED = ("channel", "ticket_id", "total_cost")
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import msgspec
 
-from capsvc import combination
 from capsvc.audit.history import History, Spans, read_history
 from capsvc.audit.reconcile import (
     ExportLine,
@@ -34,18 +33,20 @@ from capsvc.audit.reconcile import (
     reconcile,
     unknown,
 )
-from capsvc.audit.report import DrawReport, RedisCheck, build, capped_totals, to_csv, to_json
-from capsvc.clock import RedisClock
+from capsvc.audit.report import build, capped_totals, to_csv, to_json
 from capsvc.config import Channel, Settings
-from capsvc.errors import ApiError
-from capsvc.exposure import Exposure
-from capsvc.games import Catalog, Game
+from capsvc.domain import combination
+from capsvc.domain.errors import ApiError
+from capsvc.domain.games import Catalog, Game
+from capsvc.domain.reports import DrawReport, RedisCheck
+from capsvc.domain.validator import unpack_sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.verify import opened_at
 from capsvc.journal.writer import journal_files
-from capsvc.store import Store, replies_of, stop_instants, ticket_key
-from capsvc.tickets import Tickets, derived_body
-from capsvc.validator import unpack_sale
+from capsvc.redis.clock import RedisClock
+from capsvc.redis.store import Store, replies_of, stop_instants, ticket_key
+from capsvc.service.exposure import Exposure
+from capsvc.service.tickets import Tickets, derived_body
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `Client(base_url, token)` (async, aiohttp; an async context manager) and
 `SyncClient(base_url, token)` (the same methods, blocking, for scripts). The types are the
-service's own msgspec types (`capsvc.models`), re-exported here.
+service's own msgspec types (`capsvc.domain.models`), re-exported here.
 
 What it gets right, so that its callers do not have to:
 - a sale (`sell`) and a cancel (`cancel`) are sent again, with the same ticket id and the
@@ -17,7 +17,6 @@ What it gets right, so that its callers do not have to:
 Knows the HTTP API (docs/api.md); nothing of Redis or of the service's insides.
 """
 
-from capsvc.audit.report import DrawReport
 from capsvc.client.api import Client, FeedEvent, SyncClient
 from capsvc.client.errors import (
     AuthError,
@@ -29,7 +28,7 @@ from capsvc.client.errors import (
     Unavailable,
     ValidationError,
 )
-from capsvc.models import (
+from capsvc.domain.models import (
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -44,6 +43,7 @@ from capsvc.models import (
     TicketIn,
     TicketOut,
 )
+from capsvc.domain.reports import DrawReport
 
 __all__ = [
     "AuthError",

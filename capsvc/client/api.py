@@ -30,7 +30,6 @@ import aiohttp
 import msgspec
 import yarl
 
-from capsvc.audit.report import DrawReport
 from capsvc.client.errors import (
     CapsvcError,
     OutcomeUnknown,
@@ -38,7 +37,7 @@ from capsvc.client.errors import (
     ValidationError,
     error_for,
 )
-from capsvc.models import (
+from capsvc.domain.models import (
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -55,6 +54,7 @@ from capsvc.models import (
     TicketIn,
     TicketOut,
 )
+from capsvc.domain.reports import DrawReport
 
 T = TypeVar("T")
 P = ParamSpec("P")

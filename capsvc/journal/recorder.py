@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from capsvc.domain.validator import Sale
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
@@ -27,8 +28,7 @@ from capsvc.journal.records import (
     grids_of,
 )
 from capsvc.journal.writer import Journal
-from capsvc.marks import Marks
-from capsvc.validator import Sale
+from capsvc.redis.marks import Marks
 
 
 class Recorder:
@@ -42,7 +42,7 @@ class Recorder:
         self._done: asyncio.Future[None] | None = None
         self._checkpointed: dict[str, int] = {}
         self.marks: Marks | None = None
-        """The process's marks (capsvc.marks), set by the service: what a record made
+        """The process's marks (capsvc.redis.marks), set by the service: what a record made
         outside a request is stamped with."""
 
     @property
@@ -164,7 +164,7 @@ class Recorder:
         return dict(self.marks.made)
 
     def checkpoint(self, made: dict[str, int]) -> None:
-        """Write down what this process has written through each mark (`made`, capsvc.marks),
+        """Write down what this process has written through each mark (`made`, capsvc.redis.marks),
         if that moved since the last checkpoint: a restore reads no further back than the
         newest checkpoint Redis covers (capsvc.journal.lives)."""
         journal = self.journal

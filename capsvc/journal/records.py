@@ -19,8 +19,8 @@ from typing import Literal, get_args
 import msgspec
 from msgspec import Raw, Struct
 
-from capsvc import combination
-from capsvc.validator import Sale, SaleGrid
+from capsvc.domain import combination
+from capsvc.domain.validator import Sale, SaleGrid
 
 VERSION = 1
 """The format's version (`v` of a file's `open` line); readers refuse a newer one."""

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import msgspec
 
-from capsvc import combination
-from capsvc.games import Catalog
+from capsvc.domain import combination
+from capsvc.domain.games import Catalog
+from capsvc.domain.models import TicketOut
 from capsvc.journal.reader import FileCheck, header_of, read
 from capsvc.journal.records import CancelRecord, CapRecord, Open, SaleRecord
 from capsvc.journal.writer import journal_files
-from capsvc.models import TicketOut
-from capsvc.store import Store, replies_of, ticket_key
+from capsvc.redis.store import Store, replies_of, ticket_key
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

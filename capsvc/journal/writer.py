@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
-from capsvc.errors import Unavailable
+from capsvc.domain.errors import Unavailable
 from capsvc.journal.records import VERSION, Checkpoint, Open, Record, encode
 
 log = logging.getLogger(__name__)

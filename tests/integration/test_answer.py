@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from capsvc.answer import Answer, answer_headers
+from capsvc.http.responses import Answer, answer_headers
 
 BODY = b'{"ticket_id":"A-1","status":"accepted"}'
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import requests
 
-from capsvc.store import ticket_key
+from capsvc.redis.store import ticket_key
 from tests.records import held
 from tests.support.failover import HttpClient, Sellers
 from tests.support.faults import FaultProxy, command

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import requests
 
-from capsvc import combination
-from capsvc.store import bucket_keys
+from capsvc.domain import combination
+from capsvc.redis.store import bucket_keys
 from tests.conftest import TEN, TOKENS, new_id
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess

@@ -22,8 +22,8 @@ from capsvc.client import (
     TicketOut,
     ValidationError,
 )
-from capsvc.errors import Unavailable
-from capsvc.server import Service
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
 from tests.conftest import Client as Http
 from tests.support.service import ServiceProcess, served

@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from capsvc.config import load_settings
-from capsvc.metrics import Metrics
+from capsvc.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

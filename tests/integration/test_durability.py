@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import redis
 
-from capsvc.cluster import ClusterCoalescer
-from capsvc.coalesce import Coalescer
-from capsvc.embedded import server_binary
+from capsvc.redis.cluster import ClusterCoalescer
+from capsvc.redis.embedded import server_binary
+from capsvc.redis.transport import Coalescer
 from tests.conftest import Client, ticket
 from tests.support.servers import RedisCluster, RedisServer
 from tests.support.service import ServiceProcess

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from capsvc.server import Service
+from capsvc.http.server import Service
 from tests.conftest import TEN, Client, ticket
 
 GRID = {"numbers": TEN[:8], "stake": 500}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from capsvc.errors import Unavailable
-from capsvc.server import Service
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
 from tests.conftest import TEN, Client, ticket
 
 

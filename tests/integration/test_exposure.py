@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from capsvc import exposure as exposure_module
-from capsvc.errors import Unavailable
-from capsvc.server import Service
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
+from capsvc.service import exposure as exposure_module
 from tests.conftest import Client, past_deadline, ticket
 
 A, B, C, D = ([1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19],

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
-from capsvc.errors import rule_error
-from capsvc.server import Service, build
+from capsvc.domain.errors import rule_error
+from capsvc.http.server import Service, build
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.support.servers import RedisServer
 

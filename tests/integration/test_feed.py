@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from capsvc import feed as feed_module
-from capsvc.errors import Unavailable
-from capsvc.server import Service
-from capsvc.store import feed_key
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
+from capsvc.redis.store import feed_key
+from capsvc.service import feed as feed_module
 from tests.conftest import CONFIG, TEN, TOKENS, Client, ticket
 from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisCluster, RedisServer

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from capsvc.config import Settings
-from capsvc.errors import Unavailable
-from capsvc.server import Service
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
 from tests.conftest import TEN, Client, past_deadline, ticket
 
 
@@ -125,7 +125,7 @@ async def test_a_draws_stakes_count_a_settled_sale_once_and_an_abandoned_one_nev
         service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """The exposure's stakes by size: a sale whose decision write failed is counted once
     whether its retry or the janitor completes it; a sale the janitor gives back, never."""
-    from capsvc import exposure
+    from capsvc.service import exposure
 
     monkeypatch.setattr(exposure, "CACHE_S", 0.0)
     svc, _ = service

@@ -335,10 +335,10 @@ async def test_nothing_is_sold_and_readyz_is_not_ready_while_the_journal_is_rest
     import aiohttp
 
     from capsvc.config import load_settings
+    from capsvc.http.server import build, prepare, start_serving
     from capsvc.journal.recorder import Recorder
     from capsvc.journal.writer import open_journal
-    from capsvc.server import build, prepare, start_serving
-    from capsvc.workers import listen
+    from capsvc.ops.workers import listen
     from tests.unit.test_journal import HOT, decision, sale
 
     settings = dataclasses.replace(load_settings(TEST_CONFIG), journal_dir=str(tmp_path / "j"))
@@ -428,8 +428,8 @@ def test_a_process_killed_while_restoring_holds_the_others_back_only_until_its_a
     checks it), then go through once it has ended (ANNOUNCE_MS), not never."""
     import threading
 
-    from capsvc.journal.reconciler import ANNOUNCE_MS
-    from capsvc.marks import NODE_MARK, stamp
+    from capsvc.recovery.reconciler import ANNOUNCE_MS
+    from capsvc.redis.marks import NODE_MARK, stamp
     from tests.unit.test_journal import decision, sale
 
     long_journal = tmp_path / "a"

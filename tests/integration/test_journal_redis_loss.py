@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from capsvc.journal.reconciler import WATCH_S
+from capsvc.recovery.reconciler import WATCH_S
 from tests.conftest import CONFIG, TEN, TOKENS
 from tests.support.failover import HttpClient
 from tests.support.servers import RedisServer
@@ -220,7 +220,7 @@ def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> 
 def test_flushall_is_restored_before_the_next_sale() -> None:
     """Redis loses everything without a restart (FLUSHALL, as an operator's mistake or a
     restored empty backup in place): its run id and replication id stay. The watch finds
-    the process's mark gone within its period (capsvc.journal.reconciler.WATCH_S) and
+    the process's mark gone within its period (capsvc.recovery.reconciler.WATCH_S) and
     restores: the next sale is judged on the restored counters, and the answered ticket is
     found."""
     redis = RedisServer().start()

@@ -1,4 +1,4 @@
-"""The journal's restore in bulk (capsvc/journal/restore.py, lua/capsvc.lua's BULK RESTORE)
+"""The journal's restore in bulk (capsvc/recovery/restore.py, lua/capsvc.lua's BULK RESTORE)
 on a real Redis, standalone and cluster: it leaves, key by key, what re-applying the records
 one at a time leaves (tests/restore_reference.py) on a journal of every kind of record, and
 reports the same; twice equals once; a decision Redis still has is not counted again; a
@@ -17,19 +17,20 @@ from typing import Any
 import msgspec
 import pytest
 
-from capsvc.cluster import connect
 from capsvc.config import Settings, load_settings
-from capsvc.decisions import build_decision
-from capsvc.games import Catalog
-from capsvc.journal import planner
-from capsvc.journal import restore as restore_module
+from capsvc.domain.decisions import build_decision
+from capsvc.domain.games import Catalog
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import Sale, pack_sale, validate_ticket
 from capsvc.journal.reader import retained_records
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import Open, Record, SaleRecord, VoidRecord, sale_of
-from capsvc.journal.restore import Restored, Restorer
 from capsvc.journal.writer import open_journal
-from capsvc.models import TicketIn
-from capsvc.store import (
+from capsvc.recovery import planner
+from capsvc.recovery import restore as restore_module
+from capsvc.recovery.restore import Restored, Restorer
+from capsvc.redis.cluster import connect
+from capsvc.redis.store import (
     Store,
     bucket_keys,
     lua_source,
@@ -37,7 +38,6 @@ from capsvc.store import (
     record_field,
     ticket_key,
 )
-from capsvc.validator import Sale, pack_sale, validate_ticket
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords
@@ -279,7 +279,7 @@ async def test_grids_counted_past_the_cap_are_reported_once_a_grid_and_draw(
     full = await Restorer(other, catalog, store).run()
     assert full.over_cap == 0
     reported: list[tuple[str, int]] = []
-    with caplog.at_level(logging.WARNING, logger="capsvc.journal.restore"):
+    with caplog.at_level(logging.WARNING, logger="capsvc.recovery.restore"):
         done = await Restorer(directory, catalog, store,
                               lambda g, n: reported.append((g, n))).run()
     assert done.over_cap == 4

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import redis
 
-from capsvc.errors import Unavailable
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service
 from capsvc.journal.reader import records
 from capsvc.journal.records import CancelRecord, SaleRecord, VoidRecord
-from capsvc.server import Service
-from capsvc.store import TICKET_BUCKETS, lua_source, pending_key, ticket_key
+from capsvc.redis.store import TICKET_BUCKETS, lua_source, pending_key, ticket_key
 from tests.conftest import TEN, Client, past_deadline, ticket
 from tests.records import held
 

@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings, load_settings
-from capsvc.errors import Unavailable
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service, build
 from capsvc.journal.reader import records
 from capsvc.journal.records import StopRecord
-from capsvc.server import Service, build
-from capsvc.store import TICKET_BUCKETS, pending_key, ticket_key
+from capsvc.redis.store import TICKET_BUCKETS, pending_key, ticket_key
 from tests.conftest import CONFIG, TEN, Client, past_deadline, start_service, ticket
 from tests.integration.test_journaled import indexed, journaled
 from tests.records import held

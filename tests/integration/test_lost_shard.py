@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from capsvc import combination
 from capsvc.config import Settings
-from capsvc.store import bucket_keys, record_field, ticket_key
+from capsvc.domain import combination
+from capsvc.redis.store import bucket_keys, record_field, ticket_key
 from tests.conftest import TEN, Client, services, ticket
 from tests.records import held
 from tests.support.servers import RedisCluster

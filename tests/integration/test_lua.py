@@ -20,9 +20,9 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from capsvc.cluster import connect
-from capsvc.combination import encode
-from capsvc.store import (
+from capsvc.domain.combination import encode
+from capsvc.redis.cluster import connect
+from capsvc.redis.store import (
     COUNTER_BUCKETS,
     PlayerStore,
     Store,

@@ -1,4 +1,4 @@
-"""The marks (lua/capsvc.lua, MARKS; capsvc/marks.py) on a real Redis: every call that judges
+"""The marks (lua/capsvc.lua, MARKS; capsvc/redis/marks.py) on a real Redis: every call that judges
 or reports a decision counts itself in its node's (or slot's) mark and is refused, running
 nothing, when the mark is behind what the caller saw; a restore announced refuses every
 marked call; and a journal record is stamped with the count Redis gave its calls, so that
@@ -20,13 +20,13 @@ import pytest
 import redis as redis_py
 from redis.crc import key_slot
 
-from capsvc.cluster import connect
-from capsvc.errors import Unavailable
+from capsvc.domain.errors import Unavailable
 from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
-from capsvc.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
-from capsvc.store import Store, lua_source, ticket_key
+from capsvc.redis.cluster import connect
+from capsvc.redis.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
+from capsvc.redis.store import Store, lua_source, ticket_key
 from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisCluster, RedisServer
 from tests.unit.test_journal import decision, sale

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from capsvc.server import Service
+from capsvc.http.server import Service
 from tests.conftest import TEN, Client, ticket
 
 

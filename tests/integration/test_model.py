@@ -29,10 +29,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from capsvc import combination
-from capsvc.calendar import DrawCalendar
 from capsvc.config import load_settings
-from capsvc.store import bucket_keys, record_bucket_of, ticket_key
+from capsvc.domain import combination
+from capsvc.domain.calendar import DrawCalendar
+from capsvc.redis.store import bucket_keys, record_bucket_of, ticket_key
 from tests.model import MARGIN_MS, Expected, Model, Rules
 from tests.records import unpack
 from tests.support.servers import RedisServer

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from capsvc.config import Settings
-from capsvc.server import build
+from capsvc.http.server import build
 from tests.conftest import TEN, Client, services, start_service, ticket
 from tests.support.servers import RedisServer
 

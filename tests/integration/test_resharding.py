@@ -11,11 +11,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from capsvc import combination
-from capsvc.cluster import slot_of
 from capsvc.config import Settings
-from capsvc.server import build
-from capsvc.store import bucket_keys, ticket_key
+from capsvc.domain import combination
+from capsvc.http.server import build
+from capsvc.redis.cluster import slot_of
+from capsvc.redis.store import bucket_keys, ticket_key
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.support.servers import RedisCluster, cli_binary
 

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from capsvc.marks import NODE_MARK
+from capsvc.redis.marks import NODE_MARK
 from tests.support.failover import (
     FAILOVER_GAME,
     OPS_TOKEN,

@@ -54,10 +54,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from capsvc.calendar import DrawCalendar
 from capsvc.config import load_settings
-from capsvc.marks import NODE_MARK
-from capsvc.store import record_bucket_of, ticket_key
+from capsvc.domain.calendar import DrawCalendar
+from capsvc.redis.marks import NODE_MARK
+from capsvc.redis.store import record_bucket_of, ticket_key
 from tests.model import Expected, Model, Rules, Ticket
 from tests.support.failover import (
     FAILOVER_GAME,
@@ -81,7 +81,7 @@ ANSWER_S = 30.0
 """How long a request is sent again while it answers 503 (or nothing)."""
 SETTLE = "500ms"
 """`[journal] settle`: with two processes, how long a restore waits for the other one to
-have looked at the marks (every 50 ms: capsvc.journal.reconciler, WATCH_S)."""
+have looked at the marks (every 50 ms: capsvc.recovery.reconciler, WATCH_S)."""
 AGAIN = """
 if (redis.call('HGET', KEYS[1], '*') or '') ~= ARGV[1] then return -1 end
 local n = tonumber(ARGV[2])

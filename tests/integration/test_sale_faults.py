@@ -20,11 +20,11 @@ import pytest
 import redis
 import requests
 
-from capsvc import combination
-from capsvc.coalesce import Coalescer
 from capsvc.config import load_settings
-from capsvc.store import Store, lua_source, record_bucket_of, ticket_key
-from capsvc.usecases import build_usecases
+from capsvc.domain import combination
+from capsvc.redis.store import Store, lua_source, record_bucket_of, ticket_key
+from capsvc.redis.transport import Coalescer
+from capsvc.wiring import build_usecases
 from tests.conftest import TEN, TOKENS, new_id, past_deadline
 from tests.records import held
 from tests.support.faults import Command, FaultProxy, command

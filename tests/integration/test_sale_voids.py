@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 
 from capsvc.config import Settings
+from capsvc.http.server import Service, build
 from capsvc.journal.reader import records
 from capsvc.journal.records import VoidRecord
-from capsvc.server import Service, build
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.integration.test_journaled import indexed
 from tests.support.servers import RedisCluster, RedisServer

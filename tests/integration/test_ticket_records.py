@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import redis
 
-from capsvc.cluster import connect
-from capsvc.store import (
+from capsvc.domain.validator import unpack_sale
+from capsvc.redis.cluster import connect
+from capsvc.redis.store import (
     RECORD_BUCKETS,
     TICKET_BUCKETS,
     Store,
@@ -22,7 +23,6 @@ from capsvc.store import (
     record_bucket_of,
     ticket_key,
 )
-from capsvc.validator import unpack_sale
 from tests.conftest import TEN, Client, ticket
 from tests.records import TicketRecords
 from tests.support.servers import RedisCluster, RedisServer

@@ -20,7 +20,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from capsvc.workers import Restarts, listen, supervise
+from capsvc.ops.workers import Restarts, listen, supervise
 from tests.conftest import CONFIG, TEN, Client, ticket
 from tests.support.servers import RedisCluster, RedisServer, free_port
 
@@ -215,7 +215,7 @@ def test_a_worker_that_dies_after_a_good_run_is_restarted_at_once(tmp_path: Path
     worker that started and died is restarted without delay, however many times."""
     starts = tmp_path / "starts"
     command = [sys.executable, "-c",
-               "from capsvc.workers import announce_started; import time;"
+               "from capsvc.ops.workers import announce_started; import time;"
                f" open({str(starts)!r}, 'a').write('x\\n'); announce_started(); time.sleep(0.3)"]
     threading.Timer(4, os.kill, (os.getpid(), signal.SIGTERM)).start()
     with socket.socket() as sock:

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from capsvc.embedded import server_binary, stop_process
+from capsvc.redis.embedded import server_binary, stop_process
 from tests.support.faults import PartitionProxy
 
 

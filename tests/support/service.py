@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from capsvc.embedded import stop_process
+from capsvc.redis.embedded import stop_process
 from tests.support.servers import RedisServer, _wait, free_port
 
 

@@ -2,7 +2,7 @@
 
 Fast and without Redis: the OpenAPI document is built by `openapi_document()` (what
 `GET /openapi.json` serves), the served routes are read from the aiohttp router that
-`capsvc.server.build` wires (building it opens no connection), and the error codes, headers
+`capsvc.http.server.build` wires (building it opens no connection), and the error codes, headers
 and metric names are read from the source with `ast`.
 
 The reference documents a route under a heading naming it, e.g.
@@ -10,7 +10,7 @@ The reference documents a route under a heading naming it, e.g.
 same or a higher level.
 
 Error codes: capsvc has no registry of them. Every error the API answers is an `ApiError`
-(capsvc/errors.py), raised directly as `ApiError(status, "code", ...)` or through
+(capsvc/domain/errors.py), raised directly as `ApiError(status, "code", ...)` or through
 `rule_error("code", ...)` (status 422); `unavailable()` and `not_found()` in errors.py are
 themselves literal `ApiError` calls. So the codes are the string literals passed as the code
 of those calls anywhere in the package. A call whose code is not a literal fails this test
@@ -31,15 +31,15 @@ from typing import Any
 
 import capsvc
 from capsvc.config import Settings
-from capsvc.openapi import openapi_document
-from capsvc.server import build
+from capsvc.http.openapi import openapi_document
+from capsvc.http.server import build
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 PACKAGE = Path(capsvc.__file__).resolve().parent
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 ERROR_FACTORIES = {"ApiError": (0, 1), "rule_error": (None, 0)}
 """Callable -> (position of the status argument, None: always 422; position of the code)."""
-HEADER_SOURCES = ("http.py", "errors.py")
+HEADER_SOURCES = ("http/app.py", "domain/errors.py")
 """Where the HTTP layer reads and sets headers."""
 METRIC_TYPES = {"Counter", "Gauge", "Histogram", "Summary"}
 
@@ -242,7 +242,7 @@ def code_headers() -> frozenset[str]:
 def metric_names() -> frozenset[str]:
     """The names the service exports (a Counter `x` is exported as `x_total`)."""
     names = set()
-    for _, tree in _sources("metrics.py"):
+    for _, tree in _sources("ops/metrics.py"):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _callee(node) in METRIC_TYPES and node.args:
                 name = _text(node.args[0])
@@ -251,7 +251,7 @@ def metric_names() -> frozenset[str]:
                 if _callee(node) == "Counter" and not name.endswith("_total"):
                     name += "_total"
                 names.add(name)
-    assert names, "found no metric in capsvc/metrics.py: the scan is broken"
+    assert names, "found no metric in capsvc/ops/metrics.py: the scan is broken"
     return frozenset(names)
 
 

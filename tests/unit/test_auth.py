@@ -8,8 +8,8 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from capsvc.config import Channel
-from capsvc.errors import ApiError
-from capsvc.http import Authenticator
+from capsvc.domain.errors import ApiError
+from capsvc.http.app import Authenticator
 
 
 def channel(cid: str, token: str) -> Channel:

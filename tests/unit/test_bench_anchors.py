@@ -21,7 +21,7 @@ spec.loader.exec_module(cuts)
 
 @pytest.mark.parametrize("cut", sorted(cuts.CUTS))
 def test_each_cut_applies_to_the_code_and_compiles(cut: str, tmp_path: Path) -> None:
-    for name in ("capsvc/tickets.py", "capsvc/store.py"):
+    for name in ("capsvc/service/tickets.py", "capsvc/redis/store.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     cuts.patch(tmp_path, cuts.CUTS[cut])
@@ -30,13 +30,13 @@ def test_each_cut_applies_to_the_code_and_compiles(cut: str, tmp_path: Path) -> 
     assert changed == list(cuts.CUTS[cut])
     for name in changed:
         py_compile.compile(str(tmp_path / name), doraise=True)
-    tickets = (tmp_path / "capsvc/tickets.py").read_text()
+    tickets = (tmp_path / "capsvc/service/tickets.py").read_text()
     assert "return SaleOutcome(body=_CONST, replayed=False)" in tickets or cut == "decided"
 
 
 def test_a_changed_anchor_stops_the_script(tmp_path: Path) -> None:
-    (tmp_path / "capsvc").mkdir()
-    (tmp_path / "capsvc/tickets.py").write_text("_ATTEMPTS = 4\n")
+    (tmp_path / "capsvc/service").mkdir(parents=True)
+    (tmp_path / "capsvc/service/tickets.py").write_text("_ATTEMPTS = 4\n")
     with pytest.raises(SystemExit, match="changed"):
         cuts.patch(tmp_path, cuts.CUTS["validated"])
 

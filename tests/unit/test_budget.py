@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from capsvc.calendar import DrawCalendar
 from capsvc.config import GameRules, parse_settings
-from capsvc.models import TicketIn
-from capsvc.validator import Sale, budget_shares, validate_ticket
+from capsvc.domain.calendar import DrawCalendar
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import Sale, budget_shares, validate_ticket
 
 
 def game(policy: str, **overrides: Any) -> GameRules:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capsvc.calendar import DrawCalendar, instant, rfc3339
 from capsvc.config import GameRules, load_settings, parse_settings
+from capsvc.domain.calendar import DrawCalendar, instant, rfc3339
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

@@ -3,7 +3,7 @@ first argument, the key is found where it is (else every call would be a MOVED r
 
 from __future__ import annotations
 
-from capsvc.cluster import key_of
+from capsvc.redis.cluster import key_of
 
 
 def test_the_key_of_each_kind_of_command() -> None:

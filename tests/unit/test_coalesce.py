@@ -14,9 +14,9 @@ import pytest
 from fakeredis import TcpFakeServer
 from redis.exceptions import ResponseError
 
-from capsvc.cluster import ClusterCoalescer
-from capsvc.coalesce import FLUSH_EVERY, Coalescer, encode_command
-from capsvc.errors import Unavailable
+from capsvc.domain.errors import Unavailable
+from capsvc.redis.cluster import ClusterCoalescer
+from capsvc.redis.transport import FLUSH_EVERY, Coalescer, encode_command
 from tests.support.servers import free_port
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from capsvc.config import ConfigError, load_settings, parse_settings
-from capsvc.durability import Durability
-from capsvc.errors import ApiError, Unavailable
+from capsvc.domain.errors import ApiError, Unavailable
+from capsvc.redis.durability import Durability
 from tests.conftest import CONFIG
 
 SHA = "0" * 64

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from capsvc.metrics import Metrics
+from capsvc.ops.metrics import Metrics
 
 
 def seconds(m: Metrics) -> float:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from capsvc import metrics as m
-from capsvc.metrics import Metrics
+from capsvc.ops import metrics as m
+from capsvc.ops.metrics import Metrics
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from capsvc.config import GameRules, parse_settings
-from capsvc.errors import ApiError
-from capsvc.models import TicketIn
-from capsvc.openapi import openapi_document
-from capsvc.validator import validate_ticket
+from capsvc.domain.errors import ApiError
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import validate_ticket
+from capsvc.http.openapi import openapi_document
 from tests.contract.conftest import CONFIG
 
 

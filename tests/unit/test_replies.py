@@ -1,4 +1,4 @@
-"""The typed replies (capsvc.replies) and the Lua headers that document them agree, and
+"""The typed replies (capsvc.redis.replies) and the Lua headers that document them agree, and
 each decoder reads the layout its header gives."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from capsvc import replies as r
+from capsvc.redis import replies as r
 
 LUA = (Path(__file__).parents[2] / "lua" / "capsvc.lua").read_text()
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from capsvc.coalesce import Coalescer
 from capsvc.config import redis_url_problem
-from capsvc.errors import Unavailable
-from capsvc.sentinel import SentinelURL, is_sentinel_url, parse_sentinel_url
+from capsvc.domain.errors import Unavailable
+from capsvc.redis.transport import Coalescer
+from capsvc.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 
 @pytest.mark.parametrize(("url", "want"), [

@@ -7,11 +7,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from capsvc import combination
 from capsvc.config import GameRules, load_settings
-from capsvc.errors import ApiError
-from capsvc.models import TicketIn
-from capsvc.validator import validate_ticket
+from capsvc.domain import combination
+from capsvc.domain.errors import ApiError
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import validate_ticket
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsvc.config import GameRules, load_settings
-from capsvc.errors import ApiError
-from capsvc.http import decode_body
-from capsvc.models import TicketIn
-from capsvc.validator import Sale, validate_ticket
+from capsvc.domain.errors import ApiError
+from capsvc.domain.models import TicketIn
+from capsvc.domain.validator import Sale, validate_ticket
+from capsvc.http.app import decode_body
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

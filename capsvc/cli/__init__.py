@@ -1,0 +1,345 @@
+"""The `capsvc` command: `serve`, `check-config`, `watch`, `journal restore`,
+`journal verify`, `report` and `reconcile`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
+from capsvc.domain.models import MAX_DRAW
+from capsvc.ops import logs
+
+if TYPE_CHECKING:
+    from capsvc.journal.verify import Anchor
+
+log = logging.getLogger("capsvc")
+
+
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a decimal integer from `low` to `high`, else a one-line error."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"expected {what} from {low} to {high}, "
+                                             f"got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def _anchor(text: str) -> Anchor:
+    """An argparse type: a head `journal verify` printed (`file:line:sha256`)."""
+    from capsvc.journal.verify import Anchor
+
+    try:
+        return Anchor.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _settings(path: str | None) -> Settings:
+    try:
+        return load_settings(path)
+    except ConfigError as e:
+        print(f"invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_config(path: str) -> int:
+    settings = _settings(path)
+    print(f"{settings.source}: OK")
+    for g in settings.games.values():
+        cap = "no cap" if g.cap_limit is None else (
+            f"cap {g.cap_limit} on {'/'.join(str(p) for p in sorted(g.capped_picks))} numbers")
+        limit = "" if g.daily_limit is None else f", daily limit {g.daily_limit}"
+        print(f"  game {g.id} ({g.preset}): numbers 1..{g.numbers}, picks "
+              f"{g.picks_min}-{g.picks_max}, stakes {list(g.stakes)} {g.currency}, {cap}"
+              f"{limit}, {len(g.draw_times)} draws/day ({g.time_zone}), cancel {g.cancel}")
+    for ch in settings.channels:
+        print(f"  channel {ch.id}: games {sorted(ch.games)}, scopes {sorted(ch.scopes)}")
+    if settings.redis_url is not None:
+        print(f"  redis: {_redis_target(settings.redis_url)}")
+    return 0
+
+
+def _redis_target(url: str) -> str:
+    """Where a (valid) Redis URL leads, without its credentials."""
+    from capsvc.urls import is_sentinel_url, parse_sentinel_url
+
+    if is_sentinel_url(url):
+        s = parse_sentinel_url(url)
+        sentinels = ", ".join(f"{host}:{port}" for host, port in s.sentinels)
+        return (f"the primary of {s.service!r} as sentinels {sentinels} name it (db {s.db}"
+                f"{', TLS' if s.tls else ''})")
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    """The socket to serve on: inherited from the supervisor (a worker), else bound here."""
+    from capsvc.ops.workers import ListenError, follow_supervisor, listen
+
+    inherited = os.environ.pop("CAPSVC_LISTEN_FD", None)
+    if inherited is not None:
+        follow_supervisor()
+        return socket.socket(fileno=int(inherited))
+    try:
+        return listen(host, port)
+    except ListenError as e:
+        print(f"capsvc: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    from capsvc.ops.workers import remember_stop
+
+    remember_stop()
+    settings = _settings(args.config)
+    workers = args.workers or settings.workers
+    host = args.host or settings.host
+    sock = _listener(host, settings.port if args.port is None else args.port)
+    port = sock.getsockname()[1]
+    url = args.redis_url or settings.redis_url
+    if args.redis_url and (problem := redis_url_problem(args.redis_url)):
+        print(f"capsvc: --redis-url: {problem}", file=sys.stderr)
+        return 2
+    embedded = None
+    if url is None:
+        from capsvc.redis.embedded import EmbeddedRedis
+
+        embedded = EmbeddedRedis()
+        url = embedded.start()
+        log.info("embedded redis started", extra={"dir": str(embedded.dir)})
+    try:
+        if workers > 1:
+            from capsvc.ops.workers import supervise, worker_command
+
+            # The URL reaches the workers in their environment, not on their command line,
+            # where any local user could read its password (ps).
+            os.environ["CAPSVC_REDIS_URL"] = url
+            worker_args = ["--host", host, "--port", str(port), "--log-level", args.log_level]
+            if args.config:
+                worker_args += ["--config", args.config]
+            return supervise(worker_command(worker_args), workers, sock)
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        from capsvc.http.server import serve as run
+
+        asyncio.run(run(settings, url, sock))
+    finally:
+        sock.close()
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from capsvc.cli.watch import watch
+
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"capsvc watch: set {args.token_env} to a token with scope sell or read",
+              file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(watch(args.url, args.game, token, args.draw))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _journal_restore(args: argparse.Namespace) -> int:
+    """Restore the journal directory into Redis now (what a process does by itself at
+    start and on every new Redis identity)."""
+    from pathlib import Path
+
+    from capsvc.domain.games import Catalog
+    from capsvc.recovery.restore import restore_once
+    from capsvc.redis.cluster import connect
+    from capsvc.redis.store import Store, lua_source
+
+    settings = _settings(args.config)
+    url = args.redis_url or settings.redis_url
+    if url is None:
+        print("capsvc journal restore: no Redis: give --redis-url or [redis] url",
+              file=sys.stderr)
+        return 2
+    if problem := redis_url_problem(url):
+        print(f"capsvc journal restore: {problem}", file=sys.stderr)
+        return 2
+    directory = Path(args.dir or settings.journal_dir)
+
+    async def run() -> int:
+        redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
+                        library=lua_source())
+        try:
+            done, _ = await restore_once(directory, Catalog(settings.games),
+                                         Store(redis))
+        finally:
+            await redis.aclose()
+        rate = done.records / done.seconds if done.seconds else 0.0
+        print(f"restored {directory} into {_redis_target(url)}: {done.records} record(s) of "
+              f"decisions still retained read in {done.seconds:.2f} s ({rate:,.0f}/s)")
+        put_back = ", ".join(f"{n} {kind}" for kind, n in sorted(done.applied.items()))
+        print(f"  put back: {put_back or 'nothing (Redis had every decision)'}; "
+              f"{done.grids} grid(s) counted again")
+        if done.over_cap:
+            print(f"  {done.over_cap} counter(s) now above their cap (sold past it)")
+        if done.other_sale:
+            print(f"  {done.other_sale} ticket id(s) now held by another sale (see the log)")
+        if done.skipped:
+            print(f"  {done.skipped} record(s) of games no longer configured, skipped")
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except Exception as e:
+        print(f"capsvc journal restore: {e}", file=sys.stderr)
+        return 1
+
+
+def _journal_verify(args: argparse.Namespace) -> int:
+    """Check the chains and the caps of journal directories (and with --redis, the totals
+    against Redis); exit 0 only when intact and within the caps."""
+    import json
+    from pathlib import Path
+
+    from capsvc.journal.verify import verify
+
+    settings = _settings(args.config) if args.config or args.redis or not args.dirs else None
+    dirs = [Path(d) for d in args.dirs] or [Path(settings.journal_dir if settings else
+                                                 "var/journal")]
+    missing = [d for d in dirs if not d.is_dir()]
+    if missing:
+        print(f"capsvc journal verify: no such directory: {', '.join(map(str, missing))}",
+              file=sys.stderr)
+        return 2
+    out = verify(dirs, settings.journal_keep_ms if settings else 90 * 86_400_000,
+                 args.anchor)
+    compared = None
+    if args.redis:
+        assert settings is not None
+        url = args.redis if isinstance(args.redis, str) else settings.redis_url
+        problem = "no URL (give one, or [redis] url)" if url is None else redis_url_problem(url)
+        if problem or url is None:
+            print(f"capsvc journal verify: --redis: {problem}", file=sys.stderr)
+            return 2
+        compared = asyncio.run(_compare(out, url, settings))
+    if args.json:
+        print(json.dumps({
+            "ok": out.ok, "files": len(out.files), "records": out.records,
+            "decisions": out.decisions, "totals": len(out.totals), "breaks": out.breaks,
+            "tails": out.tails, "over_cap": out.over_cap, "mismatches": out.mismatches,
+            "compared_with_redis": compared, "notes": out.notes,
+            "heads": [{"life": h.life, "proc": h.proc, "anchor": str(h.anchor)}
+                      for h in out.heads]},
+            indent=2))
+        return 0 if out.ok else 1
+    print(f"{len(out.files)} file(s), {out.records} record(s), {out.decisions} sale(s), "
+          f"{len(out.totals)} (draw, combination) total(s)")
+    for title, lines in (("chain broken", out.breaks), ("over the cap", out.over_cap),
+                         ("differs from Redis", out.mismatches), ("torn tail (a crash; "
+                         "not a break)", out.tails), ("note", out.notes),
+                        ("head (write it down elsewhere; --anchor checks it later)",
+                         map(str, out.heads))):
+        for line in lines:
+            print(f"{title}: {line}")
+    if compared is not None:
+        print(f"compared with Redis: {compared} ticket(s) and total(s) of draws still retained")
+    print("OK: every chain intact, every total within its cap" if out.ok else "FAILED")
+    return 0 if out.ok else 1
+
+
+async def _compare(out: object, url: str, settings: Settings) -> int:
+    from capsvc.domain.games import Catalog
+    from capsvc.journal.verify import Verification, compare_with_redis
+    from capsvc.redis.cluster import connect
+    from capsvc.redis.store import Store
+
+    assert isinstance(out, Verification)
+    redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0))
+    try:
+        return await compare_with_redis(out, Store(redis), Catalog(settings.games))
+    finally:
+        await redis.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the service")
+    p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
+                         "else the built-in local configuration)")
+    p_serve.add_argument("--host")
+    p_serve.add_argument("--port", type=_int_in(0, 65535, "a port number"),
+                         help="0 to 65535 (0: any free port)")
+    p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
+                         "url, else an embedded Redis under ./var/)")
+    p_serve.add_argument("--workers", type=_int_in(1, 256, "a number of workers"),
+                         help="1 to 256 worker processes")
+    p_serve.add_argument("--log-level", default="INFO")
+    p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
+    p_check.add_argument("path")
+    p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
+                             "a disconnection)")
+    p_watch.add_argument("game")
+    p_watch.add_argument("--url", default="http://127.0.0.1:8080",
+                         help="the service (default http://127.0.0.1:8080)")
+    p_watch.add_argument("--draw", type=_int_in(1, MAX_DRAW, "a draw number"),
+                         help="follow one draw only")
+    p_watch.add_argument("--token-env", default="CAPSVC_TOKEN",
+                         help="environment variable holding the bearer token "
+                              "(default CAPSVC_TOKEN; a token on the command line would "
+                              "show in the process list)")
+    p_journal = sub.add_parser("journal", help="the journal of answered decisions")
+    journal = p_journal.add_subparsers(dest="journal_command", required=True)
+    p_restore = journal.add_parser(
+        "restore", help="put back into Redis the journaled decisions it lacks (idempotent)")
+    p_restore.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_restore.add_argument("--redis-url", help="default: $CAPSVC_REDIS_URL, [redis] url")
+    p_restore.add_argument("--dir", help="journal directory (default: [journal] dir)")
+    p_verify = journal.add_parser(
+        "verify", help="check journal files' chains and caps (exit 0 only when intact and "
+                       "within every cap)")
+    p_verify.add_argument("dirs", nargs="*", metavar="DIR",
+                          help="journal directories (default: [journal] dir)")
+    p_verify.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_verify.add_argument("--redis", nargs="?", const=True, metavar="URL",
+                          help="also compare the totals with Redis for draws still retained "
+                               "(default URL: [redis] url)")
+    p_verify.add_argument("--anchor", action="append", default=[], type=_anchor,
+                          metavar="FILE:LINE:SHA256",
+                          help="a head an earlier verify printed, written down elsewhere: "
+                               "that line must still be there, unchanged (repeatable)")
+    p_verify.add_argument("--json", action="store_true", help="machine-readable output")
+    from capsvc.cli.audit import add_parsers, run
+
+    add_parsers(sub)
+    args = parser.parse_args(argv)
+    if args.command in ("report", "reconcile"):
+        logs.setup("WARNING")
+        return run(args)
+    if args.command == "journal":
+        logs.setup("WARNING")
+        return (_journal_restore if args.journal_command == "restore" else _journal_verify)(args)
+    if args.command == "check-config":
+        return check_config(args.path)
+    if args.command == "watch":
+        return _watch(args)
+    logs.setup(args.log_level)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The draw report's wire types: what `GET /v1/games/{game}/draws/{draw}/report` answers and
+`capsvc report` writes (docs/audit.md, field by field). Built by capsvc.audit.report; read by
+the client, which imports nothing else of the server."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class Source(Struct, frozen=True):
+    """A journal file read, as it was when read (a report names each)."""
+
+    directory: str
+    file: str
+    proc: str | None
+    """The process that wrote it."""
+    sha256: str
+    """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
+    to any more."""
+    bytes: int
+    lines: int
+
+
+class TicketCounts(Struct):
+    """Tickets that play the draw, each counted once under its state now."""
+
+    accepted: int = 0
+    partial: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    """Accepted or partial, then cancelled: stands no more."""
+    void: int = 0
+    """Claimed, never answered: released by the janitor, or claimed after an admin stop."""
+
+
+class ReasonCount(Struct):
+    reason: str
+    grids: int
+
+
+class GridCounts(Struct):
+    accepted: int = 0
+    """Grids that stand (their tickets not cancelled)."""
+    cancelled: int = 0
+    """Grids accepted, then given back by their ticket's cancellation."""
+    rejected: list[ReasonCount] = []
+    """Grids refused, by reason (whatever became of their tickets)."""
+
+
+class PicksLine(Struct):
+    picks: int
+    grids: int
+    stake: int
+    """Base stake on this draw (what the cap counts)."""
+    amount: int
+    """What the players paid for this draw: twice the stake with the multiplier."""
+
+
+class ChannelLine(Struct):
+    channel: str
+    tickets: int
+    """Standing tickets (accepted or partial)."""
+    grids: int
+    stake: int
+    amount: int
+    """Grids' amounts plus Joker+ for this draw."""
+    cancelled: int
+    """Tickets cancelled."""
+
+
+class CombinationLine(Struct, omit_defaults=True):
+    numbers: list[int]
+    staked: int
+    liability: int | None = None
+    """Top-rank liability: what the operator pays if the combination is drawn (preset
+    `top_prizes`, per `prize_base_stake`)."""
+    excess: int | None = None
+    """Over its cap: by how much."""
+
+
+class Chain(Struct):
+    intact: bool
+    breaks: list[str]
+    tails: list[str]
+    """Torn last lines (a crash): not breaks."""
+
+
+class RedisCheck(Struct):
+    """The report's capped totals against Redis's counters, while the draw is retained."""
+
+    compared: int
+    complete: bool
+    """Every counter equals the journal's total: the journal read holds every stake
+    Redis counted on this draw's capped combinations."""
+    differences: list[str]
+
+
+class DrawReport(Struct, omit_defaults=False):
+    """The report of one draw (docs/audit.md, field by field)."""
+
+    report: int
+    game: str
+    draw: int
+    currency: str
+    closes_at: str
+    built_at: str
+    """When the report was built (Redis TIME when a Redis was at hand, else the host's)."""
+    final: bool
+    """Built once the draw's last cancel and settlement could have been made."""
+    activity: bool
+    summary: str
+    """"no activity" when nothing was sold or refused on the draw."""
+    cap: int | None
+    """The cap in force on the draw (as its decisions carry it; the configuration's when
+    nothing fixed it)."""
+    cap_fixed: bool
+    capped_picks: list[int]
+    stopped_at: str | None
+    """An admin stopped the draw's sales at this instant."""
+    tickets: TicketCounts
+    grids: GridCounts
+    stake: int
+    """Base stake standing on the draw."""
+    amount: int
+    """What the players paid for this draw (grids with the multiplier, Joker+)."""
+    cancelled_stake: int
+    """Base stake given back by cancellations."""
+    by_picks: list[PicksLine]
+    by_channel: list[ChannelLine]
+    at_cap: list[CombinationLine]
+    """Combinations whose stake reached their cap exactly."""
+    over_cap: list[CombinationLine]
+    """Combinations whose stake passed their cap: empty when the cap held."""
+    sold_out: int
+    """Combinations with less room than the smallest stake (at_cap included)."""
+    combinations: int
+    """Capped combinations played."""
+    top: list[CombinationLine]
+    top_liability: int | None
+    sources: list[Source]
+    chain: Chain
+    redis: RedisCheck | None = None
+
+    @property
+    def flawed(self) -> bool:
+        """A combination passed its cap, or a journal file read does not chain."""
+        return bool(self.over_cap) or not self.chain.intact

@@ -1,0 +1,1 @@
+"""What operators run and read: metrics, logs, worker processes."""

@@ -1,0 +1,403 @@
+"""When a process puts its journal back into Redis, and how processes on several hosts keep
+out of one another's way while they do.
+
+- **Triggers.** The process's start; a connection to a server whose identity the process
+  has not reconciled (the gate, capsvc.redis.gate: a failover, a restart); a marked call
+  that Redis refused because its mark is behind what the process saw (capsvc.redis.marks: a
+  rollback in place, an emptied Redis, a backup put back); and the watch, which reads the
+  marks every WATCH_S on the process's own connection, so that an idle process notices as
+  soon as one that sells.
+- **What is restored.** For this process's lifetime and every lifetime of the journal
+  directory whose process is gone (the lifetimes before it; a worker that died), the records
+  the Redis lacks: those stamped above the lifetime's field in the mark
+  (capsvc.journal.lives). A lifetime whose process still runs (another worker of the
+  directory: its lock is held, capsvc.journal.writer.alive) restores its own. A Redis that lost
+  nothing costs a read of the marks; a failover that lost the last seconds, the read of the
+  files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
+  what it had written, never lowered.
+- **Several processes.** A process that restores announces it in the marks (lua/capsvc.lua,
+  MARKS): every marked call of every process is refused meanwhile. It keeps announcing
+  until `[journal] settle` has passed since its restore began — every live process has
+  looked at the marks by then (WATCH_S) and announced its own restore if it lost anything —
+  and, like any process that found Redis behind it, sells again only once no announcement
+  is left. So a live process may judge on a Redis that lost another live process's
+  decisions only if those were made after this process last saw the mark (its own calls
+  and its watch: at most WATCH_S before the loss when idle), and only until the process that
+  lost them has looked (WATCH_S after the loss at most) and announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from redis.crc import key_slot
+
+from capsvc.config import Settings
+from capsvc.domain.games import Catalog
+from capsvc.journal.lives import Life, covered, lacking, lives_of, made_by
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.writer import alive
+from capsvc.ops.metrics import Metrics
+from capsvc.recovery.restore import Restored, Restorer, identities
+from capsvc.redis.cluster import connect
+from capsvc.redis.gate import Gate
+from capsvc.redis.marks import NODE_MARK, Marks, mark_of_slot
+from capsvc.redis.store import TICKET_BUCKETS, Store, lua_source, pending_key
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.05
+"""The watch's period on one node (a read of one mark)."""
+WATCH_CLUSTER_S = 1.0
+"""The watch's period on a cluster (a read of every slot's mark this process wrote to)."""
+CHECKPOINT_S = 1.0
+"""How often the process writes down, in its journal, what it has written through each
+mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restore reads."""
+KEEP_S = 3600.0
+"""How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
+announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
+ANNOUNCE_MS = 500
+"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5): how long
+after its restore's end it still holds the processes (they cannot tell whose it is)."""
+PEERS_WAIT_S = 120.0
+"""How long a process waits for the others' announcements to end before it sells anyway
+(a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
+RETRY_S = 0.5
+
+
+class Reconciler:
+    """Restores the journal directory into the Redis this process uses whenever that Redis
+    may lack decisions of it, on a connection of its own, while the gate holds every other
+    command. See the module's docstring."""
+
+    def __init__(self, settings: Settings, redis_url: str, gate: Gate, catalog: Catalog,
+                 metrics: Metrics, marks: Marks, recorder: Recorder) -> None:
+        self.settings = settings
+        self.url = redis_url
+        self.gate = gate
+        self.catalog = catalog
+        self.metrics = metrics
+        self.marks = marks
+        self.recorder = recorder
+        self.dir = Path(settings.journal_dir)
+        self.life = marks.life
+        self.task: asyncio.Task[None] | None = None
+        self.attempted = asyncio.Event()
+        """Set once a restore has been tried (done, or failed: Redis unreachable)."""
+        self.others: dict[str, dict[str, int]] = {}
+        """What each other lifetime of the directory had written through each mark, as its
+        files told the last restore (the watch checks their fields too)."""
+        self._made_cache: dict[tuple[Path, int, float], dict[str, int]] = {}
+        gate.on_unknown = self.unknown
+        marks.on_behind = self.behind
+
+    def unknown(self, identity: str) -> None:
+        """A connection reached a server not reconciled: restore (once at a time)."""
+        self.trouble(f"redis {identity} not reconciled with the journal yet")
+
+    def behind(self, mark: str, found: str) -> None:
+        """A marked call was refused: Redis is behind what this process saw of `mark`."""
+        self.trouble(f"redis is behind what this process saw of {mark} (it holds {found}): "
+                     "it lost writes")
+
+    def trouble(self, why: str) -> None:
+        if self.task is not None and not self.task.done():
+            return
+        log.warning("journal: %s: holding sales to restore the journal into it", why)
+        self.start()
+
+    def start(self) -> asyncio.Task[None]:
+        if self.task is None or self.task.done():
+            self.gate.restoring = True
+            self.gate.epoch += 1
+            self.metrics.restoring.set(1)
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        return self.task
+
+    # -- the watch -------------------------------------------------------------------------
+
+    async def watch(self, store: Store) -> None:
+        """Every WATCH_S (WATCH_CLUSTER_S on a cluster), on the process's own connection:
+        is any mark behind what this process saw, or behind what another lifetime of the
+        directory wrote? Then restore. Also: the checkpoint in the journal, once a second;
+        the marks' TTL, once an hour. The reads also reconnect after a Redis restart or
+        failover, which the gate judges."""
+        period = WATCH_S if store.single_node else WATCH_CLUSTER_S
+        loop = asyncio.get_running_loop()
+        checkpointed = loop.time()
+        kept = checkpointed - KEEP_S  # at once: the lifetime noted alive from its start
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            if now - checkpointed >= CHECKPOINT_S:
+                checkpointed = now
+                self.recorder.checkpoint(self.marks.made)
+            if self.gate.restoring:
+                continue
+            try:
+                problem = await self._look(store)
+                if problem is None and now - kept >= KEEP_S:
+                    kept = now
+                    for mark in self._marks(store):
+                        await store.mark_call("capsvc_mark_keep", mark, [self.life])
+            except Exception:  # unreachable, or held by the gate: not the watch's to judge
+                continue
+            if problem is not None:
+                self.trouble(problem)
+
+    def _marks(self, store: Store) -> list[str]:
+        if store.single_node:
+            return [NODE_MARK]
+        keys = set(self.marks.seen)
+        for made in self.others.values():
+            keys.update(made)
+        return sorted(keys)
+
+    async def _look(self, store: Store) -> str | None:
+        """Why Redis may lack decisions of this directory (None: no sign of it)."""
+        lives = [self.life, *self.others]
+        marks = self._marks(store)
+        # What the process saw of the marks when the reads were sent: they travel behind
+        # every call sent before them on the connection, not behind the ones sent after
+        # (whose replies may be read before this coroutine resumes).
+        seen, made = dict(self.marks.seen), dict(self.marks.made)
+        replies = await asyncio.gather(*[
+            store.mark_call("capsvc_marks", mark, lives) for mark in marks])
+        for mark, reply in zip(marks, replies, strict=True):
+            g, fields = _g(reply[0]), [_g(f) for f in reply[2:]]
+            if g < seen.get(mark, 0):
+                return f"redis went back in time on {mark} ({g} < {seen[mark]})"
+            if fields[0] < made.get(mark, 0):
+                return f"redis lost writes of this process on {mark}"
+            for life, field in zip(lives[1:], fields[1:], strict=True):
+                if field < self.others[life].get(mark, 0):
+                    return f"redis lost writes of the journal's lifetime {life} on {mark}"
+            self.marks.saw(mark, g)
+        return None
+
+    # -- the restore -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        quiet = False
+        while True:
+            redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
+                            library=lua_source())
+            store = Store(redis)
+            try:
+                # The library is loaded by the transport if Redis lacks it (a first call
+                # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
+                done, held = await self._reconcile(store)
+            except WentBack as e:
+                log.warning("journal: %s: restoring again", e)
+                continue
+            except Exception as e:  # Redis unreachable, or refusing: try again
+                self.attempted.set()
+                if not quiet:
+                    log.warning("journal: restore into redis failed (%s): retrying", e)
+                    quiet = True
+                await asyncio.sleep(RETRY_S)
+                continue
+            finally:
+                await redis.aclose()
+            self._reconciled(done, held)
+            self.attempted.set()
+            return
+
+    async def _reconcile(self, store: Store) -> tuple[Restored | None, list[str | None]]:
+        """Put back what Redis lacks of this lifetime and of the directory's lifetimes gone;
+        what was done (None: nothing was lacking) and the identities of the Redis it was
+        done on."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        # On a cluster the announcement goes to the ticket slots' marks too: every sale's
+        # first call is in one of them, whatever slots this process wrote to.
+        own = self._marks(store)
+        mine = dict(self.marks.made)
+        first = {mark: await store.mark_call("capsvc_marks", mark, [self.life]) for mark in own}
+        went_back = any(_g(first[m][0]) < self.marks.seen.get(m, 0) for m in own)
+        announcer = _Announcer(store, self.life, ticket_marks(store))
+        try:
+            if not covered(mine, {m: _g(first[m][2]) for m in own}):
+                # Its own writes lost: announced at once, before the journal is read, so
+                # that other processes stop judging as soon as possible.
+                await announcer.begin(own)
+            held = await identities(store)
+            now = await store.time_ms()
+            restorer = Restorer(self.dir, self.catalog, store, self.metrics.restored_over_cap)
+            since = restorer.oldest_useful(now)
+            lives = await loop.run_in_executor(None, lambda: lives_of(self.dir,
+                                                                      modified_since=since))
+            # Another process that still runs (a worker of the same directory) restores its
+            # own: nobody else raises its field, or a request of its own, answered once its
+            # record is written, could find its writes lost and its field raised over them.
+            gone = [life for life in lives
+                    if life != self.life and not await loop.run_in_executor(None, alive,
+                                                                           self.dir, life)]
+            made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
+                    for life in gone}
+            self.others = made
+            made = {**made, self.life: mine}
+            marks = self._marks(store)
+            names = list(made)
+            state = {mark: await store.mark_call("capsvc_marks", mark, names)
+                     for mark in marks}
+            fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
+                      for i, life in enumerate(names)}
+            floor = {mark: _g(state[mark][0]) for mark in marks}
+            """G as this restore leaves each mark: never lower unless Redis went back."""
+            for mark in marks:  # what the process has seen of the marks from now on
+                self.marks.saw(mark, floor[mark])
+            lacking_lives = [life for life in names if not covered(made[life], fields[life])]
+            done: Restored | None = None
+            if lacking_lives:
+                await announcer.begin(marks)
+                if all(not any(fields[life].values()) for life in lacking_lives):
+                    # Redis has no mark of any of them (emptied, or never reconciled): the
+                    # whole directory, read and planned apart from the event loop.
+                    done = await restorer.run()
+                else:
+                    done = Restored()
+                    for life in lacking_lives:
+                        life_of = lives.get(life, Life(life, []))
+                        done.merge(await restorer.restore(lacking(life_of, fields[life],
+                                                                  now)))
+                for mark in marks:
+                    args: list[Any] = [self.life, announcer.token]
+                    for life in lacking_lives:
+                        if made[life].get(mark):
+                            args += [life, made[life][mark]]
+                    if self.marks.sent.get(mark):  # its count of writes, as they were sent
+                        args += [f"#{self.life}", self.marks.sent[mark]]
+                    # LOST (an error) when Redis went back in time again meanwhile: then
+                    # the restore runs again, from the start.
+                    floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,
+                                                           args))
+            if lacking_lives or went_back or announcer.marks:
+                # Every live process has looked at the marks by then (its watch), and
+                # announced its own restore if it lost anything; then none is left.
+                await asyncio.sleep(max(0.0, began + self.settings.journal_settle_ms / 1000
+                                        - loop.time()))
+                await announcer.end()
+                await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}))
+                # Redis may have gone back again while the restore waited (its watch does
+                # not look meanwhile, and other processes' restores raise G): what it put
+                # back must still be there, or it runs again. What was seen beyond G was
+                # lost by other processes, which have put back what they answered: G goes
+                # on from what is read here.
+                for mark in marks:
+                    reply = await store.mark_call("capsvc_marks", mark, names)
+                    g = _g(reply[0])
+                    if g < floor[mark] or any(
+                            _g(reply[2 + i]) < made[life].get(mark, 0)
+                            for i, life in enumerate(names)):
+                        raise WentBack(f"redis went back in time again on {mark} while "
+                                       "the journal was put back")
+                    self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
+            return done, held
+        finally:
+            await announcer.end()
+
+    def _made_by(self, life: Life) -> dict[str, int]:
+        """made_by, remembered while the lifetime's newest file does not change."""
+        newest = life.files[-1]
+        try:
+            st = newest.stat()
+        except FileNotFoundError:
+            return made_by(life)
+        key = (newest, st.st_size, st.st_mtime)
+        cached = self._made_cache.get(key)
+        if cached is None:
+            cached = self._made_cache[key] = made_by(life)
+        return cached
+
+    async def _wait_for_peers(self, store: Store, marks: list[str]) -> None:
+        """Until no process announces a restore any more (PEERS_WAIT_S at most)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PEERS_WAIT_S
+        said = False
+        while True:
+            now = await store.time_ms()
+            ends = [_g((await store.mark_call("capsvc_marks", mark, []))[1]) for mark in marks]
+            if all(end <= now for end in ends):
+                return
+            if loop.time() > deadline:
+                log.error("journal: other processes still restoring after %.0f s: selling "
+                          "anyway", PEERS_WAIT_S)
+                return
+            if not said:
+                log.info("journal: waiting for other processes' restores before selling")
+                said = True
+            await asyncio.sleep(0.05)
+
+    def _reconciled(self, done: Restored | None, held: list[str | None]) -> None:
+        self.gate.reconciled.update(i for i in held if i is not None)
+        self.gate.restoring = False
+        self.metrics.restoring.set(0)
+        if done is None:
+            log.info("journal: redis reconciled with the journal: it holds every decision of "
+                     "the directory", extra={"identities": held})
+            return
+        self.metrics.restored_into_redis(done.applied, done.seconds)
+        log.warning("journal: redis reconciled with the journal", extra={
+            "records": done.records, "put_back": done.applied, "grids": done.grids,
+            "over_cap": done.over_cap, "other_sale": done.other_sale,
+            "seconds": round(done.seconds, 3)})
+
+
+class WentBack(Exception):
+    """Redis lost, while a restore waited for the other processes, what the restore had put
+    back: it runs again."""
+
+
+class _Announcer:
+    """A restore's announcement in the marks (lua/capsvc.lua, MARKS): begun with a token of
+    its own (which capsvc_mark_restored checks), renewed every ANNOUNCE_MS / 5 until ended."""
+
+    def __init__(self, store: Store, life: str, everywhere: list[str]) -> None:
+        self.store = store
+        self.life = life
+        self.everywhere = everywhere
+        """Marks announced in whatever is restored (the ticket slots' on a cluster)."""
+        self.token = os.urandom(8).hex()
+        self.marks: list[str] = []
+        self._renewing: asyncio.Task[None] | None = None
+
+    async def begin(self, marks: list[str]) -> None:
+        new = [m for m in sorted({*marks, *self.everywhere}) if m not in self.marks]
+        for mark in new:
+            await self.store.mark_call("capsvc_announce", mark,
+                                       [ANNOUNCE_MS, self.life, self.token])
+        self.marks += new
+        if self._renewing is None:
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(ANNOUNCE_MS / 5000)
+            for mark in self.marks:
+                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS])
+
+    async def end(self) -> None:
+        """Stop renewing (the announcement ends within ANNOUNCE_MS)."""
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+            self._renewing = None
+
+
+def ticket_marks(store: Store) -> list[str]:
+    """The marks of the slots that hold ticket records (none apart on one node)."""
+    if store.single_node:
+        return [NODE_MARK]
+    return sorted({mark_of_slot(key_slot(pending_key(b).encode()))
+                   for b in range(TICKET_BUCKETS)})
+
+
+def _g(value: Any) -> int:
+    return int(value) if value else 0

@@ -1,0 +1,315 @@
+"""Redis Cluster: route each command to the primary that owns its key's slot.
+
+`ClusterCoalescer` has the interface of `Coalescer` (submit, send, call, broadcast,
+wait_replicas, aclose) and keeps one `Coalescer` per primary, so coalescing happens per node: the
+commands of one tick bound for one node travel in one pipeline, and the grids of a ticket
+that sit on different nodes are reserved concurrently.
+
+Redirections are followed: `MOVED` updates the slot map (and refreshes it in the
+background), `ASK` sends `ASKING` + the command to the importing node in one pipeline,
+`TRYAGAIN` (a multi-key call on a slot being migrated) retries shortly after. Nothing ran
+when Redis answered any of these, so resending is safe. A node that cannot be reached
+fails its commands with `Unavailable` and triggers a refresh of the slot map, so the next
+requests find the promoted replica. Every primary gets the Lua library
+(`FUNCTION LOAD REPLACE` on all of them) and reloads it on "Function not found".
+
+`wait_replicas` sends `WAIT` on every primary's connection, after whatever this tick queued
+there and behind a fence write to a key of a slot that primary owns (capsvc.redis.transport): a
+ticket's writes are spread over several primaries, and each primary's WAIT counts only its
+own replicas.
+
+A failover is counted when a primary leaves the slot map (its replica took its slots); the
+coalescers of nodes no longer in the map are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.crc import key_slot
+from redis.exceptions import ResponseError
+
+from capsvc.domain.errors import Unavailable
+from capsvc.redis.gate import Gate
+from capsvc.redis.transport import (
+    BatchObserver,
+    Coalescer,
+    ErrorObserver,
+    PrimaryObserver,
+    ignore_batch,
+    ignore_error,
+    ignore_primary,
+)
+
+log = logging.getLogger(__name__)
+
+SLOTS = 16384
+_KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
+_REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+_MAX_REDIRECTS = 16
+"""Redirections and retries per command. A multi-key call whose keys are split by a slot
+migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
+… up to 100 ms; ~1.2 s in all), well inside a request's timeout."""
+
+
+def key_of(args: tuple[Any, ...]) -> str | bytes | None:
+    """The key that decides where a command goes (the first one), or None."""
+    name = args[0]
+    if name == "FCALL":
+        return args[3] if int(args[2]) > 0 else None
+    if name in _KEYLESS:
+        return None
+    if name == "XINFO":  # XINFO STREAM key
+        return args[2]  # type: ignore[no-any-return]
+    if name == "XREAD":  # XREAD [COUNT n] [BLOCK ms] STREAMS key… id…
+        return args[args.index("STREAMS") + 1]  # type: ignore[no-any-return]
+    return args[1]  # type: ignore[no-any-return]
+
+
+def slot_of(key: str | bytes) -> int:
+    return int(key_slot(key.encode() if isinstance(key, str) else key))
+
+
+Node = tuple[str, int]
+
+
+class ClusterCoalescer:
+    """Per-node coalescing over a Redis Cluster, following its redirections."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        on_batch: BatchObserver = ignore_batch,
+        on_error: ErrorObserver = ignore_error,
+        on_primary: PrimaryObserver = ignore_primary,
+        library: str | None = None,
+        gate: Gate | None = None,
+    ) -> None:
+        u = urlsplit(url)
+        self._gate = gate
+        self._seeds: list[Node] = [(u.hostname or "127.0.0.1", u.port or 6379)]
+        self._password = u.password
+        self._timeout = timeout_s
+        self._on_batch = on_batch
+        self._on_error = on_error
+        self._on_primary = on_primary
+        self._library = library
+        self._nodes: dict[Node, Coalescer] = {}
+        self._slots: list[Node | None] = [None] * SLOTS
+        self._refreshing: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- public ----------------------------------------------------------------------------
+
+    def submit(self, *args: Any) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._route(args, fut, 0)
+        return fut
+
+    def send(self, *args: Any) -> None:
+        fut = self.submit(*args)
+        fut.add_done_callback(self._log_background)
+
+    async def call(self, *args: Any) -> Any:
+        return await self.submit(*args)
+
+    async def broadcast(self, *args: Any) -> list[Any]:
+        """Run a keyless command on every primary; their replies."""
+        await self._ensure_map()
+        primaries = sorted({n for n in self._slots if n is not None})
+        return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        """WAIT on every primary; the fewest acknowledgements of any of them."""
+        await self._ensure_map()  # no suspension once the map is known: same tick as the writes
+        primaries = sorted({n for n in self._slots if n is not None})
+        waits = []
+        for n in primaries:
+            node = self._node(n)
+            node.fence_key = self._fence_key(n, node.fence_key)
+            waits.append(asyncio.shield(node.submit_wait(replicas, timeout_ms)))
+        try:
+            acks = await asyncio.gather(*waits)
+        except ResponseError:  # a fence MOVED: the map is out of date
+            self._refresh_soon()
+            raise
+        return min(int(a) for a in acks)
+
+    def _fence_key(self, node: Node, current: str) -> str:
+        """A fence key in a slot `node` serves (the current one while it still does)."""
+        if self._slots[slot_of(current)] == node:
+            return current
+        for i in range(SLOTS * 64):
+            key = f"w:{{fence:{i}}}"
+            if self._slots[slot_of(key)] == node:
+                return key
+        return current  # a node without slots gets no WAIT (it is no primary in the map)
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*[c.aclose() for c in self._nodes.values()])
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _route(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int,
+               node: Node | None = None, asking: bool = False) -> None:
+        if node is None:
+            key = key_of(args)
+            node = self._slots[slot_of(key)] if key is not None else self._any_node()
+            if node is None:  # no slot map yet (or a hole in it): learn it first
+                self._later(self._route_after_refresh(args, fut, hops))
+                return
+        coalescer = self._node(node)
+        if asking:
+            coalescer.send("ASKING")
+        inner = coalescer.submit(*args)
+        inner.add_done_callback(lambda done: self._settle(done, args, fut, hops))
+
+    def _settle(self, done: asyncio.Future[Any], args: tuple[Any, ...],
+                fut: asyncio.Future[Any], hops: int) -> None:
+        # The node's failure is retrieved even when the caller's future is done already
+        # (cancelled: its request timed out): else, once collected, asyncio logs it as
+        # "Future exception was never retrieved".
+        error = None if done.cancelled() else done.exception()
+        if fut.done():
+            return
+        if done.cancelled():
+            fut.cancel()
+            return
+        if error is None:
+            fut.set_result(done.result())
+            return
+        if isinstance(error, Unavailable):
+            self._refresh_soon()
+        if isinstance(error, ResponseError) and hops < _MAX_REDIRECTS:
+            text = str(error)
+            kind = text.split(" ", 1)[0]
+            if kind in ("MOVED", "ASK"):
+                _, slot, where = text.split(" ")
+                host, _, port = where.rpartition(":")
+                target = (host or self._seeds[0][0], int(port))
+                if kind == "MOVED":
+                    self._slots[int(slot)] = target
+                    self._refresh_soon()
+                self._route(args, fut, hops + 1, target, asking=kind == "ASK")
+                return
+            if kind in ("TRYAGAIN", "CLUSTERDOWN"):
+                self._later(self._retry(args, fut, hops + 1))
+                return
+        if isinstance(error, ResponseError) and str(error).startswith(_REDIRECTED):
+            # Still redirected or down after every retry (a failover under way): nothing
+            # ran, and the cluster may serve it shortly. Unavailable (503), not a refusal.
+            error = Unavailable(f"redis cluster: {error}")
+        fut.set_exception(error)
+
+    async def _retry(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int) -> None:
+        await asyncio.sleep(min(0.02 * hops, 0.1))
+        self._route(args, fut, hops)
+
+    async def _route_after_refresh(self, args: tuple[Any, ...], fut: asyncio.Future[Any],
+                                   hops: int) -> None:
+        try:
+            await self._ensure_map()
+        except Unavailable as e:
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        key = key_of(args)
+        node = self._slots[slot_of(key)] if key is not None else self._any_node()
+        if node is None:
+            if not fut.done():
+                fut.set_exception(Unavailable("no Redis Cluster node serves this slot"))
+            return
+        self._route(args, fut, hops, node)
+
+    def _any_node(self) -> Node | None:
+        return next((n for n in self._slots if n is not None), None)
+
+    def _node(self, node: Node) -> Coalescer:
+        coalescer = self._nodes.get(node)
+        if coalescer is None:
+            auth = f":{self._password}@" if self._password else ""
+            coalescer = self._nodes[node] = Coalescer(
+                f"redis://{auth}{node[0]}:{node[1]}/0", timeout_s=self._timeout,
+                on_batch=self._on_batch, on_error=self._on_error, on_primary=self._on_primary,
+                library=self._library, primary_only=False, gate=self._gate)
+        return coalescer
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _log_background(fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("background redis command failed: %s", fut.exception())
+
+    # -- slot map --------------------------------------------------------------------------
+
+    async def _ensure_map(self) -> None:
+        if self._any_node() is not None and None not in self._slots:
+            return
+        await self._refresh()
+
+    def _refresh_soon(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self._refresh()
+        except Unavailable as e:
+            log.warning("cannot refresh the Redis Cluster slot map: %s", e)
+
+    def _adopt(self, slots: list[Node | None]) -> None:
+        """Take a new slot map; a primary gone from it was failed over (or emptied)."""
+        before = {n for n in self._slots if n is not None}
+        self._slots = slots
+        after = {n for n in slots if n is not None}
+        for gone in before - after:
+            log.warning("redis cluster: %s:%s serves no slot any more", *gone)
+            self._on_primary(f"{gone[0]}:{gone[1]}", "switched")
+            self._on_primary(f"{gone[0]}:{gone[1]}", "forgotten")
+            old = self._nodes.pop(gone, None)
+            if old is not None:
+                self._later(old.aclose())
+
+    async def _refresh(self) -> None:
+        """Ask the known nodes, then the seeds, for CLUSTER SLOTS until one answers."""
+        candidates = [*{n for n in self._slots if n is not None}, *self._seeds]
+        last: Exception | None = None
+        for node in dict.fromkeys(candidates):
+            try:
+                reply = await self._node(node).call("CLUSTER", "SLOTS")
+            except (Unavailable, ResponseError) as e:
+                last = e
+                continue
+            slots: list[Node | None] = [None] * SLOTS
+            for start, end, primary, *_ in reply:
+                host = primary[0].decode() or node[0]
+                for s in range(int(start), int(end) + 1):
+                    slots[s] = (host, int(primary[1]))
+            self._adopt(slots)
+            return
+        raise Unavailable(f"no Redis Cluster node answers CLUSTER SLOTS: {last}")
+
+
+def connect(url: str, *, timeout_s: float, on_batch: BatchObserver = ignore_batch,
+            on_error: ErrorObserver = ignore_error, on_primary: PrimaryObserver = ignore_primary,
+            library: str | None = None, gate: Gate | None = None
+            ) -> Coalescer | ClusterCoalescer:
+    """The transport for a Redis URL: one node (found by the sentinels with
+    `redis+sentinel://`), or a cluster (`redis+cluster://`). `gate`: holds every command
+    to a server whose identity the journal has not been reconciled with."""
+    factory: Callable[..., Coalescer | ClusterCoalescer] = (
+        ClusterCoalescer if url.startswith("redis+cluster://") else Coalescer)
+    return factory(url, timeout_s=timeout_s, on_batch=on_batch, on_error=on_error,
+                   on_primary=on_primary, library=library, gate=gate)

@@ -1,0 +1,177 @@
+"""The marks: how every call that judges or reports a decision knows, inside Redis and in
+the same atomic call, whether Redis went back in time behind this process.
+
+lua/capsvc.lua (MARKS) lays the mark out: per node (standalone, Sentinel) or per slot
+(cluster), the count G of marked writes, and per process lifetime the G of its newest
+write. This module is the process's side: which functions are marked, which mark a call
+carries, what the process last saw of each mark (`seen`: any process's writes; `made`: its
+own), and the stamp each journal record gets — the G of the calls that made it, collected
+per request in a context variable — so that a restore can tell exactly which records a
+Redis lacks: those stamped above the mark of their lifetime.
+
+A call refused because the mark is behind (`BEHIND`) fails with `Behind` (a 503: nothing
+ran) and tells `on_behind`, which starts the restore; a call refused while a process
+announces a restore (`RESTORING`) fails with `Unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+from redis.crc import key_slot
+from redis.exceptions import ResponseError
+
+from capsvc.domain.errors import Unavailable
+
+MARKED = frozenset({
+    "capsvc_claim", "capsvc_ticket", "capsvc_finalize", "capsvc_unclaim", "capsvc_expire",
+    "capsvc_cancel", "capsvc_cancelled", "capsvc_reserve", "capsvc_release", "capsvc_stop",
+    "capsvc_budget", "capsvc_stake", "capsvc_settle", "capsvc_set_limit", "capsvc_player",
+    "capsvc_sell"})
+"""The functions that judge or report a decision: lua/capsvc.lua registers them marked."""
+
+NODE_MARK = "m:{marks}"
+"""The one mark of a standalone (or Sentinel-managed) Redis."""
+
+stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=None)
+"""The G of the marked calls of the current request, by mark (see `Marks.begin`)."""
+
+
+class Behind(Unavailable):
+    """Redis refused a call: its mark is behind what this process saw (it lost writes).
+    Nothing of the call ran."""
+
+
+class Restoring(Unavailable):
+    """Redis refused a call: a process announces a restore of its journal. Nothing of the
+    call ran."""
+
+
+@functools.cache
+def slot_tags() -> tuple[str, ...]:
+    """For each cluster slot, a hash tag that hashes to it (the slot's mark is
+    `m:{<tag>}`)."""
+    tags: list[str | None] = [None] * 16384
+    left, i = 16384, 0
+    while left:
+        tag = str(i)
+        slot = key_slot(tag.encode())
+        if tags[slot] is None:
+            tags[slot] = tag
+            left -= 1
+        i += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def mark_of_slot(slot: int) -> str:
+    return f"m:{{{slot_tags()[slot]}}}"
+
+
+class Marks:
+    """This process's side of the marks (see the module's docstring)."""
+
+    def __init__(self, life: str, *, single_node: bool,
+                 on_behind: Callable[[str, str], None] | None = None) -> None:
+        self.life = life
+        """The process lifetime (capsvc.journal.writer's `Journal.life`); "" for a tool,
+        whose calls are neither checked nor counted."""
+        self.single_node = single_node
+        self.seen: dict[str, int] = {}
+        """Per mark, the highest G this process has seen there."""
+        self.made: dict[str, int] = {}
+        """Per mark, the G of this process's newest write there."""
+        self.sent: dict[str, int] = {}
+        """Per mark, how many of this process's writes were sent there and not seen to
+        fail (answered, or not yet): Redis's count of them ("#<life>") is never lower
+        unless it lost some."""
+        self.on_behind = on_behind or (lambda mark, found: None)
+
+    @classmethod
+    def tool(cls, single_node: bool) -> Marks:
+        """Marks for a tool (a restore, an audit): calls go unchecked and uncounted."""
+        return cls("", single_node=single_node)
+
+    def mark_of(self, key: str) -> str:
+        """The mark a call whose first key is `key` carries (in that key's slot)."""
+        if self.single_node:
+            return NODE_MARK
+        return mark_of_slot(key_slot(key.encode()))
+
+    def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
+             args: list[Any]) -> asyncio.Future[Any]:
+        """Queue a marked FCALL through `submit`: the mark as the last key, this process's
+        life and what it saw of the mark as the last ARGV. The future answers the function's
+        own reply."""
+        mark = self.mark_of(keys[0])
+        sent = self.sent.get(mark, 0)
+        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
+        reply = submit("FCALL", name, len(keys) + 1, *keys, mark, *args, self.life, seen)
+        if self.life:
+            self.sent[mark] = sent + 1
+        out: asyncio.Future[Any] = reply.get_loop().create_future()
+        reply.add_done_callback(functools.partial(self._unwrap, mark, stamp.get(), out))
+        return out
+
+    def _unwrap(self, mark: str, stamped: dict[str, int] | None, out: asyncio.Future[Any],
+                reply: asyncio.Future[Any]) -> None:
+        if reply.cancelled():
+            if self.life:
+                self.sent[mark] -= 1
+            out.cancel()
+            return
+        error = reply.exception()  # retrieved even when nobody waits for `out` any more
+        if error is not None:
+            # Refused, or its fate unknown (a lost connection, a timeout): counted as not
+            # run. One that ran leaves Redis's count higher, which no check minds.
+            if self.life:
+                self.sent[mark] -= 1
+            if not out.done():
+                out.set_exception(self._refusal(mark, error))
+            return
+        g, *rest = reply.result()
+        if g:
+            if g > self.seen.get(mark, 0):
+                self.seen[mark] = g
+            if g > self.made.get(mark, 0):
+                self.made[mark] = g
+            if stamped is not None and g > stamped.get(mark, 0):
+                stamped[mark] = g
+        if not out.done():
+            out.set_result(rest[0] if rest else None)
+
+    def _refusal(self, mark: str, error: BaseException) -> BaseException:
+        if not isinstance(error, ResponseError):
+            return error
+        text = str(error)
+        if text.startswith("BEHIND"):
+            self.on_behind(mark, text.partition(" ")[2])
+            return Behind("Redis has lost decisions this process answered (it went back "
+                          "in time): they are being put back from the journal; nothing is "
+                          "judged meanwhile")
+        if text.startswith("RESTORING"):
+            return Restoring("a capsvc process is putting its journal back into Redis: "
+                             "nothing is judged meanwhile")
+        return error
+
+    def saw(self, mark: str, g: int) -> None:
+        """The watch read G on `mark`."""
+        if g > self.seen.get(mark, 0):
+            self.seen[mark] = g
+
+    @staticmethod
+    def begin() -> dict[str, int]:
+        """A request starts: its calls' G are collected from here on (read by the journal's
+        records, `current`)."""
+        d: dict[str, int] = {}
+        stamp.set(d)
+        return d
+
+    @staticmethod
+    def current() -> dict[str, int] | None:
+        """The G of the current request's marked calls so far (a copy), None outside one."""
+        d = stamp.get()
+        return dict(d) if d is not None else None

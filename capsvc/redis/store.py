@@ -1,0 +1,813 @@
+"""The Redis store: key names, the Lua steps, and what their replies mean.
+
+The only module that knows how capsvc's state is laid out in Redis (lua/capsvc.lua's header
+is where the layout is written down: keys, buckets, sale ids, ticket states, records).
+Every key carries a hash tag, so the store works unchanged on Redis Cluster: every draw of
+a combination shares a slot (its bucket), as do a ticket record and its pending index.
+Every step that decides something reads Redis TIME inside its function.
+
+Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
+queues a command into the current tick's pipeline and returns a future, so a caller can
+issue several independent steps and await them together without an extra round trip.
+Every call that judges or reports a decision also names its slot's mark (capsvc.redis.marks):
+on a cluster, while a slot is being migrated, such a call names a key that exists (the
+mark, once moved) beside keys that may not yet, and Redis answers TRYAGAIN until the slot
+has moved (the transport retries, capsvc.redis.cluster): a sale on a migrating slot waits for the
+end of that slot's migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from capsvc.redis.marks import MARKED, Marks
+from capsvc.redis.transport import Coalescer, Transport
+
+LIBRARY = "capsvc"
+TICKET_BUCKETS = 64
+"""Ticket records are spread over this many hash tags, each with its own pending index."""
+RECORD_BUCKETS = 256
+"""Hashes per ticket slot that ticket records are spread over (see lua/capsvc.lua, TICKET
+RECORDS): part of the layout, never to be changed while records are retained."""
+COUNTER_BUCKETS = 4096
+"""Buckets per game and draw that combinations are hashed to (see lua/capsvc.lua: part of
+the layout, never to be changed while a draw is on sale or retained)."""
+
+
+def lua_source() -> str:
+    return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
+
+
+def ticket_key(channel: str, ticket_id: str) -> str:
+    ident = f"{channel}/{ticket_id}"
+    return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
+
+
+def record_bucket_of(ticket: str) -> str:
+    """The hash that holds ticket `ticket`'s record: in its slot, chosen by the next bits of
+    the hash that chose the slot."""
+    end = ticket.index("}") + 1
+    ident = ticket[end + 1:]
+    bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
+    return f"r:{ticket[2:end]}:{bucket}"
+
+
+def record_bucket(slot: int, bucket: int) -> str:
+    """Record bucket `bucket` of ticket slot `slot`."""
+    return f"r:{{t:{slot}}}:{bucket}"
+
+
+def ident_of(ticket: str) -> str:
+    """`<channel>/<ticket id>` of a ticket's name: its field in a bucket."""
+    return ticket[ticket.index("}:") + 2:]
+
+
+def channel_of(ticket: str) -> str:
+    """The channel of a ticket's name."""
+    return ticket[ticket.index("}:") + 2 :].rsplit("/", 1)[0]
+
+
+def pending_key_of(ticket: str) -> str:
+    """The pending index in the same slot as the ticket record `ticket`."""
+    return "p:" + ticket[2 : ticket.index("}") + 1]
+
+
+def counter_key(game: str, bucket: int, draw: int) -> str:
+    """One counter bucket of a draw (see lua/capsvc.lua, THE KEYS)."""
+    return f"c:{{{game}:{bucket}}}:{draw}"
+
+
+def aggregate_key(ticket: str, game: str, draw: int) -> str:
+    """What the tickets of `ticket`'s slot accepted on a draw, by number of picks (the
+    draw's exposure adds the 64 slots up)."""
+    return f"a:{ticket[2 : ticket.index('}') + 1]}:{game}:{draw}"
+
+
+def aggregate_keys(game: str, draw: int) -> list[str]:
+    """A draw's aggregates, one per ticket slot."""
+    return [f"a:{{t:{b}}}:{game}:{draw}" for b in range(TICKET_BUCKETS)]
+
+
+def pending_key(bucket: int) -> str:
+    return f"p:{{t:{bucket}}}"
+
+
+def bucket_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]:
+    """The counter buckets holding `combo` on draws first_draw..first_draw+draws-1."""
+    bucket = zlib.crc32(combo.encode()) % COUNTER_BUCKETS
+    return [counter_key(game, bucket, d) for d in range(first_draw, first_draw + draws)]
+
+
+def record_field(sale_id: str, grid: int) -> bytes:
+    """The field of one grid's record: a zero byte (no combination has one), the sale id's
+    8 bytes, the grid index."""
+    return b"\0" + bytes.fromhex(sale_id) + bytes((grid,))
+
+
+def stops_key(game: str) -> str:
+    return f"s:{{{game}}}"
+
+
+def stop_copy_key(bucket: int) -> str:
+    """The copy of the admin stops in one ticket slot (see `Store.stop`)."""
+    return f"s:{{t:{bucket}}}"
+
+
+def stop_copy_of(ticket: str) -> str:
+    return "s:" + ticket[2 : ticket.index("}") + 1]
+
+
+def capped_key(game: str, draw: int) -> str:
+    return f"x:{{{game}}}:{draw}"
+
+
+def cap_key(game: str, draw: int) -> str:
+    """The cap in force for a draw, fixed by its first sale (same slot as the stops)."""
+    return f"k:{{{game}}}:{draw}"
+
+
+def feed_key(game: str) -> str:
+    """The game's event stream (the live sold-out feed; same slot as the sold-out lists)."""
+    return f"f:{{{game}}}"
+
+
+def feed_closes_key(game: str) -> str:
+    """The draws whose close the feed has announced (draw -> expiry)."""
+    return f"e:{{{game}}}"
+
+
+def record_names(ticket: str) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV that name ticket `ticket`'s record in a call of one of its
+    functions, before the call's own: its bucket, and its field in it (lua/capsvc.lua,
+    TICKET RECORDS)."""
+    return [record_bucket_of(ticket)], [ident_of(ticket)]
+
+
+def stop_instants(replies: list[Any]) -> list[int | None]:
+    """The instants (ms) sales stopped from HMGET replies of the stops hash."""
+    return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
+
+
+class Store:
+    """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
+
+    def __init__(self, redis: Transport) -> None:
+        self.redis = redis
+        self._source = lua_source()
+        self.single_node = isinstance(redis, Coalescer)
+        """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
+        self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
+        """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
+        self.marks = Marks.tool(self.single_node)
+        """The marks the calls that judge or report a decision carry (capsvc.redis.marks): a
+        tool's until the service gives the store its own."""
+
+    async def load_library(self) -> None:
+        """Install (or replace) the Lua library on every primary; idempotent, safe from
+        every process."""
+        await self.redis.broadcast("FUNCTION", "LOAD", "REPLACE", self._source)
+
+    async def library_loaded(self) -> bool:
+        replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
+        return all(bool(r) for r in replies)
+
+    def names(self, ticket: str) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV that name ticket `ticket`'s record in a call, before the call's
+        own (see record_names)."""
+        return record_names(ticket)
+
+    def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one FCALL (the transport reloads the library if Redis lost it); a function
+        that judges or reports a decision carries its mark (capsvc.redis.marks)."""
+        if name in MARKED:
+            return self.marks.call(self.redis.submit, name, keys, args)
+        return self.redis.submit("FCALL", name, len(keys), *keys, *args)
+
+    def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:
+        """One of the marks' own functions (lua/capsvc.lua, MARKS) on `mark`."""
+        return self.redis.submit("FCALL", name, 1, mark, *args)
+
+    async def time_ms(self) -> int:
+        """Redis TIME, in ms since the Unix epoch."""
+        sec, usec = await self.redis.submit("TIME")
+        return int(sec) * 1000 + int(usec) // 1000
+
+    # -- tickets ---------------------------------------------------------------------------
+
+    def index(self, ticket: str, expire_at: int) -> asyncio.Future[Any]:
+        """Register a ticket for the janitor before claiming it, at Redis TIME."""
+        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
+
+    def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+              stale_after_ms: int) -> asyncio.Future[Any]:
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_claim", keys, [
+            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
+
+    async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
+        """Write the decision of a sale. False when the ticket is no longer that sale's
+        pending claim (decided or forgotten by another actor). Its index entry stays until
+        the decision is journaled (`journaled`)."""
+        keys, args = self.names(ticket)
+        return bool(await self.fcall("capsvc_finalize", keys, [*args, sale_id, body]))
+
+    def journaled(self, ticket: str, sale_id: str, state: bytes) -> asyncio.Future[Any]:
+        """The decision of sale `sale_id` in `state` (b"f" sold, b"c" cancelled, b"" voided:
+        the ticket forgotten) is in the journal: the ticket's index entry goes, unless the
+        ticket has moved on since (the janitor journals a decision whose entry is still
+        there past the deadline). A request need not wait for it: an entry left by a
+        failure only makes the janitor journal the decision again."""
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_journaled_many", [pending_key_of(ticket), *keys],
+                          [*args, sale_id, state])
+
+    def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
+        """`journaled`, sent with the others of this tick: the decisions of one batch of
+        the journal become durable together, and their entries go in one call
+        (capsvc_journaled_many; on a cluster one per index, a call's keys sharing a slot)
+        rather than one each. Nobody waits for it (see `journaled`)."""
+        batch = self._journaled
+        if not batch:
+            asyncio.get_running_loop().call_soon(self._send_journaled)
+        index = "" if self.single_node else pending_key_of(ticket)
+        batch.setdefault(index, []).append((ticket, sale_id, state))
+
+    def _send_journaled(self) -> None:
+        batch, self._journaled = self._journaled, {}
+        for entries in batch.values():
+            for i in range(0, len(entries), JOURNALED_PER_CALL):
+                keys: list[str] = []
+                args: list[Any] = []
+                for ticket, sale_id, state in entries[i:i + JOURNALED_PER_CALL]:
+                    record_keys, record_args = self.names(ticket)
+                    keys += (pending_key_of(ticket), *record_keys)
+                    args += (*record_args, sale_id, state)
+                retrieving(self.fcall("capsvc_journaled_many", keys, args))
+
+    async def unclaim(self, ticket: str, sale_id: str) -> None:
+        """Forget the pending claim of `sale_id` (what it took given back, its void
+        journaled), and its index entry."""
+        keys, args = self.names(ticket)
+        await self.fcall("capsvc_unclaim", keys, [*args, sale_id])
+        await self.journaled(ticket, sale_id, b"")
+
+    async def unindex(self, ticket: str) -> None:
+        await self.redis.submit("ZREM", pending_key_of(ticket), ticket)
+
+    def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_expire", keys, [*args, deadline_ms])
+
+    def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
+               expire_at: int) -> asyncio.Future[Any]:
+        """Decide a cancellation (indexing the ticket with it, for the janitor)."""
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
+                          [*args, close_ms, f"{game}:{first_draw}", released, expire_at])
+
+    async def cancelled(self, ticket: str, sale_id: str,
+                        aggregates: tuple[list[str], list[Any]] | None = None) -> None:
+        """Mark a cancel complete; `aggregates` (a ticket sold in one call): its draws'
+        aggregate keys and the picks, stake pairs to take out of them."""
+        keys, args = self.names(ticket)
+        aggregate_keys_, amounts = aggregates or ([], [])
+        await self.fcall("capsvc_cancelled", [*keys, *aggregate_keys_],
+                         [*args, sale_id, *amounts])
+
+    def ticket(self, ticket: str) -> asyncio.Future[Any]:
+        """[state, body, sale, sale id, claim instant, cancelled at, released, results,
+        fingerprint] of a ticket record (all None when unknown; a one-call sale has results,
+        not a body)."""
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_ticket", keys, args)
+
+    def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+             stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
+             min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
+             time_zone: str, fix_caps: bool = True) -> asyncio.Future[Any]:
+        """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
+        (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
+        combination never holds a zero byte)."""
+        keys, args = self.names(ticket)
+        keys += (stops_key(game), pending_key_of(ticket))
+        for combo, _ in grids:
+            if combo[0] != "\0":
+                keys += bucket_keys(game, combo, first_draw, draws)
+        keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
+        keys.append(feed_key(game))
+        keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
+        if fix_caps:
+            keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
+        nonce = os.urandom(8)
+        args += (fingerprint, sale, close_ms, expire_at, stale_after_ms,
+                 nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
+        for combo, stake in grids:
+            args += (combo, stake)
+        return self.fcall("capsvc_sell", keys,
+                          [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
+
+    def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
+        """Delete the records past their expiry of one page of a record bucket: [next
+        cursor (b"0": done), records deleted]."""
+        return self.fcall("capsvc_sweep", [bucket], [cursor, count])
+
+    async def oldest_pending(self) -> int | None:
+        """The instant of the oldest entry of the pending indexes (a ticket claimed, being
+        cancelled, or decided and not journaled yet), None when they are empty."""
+        replies = await replies_of([self.redis.submit("ZRANGE", pending_key(b), 0, 0,
+                                                      "WITHSCORES")
+                                    for b in range(TICKET_BUCKETS)])
+        return min((int(float(r[1])) for r in replies if r), default=None)
+
+    def pending(self, bucket: int, indexed_before_ms: int, limit: int, offset: int = 0
+                ) -> asyncio.Future[Any]:
+        return self.redis.submit(
+            "ZRANGEBYSCORE", pending_key(bucket), "-inf", f"({indexed_before_ms}",
+            "LIMIT", offset, limit,
+        )
+
+    # -- combinations ----------------------------------------------------------------------
+
+    def reserve(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
+                min_stake: int, first_draw: int, expire_at: list[int], close_ms: int
+                ) -> asyncio.Future[Any]:
+        """Count `stake` on every draw of the grid, or none; `close_ms=0` seals instead."""
+        keys = bucket_keys(game, combo, first_draw, len(expire_at))
+        return self.fcall("capsvc_reserve", keys,
+                          [record, combo, stake, caps, close_ms, min_stake, *expire_at])
+
+    def record(self, game: str, combo: str, record: bytes, first_draw: int, draws: int
+               ) -> asyncio.Future[Any]:
+        """A grid's record (see lua/capsvc.lua, RECORDS), None if there is none."""
+        return self.redis.submit("HGET", bucket_keys(game, combo, first_draw, draws)[-1],
+                                 record)
+
+    def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
+                first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Any]:
+        keys = bucket_keys(game, combo, first_draw, draws)
+        return self.fcall("capsvc_release", keys, [record, combo, caps, min_stake, expire_at])
+
+    def counters(self, game: str, combo: str, first_draw: int, draws: int
+                 ) -> list[asyncio.Future[Any]]:
+        """The counter of `combo` on each draw (one HGET each: one key each)."""
+        return [self.redis.submit("HGET", key, combo)
+                for key in bucket_keys(game, combo, first_draw, draws)]
+
+    def counters_of(self, game: str, draw: int, combos: list[str]) -> list[asyncio.Future[Any]]:
+        """Counters of several combinations for one draw."""
+        return [self.redis.submit("HGET", bucket_keys(game, c, draw, 1)[0], c) for c in combos]
+
+    def mark_sold_out(self, game: str, draw: int, combo: str, expire_at: int
+                      ) -> asyncio.Future[Any]:
+        """Add to the draw's sold-out list (advisory; the counters stay the authority)."""
+        return self.fcall("capsvc_sold_out", [capped_key(game, draw), feed_key(game)],
+                          [combo, expire_at, draw])
+
+    def sold_out(self, game: str, draw: int) -> asyncio.Future[Any]:
+        return self.redis.submit("SMEMBERS", capped_key(game, draw))
+
+    def read_feed(self, game: str, after: str, count: int) -> asyncio.Future[Any]:
+        """Up to `count` events of the game's stream after the id `after` (non-blocking)."""
+        return self.redis.submit("XREAD", "COUNT", count, "STREAMS", feed_key(game), after)
+
+    def feed_range(self, game: str, after: str, count: int) -> asyncio.Future[Any]:
+        """Up to `count` events after the id `after`, oldest first."""
+        return self.redis.submit("XRANGE", feed_key(game), f"({after}", "+", "COUNT", count)
+
+    def newest_feed_entry(self, game: str) -> asyncio.Future[Any]:
+        return self.redis.submit("XREVRANGE", feed_key(game), "+", "-", "COUNT", 1)
+
+    def oldest_feed_entry(self, game: str) -> asyncio.Future[Any]:
+        return self.redis.submit("XRANGE", feed_key(game), "-", "+", "COUNT", 1)
+
+    def feed_info(self, game: str) -> asyncio.Future[Any]:
+        """XINFO STREAM of the game's stream (a ResponseError when there is none)."""
+        return self.redis.submit("XINFO", "STREAM", feed_key(game))
+
+    def feed_closed(self, game: str, draw: int, expire_at: int) -> asyncio.Future[Any]:
+        """Announce on the feed that a draw closed, once (whoever calls first)."""
+        return self.fcall("capsvc_feed_closed", [feed_key(game), feed_closes_key(game)],
+                          [draw, expire_at])
+
+    def feed_reopened(self, game: str, draw: int, combo: str, expire_at: int
+                      ) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_feed_event", [feed_key(game)],
+                          ["reopened", draw, combo, expire_at])
+
+    def exposure_of(self, game: str, buckets: range, draw: int, cap: int, min_stake: int,
+                    floor: int) -> asyncio.Future[Any]:
+        """Counter buckets' share of a draw's exposure (lua/capsvc.lua, exposure): one call
+        for all of `buckets` (they must be on one node)."""
+        return self.fcall("capsvc_exposure", [counter_key(game, b, draw) for b in buckets],
+                          [cap, min_stake, floor])
+
+    def aggregate(self, ticket: str, game: str, draw: int, sale_id: str, value: str,
+                  expire_at: int) -> asyncio.Future[Any]:
+        """Record what a sale accepted on a draw ("<picks>:<stake>,…"), or with value ""
+        remove it (lua/capsvc.lua, AGGREGATES)."""
+        return self.fcall("capsvc_aggregate", [aggregate_key(ticket, game, draw)],
+                          [sale_id, value, expire_at])
+
+    def aggregate_sums(self, game: str, draw: int) -> list[asyncio.Future[Any]]:
+        """[picks, stake, …] of each ticket slot's aggregate of a draw."""
+        return [self.fcall("capsvc_aggregate_sum", [k], []) for k in aggregate_keys(game, draw)]
+
+    async def take_turn(self, task: str, ttl_ms: int) -> bool:
+        """Whether this process does `task` now: the first of all processes to ask in each
+        `ttl_ms` (a key that expires by itself)."""
+        return bool(await self.redis.submit("SET", f"g:{{{task}}}", os.getpid(), "NX", "PX",
+                                            ttl_ms))
+
+    def fix_cap(self, game: str, draw: int, cap: int, expire_at: int) -> asyncio.Future[Any]:
+        """Fix the draw's cap at `cap` unless a sale fixed it already: the cap fixed before
+        (bytes), or None when this call fixed it. It expires with the draw."""
+        return self.redis.submit("SET", cap_key(game, draw), cap, "NX", "GET", "PXAT",
+                                 expire_at)
+
+    def fixed_cap(self, game: str, draw: int) -> asyncio.Future[Any]:
+        """The draw's fixed cap (bytes), or None while no sale has fixed it."""
+        return self.redis.submit("GET", cap_key(game, draw))
+
+    # -- draws -----------------------------------------------------------------------------
+
+    def stops(self, game: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
+        """HMGET of the stops of each draw (decode with `stop_instants`)."""
+        return self.redis.submit("HMGET", stops_key(game),
+                                 *range(first_draw, first_draw + draws))
+
+    async def stop(self, game: str, draw: int, expire_at: int, instant: int | None = None
+                   ) -> int:
+        """Stop sales of a draw now, by Redis TIME (the first stop wins; idempotent), and
+        copy the stop into every ticket slot, where a cancel checks it atomically. Returns
+        once every copy is written (a cancel decided after that is refused) with the instant
+        sales stopped (a sale claimed from then on does not stand). `instant`: the stop's
+        own (a journal's restore puts it back), else Redis TIME."""
+        at = [] if instant is None else [instant]
+        stopped, *_ = await replies_of([
+            self.fcall("capsvc_stop", [stops_key(game)], [draw, expire_at, *at]),
+            *[self.fcall("capsvc_stop", [stop_copy_key(b)], [f"{game}:{draw}", expire_at, *at])
+              for b in range(TICKET_BUCKETS)]])
+        return int(stopped)
+
+    # -- a journal's restore (lua/capsvc.lua, RESTORE and THE BULK RESTORE) --------------
+
+    def restore_tickets(self) -> TicketRestores:
+        """A batch of ticket records to put back (see TicketRestores)."""
+        return TicketRestores(self)
+
+    def restore_counts(self) -> CountRestores:
+        """A batch of grids to count back or give back (see CountRestores)."""
+        return CountRestores(self)
+
+    def restore_budgets(self) -> BudgetRestores:
+        """A batch of player budgets to put back (see BudgetRestores)."""
+        return BudgetRestores(self)
+
+    def identities(self) -> asyncio.Future[Any]:
+        """INFO server and replication of every primary (see `identity`)."""
+        return asyncio.ensure_future(self.redis.broadcast("INFO", "server", "replication"))
+
+
+def limit_key(player: str) -> str:
+    return f"l:{{pl:{player}}}"
+
+
+def budget_key(player: str, day: str) -> str:
+    return f"b:{{pl:{player}}}:{day}"
+
+
+class PlayerStore:
+    """The player-budget steps (games with a daily limit), over the same transport."""
+
+    def __init__(self, store: Store) -> None:
+        self.fcall = store.fcall
+        self.redis = store.redis
+
+    def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,
+                shares: list[tuple[str, int]], *, seal: bool = False, restore: bool = False
+                ) -> asyncio.Future[Any]:
+        """Take `shares` ((day, amount) pairs) from the player's budgets, all or nothing;
+        `seal=True` (the janitor) makes sure `ref` can take nothing any more; `restore=True`
+        (a journal's restore) takes them unchecked unless `ref` is recorded."""
+        keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
+        mode = "seal" if seal else "restore" if restore else "take"
+        return self.fcall("capsvc_budget", keys, [
+            ref, regulatory, expire_at, mode,
+            *[day for day, _ in shares], *[amount for _, amount in shares]])
+
+    def stake(self, player: str, ref: str, regulatory: int, expire_at: int, days: list[str],
+              amount: int) -> asyncio.Future[Any]:
+        """Another game's stake, on `days[0]` (today), idempotent by `ref` over the two
+        days before as well."""
+        keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+        return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
+
+    def settle(self, player: str, ref: str, shares: list[tuple[str, int]], *,
+               final: bool = False) -> asyncio.Future[Any]:
+        """Make `ref` hold exactly `shares` (amount 0: give back); idempotent. `final` seals
+        `ref` afterwards: no later settle changes it."""
+        keys = [budget_key(player, day) for day, _ in shares]
+        return self.fcall("capsvc_settle", keys,
+                          [ref, int(final), *[amount for _, amount in shares]])
+
+    def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
+                  expire_at: int) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
+                          ["none" if value is None else value, today, tomorrow, expire_at])
+
+    def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
+                      pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:
+        """Put back a self-limit as journaled, unless Redis has one set since."""
+        return self.fcall("capsvc_restore_limit", [limit_key(player)], [
+            at, "" if limit is None else limit, pending or "", pending_from or "", expire_at])
+
+    def state(self, player: str, today: str) -> asyncio.Future[Any]:
+        return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
+                          [today])
+
+
+RESTORE_OPS_PER_CALL = 512
+"""Ops per call of a bulk restore function: a few milliseconds of Redis CPU, which the
+other processes' calls wait behind."""
+RESTORE_OPS_IN_FLIGHT = 4 * RESTORE_OPS_PER_CALL
+"""Ops of bulk restore calls sent and not answered yet, at most (see `_Bulk.send`): a few
+full calls on one Redis, many small ones on a cluster (a call per slot)."""
+
+
+_FIXSTR = [bytes((0xA0 | n,)) for n in range(32)]
+
+
+def _mp_head(n: int) -> bytes:
+    """The header of a string of `n` bytes as Redis's cmsgpack packs it (str, never bin)."""
+    if n < 32:
+        return _FIXSTR[n]
+    if n <= 0xFF:
+        return b"\xd9" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xda" + n.to_bytes(2, "big")
+    return b"\xdb" + n.to_bytes(4, "big")
+
+
+def _mp_uint(n: int) -> bytes:
+    """A non-negative integer as Redis's cmsgpack packs it (the smallest form)."""
+    if n <= 0x7F:
+        return bytes((n,))
+    if n <= 0xFF:
+        return b"\xcc" + bytes((n,))
+    if n <= 0xFFFF:
+        return b"\xcd" + n.to_bytes(2, "big")
+    if n <= 0xFFFFFFFF:
+        return b"\xce" + n.to_bytes(4, "big")
+    return b"\xcf" + n.to_bytes(8, "big")
+
+
+_NIL = b"\xc0"
+
+
+def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_id: str,
+                 sale: bytes, body: bytes, cancelled_at: int | None = None,
+                 released: int | None = None) -> bytes:
+    """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
+    packs it (TICKET RECORDS: the expiry, then st, fp, at, sid, sale, body, res, ca, rel;
+    `at`, `ca` and `rel` as decimal strings, nil for what is absent)."""
+    fp, instant, sid = fingerprint.encode(), b"%d" % at, sale_id.encode()
+    head = _mp_head
+    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(fp)), fp,
+             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale,
+             head(len(body)), body, _NIL]
+    if cancelled_at is None:
+        parts.append(_NIL)
+    else:
+        ca = b"%d" % cancelled_at
+        parts += (head(len(ca)), ca)
+    if released is None:
+        parts.append(_NIL)
+    else:
+        rel = b"%d" % released
+        parts += (head(len(rel)), rel)
+    return b"".join(parts)
+
+
+Op = tuple[list[str], list[Any]]
+"""One op of a bulk restore function: its KEYS and its ARGV, its letter first (lua/capsvc.lua,
+THE BULK RESTORE)."""
+
+
+def restore_sale(ticket: str, sale_id: str, expire_at: int, record: bytes,
+                 aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
+    """A sale's decision put back (`record`: ticket_value, state f), and, written with it,
+    the aggregates (game, draw, value, expiry) of its grids not capped."""
+    keys, args = record_names(ticket)
+    keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
+    args += (expire_at, record, sale_id, len(aggregates))
+    for _, _, value, expiry in aggregates:
+        args += (value, expiry)
+    return keys, ["s", *args]
+
+
+def restore_cancel(ticket: str, sale_id: str, expire_at: int, record: bytes,
+                   aggregates: Sequence[tuple[str, int]] = ()) -> Op:
+    """A cancel put back (`record`: ticket_value, state k, with when and how much), and the
+    aggregates (game, draw) of the sale given back."""
+    keys, args = record_names(ticket)
+    keys.append(pending_key_of(ticket))
+    keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+    return keys, ["c", *args, expire_at, record, sale_id, len(aggregates)]
+
+
+def restore_void(ticket: str, sale_id: str, aggregates: Sequence[tuple[str, int]] = ()
+                 ) -> Op:
+    """A void: what the sale holds of the aggregates (game, draw), given back."""
+    keys, args = record_names(ticket)
+    keys += [aggregate_key(ticket, game, draw) for game, draw in aggregates]
+    return keys, ["v", *args, sale_id, len(aggregates)]
+
+
+def restore_count(game: str, combo: str, record: bytes, stake: int, caps: str | int,
+                  min_stake: int, first_draw: int, expiries: list[int]) -> Op:
+    """An accepted grid: its stake counted back on every draw unless recorded."""
+    keys = bucket_keys(game, combo, first_draw, len(expiries))
+    return keys, ["g", len(keys), record, combo, stake, caps, min_stake, *expiries]
+
+
+def restore_release(game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
+                    first_draw: int, draws: int, expire_at: int) -> Op:
+    """A grid given back (and sealed), once."""
+    return (bucket_keys(game, combo, first_draw, draws),
+            ["r", draws, record, combo, caps, min_stake, expire_at])
+
+
+def restore_budget(player: str, ref: str, regulatory: int, expire_at: int,
+                   take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
+                   final: bool = False) -> Op:
+    """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the amounts
+    given (`final`: sealed); the same days for both."""
+    days = [day for day, _ in (take or settle or [])]
+    keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+    args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
+                       "1" if take is not None else "0",
+                       "" if settle is None else "1" if final else "0", *days]
+    args += [amount for _, amount in take] if take is not None else [0] * len(days)
+    args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
+    return keys, args
+
+
+def _tag(key: str) -> str:
+    return key[key.index("{") + 1:key.index("}")]
+
+
+class _Bulk:
+    """Ops of one bulk restore function (lua/capsvc.lua, THE BULK RESTORE), sent many per
+    FCALL, all calls at once: on one Redis, up to RESTORE_OPS_PER_CALL ops a call; on a
+    cluster, calls per hash tag (a call touches one slot). `send()` sends them and gives each
+    op's reply, in the order the ops were added."""
+
+    function = ""
+    by_first_key = False
+    """Whether a call's ops may be put in the order of their first keys (ops on one key
+    stay in the order they were added): their function does less when ops on one key
+    follow one another."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._tagged = not store.single_node
+        self._ops: dict[str, list[Op]] = {}
+        self._where: list[tuple[str, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def add(self, op: Op) -> None:
+        tag = _tag(op[0][0]) if self._tagged else ""
+        ops = self._ops.get(tag)
+        if ops is None:
+            ops = self._ops[tag] = []
+        self._where.append((tag, len(ops)))
+        ops.append(op)
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        raise NotImplementedError
+
+    async def send(self) -> list[Any]:
+        """Send every call, in order (on each node's connection behind what was sent
+        before), with at most RESTORE_OPS_IN_FLIGHT ops unanswered; each op's reply, in the
+        order the ops were added. What is in flight keeps Redis busy and each call answered
+        well within the connection's deadline, however many ops the batch holds."""
+        calls: list[tuple[str, list[int], list[str], list[Any]]] = []
+        for tag, ops in self._ops.items():
+            order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
+                     if self.by_first_key else range(len(ops)))
+            for start in range(0, len(ops), RESTORE_OPS_PER_CALL):
+                placed = list(order[start:start + RESTORE_OPS_PER_CALL])
+                keys: list[str] = []
+                args: list[Any] = []
+                for i in placed:
+                    keys += ops[i][0]
+                    args += ops[i][1]
+                calls.append((tag, placed, keys, args))
+        fcall, function = self._store.fcall, self.function
+        found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
+        sent: deque[tuple[str, list[int], asyncio.Future[Any]]] = deque()
+        in_flight = 0
+        try:
+            for tag, placed, keys, args in calls:
+                while sent and in_flight + len(placed) > RESTORE_OPS_IN_FLIGHT:
+                    in_flight -= await self._take_reply(sent, found)
+                sent.append((tag, placed, retrieving(fcall(function, keys, args))))
+                in_flight += len(placed)
+            while sent:
+                await self._take_reply(sent, found)
+        finally:
+            for _, _, reply in sent:
+                reply.cancel()
+        return [found[tag][i] for tag, i in self._where]
+
+    async def _take_reply(self, sent: deque[tuple[str, list[int], asyncio.Future[Any]]],
+                          found: dict[str, list[Any]]) -> int:
+        """The oldest call's reply, split into its ops' places; how many ops it had."""
+        tag, placed, reply = sent.popleft()
+        for at, one in zip(placed, self._split(await reply, len(placed)), strict=True):
+            found[tag][at] = one
+        return len(placed)
+
+
+class TicketRestores(_Bulk):
+    """Ticket records put back (capsvc_restore_tickets; ops of restore_sale, restore_cancel
+    and restore_void): never two ops of one ticket in a batch. Each op's reply is a letter
+    (see the function)."""
+
+    function = "capsvc_restore_tickets"
+    by_first_key = True
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return list(reply.decode())
+
+
+class CountRestores(_Bulk):
+    """Grids counted back or given back (capsvc_restore_counts; ops of restore_count and
+    restore_release). Each op's reply is (letter, draws above the cap or stake given back,
+    offsets)."""
+
+    function = "capsvc_restore_counts"
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        letters, details = reply
+        out: list[Any] = []
+        at = 0
+        for letter in letters.decode():
+            if letter == "x":
+                amount, n = int(details[at]), int(details[at + 1])
+                out.append((letter, amount, [int(o) for o in details[at + 2:at + 2 + n]]))
+                at += 2 + n
+            else:
+                out.append((letter, 0, []))
+        return out
+
+
+class BudgetRestores(_Bulk):
+    """Player budgets put back (capsvc_restore_budgets; ops of restore_budget). Each op's
+    reply is (taken: whether the amounts were put back, given: what the settle gave back)."""
+
+    function = "capsvc_restore_budgets"
+
+    def _split(self, reply: Any, ops: int) -> list[Any]:
+        return [(int(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2)]
+
+
+JOURNALED_PER_CALL = 256
+"""Tickets per capsvc_journaled_many call (Lua's unpack has a limit; Redis stays responsive)."""
+
+
+def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """`call`, its failure retrieved even if nobody awaits it: for a call queued ahead of
+    the step that needs it, which a failure of an earlier step (or a cancellation of the
+    request) may never reach. Awaiting it still raises its failure; unawaited, it is not
+    logged as "Future exception was never retrieved"."""
+    call.add_done_callback(_retrieve)
+    return call
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
+
+
+async def replies_of(futures: Sequence[asyncio.Future[Any] | None]) -> list[Any]:
+    """Await queued calls together (None stays None). Every failure is retrieved; the
+    first one is raised once all have settled."""
+    queued = [f for f in futures if f is not None]
+    if len(queued) == 1:  # the common case: no gathering needed
+        await queued[0]
+    elif queued:
+        await asyncio.gather(*queued, return_exceptions=True)
+        for f in queued:
+            error = f.exception()
+            if error is not None:
+                raise error
+    return [None if f is None else f.result() for f in futures]

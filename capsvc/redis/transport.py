@@ -1,0 +1,682 @@
+"""Coalesced Redis calls over one pipelined connection.
+
+Every command issued during one event-loop tick is encoded into one buffer and written in
+one `write` (every FLUSH_EVERY commands when a tick issues more); Redis answers in order,
+and replies are handed back to their callers as they arrive (parsed by hiredis). Under
+load, the requests served in one tick share round trips instead of paying one each, which
+is what lets one Python process keep up with Redis.
+
+Why not redis-py's pipeline: profiling the hot path showed redis-py spending ~50 µs per
+command in Python (argument encoding, a timeout context per read, pool checkout), more than
+all of capsvc's own work. This module is the whole client capsvc needs: RESP encoding and
+parsing by hiredis (C), in-order replies, a deadline per batch, reconnection.
+
+Failure semantics: a connection error, or a batch unanswered past the timeout, closes the
+connection and fails every command in flight with `Unavailable` (the caller cannot know
+whether Redis ran them; capsvc's Lua steps are idempotent, so a retry converges). The next
+command reconnects. Error replies (`-ERR …`) fail only their own command.
+
+Replica acknowledgements (`wait_replicas`, capsvc.redis.durability): Redis `WAIT` counts the
+replicas that have every earlier write *of the connection it is sent on*, so it must travel
+on this pipeline, after the writes. The WAITs asked for during one tick are one command,
+sent last in that tick's batch, right behind a write of its own (the *fence*, `SET` of a
+short-lived key): replication is one ordered stream, so replicas that have the fence have
+everything Redis had run before it — the writes of this tick, and whatever another
+connection or process wrote that this tick's reads saw (a replay, a GET). Without the
+fence, what WAIT waits for depends on how the Redis version counts a connection's writes
+(a read alone may not raise it). While a WAIT blocks, Redis holds the rest of the pipeline
+behind it, so batches behind a WAIT get their deadline counted from the end of its timeout.
+
+Only a primary is talked to: every new connection first asks `ROLE` (a node that answers
+"slave" is left at once), a `READONLY` reply (the node was demoted under us) drops the
+connection, and with a `redis+sentinel://` URL the primary's address is asked of the
+sentinels before each connection and a `+switch-master` drops the connection at once
+(capsvc.redis.sentinel). Reconnections are spaced by RECONNECT_S; commands queued meanwhile wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis.exceptions import ResponseError
+
+from capsvc.domain.errors import Unavailable
+from capsvc.redis.gate import Gate, identity
+from capsvc.redis.sentinel import Sentinels
+from capsvc.urls import Address, is_sentinel_url, parse_sentinel_url
+
+log = logging.getLogger(__name__)
+
+BatchObserver = Callable[[int, float], None]
+"""Called with (commands in the batch, seconds until its last reply) after each batch."""
+ErrorObserver = Callable[[str], None]
+"""Called with the kind of failure ("timeout", "connection", "reply", "readonly")."""
+PrimaryObserver = Callable[[str, str], None]
+"""Called with (node, event): "lost" when the connection to the primary failed, "up" when a
+primary answers again, "switched" when the one that answers is another node than before
+(or the same one after it was demoted: a failover), "forgotten" when the node is no longer
+used (a cluster node removed from the slot map)."""
+
+_MISSING_FUNCTION = "Function not found"
+_NOT_NOW = ("LOADING", "MASTERDOWN", "BUSY ")
+"""Error replies that mean "not now": nothing ran."""
+
+FLUSH_EVERY = 8
+"""Commands after which a batch is written without waiting for the end of the tick. With
+one write per tick, the requests of every connection fall into one batch and the process
+sleeps while Redis works through it; written as it fills, Redis and Python overlap
+(docs/performance.md: 0.36 -> 0.44 of bare; 4 and 16 measured worse)."""
+
+
+def ignore_batch(size: int, seconds: float) -> None:
+    return None
+
+
+def ignore_error(kind: str) -> None:
+    return None
+
+
+def ignore_primary(node: str, event: str) -> None:
+    return None
+
+
+RECONNECT_S = 0.05
+"""Least time between two connection attempts: during an outage, requests share attempts
+instead of each opening one (and asking the sentinels) per event-loop tick."""
+FAILOVER_HOLD_S = 10.0
+"""Longest wait for the switch once the sentinels have started a failover (past it, the
+sentinels are asked again: an announcement may have been missed)."""
+FENCE_TTL_MS = 10_000
+"""Life of the fence key written before each WAIT (one key per node, rewritten per tick)."""
+
+
+class Transport(Protocol):
+    """What the store needs from Redis: one node (`Coalescer`) or a cluster."""
+
+    def submit(self, *args: Any) -> asyncio.Future[Any]: ...
+
+    def send(self, *args: Any) -> None: ...
+
+    async def call(self, *args: Any) -> Any: ...
+
+    async def broadcast(self, *args: Any) -> list[Any]: ...
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        """`WAIT replicas timeout_ms` after every write issued so far, on every primary; the
+        fewest replicas that acknowledged them on any primary."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+encode_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
+"""RESP encoding of one command (str, bytes and int arguments), in C."""
+
+
+class _Target:
+    """Where and how to connect, from a redis://, rediss://, unix:// or redis+sentinel://
+    URL (`sentinels` set for the last: the address is theirs to give)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.sentinels: Sentinels | None = None
+        if is_sentinel_url(url):
+            s = parse_sentinel_url(url)
+            self.sentinels = Sentinels(s, timeout_s)
+            self.scheme = "rediss" if s.tls else "redis"
+            self.host, self.port = s.sentinels[0]
+            self.path = ""
+            self.username, self.password, self.db = s.username, s.password, s.db
+            return
+        u = urlsplit(url)
+        self.scheme = u.scheme
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 6379
+        self.path = unquote(u.path)
+        self.username = unquote(u.username) if u.username else None
+        self.password = unquote(u.password) if u.password else None
+        db = self.path.strip("/") if self.scheme != "unix" else ""
+        query = dict(p.split("=", 1) for p in u.query.split("&") if "=" in p)
+        self.db = int(query.get("db", db or 0))
+
+    @property
+    def address(self) -> str:
+        """The node connected to (or last tried), for messages."""
+        return self.path if self.scheme == "unix" else f"{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """What stays the same across failovers: the node's address, or the service the
+        sentinels name a primary for (for the observer of primaries)."""
+        if self.sentinels is not None:
+            return f"sentinel:{self.sentinels.url.service}"
+        return self.address
+
+    def greeting(self) -> list[tuple[Any, ...]]:
+        """Commands sent first on every new connection."""
+        cmds: list[tuple[Any, ...]] = []
+        if self.password is not None:
+            auth: tuple[Any, ...] = ("AUTH", self.password)
+            cmds.append(auth if self.username is None else ("AUTH", self.username, self.password))
+        if self.db:
+            cmds.append(("SELECT", self.db))
+        return cmds
+
+
+class _Pending:
+    """A command in flight: its future (None for fire-and-forget) and how to resend it."""
+
+    __slots__ = ("args", "fut", "retried")
+
+    def __init__(self, args: tuple[Any, ...], fut: asyncio.Future[Any] | None) -> None:
+        self.args = args
+        self.fut = fut
+        self.retried = False
+
+
+class _Wire(asyncio.Protocol):
+    """One connection of a coalescer. Events of a connection it has already left (the
+    `connection_lost` of one it aborted, data still arriving on it) are not its business."""
+
+    __slots__ = ("owner", "transport")
+
+    def __init__(self, owner: Coalescer) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.owner.connection_made(self.transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is self.owner._transport:
+            self.owner.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is self.owner._transport:
+            self.owner.connection_lost(exc)
+
+
+class Coalescer:
+    """One pipelined connection to one Redis; commands of a tick travel in one write."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        on_batch: BatchObserver = ignore_batch,
+        on_error: ErrorObserver = ignore_error,
+        on_primary: PrimaryObserver = ignore_primary,
+        library: str | None = None,
+        fence_key: str = "w:{fence}",
+        primary_only: bool = True,
+        gate: Gate | None = None,
+    ) -> None:
+        self._target = _Target(url, timeout_s)
+        self._timeout = timeout_s
+        self._on_batch = on_batch
+        self._on_error = on_error
+        self._on_primary = on_primary
+        self._library = library
+        """Lua library source to reload when Redis answers "Function not found"."""
+        self.fence_key = fence_key
+        """The key written right before each WAIT (see the module's docstring)."""
+        self._primary_only = primary_only
+        """Refuse a node whose ROLE is not master (a cluster's nodes are judged by the
+        cluster's own redirections instead)."""
+        self._gate = gate
+        """What says whether this process may use the server it reached (its journal
+        reconciled with that server's identity: capsvc.recovery.restore); None: always."""
+        self._identity: str | None = None
+        self._transport: asyncio.Transport | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._handshaking = False
+        """Connected, but the greeting's replies (AUTH, SELECT, ROLE) are still awaited:
+        nothing queued is written before the node is known to be the primary."""
+        self._next_attempt = 0.0
+        """Loop time before which no new connection is attempted (RECONNECT_S)."""
+        self._address: Address | None = None
+        """The node of the current (or last) connection."""
+        self._lost = False
+        """The last connection failed and no primary has answered since."""
+        self._demoted = False
+        """The node we talked to was demoted (READONLY, a sentinel's switch): the next
+        primary that answers is a failover, even at the same address."""
+        self._watcher: asyncio.Task[None] | None = None
+        self._held_until = 0.0
+        """Loop time until which no connection is made: a failover is under way."""
+        self._announced: Address | None = None
+        """The primary a sentinel's switch announced, its failover counted already."""
+        self._failure: Unavailable | None = None
+        """The error the last failure gave its commands."""
+        self._reader = hiredis.Reader(replyError=ResponseError)
+        self._buffer: list[bytes] = []
+        self._queued: list[_Pending] = []
+        self._inflight: deque[_Pending] = deque()
+        self._batches: deque[list[float]] = deque()
+        """[commands left, started (perf_counter), size, deadline (loop time)]"""
+        self._waits: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        """The WAITs asked for in this tick, by (replicas, timeout): sent last in its batch."""
+        self._blocked_until = 0.0
+        """Loop time until which a WAIT in flight may hold the connection."""
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Future[None] | None = None
+        """Set by aclose(): resolved when nothing is in flight any more."""
+
+    # -- public ----------------------------------------------------------------------------
+
+    def submit(self, *args: Any) -> asyncio.Future[Any]:
+        """Queue a command for this tick's batch; the future gets its reply."""
+        fut: asyncio.Future[Any] = (self._loop or self._bind()).create_future()
+        self._enqueue(_Pending(args, fut))
+        return fut
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        """A coalescer serves the event loop it is first used on (asyncio's own lookup
+        costs a getpid() per call on Python 3.11, and this is the hot path)."""
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def send(self, *args: Any) -> None:
+        """Queue a command whose reply nobody waits for (failures are only counted)."""
+        self._enqueue(_Pending(args, None))
+
+    async def call(self, *args: Any) -> Any:
+        return await self.submit(*args)
+
+    async def broadcast(self, *args: Any) -> list[Any]:
+        """A keyless command on every primary: here, the one node."""
+        return [await self.call(*args)]
+
+    def submit_wait(self, replicas: int, timeout_ms: int) -> asyncio.Future[Any]:
+        """Queue `WAIT replicas timeout_ms` behind everything queued in this tick; the
+        callers of one tick share it. Await it shielded: it is shared."""
+        key = (replicas, timeout_ms)
+        fut = self._waits.get(key)
+        if fut is None:
+            loop = self._loop or self._bind()
+            fut = self._waits[key] = loop.create_future()
+            if not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self._flush)
+        return fut
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        # Shielded: a cancelled request must not cancel the WAIT its neighbours share.
+        return int(await asyncio.shield(self.submit_wait(replicas, timeout_ms)))
+
+    async def aclose(self) -> None:
+        """Deliver what is queued and wait for its replies (bounded), then disconnect."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
+        if self._queued or self._waits:
+            self._flush()
+        if self._inflight or self._connecting:
+            self._idle = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle, self._timeout)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    # -- batching --------------------------------------------------------------------------
+
+    def _enqueue(self, p: _Pending) -> None:
+        self._buffer.append(encode_command(p.args))
+        self._queued.append(p)
+        if (len(self._queued) >= FLUSH_EVERY and self._transport is not None
+                and not self._waits and not self._handshaking):
+            self._flush()  # Redis starts on these while the loop prepares the next ones
+        elif not self._scheduled:
+            self._scheduled = True
+            (self._loop or self._bind()).call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._transport is None:
+            if self._connecting is None:
+                self._connecting = (self._loop or self._bind()).create_task(self._connect())
+            return  # flushed once connected
+        if self._handshaking:
+            return  # flushed once the node is known to be the primary
+        if self._gate is not None and not self._gate.admits(self._identity):
+            self._refuse()
+            return
+        hold = self._queue_waits() if self._waits else 0.0
+        if self._queued:
+            self._write(self._buffer, self._queued, hold)
+            self._buffer, self._queued = [], []
+
+    def _write(self, buffer: list[bytes], queued: list[_Pending], hold: float = 0.0) -> None:
+        """Put a batch on the wire, its replies awaited in order, under one deadline."""
+        assert self._transport is not None
+        data = b"".join(buffer)
+        self._inflight.extend(queued)
+        loop = self._loop or self._bind()
+        now = loop.time()
+        # Redis answers nothing behind a blocked WAIT: a batch's deadline runs from when the
+        # WAITs ahead of it (and its own) may last return, or a replica outage would pass
+        # for an unresponsive Redis and cut the connection.
+        ready = max(now, self._blocked_until) + hold
+        if hold:
+            self._blocked_until = ready
+        # The batch's duration is timed on perf_counter: loop.time() under uvloop has a
+        # millisecond resolution, which would put most batches in the first bucket.
+        self._batches.append([len(queued), time.perf_counter(), len(queued),
+                              ready + self._timeout])
+        self._transport.write(data)
+        if self._timer is None:
+            self._timer = loop.call_later(self._timeout, self._check_deadline)
+
+    def _queue_waits(self) -> float:
+        """Put this tick's WAITs last in the batch, behind the fence; the seconds they may
+        block. A WAIT answers its callers only if its fence was written: otherwise what it
+        counted is not known to cover their reads."""
+        waits, self._waits = self._waits, {}
+        loop = self._loop or self._bind()
+        fence: asyncio.Future[Any] = loop.create_future()
+        self._enqueue_now(_Pending(("SET", self.fence_key, "1", "PX", FENCE_TTL_MS), fence))
+        for (replicas, timeout_ms), fut in waits.items():
+            acked: asyncio.Future[Any] = loop.create_future()
+            acked.add_done_callback(functools.partial(_after_fence, fence, fut=fut))
+            self._enqueue_now(_Pending(("WAIT", replicas, timeout_ms), acked))
+        return sum(timeout_ms for _, timeout_ms in waits) / 1000
+
+    def _refuse(self) -> None:
+        """Fail what is queued, nothing sent: this server is not reconciled with the
+        journal yet (a restore is under way)."""
+        error = Unavailable("Redis is being restored from the journal (a new server, or one "
+                            "that may have lost writes): nothing is sold until it is done")
+        failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
+        self._queued, self._buffer, self._waits = [], [], {}
+        for p in failed:
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(error)
+        if self._gate is not None and not self._gate.restoring:
+            # Restored, and this server is still not one the restore reconciled (it changed
+            # meanwhile, or its role did: a cluster node demoted under us): look at it
+            # again on a new connection, whose handshake judges it afresh.
+            if self._inflight:  # their outcome is unknown, as on any lost connection
+                self._fail("connection", error)
+                return
+            transport, self._transport = self._transport, None
+            if transport is not None:
+                transport.abort()
+
+    def _enqueue_now(self, p: _Pending) -> None:
+        self._buffer.append(encode_command(p.args))
+        self._queued.append(p)
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if not self._batches:
+            return
+        loop = asyncio.get_running_loop()
+        overdue = self._batches[0][3] - loop.time()
+        if overdue <= 0:
+            self._fail("timeout", Unavailable(f"redis did not answer within {self._timeout}s"))
+        else:
+            self._timer = loop.call_later(overdue, self._check_deadline)
+
+    # -- connection ------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        t = self._target
+        pause = self._next_attempt - loop.time()
+        if pause > 0:
+            await asyncio.sleep(pause)
+        self._next_attempt = loop.time() + RECONNECT_S
+        try:
+            if t.sentinels is not None:
+                if self._watcher is None:
+                    self._watcher = loop.create_task(t.sentinels.watch(self))
+                if loop.time() < self._held_until:
+                    raise Unavailable("a Redis failover is under way: no primary to use yet")
+                t.host, t.port = await t.sentinels.locate()
+            async with asyncio.timeout(self._timeout):
+                if t.scheme == "unix":
+                    await loop.create_unix_connection(lambda: _Wire(self), t.path)
+                else:
+                    context = ssl.create_default_context() if t.scheme == "rediss" else None
+                    await loop.create_connection(lambda: _Wire(self), t.host, t.port,
+                                                 ssl=context)
+                await self._handshake()
+        except Exception as e:  # refused, reset, slow, a replica, a reply that makes no sense
+            self._connecting = None
+            self._handshaking = False
+            if e is not self._failure:  # else the connection's own failure, counted already
+                kind = "timeout" if isinstance(e, TimeoutError) else "connection"
+                reason = e if isinstance(e, Unavailable) else f"cannot connect to redis: {e}"
+                self._fail(kind, Unavailable(str(reason) or "redis did not answer in time"))
+            return
+        self._connecting = None
+        self._primary_up((t.host, t.port))
+        self._flush()
+
+    async def _handshake(self) -> None:
+        """AUTH and SELECT; ROLE (is this node the primary?) and, with a gate, INFO (the
+        server's identity, for the journal: capsvc.redis.gate). Their replies are awaited
+        before anything queued goes out."""
+        commands = self._target.greeting()
+        greeting = len(commands)
+        gate = self._gate
+        if gate is not None:
+            commands.append(("INFO", "server", "replication"))
+        asks_role = self._primary_only or gate is not None
+        if asks_role:
+            commands.append(("ROLE",))
+        if not commands:
+            self._handshaking = False
+            return
+        loop = self._loop or self._bind()
+        pending = [_Pending(args, loop.create_future()) for args in commands]
+        self._handshaking = True
+        self._write([encode_command(p.args) for p in pending], pending)
+        replies = await asyncio.gather(*[p.fut for p in pending if p.fut is not None],
+                                       return_exceptions=True)
+        self._handshaking = False
+        for reply in replies[:greeting]:
+            if isinstance(reply, BaseException):
+                raise reply
+        info = replies[greeting] if gate is not None else None
+        role: bytes | None = None
+        if asks_role:
+            reply = replies[-1]
+            if isinstance(reply, BaseException) and not _unknown_command(reply):
+                raise reply
+            # A proxy or a stand-in that has no ROLE: its node cannot be judged.
+            role = None if isinstance(reply, BaseException) else cast(list[bytes], reply)[0]
+        if isinstance(info, BaseException) and not _unknown_command(info):
+            raise info
+        if self._primary_only and role is not None and role != b"master":
+            self._demoted = True
+            raise Unavailable(f"redis at {self._target.address} is a {role.decode()}, "
+                              "not the primary")
+        if gate is not None:
+            # A cluster's replica serves nothing (it redirects): only a primary's identity
+            # is judged.
+            known = role in (None, b"master") and isinstance(info, bytes | str)
+            self._identity = identity(cast(bytes, info)) if known else None
+            gate.seen(self._identity)
+
+    def _primary_up(self, address: Address) -> None:
+        event = "switched" if self._demoted or (
+            self._address is not None and address != self._address) else "up"
+        if event == "switched" and address == self._announced:
+            event = "up"  # counted when the sentinels announced it
+        self._announced = None
+        if event == "switched":
+            log.warning("redis primary is now %s:%s", *address)
+        elif self._lost:
+            log.info("redis primary %s:%s answers again", *address)
+        if self._lost or event == "switched":
+            self._on_primary(self._target.name, event)
+        self._address, self._lost, self._demoted = address, False, False
+
+    # -- a Sentinel failover (capsvc.redis.sentinel.FailoverEvents) -----------------------------
+
+    def starting(self) -> None:
+        """The sentinels chose a replica to promote: from that moment the old primary may
+        go on being acknowledged by a replica that will follow the new one and drop what it
+        got, so nothing more is answered from it (in flight: an unknown outcome). New
+        connections wait for the switch, at most FAILOVER_HOLD_S."""
+        loop = self._loop or self._bind()
+        if loop.time() < self._held_until:
+            return
+        log.warning("the sentinels are failing the redis primary over: holding its use")
+        self._held_until = loop.time() + FAILOVER_HOLD_S
+        if self._transport is not None:
+            self._fail("connection", Unavailable("a Redis failover is under way"))
+
+    def aborted(self) -> None:
+        if self._held_until:
+            log.info("the sentinels gave the failover up: the primary is used again")
+        self._held_until = 0.0
+
+    def switched(self, address: Address) -> None:
+        """A sentinel announced a new primary: leave the old one now (anything in flight
+        there is an unknown outcome), the next command connects to the new one."""
+        self._held_until = 0.0
+        if address == self._address:
+            return  # already there (each sentinel announces the same switch)
+        if address != self._announced:
+            log.warning("the sentinels switched the redis primary to %s:%s", *address)
+            self._on_primary(self._target.name, "switched")
+            self._announced = address
+        self._demoted = True
+        if self._transport is not None:
+            self._fail("connection", Unavailable(
+                f"the redis primary moved to {address[0]}:{address[1]} (sentinel)"))
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._reader = hiredis.Reader(replyError=ResponseError)
+        # Nothing queued goes out before the handshake has judged the node (its role, its
+        # identity): other tasks run between this callback and the handshake's start, and
+        # one of them filling a batch must not write it to a node not judged yet.
+        self._handshaking = True
+        self._identity = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._transport is not None:
+            self._transport = None
+            if self._inflight:
+                self._fail("connection", Unavailable(f"redis connection lost: {exc}"))
+
+    def _fail(self, kind: str, error: Unavailable) -> None:
+        """Fail everything in flight and queued; drop the connection (its replies are lost)."""
+        self._on_error(kind)
+        self._failure = error
+        if not self._lost:
+            self._lost = True
+            self._on_primary(self._target.name, "lost")
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.abort()
+        failed = [*self._inflight, *self._queued,
+                  *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
+        self._inflight.clear()
+        self._queued, self._buffer, self._waits = [], [], {}
+        self._batches.clear()
+        self._blocked_until = 0.0
+        for p in failed:
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(error)
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        inflight, batches = self._inflight, self._batches
+        while True:
+            reply = self._reader.gets()
+            if reply is False:
+                if not inflight:
+                    self._wake_idle()
+                return
+            p = inflight.popleft()
+            head = batches[0]
+            head[0] -= 1
+            if head[0] == 0:
+                batches.popleft()
+                self._on_batch(int(head[2]), time.perf_counter() - head[1])
+            if isinstance(reply, ResponseError):
+                self._error_reply(p, reply)
+                if self._transport is None:
+                    return  # the reply dropped the connection: the rest is not read
+            elif p.fut is not None and not p.fut.done():
+                p.fut.set_result(reply)
+
+    def _error_reply(self, p: _Pending, reply: ResponseError) -> None:
+        if str(reply).startswith("READONLY"):
+            # The node was demoted under us: nothing more goes to it. What else is in flight
+            # on this connection has an unknown outcome, like any lost connection.
+            log.warning("redis at %s is read-only now (demoted): finding the primary again",
+                        self._target.address)
+            self._demoted = True
+            self._fail("readonly", Unavailable(
+                f"redis at {self._target.address} was demoted to a replica: {reply}"))
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(Unavailable(str(reply)))
+            return
+        if (self._library is not None and not p.retried and p.args[0] == "FCALL"
+                and _MISSING_FUNCTION in str(reply)):
+            # Redis lost the library (FUNCTION FLUSH, a replica promoted without it): nothing
+            # ran, so reloading and sending the call once more is safe.
+            log.warning("redis lost the Lua library: reloading it")
+            p.retried = True
+            self._enqueue(_Pending(("FUNCTION", "LOAD", "REPLACE", self._library), None))
+            self._enqueue(p)
+            return
+        self._on_error("reply")
+        if str(reply).startswith(_NOT_NOW):
+            # Redis ran nothing and may later: loading its data, a replica cut from its
+            # primary, a script running. Unavailable (503), not a refusal.
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(Unavailable(f"redis is not serving: {reply}"))
+            return
+        if p.fut is None:
+            log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
+        elif not p.fut.done():
+            p.fut.set_exception(reply)
+
+
+def _unknown_command(reply: BaseException) -> bool:
+    return isinstance(reply, ResponseError) and "unknown command" in str(reply)
+
+
+def _after_fence(fence: asyncio.Future[Any], acked: asyncio.Future[Any], *,
+                 fut: asyncio.Future[Any]) -> None:
+    """Hand a WAIT's reply to its callers, unless its fence failed (then that error).
+    Replies come in order: the fence is settled before its WAIT."""
+    errors = [f.exception() for f in (fence, acked) if f.done() and not f.cancelled()]
+    if fut.done():
+        return
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        fut.set_exception(error)
+    elif not fence.done() or fence.cancelled() or acked.cancelled():
+        fut.set_exception(Unavailable("the replicas' acknowledgement was not received"))
+    else:
+        fut.set_result(acked.result())

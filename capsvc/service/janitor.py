@@ -1,0 +1,177 @@
+"""The janitor: settles sales and cancels that their request left unfinished.
+
+Every process runs one; they may race each other and a client's retry, so every step is
+fenced by the sale id and decided on Redis TIME (a ticket is due once it has been pending
+for `janitor.pending_deadline` by Redis TIME: a host clock set off changes nothing).
+
+A due sale is concluded (`Ledger.conclude`): its budget and each grid not decided yet get
+a tombstone, so that the request (or a duplicate still running) can no longer count them.
+Then:
+- every grid has its record (accepted or rejected): the sale ran to its end and an answer
+  may have been sent, so the decision is rebuilt from the records and written;
+- some grid was sealed: no answer was or will be sent for that sale (a request answers
+  only once every grid has its record, and a sealed grid tells it to claim again), so
+  what it took is given back and the claim forgotten; a retry starts a new sale;
+- a sale claimed once an admin had stopped one of its draws is given back in any case
+  (none of its requests may answer it).
+Two janitors seal the same grids to the same states and so reach the same decision; the
+writes are idempotent and fenced, so running both changes nothing more.
+A cancel decided but not finished (its release lost) is finished the same way. A decision
+(a sale, a cancel) still indexed past the deadline was made in Redis by a request that may
+have died before journaling it: the janitor journals it. An index entry goes only once the
+ticket's outcome is journaled, so that every decision Redis holds reaches the journal (the
+draw reports are written once no entry of a draw is left: capsvc.audit.service).
+
+It also sweeps the bucketed ticket records (lua/capsvc.lua, TICKET RECORDS): a record past
+its expiry is absent to every reader already, so the sweep only gives its memory back. Each
+round sweeps its share of the RECORD_BUCKETS * TICKET_BUCKETS buckets, in turn from a random
+start, so that one process passes over all of them in `[janitor] sweep` (10 minutes): a
+record's memory outlives its retention by that at most, less with several processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import msgspec
+
+from capsvc.config import Settings
+from capsvc.domain.errors import ApiError, Unavailable
+from capsvc.domain.games import Catalog
+from capsvc.domain.validator import unpack_sale
+from capsvc.redis.clock import RedisClock
+from capsvc.redis.marks import Marks
+from capsvc.redis.store import (
+    RECORD_BUCKETS,
+    TICKET_BUCKETS,
+    Store,
+    channel_of,
+    record_bucket,
+    replies_of,
+    stop_instants,
+)
+from capsvc.service.steps import Ledger
+from capsvc.service.tickets import Tickets, derived_body, first_stopped
+
+log = logging.getLogger(__name__)
+
+ALL_BUCKETS = TICKET_BUCKETS * RECORD_BUCKETS
+"""Record buckets in all (capsvc.redis.store.record_bucket(slot, bucket))."""
+SWEEP_PAGE = 200
+"""Records looked at by one sweep call (HSCAN's COUNT)."""
+
+
+
+class Janitor:
+    """Finds due tickets in the pending indexes and settles them."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, store: Store, ledger: Ledger,
+                 tickets: Tickets, clock: RedisClock) -> None:
+        self.deadline_ms = settings.pending_deadline_ms
+        self.catalog = catalog
+        self.store = store
+        self.ledger = ledger
+        self.tickets = tickets
+        self.clock = clock
+        self.sweep_buckets = min(ALL_BUCKETS, max(1, math.ceil(
+            ALL_BUCKETS * settings.janitor_interval_ms / settings.sweep_ms)))
+        """Record buckets swept in a round."""
+        self._sweep_next = random.randrange(ALL_BUCKETS)
+
+    async def run_once(self, limit: int = 100) -> int:
+        """Settle what is due; returns how many tickets were settled."""
+        # Index entries carry the Redis-clock instant they were made; the function decides.
+        cutoff = self.clock.now() - self.deadline_ms + 1
+        settled = 0
+        for bucket in range(TICKET_BUCKETS):
+            # Page by page: entries that must wait (a game no longer configured) do not
+            # hide the ones behind them.
+            offset = 0
+            while True:
+                page = await self.store.pending(bucket, cutoff, limit, offset)
+                for raw_key in page:
+                    key = raw_key.decode()
+                    try:
+                        settled += await self.settle(key)
+                    except (Unavailable, ApiError):
+                        raise
+                    except Exception:  # one bad record must not stop the janitor
+                        log.exception("janitor could not settle %s", key)
+                if len(page) < limit:
+                    break
+                offset += len(page)  # settled ones have left: the next round sees the rest
+        return settled
+
+    async def sweep(self, buckets: int | None = None) -> int:
+        """Delete the bucketed records past their expiry in the next `buckets` buckets (the
+        round's share by default); returns how many went."""
+        buckets = buckets or self.sweep_buckets
+        first, self._sweep_next = self._sweep_next, (self._sweep_next + buckets) % ALL_BUCKETS
+        keys = [record_bucket(*divmod(i % ALL_BUCKETS, RECORD_BUCKETS))
+                for i in range(first, first + buckets)]
+        deleted = 0
+        cursors = [b"0"] * len(keys)
+        pending = list(range(len(keys)))
+        while pending:  # every bucket's pages in turn, the buckets' calls queued together
+            replies = await replies_of([self.store.sweep(keys[i], cursors[i], SWEEP_PAGE)
+                                        for i in pending])
+            for i, (cursor, gone) in zip(pending, replies, strict=True):
+                cursors[i] = cursor
+                deleted += gone
+            pending = [i for i in pending if cursors[i] != b"0"]
+        return deleted
+
+    async def settle(self, key: str) -> int:
+        """Settle one indexed ticket if it is due, journal its outcome, then drop its index
+        entry; returns 1 if it was settled."""
+        Marks.begin()  # its journal record is stamped with this settlement's calls only
+        reply = await self.store.expire(key, self.deadline_ms)
+        if not reply:  # nothing to settle: its entry goes, unless a new sale took it
+            await self.store.journaled(key, "", b"")
+            return 0
+        if reply[0] == b"wait":
+            return 0
+        state, at = reply[0], int(reply[1])
+        sale_id, sale = reply[2].decode(), unpack_sale(reply[3])
+        game = self.catalog.get(sale.game)
+        if game is None or sale.first_draw is None:
+            # Its rules are needed to settle or journal it: it waits, indexed (and the draw
+            # reports with it), until the game is configured again.
+            log.error("janitor: ticket of a game no longer configured: configure %s again to "
+                      "settle it", sale.game, extra={"ticket_key": key})
+            return 0
+        channel_id = channel_of(key)
+        journal = self.tickets.journal
+        until = game.expire_at(sale.first_draw + sale.draws - 1)
+        if state in (b"k", b"c", b"f"):
+            if state == b"k":
+                await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
+                log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
+            body = reply[4] or derived_body(channel_id, reply[3], reply[2], at, reply[7])
+            if state == b"f":  # decided, maybe never journaled: its request died
+                await journal.sale("janitor", channel_id, sale, sale_id, at, body, until,
+                                   self.ledger.caps.known(game, sale.first_draw, sale.draws))
+            else:
+                await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
+                                     int(reply[5]), int(reply[6]))
+            # Unless the ticket moved on meanwhile (a cancel decided): the next round's.
+            await self.store.journaled(key, sale_id, b"c" if state == b"k" else state)
+            return 1
+        stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
+                                                     sale.draws))
+        void = first_stopped(stops, at) is not None
+        out = await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=void)
+        if out is not None:
+            await journal.sale("janitor", channel_id, sale, sale_id, at,
+                               msgspec.json.encode(out.decision), until,
+                               self.ledger.caps.known(game, sale.first_draw, sale.draws))
+            await self.store.journaled(key, sale_id, b"f")
+            log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
+        else:
+            await journal.void("stopped" if void else "abandoned", channel_id, sale, sale_id,
+                               at, until)
+            await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
+            log.info("janitor released an abandoned sale", extra={"ticket_key": key})
+        return 1

@@ -1,0 +1,545 @@
+"""The tickets use-cases: sell, look up, cancel.
+
+A sale takes two dependent Redis steps: claim the ticket id (refusing a different body
+under the same id; the claim mints the sale id that fences every later step), then reserve
+every capped grid, all grids at once. The decision is built from what those steps returned
+and written back before the answer (pipelined with the budget's settlement), so that a GET
+or a cancel sent on receipt of the answer, to any process, finds it; if the write is lost
+the answer is a 503 (outcome unknown), a replay rebuilds the identical body from the same
+records, and the janitor finalizes the ticket if nobody asks again.
+
+When the janitor has taken a sale over (it sealed a grid or the budget that the request had
+not reached yet), the request's step answers "released": the request then claims again,
+and answers what the janitor decided, or runs as a new sale if the janitor forgot it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import msgspec
+
+from capsvc.config import Channel, Settings
+from capsvc.domain.decisions import (
+    ACCEPTED,
+    CLOSED,
+    REJECTED,
+    RELEASED,
+    SHADOWED,
+    build_decision,
+    cancel_refusal,
+    player_limit_decision,
+    with_cancellation,
+)
+from capsvc.domain.errors import ApiError, not_found, rule_error, unavailable
+from capsvc.domain.games import Catalog, Game, require_scope
+from capsvc.domain.models import CancelOut, TicketIn, TicketOut
+from capsvc.domain.validator import (
+    Sale,
+    pack_sale,
+    request_fingerprint,
+    unpack_sale,
+    validate_ticket,
+)
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.records import Via
+from capsvc.redis.clock import RedisClock
+from capsvc.redis.store import Store, replies_of, retrieving, stop_instants, ticket_key
+from capsvc.service.caps import caps_argument
+from capsvc.service.draws import Draws
+from capsvc.service.steps import Ledger
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.encode
+_ticket_decoder = msgspec.json.Decoder(TicketOut)
+_ATTEMPTS = 4
+"""Claims per request: a defaulted first draw that just closed moves on, a sale the janitor
+took over is claimed again."""
+
+
+@dataclass(slots=True)
+class SaleOutcome:
+    """What the HTTP layer answers for a sale."""
+
+    body: bytes
+    replayed: bool
+    ticket: TicketOut | None = None
+    """The decision, when it was made by this call (for metrics); None on a stored replay."""
+    near_cap: int = 0
+    """Counters this sale brought to 80 % of their cap."""
+    sold_out: int = 0
+    """Counters at their cap after this sale (room below the smallest stake)."""
+    shadowed: int = 0
+    """Grids accepted that the game's shadow cap would have refused."""
+
+
+class _TakenOver(Exception):
+    """Another actor sealed or decided this sale: claim again."""
+
+
+class _Stopped(Exception):
+    """An admin stopped the draw at `offset` before the sale's claim: it was voided."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(offset)
+        self.offset = offset
+
+
+def first_stopped(stops: list[int | None], at: int) -> int | None:
+    """The offset of the first draw stopped at or before the instant `at`, or None."""
+    return next((i for i, s in enumerate(stops) if s is not None and s <= at), None)
+
+
+class Tickets:
+    """Selling, looking up and cancelling tickets."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, draws: Draws, store: Store,
+                 ledger: Ledger, clock: RedisClock, journal: Recorder) -> None:
+        self.settings = settings
+        self.journal = journal
+        self.catalog = catalog
+        self.draws = draws
+        self.store = store
+        self.ledger = ledger
+        self.clock = clock
+        # A request may resume a pending ticket only while the janitor cannot touch it.
+        self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
+
+    # -- sell ------------------------------------------------------------------------------
+
+    async def sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
+        """Judge and record a sale, or answer the decision already recorded for its ticket
+        id. A request refused (4xx) before its ticket id was looked up is looked up then:
+        a retry of a sale whose answer was lost still gets its decision when the
+        configuration has changed since (a stake, a duration, a game no longer offered)."""
+        try:
+            return await self._sell(channel, t)
+        except ApiError as e:
+            if e.status >= 500 or e.code == "idempotency_conflict":
+                raise
+            recorded = await self._recorded(channel, t)
+            if recorded is None:
+                raise
+            return recorded
+
+    async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
+        """The decision recorded for this request's ticket id, if it is this request's;
+        409 if the id holds another request; None when there is none."""
+        key = ticket_key(channel.id, t.ticket_id)
+        state, body, raw_sale, sale_id, at, cancelled, released, results, fingerprint = (
+            await self.store.ticket(key))
+        if state is None:
+            return None
+        if fingerprint is None or fingerprint.decode() != request_fingerprint(t):
+            raise _conflict(t.ticket_id)
+        if state == b"f" or state == b"k" or state == b"c":
+            body = body or derived_body(channel.id, raw_sale, sale_id, at, results)
+            await self._journal_stored("replay", channel.id, raw_sale, sale_id, at, body,
+                                       state, cancelled, released)
+            return SaleOutcome(body=body, replayed=True)
+        raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
+                          "retry shortly", self.settings.retry_after_s)
+
+    async def _sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
+        game = self.catalog.game(t.game, channel, "sell")
+        sale = validate_ticket(game.rules, t)
+        key = ticket_key(channel.id, t.ticket_id)
+        defaulted = sale.first_draw is None
+        first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
+        assert first is not None
+        if first < 1:  # before the calendar's first draw: closed long ago
+            raise _closed(first)
+        one_call = (self.settings.one_call_sales and self.store.single_node
+                    and game.rules.daily_limit is None)
+        for _ in range(_ATTEMPTS):
+            self.draws.check_horizon(game, first)
+            stored = msgspec.structs.replace(sale, first_draw=first)
+            close_ms = game.calendar.close_ms(first)
+            expire_at = game.expire_at(first + sale.draws - 1)
+            if one_call:
+                claim = await self._sell_in_one_call(game, key, stored, close_ms, expire_at,
+                                                     sale.first_draw is not None)
+            else:
+                # One round trip: index the ticket for the janitor, claim. The claim is the
+                # only write that decides; admin stops are checked once it has been made.
+                # Awaited together: when Redis fails, both fail, and both are retrieved.
+                _, claim = await replies_of([
+                    self.store.index(key, expire_at),
+                    self.store.claim(key, sale.fingerprint,
+                                     pack_sale(stored, sale.first_draw is not None),
+                                     close_ms, expire_at, self.stale_after_ms)])
+            kind = claim[0]
+            try:
+                if kind == b"new" and one_call:  # decided in that same call
+                    sale_id, at = claim[2].decode(), int(claim[1])
+                    out = decision_of(channel.id, stored, sale_id, at, claim[3])
+                    body = _encode(out)
+                    await self._journaled(key, sale_id, b"f", self.journal.sale(
+                        "answer", channel.id, stored, sale_id, at, body, expire_at,
+                        _caps_of(claim[7])))
+                    return SaleOutcome(body=body, replayed=False, ticket=out,
+                                       near_cap=int(claim[4]), sold_out=int(claim[5]),
+                                       shadowed=int(claim[6]))
+                if kind == b"stopped":
+                    raise _Stopped(int(claim[1]))
+                if kind == b"new":
+                    return await self._decide(channel, game, key, stored, claim[2].decode(),
+                                              int(claim[1]), close_ms)
+                if kind == b"final":
+                    if self._may_have_lost_counters(claim[6], claim[1]):
+                        await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
+                    body = claim[1] or derived_body(channel.id, claim[4], claim[3], claim[2],
+                                                     claim[5])
+                    replayed = self._journal_stored(
+                        "replay", channel.id, claim[4], claim[3], claim[2], body, claim[6],
+                        claim[7], claim[8])
+                    await self._journaled(key, claim[3].decode(), claim[6], replayed)
+                    return SaleOutcome(body=body, replayed=True)
+                if kind == b"pending":
+                    # A retry, or a concurrent duplicate: re-running the steps returns what
+                    # they recorded. Whichever request of the sale writes the decision
+                    # answers it first (the claim's own request or not); the others find it
+                    # written and answer it as a replay.
+                    resumed = unpack_sale(claim[3])
+                    assert resumed.first_draw is not None
+                    return await self._decide(
+                        channel, game, key, resumed, claim[2].decode(), int(claim[1]),
+                        game.calendar.close_ms(resumed.first_draw))
+            except _TakenOver:
+                continue
+            except _Stopped as e:
+                if not defaulted or e.offset > 0:
+                    raise _closed(first + e.offset) from None
+                # On to the next draw that is neither past nor stopped (one read, however
+                # many draws in a row an admin stopped).
+                first = max(first + 1, await self.draws.current_draw(game))
+                continue
+            if kind == b"conflict":
+                raise _conflict(t.ticket_id)
+            if kind == b"stale":
+                raise unavailable(f"ticket {t.ticket_id} is being settled after an "
+                                  "interrupted sale; retry shortly", self.settings.retry_after_s)
+            if not defaulted:  # closed by the calendar
+                raise _closed(first)
+            first = max(first + 1, game.calendar.current(self.clock.now()))
+        raise unavailable(f"ticket {t.ticket_id} could not be settled; retry shortly",
+                          self.settings.retry_after_s)
+
+    async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
+                                expire_at: int, asked: bool) -> list[Any]:
+        """The sale as one atomic call (standalone Redis, no player limits): the claim's
+        answers, a sale just made being [b"new", at, sid, results, near, sold]."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        # The draws' caps when this process has seen them fixed; else the configured cap,
+        # which the call fixes on the draws no sale has fixed yet, once nothing refused the
+        # sale, judging each draw by its own (lua/capsvc.lua, CAPS).
+        capped = any(g.capped for g in sale.grids)
+        known = self.ledger.caps.known(game, sale.first_draw, sale.draws) if capped else None
+        fix = capped and known is None
+        caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
+        reply: list[Any] = await self.store.sell(
+            key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at,
+            self.stale_after_ms,
+            rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
+            [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
+            game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)
+        if fix and reply[0] == b"new":
+            self.ledger.caps.remember(game, sale.first_draw,
+                                      [int(c) for c in reply[7].split(b",")])
+        return reply
+
+    async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
+                      at: int, close_ms: int) -> SaleOutcome:
+        """Take the player's budget (games with a daily limit), reserve every capped grid
+        (concurrently), build the decision, write it back with the budget settled.
+
+        The request whose step writes the decision (capsvc_finalize reports it) answers it
+        first, and only that one counts it: the request that made the claim, or a duplicate
+        or a retry resuming it. A request that finds the decision written by another (its
+        finalize writes nothing) claims again and answers the stored decision as a replay.
+
+        The admin stops are read again after the claim (with the first step, no extra
+        round trip): a sale claimed once a draw of it was stopped does not stand, whatever
+        its reserves did (they are given back)."""
+        rules = game.rules
+        assert sale.first_draw is not None
+        first = sale.first_draw
+        # Read with the first step; awaited by whichever check comes first, or by none when
+        # a step fails (or the request is cancelled) before: its failure is retrieved then.
+        stops = retrieving(self.store.stops(rules.id, first, sale.draws))
+        plan = self.ledger.plan(channel.id, game, sale, sale_id, at)
+        taken = None if plan is None else await self.ledger.take_budget(plan)
+        if taken is not None and taken[0] == RELEASED:
+            raise _TakenOver
+        if taken is not None:
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+        if taken is not None and taken[0] != ACCEPTED:
+            out = player_limit_decision(sale)
+            body = _encode(out)
+            if not await self.store.finalize(key, sale_id, body):
+                raise _TakenOver
+            await self._journaled(key, sale_id, b"f", self.journal.sale(
+                "answer", channel.id, sale, sale_id, at, body,
+                game.expire_at(first + sale.draws - 1)))
+            return SaleOutcome(body=body, replayed=False, ticket=out)
+        if (taken is None and any(g.capped for g in sale.grids)
+                and self.ledger.caps.known(game, first, sale.draws) is None):
+            # A draw's cap is fixed by its first sale, not by one an admin's stop voids.
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+        replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
+        if taken is None:
+            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+        kinds = {r[0] for r in replies if r is not None}
+        if RELEASED in kinds:
+            raise _TakenOver
+        if CLOSED in kinds:
+            # A draw closed while the sale ran. Other requests of this sale may be running:
+            # conclude it as the janitor would, so that all of them reach the same end.
+            concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
+            if concluded is None:  # given back: nothing was answered
+                await self.journal.void("closed", channel.id, sale, sale_id, at,
+                                        game.expire_at(first + sale.draws - 1))
+                await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
+                raise _closed(first)
+            out = concluded.decision
+            body = _encode(out)
+            await self._journaled(key, sale_id, b"f", self.journal.sale(
+                "answer" if concluded.written else "replay", channel.id, sale, sale_id, at,
+                body, game.expire_at(first + sale.draws - 1),
+                self.ledger.caps.known(game, first, sale.draws)))
+            return SaleOutcome(body=body, replayed=not concluded.written,
+                               ticket=out if concluded.written else None)
+        out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
+        body = _encode(out)
+        written = await self.ledger.write_decision(game, key, sale, sale_id, plan, replies,
+                                                   out, body)
+        if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
+            raise _TakenOver
+        await self._journaled(key, sale_id, b"f", self.journal.sale(
+            "answer", channel.id, sale, sale_id, at, body,
+            game.expire_at(first + sale.draws - 1),
+            self.ledger.caps.known(game, first, sale.draws)))
+        near_cap, sold_out = written
+        return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
+                           sold_out=sold_out,
+                           shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
+
+    async def _still_counted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
+                             ) -> None:
+        """Before a replay on Redis Cluster: every grid the decision accepted still has its
+        record. A shard can lose writes the others keep (its primary and the replica that
+        had not yet confirmed them both lost: a decision never confirmed, answered 503);
+        the retry must not answer "accepted" for a stake no counter holds. The missing
+        grids are counted again, under the same sale, against the cap; if one no longer
+        fits, the decision cannot be answered (503, an error logged for the operator)."""
+        decision, sale, missing = await self._uncounted(game, raw_sale, sale_id, body)
+        if not missing:
+            return
+        assert sale.first_draw is not None
+        lost = msgspec.structs.replace(
+            sale, grids=[g for g in sale.grids if g.index in missing])
+        replies = await self.ledger.reserve_all(game, lost, sale_id,
+                                                game.calendar.close_ms(sale.first_draw))
+        if all(r is not None and r[0] >= ACCEPTED for r in replies):
+            log.warning("ticket %s: %d accepted grid(s) had lost their counters in Redis "
+                        "(a shard lost writes): counted again", decision.ticket_id,
+                        len(missing))
+            return
+        log.error("ticket %s: %d accepted grid(s) lost their counters in Redis and no longer "
+                  "fit the cap: the decision cannot be answered; cancel the ticket",
+                  decision.ticket_id, len(missing))
+        raise unavailable(f"ticket {decision.ticket_id}: its decision lost part of its "
+                          "counters in a Redis failure and cannot be answered",
+                          self.settings.retry_after_s)
+
+    async def _journaled(self, key: str, sale_id: str, state: bytes | None,
+                         record: asyncio.Future[None]) -> None:
+        """Wait until a decision this request reports (of sale `sale_id`, the ticket in
+        `state`) is journaled, then let the ticket's index entry go if the ticket is still
+        so (until then the janitor would journal it, should this process die; a cancel
+        unfinished, state k, stays the janitor's)."""
+        await record
+        if state in (b"f", b"c"):
+            self.store.journaled_later(key, sale_id, state)
+
+    def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
+                        sale_id: bytes | str, at: bytes | int, body: bytes,
+                        state: bytes | None, cancelled_at: Any, released: Any
+                        ) -> asyncio.Future[None]:
+        """Journal a stored decision this process reports (a replay, a GET)."""
+        if not self.journal.enabled:
+            return self.journal.nothing()
+        sale = unpack_sale(raw_sale)
+        game = self.catalog.get(sale.game)
+        assert sale.first_draw is not None
+        last = sale.first_draw + sale.draws - 1
+        until = game.expire_at(last) if game is not None else 0
+        sid = sale_id if isinstance(sale_id, str) else sale_id.decode()
+        return self.journal.ticket(via, channel_id, sale, sid, int(at), bytes(body), until,
+                                   state, cancelled_at, released)
+
+    def _may_have_lost_counters(self, state: bytes | None, body: bytes | None
+                                ) -> bool:
+        """Whether a stored decision's counters may sit on other shards than it, and be
+        lost apart from it: a sale in steps (a body, not results) on Redis Cluster, still
+        standing (not being cancelled or cancelled)."""
+        return body is not None and state == b"f" and not self.store.single_node
+
+    async def _uncounted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
+                         ) -> tuple[TicketOut, Sale, set[int]]:
+        """A decision, its sale, and the grids it accepted whose record is gone."""
+        decision = _ticket_decoder.decode(body)
+        sale = unpack_sale(raw_sale)
+        accepted = {g.index for g in decision.grids if g.status == "accepted"}
+        return decision, sale, await self.ledger.uncounted(game, sale, sale_id, accepted)
+
+    async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
+                           sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:
+        """Void the sale if a draw of it was stopped at or before its claim."""
+        stopped = first_stopped(stop_instants(await stops), at)
+        if stopped is not None:
+            await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=True)
+            assert sale.first_draw is not None
+            await self.journal.void("stopped", channel_id, sale, sale_id, at,
+                                    game.expire_at(sale.first_draw + sale.draws - 1))
+            await self.store.unclaim(key, sale_id)
+            raise _Stopped(stopped)
+
+    # -- look up ---------------------------------------------------------------------------
+
+    async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
+        """The stored decision, with `cancelled` once the ticket is cancelled."""
+        require_scope(channel, "sell", "read")
+        state, body, raw_sale, sale_id, at, cancelled_at, released, results, _ = (
+            await self.store.ticket(ticket_key(channel.id, ticket_id)))
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        game = self.catalog.get(unpack_sale(raw_sale).game)
+        lost = False
+        if game is not None and self._may_have_lost_counters(state, body):
+            # A decision whose counters a shard lost is no decision to show: the POST sent
+            # again counts them again (see _still_counted).
+            _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
+            lost = bool(missing)
+        if body is None and results is not None:
+            body = derived_body(channel.id, raw_sale, sale_id, at, results)
+        if lost or body is None:
+            raise ApiError(409, "ticket_pending",
+                           f"ticket {ticket_id} has no decision yet: retry the POST with the "
+                           "same body to complete it")
+        await self._journal_stored("lookup", channel.id, raw_sale, sale_id, at, body, state,
+                                   cancelled_at, released)
+        if cancelled_at is None:
+            return bytes(body)
+        tz = game.rules.tz if game is not None else UTC
+        return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
+
+    # -- cancel ----------------------------------------------------------------------------
+
+    async def cancel(self, channel: Channel, ticket_id: str, only_sale: str | None = None
+                     ) -> CancelOut:
+        """Decide the cancellation (first draw still open, by Redis TIME), then give back
+        every grid and the budget. A cancel interrupted after the decision is finished by
+        its retry, or by the janitor. `only_sale`: cancel only that sale of the ticket id (an
+        audit's cancel of a ticket it read in the journal: the id may have been used again
+        since)."""
+        require_scope(channel, "sell")
+        key = ticket_key(channel.id, ticket_id)
+        state, body, raw_sale, sale_id, claimed_at, _, _, results, _ = (
+            await self.store.ticket(key))
+        if state is None:
+            raise not_found(f"ticket {ticket_id!r}")
+        if only_sale is not None and sale_id.decode() != only_sale:
+            raise ApiError(409, "not_cancellable",
+                           f"ticket {ticket_id} now holds another sale than {only_sale}")
+        if body is None and results is None:
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        sale = unpack_sale(raw_sale)
+        game = self.catalog.get(sale.game)
+        if game is None:
+            raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
+        decision = (_ticket_decoder.decode(body) if body is not None else decision_of(
+            channel.id, sale, sale_id.decode(), int(claimed_at), results))
+        assert sale.first_draw is not None
+        refusal = cancel_refusal(game.rules, sale, decision)
+        if refusal and state == b"f":
+            raise ApiError(409, "not_cancellable", refusal)
+        reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
+                                        sale.game, sale.first_draw, decision.total_cost,
+                                        game.expire_at(sale.first_draw + sale.draws - 1))
+        kind = reply[0]
+        if kind == b"closed":
+            raise ApiError(409, "not_cancellable",
+                           f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
+        if kind == b"missing":
+            raise not_found(f"ticket {ticket_id!r}")
+        if kind not in (b"k", b"c"):
+            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+        if kind == b"k":
+            await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
+                                     int(claimed_at), results is not None)
+        body = body or _encode(decision)
+        await self._journaled(key, sale_id.decode(), b"c", self.journal.cancel(
+            "answer" if kind == b"k" else "replay", channel.id, sale, sale_id.decode(),
+            int(claimed_at), bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
+            int(reply[1]), int(reply[2])))
+        return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
+
+    async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,
+                            sale_id: str, at: int, one_call: bool | None = None) -> None:
+        """Give back what a cancelled sale took, then mark the cancel complete (a ticket
+        sold in one call, `one_call`, read from the ticket when None, is taken out of its
+        draws' aggregates then)."""
+        plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
+        await self.ledger.give_back(key, game, sale, sale_id, plan)
+        if one_call is None:
+            one_call = (await self.store.ticket(key))[7] is not None
+        await self.store.cancelled(
+            key, sale_id, self.ledger.one_call_aggregates(key, game, sale) if one_call else None)
+
+
+def _caps_of(reply: bytes | None) -> list[int] | None:
+    """The draws' caps a one-call sale was judged by ("5000,5000", lua/capsvc.lua)."""
+    return [int(c) for c in reply.split(b",")] if reply else None
+
+
+def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
+                ) -> TicketOut:
+    """The decision of a sale made in one call, from what it stored: the time zone of the
+    sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
+    rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
+    so the body is the one first answered, byte for byte, for as long as it is kept."""
+    zone, _, grids = results.decode().partition("|")
+    replies: list[Any] = []
+    for r in grids.split(";"):
+        if r == "-":
+            replies.append(None)
+        elif r == "1":
+            replies.append([ACCEPTED])
+        else:
+            _, offset, room = r.split(":")
+            replies.append([REJECTED, int(offset), int(room)])
+    return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
+
+
+def derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
+                  results: bytes) -> bytes:
+    """The body of a decision stored as results: what the sale answered, byte for byte."""
+    return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id.decode(),
+                               int(at), results))
+
+
+def _conflict(ticket_id: str) -> ApiError:
+    return ApiError(409, "idempotency_conflict",
+                    f"ticket {ticket_id} was already used with a different request",
+                    "$.ticket_id")
+
+
+def _closed(draw: int) -> ApiError:
+    return rule_error("draw_closed", f"draw {draw} is closed for sales", "$.first_draw")
