@@ -42,15 +42,13 @@ VALIDATE = """        game = self.catalog.game(t.game, channel, "sell")
         sale = validate_ticket(game.rules, t)
         key = ticket_key(channel.id, t.ticket_id)
 """
-CLAIMED = """            kind = claim[0]
-            try:
+CLAIMED = """            if isinstance(claim, Refused):
 """
-DECIDED = """                    body = _encode(out)
-                    await self._journaled(key, sale_id, b"f", self.journal.sale(
-                        "answer", channel.id, stored, sale_id, at, body, expire_at,
+DECIDED = """                body = _encode(out)
+                await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
 """
-CALL = """        return self.fcall("capsvc_sell", keys,
-                          [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
+CALL = """        return decoded(self.fcall("capsvc_sell", keys, [
+            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce]), claim_of)
 """
 PING = '        await self.store.redis.call("PING")\n'
 RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.now())\n"
@@ -76,8 +74,8 @@ CUTS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
                  CALL: ("", "        _ = [*args, *expiries, time_zone, nonce]\n"
                             "        return self.redis.submit(\"PING\")\n")}},
     "called": {"capsvc/service/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")}},
-    "decided": {"capsvc/service/tickets.py": {DECIDED: ("                    body = _encode(out)\n",
-                                                "                    return SaleOutcome("
+    "decided": {"capsvc/service/tickets.py": {DECIDED: ("                body = _encode(out)\n",
+                                                "                return SaleOutcome("
                                                 "body=body, replayed=False)\n")}},
 }
 """Per cut, per file, per anchor: (what the anchor keeps before the cut's lines, the

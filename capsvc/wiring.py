@@ -22,7 +22,7 @@ from capsvc.service.exposure import Exposure
 from capsvc.service.feed import Feed
 from capsvc.service.janitor import Janitor
 from capsvc.service.players import Players
-from capsvc.service.steps import Ledger
+from capsvc.service.steps import SaleSteps
 from capsvc.service.tickets import Tickets
 
 
@@ -50,15 +50,15 @@ def build_usecases(settings: Settings, store: Store, clock: RedisClock | None = 
     catalog = Catalog(settings.games)
     caps = DrawCaps(store, recorder)
     draws = Draws(store, clock, caps, recorder)
-    ledger = Ledger(store, caps)
-    tickets = Tickets(settings, catalog, draws, store, ledger, clock, recorder)
+    steps = SaleSteps(store, caps, recorder)
+    tickets = Tickets(settings, catalog, draws, store, steps, clock, recorder)
     availability = Availability(store, draws)
     exposure = Exposure(store, caps, clock)
     return UseCases(
         catalog=catalog, clock=clock, draws=draws, tickets=tickets,
         availability=availability,
-        players=Players(catalog, ledger.players, clock, recorder),
-        janitor=Janitor(settings, catalog, store, ledger, tickets, clock),
+        players=Players(catalog, steps.players, clock, recorder),
+        janitor=Janitor(settings, catalog, store, steps, tickets, clock),
         feed=Feed(store, clock, draws, availability),
         exposure=exposure,
         journal=recorder,

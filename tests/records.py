@@ -3,12 +3,19 @@ of a bucket hash."""
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any
 
 import redis
 
-from capsvc.redis.store import ident_of, record_bucket_of
+from capsvc.redis.store import (
+    Store,
+    ident_of,
+    pending_key_of,
+    record_bucket_of,
+    stop_copy_of,
+)
 
 NAMES = ("st", "fp", "at", "sid", "sale", "body", "res", "ca", "rel")
 
@@ -108,3 +115,30 @@ def held(db: redis.Redis, ticket: str, name: str) -> bytes | None:
     """One field of a ticket's record (None when absent)."""
     value: bytes | None = TicketRecords(db).get(ticket, name)
     return value
+
+
+# -- the Lua functions' raw replies (lua/capsvc.lua), for the tests of the Lua itself; the
+# store decodes them (capsvc.redis.replies) -----------------------------------------------
+
+def raw_claim(store: Store, key: str, fingerprint: str, sale: bytes, close_ms: int,
+              expire_at: int, stale_after_ms: int) -> Any:
+    keys, args = store.names(key)
+    return store.fcall("capsvc_claim", keys, [*args, fingerprint, sale, close_ms, expire_at,
+                                              stale_after_ms, os.urandom(8).hex()])
+
+
+def raw_ticket(store: Store, key: str) -> Any:
+    keys, args = store.names(key)
+    return store.fcall("capsvc_ticket", keys, args)
+
+
+def raw_expire(store: Store, key: str, deadline_ms: int) -> Any:
+    keys, args = store.names(key)
+    return store.fcall("capsvc_expire", keys, [*args, deadline_ms])
+
+
+def raw_cancel(store: Store, key: str, close_ms: int, game: str, first_draw: int,
+               released: int, expire_at: int) -> Any:
+    keys, args = store.names(key)
+    return store.fcall("capsvc_cancel", [*keys, stop_copy_of(key), pending_key_of(key)],
+                       [*args, close_ms, f"{game}:{first_draw}", released, expire_at])

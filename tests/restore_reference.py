@@ -1,6 +1,6 @@
 """The journal's restore one record at a time: each record re-applied through the single
 functions of lua/capsvc.lua's RESTORE part (restore_ticket, restore_grid, restore_limit)
-and the ledger's steps, in journal order, a round trip per step. What the restore did before
+and the sale's steps, in journal order, a round trip per step. What the restore did before
 it applied records in bulk; the tests compare the bulk restore against it, key by key."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from capsvc.domain.decisions import accepted_grids
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import pack_sale
+from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import (
     CancelRecord,
     CapRecord,
@@ -29,7 +30,7 @@ from capsvc.journal.records import (
 from capsvc.recovery.restore import Restored
 from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
 from capsvc.service.caps import DrawCaps, caps_argument
-from capsvc.service.steps import Ledger
+from capsvc.service.steps import SaleSteps
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 
@@ -41,7 +42,7 @@ class OneByOne:
         self.catalog = catalog
         self.store = store
         self.caps = DrawCaps(store)
-        self.ledger = Ledger(store, self.caps)
+        self.steps = SaleSteps(store, self.caps, Recorder(None, lambda: 0))
         self._caps_fixed: set[tuple[str, int]] = set()
 
     async def restore(self, records: Iterable[Open | Record]) -> Restored:
@@ -93,13 +94,13 @@ class OneByOne:
             return "cap" if before is None else None
         if isinstance(r, LimitRecord):
             pending = "none" if r.next_none else (None if r.next is None else str(r.next))
-            written = await self.ledger.players.restore_limit(
+            written = await self.steps.players.restore_limit(
                 r.player, r.at, r.limit, pending, r.from_day, r.until)
             return "limit" if written else None
         if isinstance(r, StakeRecord):
             if r.status != "accepted":
                 return None
-            reply = await self.ledger.players.reserve(
+            reply = await self.steps.players.reserve(
                 r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
                 [(r.day, r.amount)], restore=True)
             return "stake" if reply == [1, 0] else None
@@ -128,21 +129,21 @@ class OneByOne:
                   if (r.game, r.first_draw + i) not in self._caps_fixed]
         self._caps_fixed.update((r.game, d) for d, _ in fixing)
         calls += [self.store.fix_cap(r.game, d, cap, game.expire_at(d)) for d, cap in fixing]
-        plan = self.ledger.plan(r.channel, game, sale, r.sale, r.at)
+        plan = self.steps.plan(r.channel, game, sale, r.sale, r.at)
         taking = plan is not None and bool(accepted)
         if plan is not None and accepted:
-            calls.append(self.ledger.players.reserve(
+            calls.append(self.steps.players.reserve(
                 plan.player, plan.ref, plan.regulatory, plan.until,
                 plan.shares(sale, accepted), restore=True))
         if kind == b"written" and accepted:
-            calls += self.ledger.aggregates(key, game, sale, r.sale, accepted)
+            calls += self.steps.aggregates(key, game, sale, r.sale, accepted)
         replies = await replies_of(calls)
         n = len(grids)
         put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
         if taking:
             put_back = put_back or replies[n + len(fixing)] == [1, 0]
         if plan is not None:
-            settled = self.ledger.settle_budget(plan, sale, accepted)
+            settled = self.steps.settle_budget(plan, sale, accepted)
             if settled is not None and int(await settled):
                 put_back = True
         marks = []
@@ -162,8 +163,9 @@ class OneByOne:
     async def _cancel(self, game: Game, r: CancelRecord, now: int) -> str | None:
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        state, sid = (await self.store.ticket(key))[0:4:3]
-        ours = state is None or sid.decode() == r.sale
+        record = await self.store.ticket(key)
+        state, sid = (None, None) if record is None else (record.state, record.sale_id)
+        ours = state is None or sid == r.sale
         cancelling: list[Any] | None = None
         if ours and state != b"c":
             await self.store.index(key, r.until)
@@ -172,10 +174,10 @@ class OneByOne:
                                                bytes(r.decision), r.until,
                                                r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None
-        given = await self.ledger.give_back(
-            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
+        given = await self.steps.give_back(
+            key, game, sale, r.sale, self.steps.plan(r.channel, game, sale, r.sale, r.at))
         if cancelling is not None:
-            one_call = self.ledger.one_call_aggregates(key, game, sale) if cancelling[1] else None
+            one_call = self.steps.one_call_aggregates(key, game, sale) if cancelling[1] else None
             await self.store.cancelled(key, r.sale, one_call)
         if cancelling is not None or (ours and state == b"c"):
             await self.store.unindex(key)
@@ -184,11 +186,12 @@ class OneByOne:
     async def _void(self, game: Game, r: VoidRecord) -> str | None:
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        state, sid = (await self.store.ticket(key))[0:4:3]
-        if state is not None and (sid.decode() != r.sale or state not in (b"p", b"x")):
+        record = await self.store.ticket(key)
+        state, sid = (None, None) if record is None else (record.state, record.sale_id)
+        if state is not None and (sid != r.sale or state not in (b"p", b"x")):
             return None
-        given = await self.ledger.give_back(
-            key, game, sale, r.sale, self.ledger.plan(r.channel, game, sale, r.sale, r.at))
+        given = await self.steps.give_back(
+            key, game, sale, r.sale, self.steps.plan(r.channel, game, sale, r.sale, r.at))
         if state is not None:
             await self.store.unclaim(key, r.sale)
         return "void" if given or state is not None else None

@@ -326,21 +326,20 @@ async def lookup(store: Store, keys: list[tuple[str, str]], game: str, draw: int
     for start in range(0, len(keys), 1000):
         chunk = keys[start:start + 1000]
         replies = await replies_of([store.ticket(ticket_key(c, t)) for c, t in chunk])
-        for (channel, ticket), reply in zip(chunk, replies, strict=True):
-            state, body, raw_sale, sale_id, at, cancelled_at, _, results, _ = reply
-            if state is None or (body is None and results is None):
+        for (channel, ticket), record in zip(chunk, replies, strict=True):
+            if record is None or (record.body is None and record.results is None):
                 continue  # unknown, or no decision yet
-            if body is None:
-                body = derived_body(channel, raw_sale, sale_id, at, results)
+            body = record.body or derived_body(channel, record.sale, record.sale_id,
+                                               record.at, record.results)
             decision = msgspec.json.decode(body)
-            sale = unpack_sale(raw_sale)
+            sale = unpack_sale(record.sale)
             assert sale.first_draw is not None
             same_game = sale.game == game
             out[channel, ticket] = Known(
-                sale=sale_id.decode(), status=decision["status"],
+                sale=record.sale_id, status=decision["status"],
                 total_cost=int(decision["total_cost"]),
                 plays=same_game and sale.first_draw <= draw < sale.first_draw + sale.draws,
-                same_game=same_game, cancelled=cancelled_at is not None)
+                same_game=same_game, cancelled=record.cancelled_at is not None)
     return out
 
 

@@ -114,6 +114,10 @@ class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
     """The cost given back (minor units): the decision's total cost."""
 
 
+VoidWhy = Literal["abandoned", "stopped", "closed"]
+"""Why a sale does not stand (VoidRecord.why)."""
+
+
 class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
                  forbid_unknown_fields=False):
     """A sale that does not stand and was never answered: given back by the janitor
@@ -122,7 +126,7 @@ class VoidRecord(Struct, tag="void", tag_field="type", omit_defaults=True,
     claim and its grids)."""
 
     at: int
-    why: Literal["abandoned", "stopped", "closed"]
+    why: VoidWhy
     proc: str
     channel: str
     ticket: str

@@ -297,14 +297,13 @@ async def compare_with_redis(out: Verification, store: Store, catalog: Catalog) 
     for i in range(0, len(retained), 1000):
         chunk = retained[i:i + 1000]
         replies = await replies_of([store.ticket(ticket_key(c, t)) for c, t, _ in chunk])
-        sale_ids = [reply[3] for reply in replies]  # Store.ticket: [st, body, sale, sid, …]
-        for (channel, ticket, sale), sid in zip(chunk, sale_ids, strict=True):
-            if sid is None:
+        for (channel, ticket, sale), record in zip(chunk, replies, strict=True):
+            if record is None:
                 out.mismatches.append(f"ticket {ticket} of {channel}: decided in the journal "
                                       f"(sale {sale}), unknown to Redis")
-            elif sid.decode() != sale:
+            elif record.sale_id != sale:
                 out.mismatches.append(f"ticket {ticket} of {channel}: sale {sale} in the "
-                                      f"journal, {sid.decode()} in Redis")
+                                      f"journal, {record.sale_id} in Redis")
     by_draw: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for (game_id, draw, combo), total in out.totals.items():
         game = catalog.get(game_id)

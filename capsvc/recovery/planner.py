@@ -51,7 +51,7 @@ from capsvc.redis.store import (
     ticket_value,
 )
 from capsvc.service.caps import caps_argument
-from capsvc.service.steps import Ledger, aggregate_value
+from capsvc.service.steps import SaleSteps, aggregate_value
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """How much of a journal file a planning process reads, decodes and plans at a time."""
@@ -216,7 +216,7 @@ class Planner:
 
     @staticmethod
     def _given_back(sale: Sale, r: SaleRecord | VoidRecord) -> list[tuple[str, int]]:
-        """The aggregates a sale given back leaves (`Ledger.aggregates` with none accepted)."""
+        """The aggregates a sale given back leaves (`SaleSteps.aggregates` with none accepted)."""
         if aggregate_value(sale, set()) is None:
             return []
         return [(r.game, d) for d in range(r.first_draw, r.first_draw + r.draws)]
@@ -228,7 +228,7 @@ class Planner:
         ledger's steps make it."""
         if game.rules.daily_limit is None or r.player is None:
             return None
-        plan = Ledger.plan(r.channel, game, sale, r.sale, r.at)
+        plan = SaleSteps.plan(r.channel, game, sale, r.sale, r.at)
         if plan is None:
             return None
         held = set(accepted)

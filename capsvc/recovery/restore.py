@@ -41,6 +41,7 @@ from typing import Any
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.games import Catalog, Game
 from capsvc.journal.reader import retained_records
+from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import (
     CapRecord,
     LimitRecord,
@@ -70,7 +71,7 @@ from capsvc.redis.store import (
     restore_release,
 )
 from capsvc.service.caps import DrawCaps
-from capsvc.service.steps import Ledger
+from capsvc.service.steps import SaleSteps
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Restorer:
         self.catalog = catalog
         self.store = store
         self.caps = DrawCaps(store)
-        self.ledger = Ledger(store, self.caps)
+        self.steps = SaleSteps(store, self.caps, Recorder(None, lambda: 0))  # journals nothing
         self.on_over_cap = on_over_cap
         self._caps_fixed: set[tuple[str, int]] = set()
         """(game, draw) whose cap this restore has put back already."""
@@ -440,7 +441,7 @@ class Restorer:
         """A cancel's end, once all it took is given back: the ticket cancelled (taking a
         one-call sale's stakes out of its aggregates) and out of the pending index."""
         if t.code in "kK":
-            one_call = (self.ledger.one_call_aggregates(t.key, game, t.sale)
+            one_call = (self.steps.one_call_aggregates(t.key, game, t.sale)
                         if t.code == "K" else None)
             await self.store.cancelled(t.key, t.sale_id, one_call)
         if t.code in "kKc":
@@ -459,13 +460,13 @@ class Restorer:
             return "stop"
         if isinstance(r, LimitRecord):
             pending = "none" if r.next_none else (None if r.next is None else str(r.next))
-            written = await self.ledger.players.restore_limit(
+            written = await self.steps.players.restore_limit(
                 r.player, r.at, r.limit, pending, r.from_day, r.until)
             return "limit" if written else None
         if isinstance(r, StakeRecord):
             if r.status != "accepted":
                 return None
-            reply = await self.ledger.players.reserve(
+            reply = await self.steps.players.reserve(
                 r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
                 [(r.day, r.amount)], restore=True)
             return "stake" if reply == [1, 0] else None

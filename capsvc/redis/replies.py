@@ -9,7 +9,7 @@ the store indexes a reply by position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 
 def _int(value: Any) -> int | None:
@@ -167,7 +167,7 @@ class Due:
     results: bytes | None = None
 
 
-def due_of(reply: list[Any]) -> Due | bool | None:
+def due_of(reply: list[Any]) -> Due | Literal[False] | None:
     """An `expire` reply: what to settle; False when not due yet; None when the janitor has
     nothing to do with the ticket (its entry goes)."""
     if not reply:

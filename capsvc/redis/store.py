@@ -22,12 +22,25 @@ import asyncio
 import os
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from capsvc.redis.marks import MARKED, Marks
+from capsvc.redis.replies import (
+    Cancelling,
+    Claim,
+    Due,
+    NotCancelled,
+    TicketRecord,
+    cancel_of,
+    claim_of,
+    due_of,
+    ticket_of,
+)
 from capsvc.redis.transport import Coalescer, Transport
+
+T = TypeVar("T")
 
 LIBRARY = "capsvc"
 TICKET_BUCKETS = 64
@@ -205,10 +218,11 @@ class Store:
         return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
 
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
-              stale_after_ms: int) -> asyncio.Future[Any]:
+              stale_after_ms: int) -> asyncio.Future[Claim]:
         keys, args = self.names(ticket)
-        return self.fcall("capsvc_claim", keys, [
-            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
+        return decoded(self.fcall("capsvc_claim", keys, [
+            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()]),
+            claim_of)
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
         """Write the decision of a sale. False when the ticket is no longer that sale's
@@ -260,16 +274,18 @@ class Store:
     async def unindex(self, ticket: str) -> None:
         await self.redis.submit("ZREM", pending_key_of(ticket), ticket)
 
-    def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Any]:
+    def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Due | Literal[False] | None]:
+        """What the janitor is to settle of a ticket (capsvc.redis.replies.due_of)."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc_expire", keys, [*args, deadline_ms])
+        return decoded(self.fcall("capsvc_expire", keys, [*args, deadline_ms]), due_of)
 
     def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
-               expire_at: int) -> asyncio.Future[Any]:
+               expire_at: int) -> asyncio.Future[Cancelling | NotCancelled]:
         """Decide a cancellation (indexing the ticket with it, for the janitor)."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
-                          [*args, close_ms, f"{game}:{first_draw}", released, expire_at])
+        return decoded(self.fcall(
+            "capsvc_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
+            [*args, close_ms, f"{game}:{first_draw}", released, expire_at]), cancel_of)
 
     async def cancelled(self, ticket: str, sale_id: str,
                         aggregates: tuple[list[str], list[Any]] | None = None) -> None:
@@ -280,17 +296,16 @@ class Store:
         await self.fcall("capsvc_cancelled", [*keys, *aggregate_keys_],
                          [*args, sale_id, *amounts])
 
-    def ticket(self, ticket: str) -> asyncio.Future[Any]:
-        """[state, body, sale, sale id, claim instant, cancelled at, released, results,
-        fingerprint] of a ticket record (all None when unknown; a one-call sale has results,
-        not a body)."""
+    def ticket(self, ticket: str) -> asyncio.Future[TicketRecord | None]:
+        """A ticket id's record (None when unknown; a one-call sale has results, not a
+        body)."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc_ticket", keys, args)
+        return decoded(self.fcall("capsvc_ticket", keys, args), ticket_of)
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
              min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
-             time_zone: str, fix_caps: bool = True) -> asyncio.Future[Any]:
+             time_zone: str, fix_caps: bool = True) -> asyncio.Future[Claim]:
         """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
         (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
         combination never holds a zero byte)."""
@@ -309,8 +324,8 @@ class Store:
                  nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc_sell", keys,
-                          [*args, *expiries, time_zone, "fix" if fix_caps else "", nonce])
+        return decoded(self.fcall("capsvc_sell", keys, [
+            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce]), claim_of)
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next
@@ -782,6 +797,30 @@ class BudgetRestores(_Bulk):
 
 JOURNALED_PER_CALL = 256
 """Tickets per capsvc_journaled_many call (Lua's unpack has a limit; Redis stays responsive)."""
+
+
+def decoded(call: asyncio.Future[Any], decode: Callable[[Any], T]) -> asyncio.Future[T]:
+    """`call`'s reply decoded into its type (capsvc.redis.replies), as a future of its own
+    that fails as the call does (its failure retrieved even when nobody waits)."""
+    out: asyncio.Future[T] = call.get_loop().create_future()
+
+    def done(reply: asyncio.Future[Any]) -> None:
+        if reply.cancelled():
+            out.cancel()
+            return
+        error = reply.exception()
+        if out.done():
+            return
+        if error is not None:
+            out.set_exception(error)
+            return
+        try:
+            out.set_result(decode(reply.result()))
+        except Exception as e:  # a reply of another layout: the library is not this one
+            out.set_exception(e)
+
+    call.add_done_callback(done)
+    return out
 
 
 def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:

@@ -4,7 +4,7 @@ Every process runs one; they may race each other and a client's retry, so every 
 fenced by the sale id and decided on Redis TIME (a ticket is due once it has been pending
 for `janitor.pending_deadline` by Redis TIME: a host clock set off changes nothing).
 
-A due sale is concluded (`Ledger.conclude`): its budget and each grid not decided yet get
+A due sale is concluded (`SaleSteps.conclude_or_void`): its budget and each grid not decided yet get
 a tombstone, so that the request (or a duplicate still running) can no longer count them.
 Then:
 - every grid has its record (accepted or rejected): the sale ran to its end and an answer
@@ -41,6 +41,7 @@ from capsvc.config import Settings
 from capsvc.domain.errors import ApiError, Unavailable
 from capsvc.domain.games import Catalog
 from capsvc.domain.validator import unpack_sale
+from capsvc.journal.records import VoidWhy
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.marks import Marks
 from capsvc.redis.store import (
@@ -52,7 +53,7 @@ from capsvc.redis.store import (
     replies_of,
     stop_instants,
 )
-from capsvc.service.steps import Ledger
+from capsvc.service.steps import SaleSteps
 from capsvc.service.tickets import Tickets, derived_body, first_stopped
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,12 @@ SWEEP_PAGE = 200
 class Janitor:
     """Finds due tickets in the pending indexes and settles them."""
 
-    def __init__(self, settings: Settings, catalog: Catalog, store: Store, ledger: Ledger,
+    def __init__(self, settings: Settings, catalog: Catalog, store: Store, steps: SaleSteps,
                  tickets: Tickets, clock: RedisClock) -> None:
         self.deadline_ms = settings.pending_deadline_ms
         self.catalog = catalog
         self.store = store
-        self.ledger = ledger
+        self.steps = steps
         self.tickets = tickets
         self.clock = clock
         self.sweep_buckets = min(ALL_BUCKETS, max(1, math.ceil(
@@ -127,14 +128,13 @@ class Janitor:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index
         entry; returns 1 if it was settled."""
         Marks.begin()  # its journal record is stamped with this settlement's calls only
-        reply = await self.store.expire(key, self.deadline_ms)
-        if not reply:  # nothing to settle: its entry goes, unless a new sale took it
+        due = await self.store.expire(key, self.deadline_ms)
+        if due is None:  # nothing to settle: its entry goes, unless a new sale took it
             await self.store.journaled(key, "", b"")
             return 0
-        if reply[0] == b"wait":
+        if due is False:  # not due yet
             return 0
-        state, at = reply[0], int(reply[1])
-        sale_id, sale = reply[2].decode(), unpack_sale(reply[3])
+        state, at, sale_id, sale = due.state, due.at, due.sale_id, unpack_sale(due.sale)
         game = self.catalog.get(sale.game)
         if game is None or sale.first_draw is None:
             # Its rules are needed to settle or journal it: it waits, indexed (and the draw
@@ -149,29 +149,26 @@ class Janitor:
             if state == b"k":
                 await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
                 log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
-            body = reply[4] or derived_body(channel_id, reply[3], reply[2], at, reply[7])
+            body = due.body or derived_body(channel_id, due.sale, sale_id, at, due.results)
             if state == b"f":  # decided, maybe never journaled: its request died
                 await journal.sale("janitor", channel_id, sale, sale_id, at, body, until,
-                                   self.ledger.caps.known(game, sale.first_draw, sale.draws))
+                                   self.steps.caps.known(game, sale.first_draw, sale.draws))
             else:
                 await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
-                                     int(reply[5]), int(reply[6]))
+                                     due.cancelled_at or 0, due.released or 0)
             # Unless the ticket moved on meanwhile (a cancel decided): the next round's.
             await self.store.journaled(key, sale_id, b"c" if state == b"k" else state)
             return 1
         stops = stop_instants(await self.store.stops(game.rules.id, sale.first_draw,
                                                      sale.draws))
-        void = first_stopped(stops, at) is not None
-        out = await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=void)
+        why: VoidWhy = "stopped" if first_stopped(stops, at) is not None else "abandoned"
+        out = await self.steps.conclude_or_void(channel_id, game, key, sale, sale_id, at, why)
         if out is not None:
             await journal.sale("janitor", channel_id, sale, sale_id, at,
                                msgspec.json.encode(out.decision), until,
-                               self.ledger.caps.known(game, sale.first_draw, sale.draws))
+                               self.steps.caps.known(game, sale.first_draw, sale.draws))
             await self.store.journaled(key, sale_id, b"f")
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})
         else:
-            await journal.void("stopped" if void else "abandoned", channel_id, sale, sale_id,
-                               at, until)
-            await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
             log.info("janitor released an abandoned sale", extra={"ticket_key": key})
         return 1

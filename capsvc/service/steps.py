@@ -1,4 +1,5 @@
-"""The Redis steps that act for one sale: its budget, its grids, giving them back.
+"""The Redis steps that act for one sale: its budget, its grids, its decision written, giving
+them back, and the one epilogue of a sale that does not stand (`SaleSteps.conclude_or_void`).
 
 Shared by the sale, the cancel and the janitor, so that all three take and give back
 exactly the same way. Every step names the sale (its id, minted by the claim): a record
@@ -26,6 +27,8 @@ from capsvc.domain.decisions import (
 from capsvc.domain.games import Game
 from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import Sale
+from capsvc.journal.recorder import Recorder
+from capsvc.journal.records import VoidWhy
 from capsvc.redis.store import (
     PlayerStore,
     Store,
@@ -38,7 +41,7 @@ from capsvc.service.caps import DrawCaps
 
 @dataclass(slots=True)
 class Concluded:
-    """A sale concluded with a decision (`Ledger.conclude`)."""
+    """A sale concluded with a decision (`SaleSteps.conclude`)."""
 
     decision: TicketOut
     written: bool
@@ -46,12 +49,14 @@ class Concluded:
     request answers it then as a replay)."""
 
 
-class Ledger:
-    """A sale's budget and grid records, over the store."""
+class SaleSteps:
+    """A sale's budget and grid records, over the store; what a sale that does not stand
+    leaves in the journal."""
 
-    def __init__(self, store: Store, caps: DrawCaps) -> None:
+    def __init__(self, store: Store, caps: DrawCaps, journal: Recorder) -> None:
         self.store = store
         self.caps = caps
+        self.journal = journal
         self.players = PlayerStore(store)
 
     @staticmethod
@@ -193,10 +198,9 @@ class Ledger:
         """Settle a sale whatever its requests are doing: seal its budget and every grid
         not decided yet (a request can then no longer count them), then either write the
         decision the records make (every grid decided: an answer may have been sent; it
-        says whether this call wrote it) or give back everything (returns None: the caller
-        journals the void, then forgets the claim, `Store.unclaim`; a void not journaled
-        is concluded again). `void`: the sale must not stand (claimed after an admin stop):
-        always give back.
+        says whether this call wrote it) or give back everything (returns None; the void
+        is journaled and the claim forgotten by `conclude_or_void`). `void`: the sale must
+        not stand (claimed after an admin stop): always give back.
 
         Every actor that concludes a sale sees the same sealed records, so the janitors and
         the requests of one sale all reach the same end."""
@@ -219,6 +223,23 @@ class Ledger:
         await self.give_back(key, game, sale, sale_id, plan)
         return None
 
+    async def conclude_or_void(self, channel_id: str, game: Game, key: str, sale: Sale,
+                               sale_id: str, at: int, why: VoidWhy) -> Concluded | None:
+        """The end of a sale that its request cannot finish, wherever it ends (an admin's
+        stop, its draw closed mid-sale, the janitor): `conclude` (a `stopped` sale never
+        stands); if it does not stand, its void journaled (`why`) and only then its claim
+        forgotten (a void not journaled is concluded again by the janitor). Returns the
+        decision when the sale stands (None: voided)."""
+        concluded = await self.conclude(channel_id, game, key, sale, sale_id, at,
+                                        void=why == "stopped")
+        if concluded is not None:
+            return concluded
+        assert sale.first_draw is not None
+        await self.journal.void(why, channel_id, sale, sale_id, at,
+                                game.expire_at(sale.first_draw + sale.draws - 1))
+        await self.store.unclaim(key, sale_id)
+        return None
+
     async def give_back(self, key: str, game: Game, sale: Sale, sale_id: str,
                         plan: BudgetPlan | None) -> int:
         """Release every grid, the whole budget and the draws' aggregates of a sale;
@@ -231,7 +252,7 @@ class Ledger:
 
 
 def aggregate_value(sale: Sale, accepted: set[int]) -> str | None:
-    """What `Ledger.aggregates` records on each draw of a sale: the base stake the
+    """What `SaleSteps.aggregates` records on each draw of a sale: the base stake the
     `accepted` grids of sizes not capped took, by number of picks ("<picks>:<stake>,…"; ""
     removes the sale's), None when there is nothing to record."""
     if all(g.capped for g in sale.grids):  # the capped sizes' stakes are the counters'

@@ -1,25 +1,40 @@
-"""The tickets use-cases: sell, look up, cancel.
+"""The tickets use-cases: sell, look up, cancel. A sale reads top-down in `Tickets._sell`
+and the steps it calls, in this order:
 
-A sale takes two dependent Redis steps: claim the ticket id (refusing a different body
-under the same id; the claim mints the sale id that fences every later step), then reserve
-every capped grid, all grids at once. The decision is built from what those steps returned
-and written back before the answer (pipelined with the budget's settlement), so that a GET
-or a cancel sent on receipt of the answer, to any process, finds it; if the write is lost
-the answer is a 503 (outcome unknown), a replay rebuilds the identical body from the same
-records, and the janitor finalizes the ticket if nobody asks again.
+1. **validate** the request (capsvc.domain.validator): nothing touches Redis before;
+2. **first call** (`_first`, chosen per game when the service is wired): on a standalone
+   Redis for a game without player limits, the whole sale in one atomic call
+   (`capsvc_sell`: claim, close, admin stops, every grid, the decision); otherwise the
+   ticket indexed for the janitor and claimed (`capsvc_claim`), which mints the sale id
+   that fences every later step. Its reply (capsvc.redis.replies) says what comes next: a
+   sale made (`Sold`), a decision already made for this request (`Decided`: a replay), a
+   claim of ours to decide (`Claimed`, or `Pending` for a retry), or nothing claimed;
+3. for a claim, **decide** (`_decide`): the player's budget, the admin stops read with the
+   first step, every capped grid reserved at once, the decision built from their records;
+4. **write** the decision (with the budget's settlement and the sold-out lists), then
+   **journal** it, and only then let the ticket's index entry go (`_journaled`);
+5. the HTTP layer then waits for the replicas (`replicas:N`) and answers.
 
-When the janitor has taken a sale over (it sealed a grid or the budget that the request had
-not reached yet), the request's step answers "released": the request then claims again,
-and answers what the janitor decided, or runs as a new sale if the janitor forgot it.
+What a step cannot finish is a value, not an exception: `AGAIN` (another actor of the sale
+sealed or decided it: claim again), `Stop` (an admin stopped a draw of it: voided), a
+`Refused` first call. A sale that does not stand ends in one epilogue (`SaleSteps.void`:
+given back, the void journaled, the claim forgotten) wherever it ends: an admin's stop, a
+draw closed mid-sale, the janitor.
+
+A decision is written before the answer, so that a GET or a cancel sent on receipt, to any
+process, finds it; if the write is lost the answer is a 503 (outcome unknown), a replay
+rebuilds the identical body from the same records, and the janitor finalizes the ticket if
+nobody asks again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any
+from typing import Any, Final
 from zoneinfo import ZoneInfo
 
 import msgspec
@@ -49,10 +64,21 @@ from capsvc.domain.validator import (
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import Via
 from capsvc.redis.clock import RedisClock
+from capsvc.redis.replies import (
+    Cancelling,
+    Claim,
+    Claimed,
+    Decided,
+    Pending,
+    Refused,
+    Sold,
+    StoppedAt,
+    TicketRecord,
+)
 from capsvc.redis.store import Store, replies_of, retrieving, stop_instants, ticket_key
 from capsvc.service.caps import caps_argument
 from capsvc.service.draws import Draws
-from capsvc.service.steps import Ledger
+from capsvc.service.steps import SaleSteps
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
@@ -78,16 +104,26 @@ class SaleOutcome:
     """Grids accepted that the game's shadow cap would have refused."""
 
 
-class _TakenOver(Exception):
-    """Another actor sealed or decided this sale: claim again."""
+class _Again:
+    """Another actor of the sale sealed or decided it meanwhile: claim again."""
 
 
-class _Stopped(Exception):
-    """An admin stopped the draw at `offset` before the sale's claim: it was voided."""
+AGAIN: Final = _Again()
 
-    def __init__(self, offset: int) -> None:
-        super().__init__(offset)
-        self.offset = offset
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """An admin stopped the sale's draw at `offset` before its claim: it was voided."""
+
+    offset: int
+
+
+Step = SaleOutcome | _Again | Stop
+"""What deciding a claimed sale comes to."""
+
+FirstCall = Callable[[Game, str, Sale, int, int, bool], Awaitable[Claim]]
+"""A sale's first call: (game, ticket key, sale, close, expiry, first draw asked) -> the
+claim's reply."""
 
 
 def first_stopped(stops: list[int | None], at: int) -> int | None:
@@ -99,16 +135,23 @@ class Tickets:
     """Selling, looking up and cancelling tickets."""
 
     def __init__(self, settings: Settings, catalog: Catalog, draws: Draws, store: Store,
-                 ledger: Ledger, clock: RedisClock, journal: Recorder) -> None:
+                 steps: SaleSteps, clock: RedisClock, journal: Recorder) -> None:
         self.settings = settings
         self.journal = journal
         self.catalog = catalog
         self.draws = draws
         self.store = store
-        self.ledger = ledger
+        self.steps = steps
         self.clock = clock
         # A request may resume a pending ticket only while the janitor cannot touch it.
         self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
+        self._first: dict[str, FirstCall] = {
+            game.rules.id: (self._sell_in_one_call
+                            if (settings.one_call_sales and store.single_node
+                                and game.rules.daily_limit is None)
+                            else self._claim)
+            for game in catalog.games.values()}
+        """Each game's first call: the one-call protocol or the steps', fixed at wiring."""
 
     # -- sell ------------------------------------------------------------------------------
 
@@ -130,17 +173,16 @@ class Tickets:
     async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
         """The decision recorded for this request's ticket id, if it is this request's;
         409 if the id holds another request; None when there is none."""
-        key = ticket_key(channel.id, t.ticket_id)
-        state, body, raw_sale, sale_id, at, cancelled, released, results, fingerprint = (
-            await self.store.ticket(key))
-        if state is None:
+        record = await self.store.ticket(ticket_key(channel.id, t.ticket_id))
+        if record is None:
             return None
-        if fingerprint is None or fingerprint.decode() != request_fingerprint(t):
+        if (record.fingerprint is None
+                or record.fingerprint.decode() != request_fingerprint(t)):
             raise _conflict(t.ticket_id)
-        if state == b"f" or state == b"k" or state == b"c":
-            body = body or derived_body(channel.id, raw_sale, sale_id, at, results)
-            await self._journal_stored("replay", channel.id, raw_sale, sale_id, at, body,
-                                       state, cancelled, released)
+        if record.decided:
+            body = record.body or derived_body(channel.id, record.sale, record.sale_id,
+                                               record.at, record.results)
+            await self._journal_stored("replay", channel.id, record, body)
             return SaleOutcome(body=body, replayed=True)
         raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
                           "retry shortly", self.settings.retry_after_s)
@@ -154,108 +196,111 @@ class Tickets:
         assert first is not None
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
-        one_call = (self.settings.one_call_sales and self.store.single_node
-                    and game.rules.daily_limit is None)
+        first_call = self._first[game.rules.id]
         for _ in range(_ATTEMPTS):
             self.draws.check_horizon(game, first)
             stored = msgspec.structs.replace(sale, first_draw=first)
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
-            if one_call:
-                claim = await self._sell_in_one_call(game, key, stored, close_ms, expire_at,
-                                                     sale.first_draw is not None)
-            else:
-                # One round trip: index the ticket for the janitor, claim. The claim is the
-                # only write that decides; admin stops are checked once it has been made.
-                # Awaited together: when Redis fails, both fail, and both are retrieved.
-                _, claim = await replies_of([
-                    self.store.index(key, expire_at),
-                    self.store.claim(key, sale.fingerprint,
-                                     pack_sale(stored, sale.first_draw is not None),
-                                     close_ms, expire_at, self.stale_after_ms)])
-            kind = claim[0]
-            try:
-                if kind == b"new" and one_call:  # decided in that same call
-                    sale_id, at = claim[2].decode(), int(claim[1])
-                    out = decision_of(channel.id, stored, sale_id, at, claim[3])
-                    body = _encode(out)
-                    await self._journaled(key, sale_id, b"f", self.journal.sale(
-                        "answer", channel.id, stored, sale_id, at, body, expire_at,
-                        _caps_of(claim[7])))
-                    return SaleOutcome(body=body, replayed=False, ticket=out,
-                                       near_cap=int(claim[4]), sold_out=int(claim[5]),
-                                       shadowed=int(claim[6]))
-                if kind == b"stopped":
-                    raise _Stopped(int(claim[1]))
-                if kind == b"new":
-                    return await self._decide(channel, game, key, stored, claim[2].decode(),
-                                              int(claim[1]), close_ms)
-                if kind == b"final":
-                    if self._may_have_lost_counters(claim[6], claim[1]):
-                        await self._still_counted(game, claim[4], claim[3].decode(), claim[1])
-                    body = claim[1] or derived_body(channel.id, claim[4], claim[3], claim[2],
-                                                     claim[5])
-                    replayed = self._journal_stored(
-                        "replay", channel.id, claim[4], claim[3], claim[2], body, claim[6],
-                        claim[7], claim[8])
-                    await self._journaled(key, claim[3].decode(), claim[6], replayed)
-                    return SaleOutcome(body=body, replayed=True)
-                if kind == b"pending":
-                    # A retry, or a concurrent duplicate: re-running the steps returns what
-                    # they recorded. Whichever request of the sale writes the decision
-                    # answers it first (the claim's own request or not); the others find it
-                    # written and answer it as a replay.
-                    resumed = unpack_sale(claim[3])
-                    assert resumed.first_draw is not None
-                    return await self._decide(
-                        channel, game, key, resumed, claim[2].decode(), int(claim[1]),
-                        game.calendar.close_ms(resumed.first_draw))
-            except _TakenOver:
+            claim = await first_call(game, key, stored, close_ms, expire_at, not defaulted)
+            if isinstance(claim, Refused):
+                if claim.why == "conflict":
+                    raise _conflict(t.ticket_id)
+                if claim.why == "stale":
+                    raise unavailable(f"ticket {t.ticket_id} is being settled after an "
+                                      "interrupted sale; retry shortly",
+                                      self.settings.retry_after_s)
+                if not defaulted:  # closed by the calendar
+                    raise _closed(first)
+                first = max(first + 1, game.calendar.current(self.clock.now()))
                 continue
-            except _Stopped as e:
-                if not defaulted or e.offset > 0:
-                    raise _closed(first + e.offset) from None
+            step = await self._after(channel, game, key, stored, expire_at, claim)
+            if isinstance(step, SaleOutcome):
+                return step
+            if isinstance(step, Stop):
+                if not defaulted or step.offset > 0:
+                    raise _closed(first + step.offset)
                 # On to the next draw that is neither past nor stopped (one read, however
                 # many draws in a row an admin stopped).
                 first = max(first + 1, await self.draws.current_draw(game))
-                continue
-            if kind == b"conflict":
-                raise _conflict(t.ticket_id)
-            if kind == b"stale":
-                raise unavailable(f"ticket {t.ticket_id} is being settled after an "
-                                  "interrupted sale; retry shortly", self.settings.retry_after_s)
-            if not defaulted:  # closed by the calendar
-                raise _closed(first)
-            first = max(first + 1, game.calendar.current(self.clock.now()))
         raise unavailable(f"ticket {t.ticket_id} could not be settled; retry shortly",
                           self.settings.retry_after_s)
 
+    async def _after(self, channel: Channel, game: Game, key: str, sale: Sale, expire_at: int,
+                     claim: Sold | Decided | Claimed | Pending | StoppedAt) -> Step:
+        """What a first call's reply leads to: the answer, or a step to take again."""
+        match claim:
+            case Sold():  # decided in that same call
+                out = decision_of(channel.id, sale, claim.sale_id, claim.at, claim.results)
+                body = _encode(out)
+                await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
+                    "answer", channel.id, sale, claim.sale_id, claim.at, body, expire_at,
+                    claim.caps))
+                return SaleOutcome(body=body, replayed=False, ticket=out,
+                                   near_cap=claim.near_cap, sold_out=claim.sold_out,
+                                   shadowed=claim.shadowed)
+            case Decided():
+                if self._may_have_lost_counters(claim.state, claim.body):
+                    assert claim.body is not None
+                    await self._still_counted(game, claim.sale, claim.sale_id, claim.body)
+                body = claim.body or derived_body(channel.id, claim.sale, claim.sale_id,
+                                                   claim.at, claim.results)
+                record = TicketRecord(claim.state, claim.body, claim.sale, claim.sale_id,
+                                      claim.at, claim.cancelled_at, claim.released,
+                                      claim.results, None)
+                await self._journaled(key, claim.sale_id, claim.state,
+                                      self._journal_stored("replay", channel.id, record, body))
+                return SaleOutcome(body=body, replayed=True)
+            case Claimed():
+                return await self._decide(channel, game, key, sale, claim.sale_id, claim.at,
+                                          game.calendar.close_ms(sale.first_draw or 0))
+            case Pending():
+                # A retry, or a concurrent duplicate: re-running the steps returns what
+                # they recorded. Whichever request of the sale writes the decision answers
+                # it first (the claim's own request or not); the others find it written
+                # and answer it as a replay.
+                resumed = unpack_sale(claim.sale)
+                assert resumed.first_draw is not None
+                return await self._decide(channel, game, key, resumed, claim.sale_id,
+                                          claim.at, game.calendar.close_ms(resumed.first_draw))
+            case StoppedAt():
+                return Stop(claim.offset)
+
+    async def _claim(self, game: Game, key: str, sale: Sale, close_ms: int, expire_at: int,
+                     asked: bool) -> Claim:
+        """The steps' first call, one round trip: index the ticket for the janitor, claim.
+        The claim is the only write that decides; admin stops are checked once it has been
+        made. Awaited together: when Redis fails, both fail, and both are retrieved."""
+        _, claim = await replies_of([
+            self.store.index(key, expire_at),
+            self.store.claim(key, sale.fingerprint, pack_sale(sale, asked), close_ms,
+                             expire_at, self.stale_after_ms)])
+        return claim  # type: ignore[no-any-return]
+
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
-                                expire_at: int, asked: bool) -> list[Any]:
-        """The sale as one atomic call (standalone Redis, no player limits): the claim's
-        answers, a sale just made being [b"new", at, sid, results, near, sold]."""
+                                expire_at: int, asked: bool) -> Claim:
+        """The sale as one atomic call (standalone Redis, no player limits)."""
         rules = game.rules
         assert sale.first_draw is not None
         # The draws' caps when this process has seen them fixed; else the configured cap,
         # which the call fixes on the draws no sale has fixed yet, once nothing refused the
         # sale, judging each draw by its own (lua/capsvc.lua, CAPS).
         capped = any(g.capped for g in sale.grids)
-        known = self.ledger.caps.known(game, sale.first_draw, sale.draws) if capped else None
+        known = self.steps.caps.known(game, sale.first_draw, sale.draws) if capped else None
         fix = capped and known is None
         caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
-        reply: list[Any] = await self.store.sell(
+        claim = await self.store.sell(
             key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at,
             self.stale_after_ms,
             rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)
-        if fix and reply[0] == b"new":
-            self.ledger.caps.remember(game, sale.first_draw,
-                                      [int(c) for c in reply[7].split(b",")])
-        return reply
+        if fix and isinstance(claim, Sold) and claim.caps is not None:
+            self.steps.caps.remember(game, sale.first_draw, claim.caps)
+        return claim
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
-                      at: int, close_ms: int) -> SaleOutcome:
+                      at: int, close_ms: int) -> Step:
         """Take the player's budget (games with a daily limit), reserve every capped grid
         (concurrently), build the decision, write it back with the budget settled.
 
@@ -270,65 +315,74 @@ class Tickets:
         rules = game.rules
         assert sale.first_draw is not None
         first = sale.first_draw
+        until = game.expire_at(first + sale.draws - 1)
         # Read with the first step; awaited by whichever check comes first, or by none when
         # a step fails (or the request is cancelled) before: its failure is retrieved then.
         stops = retrieving(self.store.stops(rules.id, first, sale.draws))
-        plan = self.ledger.plan(channel.id, game, sale, sale_id, at)
-        taken = None if plan is None else await self.ledger.take_budget(plan)
+        plan = self.steps.plan(channel.id, game, sale, sale_id, at)
+        taken = None if plan is None else await self.steps.take_budget(plan)
         if taken is not None and taken[0] == RELEASED:
-            raise _TakenOver
-        if taken is not None:
-            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+            return AGAIN
+        if taken is not None and (stop := await self._stopped(channel.id, game, key, sale,
+                                                               sale_id, at, stops)):
+            return stop
         if taken is not None and taken[0] != ACCEPTED:
             out = player_limit_decision(sale)
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):
-                raise _TakenOver
+                return AGAIN
             await self._journaled(key, sale_id, b"f", self.journal.sale(
-                "answer", channel.id, sale, sale_id, at, body,
-                game.expire_at(first + sale.draws - 1)))
+                "answer", channel.id, sale, sale_id, at, body, until))
             return SaleOutcome(body=body, replayed=False, ticket=out)
         if (taken is None and any(g.capped for g in sale.grids)
-                and self.ledger.caps.known(game, first, sale.draws) is None):
-            # A draw's cap is fixed by its first sale, not by one an admin's stop voids.
-            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
-        replies = await self.ledger.reserve_all(game, sale, sale_id, close_ms)
-        if taken is None:
-            await self._check_stops(channel.id, game, key, sale, sale_id, at, stops)
+                and self.steps.caps.known(game, first, sale.draws) is None
+                and (stop := await self._stopped(channel.id, game, key, sale, sale_id, at,
+                                                 stops))):
+            return stop  # a draw's cap is fixed by its first sale, not by a voided one
+        replies = await self.steps.reserve_all(game, sale, sale_id, close_ms)
+        if taken is None and (stop := await self._stopped(channel.id, game, key, sale,
+                                                          sale_id, at, stops)):
+            return stop
         kinds = {r[0] for r in replies if r is not None}
         if RELEASED in kinds:
-            raise _TakenOver
+            return AGAIN
         if CLOSED in kinds:
             # A draw closed while the sale ran. Other requests of this sale may be running:
             # conclude it as the janitor would, so that all of them reach the same end.
-            concluded = await self.ledger.conclude(channel.id, game, key, sale, sale_id, at)
-            if concluded is None:  # given back: nothing was answered
-                await self.journal.void("closed", channel.id, sale, sale_id, at,
-                                        game.expire_at(first + sale.draws - 1))
-                await self.store.unclaim(key, sale_id)  # once journaled: else concluded again
+            concluded = await self.steps.conclude_or_void(channel.id, game, key, sale,
+                                                          sale_id, at, "closed")
+            if concluded is None:  # given back, its void journaled: nothing was answered
                 raise _closed(first)
             out = concluded.decision
             body = _encode(out)
             await self._journaled(key, sale_id, b"f", self.journal.sale(
                 "answer" if concluded.written else "replay", channel.id, sale, sale_id, at,
-                body, game.expire_at(first + sale.draws - 1),
-                self.ledger.caps.known(game, first, sale.draws)))
+                body, until, self.steps.caps.known(game, first, sale.draws)))
             return SaleOutcome(body=body, replayed=not concluded.written,
                                ticket=out if concluded.written else None)
         out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
         body = _encode(out)
-        written = await self.ledger.write_decision(game, key, sale, sale_id, plan, replies,
-                                                   out, body)
+        written = await self.steps.write_decision(game, key, sale, sale_id, plan, replies,
+                                                  out, body)
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
-            raise _TakenOver
+            return AGAIN
         await self._journaled(key, sale_id, b"f", self.journal.sale(
-            "answer", channel.id, sale, sale_id, at, body,
-            game.expire_at(first + sale.draws - 1),
-            self.ledger.caps.known(game, first, sale.draws)))
+            "answer", channel.id, sale, sale_id, at, body, until,
+            self.steps.caps.known(game, first, sale.draws)))
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,
                            shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
+
+    async def _stopped(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
+                       at: int, stops: asyncio.Future[Any]) -> Stop | None:
+        """A draw of the sale stopped at or before its claim: the sale voided (the
+        epilogue), and where it stopped; None when no draw was."""
+        stopped = first_stopped(stop_instants(await stops), at)
+        if stopped is None:
+            return None
+        await self.steps.conclude_or_void(channel_id, game, key, sale, sale_id, at, "stopped")
+        return Stop(stopped)
 
     async def _still_counted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
                              ) -> None:
@@ -344,7 +398,7 @@ class Tickets:
         assert sale.first_draw is not None
         lost = msgspec.structs.replace(
             sale, grids=[g for g in sale.grids if g.index in missing])
-        replies = await self.ledger.reserve_all(game, lost, sale_id,
+        replies = await self.steps.reserve_all(game, lost, sale_id,
                                                 game.calendar.close_ms(sale.first_draw))
         if all(r is not None and r[0] >= ACCEPTED for r in replies):
             log.warning("ticket %s: %d accepted grid(s) had lost their counters in Redis "
@@ -368,21 +422,19 @@ class Tickets:
         if state in (b"f", b"c"):
             self.store.journaled_later(key, sale_id, state)
 
-    def _journal_stored(self, via: Via, channel_id: str, raw_sale: bytes,
-                        sale_id: bytes | str, at: bytes | int, body: bytes,
-                        state: bytes | None, cancelled_at: Any, released: Any
+    def _journal_stored(self, via: Via, channel_id: str, record: TicketRecord, body: bytes
                         ) -> asyncio.Future[None]:
         """Journal a stored decision this process reports (a replay, a GET)."""
         if not self.journal.enabled:
             return self.journal.nothing()
-        sale = unpack_sale(raw_sale)
+        sale = unpack_sale(record.sale)
         game = self.catalog.get(sale.game)
         assert sale.first_draw is not None
         last = sale.first_draw + sale.draws - 1
         until = game.expire_at(last) if game is not None else 0
-        sid = sale_id if isinstance(sale_id, str) else sale_id.decode()
-        return self.journal.ticket(via, channel_id, sale, sid, int(at), bytes(body), until,
-                                   state, cancelled_at, released)
+        return self.journal.ticket(via, channel_id, sale, record.sale_id, record.at,
+                                   bytes(body), until, record.state, record.cancelled_at,
+                                   record.released)
 
     def _may_have_lost_counters(self, state: bytes | None, body: bytes | None
                                 ) -> bool:
@@ -397,48 +449,37 @@ class Tickets:
         decision = _ticket_decoder.decode(body)
         sale = unpack_sale(raw_sale)
         accepted = {g.index for g in decision.grids if g.status == "accepted"}
-        return decision, sale, await self.ledger.uncounted(game, sale, sale_id, accepted)
-
-    async def _check_stops(self, channel_id: str, game: Game, key: str, sale: Sale,
-                           sale_id: str, at: int, stops: asyncio.Future[Any]) -> None:
-        """Void the sale if a draw of it was stopped at or before its claim."""
-        stopped = first_stopped(stop_instants(await stops), at)
-        if stopped is not None:
-            await self.ledger.conclude(channel_id, game, key, sale, sale_id, at, void=True)
-            assert sale.first_draw is not None
-            await self.journal.void("stopped", channel_id, sale, sale_id, at,
-                                    game.expire_at(sale.first_draw + sale.draws - 1))
-            await self.store.unclaim(key, sale_id)
-            raise _Stopped(stopped)
+        return decision, sale, await self.steps.uncounted(game, sale, sale_id, accepted)
 
     # -- look up ---------------------------------------------------------------------------
 
     async def ticket(self, channel: Channel, ticket_id: str) -> bytes:
         """The stored decision, with `cancelled` once the ticket is cancelled."""
         require_scope(channel, "sell", "read")
-        state, body, raw_sale, sale_id, at, cancelled_at, released, results, _ = (
-            await self.store.ticket(ticket_key(channel.id, ticket_id)))
-        if state is None:
+        record = await self.store.ticket(ticket_key(channel.id, ticket_id))
+        if record is None:
             raise not_found(f"ticket {ticket_id!r}")
-        game = self.catalog.get(unpack_sale(raw_sale).game)
+        game = self.catalog.get(unpack_sale(record.sale).game)
+        body = record.body
         lost = False
-        if game is not None and self._may_have_lost_counters(state, body):
+        if game is not None and body is not None and self._may_have_lost_counters(
+                record.state, body):
             # A decision whose counters a shard lost is no decision to show: the POST sent
             # again counts them again (see _still_counted).
-            _, _, missing = await self._uncounted(game, raw_sale, sale_id.decode(), body)
+            _, _, missing = await self._uncounted(game, record.sale, record.sale_id, body)
             lost = bool(missing)
-        if body is None and results is not None:
-            body = derived_body(channel.id, raw_sale, sale_id, at, results)
+        if body is None and record.results is not None:
+            body = derived_body(channel.id, record.sale, record.sale_id, record.at,
+                                record.results)
         if lost or body is None:
             raise ApiError(409, "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
-        await self._journal_stored("lookup", channel.id, raw_sale, sale_id, at, body, state,
-                                   cancelled_at, released)
-        if cancelled_at is None:
+        await self._journal_stored("lookup", channel.id, record, body)
+        if record.cancelled_at is None:
             return bytes(body)
         tz = game.rules.tz if game is not None else UTC
-        return with_cancellation(bytes(body), tz, int(cancelled_at), int(released))
+        return with_cancellation(bytes(body), tz, record.cancelled_at, record.released or 0)
 
     # -- cancel ----------------------------------------------------------------------------
 
@@ -451,62 +492,57 @@ class Tickets:
         since)."""
         require_scope(channel, "sell")
         key = ticket_key(channel.id, ticket_id)
-        state, body, raw_sale, sale_id, claimed_at, _, _, results, _ = (
-            await self.store.ticket(key))
-        if state is None:
+        record = await self.store.ticket(key)
+        if record is None:
             raise not_found(f"ticket {ticket_id!r}")
-        if only_sale is not None and sale_id.decode() != only_sale:
+        if only_sale is not None and record.sale_id != only_sale:
             raise ApiError(409, "not_cancellable",
                            f"ticket {ticket_id} now holds another sale than {only_sale}")
-        if body is None and results is None:
+        if record.body is None and record.results is None:
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
-        sale = unpack_sale(raw_sale)
+        sale = unpack_sale(record.sale)
         game = self.catalog.get(sale.game)
         if game is None:
             raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
-        decision = (_ticket_decoder.decode(body) if body is not None else decision_of(
-            channel.id, sale, sale_id.decode(), int(claimed_at), results))
+        decision = (_ticket_decoder.decode(record.body) if record.body is not None
+                    else decision_of(channel.id, sale, record.sale_id, record.at,
+                                     record.results or b""))
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
-        if refusal and state == b"f":
+        if refusal and record.state == b"f":
             raise ApiError(409, "not_cancellable", refusal)
         reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
                                         sale.game, sale.first_draw, decision.total_cost,
                                         game.expire_at(sale.first_draw + sale.draws - 1))
-        kind = reply[0]
-        if kind == b"closed":
-            raise ApiError(409, "not_cancellable",
-                           f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
-        if kind == b"missing":
-            raise not_found(f"ticket {ticket_id!r}")
-        if kind not in (b"k", b"c"):
+        if not isinstance(reply, Cancelling):
+            if reply.why == "closed":
+                raise ApiError(409, "not_cancellable",
+                               f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
+            if reply.why == "missing":
+                raise not_found(f"ticket {ticket_id!r}")
             raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
-        if kind == b"k":
-            await self.finish_cancel(channel.id, game, key, sale, sale_id.decode(),
-                                     int(claimed_at), results is not None)
-        body = body or _encode(decision)
-        await self._journaled(key, sale_id.decode(), b"c", self.journal.cancel(
-            "answer" if kind == b"k" else "replay", channel.id, sale, sale_id.decode(),
-            int(claimed_at), bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
-            int(reply[1]), int(reply[2])))
-        return CancelOut(ticket_id=ticket_id, status="cancelled", released=int(reply[2]))
+        if reply.state == b"k":
+            await self.finish_cancel(channel.id, game, key, sale, record.sale_id, record.at,
+                                     record.results is not None)
+        body = record.body or _encode(decision)
+        await self._journaled(key, record.sale_id, b"c", self.journal.cancel(
+            "answer" if reply.state == b"k" else "replay", channel.id, sale, record.sale_id,
+            record.at, bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
+            reply.at, reply.released))
+        return CancelOut(ticket_id=ticket_id, status="cancelled", released=reply.released)
 
     async def finish_cancel(self, channel_id: str, game: Game, key: str, sale: Sale,
                             sale_id: str, at: int, one_call: bool | None = None) -> None:
         """Give back what a cancelled sale took, then mark the cancel complete (a ticket
         sold in one call, `one_call`, read from the ticket when None, is taken out of its
         draws' aggregates then)."""
-        plan = self.ledger.plan(channel_id, game, sale, sale_id, at)
-        await self.ledger.give_back(key, game, sale, sale_id, plan)
+        plan = self.steps.plan(channel_id, game, sale, sale_id, at)
+        await self.steps.give_back(key, game, sale, sale_id, plan)
         if one_call is None:
-            one_call = (await self.store.ticket(key))[7] is not None
+            record = await self.store.ticket(key)
+            one_call = record is not None and record.results is not None
         await self.store.cancelled(
-            key, sale_id, self.ledger.one_call_aggregates(key, game, sale) if one_call else None)
-
-
-def _caps_of(reply: bytes | None) -> list[int] | None:
-    """The draws' caps a one-call sale was judged by ("5000,5000", lua/capsvc.lua)."""
-    return [int(c) for c in reply.split(b",")] if reply else None
+            key, sale_id, self.steps.one_call_aggregates(key, game, sale) if one_call else None)
 
 
 def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
@@ -528,11 +564,11 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
     return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
 
 
-def derived_body(channel_id: str, raw_sale: bytes, sale_id: bytes, at: bytes | int,
-                  results: bytes) -> bytes:
+def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
+                 results: bytes | None) -> bytes:
     """The body of a decision stored as results: what the sale answered, byte for byte."""
-    return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id.decode(),
-                               int(at), results))
+    assert results is not None, "a decision is kept as a body or as results"
+    return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id, at, results))
 
 
 def _conflict(ticket_id: str) -> ApiError:

@@ -40,7 +40,7 @@ from capsvc.redis.store import (
 )
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
-from tests.records import TicketRecords
+from tests.records import TicketRecords, raw_claim
 from tests.restore_reference import OneByOne
 from tests.support.servers import RedisCluster, RedisServer
 
@@ -300,7 +300,7 @@ async def test_a_ticket_id_held_by_another_sale_keeps_it_and_counts_the_journale
     now = int(time.time() * 1000)
     s = fdj_sale("T1", first, TEN[:8])
     key = ticket_key("fr-retail", "T1")
-    claimed = await store.claim(key, "another fingerprint", b"sale", game.calendar.close_ms(
+    claimed = await raw_claim(store, key, "another fingerprint", b"sale", game.calendar.close_ms(
         first), until, 60_000)
     assert claimed[0] == b"new"
     before = TicketRecords(redis_db).fields(key)

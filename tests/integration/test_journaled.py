@@ -167,7 +167,7 @@ async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_f
     svc, _ = service
     draw = await client.current()
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
-    journal, ledger = svc.usecases.journal, svc.usecases.tickets.ledger
+    journal, ledger = svc.usecases.journal, svc.usecases.tickets.steps
     original_sale, original_give_back = journal.sale, ledger.give_back
     refuse_journal(monkeypatch, journal, "sale")
     assert (await client.sell(body)).status == 503
@@ -207,7 +207,7 @@ async def test_a_cancel_interrupted_during_a_replay_is_still_finished(
     draw = await client.current()
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
     assert (await client.sell(body)).status == 200
-    journal, ledger = svc.usecases.journal, svc.usecases.tickets.ledger
+    journal, ledger = svc.usecases.journal, svc.usecases.tickets.steps
     original_ticket, original_give_back = journal.ticket, ledger.give_back
 
     async def lost(*args: object, **kwargs: object) -> None:
@@ -252,7 +252,7 @@ async def test_a_void_whose_journal_write_failed_is_settled_and_journaled_again(
     async def lost(*args: object, **kwargs: object) -> Any:
         raise Unavailable("redis reply lost")
 
-    monkeypatch.setattr(svc.usecases.tickets.ledger, "reserve_all", lost)
+    monkeypatch.setattr(svc.usecases.tickets.steps, "reserve_all", lost)
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
     refuse_journal(monkeypatch, svc.usecases.journal, "void")

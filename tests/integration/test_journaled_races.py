@@ -55,7 +55,7 @@ async def test_a_cancel_decided_after_a_replay_is_indexed_with_its_decision(
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
     assert (await client.sell(body)).status == 200
     entered, go = asyncio.Event(), asyncio.Event()
-    original_cancel, ledger = svc.store.cancel, svc.usecases.tickets.ledger
+    original_cancel, ledger = svc.store.cancel, svc.usecases.tickets.steps
 
     async def held_cancel(*args: Any, **kwargs: Any) -> Any:
         entered.set()
@@ -171,7 +171,7 @@ async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
                 raise Unavailable("redis reply lost")
 
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(svc_a.usecases.tickets.ledger, "reserve_all", lost)
+                mp.setattr(svc_a.usecases.tickets.steps, "reserve_all", lost)
                 assert (await a.sell(body, token="ma")).status == 503
             assert await past_deadline(svc_a.usecases.janitor).run_once() == 1
             sold = await b.sell(body, token="ma")

@@ -22,6 +22,7 @@ from redis.crc import key_slot
 
 from capsvc.domain.combination import encode
 from capsvc.redis.cluster import connect
+from capsvc.redis.replies import Decided, Refused, Sold, StoppedAt
 from capsvc.redis.store import (
     COUNTER_BUCKETS,
     PlayerStore,
@@ -36,7 +37,7 @@ from capsvc.redis.store import (
     stops_key,
     ticket_key,
 )
-from tests.records import TicketRecords
+from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire
 from tests.support.servers import RedisCluster, RedisServer
 
 GAME = "g"
@@ -219,12 +220,12 @@ async def test_other_sale_of_the_same_ticket_and_grid_counts_separately(
         store: Store, combos: Combos, now: int) -> None:
     """Records are fenced by sale id: a new sale of the same ticket and grid counts on its own."""
     key = ticket_key("ch", "T-fence")
-    first = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    first = await raw_claim(store, key, "fp", b"s", now + HOUR, now + DAY, 60_000)
     sale_a = first[2].decode()
     assert await combos.reserve(sale_a, 500) == [1, 0]
     assert await combos.release(sale_a) == [500]
     assert await call(store, "capsvc_unclaim", key, [sale_a]) == 1
-    second = await store.claim(key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    second = await raw_claim(store, key, "fp", b"s", now + HOUR, now + DAY, 60_000)
     sale_b = second[2].decode()
     assert second[0] == b"new"
     assert sale_b != sale_a
@@ -485,7 +486,7 @@ async def test_a_subscription_record_outlives_its_first_draw(combos: Combos,
 
 async def claim(store: Store, key: str, now: int, fp: str = "fp", sale: bytes = b"sale",
                 close: int | None = None, stale_after: int = 60_000) -> Any:
-    return await store.claim(key, fp, sale, now + HOUR if close is None else close, now + DAY,
+    return await raw_claim(store, key, fp, sale, now + HOUR if close is None else close, now + DAY,
                              stale_after)
 
 
@@ -544,7 +545,7 @@ async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     """Once the janitor took a pending ticket (x), a replay is told {stale}."""
     key = ticket_key("ch", "T-x")
     await claimed(store, key, now)
-    assert (await store.expire(key, 0))[0] == b"x"
+    assert (await raw_expire(store, key, 0))[0] == b"x"
     assert await claim(store, key, now) == [b"stale"]
 
 
@@ -561,11 +562,11 @@ async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: r
     assert records.get(key, "body") == b"body"
     settled = ticket_key("ch", "T-fin-x")
     _, sid_x = await claimed(store, settled, now)
-    assert (await store.expire(settled, 0))[0] == b"x"
+    assert (await raw_expire(store, settled, 0))[0] == b"x"
     assert await finalize(store, settled, new_sale()) == 0
     assert await finalize(store, settled, sid_x) == 1
     assert records.get(settled, "st") == b"f"
-    assert (await store.cancel(settled, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
+    assert (await raw_cancel(store, settled, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await finalize(store, settled, sid_x, b"other") == 0
     missing = ticket_key("ch", "T-fin-missing")
     assert await finalize(store, missing, sid) == 0
@@ -582,14 +583,14 @@ async def test_unclaim_only_for_its_sale_while_p_or_x(store: Store, redis_db: re
     assert await call(store, "capsvc_unclaim", key, [sid]) == 1
     assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
-    assert (await store.expire(key, 0))[0] == b"x"
+    assert (await raw_expire(store, key, 0))[0] == b"x"
     assert await call(store, "capsvc_unclaim", key, [sid]) == 1
     assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
     assert await finalize(store, key, sid) == 1
     assert await call(store, "capsvc_unclaim", key, [sid]) == 0
     assert records.get(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
+    assert (await raw_cancel(store, key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await call(store, "capsvc_unclaim", key, [sid]) == 0
     assert await call(store, "capsvc_cancelled", key, [sid]) == 1
     assert await call(store, "capsvc_unclaim", key, [sid]) == 0
@@ -601,24 +602,24 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     maybe never journaled); {'wait'} before; else {}."""
     key = ticket_key("ch", "T-exp")
     at, sid = await claimed(store, key, now)
-    assert await store.expire(key, HOUR) == [b"wait"]
+    assert await raw_expire(store, key, HOUR) == [b"wait"]
     assert await claim(store, key, now) == [b"pending", at, sid.encode(), b"sale"]
     due = [b"x", str(at).encode(), sid.encode(), b"sale"]
-    assert await store.expire(key, 0) == due
-    assert await store.expire(key, HOUR) == due  # an expired ticket stays the janitor's
+    assert await raw_expire(store, key, 0) == due
+    assert await raw_expire(store, key, HOUR) == due  # an expired ticket stays the janitor's
     assert await finalize(store, key, sid) == 1
-    assert await store.expire(key, HOUR) == [b"wait"]
-    assert await store.expire(key, 0) == [b"f", str(at).encode(), sid.encode(), b"sale",
+    assert await raw_expire(store, key, HOUR) == [b"wait"]
+    assert await raw_expire(store, key, 0) == [b"f", str(at).encode(), sid.encode(), b"sale",
                                           b"body", None, None, None]
-    k = await store.cancel(key, now + HOUR, "g", 100, 500, now + DAY)
+    k = await raw_cancel(store, key, now + HOUR, "g", 100, 500, now + DAY)
     assert k[0] == b"k"
-    assert await store.expire(key, HOUR) == [b"wait"]
-    assert await store.expire(key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
+    assert await raw_expire(store, key, HOUR) == [b"wait"]
+    assert await raw_expire(store, key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
                                           b"body", str(k[1]).encode(), b"500", None]
     assert await call(store, "capsvc_cancelled", key, [sid]) == 1
-    assert await store.expire(key, HOUR) == [b"wait"]
-    assert (await store.expire(key, 0))[0] == b"c"
-    assert await store.expire(ticket_key("ch", "T-exp-missing"), 0) == []
+    assert await raw_expire(store, key, HOUR) == [b"wait"]
+    assert (await raw_expire(store, key, 0))[0] == b"c"
+    assert await raw_expire(store, ticket_key("ch", "T-exp-missing"), 0) == []
 
 
 async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int,
@@ -626,17 +627,17 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     """cancel decides once (k, at Redis TIME, the ticket indexed with it) if open and not
     stopped by an admin (the stop copy in the ticket's slot), then replays k, then c."""
     key = ticket_key("ch", "T-cancel")
-    assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
+    assert await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
     assert records.exists(key) == 0
     _, sid = await claimed(store, key, now)
-    assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"undecided"]
+    assert await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY) == [b"undecided"]
     assert await finalize(store, key, sid) == 1
-    assert await store.cancel(key, now - 1, "g", 100, 10, now + DAY) == [b"closed"]
+    assert await raw_cancel(store, key, now - 1, "g", 100, 10, now + DAY) == [b"closed"]
     assert await store.stop("g", 99, now + DAY) > 0  # copied into every ticket slot
-    assert await store.cancel(key, now + HOUR, "g", 99, 10, now + DAY) == [b"closed"]
+    assert await raw_cancel(store, key, now + HOUR, "g", 99, 10, now + DAY) == [b"closed"]
     assert records.get(key, "st") == b"f"
     t0 = redis_ms(redis_db)
-    reply = await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY)
+    reply = await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY)
     t1 = redis_ms(redis_db)
     assert reply[0] == b"k"
     assert t0 <= reply[1] <= t1
@@ -644,12 +645,12 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     assert reply == [b"k", ca, 10, sid.encode()]
     # Indexed with the decision, for the janitor should its request die.
     assert redis_db.zscore(pending_key_of(key), key) == ca
-    again = await store.cancel(key, now - 1, "g", 99, 99, now + DAY)
+    again = await raw_cancel(store, key, now - 1, "g", 99, 99, now + DAY)
     assert again == [b"k", ca, 10, sid.encode()]
     assert (await claim(store, key, now))[:2] == [b"final", b"body"]
     assert await call(store, "capsvc_cancelled", key, [sid]) == 1
-    assert await store.cancel(key, now - 1, "g", 99, 99, now + DAY) == [b"c", ca, 10]
-    assert await store.cancel(key, now + HOUR, "g", 100, 99, now + DAY) == [b"c", ca, 10]
+    assert await raw_cancel(store, key, now - 1, "g", 99, 99, now + DAY) == [b"c", ca, 10]
+    assert await raw_cancel(store, key, now + HOUR, "g", 100, 99, now + DAY) == [b"c", ca, 10]
     assert records.get(key, "st", "ca", "rel") == [b"c", str(ca).encode(), b"10"]
 
 
@@ -662,7 +663,7 @@ async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis
     assert await finalize(store, key, sid) == 1
     assert await call(store, "capsvc_cancelled", key, [sid]) == 0  # final, not cancelling
     assert records.get(key, "st") == b"f"
-    assert (await store.cancel(key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
+    assert (await raw_cancel(store, key, now + HOUR, "g", 100, 0, now + DAY))[0] == b"k"
     assert await call(store, "capsvc_cancelled", key, [new_sale()]) == 0
     assert records.get(key, "st") == b"k"
     assert await call(store, "capsvc_cancelled", key, [sid]) == 1
@@ -932,11 +933,11 @@ async def test_sell_counts_decides_and_replays_in_one_call(
                              CAP, MIN, grids, [expire, expire], "Europe/Paris")
 
     new = await sell()
-    assert new[0] == b"new"
-    at, sid, results = int(new[1]), new[2].decode(), new[3].decode()
+    assert isinstance(new, Sold), new
+    at, sid, results = new.at, new.sale_id, new.results.decode()
     # The sale's time zone, then: draw FIRST+1 had 200 left; OTHER filled both draws.
     assert results == "Europe/Paris|0:1:200;-;1;1"
-    assert [int(new[4]), int(new[5])] == [2, 2]  # OTHER crossed 80 % and its cap, twice
+    assert [new.near_cap, new.sold_out] == [2, 2]  # OTHER crossed 80 % and its cap, twice
     assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], COMBO) is None  # all or nothing
     for draw in (FIRST, FIRST + 1):
         assert db.hget(bucket_keys(GAME, OTHER, draw, 1)[0], OTHER) == str(CAP).encode()
@@ -958,10 +959,10 @@ async def test_sell_counts_decides_and_replays_in_one_call(
         (b"capped", str(d).encode(), OTHER.encode()) for d in (FIRST, FIRST + 1)]
     assert db.pttl(f"f:{{{GAME}}}") > 0
     again = await sell()
-    assert again[0] == b"final"
-    assert again[1] is None
-    assert [int(again[2]), again[3].decode(), again[5].decode()] == [at, sid, results]
-    assert (await sell("other"))[0] == b"conflict"
+    assert isinstance(again, Decided), again
+    assert again.body is None
+    assert [again.at, again.sale_id, (again.results or b"").decode()] == [at, sid, results]
+    assert await sell("other") == Refused("conflict")
     # Indexed until the caller journals the decision (the janitor does it otherwise).
     assert db.zscore(pending_key_of(key), key) == at
     assert db.pexpiretime(pending_key_of(key)) == expire
@@ -976,8 +977,8 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     key = ticket_key("ch", secrets.token_hex(4))
     new = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
                               1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
-    assert new[0] == b"new"
-    sid = new[2].decode()
+    assert isinstance(new, Sold), new
+    sid = new.sale_id
     assert db.hget(bucket_keys(GAME, OTHER, FIRST, 1)[0], record_field(sid, 0)) == b"300"
     assert db.hget(bucket_keys(GAME, COMBO, FIRST, 1)[0], record_field(sid, 1)) == b"200"
     # A cancel's release finds that record, and gives the stake back once.
@@ -998,13 +999,13 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
     before = set(db.scan_iter())
     closed = await one_node.sell(key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
                                  1, CAP, MIN, [(COMBO, 100)], [now + DAY], "UTC")
-    assert closed[0] == b"closed"
+    assert closed == Refused("closed")
     await one_node.stop(GAME, FIRST + 1, now + DAY)
     before = set(db.scan_iter())
     stopped = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
                                   FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY],
                                   "UTC")
-    assert [stopped[0], int(stopped[1])] == [b"stopped", 1]
+    assert stopped == StoppedAt(1)
     assert set(db.scan_iter()) == before
 
 

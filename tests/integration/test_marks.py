@@ -26,6 +26,7 @@ from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
 from capsvc.redis.cluster import connect
 from capsvc.redis.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
+from capsvc.redis.replies import Claimed, Pending
 from capsvc.redis.store import Store, lua_source, ticket_key
 from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisCluster, RedisServer
@@ -107,7 +108,7 @@ async def test_a_redis_behind_what_the_process_saw_refuses_and_runs_nothing(
     assert recorded.behind == [(mark, "0:1:1")]
     assert redis_db.hget(mark, "*") == b"0"
     redis_db.hset(mark, "*", 5)  # put back as the process saw it: the claim runs now
-    assert (await claim(recorded.store, neighbour("A-1")))[0] == b"new"  # it had not run
+    assert isinstance(await claim(recorded.store, neighbour("A-1")), Claimed)  # it had not run
 
 
 async def test_its_own_writes_lost_are_seen_though_others_wrote_since(
@@ -145,7 +146,7 @@ async def test_an_announced_restore_refuses_every_marked_call_until_it_ends(
     assert not isinstance(refused.value, Behind)
     assert recorded.behind == []
     await asyncio.sleep(0.45)
-    assert (await claim(store, "A-1"))[0] == b"new"
+    assert isinstance(await claim(store, "A-1"), Claimed)
 
 
 async def test_a_tools_call_is_neither_checked_nor_counted(
@@ -156,7 +157,7 @@ async def test_a_tools_call_is_neither_checked_nor_counted(
     try:
         mark = mark_of(store, ticket_key("fr", "A-1"))
         redis_db.hset(mark, mapping={"*": 7, "!": 2**60})
-        assert (await claim(store, "A-1"))[0] == b"new"
+        assert isinstance(await claim(store, "A-1"), Claimed)
         assert redis_db.hgetall(mark) == {b"*": b"7", b"!": str(2**60).encode()}
     finally:
         await store.redis.aclose()
@@ -223,7 +224,7 @@ async def test_a_call_never_runs_ahead_of_an_earlier_write_still_in_flight(
 
         async def sell(store: Store, ticket_id: str) -> None:
             Marks.begin()
-            assert (await claim(store, ticket_id))[0] == b"new"  # a refused call ran nothing
+            assert isinstance(await claim(store, ticket_id), Claimed)  # a refused call ran nothing
             s = sale(ticket_id)
             await recorder.sale("answer", "fr", s, "0" * 16, 1, decision(s), 10**13, [5000])
 
@@ -299,7 +300,7 @@ async def test_a_cluster_shard_behind_refuses_only_the_calls_of_its_slots(
         with pytest.raises(Behind):
             await claim(store, a2)
         assert rec.behind == [(mark, "1:0:1")]
-        assert (await claim(store, b))[0] == b"pending"
+        assert isinstance(await claim(store, b), Pending)
     finally:
         await store.redis.aclose()
 

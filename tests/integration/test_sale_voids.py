@@ -46,7 +46,7 @@ async def test_a_sale_whose_draw_closes_before_its_grids_is_journaled_void(
     the grids are judged): the answer is 422 draw_closed, nothing stays counted or claimed,
     and the journal holds the sale's void (`closed`)."""
     svc, url = in_steps
-    ledger = svc.usecases.tickets.ledger
+    ledger = svc.usecases.tickets.steps
     reserve_all = ledger.reserve_all
 
     async def after_the_close(game: Any, sale: Any, sale_id: str, close_ms: int) -> Any:

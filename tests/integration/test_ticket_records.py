@@ -13,6 +13,7 @@ import redis
 
 from capsvc.domain.validator import unpack_sale
 from capsvc.redis.cluster import connect
+from capsvc.redis.replies import Sold
 from capsvc.redis.store import (
     RECORD_BUCKETS,
     TICKET_BUCKETS,
@@ -24,7 +25,7 @@ from capsvc.redis.store import (
     ticket_key,
 )
 from tests.conftest import TEN, Client, ticket
-from tests.records import TicketRecords
+from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire, raw_ticket
 from tests.support.servers import RedisCluster, RedisServer
 
 HOUR, DAY = 3_600_000, 86_400_000
@@ -59,7 +60,7 @@ def same_bucket(key: str, count: int) -> list[str]:
 
 async def sold(store: Store, key: str, now: int, expire_at: int | None = None) -> str:
     """A ticket claimed and decided through `store`; its sale id."""
-    reply = await store.claim(key, "fp", b"sale", now + HOUR,
+    reply = await raw_claim(store, key, "fp", b"sale", now + HOUR,
                               now + DAY if expire_at is None else expire_at, 60_000)
     assert reply[0] == b"new"
     sid: str = reply[2].decode()
@@ -78,7 +79,7 @@ async def test_a_record_is_a_field_of_its_bucket(store: Store, redis_db: redis.R
     assert records.get(key, "st", "body") == [b"f", b"body"]
     assert records.expiry(key) == now + DAY
     assert redis_db.pexpiretime(record_bucket_of(key)) >= now + DAY
-    assert (await store.ticket(key))[0:2] == [b"f", b"body"]
+    assert (await raw_ticket(store, key))[0:2] == [b"f", b"body"]
 
 
 async def test_a_sold_ticket_s_record_keeps_its_sale_packed(client: Client,
@@ -109,14 +110,14 @@ async def test_a_record_past_its_expiry_is_gone_for_every_reader(
     await sold(store, neighbour, now)  # keeps the bucket (its TTL) past the record's expiry
     now = redis_ms(redis_db)
     sid = await sold(store, key, now, expire_at=now + 1500)
-    assert (await store.ticket(key))[0] == b"f"
+    assert (await raw_ticket(store, key))[0] == b"f"
     await asyncio.sleep(max(0, now + 1600 - redis_ms(redis_db)) / 1000)
     now = redis_ms(redis_db)
     assert records.exists(key) == 1  # still there, but past its expiry
-    assert await store.ticket(key) == [None] * 9
-    assert await store.cancel(key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
-    assert await store.expire(key, 0) == []
-    again = await store.claim(key, "other fp", b"sale", now + HOUR, now + DAY, 60_000)
+    assert await raw_ticket(store, key) == [None] * 9
+    assert await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
+    assert await raw_expire(store, key, 0) == []
+    again = await raw_claim(store, key, "other fp", b"sale", now + HOUR, now + DAY, 60_000)
     assert again[0] == b"new"
     assert again[2].decode() != sid
     assert records.expiry(key) == now + DAY
@@ -172,7 +173,7 @@ async def test_a_sale_of_thousands_of_keys_is_one_call(redis_server: RedisServer
         key = ticket_key("ch", "LONG-1")
         reply = await store.sell(key, "fp", b"sale", now + HOUR, expiries[-1], 60_000, "g",
                                  1000, draws, 5000, 100, grids, expiries, "UTC")
-        assert reply[0] == b"new", reply
-        assert (await store.ticket(key))[0] == b"f"
+        assert isinstance(reply, Sold), reply
+        assert (await raw_ticket(store, key))[0] == b"f"
     finally:
         await coalescer.aclose()
