@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from capsvc.config import Settings
 from capsvc.domain.games import Catalog
@@ -67,7 +68,9 @@ after its restore's end it still holds the processes (they cannot tell whose it 
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
 (a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
-RETRY_S = 0.5
+RETRY_S = 0.2
+"""The pause before a failed restore is tried again: shorter than ANNOUNCE_MS, so that an
+announcement the failed attempt made still holds when the next one renews it."""
 
 
 class Reconciler:
@@ -93,6 +96,8 @@ class Reconciler:
         """What each other lifetime of the directory had written through each mark, as its
         files told the last restore (the watch checks their fields too)."""
         self._made_cache: dict[tuple[Path, int, float], dict[str, int]] = {}
+        self._announced = False
+        """Whether the last attempt at a restore announced it."""
         gate.on_unknown = self.unknown
         marks.on_behind = self.behind
 
@@ -184,6 +189,9 @@ class Reconciler:
 
     async def _run(self) -> None:
         quiet = False
+        announced = False
+        """Whether the attempt before announced: the next one announces at once, before
+        anything else, so that no other process judges between the two."""
         while True:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
@@ -191,11 +199,13 @@ class Reconciler:
             try:
                 # The library is loaded by the transport if Redis lacks it (a first call
                 # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
-                done, held = await self._reconcile(store)
+                done, held = await self._reconcile(store, announced)
             except WentBack as e:
                 log.warning("journal: %s: restoring again", e)
+                announced = True
                 continue
             except Exception as e:  # Redis unreachable, or refusing: try again
+                announced = announced or self._announced
                 self.attempted.set()
                 if not quiet:
                     log.warning("journal: restore into redis failed (%s): retrying", e)
@@ -208,10 +218,11 @@ class Reconciler:
             self.attempted.set()
             return
 
-    async def _reconcile(self, store: Store) -> tuple[Restored | None, list[str | None]]:
+    async def _reconcile(self, store: Store, announce: bool = False
+                         ) -> tuple[Restored | None, list[str | None]]:
         """Put back what Redis lacks of this lifetime and of the directory's lifetimes gone;
         what was done (None: nothing was lacking) and the identities of the Redis it was
-        done on."""
+        done on. `announce`: announce at once (an attempt before did)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         # On a cluster the announcement goes to the ticket slots' marks too: every sale's
@@ -222,9 +233,10 @@ class Reconciler:
         went_back = any(_g(first[m][0]) < self.marks.seen.get(m, 0) for m in own)
         announcer = _Announcer(store, self.life, ticket_marks(store))
         try:
-            if not covered(mine, {m: _g(first[m][2]) for m in own}):
-                # Its own writes lost: announced at once, before the journal is read, so
-                # that other processes stop judging as soon as possible.
+            if announce or not covered(mine, {m: _g(first[m][2]) for m in own}):
+                # Its own writes lost (or an attempt before announced): announced at once,
+                # before the journal is read, so that other processes stop judging as soon
+                # as possible.
                 await announcer.begin(own)
             held = await identities(store)
             now = await store.time_ms()
@@ -274,9 +286,15 @@ class Reconciler:
                     if self.marks.sent.get(mark):  # its count of writes, as they were sent
                         args += [f"#{self.life}", self.marks.sent[mark]]
                     # LOST (an error) when Redis went back in time again meanwhile: then
-                    # the restore runs again, from the start.
-                    floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,
-                                                           args))
+                    # the restore runs again, from the start, at once.
+                    try:
+                        floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,
+                                                               args))
+                    except ResponseError as e:
+                        if str(e).startswith("LOST"):
+                            raise WentBack("redis went back in time again on "
+                                           f"{mark} while the journal was put back") from e
+                        raise
             if lacking_lives or went_back or announcer.marks:
                 # Every live process has looked at the marks by then (its watch), and
                 # announced its own restore if it lost anything; then none is left.
@@ -300,6 +318,7 @@ class Reconciler:
                     self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
             return done, held
         finally:
+            self._announced = bool(announcer.marks)
             await announcer.end()
 
     def _made_by(self, life: Life) -> dict[str, int]:
