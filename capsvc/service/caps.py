@@ -7,15 +7,18 @@ is never raised (or lowered) under the sales already made.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from capsvc.domain.games import Game
-from capsvc.journal.recorder import Recorder
 from capsvc.redis.store import Store, replies_of
 
 _CACHED_CAPS = 4096
 """Fixed caps a process remembers (a few games times the draws on sale); beyond, it forgets
 them all and reads them again: they never change once fixed."""
+
+
+OnLearnt = Callable[[str, int, int, int], None]
+"""(game, draw, cap, the draw's expiry): a draw's cap learnt."""
 
 
 class DrawCaps:
@@ -26,9 +29,11 @@ class DrawCaps:
     not raised). A process remembers the caps it has seen fixed, so a sale pays the round
     trip once per draw and process."""
 
-    def __init__(self, store: Store, journal: Recorder | None = None) -> None:
+    def __init__(self, store: Store, on_learnt: OnLearnt | None = None) -> None:
         self.store = store
-        self.journal = journal
+        self.on_learnt = on_learnt
+        """Told of each draw's cap the first time this process learns it (the wiring
+        journals it: capsvc.journal.recorder.Recorder.cap)."""
         self._fixed: dict[tuple[str, int], int] = {}
 
     def known(self, game: Game, first: int, draws: int) -> list[int] | None:
@@ -47,11 +52,11 @@ class DrawCaps:
         """Caps found fixed for draws first, first+1, … (they never change)."""
         if len(self._fixed) + len(caps) > _CACHED_CAPS:
             self._fixed.clear()
-        journal, fixed = self.journal, self._fixed
+        learnt, fixed = self.on_learnt, self._fixed
         for i, cap in enumerate(caps):
             key = (game.rules.id, first + i)
-            if journal is not None and key not in fixed:
-                journal.cap(game.rules.id, first + i, cap, game.expire_at(first + i))
+            if learnt is not None and key not in fixed:
+                learnt(game.rules.id, first + i, cap, game.expire_at(first + i))
             fixed[key] = cap
 
     async def fix(self, game: Game, first: int, draws: int) -> list[int]:
