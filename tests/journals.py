@@ -23,7 +23,14 @@ from typing import Any
 import msgspec
 
 from capsvc.config import GameRules
-from capsvc.domain.decisions import budget_plan, build_decision, player_limit_decision
+from capsvc.domain.decisions import (
+    ACCEPTED,
+    REJECTED,
+    Reserved,
+    budget_plan,
+    build_decision,
+    player_limit_decision,
+)
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, validate_ticket
@@ -64,11 +71,11 @@ class _Model:
     counters: dict[tuple[str, str, int], int] = field(default_factory=dict)
     caps_seen: set[tuple[str, int]] = field(default_factory=set)
 
-    def judge(self, sale: Sale) -> list[Any]:
+    def judge(self, sale: Sale) -> list[Reserved | None]:
         """Reserve replies as Redis would give them (None: not capped)."""
         first = sale.first_draw
         assert first is not None
-        replies: list[Any] = []
+        replies: list[Reserved | None] = []
         for g in sale.grids:
             if not g.capped:
                 replies.append(None)
@@ -80,9 +87,10 @@ class _Model:
             if refused is None:
                 for k in keys:
                     self.counters[k] = self.counters.get(k, 0) + g.stake
-                replies.append([1, 0])
+                replies.append(Reserved(ACCEPTED))
             else:
-                replies.append([0, refused, cap - self.counters.get(keys[refused], 0)])
+                replies.append(Reserved(REJECTED, offset=refused,
+                                        room=cap - self.counters.get(keys[refused], 0)))
         return replies
 
     def give_back(self, sale: Sale, accepted: set[int]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from capsvc.domain.decisions import accepted_grids
+from capsvc.domain.decisions import ACCEPTED, accepted_grids
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import pack_sale
@@ -148,7 +148,7 @@ class OneByOne:
                 put_back = True
         marks = []
         for g, reply in zip(grids, replies[:n], strict=True):
-            if reply[0] != 1:
+            if reply[0] != ACCEPTED:  # capsvc_restore_grid's reply, as the Lua gives it
                 continue
             put_back = True
             out.grids += 1

@@ -9,9 +9,10 @@ not be cancelled, and how a cancellation shows on a stored decision.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import tzinfo
-from typing import Any
+from typing import ClassVar
 
 import msgspec
 
@@ -25,8 +26,32 @@ DAY_MS = 86_400_000
 
 ACCEPTED, REJECTED, CLOSED, RELEASED = 1, 0, -1, -2
 SHADOWED = 2
-"""A reserve's reply: accepted, and the shadow cap would have refused it."""
-"""The first element of a reserve reply (see lua/capsvc.lua, reserve)."""
+"""A grid's reserve: accepted (SHADOWED: accepted, and the shadow cap would have refused
+it), rejected by the cap, not counted because sales are closed, not counted because the
+sale's record was released or sealed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A grid's outcome: its reserve (lua/capsvc.lua, `reserve`, decoded by
+    capsvc.redis.replies), or what a sale in one call recorded of it."""
+
+    LUA: ClassVar[str] = ("{1, near, sold-out offsets…} accepted (now or by an earlier run "
+                          "of the same sale)")
+    kind: int
+    """ACCEPTED, SHADOWED, REJECTED, CLOSED or RELEASED."""
+    near: int = 0
+    """Accepted: the counters this call brought to 80 % of the cap."""
+    sold_out: tuple[int, ...] = ()
+    """Accepted: the offsets of the draws this call brought to their cap."""
+    offset: int = 0
+    """Rejected: the draw (offset from the first) that would overflow."""
+    room: int = 0
+    """Rejected: the room left on that draw."""
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind >= ACCEPTED
 
 
 @dataclass(slots=True)
@@ -89,7 +114,7 @@ def receipt_id(channel_id: str, ticket_id: str, sale_id: str) -> str:
 
 
 def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: int,
-                   replies: list[Any]) -> TicketOut:
+                   replies: Sequence[Reserved | None]) -> TicketOut:
     """The ticket's decision from its sale and the reserve replies (None: uncapped grid),
     every one of them accepted or rejected; a draw that closed while the sale ran is a 422.
     """
@@ -99,15 +124,15 @@ def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: in
     total = 0
     accepted = 0
     for g, reply in zip(sale.grids, replies, strict=True):
-        if reply is None or reply[0] >= ACCEPTED:  # SHADOWED is accepted too
+        if reply is None or reply.accepted:
             grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="accepted",
                                  cost=g.cost))
             total += g.cost
             accepted += 1
-        elif reply[0] == REJECTED:
+        elif reply.kind == REJECTED:
             grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="rejected",
-                                 reason="combination_capped", draw=first + int(reply[1]),
-                                 remaining=int(reply[2])))
+                                 reason="combination_capped", draw=first + reply.offset,
+                                 remaining=reply.room))
         else:
             raise rule_error("draw_closed", f"draw {first} closed while the sale was running",
                              "$.first_draw")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved
+
 
 def _int(value: Any) -> int | None:
     return None if value is None else int(value)
@@ -207,3 +209,29 @@ def cancel_of(reply: list[Any]) -> Cancelling | NotCancelled:
     if reply[0] in (b"k", b"c"):
         return Cancelling(reply[0], int(reply[1]), int(reply[2]))
     return NotCancelled(_text(reply[0]))
+
+
+# -- a grid's counters ---------------------------------------------------------------------
+
+def reserved_of(reply: list[Any]) -> Reserved:
+    kind = int(reply[0])
+    if kind >= ACCEPTED:
+        return Reserved(kind, int(reply[1]), tuple(int(o) for o in reply[2:]))
+    if kind == REJECTED:
+        return Reserved(kind, offset=int(reply[1]), room=int(reply[2]))
+    return Reserved(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A grid given back (`release`)."""
+
+    LUA: ClassVar[str] = "{released stake, offsets that left the sold-out state…}"
+    stake: int
+    """What this call gave back (0: given back before, or nothing taken)."""
+    reopened: tuple[int, ...]
+    """The offsets of the draws that left their cap."""
+
+
+def released_of(reply: list[Any]) -> Released:
+    return Released(int(reply[0]), tuple(int(o) for o in reply[1:]))

@@ -26,16 +26,20 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
+from capsvc.domain.decisions import Reserved
 from capsvc.redis.marks import MARKED, Marks
 from capsvc.redis.replies import (
     Cancelling,
     Claim,
     Due,
     NotCancelled,
+    Released,
     TicketRecord,
     cancel_of,
     claim_of,
     due_of,
+    released_of,
+    reserved_of,
     ticket_of,
 )
 from capsvc.redis.transport import Coalescer, Transport
@@ -351,11 +355,11 @@ class Store:
 
     def reserve(self, game: str, combo: str, record: bytes, stake: int, caps: str | int,
                 min_stake: int, first_draw: int, expire_at: list[int], close_ms: int
-                ) -> asyncio.Future[Any]:
+                ) -> asyncio.Future[Reserved]:
         """Count `stake` on every draw of the grid, or none; `close_ms=0` seals instead."""
         keys = bucket_keys(game, combo, first_draw, len(expire_at))
-        return self.fcall("capsvc_reserve", keys,
-                          [record, combo, stake, caps, close_ms, min_stake, *expire_at])
+        return decoded(self.fcall("capsvc_reserve", keys, [
+            record, combo, stake, caps, close_ms, min_stake, *expire_at]), reserved_of)
 
     def record(self, game: str, combo: str, record: bytes, first_draw: int, draws: int
                ) -> asyncio.Future[Any]:
@@ -364,9 +368,10 @@ class Store:
                                  record)
 
     def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
-                first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Any]:
+                first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Released]:
         keys = bucket_keys(game, combo, first_draw, draws)
-        return self.fcall("capsvc_release", keys, [record, combo, caps, min_stake, expire_at])
+        return decoded(self.fcall("capsvc_release", keys,
+                                  [record, combo, caps, min_stake, expire_at]), released_of)
 
     def counters(self, game: str, combo: str, first_draw: int, draws: int
                  ) -> list[asyncio.Future[Any]]:

@@ -17,8 +17,8 @@ import msgspec
 from capsvc.domain.decisions import (
     ACCEPTED,
     REJECTED,
-    SHADOWED,
     BudgetPlan,
+    Reserved,
     accepted_grids,
     budget_plan,
     build_decision,
@@ -29,6 +29,7 @@ from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import Sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import VoidWhy
+from capsvc.redis.replies import Released
 from capsvc.redis.store import (
     PlayerStore,
     Store,
@@ -97,7 +98,7 @@ class SaleSteps:
                 if record != str(g.stake).encode()}
 
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
-                          ) -> list[Any]:
+                          ) -> list[Reserved | None]:
         """Reserve every capped grid at once, against the draws' caps (fixed by this sale if
         it is their first); one reply per grid (None: not capped). An accepted grid that
         the shadow cap would have refused replies SHADOWED, an accepted one that it would
@@ -126,7 +127,7 @@ class SaleSteps:
         if not grids:
             return 0
         caps = await self.caps.argument(game, first, sale.draws, fix=False)
-        replies = await replies_of([
+        released: list[Released] = await replies_of([
             self.store.release(rules.id, g.combo, record_field(sale_id, g.index), caps,
                                rules.min_stake, first, sale.draws,
                                game.expire_at(first + sale.draws - 1))
@@ -135,15 +136,17 @@ class SaleSteps:
         # A combination that leaves its cap stays on the sold-out list (readers filter it
         # by its counter): a removal racing another process's re-fill could hide one at cap.
         # The feed says it reopened (the counters' transition, reported once by release).
-        reopened = [self.store.feed_reopened(rules.id, first + int(offset), g.combo,
-                                             game.expire_at(first + int(offset)))
-                    for g, reply in zip(grids, replies, strict=True) for offset in reply[1:]]
+        reopened = [self.store.feed_reopened(rules.id, first + offset, g.combo,
+                                             game.expire_at(first + offset))
+                    for g, reply in zip(grids, released, strict=True)
+                    for offset in reply.reopened]
         if reopened:
             await replies_of(reopened)
-        return sum(int(reply[0]) for reply in replies)
+        return sum(reply.stake for reply in released)
 
     async def write_decision(self, game: Game, key: str, sale: Sale, sale_id: str,
-                             plan: BudgetPlan | None, replies: list[Any], out: TicketOut,
+                             plan: BudgetPlan | None, replies: list[Reserved | None],
+                             out: TicketOut,
                              body: bytes) -> tuple[int, int] | None:
         """Write a decision built from `replies`: first the budget's settlement and the
         draws' sold-out lists (once the decision is written, a replay answers it and nothing
@@ -154,11 +157,11 @@ class SaleSteps:
         assert first is not None
         near_cap, marks = 0, []
         for g, reply in zip(sale.grids, replies, strict=True):
-            if reply is not None and reply[0] >= ACCEPTED:  # or SHADOWED
-                near_cap += reply[1]
+            if reply is not None and reply.accepted:
+                near_cap += reply.near
                 marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
                                                    game.expire_at(first + offset))
-                          for offset in reply[2:]]
+                          for offset in reply.sold_out]
         accepted = accepted_grids(out)
         settled = self.settle_budget(plan, sale, accepted)
         aggregates = self.aggregates(key, game, sale, sale_id, accepted)
@@ -214,7 +217,7 @@ class SaleSteps:
                                                                 msgspec.json.encode(out)))
             held = taken[0] == ACCEPTED
         replies = await self.reserve_all(game, sale, sale_id, 0)
-        if not void and held and all(r is None or r[0] in (ACCEPTED, SHADOWED, REJECTED)
+        if not void and held and all(r is None or r.accepted or r.kind == REJECTED
                                      for r in replies):
             out = build_decision(channel_id, game.rules.tz, sale, sale_id, at, replies)
             written = await self.write_decision(game, key, sale, sale_id, plan, replies, out,

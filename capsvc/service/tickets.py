@@ -46,6 +46,7 @@ from capsvc.domain.decisions import (
     REJECTED,
     RELEASED,
     SHADOWED,
+    Reserved,
     build_decision,
     cancel_refusal,
     player_limit_decision,
@@ -343,7 +344,7 @@ class Tickets:
         if taken is None and (stop := await self._stopped(channel.id, game, key, sale,
                                                           sale_id, at, stops)):
             return stop
-        kinds = {r[0] for r in replies if r is not None}
+        kinds = {r.kind for r in replies if r is not None}
         if RELEASED in kinds:
             return AGAIN
         if CLOSED in kinds:
@@ -372,7 +373,8 @@ class Tickets:
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,
-                           shadowed=sum(1 for r in replies if r is not None and r[0] == SHADOWED))
+                           shadowed=sum(1 for r in replies
+                                        if r is not None and r.kind == SHADOWED))
 
     async def _stopped(self, channel_id: str, game: Game, key: str, sale: Sale, sale_id: str,
                        at: int, stops: asyncio.Future[Any]) -> Stop | None:
@@ -400,7 +402,7 @@ class Tickets:
             sale, grids=[g for g in sale.grids if g.index in missing])
         replies = await self.steps.reserve_all(game, lost, sale_id,
                                                 game.calendar.close_ms(sale.first_draw))
-        if all(r is not None and r[0] >= ACCEPTED for r in replies):
+        if all(r is not None and r.accepted for r in replies):
             log.warning("ticket %s: %d accepted grid(s) had lost their counters in Redis "
                         "(a shard lost writes): counted again", decision.ticket_id,
                         len(missing))
@@ -552,15 +554,15 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
     rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
     so the body is the one first answered, byte for byte, for as long as it is kept."""
     zone, _, grids = results.decode().partition("|")
-    replies: list[Any] = []
+    replies: list[Reserved | None] = []
     for r in grids.split(";"):
         if r == "-":
             replies.append(None)
         elif r == "1":
-            replies.append([ACCEPTED])
+            replies.append(Reserved(ACCEPTED))
         else:
             _, offset, room = r.split(":")
-            replies.append([REJECTED, int(offset), int(room)])
+            replies.append(Reserved(REJECTED, offset=int(offset), room=int(room)))
     return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
 
 

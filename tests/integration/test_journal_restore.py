@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from capsvc.config import Settings, load_settings
-from capsvc.domain.decisions import build_decision
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
 from capsvc.domain.games import Catalog
 from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, pack_sale, validate_ticket
@@ -242,7 +242,8 @@ def sold(s: Sale, sid: str, at: int, until: int, accepted: bool = True
     """A sale record of `s` (its capped grid accepted, or refused by the cap)."""
     first = s.first_draw
     assert first is not None
-    replies = [[1, 0] if accepted else [0, 0, 0] for _ in s.grids]
+    replies: list[Reserved | None] = [Reserved(ACCEPTED) if accepted else Reserved(REJECTED)
+                                      for _ in s.grids]
     body = msgspec.json.encode(build_decision("fr-retail", RULES.tz, s, sid, at, replies))
     return "sale", ("answer", "fr-retail", s, sid, at, body, until, [RULES.cap_limit] * s.draws)
 

@@ -21,8 +21,9 @@ import redis
 from redis.crc import key_slot
 
 from capsvc.domain.combination import encode
+from capsvc.domain.decisions import REJECTED, Reserved
 from capsvc.redis.cluster import connect
-from capsvc.redis.replies import Decided, Refused, Sold, StoppedAt
+from capsvc.redis.replies import Decided, Refused, Released, Sold, StoppedAt
 from capsvc.redis.store import (
     COUNTER_BUCKETS,
     PlayerStore,
@@ -105,10 +106,10 @@ class Combos:
 
     def reserve(self, sale: str, stake: int, draws: int = 1, first: int = FIRST, grid: int = 0,
                 close: int | None = None, combo: str = COMBO) -> Any:
-        off = first - FIRST
-        return self.store.reserve(GAME, combo, record_field(sale, grid), stake, CAP, MIN, first,
-                                  self.expires[off:off + draws],
-                                  self.close if close is None else close)
+        off = first - FIRST  # the raw reply (the store decodes it: capsvc.redis.replies)
+        return self.store.fcall("capsvc_reserve", bucket_keys(GAME, combo, first, draws), [
+            record_field(sale, grid), combo, stake, CAP, self.close if close is None else close,
+            MIN, *self.expires[off:off + draws]])
 
     def seal(self, sale: str, draws: int = 1, grid: int = 0, combo: str = COMBO) -> Any:
         return self.reserve(sale, 500, draws, grid=grid, close=0, combo=combo)
@@ -116,8 +117,8 @@ class Combos:
     def release(self, sale: str, draws: int = 1, first: int = FIRST, grid: int = 0,
                 combo: str = COMBO) -> Any:
         last = first - FIRST + draws - 1  # the record's bucket is the last draw's: its expiry
-        return self.store.release(GAME, combo, record_field(sale, grid), CAP, MIN, first, draws,
-                                  self.expires[last])
+        return self.store.fcall("capsvc_release", bucket_keys(GAME, combo, first, draws), [
+            record_field(sale, grid), combo, CAP, MIN, self.expires[last]])
 
     def counters(self, draws: int = 3, first: int = FIRST, combo: str = COMBO) -> list[int]:
         return [int(self.db.hget(k, combo) or 0) for k in bucket_keys(GAME, combo, first, draws)]
@@ -211,8 +212,8 @@ async def test_rerun_of_a_rejected_grid_returns_the_rejection(combos: Combos) ->
     assert await combos.reserve(new_sale(), 4000, combo=OTHER) == [1, 1]
     late = record_field(new_sale(), 0)
     lowered = [GAME, OTHER, late, 100, 3000, MIN, FIRST, combos.expires[:1], combos.close]
-    assert await combos.store.reserve(*lowered) == [0, 0, -1000]
-    assert await combos.store.reserve(*lowered) == [0, 0, -1000]
+    assert await combos.store.reserve(*lowered) == Reserved(REJECTED, offset=0, room=-1000)
+    assert await combos.store.reserve(*lowered) == Reserved(REJECTED, offset=0, room=-1000)
     assert combos.counters(1, combo=OTHER) == [4000]
 
 
@@ -413,8 +414,8 @@ async def test_each_draw_is_judged_by_its_own_cap_and_the_shadow_cap_refuses_non
     store, expires = combos.store, combos.expires
 
     def reserve(sale: str, stake: int, caps: str | int, draws: int = 3) -> Any:
-        return store.reserve(GAME, COMBO, record_field(sale, 0), stake, caps, MIN, FIRST,
-                             expires[:draws], combos.close)
+        return store.fcall("capsvc_reserve", bucket_keys(GAME, COMBO, FIRST, draws), [
+            record_field(sale, 0), COMBO, stake, caps, combos.close, MIN, *expires[:draws]])
 
     # Draws 1 and 2 reach their cap (and 80 % of it), draw 0 neither.
     assert await reserve(new_sale(), 3000, "5000,3000") == [1, 2, 1, 2]
@@ -431,7 +432,7 @@ async def test_each_draw_is_judged_by_its_own_cap_and_the_shadow_cap_refuses_non
     sale = new_sale()
     assert await reserve(sale, 100, "5100,5200,5100", 3) == [1, 0, 0, 2]
     assert await store.release(GAME, COMBO, record_field(sale, 0), "5100,5200,5100", MIN,
-                               FIRST, 3, expires[2]) == [100, 0, 2]
+                               FIRST, 3, expires[2]) == Released(100, (0, 2))
 
 
 async def test_release_deletes_counters_that_reach_zero(combos: Combos,
@@ -984,10 +985,10 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     # A cancel's release finds that record, and gives the stake back once.
     released = await one_node.release(GAME, COMBO, record_field(sid, 1), CAP, MIN, FIRST, 1,
                                       now + DAY)
-    assert int(released[0]) == 200
+    assert released.stake == 200
     again = await one_node.release(GAME, COMBO, record_field(sid, 1), CAP, MIN, FIRST, 1,
                                    now + DAY)
-    assert int(again[0]) == 0
+    assert again.stake == 0
 
 
 async def test_sell_writes_nothing_when_closed_or_stopped(

@@ -19,7 +19,7 @@ from capsvc.audit.history import read_history
 from capsvc.audit.reconcile import ExportError, Known, read_export, reconcile
 from capsvc.audit.report import NO_ACTIVITY, build, to_csv, to_json
 from capsvc.config import load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, build_decision
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
 from capsvc.domain.games import Game
 from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, validate_ticket
@@ -57,7 +57,9 @@ class Book:
         self.n += 1
         sid = f"{self.n:016x}"
         at = NOW + self.n
-        body = msgspec.json.encode(build_decision(channel, TZ, s, sid, at, replies))
+        body = msgspec.json.encode(build_decision(channel, TZ, s, sid, at, [
+            None if r is None else Reserved(r[0], offset=r[1], room=r[2]) if r[0] == REJECTED
+            else Reserved(r[0]) for r in replies]))
         until = GAME.expire_at(s.first_draw + s.draws - 1)  # type: ignore[operator]
         waits = [self.rec.sale("answer", channel, s, sid, at, body, until, [cap] * s.draws)]
         waits += [self.rec.sale("lookup", channel, s, sid, at, body, until)
@@ -164,7 +166,8 @@ async def test_a_sale_journaled_by_two_hosts_and_cancelled_in_the_other_file_cou
     s = sale("T", [{"numbers": HOT, "stake": 500}])
     first, second = Book(tmp_path / "a"), Book(tmp_path / "b")
     sid, _ = await first.sell(s, [[ACCEPTED]])
-    body = msgspec.json.encode(build_decision("fr-retail", TZ, s, sid, NOW + 1, [[ACCEPTED]]))
+    body = msgspec.json.encode(build_decision("fr-retail", TZ, s, sid, NOW + 1,
+                                              [Reserved(ACCEPTED)]))
     await second.rec.cancel("answer", "fr-retail", s, sid, NOW + 1, body,
                             GAME.expire_at(DRAW), NOW + 9, 500)
     await first.close()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from capsvc.domain.decisions import ACCEPTED, CLOSED, REJECTED, SHADOWED, Reserved
 from capsvc.redis import replies as r
 
 LUA = (Path(__file__).parents[2] / "lua" / "capsvc.lua").read_text()
@@ -17,6 +18,8 @@ DOCUMENTED = {
     "ticket": [r.TicketRecord],
     "expire": [r.Due],
     "cancel": [r.Cancelling, r.NotCancelled],
+    "reserve": [Reserved],
+    "release": [r.Released],
 }
 
 
@@ -64,3 +67,13 @@ def test_tickets_hand_overs_and_cancels_decode() -> None:
     assert r.cancel_of([b"k", b"9", b"500", b"s1"]) == r.Cancelling(b"k", 9, 500)
     assert r.cancel_of([b"c", b"9", b"500"]) == r.Cancelling(b"c", 9, 500)
     assert r.cancel_of([b"missing"]) == r.NotCancelled("missing")
+
+
+def test_grids_decode_by_kind() -> None:
+    assert r.reserved_of([1, 2, 0, 1]) == Reserved(ACCEPTED, near=2, sold_out=(0, 1))
+    assert r.reserved_of([2, 0]) == Reserved(SHADOWED)
+    assert r.reserved_of([0, 1, 300]) == Reserved(REJECTED, offset=1, room=300)
+    assert r.reserved_of([-1]) == Reserved(CLOSED)
+    assert not r.reserved_of([-2]).accepted
+    assert r.released_of([500, 0, 2]) == r.Released(500, (0, 2))
+    assert r.released_of([0]) == r.Released(0, ())
