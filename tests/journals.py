@@ -36,6 +36,7 @@ from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import open_journal
+from capsvc.redis.replies import PlayerLimits
 
 CONFIG = """
 [[games]]
@@ -198,7 +199,7 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
             player = f"P-{rng.randrange(20_000)}"
             daily = rng.choice([100_000, 500_000, None])
             yield "limit", ("fr-retail", player, "lnm-keno", daily, at, at + 2 * 86_400_000,
-                            [b"none" if daily is None else str(daily).encode(), b"", b"", 0])
+                            PlayerLimits(daily, None, False, None, 0))
         elif r < 0.08:
             lnm = catalog.games["lnm-keno"]
             plan = budget_plan("fr-retail", lnm.rules, lnm.calendar, sale, sid, at, until)

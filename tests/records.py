@@ -10,8 +10,11 @@ from typing import Any
 import redis
 
 from capsvc.redis.store import (
+    PlayerStore,
     Store,
+    budget_key,
     ident_of,
+    limit_key,
     pending_key_of,
     record_bucket_of,
     stop_copy_of,
@@ -142,3 +145,31 @@ def raw_cancel(store: Store, key: str, close_ms: int, game: str, first_draw: int
     keys, args = store.names(key)
     return store.fcall("capsvc_cancel", [*keys, stop_copy_of(key), pending_key_of(key)],
                        [*args, close_ms, f"{game}:{first_draw}", released, expire_at])
+
+
+class RawPlayers(PlayerStore):
+    """The player-budget steps answering the Lua's raw replies (the store decodes them:
+    capsvc.redis.replies), for the tests of the Lua itself."""
+
+    def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,  # type: ignore[override]
+                shares: list[tuple[str, int]], *, seal: bool = False, restore: bool = False
+                ) -> Any:
+        keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
+        mode = "seal" if seal else "restore" if restore else "take"
+        return self.fcall("capsvc_budget", keys, [
+            ref, regulatory, expire_at, mode,
+            *[day for day, _ in shares], *[amount for _, amount in shares]])
+
+    def stake(self, player: str, ref: str, regulatory: int, expire_at: int,  # type: ignore[override]
+              days: list[str], amount: int) -> Any:
+        keys = [limit_key(player), *[budget_key(player, day) for day in days]]
+        return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
+
+    def set_limit(self, player: str, value: int | None, today: str,  # type: ignore[override]
+                  tomorrow: str, expire_at: int) -> Any:
+        return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
+                          ["none" if value is None else value, today, tomorrow, expire_at])
+
+    def state(self, player: str, today: str) -> Any:  # type: ignore[override]
+        return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
+                          [today])

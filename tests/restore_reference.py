@@ -28,6 +28,7 @@ from capsvc.journal.records import (
     sale_of,
 )
 from capsvc.recovery.restore import Restored
+from capsvc.redis.replies import Budget
 from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
 from capsvc.service.caps import DrawCaps, caps_argument
 from capsvc.service.steps import SaleSteps
@@ -103,7 +104,7 @@ class OneByOne:
             reply = await self.steps.players.reserve(
                 r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
                 [(r.day, r.amount)], restore=True)
-            return "stake" if reply == [1, 0] else None
+            return "stake" if reply == Budget(ACCEPTED, 0) else None
         return None
 
     async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
@@ -141,7 +142,7 @@ class OneByOne:
         n = len(grids)
         put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
         if taking:
-            put_back = put_back or replies[n + len(fixing)] == [1, 0]
+            put_back = put_back or replies[n + len(fixing)] == Budget(ACCEPTED, 0)
         if plan is not None:
             settled = self.steps.settle_budget(plan, sale, accepted)
             if settled is not None and int(await settled):

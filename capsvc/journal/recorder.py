@@ -29,6 +29,7 @@ from capsvc.journal.records import (
 )
 from capsvc.journal.writer import Journal
 from capsvc.redis.marks import Marks
+from capsvc.redis.replies import PlayerLimits
 
 
 class Recorder:
@@ -129,18 +130,15 @@ class Recorder:
                                         cap=cap, until=until, marks=self.stamp()))
 
     def limit(self, channel: str, player: str, game: str, daily: int | None, at: int,
-              until: int, reply: list[Any]) -> asyncio.Future[None]:
-        """A self-limit set; `reply`: capsvc_set_limit's (in force, pending, from, spent)."""
+              until: int, limits: PlayerLimits) -> asyncio.Future[None]:
+        """A self-limit set; `limits`: what Redis holds now."""
         journal = self.journal
         if journal is None:
             return self._resolved()
-        in_force = None if reply[0] == b"none" else int(reply[0])
-        pending_from = reply[2].decode() if reply[2] else None
-        pending = None if not pending_from or reply[1] == b"none" else int(reply[1])
         return journal.append(LimitRecord(
             at=at, proc=self.proc, channel=channel, player=player, game=game, daily=daily,
-            until=until, limit=in_force, next=pending,
-            next_none=bool(pending_from) and reply[1] == b"none", from_day=pending_from,
+            until=until, limit=limits.own, next=limits.pending,
+            next_none=limits.pending_removal, from_day=limits.pending_from,
             marks=self.stamp()))
 
     def stake(self, channel: str, player: str, game: str, ref: str, amount: int, day: str,

@@ -171,10 +171,9 @@ class Reconciler:
         # every call sent before them on the connection, not behind the ones sent after
         # (whose replies may be read before this coroutine resumes).
         seen, made = dict(self.marks.seen), dict(self.marks.made)
-        replies = await asyncio.gather(*[
-            store.mark_call("capsvc_marks", mark, lives) for mark in marks])
-        for mark, reply in zip(marks, replies, strict=True):
-            g, fields = _g(reply[0]), [_g(f) for f in reply[2:]]
+        states = await asyncio.gather(*[store.mark_state(mark, lives) for mark in marks])
+        for mark, state in zip(marks, states, strict=True):
+            g, fields = state.g, state.lives
             if g < seen.get(mark, 0):
                 return f"redis went back in time on {mark} ({g} < {seen[mark]})"
             if fields[0] < made.get(mark, 0):
@@ -229,11 +228,11 @@ class Reconciler:
         # first call is in one of them, whatever slots this process wrote to.
         own = self._marks(store)
         mine = dict(self.marks.made)
-        first = {mark: await store.mark_call("capsvc_marks", mark, [self.life]) for mark in own}
-        went_back = any(_g(first[m][0]) < self.marks.seen.get(m, 0) for m in own)
+        first = {mark: await store.mark_state(mark, [self.life]) for mark in own}
+        went_back = any(first[m].g < self.marks.seen.get(m, 0) for m in own)
         announcer = _Announcer(store, self.life, ticket_marks(store))
         try:
-            if announce or not covered(mine, {m: _g(first[m][2]) for m in own}):
+            if announce or not covered(mine, {m: first[m].lives[0] for m in own}):
                 # Its own writes lost (or an attempt before announced): announced at once,
                 # before the journal is read, so that other processes stop judging as soon
                 # as possible.
@@ -256,11 +255,10 @@ class Reconciler:
             made = {**made, self.life: mine}
             marks = self._marks(store)
             names = list(made)
-            state = {mark: await store.mark_call("capsvc_marks", mark, names)
-                     for mark in marks}
-            fields = {life: {mark: _g(state[mark][2 + i]) for mark in marks}
+            state = {mark: await store.mark_state(mark, names) for mark in marks}
+            fields = {life: {mark: state[mark].lives[i] for mark in marks}
                       for i, life in enumerate(names)}
-            floor = {mark: _g(state[mark][0]) for mark in marks}
+            floor = {mark: state[mark].g for mark in marks}
             """G as this restore leaves each mark: never lower unless Redis went back."""
             for mark in marks:  # what the process has seen of the marks from now on
                 self.marks.saw(mark, floor[mark])
@@ -308,10 +306,10 @@ class Reconciler:
                 # lost by other processes, which have put back what they answered: G goes
                 # on from what is read here.
                 for mark in marks:
-                    reply = await store.mark_call("capsvc_marks", mark, names)
-                    g = _g(reply[0])
+                    held_now = await store.mark_state(mark, names)
+                    g = held_now.g
                     if g < floor[mark] or any(
-                            _g(reply[2 + i]) < made[life].get(mark, 0)
+                            held_now.lives[i] < made[life].get(mark, 0)
                             for i, life in enumerate(names)):
                         raise WentBack(f"redis went back in time again on {mark} while "
                                        "the journal was put back")
@@ -341,7 +339,7 @@ class Reconciler:
         said = False
         while True:
             now = await store.time_ms()
-            ends = [_g((await store.mark_call("capsvc_marks", mark, []))[1]) for mark in marks]
+            ends = [(await store.mark_state(mark, [])).announced_until for mark in marks]
             if all(end <= now for end in ends):
                 return
             if loop.time() > deadline:

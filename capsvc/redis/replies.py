@@ -235,3 +235,66 @@ class Released:
 
 def released_of(reply: list[Any]) -> Released:
     return Released(int(reply[0]), tuple(int(o) for o in reply[1:]))
+
+
+# -- a player's budget -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What a sale took from its player's budgets (`budget`)."""
+
+    LUA: ClassVar[str] = "{1, room left on day 1} | {0, room on the day that refused}"
+    kind: int
+    """ACCEPTED (taken), REJECTED (refused by the limit) or RELEASED (the ref was sealed:
+    nothing can be taken any more)."""
+    room: int = 0
+    """The room left on the first day (taken), or on the day that refused."""
+
+
+def budget_of(reply: list[Any]) -> Budget:
+    return Budget(int(reply[0]), int(reply[1]) if len(reply) > 1 else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PlayerLimits:
+    """A player's self-limit and spending today (`player`; `set_limit` answers the same)."""
+
+    LUA: ClassVar[str] = ('{self-limit in force today or "none", pending value or "", from '
+                          'or "", spent}')
+    own: int | None
+    """The self-limit in force today (None: none)."""
+    pending: int | None
+    """The self-limit that applies from `pending_from` (None: none, or its removal)."""
+    pending_removal: bool
+    """From `pending_from`, no self-limit any more."""
+    pending_from: str | None
+    spent: int
+
+
+def limits_of(reply: list[Any]) -> PlayerLimits:
+    pending_from = reply[2].decode() if reply[2] else None
+    removal = bool(pending_from) and reply[1] == b"none"
+    return PlayerLimits(None if reply[0] == b"none" else int(reply[0]),
+                        None if not pending_from or removal else int(reply[1]), removal,
+                        pending_from, int(reply[3]))
+
+
+# -- the marks -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class MarkState:
+    """A mark as it stands (`marks`)."""
+
+    LUA: ClassVar[str] = ("{G, announced until (or false), the G of each life (false when "
+                          "none)}")
+    g: int
+    """The count of marked writes (0: no mark)."""
+    announced_until: int
+    """Until when a restore is announced (Redis TIME, ms; 0: none)."""
+    lives: tuple[int, ...]
+    """The G of each lifetime asked for, in order (0: none)."""
+
+
+def mark_state_of(reply: list[Any]) -> MarkState:
+    return MarkState(int(reply[0] or 0), int(reply[1] or 0),
+                     tuple(int(f or 0) for f in reply[2:]))

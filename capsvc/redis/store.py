@@ -29,15 +29,21 @@ from typing import Any, Literal, TypeVar
 from capsvc.domain.decisions import Reserved
 from capsvc.redis.marks import MARKED, Marks
 from capsvc.redis.replies import (
+    Budget,
     Cancelling,
     Claim,
     Due,
+    MarkState,
     NotCancelled,
+    PlayerLimits,
     Released,
     TicketRecord,
+    budget_of,
     cancel_of,
     claim_of,
     due_of,
+    limits_of,
+    mark_state_of,
     released_of,
     reserved_of,
     ticket_of,
@@ -205,6 +211,10 @@ class Store:
         if name in MARKED:
             return self.marks.call(self.redis.submit, name, keys, args)
         return self.redis.submit("FCALL", name, len(keys), *keys, *args)
+
+    def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
+        """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
+        return decoded(self.mark_call("capsvc_marks", mark, lives), mark_state_of)
 
     def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:
         """One of the marks' own functions (lua/capsvc.lua, MARKS) on `mark`."""
@@ -511,22 +521,23 @@ class PlayerStore:
 
     def reserve(self, player: str, ref: str, regulatory: int, expire_at: int,
                 shares: list[tuple[str, int]], *, seal: bool = False, restore: bool = False
-                ) -> asyncio.Future[Any]:
+                ) -> asyncio.Future[Budget]:
         """Take `shares` ((day, amount) pairs) from the player's budgets, all or nothing;
         `seal=True` (the janitor) makes sure `ref` can take nothing any more; `restore=True`
         (a journal's restore) takes them unchecked unless `ref` is recorded."""
         keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
         mode = "seal" if seal else "restore" if restore else "take"
-        return self.fcall("capsvc_budget", keys, [
+        return decoded(self.fcall("capsvc_budget", keys, [
             ref, regulatory, expire_at, mode,
-            *[day for day, _ in shares], *[amount for _, amount in shares]])
+            *[day for day, _ in shares], *[amount for _, amount in shares]]), budget_of)
 
     def stake(self, player: str, ref: str, regulatory: int, expire_at: int, days: list[str],
-              amount: int) -> asyncio.Future[Any]:
+              amount: int) -> asyncio.Future[Budget]:
         """Another game's stake, on `days[0]` (today), idempotent by `ref` over the two
-        days before as well."""
+        days before as well: taken (ACCEPTED) or refused, and the room left."""
         keys = [limit_key(player), *[budget_key(player, day) for day in days]]
-        return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
+        return decoded(self.fcall("capsvc_stake", keys,
+                                  [ref, regulatory, expire_at, days[0], amount]), budget_of)
 
     def settle(self, player: str, ref: str, shares: list[tuple[str, int]], *,
                final: bool = False) -> asyncio.Future[Any]:
@@ -537,9 +548,10 @@ class PlayerStore:
                           [ref, int(final), *[amount for _, amount in shares]])
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
-                  expire_at: int) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
-                          ["none" if value is None else value, today, tomorrow, expire_at])
+                  expire_at: int) -> asyncio.Future[PlayerLimits]:
+        return decoded(self.fcall(
+            "capsvc_set_limit", [limit_key(player), budget_key(player, today)],
+            ["none" if value is None else value, today, tomorrow, expire_at]), limits_of)
 
     def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
                       pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:
@@ -547,9 +559,10 @@ class PlayerStore:
         return self.fcall("capsvc_restore_limit", [limit_key(player)], [
             at, "" if limit is None else limit, pending or "", pending_from or "", expire_at])
 
-    def state(self, player: str, today: str) -> asyncio.Future[Any]:
-        return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
-                          [today])
+    def state(self, player: str, today: str) -> asyncio.Future[PlayerLimits]:
+        return decoded(self.fcall("capsvc_player", [limit_key(player),
+                                                    budget_key(player, today)], [today]),
+                       limits_of)
 
 
 RESTORE_OPS_PER_CALL = 512

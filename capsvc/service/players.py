@@ -8,14 +8,15 @@ query parameter; one with several must name the game.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from capsvc.config import ID_RE, Channel
+from capsvc.domain.decisions import ACCEPTED
 from capsvc.domain.errors import ApiError, rule_error
 from capsvc.domain.games import Catalog, Game, require_scope
 from capsvc.domain.models import LimitIn, PlayerOut, StakeIn, StakeOut
 from capsvc.journal.recorder import Recorder
 from capsvc.redis.clock import RedisClock
+from capsvc.redis.replies import PlayerLimits
 from capsvc.redis.store import PlayerStore
 
 SELF_LIMIT_TTL_MS = 400 * 86_400_000
@@ -68,18 +69,15 @@ class Players:
         today = game.calendar.local_date(now)
         return now, today.isoformat(), (today + timedelta(days=1)).isoformat()
 
-    def _out(self, game: Game, player_id: str, today: str, reply: list[Any]) -> PlayerOut:
-        """From [self-limit in force or "none", pending value, pending from, spent]."""
+    def _out(self, game: Game, player_id: str, today: str, limits: PlayerLimits
+             ) -> PlayerOut:
         regulatory = game.rules.daily_limit or 0
-        own = None if reply[0] == b"none" else int(reply[0])
-        spent = int(reply[3])
+        own = limits.own
         limit = regulatory if own is None else min(own, regulatory)
-        pending_from = reply[2].decode() if reply[2] else None
-        pending = None if not pending_from or reply[1] == b"none" else int(reply[1])
         return PlayerOut(
-            player_id=player_id, day=today, spent=spent, limit=regulatory, self_limit=own,
-            remaining=max(0, limit - spent), pending_self_limit=pending,
-            pending_from=pending_from,
+            player_id=player_id, day=today, spent=limits.spent, limit=regulatory,
+            self_limit=own, remaining=max(0, limit - limits.spent),
+            pending_self_limit=limits.pending, pending_from=limits.pending_from,
         )
 
     async def state(self, channel: Channel, player_id: str, game_id: str | None) -> PlayerOut:
@@ -115,8 +113,9 @@ class Players:
         reply = await self.store.stake(
             player_id, f"x/{channel.id}/{body.ref}", game.rules.daily_limit or 0, until, days,
             body.amount)
-        out = StakeOut(status="accepted" if reply[0] == 1 else "rejected",
-                       remaining=max(0, int(reply[1])))
+        taken = reply.kind == ACCEPTED
+        out = StakeOut(status="accepted" if taken else "rejected",
+                       remaining=max(0, reply.room))
         await self.journal.stake(channel.id, player_id, game.rules.id, body.ref, body.amount,
-                                 today, reply[0] == 1, out.remaining, now, until)
+                                 today, taken, out.remaining, now, until)
         return out

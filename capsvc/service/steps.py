@@ -29,7 +29,7 @@ from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import Sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import VoidWhy
-from capsvc.redis.replies import Released
+from capsvc.redis.replies import Budget, Released
 from capsvc.redis.store import (
     PlayerStore,
     Store,
@@ -68,7 +68,7 @@ class SaleSteps:
         return budget_plan(channel_id, game.rules, game.calendar, sale, sale_id, at,
                            game.expire_at(sale.first_draw + sale.draws - 1))
 
-    def take_budget(self, plan: BudgetPlan, *, seal: bool = False) -> asyncio.Future[Any]:
+    def take_budget(self, plan: BudgetPlan, *, seal: bool = False) -> asyncio.Future[Budget]:
         """Reserve the requested cost (or, `seal`, make sure the sale takes nothing more)."""
         return self.players.reserve(plan.player, plan.ref, plan.regulatory, plan.until,
                                     plan.requested, seal=seal)
@@ -211,11 +211,11 @@ class SaleSteps:
         held = True
         if plan is not None:
             taken = await self.take_budget(plan, seal=True)
-            if taken[0] == REJECTED and not void:  # refused by the limit: the decision
+            if taken.kind == REJECTED and not void:  # refused by the limit: the decision
                 out = player_limit_decision(sale)
                 return Concluded(out, await self.store.finalize(key, sale_id,
                                                                 msgspec.json.encode(out)))
-            held = taken[0] == ACCEPTED
+            held = taken.kind == ACCEPTED
         replies = await self.reserve_all(game, sale, sale_id, 0)
         if not void and held and all(r is None or r.accepted or r.kind == REJECTED
                                      for r in replies):

@@ -322,12 +322,12 @@ class Tickets:
         stops = retrieving(self.store.stops(rules.id, first, sale.draws))
         plan = self.steps.plan(channel.id, game, sale, sale_id, at)
         taken = None if plan is None else await self.steps.take_budget(plan)
-        if taken is not None and taken[0] == RELEASED:
+        if taken is not None and taken.kind == RELEASED:
             return AGAIN
         if taken is not None and (stop := await self._stopped(channel.id, game, key, sale,
                                                                sale_id, at, stops)):
             return stop
-        if taken is not None and taken[0] != ACCEPTED:
+        if taken is not None and taken.kind != ACCEPTED:
             out = player_limit_decision(sale)
             body = _encode(out)
             if not await self.store.finalize(key, sale_id, body):

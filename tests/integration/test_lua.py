@@ -38,7 +38,7 @@ from capsvc.redis.store import (
     stops_key,
     ticket_key,
 )
-from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire
+from tests.records import RawPlayers, TicketRecords, raw_cancel, raw_claim, raw_expire
 from tests.support.servers import RedisCluster, RedisServer
 
 GAME = "g"
@@ -745,7 +745,7 @@ def tomorrow_of(day: str) -> str:
 
 @pytest.fixture
 def players(store: Store) -> PlayerStore:
-    return PlayerStore(store)
+    return RawPlayers(store)
 
 
 def spent(db: redis.Redis, day: str) -> int:
@@ -897,7 +897,7 @@ async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,
                                             now: int) -> None:
     """Giving everything back (final) leaves X: a late settle of the same ref (a duplicate
     request's, delayed past a cancel) charges nothing again."""
-    players = PlayerStore(store)
+    players = RawPlayers(store)
     d1 = "2026-03-01"
     assert (await players.reserve(PLAYER, "t", REGULATORY, now + DAY, [(d1, 400)]))[0] == 1
     assert await players.settle(PLAYER, "t", [(d1, 0)], final=True) == 400

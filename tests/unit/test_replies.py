@@ -20,6 +20,9 @@ DOCUMENTED = {
     "cancel": [r.Cancelling, r.NotCancelled],
     "reserve": [Reserved],
     "release": [r.Released],
+    "budget": [r.Budget],
+    "player": [r.PlayerLimits],
+    "marks": [r.MarkState],
 }
 
 
@@ -77,3 +80,19 @@ def test_grids_decode_by_kind() -> None:
     assert not r.reserved_of([-2]).accepted
     assert r.released_of([500, 0, 2]) == r.Released(500, (0, 2))
     assert r.released_of([0]) == r.Released(0, ())
+
+
+def test_budgets_and_limits_decode() -> None:
+    assert r.budget_of([1, 700]) == r.Budget(ACCEPTED, 700)
+    assert r.budget_of([-2]) == r.Budget(-2)
+    assert r.limits_of([b"none", b"", b"", 0]) == r.PlayerLimits(None, None, False, None, 0)
+    assert r.limits_of([b"500", b"none", b"2026-12-04", 100]) == r.PlayerLimits(
+        500, None, True, "2026-12-04", 100)
+    assert r.limits_of([b"500", b"300", b"2026-12-04", 100]) == r.PlayerLimits(
+        500, 300, False, "2026-12-04", 100)
+
+
+def test_marks_decode() -> None:
+    assert r.mark_state_of([None, None, None]) == r.MarkState(0, 0, (0,))
+    assert r.mark_state_of([b"7", b"1800000000000", b"5", None]) == r.MarkState(
+        7, 1800000000000, (5, 0))
