@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any, Final
@@ -52,7 +52,7 @@ from capsvc.domain.decisions import (
     player_limit_decision,
     with_cancellation,
 )
-from capsvc.domain.errors import ApiError, not_found, rule_error, unavailable
+from capsvc.domain.errors import ApiError, Unavailable, not_found, rule_error, unavailable
 from capsvc.domain.games import Catalog, Game, require_scope
 from capsvc.domain.models import CancelOut, TicketIn, TicketOut
 from capsvc.domain.validator import (
@@ -170,6 +170,25 @@ class Tickets:
             if recorded is None:
                 raise
             return recorded
+
+    async def sell_many(self, channel: Channel, tickets: Sequence[TicketIn]
+                        ) -> list[SaleOutcome | ApiError | Unavailable]:
+        """Each ticket judged exactly as if it had been sent alone (`sell`), all at once:
+        their Redis calls leave together (the transport sends a tick's calls in one
+        pipeline, per node) and their journal records share group commits. One result per
+        ticket, in order: its outcome, or the error it would have been answered alone —
+        a 503 among them leaves that ticket's outcome unknown and nothing of the others'.
+        Not a transaction: a ticket refused or capped changes nothing for the others, and a
+        player's limit holds across them as across concurrent requests."""
+        results = await asyncio.gather(*[self.sell(channel, t) for t in tickets],
+                                       return_exceptions=True)
+        out: list[SaleOutcome | ApiError | Unavailable] = []
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result,
+                                                                    ApiError | Unavailable):
+                raise result
+            out.append(result)
+        return out
 
     async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
         """The decision recorded for this request's ticket id, if it is this request's;
