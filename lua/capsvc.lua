@@ -34,7 +34,7 @@ THE KEYS. Every function touches keys of one hash slot only (they share a {hash 
   self-limit     l:{pl:<player>}                   hash   limit, next, from
   WAIT fence     w:{fence}                         string "1", TTL 10 s; on a cluster one per
                  primary, w:{fence:<n>} in a slot it owns. Written by the transport right
-                 before each WAIT of `replicas:N`, never by a function (capsvc/coalesce.py)
+                 before each WAIT of `replicas:N`, never by a function (capsvc/redis/transport.py)
 
 A combination is its sorted numbers, one byte each (1..99: never a zero byte), so a record
 field (which starts with a zero byte) can never be taken for a counter.
@@ -249,7 +249,7 @@ local function mark_keep(keys, args)
 end
 
 --[[ TICKET RECORDS. r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records
-of many tickets (m: the ticket's second hash, see capsvc/store.py). The value is MessagePack:
+of many tickets (m: the ticket's second hash, see capsvc/redis/store.py). The value is MessagePack:
 expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when absent). A record past its
 expiry (by Redis TIME) is absent to every reader, as an expired key is; the janitor's
 `sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
@@ -1230,7 +1230,7 @@ local function sell(keys, args)
 end
 
 
---[[ RESTORE (capsvc/journal/restore.py). A decision answered and journaled that Redis
+--[[ RESTORE (capsvc/recovery/restore.py). A decision answered and journaled that Redis
 lost (a failover, a restart from an older file, a restored backup) is put back. Each
 function writes only what is missing, fenced by the sale id, so that restoring twice
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
