@@ -118,6 +118,8 @@ class Settings:
     port: int = 8080
     workers: int = 1
     max_body_bytes: int = 64 * 1024
+    max_batch: int = 256
+    """`[server] max_batch`: the most tickets `POST /v1/ticket-batches` takes at once."""
     request_timeout_ms: int = 5000
     max_in_flight: int = 4096
     pending_deadline_ms: int = 60_000
@@ -417,7 +419,8 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 _SECTIONS = {
     "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
-    "server": frozenset({"host", "port", "workers", "max_body_bytes", "request_timeout",
+    "server": frozenset({"host", "port", "workers", "max_body_bytes", "max_batch",
+                         "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
     "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
@@ -546,6 +549,7 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         workers=c.integer("server.workers", server.get("workers", 1), 1, 256),
         max_body_bytes=c.integer("server.max_body_bytes", server.get("max_body_bytes", 65536),
                                  256),
+        max_batch=c.integer("server.max_batch", server.get("max_batch", 256), 1, 8192),
         request_timeout_ms=c.duration("server.request_timeout",
                                       server.get("request_timeout", "5s"), 50),
         max_in_flight=c.integer("server.max_in_flight", server.get("max_in_flight", 4096), 1),

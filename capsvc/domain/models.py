@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta, Struct
+from msgspec import Meta, Raw, Struct
 
 MAX_DRAW = 10**9
 """The largest draw number the API knows (a game drawn every minute reaches it in 1,900
@@ -252,6 +252,28 @@ class PlayerOut(Struct):
 class StakeOut(Struct):
     status: Literal["accepted", "rejected"]
     remaining: int
+
+
+class TicketsIn(Struct, forbid_unknown_fields=True):
+    """`POST /v1/ticket-batches`: several sales, each judged as if sent alone."""
+
+    tickets: Annotated[list[TicketIn], Meta(min_length=1)]
+
+
+class TicketResult(Struct, omit_defaults=True):
+    """One ticket of a batch: the status and body `POST /v1/tickets` would have answered
+    for it alone (a decision, `TicketOut`, or an error, `ErrorOut`), and whether it was a
+    replay (decisions only)."""
+
+    status: int
+    body: Raw
+    replayed: bool | None = None
+
+
+class TicketsOut(Struct):
+    """One result per ticket of the batch, in the order sent."""
+
+    results: list[TicketResult]
 
 
 class ErrorDetail(Struct):

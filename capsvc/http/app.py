@@ -46,6 +46,8 @@ from capsvc.domain.models import (
     LimitIn,
     StakeIn,
     TicketIn,
+    TicketResult,
+    TicketsOut,
 )
 from capsvc.http.openapi import openapi_document
 from capsvc.http.responses import Answer, answer_headers
@@ -56,6 +58,7 @@ from capsvc.redis.gate import Gate
 from capsvc.redis.marks import Behind, Marks, Restoring
 from capsvc.redis.store import Store
 from capsvc.service.feed import Subscriber
+from capsvc.service.tickets import SaleOutcome
 from capsvc.wiring import UseCases
 
 log = logging.getLogger(__name__)
@@ -75,15 +78,20 @@ _SHADOWED = {"Capsvc-Shadow": "would_reject"}
 STREAM_ROUTE = "/v1/games/{game}/capped/stream"
 MAX_EXPORT_BYTES = 64 * 1024 * 1024
 """A sales system's export posted for reconciliation, at most (~2 million tickets)."""
-_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
-    t: msgspec.json.Decoder(t) for t in (TicketIn, AvailabilityIn, LimitIn, StakeIn)
-}
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
 
-def decode_body(body: bytes, kind: type[T]) -> T:
+def _decoder(kind: type[Any]) -> msgspec.json.Decoder[Any]:
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return decoder
+
+
+def decode_body(body: bytes | msgspec.Raw, kind: type[T]) -> T:
     """Decode a request body into `kind`, mapping msgspec's errors onto the API's."""
     try:
-        result: T = _DECODERS[kind].decode(body)
+        result: T = _decoder(kind).decode(body)
         return result
     except msgspec.ValidationError as e:
         text = str(e)
@@ -100,6 +108,23 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise ApiError(422, "invalid_request", message, path) from e
     except msgspec.DecodeError as e:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}", None) from e
+
+
+class _TicketsSent(msgspec.Struct, forbid_unknown_fields=True):
+    """A batch as sent: each ticket decoded on its own (TicketsIn is its schema)."""
+
+    tickets: list[msgspec.Raw]
+
+
+def _ticket_id_of(raw: msgspec.Raw) -> str | None:
+    """The ticket id of a ticket that does not decode, if it names one (a duplicate id is
+    a whole-request error even then)."""
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    tid = value.get("ticket_id") if isinstance(value, dict) else None
+    return tid if isinstance(tid, str) else None
 
 
 def error_response(err: ApiError) -> Answer:
@@ -240,6 +265,53 @@ class Api:
         if outcome.shadowed:
             return Answer(outcome.body, headers=_SHADOWED)
         return Answer(outcome.body)
+
+    async def post_ticket_batch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Several sales, each judged exactly as if sent alone (`Tickets.sell_many`): one
+        result per ticket, in order, with the status and body `post_ticket` would have
+        answered for it. Whole-request problems (auth, a body that is not a list of 1 to
+        `max_batch` tickets, one ticket id twice) answer as usual."""
+        channel = self.auth.channel(request)
+        sent = decode_body(await request.read(), _TicketsSent).tickets
+        if not 1 <= len(sent) <= self.settings.max_batch:
+            raise ApiError(422, "invalid_request", f"a batch holds 1 to "
+                           f"{self.settings.max_batch} tickets, not {len(sent)}", "$.tickets")
+        items: list[TicketIn | ApiError] = []
+        first_at: dict[str, int] = {}
+        for i, raw in enumerate(sent):
+            try:
+                item: TicketIn | ApiError = decode_body(raw, TicketIn)
+            except ApiError as e:  # what this ticket alone would have been answered
+                item = e
+            items.append(item)
+            tid = item.ticket_id if isinstance(item, TicketIn) else _ticket_id_of(raw)
+            if tid is None:
+                continue
+            if tid in first_at:
+                raise ApiError(422, "invalid_request", f"ticket {tid} is in the batch twice "
+                               f"(first at $.tickets[{first_at[tid]}])",
+                               f"$.tickets[{i}].ticket_id")
+            first_at[tid] = i
+        outcomes = iter(await self.tickets.sell_many(
+            channel, [t for t in items if isinstance(t, TicketIn)]))
+        results = [self._result(item if isinstance(item, ApiError) else next(outcomes))
+                   for item in items]
+        self.metrics.ticket_batch.observe(len(items))
+        return Answer(_encode(TicketsOut(results)))
+
+    def _result(self, outcome: SaleOutcome | ApiError | Unavailable) -> TicketResult:
+        """One ticket's result in a batch: what `post_ticket` would have answered."""
+        if isinstance(outcome, SaleOutcome):
+            if outcome.ticket is not None and not outcome.replayed:
+                self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
+                                      outcome.shadowed)
+            return TicketResult(200, msgspec.Raw(outcome.body), outcome.replayed)
+        if isinstance(outcome, Unavailable):
+            log.warning("redis unavailable: %s", outcome)
+            outcome = unavailable(OUTCOME_UNKNOWN.format("Redis could not be reached in time"),
+                                  self.settings.retry_after_s)
+        return TicketResult(outcome.status, msgspec.Raw(_encode(ErrorOut(ErrorDetail(
+            code=outcome.code, message=outcome.message, path=outcome.path)))))
 
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
@@ -726,6 +798,7 @@ def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Me
     router = Router()
     draw = "/v1/games/{game}/draws/{draw}"
     router.add("POST", "/v1/tickets", api.post_ticket)
+    router.add("POST", "/v1/ticket-batches", api.post_ticket_batch)
     router.add("GET", "/v1/tickets/{ticket_id}", api.get_ticket)
     router.add("POST", "/v1/tickets/{ticket_id}/cancel", api.cancel_ticket)
     router.add("GET", "/v1/games", api.games)

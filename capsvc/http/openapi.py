@@ -31,6 +31,8 @@ from capsvc.domain.models import (
     StakeOut,
     TicketIn,
     TicketOut,
+    TicketsIn,
+    TicketsOut,
 )
 from capsvc.domain.reports import DrawReport
 
@@ -38,7 +40,7 @@ _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     TicketIn, TicketOut, CancelOut, AvailabilityIn, AvailabilityOut, CombinationOut,
     CappedOut, DrawOut, CurrentDrawOut, GamesOut, ErrorOut, HealthOut, LimitIn, PlayerOut,
-    StakeIn, StakeOut, ExposureOut, DrawReport, Reconciliation,
+    StakeIn, StakeOut, ExposureOut, DrawReport, Reconciliation, TicketsIn, TicketsOut,
 )
 _ERRORS = {
     "400": "Malformed JSON, or not an object (malformed_json); not valid HTTP "
@@ -128,6 +130,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
 _DRAW = "/v1/games/{game}/draws/{draw}"
 OPERATIONS: dict[tuple[str, str], tuple[str, str]] = {
     ("post", "/v1/tickets"): ("sellTicket", "tickets"),
+    ("post", "/v1/ticket-batches"): ("sellTickets", "tickets"),
     ("get", "/v1/tickets/{ticket_id}"): ("getTicket", "tickets"),
     ("post", "/v1/tickets/{ticket_id}/cancel"): ("cancelTicket", "tickets"),
     ("get", "/v1/games"): ("listGames", "games"),
@@ -175,6 +178,9 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/tickets": {"post": _op("Validate and record a sale", TicketOut, body=TicketIn,
                                     errors=sell_errors, headers=replayed)},
+        "/v1/ticket-batches": {"post": _op(
+            "Validate and record several sales, each as if sent alone", TicketsOut,
+            body=TicketsIn, errors=("400", "401", "413", "422", "503"))},
         "/v1/tickets/{ticket_id}": {"get": _op("The stored decision of a ticket", TicketOut,
                                                params=("ticket_id",),
                                                errors=("401", "403", "404", "409", "422",
@@ -262,6 +268,10 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
         "security": [],
         "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
             "application/json": {"schema": {"type": "object"}}}}}}}
+    # A ticket's result carries what POST /v1/tickets would have answered for it alone.
+    components["TicketResult"]["properties"]["body"] = {
+        "oneOf": [{"$ref": _REF.format(name="TicketOut")},
+                  {"$ref": _REF.format(name="ErrorOut")}]}
     for path, operations in paths.items():
         for method, op in operations.items():
             op["operationId"], tag = OPERATIONS[method, path]
@@ -298,6 +308,17 @@ _DESCRIPTIONS = [
      "A replay answers the decision already made, identical, with `Idempotent-Replayed: "
      "true`; the same ticket id with another body is `409 idempotency_conflict`, nothing "
      "counted. A decision is journaled before it is answered."),
+    ("/v1/ticket-batches", "post",
+     "1 to `[server] max_batch` tickets (default 256), each judged exactly as if it had been "
+     "sent alone to POST /v1/tickets (same rules, same idempotency by ticket id, the same "
+     "body a replay returns): one result per ticket, in the order sent, with the status and "
+     "body that ticket alone would have been answered and, for a decision, whether it was a "
+     "replay. Not a transaction: one ticket refused, capped or unknown changes nothing for "
+     "the others. A result 503 is an unknown outcome: send that ticket again, alone or in "
+     "a later batch, with the same ticket id and body. Whole-request problems answer as "
+     "usual: 401/403, 400, 413, 422 when the body is not a list of 1 to max_batch tickets "
+     "or names one ticket id twice (the path of the second), 503. Every decision is "
+     "journaled before the answer."),
     ("/v1/tickets/{ticket_id}", "get",
      "The decision as first answered (with `cancelled` once cancelled); 404 if this channel "
      "never had it decided. `409 ticket_pending`: the sale was interrupted before its "

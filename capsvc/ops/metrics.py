@@ -95,6 +95,9 @@ class Metrics:
             "Seconds since start with a needed Redis primary unreachable (no sale can be "
             "decided meanwhile); of several workers, the most any counted", registry=r,
             multiprocess_mode="max")
+        self.ticket_batch = Histogram("capsvc_ticket_batch_size",
+                                      "Tickets per POST /v1/ticket-batches request",
+                                      buckets=_BATCH_BUCKETS, registry=r)
         self.redis_batch = Histogram("capsvc_redis_batch_size",
                                      "Commands per coalesced Redis pipeline",
                                      buckets=_BATCH_BUCKETS, registry=r)

@@ -1,0 +1,91 @@
+"""`POST /v1/ticket-batches` (API.md): several sales in one request, each judged exactly as
+if it had been sent alone, one result per ticket in order; whole-request problems answered
+as usual. On a standalone Redis (one call per ticket) and a cluster (the steps)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.conftest import TEN, Client, ticket
+
+BATCHES = "/v1/ticket-batches"
+
+
+async def test_each_result_is_what_the_ticket_alone_would_have_been_answered(
+        client: Client) -> None:
+    """A sale, a rule broken, a schema broken, one refused by the cap, one that fits: five
+    results in order with the single route's statuses and bodies; the batch sent again
+    answers the decisions as replays, byte for byte as POST /v1/tickets does."""
+    draw = await client.current()
+    eight, other = TEN[:8], TEN[2:]
+    for stake in (1000, 1000, 1000, 1000, 500):
+        assert (await client.sell(ticket([{"numbers": eight, "stake": stake}],
+                                         first_draw=draw))).status == 200
+    tickets: list[dict[str, Any]] = [
+        ticket([{"numbers": other, "stake": 300}], first_draw=draw),
+        ticket([{"numbers": eight, "stake": 123}], first_draw=draw),
+        {"ticket_id": "B-schema", "game": "fdj-keno", "grids": "none"},
+        ticket([{"numbers": eight, "stake": 1000}], first_draw=draw),
+        ticket([{"numbers": eight, "stake": 500}], first_draw=draw),
+    ]
+    reply = await client.post(BATCHES, {"tickets": tickets})
+    assert reply.status == 200, reply.body
+    results = reply.body["results"]
+    assert [r["status"] for r in results] == [200, 422, 422, 200, 200]
+    assert results[1]["body"]["error"]["code"] == "stake_not_allowed"
+    assert results[1]["body"]["error"]["path"] == "$.grids[0].stake"
+    assert results[2]["body"]["error"]["code"] == "invalid_request"
+    assert "replayed" not in results[1]
+    assert [results[i]["body"]["status"] for i in (0, 3, 4)] == [
+        "accepted", "rejected", "accepted"]
+    assert [results[i]["replayed"] for i in (0, 3, 4)] == [False, False, False]
+    assert await client.staked(eight, draw) == 5000
+    assert await client.staked(other, draw) == 300
+
+    again = await client.post(BATCHES, {"tickets": tickets})
+    assert [r["status"] for r in again.body["results"]] == [200, 422, 422, 200, 200]
+    for i in (0, 3, 4):
+        assert again.body["results"][i]["replayed"] is True
+        assert again.body["results"][i]["body"] == results[i]["body"]
+        alone = await client.sell(tickets[i])
+        assert alone.status == 200
+        assert alone.headers.get("Idempotent-Replayed") == "true"
+        assert json.loads(alone.raw) == results[i]["body"]
+    assert await client.staked(eight, draw) == 5000
+
+
+async def test_whole_request_problems_answer_as_usual(client: Client) -> None:
+    """No token: 401; not JSON: 400; an empty list, or more than max_batch: 422 on
+    $.tickets; one ticket id twice: 422 naming the second; nothing sold."""
+    draw = await client.current()
+    one = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw)
+    assert (await client.post(BATCHES, {"tickets": [one]}, token=None)).status == 401
+    bad = await client.request("POST", BATCHES, data=b"{not json",
+                               headers={"Content-Type": "application/json"})
+    assert bad.status == 400
+    empty = await client.post(BATCHES, {"tickets": []})
+    assert (empty.status, empty.body["error"]["path"]) == (422, "$.tickets")
+    many = await client.post(BATCHES, {"tickets": [
+        ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=draw) for _ in range(257)]})
+    assert many.status in (413, 422)  # the body's size limit may come first
+    twice = await client.post(BATCHES, {"tickets": [one, dict(one)]})
+    assert twice.status == 422
+    assert twice.body["error"]["path"] == "$.tickets[1].ticket_id"
+    assert (await client.get(f"/v1/tickets/{one['ticket_id']}")).status == 404
+    assert await client.staked(TEN[:8], draw) == 0
+
+
+async def test_a_batch_counts_its_tickets_and_its_size_in_the_metrics(client: Client) -> None:
+    """capsvc_tickets_total counts each ticket decided, as for single sales; the batch's
+    size goes to capsvc_ticket_batch_size."""
+    draw = await client.current()
+    tickets = [ticket([{"numbers": TEN[i:i + 8], "stake": 100}], first_draw=draw)
+               for i in range(3)]
+    assert (await client.post(BATCHES, {"tickets": tickets})).status == 200
+    metrics = (await client.get("/metrics", token=None)).raw.decode()
+    assert "capsvc_ticket_batch_size_count" in metrics
+    counted = [line for line in metrics.splitlines()
+               if line.startswith('capsvc_tickets_total{game="fdj-keno",status="accepted"}')]
+    assert counted
+    assert float(counted[0].split()[-1]) >= 3
