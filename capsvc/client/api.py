@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import email.utils
+import functools
 import inspect
 import random
 import re
@@ -21,6 +22,7 @@ from collections.abc import (
     Callable,
     Coroutine,
     Iterator,
+    Sequence,
 )
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -102,8 +104,18 @@ class Client:
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 5.0,
                  deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
-                 connections: int = 100, session: aiohttp.ClientSession | None = None) -> None:
+                 connections: int = 100, session: aiohttp.ClientSession | None = None,
+                 batch_size: int = 1, batch_linger_s: float = 0.001) -> None:
+        if batch_size < 1 or batch_linger_s < 0:
+            raise ValueError("batch_size must be at least 1 and batch_linger_s not negative")
         self.base_url = base_url.rstrip("/")
+        self.batch_size = batch_size
+        """The most tickets of concurrent `sell` calls sent in one POST /v1/ticket-batches
+        (1, the default: each sale on its own, POST /v1/tickets)."""
+        self.batch_linger_s = batch_linger_s
+        """How long the first sale of a batch waits for others to join it."""
+        self._batch: list[tuple[str, bytes, asyncio.Future[_Exchanged]]] = []
+        self._batch_timer: asyncio.TimerHandle | None = None
         self.timeout_s = timeout_s
         """One attempt's timeout (a timeout is an unknown outcome: sent again)."""
         self.deadline_s = deadline_s
@@ -118,6 +130,8 @@ class Client:
         """Set by aclose(): calls in flight stop (a decision's is then OutcomeUnknown)."""
         self._calls: set[asyncio.Task[Any]] = set()
         """The tasks waiting on the service in one of this client's calls right now."""
+        self._batches: set[asyncio.Task[None]] = set()
+        """Batches sent and not answered yet."""
 
     async def __aenter__(self) -> Client:
         self._closed = asyncio.Event()  # bound to the loop it is used in
@@ -164,8 +178,79 @@ class Client:
         or a typed error for a 4xx; `OutcomeUnknown` if no decision came in time."""
         t = _as(ticket, TicketIn)
         body = msgspec.json.encode(t)
-        return await self._until_decided(t.ticket_id, "POST", "/v1/tickets", TicketOut, body,
-                                         deadline_s, request_id)
+        return await self._until_decided(
+            t.ticket_id, "POST", "/v1/tickets", TicketOut, body, deadline_s, request_id,
+            functools.partial(self._batched, t.ticket_id) if self.batch_size > 1 else None)
+
+    async def sell_many(self, tickets: Sequence[TicketIn | dict[str, Any]], *,
+                        deadline_s: float | None = None
+                        ) -> list[TicketOut | CapsvcError | OutcomeUnknown]:
+        """Sell several tickets at once (in batches of `batch_size`): each one's decision,
+        typed error or OutcomeUnknown, in order, each retried on its own as `sell` is."""
+        results = await asyncio.gather(*[self.sell(t, deadline_s=deadline_s) for t in tickets],
+                                       return_exceptions=True)
+        out: list[TicketOut | CapsvcError | OutcomeUnknown] = []
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, CapsvcError | OutcomeUnknown):
+                raise r
+            out.append(r)
+        return out
+
+    # -- batches of concurrent sales -------------------------------------------------------
+
+    async def _batched(self, ticket_id: str, body: bytes, timeout_s: float, request_id: str
+                       ) -> _Exchanged:
+        """One attempt of a sale, as a ticket of the next POST /v1/ticket-batches: what the
+        service answered for it (the status and body POST /v1/tickets would have)."""
+        loop = asyncio.get_running_loop()
+        if any(tid == ticket_id for tid, _, _ in self._batch):
+            self._send_batch()  # a ticket id once a batch: the batch before goes first
+        answer: asyncio.Future[_Exchanged] = loop.create_future()
+        self._batch.append((ticket_id, body, answer))
+        if len(self._batch) >= self.batch_size:
+            self._send_batch()
+        elif self._batch_timer is None:
+            self._batch_timer = loop.call_later(self.batch_linger_s, self._send_batch)
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except TimeoutError:
+            raise _Retry("timed out") from None
+
+    def _send_batch(self) -> None:
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        batch, self._batch = self._batch, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._post_batch(batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _post_batch(self, batch: list[tuple[str, bytes, asyncio.Future[_Exchanged]]]
+                          ) -> None:
+        """POST the batch; each ticket's future gets its result, or the failure of the
+        whole request (a broken connection, a timeout, a 503: each ticket sent again)."""
+        body = b'{"tickets":[' + b",".join(b for _, b, _ in batch) + b"]}"
+        try:
+            whole = await self._exchange(
+                "POST", "/v1/ticket-batches", body, self.timeout_s, uuid.uuid4().hex)
+            if whole.status != 200:  # the whole request answered as each ticket would be
+                results = [whole] * len(batch)
+            else:
+                items = _batch_decoder.decode(whole.raw).results
+                if len(items) != len(batch):
+                    raise _Retry("a batch answered with another number of results")
+                results = [_Exchanged(r.status, bytes(r.body), whole.retry_after)
+                           for r in items]
+        except (_Retry, msgspec.DecodeError, msgspec.ValidationError) as e:
+            failure = e if isinstance(e, _Retry) else _Retry("a batch's unreadable answer")
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(failure)
+            return
+        for (_, _, answer), result in zip(batch, results, strict=True):
+            if not answer.done():
+                answer.set_result(result)
 
     async def ticket(self, ticket_id: str, *, deadline_s: float | None = None,
                      request_id: str | None = None) -> TicketOut:
@@ -303,7 +388,7 @@ class Client:
 
     async def _until_decided(self, ticket_id: str | None, method: str, path: str, kind: type[T],
                              body: bytes | None, deadline_s: float | None,
-                             request_id: str | None) -> T:
+                             request_id: str | None, batched: _Batched | None = None) -> T:
         budget = self.deadline_s if deadline_s is None else deadline_s
         if not budget > 0:
             raise ValueError(f"deadline_s must be positive, got {budget}")
@@ -322,8 +407,10 @@ class Client:
             attempts += 1
             try:
                 with self._in_flight():
-                    return await self._attempt(method, path, kind, body,
-                                               min(self.timeout_s, max(left, 0.001)),
+                    timeout_s = min(self.timeout_s, max(left, 0.001))
+                    if batched is not None and body is not None:
+                        return _judged(await batched(body, timeout_s, request_id), kind)
+                    return await self._attempt(method, path, kind, body, timeout_s,
                                                request_id)
             except _Closed:
                 last = f"the client was closed (during attempt {attempts})"
@@ -343,6 +430,11 @@ class Client:
 
     async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
                        timeout_s: float, request_id: str) -> T:
+        return _judged(await self._exchange(method, path, body, timeout_s, request_id), kind)
+
+    async def _exchange(self, method: str, path: str, body: bytes | None, timeout_s: float,
+                        request_id: str) -> _Exchanged:
+        """One request: its status, body and Retry-After; `_Retry` when nothing came."""
         session = self._session
         if session is None:
             if self._closed.is_set():
@@ -366,18 +458,49 @@ class Client:
             raise _Retry("timed out") from None
         except aiohttp.ClientError as e:
             raise _Retry(f"connection: {type(e).__name__}") from None
-        if status < 300:
-            try:
-                return msgspec.json.decode(raw, type=kind)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                # Not the service's answer (a proxy's page, a cut body): nothing known.
-                raise _Retry(f"HTTP {status} with an unreadable body") from None
-        if status in RETRIED:
-            raise _Retry(f"HTTP {status}", _retry_after(retry_after))
-        failure = _failure(status, raw)
-        if failure.code == "ticket_pending":  # interrupted half-way: the janitor decides it
-            raise _Retry("HTTP 409 ticket_pending", 0.0)
-        raise failure
+        return _Exchanged(status, raw, retry_after)
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchanged:
+    """What the service answered a request (or, in a batch, for one ticket of it)."""
+
+    status: int
+    raw: bytes
+    retry_after: str
+
+
+_Batched = Callable[[bytes, float, str], Awaitable[_Exchanged]]
+
+
+class _BatchResult(msgspec.Struct):
+    status: int
+    body: msgspec.Raw
+
+
+class _BatchOut(msgspec.Struct):
+    results: list[_BatchResult]
+
+
+_batch_decoder = msgspec.json.Decoder(_BatchOut)
+
+
+def _judged(answer: _Exchanged, kind: type[T]) -> T:
+    """The decision an answer carries; `_Retry` when its outcome is unknown; the typed
+    error of a refusal."""
+    status, raw = answer.status, answer.raw
+    if status < 300:
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Not the service's answer (a proxy's page, a cut body): nothing known.
+            raise _Retry(f"HTTP {status} with an unreadable body") from None
+    if status in RETRIED:
+        raise _Retry(f"HTTP {status}", _retry_after(answer.retry_after))
+    failure = _failure(status, raw)
+    if failure.code == "ticket_pending":  # interrupted half-way: the janitor decides it
+        raise _Retry("HTTP 409 ticket_pending", 0.0)
+    raise failure
 
 
 def _failure(status: int, raw: bytes) -> CapsvcError:
@@ -579,6 +702,7 @@ class SyncClient:
             await asyncio.gather(*stuck, return_exceptions=True)
 
     sell = _Blocking(Client.sell)
+    sell_many = _Blocking(Client.sell_many)
     ticket = _Blocking(Client.ticket)
     cancel = _Blocking(Client.cancel)
     games = _Blocking(Client.games)

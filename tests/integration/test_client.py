@@ -14,6 +14,7 @@ import pytest
 
 from capsvc.client import (
     AuthError,
+    CapsvcError,
     Client,
     ConflictError,
     NotFoundError,
@@ -202,3 +203,33 @@ def test_a_dict_that_makes_no_request_is_a_validation_error_sent_nowhere() -> No
 def test_the_blocking_client_has_every_method_of_the_async_one() -> None:
     public = {n for n in vars(Client) if not n.startswith("_") and callable(getattr(Client, n))}
     assert public - {"aclose"} <= set(vars(SyncClient)), public - set(vars(SyncClient))
+
+
+async def test_concurrent_sales_go_in_batches_each_with_its_own_answer(
+        live: ServiceProcess) -> None:
+    """batch_size > 1: concurrent `sell` calls (and `sell_many`) leave as POST
+    /v1/ticket-batches; each call still gets its own decision or typed error, and a replay
+    is the same decision."""
+    async with Client(live.base_url, TOKENS["fr"], batch_size=16) as c:
+        draw = (await c.current_draw("fdj-keno")).draw
+        before = await _batches(c)
+        good = [ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=draw)
+                for _ in range(10)]
+        bad = ticket([{"numbers": TEN[:8], "stake": 123}], first_draw=draw)
+        results = await c.sell_many([*good, bad])
+        assert all(isinstance(r, TicketOut) and r.status == "accepted" for r in results[:10])
+        assert isinstance(results[10], CapsvcError)
+        assert results[10].code == "stake_not_allowed"
+        assert await _batches(c) > before
+        again = await asyncio.gather(*[c.sell(t) for t in good])
+        assert [a.receipt for a in again] == [r.receipt for r in results[:10]]  # type: ignore[union-attr]
+
+
+async def _batches(c: Client) -> float:
+    """Batch requests the service has counted (capsvc_ticket_batch_size_count)."""
+    assert c._session is not None
+    async with c._session.get(c.base_url + "/metrics") as resp:
+        text = await resp.text()
+    lines = [line for line in text.splitlines()
+             if line.startswith("capsvc_ticket_batch_size_count")]
+    return float(lines[0].split()[-1]) if lines else 0.0
