@@ -440,14 +440,24 @@ slots up. Two kinds of fields:
                          its decision) and removed whole (`aggregate` with no value: given
                          back or cancelled), so a step run again never counts twice; one key
                          per call, as the ticket's own steps
-TTL: the draw's close + retention. ]]
+TTL: the draw's close + retention.
+
+aggregate: KEYS the aggregate, the ticket's record bucket (the same slot); ARGV sale id,
+value ("" removes the sale's share), expire_at, the ticket's field. A share is written only
+while the ticket is that sale's and not cancelled (k, c): a duplicate request of the sale
+still running after a cancel must not put the cancelled stake back. Returns 1 if written
+(or removed), 0 if not. ]]
 local function aggregate(keys, args)
   if args[2] == '' then
     redis.call('HDEL', keys[1], args[1])
-  else
-    redis.call('HSET', keys[1], args[1], args[2])
-    extend(keys[1], tonumber(args[3]))
+    return 1
   end
+  local rec = ticket_read({bucket = keys[2], field = args[4]}, now_ms())
+  if rec[4] ~= args[1] or rec[1] == 'k' or rec[1] == 'c' then
+    return 0
+  end
+  redis.call('HSET', keys[1], args[1], args[2])
+  extend(keys[1], tonumber(args[3]))
   return 1
 end
 

@@ -206,6 +206,8 @@ class Client:
         if any(tid == ticket_id for tid, _, _ in self._batch):
             self._send_batch()  # a ticket id once a batch: the batch before goes first
         answer: asyncio.Future[_Exchanged] = loop.create_future()
+        # Retrieved even when this attempt gave up waiting (its timeout, the client closed).
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._batch.append((ticket_id, body, answer))
         if len(self._batch) >= self.batch_size:
             self._send_batch()

@@ -439,10 +439,12 @@ class Store:
 
     def aggregate(self, ticket: str, game: str, draw: int, sale_id: str, value: str,
                   expire_at: int) -> asyncio.Future[Any]:
-        """Record what a sale accepted on a draw ("<picks>:<stake>,…"), or with value ""
-        remove it (lua/capsvc.lua, AGGREGATES)."""
-        return self.fcall("capsvc_aggregate", [aggregate_key(ticket, game, draw)],
-                          [sale_id, value, expire_at])
+        """Record what a sale accepted on a draw ("<picks>:<stake>,…") while its ticket is
+        that sale's and not cancelled, or with value "" remove it (lua/capsvc.lua,
+        AGGREGATES)."""
+        keys, args = self.names(ticket)
+        return self.fcall("capsvc_aggregate", [aggregate_key(ticket, game, draw), *keys],
+                          [sale_id, value, expire_at, *args])
 
     def aggregate_sums(self, game: str, draw: int) -> list[asyncio.Future[Any]]:
         """[picks, stake, …] of each ticket slot's aggregate of a draw."""

@@ -1011,22 +1011,33 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
 
 
 async def test_aggregates_hold_each_sale_once_and_sum_by_size(
-        store: Store, redis_db: redis.Redis, now: int) -> None:
+        store: Store, redis_db: redis.Redis, now: int, records: TicketRecords) -> None:
     """A sale's share of a draw is written whole (written again: no change), removed whole,
-    and the sum adds the sales up by number of picks; one key per call."""
+    and the sum adds the sales up by number of picks; one key per call. A share is written
+    only while the ticket holds that sale, not cancelled: a duplicate request still running
+    after a cancel does not put the stake back."""
     key = ticket_key("ch", "T-1")
-    a, b = new_sale(), new_sale()
-    await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY)
-    await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY)  # a step run again
-    await store.aggregate(key, GAME, FIRST, b, "8:1000", now + HOUR)
-    aggregate = aggregate_key(key, GAME, FIRST)
     slot = key[key.index("{") + 1: key.index("}")]
+    other = next(k for k in (ticket_key("ch", f"T-1-{i}") for i in range(100_000))
+                 if k[k.index("{") + 1: k.index("}")] == slot)  # the same aggregate
+    a, b = new_sale(), new_sale()
+    records.put(key, now + DAY, st="p", fp="fp", at=now, sid=a, sale=b"sale")
+    records.put(other, now + DAY, st="p", fp="fp", at=now, sid=b, sale=b"sale")
+    assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 1
+    assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 1  # again
+    assert await store.aggregate(other, GAME, FIRST, b, "8:1000", now + HOUR) == 1
+    assert await store.aggregate(key, GAME, FIRST, b, "8:9999", now + DAY) == 0  # not its sale
+    aggregate = aggregate_key(key, GAME, FIRST)
     assert aggregate == f"a:{{{slot}}}:{GAME}:{FIRST}"
     assert redis_db.pexpiretime(aggregate) == now + DAY  # never shortened
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"3": 200, b"8": 1500}
     await store.aggregate(key, GAME, FIRST, a, "", 0)  # given back or cancelled
     await store.aggregate(key, GAME, FIRST, a, "", 0)
+    sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
+    assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}
+    records.put(key, now + DAY, st="c", fp="fp", at=now, sid=a, sale=b"sale")
+    assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 0
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}
     redis_db.hincrby(aggregate, "3", 250)  # a total, as a sale in one call adds it
