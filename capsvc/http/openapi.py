@@ -268,6 +268,11 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
         "security": [],
         "responses": {"200": {"description": "OK", "headers": _REQUEST_ID, "content": {
             "application/json": {"schema": {"type": "object"}}}}}}}
+    # A batch's tickets are each judged as if sent alone: one that is not a valid ticket is
+    # answered in its own result (422), not by the whole request.
+    components["TicketsIn"]["properties"]["tickets"]["items"] = {
+        "description": "a ticket as POST /v1/tickets takes it (TicketIn); one that is not is "
+                       "answered in its result with the status it would have had alone"}
     # A ticket's result carries what POST /v1/tickets would have answered for it alone.
     components["TicketResult"]["properties"]["body"] = {
         "oneOf": [{"$ref": _REF.format(name="TicketOut")},
