@@ -1,6 +1,16 @@
-"""The API's errors: one exception type carrying status, code, message and JSONPath."""
+"""The errors a request is refused with: one exception type carrying its kind, code, message
+and JSONPath. What a kind is answered with (an HTTP status) is the HTTP layer's
+(capsvc.http.app.STATUS_OF)."""
 
 from __future__ import annotations
+
+from typing import Literal
+
+Kind = Literal["malformed", "unauthorized", "forbidden", "not_found", "method_not_allowed",
+               "conflict", "too_large", "invalid", "internal", "unavailable"]
+"""Why a request is refused: not readable, no or an unknown token, not allowed, unknown, a
+conflict with what is recorded, too large, breaking a rule, an internal fault, unavailable
+(the outcome unknown)."""
 
 
 class ApiError(Exception):
@@ -8,14 +18,14 @@ class ApiError(Exception):
 
     def __init__(
         self,
-        status: int,
+        kind: Kind,
         code: str,
         message: str,
         path: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind: Kind = kind
         self.code = code
         self.message = message
         self.path = path
@@ -23,8 +33,8 @@ class ApiError(Exception):
 
 
 def rule_error(code: str, message: str, path: str | None = None) -> ApiError:
-    """A well-formed request that breaks a rule: 422."""
-    return ApiError(422, code, message, path)
+    """A well-formed request that breaks a rule."""
+    return ApiError("invalid", code, message, path)
 
 
 OUTCOME_UNKNOWN = ("{}: the outcome is unknown (it may have been recorded); send the same "
@@ -36,13 +46,14 @@ NOTHING_CHANGED = "{}: nothing was changed; send the request again"
 
 
 def unavailable(message: str, retry_after_s: int) -> ApiError:
-    """503: the outcome is unknown to the client, which should send the same request again
+    """The outcome is unknown to the client, which should send the same request again
     after `retry_after_s` (it converges to one decision)."""
-    return ApiError(503, "unavailable", message, None, {"Retry-After": str(retry_after_s)})
+    return ApiError("unavailable", "unavailable", message, None,
+                    {"Retry-After": str(retry_after_s)})
 
 
 def not_found(what: str) -> ApiError:
-    return ApiError(404, "not_found", f"{what} not found")
+    return ApiError("not_found", "not_found", f"{what} not found")
 
 
 class Unavailable(Exception):

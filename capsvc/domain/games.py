@@ -47,12 +47,13 @@ class Catalog:
         if game is None:
             raise not_found(f"game {game_id!r}")
         if game_id not in channel.games:
-            raise ApiError(403, "forbidden", f"channel {channel.id} may not use game {game_id}")
+            raise ApiError("forbidden", "forbidden",
+                           f"channel {channel.id} may not use game {game_id}")
         require_scope(channel, *scopes)
         return game
 
 
 def require_scope(channel: Channel, *scopes: str) -> None:
     if channel.scopes.isdisjoint(scopes):
-        raise ApiError(403, "forbidden",
+        raise ApiError("forbidden", "forbidden",
                        f"channel {channel.id} lacks the scope {' or '.join(scopes)}")

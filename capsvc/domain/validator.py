@@ -201,7 +201,7 @@ def request_fingerprint(t: TicketIn) -> str | None:
 
 
 def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
-    """Apply every rule of `rules` to the ticket; raise ApiError(422) on the first break."""
+    """Apply every rule of `rules` to the ticket; raise ApiError ("invalid") on the first break."""
     check_grid_count(rules, len(t.grids))
     check_draws(rules, t.draws)
     if rules.daily_limit is not None and t.player_id is None:
@@ -270,7 +270,7 @@ def validate_availability(rules: GameRules, a: AvailabilityIn) -> list[Probe]:
 def parse_numbers_path(rules: GameRules, text: str) -> tuple[int, ...]:
     """`3-7-12-…` from a URL into validated sorted numbers."""
     if not _NUMBERS_PATH_RE.fullmatch(text):  # ASCII digits only: str.isdigit() takes "²"
-        raise ApiError(422, "invalid_request",
+        raise ApiError("invalid", "invalid_request",
                        "numbers are integers joined by '-', e.g. 3-7-12-18-25-33-41-56",
                        "numbers")
     return check_numbers(rules, [int(p) for p in text.split("-")], "numbers")

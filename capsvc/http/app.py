@@ -104,10 +104,12 @@ def decode_body(body: bytes | msgspec.Raw, kind: type[T]) -> T:
         elif message == _ID_MISMATCH:  # say what an id is rather than show the regex
             message = _ID_MESSAGE
         if path == "$" and message.startswith("Expected `object`"):
-            raise ApiError(400, "malformed_json", "the body must be a JSON object", None) from e
-        raise ApiError(422, "invalid_request", message, path) from e
+            raise ApiError("malformed", "malformed_json", "the body must be a JSON object",
+                           None) from e
+        raise ApiError("invalid", "invalid_request", message, path) from e
     except msgspec.DecodeError as e:
-        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}", None) from e
+        raise ApiError("malformed", "malformed_json", f"the body is not valid JSON: {e}",
+                       None) from e
 
 
 class _TicketsSent(msgspec.Struct, forbid_unknown_fields=True):
@@ -127,9 +129,18 @@ def _ticket_id_of(raw: msgspec.Raw) -> str | None:
     return tid if isinstance(tid, str) else None
 
 
-def error_response(err: ApiError) -> Answer:
+STATUS_OF: dict[str, int] = {
+    "malformed": 400, "unauthorized": 401, "forbidden": 403, "not_found": 404,
+    "method_not_allowed": 405, "conflict": 409, "too_large": 413, "invalid": 422,
+    "internal": 500, "unavailable": 503,
+}
+"""The HTTP status each kind of refusal (capsvc.domain.errors.Kind) is answered with."""
+
+
+def error_response(err: ApiError, status: int | None = None) -> Answer:
+    """The error's answer, with its kind's status (or `status`: an HTTP parse error's)."""
     body = _encode(ErrorOut(ErrorDetail(code=err.code, message=err.message, path=err.path)))
-    return Answer(body, err.status, err.headers)
+    return Answer(body, status or STATUS_OF[err.kind], err.headers)
 
 
 def json_response(obj: Any, status: int = 200) -> Answer:
@@ -152,7 +163,7 @@ class Authenticator:
             return known
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise ApiError(401, "unauthorized", "missing bearer token",
+            raise ApiError("unauthorized", "unauthorized", "missing bearer token",
                            headers={"WWW-Authenticate": "Bearer"})
         # Header bytes that are not UTF-8 arrive as surrogates: hash them as they came.
         digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
@@ -161,7 +172,7 @@ class Authenticator:
             if hmac.compare_digest(ch.token_sha256, digest):
                 found = ch
         if found is None:
-            raise ApiError(401, "unauthorized", "unknown token",
+            raise ApiError("unauthorized", "unauthorized", "unknown token",
                            headers={"WWW-Authenticate": "Bearer"})
         if len(self._known) < 4 * len(self.channels):  # "Bearer t", "bearer  t", …: bounded
             self._known[header] = found
@@ -219,7 +230,7 @@ def _ticket_id(request: web.BaseRequest) -> str:
     """The ticket id of the path, matched whole like the body's (no trailing newline)."""
     text = _param(request, "ticket_id")
     if not ID_RE.fullmatch(text):
-        raise ApiError(422, "invalid_request", f"ticket ids: {_ID_MESSAGE}", "ticket_id")
+        raise ApiError("invalid", "invalid_request", f"ticket ids: {_ID_MESSAGE}", "ticket_id")
     return text
 
 
@@ -274,7 +285,7 @@ class Api:
         channel = self.auth.channel(request)
         sent = decode_body(await request.read(), _TicketsSent).tickets
         if not 1 <= len(sent) <= self.settings.max_batch:
-            raise ApiError(422, "invalid_request", f"a batch holds 1 to "
+            raise ApiError("invalid", "invalid_request", f"a batch holds 1 to "
                            f"{self.settings.max_batch} tickets, not {len(sent)}", "$.tickets")
         items: list[TicketIn | ApiError] = []
         first_at: dict[str, int] = {}
@@ -288,7 +299,7 @@ class Api:
             if tid is None:
                 continue
             if tid in first_at:
-                raise ApiError(422, "invalid_request", f"ticket {tid} is in the batch twice "
+                raise ApiError("invalid", "invalid_request", f"ticket {tid} is in the batch twice "
                                f"(first at $.tickets[{first_at[tid]}])",
                                f"$.tickets[{i}].ticket_id")
             first_at[tid] = i
@@ -310,7 +321,7 @@ class Api:
             log.warning("redis unavailable: %s", outcome)
             outcome = unavailable(OUTCOME_UNKNOWN.format("Redis could not be reached in time"),
                                   self.settings.retry_after_s)
-        return TicketResult(outcome.status, msgspec.Raw(_encode(ErrorOut(ErrorDetail(
+        return TicketResult(STATUS_OF[outcome.kind], msgspec.Raw(_encode(ErrorOut(ErrorDetail(
             code=outcome.code, message=outcome.message, path=outcome.path)))))
 
     async def get_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -364,7 +375,7 @@ class Api:
         game = self.catalog.game(_param(request, "game"), channel, "read", "admin")
         fmt = request.query.get("format", "json")
         if fmt not in ("json", "csv"):
-            raise ApiError(422, "invalid_request", "format must be json or csv", "format")
+            raise ApiError("invalid", "invalid_request", "format must be json or csv", "format")
         report = await self.audit.report(game, _draw(request))
         if fmt == "csv":
             return web.Response(text=to_csv(report), content_type="text/csv")
@@ -378,12 +389,12 @@ class Api:
         grace_ms = self.settings.audit_grace_ms
         if (grace := request.query.get("grace")) is not None:
             if not grace.isascii() or not grace.isdigit() or len(grace) > 6:
-                raise ApiError(422, "invalid_request", "grace must be a number of seconds",
+                raise ApiError("invalid", "invalid_request", "grace must be a number of seconds",
                                "grace")
             grace_ms = int(grace) * 1000
         cancel = request.query.get("cancel_abandoned", "false")
         if cancel not in ("true", "false"):
-            raise ApiError(422, "invalid_request", "cancel_abandoned must be true or false",
+            raise ApiError("invalid", "invalid_request", "cancel_abandoned must be true or false",
                            "cancel_abandoned")
         # An export is larger than a sale and its reading takes longer than a sale's
         # timeout: a limit of its own, no request timeout (admin only).
@@ -392,19 +403,19 @@ class Api:
         async for chunk in request.content.iter_any():  # to the end of the body
             size += len(chunk)
             if size > MAX_EXPORT_BYTES:
-                raise ApiError(413, "payload_too_large",
+                raise ApiError("too_large", "payload_too_large",
                                f"an export is at most {MAX_EXPORT_BYTES} bytes")
             chunks.append(chunk)
         data = b"".join(chunks)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ApiError(422, "invalid_export", f"the export is not UTF-8 ({e})") from None
+            raise ApiError("invalid", "invalid_export", f"the export is not UTF-8 ({e})") from None
         try:
             rec = await self.audit.reconcile(game, draw, text, grace_ms=grace_ms,
                                              cancel_abandoned=cancel == "true")
         except ExportError as e:
-            raise ApiError(422, "invalid_export", str(e)) from None
+            raise ApiError("invalid", "invalid_export", str(e)) from None
         return json_response(rec)
 
     async def capped_stream(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -415,7 +426,7 @@ class Api:
         draw: int | None = None
         if only is not None:
             if not _DRAW_RE.fullmatch(only) or len(only) > 12:
-                raise ApiError(422, "invalid_request", "draw must be a draw number", "draw")
+                raise ApiError("invalid", "invalid_request", "draw must be a draw number", "draw")
             if not 1 <= (number := int(only)) <= MAX_DRAW:
                 raise not_found(f"draw {only}")
             game.check_draw(number)
@@ -631,10 +642,11 @@ def _dispatch(api: Api, router: Router) -> Handler:
         if handler is None:
             if template == "unmatched":
                 resp: web.StreamResponse = error_response(
-                    ApiError(404, "not_found", f"no route {request.path}"))
+                    ApiError("not_found", "not_found", f"no route {request.path}"))
             else:
                 resp = error_response(ApiError(
-                    405, "method_not_allowed", f"{request.method} is not allowed here",
+                    "method_not_allowed", "method_not_allowed",
+                    f"{request.method} is not allowed here",
                     headers={"Allow": ",".join(m for m in handlers if m != "HEAD")}))
         elif health.in_flight >= settings.max_in_flight:
             resp = busy("too many requests in flight")
@@ -688,21 +700,21 @@ def _dispatch(api: Api, router: Router) -> Handler:
             except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad gzip, …)
                 log.warning("unreadable request body: %s", _first_line(e),
                             extra={"request_id": rid, "route": template})
-                resp = error_response(ApiError(400, "malformed_request",
+                resp = error_response(ApiError("malformed", "malformed_request",
                                                f"the body cannot be read: {_first_line(e)}"))
             except ConnectionResetError:  # the client left before sending its whole body
                 log.info("client went away before its body was read",
                          extra={"request_id": rid, "route": template})
-                resp = error_response(ApiError(400, "malformed_request",
+                resp = error_response(ApiError("malformed", "malformed_request",
                                                "the body was cut short"))
             except web.HTTPRequestEntityTooLarge:
                 resp = error_response(ApiError(
-                    413, "payload_too_large",
+                    "too_large", "payload_too_large",
                     f"the body is larger than {settings.max_body_bytes} bytes"))
             except Exception:
                 log.exception("unhandled error on %s %s", request.method, template,
                               extra={"request_id": rid})
-                resp = error_response(ApiError(500, "internal", "internal error"))
+                resp = error_response(ApiError("internal", "internal", "internal error"))
             finally:
                 requests.pop(task, None)  # a feed subscription took itself out
                 if counted:
@@ -755,8 +767,8 @@ class Protocol(web.RequestHandler):
         what = _first_line(message or exc or "unparseable")
         log.warning("malformed HTTP request from %s: %s", request.remote, what)
         self.metrics.request("malformed", "-", status, 0.0)
-        resp = error_response(ApiError(status, "malformed_request",
-                                       f"the request is not valid HTTP: {what}"))
+        resp = error_response(ApiError("malformed", "malformed_request",
+                                       f"the request is not valid HTTP: {what}"), status)
         resp.headers["X-Request-ID"] = request_id(request)
         resp.force_close()
         return resp

@@ -39,14 +39,14 @@ class Players:
         """The limited game through which the channel looks at the player."""
         require_scope(channel, *scopes)
         if not ID_RE.fullmatch(player_id):
-            raise ApiError(422, "invalid_request",
+            raise ApiError("invalid", "invalid_request",
                            "player ids are 1-64 characters of [A-Za-z0-9._:-]", "player_id")
         if game_id is not None:
             game = self.games.get(game_id)
             if game is None:
-                raise ApiError(404, "not_found", f"game {game_id!r} not found")
+                raise ApiError("not_found", "not_found", f"game {game_id!r} not found")
             if game_id not in channel.games:
-                raise ApiError(403, "forbidden",
+                raise ApiError("forbidden", "forbidden",
                                f"channel {channel.id} may not use game {game_id}")
             if game.rules.daily_limit is None:
                 raise rule_error("no_player_limits", f"game {game_id} has no player limits",
@@ -58,7 +58,7 @@ class Players:
             raise rule_error("no_player_limits",
                              f"channel {channel.id} sells no game with player limits", "game")
         if len(limited) != 1:
-            raise ApiError(422, "invalid_request",
+            raise ApiError("invalid", "invalid_request",
                            "name the game with ?game= (the channel has "
                            f"{len(limited)} games with player limits)", "game")
         return limited[0]

@@ -164,7 +164,7 @@ class Tickets:
         try:
             return await self._sell(channel, t)
         except ApiError as e:
-            if e.status >= 500 or e.code == "idempotency_conflict":
+            if e.kind == "unavailable" or e.code == "idempotency_conflict":
                 raise
             recorded = await self._recorded(channel, t)
             if recorded is None:
@@ -493,7 +493,7 @@ class Tickets:
             body = derived_body(channel.id, record.sale, record.sale_id, record.at,
                                 record.results)
         if lost or body is None:
-            raise ApiError(409, "ticket_pending",
+            raise ApiError("conflict", "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
         await self._journal_stored("lookup", channel.id, record, body)
@@ -517,31 +517,31 @@ class Tickets:
         if record is None:
             raise not_found(f"ticket {ticket_id!r}")
         if only_sale is not None and record.sale_id != only_sale:
-            raise ApiError(409, "not_cancellable",
+            raise ApiError("conflict", "not_cancellable",
                            f"ticket {ticket_id} now holds another sale than {only_sale}")
         if record.body is None and record.results is None:
-            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+            raise ApiError("conflict", "not_cancellable", f"ticket {ticket_id} has no decision yet")
         sale = unpack_sale(record.sale)
         game = self.catalog.get(sale.game)
         if game is None:
-            raise ApiError(409, "not_cancellable", f"game {sale.game} is no longer served")
+            raise ApiError("conflict", "not_cancellable", f"game {sale.game} is no longer served")
         decision = (_ticket_decoder.decode(record.body) if record.body is not None
                     else decision_of(channel.id, sale, record.sale_id, record.at,
                                      record.results or b""))
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and record.state == b"f":
-            raise ApiError(409, "not_cancellable", refusal)
+            raise ApiError("conflict", "not_cancellable", refusal)
         reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
                                         sale.game, sale.first_draw, decision.total_cost,
                                         game.expire_at(sale.first_draw + sale.draws - 1))
         if not isinstance(reply, Cancelling):
             if reply.why == "closed":
-                raise ApiError(409, "not_cancellable",
+                raise ApiError("conflict", "not_cancellable",
                                f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
             if reply.why == "missing":
                 raise not_found(f"ticket {ticket_id!r}")
-            raise ApiError(409, "not_cancellable", f"ticket {ticket_id} has no decision yet")
+            raise ApiError("conflict", "not_cancellable", f"ticket {ticket_id} has no decision yet")
         if reply.state == b"k":
             await self.finish_cancel(channel.id, game, key, sale, record.sale_id, record.at,
                                      record.results is not None)
@@ -593,7 +593,7 @@ def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
 
 
 def _conflict(ticket_id: str) -> ApiError:
-    return ApiError(409, "idempotency_conflict",
+    return ApiError("conflict", "idempotency_conflict",
                     f"ticket {ticket_id} was already used with a different request",
                     "$.ticket_id")
 

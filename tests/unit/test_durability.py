@@ -91,7 +91,7 @@ async def test_too_few_acknowledgements_are_an_unknown_outcome(acks: int | Excep
     """Too few acknowledgements, or a failed WAIT: 503 with Retry-After, outcome unknown."""
     with pytest.raises(ApiError) as e:
         await durability(FakeRedis(acks), 2).confirm()
-    assert (e.value.status, e.value.code, e.value.headers) == (503, "unavailable",
+    assert (e.value.kind, e.value.code, e.value.headers) == ("unavailable", "unavailable",
                                                                {"Retry-After": "1"})
     assert e.value.message.startswith("outcome unknown: the operation may have been recorded")
     assert "GET /v1/tickets/{ticket_id}" in e.value.message

@@ -78,7 +78,7 @@ def test_valid_ids_pass_every_check(value: str) -> None:
 def test_bad_ids_in_a_ticket_body_are_422(field: str, value: str) -> None:
     """A bad ticket_id or player_id in a real JSON body is 422 invalid_request at its path."""
     err = refused(lambda: decode_body(body(**{field: value}), TicketIn))
-    assert (err.status, err.code, err.path) == (422, "invalid_request", f"$.{field}")
+    assert (err.kind, err.code, err.path) == ("invalid", "invalid_request", f"$.{field}")
     if 1 <= len(value) <= 64:  # otherwise msgspec's own "Expected `str` of length ..."
         assert "1-64 characters of [A-Za-z0-9._:-]" in err.message
     assert "(?!" not in err.message  # says what an id is, not the regex
@@ -89,7 +89,7 @@ def test_bad_refs_in_a_stake_body_are_422(value: str) -> None:
     """A bad other-game stake ref is 422 invalid_request at $.ref."""
     raw = json.dumps({"ref": value, "game": "loto", "amount": 1}).encode()
     err = refused(lambda: decode_body(raw, StakeIn))
-    assert (err.status, err.code, err.path) == (422, "invalid_request", "$.ref")
+    assert (err.kind, err.code, err.path) == ("invalid", "invalid_request", "$.ref")
 
 
 def test_escaped_newline_in_raw_json_is_refused() -> None:
@@ -123,7 +123,7 @@ def test_ticket_id_path_parameter_is_matched_whole(value: str) -> None:
     """A bad ticket id from the URL path is 422 invalid_request at `ticket_id`."""
     request = routed("/v1/tickets/x", {"ticket_id": value})
     err = refused(lambda: _ticket_id(request))
-    assert (err.status, err.code, err.path) == (422, "invalid_request", "ticket_id")
+    assert (err.kind, err.code, err.path) == ("invalid", "invalid_request", "ticket_id")
 
 
 @pytest.mark.parametrize("value", GOOD)
@@ -138,7 +138,7 @@ def test_draw_path_parameter_is_digits_only(value: str) -> None:
     """A draw that is not plain ASCII digits is 404 not_found, never int()'s lenient parse."""
     request = routed("/v1/games/g/draws/x", {"draw": value})
     err = refused(lambda: _draw(request))
-    assert (err.status, err.code) == (404, "not_found")
+    assert (err.kind, err.code) == ("not_found", "not_found")
 
 
 def test_draw_path_parameter_parses_digits() -> None:
@@ -149,7 +149,7 @@ def test_draw_path_parameter_parses_digits() -> None:
     for text in ("-3", "0", str(MAX_DRAW + 1), "1" * 13):
         request = routed("/v1/games/g/draws/x", {"draw": text})
         err = refused(lambda request=request: _draw(request))  # type: ignore[misc]
-        assert (err.status, err.code) == (404, "not_found")
+        assert (err.kind, err.code) == ("not_found", "not_found")
         assert f"draw {text[:12]}" in err.message
 
 
@@ -159,7 +159,7 @@ def test_player_id_path_parameter_is_matched_whole(value: str) -> None:
     players = Players(SimpleNamespace(games={}), None, None, None)  # type: ignore[arg-type]
     channel = Channel(id="c", token_sha256=b"", games=frozenset(), scopes=frozenset({"sell"}))
     err = refused(lambda: players.game_for(channel, value, None, "sell"))
-    assert (err.status, err.code, err.path) == (422, "invalid_request", "player_id")
+    assert (err.kind, err.code, err.path) == ("invalid", "invalid_request", "player_id")
 
 
 @pytest.mark.parametrize("text", [
@@ -171,7 +171,7 @@ def test_numbers_path_parameter_is_matched_whole(text: str) -> None:
     """Combination numbers of the URL: ASCII digits joined by '-', nothing else: 422."""
     rules = load_settings(CONFIG).games["fdj-keno"]
     err = refused(lambda: parse_numbers_path(rules, text))
-    assert (err.status, err.code, err.path) == (422, "invalid_request", "numbers")
+    assert (err.kind, err.code, err.path) == ("invalid", "invalid_request", "numbers")
 
 
 def test_numbers_path_parameter_parses_valid_numbers() -> None:

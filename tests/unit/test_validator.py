@@ -30,7 +30,7 @@ def sale_of(rules: GameRules, **fields: Any) -> Any:
 def rule_code(rules: GameRules, **fields: Any) -> tuple[str, str | None]:
     with pytest.raises(ApiError) as e:
         sale_of(rules, **fields)
-    assert e.value.status == 422
+    assert e.value.kind == "invalid"
     return e.value.code, e.value.path
 
 
