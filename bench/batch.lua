@@ -15,18 +15,6 @@ function init(args)
   size = tonumber(args[5] or "64")
 end
 
-local function numbers(picks)
-  local chosen, nums = {}, {}
-  while #nums < picks do
-    local n = math.random(1, 70)
-    if not chosen[n] then
-      chosen[n] = true
-      nums[#nums + 1] = n
-    end
-  end
-  return table.concat(nums, ",")
-end
-
 function request()
   local tickets = {}
   for i = 1, size do

@@ -47,8 +47,8 @@ CLAIMED = """            if isinstance(claim, Refused):
 DECIDED = """                body = _encode(out)
                 await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
 """
-CALL = """        return decoded(self.fcall("capsvc_sell", keys, [
-            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce]), claim_of)
+CALL = """        return self.fcall("capsvc_sell", keys, [
+            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce], decode=claim_of)
 """
 PING = '        await self.store.redis.call("PING")\n'
 RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.now())\n"

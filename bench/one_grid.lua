@@ -15,18 +15,6 @@ function init(args)
   set_pause(args)
 end
 
-local function numbers(picks)
-  local chosen, nums = {}, {}
-  while #nums < picks do
-    local n = math.random(1, 70)
-    if not chosen[n] then
-      chosen[n] = true
-      nums[#nums + 1] = n
-    end
-  end
-  return table.concat(nums, ",")
-end
-
 function request()
   counter = counter + 1
   local body = string.format(

@@ -10,18 +10,6 @@ local token, prefix, counter = "bench", "B", 0
 local stakes = {100, 200, 300, 500, 1000}
 local hot = {}
 
-local function numbers(picks)
-  local chosen, nums = {}, {}
-  while #nums < picks do
-    local n = math.random(1, 70)
-    if not chosen[n] then
-      chosen[n] = true
-      nums[#nums + 1] = n
-    end
-  end
-  return table.concat(nums, ",")
-end
-
 function init(args)
   token = args[1] or token
   prefix = args[2] or prefix

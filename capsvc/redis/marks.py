@@ -102,10 +102,11 @@ class Marks:
         return mark_of_slot(key_slot(key.encode()))
 
     def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
-             args: list[Any]) -> asyncio.Future[Any]:
+             args: list[Any], decode: Callable[[Any], Any] | None = None
+             ) -> asyncio.Future[Any]:
         """Queue a marked FCALL through `submit`: the mark as the last key, this process's
         life and what it saw of the mark as the last ARGV. The future answers the function's
-        own reply."""
+        own reply, decoded by `decode` if given (capsvc.redis.replies)."""
         mark = self.mark_of(keys[0])
         sent = self.sent.get(mark, 0)
         seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
@@ -113,11 +114,12 @@ class Marks:
         if self.life:
             self.sent[mark] = sent + 1
         out: asyncio.Future[Any] = reply.get_loop().create_future()
-        reply.add_done_callback(functools.partial(self._unwrap, mark, stamp.get(), out))
+        reply.add_done_callback(functools.partial(self._unwrap, mark, stamp.get(), out,
+                                                  decode))
         return out
 
     def _unwrap(self, mark: str, stamped: dict[str, int] | None, out: asyncio.Future[Any],
-                reply: asyncio.Future[Any]) -> None:
+                decode: Callable[[Any], Any] | None, reply: asyncio.Future[Any]) -> None:
         if reply.cancelled():
             if self.life:
                 self.sent[mark] -= 1
@@ -140,8 +142,16 @@ class Marks:
                 self.made[mark] = g
             if stamped is not None and g > stamped.get(mark, 0):
                 stamped[mark] = g
-        if not out.done():
-            out.set_result(rest[0] if rest else None)
+        if out.done():
+            return
+        result = rest[0] if rest else None
+        if decode is None:
+            out.set_result(result)
+            return
+        try:
+            out.set_result(decode(result))
+        except Exception as e:  # a reply of another layout: the library is not this one
+            out.set_exception(e)
 
     def _refusal(self, mark: str, error: BaseException) -> BaseException:
         if not isinstance(error, ResponseError):

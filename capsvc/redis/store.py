@@ -205,12 +205,15 @@ class Store:
         own (see record_names)."""
         return record_names(ticket)
 
-    def fcall(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+    def fcall(self, name: str, keys: list[str], args: list[Any],
+              decode: Callable[[Any], Any] | None = None) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it); a function
-        that judges or reports a decision carries its mark (capsvc.redis.marks)."""
+        that judges or reports a decision carries its mark (capsvc.redis.marks). `decode`:
+        the reply's type (capsvc.redis.replies), applied where the reply is read."""
         if name in MARKED:
-            return self.marks.call(self.redis.submit, name, keys, args)
-        return self.redis.submit("FCALL", name, len(keys), *keys, *args)
+            return self.marks.call(self.redis.submit, name, keys, args, decode)
+        call = self.redis.submit("FCALL", name, len(keys), *keys, *args)
+        return call if decode is None else decoded(call, decode)
 
     def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
         """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
@@ -234,9 +237,9 @@ class Store:
     def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Claim]:
         keys, args = self.names(ticket)
-        return decoded(self.fcall("capsvc_claim", keys, [
-            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()]),
-            claim_of)
+        return self.fcall("capsvc_claim", keys, [
+            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()],
+            decode=claim_of)
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
         """Write the decision of a sale. False when the ticket is no longer that sale's
@@ -291,15 +294,15 @@ class Store:
     def expire(self, ticket: str, deadline_ms: int) -> asyncio.Future[Due | Literal[False] | None]:
         """What the janitor is to settle of a ticket (capsvc.redis.replies.due_of)."""
         keys, args = self.names(ticket)
-        return decoded(self.fcall("capsvc_expire", keys, [*args, deadline_ms]), due_of)
+        return self.fcall("capsvc_expire", keys, [*args, deadline_ms], decode=due_of)
 
     def cancel(self, ticket: str, close_ms: int, game: str, first_draw: int, released: int,
                expire_at: int) -> asyncio.Future[Cancelling | NotCancelled]:
         """Decide a cancellation (indexing the ticket with it, for the janitor)."""
         keys, args = self.names(ticket)
-        return decoded(self.fcall(
+        return self.fcall(
             "capsvc_cancel", [*keys, stop_copy_of(ticket), pending_key_of(ticket)],
-            [*args, close_ms, f"{game}:{first_draw}", released, expire_at]), cancel_of)
+            [*args, close_ms, f"{game}:{first_draw}", released, expire_at], decode=cancel_of)
 
     async def cancelled(self, ticket: str, sale_id: str,
                         aggregates: tuple[list[str], list[Any]] | None = None) -> None:
@@ -314,7 +317,7 @@ class Store:
         """A ticket id's record (None when unknown; a one-call sale has results, not a
         body)."""
         keys, args = self.names(ticket)
-        return decoded(self.fcall("capsvc_ticket", keys, args), ticket_of)
+        return self.fcall("capsvc_ticket", keys, args, decode=ticket_of)
 
     def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
              stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
@@ -338,8 +341,8 @@ class Store:
                  nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        return decoded(self.fcall("capsvc_sell", keys, [
-            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce]), claim_of)
+        return self.fcall("capsvc_sell", keys, [
+            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce], decode=claim_of)
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next
@@ -368,8 +371,8 @@ class Store:
                 ) -> asyncio.Future[Reserved]:
         """Count `stake` on every draw of the grid, or none; `close_ms=0` seals instead."""
         keys = bucket_keys(game, combo, first_draw, len(expire_at))
-        return decoded(self.fcall("capsvc_reserve", keys, [
-            record, combo, stake, caps, close_ms, min_stake, *expire_at]), reserved_of)
+        return self.fcall("capsvc_reserve", keys, [
+            record, combo, stake, caps, close_ms, min_stake, *expire_at], decode=reserved_of)
 
     def record(self, game: str, combo: str, record: bytes, first_draw: int, draws: int
                ) -> asyncio.Future[Any]:
@@ -380,8 +383,8 @@ class Store:
     def release(self, game: str, combo: str, record: bytes, caps: str | int, min_stake: int,
                 first_draw: int, draws: int, expire_at: int) -> asyncio.Future[Released]:
         keys = bucket_keys(game, combo, first_draw, draws)
-        return decoded(self.fcall("capsvc_release", keys,
-                                  [record, combo, caps, min_stake, expire_at]), released_of)
+        return self.fcall("capsvc_release", keys, [record, combo, caps, min_stake, expire_at],
+                          decode=released_of)
 
     def counters(self, game: str, combo: str, first_draw: int, draws: int
                  ) -> list[asyncio.Future[Any]]:
@@ -529,17 +532,17 @@ class PlayerStore:
         (a journal's restore) takes them unchecked unless `ref` is recorded."""
         keys = [limit_key(player), *[budget_key(player, day) for day, _ in shares]]
         mode = "seal" if seal else "restore" if restore else "take"
-        return decoded(self.fcall("capsvc_budget", keys, [
+        return self.fcall("capsvc_budget", keys, [
             ref, regulatory, expire_at, mode,
-            *[day for day, _ in shares], *[amount for _, amount in shares]]), budget_of)
+            *[day for day, _ in shares], *[amount for _, amount in shares]], decode=budget_of)
 
     def stake(self, player: str, ref: str, regulatory: int, expire_at: int, days: list[str],
               amount: int) -> asyncio.Future[Budget]:
         """Another game's stake, on `days[0]` (today), idempotent by `ref` over the two
         days before as well: taken (ACCEPTED) or refused, and the room left."""
         keys = [limit_key(player), *[budget_key(player, day) for day in days]]
-        return decoded(self.fcall("capsvc_stake", keys,
-                                  [ref, regulatory, expire_at, days[0], amount]), budget_of)
+        return self.fcall("capsvc_stake", keys,
+                                  [ref, regulatory, expire_at, days[0], amount], decode=budget_of)
 
     def settle(self, player: str, ref: str, shares: list[tuple[str, int]], *,
                final: bool = False) -> asyncio.Future[Any]:
@@ -551,9 +554,9 @@ class PlayerStore:
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
                   expire_at: int) -> asyncio.Future[PlayerLimits]:
-        return decoded(self.fcall(
+        return self.fcall(
             "capsvc_set_limit", [limit_key(player), budget_key(player, today)],
-            ["none" if value is None else value, today, tomorrow, expire_at]), limits_of)
+            ["none" if value is None else value, today, tomorrow, expire_at], decode=limits_of)
 
     def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
                       pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:
@@ -562,9 +565,8 @@ class PlayerStore:
             at, "" if limit is None else limit, pending or "", pending_from or "", expire_at])
 
     def state(self, player: str, today: str) -> asyncio.Future[PlayerLimits]:
-        return decoded(self.fcall("capsvc_player", [limit_key(player),
-                                                    budget_key(player, today)], [today]),
-                       limits_of)
+        return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],
+                          [today], decode=limits_of)
 
 
 RESTORE_OPS_PER_CALL = 512
