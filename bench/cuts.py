@@ -47,8 +47,7 @@ CLAIMED = """            if isinstance(claim, Refused):
 DECIDED = """                body = _encode(out)
                 await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
 """
-CALL = """        return self.fcall("capsvc_sell", keys, [
-            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce], decode=claim_of)
+CALL = """        args += (*expiries, time_zone, "fix" if fix_caps else "", nonce)
 """
 PING = '        await self.store.redis.call("PING")\n'
 RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.now())\n"
@@ -71,8 +70,7 @@ CUTS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
     "floor": validated_then(PING, RECORD),
     "args": {"capsvc/service/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")},
              "capsvc/redis/store.py": {
-                 CALL: ("", "        _ = [*args, *expiries, time_zone, nonce]\n"
-                            "        return self.redis.submit(\"PING\")\n")}},
+                 CALL: (CALL, "        return self.redis.submit(\"PING\")\n")}},
     "called": {"capsvc/service/tickets.py": {CLAIMED: ("", f"            {ANSWER}\n")}},
     "decided": {"capsvc/service/tickets.py": {DECIDED: ("                body = _encode(out)\n",
                                                 "                return SaleOutcome("

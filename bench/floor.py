@@ -3,13 +3,14 @@
     python bench/floor.py [--calls 20000] [--rounds 3] [--seconds 10]
 
 1. The floor, side by side in one run (rounds alternating, on one redis-server): Redis CPU
-   (the process's, from /proc) and FCALL time (`INFO commandstats`) per call of
+   (the process's, from /proc) and FCALL time (`INFO commandstats`) per sale of
    - `noop`: a function that returns at once, called with the sale's keys and arguments
      (8 keys, 17 arguments): what any one call costs;
    - `commands`: the commands a one-grid sale cannot do without (TIME, the ticket's HMGET,
      the stops' HMGET, HINCRBY of the counter, HSET of the grid's record, HSET and
      PEXPIREAT of the ticket, ZADD to the pending index), with no logic around them;
-   - `capsvc_sell`: the sale itself, called through `Store.sell` as a worker calls it.
+   - `capsvc_sell`: the sale itself, called through `Store.sell` as a worker calls it
+     (the sales queued in one tick go in one call: batches of up to 64 here).
 2. The sale's sections under the service: a copy of the library whose `capsvc_sell` reads
    Redis TIME (µs) between its steps replaces the library of a running capsvc worker
    driven by wrk (bench/one_grid.lua, 64 connections) for `--seconds`, and prints the µs a
@@ -76,16 +77,17 @@ redis.register_function('floor_commands', commands)
 # capsvc_sell's steps: after the line starting with the anchor, the step named ends (the
 # sections are timed from one mark to the next).
 SECTIONS = [
-    ("  local now = tonumber(t[1]) * 1000", "time"),
-    ("  local rec = ticket_read(T, now)", "ticket read"),
-    ("  local stops = redis.call('HMGET', keys[2], unpack(draws))", "stops HMGET"),
+    ("  local now = now_ms()", "time"),
+    ("  local rec = ticket_read(T, now)", "ticket read (arguments sliced)"),
+    ("    batch.stops[asked] = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
     ("  local results = args[12 + 2 * grids + n]", "grids (count, record)"),
     ("  ticket_new(T, tonumber(args[4])", "ticket record (HSET, bucket TTL)"),
-    ("  extend(keys[3], tonumber(args[4]))", "index ZADD, TTL"),
+    ("  index[#index + 1] = T.name", "index queued"),
+    ("    extend(key, index.until_ms, 0, batch.seen)", "index ZADD, TTL"),
 ]
 CLOCK = """
-local acc, mark_end = {}, 0
+local acc, times, mark_end = {}, {}, 0
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -94,6 +96,7 @@ local function mark(name)
   local now = clock()
   if name then
     acc[name] = (acc[name] or 0) + (now - mark_end)
+    times[name] = (times[name] or 0) + 1
   end
   mark_end = clock()
 end
@@ -102,9 +105,10 @@ local function sections(keys, args)
   for name, us in pairs(acc) do
     out[#out + 1] = name
     out[#out + 1] = tostring(us)
+    out[#out + 1] = tostring(times[name])
   end
   if args[1] == 'reset' then
-    acc = {}
+    acc, times = {}, {}
   end
   return out
 end
@@ -114,16 +118,18 @@ end
 def timed_library() -> str:
     """The library with marks between capsvc_sell's steps (and one empty step first)."""
     source = lua_source()
-    start = source.index("local function sell(keys, args)")
+    start = source.index("local function sell_one(keys, args, now, batch)")
     end = source.index("\n--[[ RESTORE", start)
     lines = source[start:end].split("\n")
-    out = [lines[0], "  mark(nil)", "  mark('empty')"]
+    out = []
     anchors = dict(SECTIONS)
     found = set()
-    for line in lines[1:]:
+    for line in lines:
         if line.startswith("  return {'new', now, sid"):
             out.append("  mark('aggregates')")
         out.append(line)
+        if line.startswith("local function sell(keys, args)"):
+            out += ["  mark(nil)", "  mark('empty')"]
         for anchor, name in anchors.items():
             if line.startswith(anchor) and name not in found:
                 out.append(f"  mark('{name}')")
@@ -176,16 +182,17 @@ async def floor(calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]
                             redis.submit("FCALL", f"floor_{name}", *floor_args(i, far))
                             for i in range(start, min(start + 200, calls))])
                 cpu = (cpu_seconds(pid) - before) / calls * 1e6
-                fcall = client.info("commandstats")["cmdstat_fcall"]["usec_per_call"]
-                out[name].append((cpu, float(fcall)))
+                fcall = float(client.info("commandstats")["cmdstat_fcall"]["usec"]) / calls
+                out[name].append((cpu, fcall))
         await redis.aclose()
         return out
     finally:
         server.stop()
 
 
-def sections(seconds: int) -> tuple[float, dict[str, float], int]:
-    """µs a sale spends in each step of capsvc_sell under a worker driven by wrk."""
+def sections(seconds: int) -> tuple[float, dict[str, float], int, float]:
+    """µs a sale spends in each step of capsvc_sell under a worker driven by wrk (net of
+    reading the clock), FCALL µs a sale, sales, and what one step's clock reads cost."""
     server = RedisServer().start()
     service = ServiceProcess(config_file(), server.url).start()
     try:
@@ -196,11 +203,15 @@ def sections(seconds: int) -> tuple[float, dict[str, float], int]:
         client.fcall("capsvc_sections", 0, "reset")
         client.config_resetstat()
         result = wrk(service.base_url, seconds, 64, "timed", "one_grid.lua")
-        fcall = float(client.info("commandstats")["cmdstat_fcall"]["usec_per_call"])
+        stat = client.info("commandstats")["cmdstat_fcall"]
+        fcall = float(stat["usec"]) / result.requests
         raw = client.fcall("capsvc_sections", 0, "read")
-        totals = {raw[i].decode(): int(raw[i + 1]) / result.requests
-                  for i in range(0, len(raw), 2)}
-        return fcall, totals, result.requests
+        steps = {raw[i].decode(): (int(raw[i + 1]), int(raw[i + 2]))
+                 for i in range(0, len(raw), 3)}
+        us, times = steps.pop("empty")
+        clock = us / times
+        return fcall, {name: (us - times * clock) / result.requests
+                       for name, (us, times) in steps.items()}, result.requests, clock
     finally:
         service.stop()
         server.stop()
@@ -222,19 +233,18 @@ def main() -> int:
     for name, rows in results.items():
         cpu = statistics.median(c for c, _ in rows)
         fcall = statistics.median(f for _, f in rows)
-        print(f"  {name:12} Redis CPU {cpu:6.1f} µs a call ({cpu / sell_cpu:4.0%} of the "
+        print(f"  {name:12} Redis CPU {cpu:6.1f} µs a sale ({cpu / sell_cpu:4.0%} of the "
               f"sale's)  FCALL {fcall:6.1f} µs   rounds: "
               + ", ".join(f"{c:.1f}" for c, _ in rows))
-    fcall, steps, sold = sections(args.seconds)
-    empty = steps.pop("empty", 0.0)
-    print(f"2. capsvc_sell's steps under one worker and wrk (one grid, {sold} sales; FCALL "
-          f"{fcall:.1f} µs a sale with the clock read {2 * (len(steps) + 2)} times): µs a "
-          f"sale, net of reading the clock ({empty:.2f} µs a step)")
+    fcall, steps, sold, clock = sections(args.seconds)
+    print(f"2. capsvc_sell's steps under one worker and wrk (one grid, {sold} sales, sent "
+          f"in batches of the sales of one tick; FCALL {fcall:.1f} µs a sale, the clock "
+          f"read twice a step): µs a sale, net of reading the clock ({clock:.2f} µs a step)")
     for name, us in sorted(steps.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:26} {us - empty:6.2f}")
-    net = sum(us - empty for us in steps.values())
-    print(f"  {'all the steps':26} {net:6.2f}; the rest of the call (entry, arguments, "
-          f"reply, Lua's garbage) {fcall - net - 2 * empty * (len(steps) + 2):6.2f}")
+        print(f"  {name:32} {us:6.2f}")
+    net = sum(steps.values())
+    print(f"  {'all the steps':32} {net:6.2f}; the rest of the call and the clock reads "
+          f"{fcall - net:6.2f}")
     return 0
 
 

@@ -86,7 +86,16 @@ local function now_ms()
 end
 
 -- Push a key's expiry to `at` (and `slack` ms beyond) unless it already lives to `at`.
-local function extend(key, at, slack)
+-- `seen` (optional): key -> the instant its TTL is known to reach in this call, so that a
+-- call naming a key many times (a batch of sales, a restore) reads its expiry once.
+local function extend(key, at, slack, seen)
+  if seen then
+    local known = seen[key]
+    if known and known >= at then
+      return
+    end
+    seen[key] = at
+  end
   local cur = redis.call('PEXPIRETIME', key)
   if cur == -1 or cur < at then
     redis.call('PEXPIREAT', key, at + (slack or 0))
@@ -319,9 +328,12 @@ local function ticket_store(T)
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
                r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil,
                r[9] or nil))
-    extend(T.bucket, T.exp, BUCKET_SLACK_MS)
+    extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
   else
     redis.call('HDEL', T.bucket, T.field)
+    if T.seen then
+      T.seen[T.bucket] = nil  -- the bucket may be gone: its TTL is set again when it is not
+    end
   end
 end
 
@@ -747,7 +759,7 @@ end
 -- none: record what it took, or why it was refused, in the last draw's bucket. The reply
 -- is `reserve`'s. A TTL is written only when it grows (`extend`: a read is not propagated
 -- to the AOF and the replicas, a write is).
-local function count(buckets, field, combo, stake, caps, min_stake, expiries, shadow)
+local function count(buckets, field, combo, stake, caps, min_stake, expiries, shadow, seen)
   local n = #buckets
   local last = buckets[n]
   local shadowed = false
@@ -756,7 +768,7 @@ local function count(buckets, field, combo, stake, caps, min_stake, expiries, sh
     local room = caps[i] - total
     if stake > room then
       redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
-      extend(last, tonumber(expiries[n]))
+      extend(last, tonumber(expiries[n]), 0, seen)
       return {0, i - 1, room}
     end
     if shadow and stake > shadow - total then
@@ -768,7 +780,7 @@ local function count(buckets, field, combo, stake, caps, min_stake, expiries, sh
     local cap = caps[i]
     local near = cap * 0.8
     local total = redis.call('HINCRBY', buckets[i], combo, stake)
-    extend(buckets[i], tonumber(expiries[i]))
+    extend(buckets[i], tonumber(expiries[i]), 0, seen)
     if total >= near and total - stake < near then
       out[2] = out[2] + 1
     end
@@ -1107,7 +1119,13 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
---[[ sell: KEYS ticket, stops, the pending index, the buckets (draw 1..n) of each capped
+--[[ sell: a batch of sales, each judged as if it were a call of its own, in order:
+ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV,
+then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order. One Redis TIME, one
+mark, one ZADD per pending index and one expiry read per key serve the whole batch (a
+batch is judged at one instant). Returns one reply per sale, in order.
+
+One sale: KEYS ticket, stops, the pending index, the buckets (draw 1..n) of each capped
 grid, the sold-out
 list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES), the
 cap key of each draw (see CAPS: fixed here, once the sale is known to stand);
@@ -1133,10 +1151,9 @@ caller has journaled its decision (the janitor journals it otherwise). Returns
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
-local function sell(keys, args)
+local function sell_one(keys, args, now, batch)
   local T = ticket_of(keys, args)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  T.seen = batch.seen
   local rec = ticket_read(T, now)
   if rec[1] then
     return known_ticket(rec, args[1], now, tonumber(args[5]))
@@ -1150,7 +1167,12 @@ local function sell(keys, args)
   for i = 1, n do
     draws[i] = first + i - 1
   end
-  local stops = redis.call('HMGET', keys[2], unpack(draws))  -- keys[3]: the pending index
+  local asked = keys[2] .. '\0' .. first .. ':' .. n  -- keys[3]: the pending index
+  local stops = batch.stops[asked]
+  if not stops then
+    stops = redis.call('HMGET', keys[2], unpack(draws))
+    batch.stops[asked] = stops
+  end
   for i = 1, n do
     if stops[i] then
       return {'stopped', i - 1}
@@ -1204,7 +1226,8 @@ local function sell(keys, args)
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting.
       local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
-                        tonumber(stake), caps, tonumber(min_stake), expiries, shadow)
+                        tonumber(stake), caps, tonumber(min_stake), expiries, shadow,
+                        batch.seen)
       if out[1] >= 1 then
         res[g] = '1'
         near = near + out[2]
@@ -1223,9 +1246,19 @@ local function sell(keys, args)
   end
   local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
   ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
-  -- Indexed until the caller has journaled the decision (else the janitor journals it).
-  redis.call('ZADD', keys[3], 'NX', now, T.name)
-  extend(keys[3], tonumber(args[4]))
+  -- Indexed until the caller has journaled the decision (else the janitor journals it):
+  -- added with the batch's other sales of that index.
+  local index = batch.indexes[keys[3]]
+  if not index then
+    index = {until_ms = 0}
+    batch.indexes[keys[3]] = index
+    batch.order[#batch.order + 1] = keys[3]
+  end
+  index[#index + 1] = now
+  index[#index + 1] = T.name
+  if index.until_ms < tonumber(args[4]) then
+    index.until_ms = tonumber(args[4])
+  end
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
     local key = keys[aggregates + i]
@@ -1233,26 +1266,41 @@ local function sell(keys, args)
       redis.call('HINCRBY', key, picks, amount)
     end
     if next(accepted) then
-      extend(key, tonumber(expiries[i]))
+      extend(key, tonumber(expiries[i]), 0, batch.seen)
     end
   end
   return {'new', now, sid, results, near, sold, shadowed, table.concat(caps, ',')}
 end
 
 
+local function sell(keys, args)
+  local now = now_ms()
+  local batch = {seen = {}, stops = {}, indexes = {}, order = {}}
+  local sales = tonumber(args[1])
+  local k, a = 0, 1 + 2 * sales  -- before the next sale's first key and argument
+  local replies = {}
+  for i = 1, sales do
+    local nk, na = tonumber(args[2 * i]), tonumber(args[2 * i + 1])
+    replies[i] = sell_one({unpack(keys, k + 1, k + nk)}, {unpack(args, a + 1, a + na)}, now,
+                          batch)
+    k, a = k + nk, a + na
+  end
+  for _, key in ipairs(batch.order) do
+    local index = batch.indexes[key]
+    redis.call('ZADD', key, 'NX', unpack(index))
+    extend(key, index.until_ms, 0, batch.seen)
+  end
+  return replies
+end
+
 --[[ RESTORE (capsvc/recovery/restore.py). A decision answered and journaled that Redis
 lost (a failover, a restart from an older file, a restored backup) is put back. Each
 function writes only what is missing, fenced by the sale id, so that restoring twice
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
 
--- extend(), once per key and instant in a call that names a key many times (`seen`: key ->
--- the instant its TTL is known to reach).
+-- extend(), once per key and instant in a call that names a key many times.
 local function extend_once(seen, key, at, slack)
-  local known = seen[key]
-  if not known or known < at then
-    extend(key, at, slack)
-    seen[key] = at
-  end
+  extend(key, at, slack, seen)
 end
 
 --[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -39,6 +39,12 @@ NODE_MARK = "m:{marks}"
 
 stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=None)
 """The G of the marked calls of the current request, by mark (see `Marks.begin`)."""
+
+
+def current_stamp() -> dict[str, int] | None:
+    """The current request's stamp itself (not a copy), for a call made on its behalf
+    later (a batch sent at the end of the tick)."""
+    return stamp.get()
 
 
 class Behind(Unavailable):
@@ -102,11 +108,12 @@ class Marks:
         return mark_of_slot(key_slot(key.encode()))
 
     def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
-             args: list[Any], decode: Callable[[Any], Any] | None = None
-             ) -> asyncio.Future[Any]:
+             args: list[Any], decode: Callable[[Any], Any] | None = None,
+             stamps: Sequence[dict[str, int] | None] | None = None) -> asyncio.Future[Any]:
         """Queue a marked FCALL through `submit`: the mark as the last key, this process's
         life and what it saw of the mark as the last ARGV. The future answers the function's
-        own reply, decoded by `decode` if given (capsvc.redis.replies)."""
+        own reply, decoded by `decode` if given (capsvc.redis.replies). `stamps`: the
+        requests the call acts for (default: the current one), whose stamps get its G."""
         mark = self.mark_of(keys[0])
         sent = self.sent.get(mark, 0)
         seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
@@ -114,11 +121,12 @@ class Marks:
         if self.life:
             self.sent[mark] = sent + 1
         out: asyncio.Future[Any] = reply.get_loop().create_future()
-        reply.add_done_callback(functools.partial(self._unwrap, mark, stamp.get(), out,
-                                                  decode))
+        reply.add_done_callback(functools.partial(
+            self._unwrap, mark, (stamp.get(),) if stamps is None else stamps, out, decode))
         return out
 
-    def _unwrap(self, mark: str, stamped: dict[str, int] | None, out: asyncio.Future[Any],
+    def _unwrap(self, mark: str, stamps: Sequence[dict[str, int] | None],
+                out: asyncio.Future[Any],
                 decode: Callable[[Any], Any] | None, reply: asyncio.Future[Any]) -> None:
         if reply.cancelled():
             if self.life:
@@ -140,8 +148,9 @@ class Marks:
                 self.seen[mark] = g
             if g > self.made.get(mark, 0):
                 self.made[mark] = g
-            if stamped is not None and g > stamped.get(mark, 0):
-                stamped[mark] = g
+            for stamped in stamps:
+                if stamped is not None and g > stamped.get(mark, 0):
+                    stamped[mark] = g
         if out.done():
             return
         result = rest[0] if rest else None

@@ -19,6 +19,7 @@ end of that slot's migration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import zlib
 from collections import deque
@@ -27,7 +28,7 @@ from importlib import resources
 from typing import Any, Literal, TypeVar
 
 from capsvc.domain.decisions import Reserved
-from capsvc.redis.marks import MARKED, Marks
+from capsvc.redis.marks import MARKED, Marks, current_stamp
 from capsvc.redis.replies import (
     Budget,
     Cancelling,
@@ -53,6 +54,9 @@ from capsvc.redis.transport import Coalescer, Transport
 T = TypeVar("T")
 
 LIBRARY = "capsvc"
+SALES_PER_CALL = 64
+"""Sales judged by one call of capsvc_sell at most: Redis runs nothing else meanwhile
+(~1 ms for 64 one-grid sales)."""
 TICKET_BUCKETS = 64
 """Ticket records are spread over this many hash tags, each with its own pending index."""
 RECORD_BUCKETS = 256
@@ -177,6 +181,30 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
+_QueuedSale = tuple[list[str], list[Any], "asyncio.Future[Claim]", dict[str, int] | None]
+"""A sale waiting for the end of the tick: its KEYS, its ARGV, its reply, its request's
+stamp (capsvc.redis.marks)."""
+
+
+def _answer_sales(sales: list[_QueuedSale], call: asyncio.Future[Any]) -> None:
+    """Each sale of a batch its reply (or the call's failure)."""
+    if call.cancelled():
+        for _, _, out, _ in sales:
+            out.cancel()
+        return
+    error = call.exception()
+    for i, (_, _, out, _) in enumerate(sales):
+        if out.done():
+            continue
+        if error is not None:
+            out.set_exception(error)
+            continue
+        try:
+            out.set_result(claim_of(call.result()[i]))
+        except Exception as e:  # a reply of another layout: the library is not this one
+            out.set_exception(e)
+
+
 class Store:
     """capsvc's operations on Redis, each one atomic step (a Lua function) or one read."""
 
@@ -185,6 +213,8 @@ class Store:
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
+        self._sales: list[_QueuedSale] = []
+        """Sales to send at the end of this tick, in one call (`sell`)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
         self.marks = Marks.tool(self.single_node)
@@ -341,8 +371,32 @@ class Store:
                  nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        return self.fcall("capsvc_sell", keys, [
-            *args, *expiries, time_zone, "fix" if fix_caps else "", nonce], decode=claim_of)
+        args += (*expiries, time_zone, "fix" if fix_caps else "", nonce)
+        sales = self._sales
+        if not sales:
+            asyncio.get_running_loop().call_soon(self._send_sales)
+        out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
+        sales.append((keys, args, out, current_stamp()))
+        return out
+
+    def _send_sales(self) -> None:
+        """The sales queued this tick, in calls of SALES_PER_CALL (lua/capsvc.lua, sell):
+        one Redis TIME, one mark and one index write per call rather than per sale. Each
+        sale gets its own reply; a call that fails fails each of its sales (nothing of it
+        ran, or its fate is unknown, as for a call of one)."""
+        queued, self._sales = self._sales, []
+        for i in range(0, len(queued), SALES_PER_CALL):
+            sales = queued[i:i + SALES_PER_CALL]
+            keys: list[str] = []
+            args: list[Any] = [len(sales)]
+            for sale_keys, sale_args, _, _ in sales:
+                args += (len(sale_keys), len(sale_args))
+            for sale_keys, sale_args, _, _ in sales:
+                keys += sale_keys
+                args += sale_args
+            call = self.marks.call(self.redis.submit, "capsvc_sell", keys, args,
+                                   stamps=[stamped for _, _, _, stamped in sales])
+            call.add_done_callback(functools.partial(_answer_sales, sales))
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next

@@ -4,9 +4,12 @@ ticket) and on a cluster (the steps)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
+import pytest
+import redis
 
 from capsvc.domain.errors import ApiError
 from capsvc.domain.models import TicketIn
@@ -65,3 +68,53 @@ async def test_each_ticket_is_judged_as_if_sent_alone(
             assert alone.status == 200
             assert alone.raw == result.body
     assert await client.staked(eight, draw) == 5000
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_on_one_node_the_tickets_of_a_tick_are_one_call_judged_in_order(
+        service: tuple[Service, str], client: Client, standalone_db: redis.Redis) -> None:
+    """On a standalone Redis the tickets of one pass are judged by one call (capsvc_sell
+    takes a batch), each as if it were a call of its own, in order: the same ticket id a
+    second time is a replay of the first's decision, a stake on a combination meets the
+    counter the tickets before it left, a stopped draw refuses only its ticket."""
+    svc, _ = service
+    assert svc.store.single_node
+    channel = next(c for c in svc.settings.channels if c.id == "fr-retail")
+    draw = await client.current()
+    await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw))  # warm
+    stopped = draw + 1
+    assert (await client.post(f"/v1/games/fdj-keno/draws/{stopped}/close",
+                             token="admin")).status == 200
+    eight = TEN[1:9]
+    for _ in range(4):  # 4,000 of 5,000
+        await client.sell(ticket([{"numbers": eight, "stake": 1000}], first_draw=draw))
+    first = ticket([{"numbers": eight, "stake": 1000}], first_draw=draw)
+    bodies = [first,
+              ticket([{"numbers": eight, "stake": 1000}], first_draw=draw),
+              first,
+              ticket([{"numbers": eight, "stake": 1000}], first_draw=draw),
+              ticket([{"numbers": TEN[2:], "stake": 500}], first_draw=stopped)]
+    await asyncio.sleep(0.1)  # the warm sale's index entry let go
+    submit, sent = svc.store.redis.submit, []
+
+    def watched(*command: Any, **options: Any) -> Any:
+        sent.append(command[1] if command[0] == "FCALL" else command[0])
+        return submit(*command, **options)
+
+    svc.store.redis.submit = watched  # type: ignore[method-assign]
+    try:
+        results = await svc.usecases.tickets.sell_many(channel, _tickets(*bodies))
+    finally:
+        svc.store.redis.submit = submit  # type: ignore[method-assign]
+    assert sent.count("capsvc_sell") == 1
+    sold, capped, replay, fits, closed = results
+    assert isinstance(sold, SaleOutcome) and not sold.replayed
+    assert isinstance(replay, SaleOutcome) and replay.replayed
+    assert replay.body == sold.body
+    assert isinstance(capped, SaleOutcome) and isinstance(fits, SaleOutcome)
+    assert [msgspec.json.decode(r.body)["status"] for r in (sold, capped, fits)] == [
+        "accepted", "rejected", "rejected"]
+    assert isinstance(closed, ApiError) and closed.code == "draw_closed"
+    assert await client.staked(eight, draw) == 5000
+    await asyncio.sleep(0.1)
+    assert sum(standalone_db.zcard(f"p:{{t:{b}}}") for b in range(64)) == 0  # all journaled
