@@ -374,7 +374,8 @@ class Store:
         args += (*expiries, time_zone, "fix" if fix_caps else "", nonce)
         sales = self._sales
         if not sales:
-            asyncio.get_running_loop().call_soon(self._send_sales)
+            assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
+            self.redis.before_flush(self._send_sales)
         out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
         sales.append((keys, args, out, current_stamp()))
         return out

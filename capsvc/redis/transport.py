@@ -270,6 +270,8 @@ class Coalescer:
         self._blocked_until = 0.0
         """Loop time until which a WAIT in flight may hold the connection."""
         self._scheduled = False
+        self._hooks: list[Callable[[], None]] = []
+        """Run at this tick's flush, before the batch goes out (`before_flush`)."""
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Future[None] | None = None
@@ -288,6 +290,14 @@ class Coalescer:
         costs a getpid() per call on Python 3.11, and this is the hot path)."""
         self._loop = asyncio.get_running_loop()
         return self._loop
+
+    def before_flush(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once at this tick's flush, before the batch goes out: a caller that
+        gathers calls over the tick queues them there, in this tick's batch."""
+        self._hooks.append(hook)
+        if not self._scheduled:
+            self._scheduled = True
+            (self._loop or self._bind()).call_soon(self._flush)
 
     def send(self, *args: Any) -> None:
         """Queue a command whose reply nobody waits for (failures are only counted)."""
@@ -347,6 +357,10 @@ class Coalescer:
             (self._loop or self._bind()).call_soon(self._flush)
 
     def _flush(self) -> None:
+        if self._hooks:  # still scheduled: what they queue joins this flush
+            hooks, self._hooks = self._hooks, []
+            for hook in hooks:
+                hook()
         self._scheduled = False
         if self._transport is None:
             if self._connecting is None:
