@@ -105,16 +105,18 @@ class Client:
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 5.0,
                  deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
                  connections: int = 100, session: aiohttp.ClientSession | None = None,
-                 batch_size: int = 1, batch_linger_s: float = 0.001) -> None:
+                 batch_size: int = 64, batch_linger_s: float = 0.001) -> None:
         if batch_size < 1 or batch_linger_s < 0:
             raise ValueError("batch_size must be at least 1 and batch_linger_s not negative")
         self.base_url = base_url.rstrip("/")
         self.batch_size = batch_size
         """The most tickets of concurrent `sell` calls sent in one POST /v1/ticket-batches
-        (1, the default: each sale on its own, POST /v1/tickets)."""
+        (1: each sale on its own, POST /v1/tickets). A sale that no other joined within the
+        linger goes alone, as POST /v1/tickets."""
         self.batch_linger_s = batch_linger_s
-        """How long the first sale of a batch waits for others to join it."""
-        self._batch: list[tuple[str, bytes, asyncio.Future[_Exchanged]]] = []
+        """How long the first sale of a batch waits for others to join it (at most 1 ms
+        by default: a lone sale is that much later, concurrent ones share a request)."""
+        self._batch: list[_Queued] = []
         self._batch_timer: asyncio.TimerHandle | None = None
         self.timeout_s = timeout_s
         """One attempt's timeout (a timeout is an unknown outcome: sent again)."""
@@ -149,6 +151,8 @@ class Client:
         self._closed.set()
         for task in self._calls - {asyncio.current_task()}:
             task.cancel(_CLOSING)
+        for batch in self._batches:  # their sales' calls end above
+            batch.cancel()
         if self._session is not None and self._own_session:
             await self._session.close()
             self._session = None
@@ -203,12 +207,12 @@ class Client:
         """One attempt of a sale, as a ticket of the next POST /v1/ticket-batches: what the
         service answered for it (the status and body POST /v1/tickets would have)."""
         loop = asyncio.get_running_loop()
-        if any(tid == ticket_id for tid, _, _ in self._batch):
+        if any(tid == ticket_id for tid, _, _, _ in self._batch):
             self._send_batch()  # a ticket id once a batch: the batch before goes first
         answer: asyncio.Future[_Exchanged] = loop.create_future()
         # Retrieved even when this attempt gave up waiting (its timeout, the client closed).
         answer.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._batch.append((ticket_id, body, answer))
+        self._batch.append((ticket_id, body, request_id, answer))
         if len(self._batch) >= self.batch_size:
             self._send_batch()
         elif self._batch_timer is None:
@@ -228,31 +232,42 @@ class Client:
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
 
-    async def _post_batch(self, batch: list[tuple[str, bytes, asyncio.Future[_Exchanged]]]
-                          ) -> None:
-        """POST the batch; each ticket's future gets its result, or the failure of the
+    async def _post_batch(self, batch: list[_Queued]) -> None:
+        """Send the batch; each ticket's future gets its result, or the failure of the
         whole request (a broken connection, a timeout, a 503: each ticket sent again)."""
-        body = b'{"tickets":[' + b",".join(b for _, b, _ in batch) + b"]}"
         try:
-            whole = await self._exchange(
-                "POST", "/v1/ticket-batches", body, self.timeout_s, uuid.uuid4().hex)
-            if whole.status != 200:  # the whole request answered as each ticket would be
-                results = [whole] * len(batch)
-            else:
-                items = _batch_decoder.decode(whole.raw).results
-                if len(items) != len(batch):
-                    raise _Retry("a batch answered with another number of results")
-                results = [_Exchanged(r.status, bytes(r.body), whole.retry_after)
-                           for r in items]
-        except (_Retry, msgspec.DecodeError, msgspec.ValidationError) as e:
-            failure = e if isinstance(e, _Retry) else _Retry("a batch's unreadable answer")
-            for _, _, answer in batch:
+            results = await self._results(batch)
+        except (_Retry, msgspec.DecodeError, msgspec.ValidationError,
+                asyncio.CancelledError) as e:
+            failure = (e if isinstance(e, _Retry) else _Retry("the client was closed")
+                       if isinstance(e, asyncio.CancelledError)
+                       else _Retry("a batch's unreadable answer"))
+            for _, _, _, answer in batch:
                 if not answer.done():
                     answer.set_exception(failure)
+            if isinstance(e, asyncio.CancelledError):
+                raise
             return
-        for (_, _, answer), result in zip(batch, results, strict=True):
+        for (_, _, _, answer), result in zip(batch, results, strict=True):
             if not answer.done():
                 answer.set_result(result)
+
+    async def _results(self, batch: list[_Queued]) -> list[_Exchanged]:
+        """What the service answered for each ticket of the batch: a lone ticket as POST
+        /v1/tickets (with its attempt's request id), several as POST /v1/ticket-batches."""
+        if len(batch) == 1:
+            _, body, request_id, _ = batch[0]
+            return [await self._exchange("POST", "/v1/tickets", body, self.timeout_s,
+                                         request_id)]
+        body = b'{"tickets":[' + b",".join(b for _, b, _, _ in batch) + b"]}"
+        whole = await self._exchange(
+            "POST", "/v1/ticket-batches", body, self.timeout_s, uuid.uuid4().hex)
+        if whole.status != 200:  # the whole request answered as each ticket would be
+            return [whole] * len(batch)
+        items = _batch_decoder.decode(whole.raw).results
+        if len(items) != len(batch):
+            raise _Retry("a batch answered with another number of results")
+        return [_Exchanged(r.status, bytes(r.body), whole.retry_after) for r in items]
 
     async def ticket(self, ticket_id: str, *, deadline_s: float | None = None,
                      request_id: str | None = None) -> TicketOut:
@@ -485,6 +500,9 @@ class _BatchOut(msgspec.Struct):
 
 
 _batch_decoder = msgspec.json.Decoder(_BatchOut)
+_Queued = tuple[str, bytes, str, "asyncio.Future[_Exchanged]"]
+"""A sale waiting in the next batch: its ticket id, its body, its attempt's request id, its
+result."""
 
 
 def _judged(answer: _Exchanged, kind: type[T]) -> T:

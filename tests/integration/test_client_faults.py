@@ -16,6 +16,7 @@ delayed. What must hold whatever happens:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 from collections import defaultdict
@@ -114,6 +115,35 @@ async def test_an_answer_slower_than_the_timeout_is_a_retry_not_a_second_sale(
         assert await staked(look, TEN, draw) == 0
 
 
+async def test_a_batch_whose_answer_was_lost_is_sent_again_each_sale_counted_once(
+        stack: Stack) -> None:
+    """Three concurrent sales leave as one batch and its answer is lost: each ticket goes
+    again (on its own backoff, alone or with others) and each call returns its own
+    decision, a replay of the first, each stake counted once. Then a batch whose answer is
+    slower than the client's timeout: the same."""
+    async with stack.direct() as look, stack.client(timeout_s=0.5, backoff_s=0.01) as c:
+        draw = (await look.current_draw("fdj-keno")).draw
+        batch = request("POST", "/v1/ticket-batches")
+        dropped = stack.http.drop_response(batch)
+        bodies = [ticket([{"numbers": n, "stake": 500}], first_draw=draw) for n in HOT[:3]]
+        sold = await c.sell_many(bodies)
+        assert dropped.fired.is_set()
+        assert stack.http.forwarded.count([b"POST", b"/v1/ticket-batches"]) >= 1
+        assert len(stack.http.forwarded) >= 4  # the batch, and each ticket at least once more
+        stack.http.delay_response(batch, 1.0)
+        late = [ticket([{"numbers": n, "stake": 500}], first_draw=draw) for n in HOT[:3]]
+        sold += await c.sell_many(late)
+        bodies += late
+        assert [s.ticket_id for s in sold if isinstance(s, TicketOut)] == [
+            b["ticket_id"] for b in bodies]
+        for decided in sold:
+            assert isinstance(decided, TicketOut)
+            assert decided.status == "accepted"
+            assert (await look.ticket(decided.ticket_id)).receipt == decided.receipt
+        for numbers in HOT[:3]:
+            assert await staked(look, numbers, draw) == 1000
+
+
 async def test_a_reset_before_the_service_saw_it_is_sent_again(stack: Stack) -> None:
     async with stack.direct() as look, stack.client(backoff_s=0.01) as c:
         draw = (await look.current_draw("fdj-keno")).draw
@@ -178,10 +208,18 @@ class Ledger:
         self.errors: list[str] = []
 
 
-async def seller(stack: Stack, ledger: Ledger, draw: int, seed: int, count: int) -> None:
-    """Sells `count` tickets on the hot combinations through the faults, cancels some."""
+def chaos_client(stack: Stack, batch_size: int = 1) -> Client:
+    return stack.client(timeout_s=0.6, backoff_s=0.02, max_backoff_s=0.3,
+                        batch_size=batch_size)
+
+
+async def seller(stack: Stack, ledger: Ledger, draw: int, seed: int, count: int,
+                 shared: Client | None = None) -> None:
+    """Sells `count` tickets on the hot combinations through the faults, cancels some; with
+    its own client, or with one the sellers share (whose concurrent sales leave in
+    batches)."""
     rng = random.Random(seed)
-    async with stack.client(timeout_s=0.6, backoff_s=0.02, max_backoff_s=0.3) as c:
+    async with contextlib.nullcontext(shared) if shared else chaos_client(stack) as c:
         for _ in range(count):
             grids = [{"numbers": rng.choice(HOT), "stake": rng.choice([300, 500, 1000])}
                      for _ in range(rng.randint(1, 3))]
@@ -214,26 +252,32 @@ def redis_chaos(proxy: FaultProxy, stop: threading.Event, seed: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("route", ["one by one", "batches"])
 async def test_chaos_every_reported_decision_is_the_recorded_one_counted_once(
-        stack: Stack) -> None:
+        stack: Stack, route: str) -> None:
     """Eight sellers, 160 tickets on four hot combinations, with faults both sides of the
-    service; short deadlines for some sales. Then, once settled: each decision reported is
-    the one recorded; each unknown one is decided or never counted; each counter equals the
-    accepted, uncancelled stakes and stays within the cap."""
+    service; short deadlines for some sales; each seller with its own client (one sale a
+    request), or all with one client (their concurrent sales in batches). Then, once
+    settled: each decision reported is the one recorded; each unknown one is decided or
+    never counted; each counter equals the accepted, uncancelled stakes and stays within
+    the cap."""
     ledger = Ledger()
-    async with stack.direct() as look:
+    async with stack.direct() as look, chaos_client(stack, batch_size=8) as shared:
         draw = (await look.current_draw("fdj-keno")).draw
-        faults = stack.http.chaos(Chaos(request("POST", "/v1/tickets"), drop=0.12,
-                                        delay=0.08, reset=0.08, delay_s=1.2, seed=19))
+        faults = stack.http.chaos(Chaos(request("POST", "/v1/ticket"), drop=0.10,
+                                        delay=0.12, reset=0.08, delay_s=1.2, seed=19))
         stop = threading.Event()
         chaos = threading.Thread(target=redis_chaos, args=(stack.redis_faults, stop, 20))
         chaos.start()
         try:
-            await asyncio.gather(*(seller(stack, ledger, draw, seed, 20)
+            await asyncio.gather(*(seller(stack, ledger, draw, seed, 20,
+                                          shared if route == "batches" else None)
                                    for seed in range(8)))
         finally:
             stop.set()
             chaos.join()
+        batches = stack.http.forwarded.count([b"POST", b"/v1/ticket-batches"])
+        assert (batches > 0) == (route == "batches")
         print(f"decided {len(ledger.decided)}, unknown {len(ledger.unknown)}, cancelled "
               f"{len(ledger.cancelled)}, http faults {faults.counts}")
         stack.http.calm()
