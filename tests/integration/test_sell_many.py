@@ -108,13 +108,17 @@ async def test_on_one_node_the_tickets_of_a_tick_are_one_call_judged_in_order(
         svc.store.redis.submit = submit  # type: ignore[method-assign]
     assert sent.count("capsvc_sell") == 1
     sold, capped, replay, fits, closed = results
-    assert isinstance(sold, SaleOutcome) and not sold.replayed
-    assert isinstance(replay, SaleOutcome) and replay.replayed
+    assert isinstance(sold, SaleOutcome)
+    assert not sold.replayed
+    assert isinstance(replay, SaleOutcome)
+    assert replay.replayed
     assert replay.body == sold.body
-    assert isinstance(capped, SaleOutcome) and isinstance(fits, SaleOutcome)
+    assert isinstance(capped, SaleOutcome)
+    assert isinstance(fits, SaleOutcome)
     assert [msgspec.json.decode(r.body)["status"] for r in (sold, capped, fits)] == [
         "accepted", "rejected", "rejected"]
-    assert isinstance(closed, ApiError) and closed.code == "draw_closed"
+    assert isinstance(closed, ApiError)
+    assert closed.code == "draw_closed"
     assert await client.staked(eight, draw) == 5000
     await asyncio.sleep(0.1)
     assert sum(standalone_db.zcard(f"p:{{t:{b}}}") for b in range(64)) == 0  # all journaled
