@@ -188,6 +188,8 @@ async def prepare(svc: Service, wait_s: float = 120.0) -> None:
             await asyncio.wait_for(svc.reconciler.attempted.wait(), wait_s)
     await svc.store.load_library()
     await svc.usecases.clock.sync()
+    if (why := await svc.store.record_limits()) is not None:
+        log.warning("%s", why)
 
 
 class Serving:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
+from redis.exceptions import ResponseError
+
 from capsvc.domain.decisions import Reserved
 from capsvc.redis.marks import MARKED, Marks, current_stamp
 from capsvc.redis.replies import (
@@ -54,6 +56,11 @@ from capsvc.redis.transport import Coalescer, Transport
 T = TypeVar("T")
 
 LIBRARY = "capsvc"
+RECORD_VALUE_BYTES = 256
+"""The `hash-max-listpack-value` under which a bucket of ticket records (records of ~130
+to ~230 bytes) stays a listpack: ~345 bytes of Redis memory a ticket, everything a sale
+leaves, against ~460 with Redis's default of 64, under which every bucket is a hash table
+(bench/memory.py)."""
 SALES_PER_CALL = 64
 """Sales judged by one call of capsvc_sell at most: Redis runs nothing else meanwhile
 (~1 ms for 64 one-grid sales)."""
@@ -229,6 +236,22 @@ class Store:
     async def library_loaded(self) -> bool:
         replies = await self.redis.broadcast("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY)
         return all(bool(r) for r in replies)
+
+    async def record_limits(self) -> str | None:
+        """Why ticket records will not be kept compact on this Redis (its hash limits, or
+        that they cannot be read), in plain words; None when they will."""
+        need = (f"ticket records stay compact (~345 bytes of Redis memory a ticket, ~460 "
+                f"otherwise) when hash-max-listpack-value is at least {RECORD_VALUE_BYTES}, "
+                "as in deploy/redis.conf")
+        try:
+            replies = await self.redis.broadcast("CONFIG", "GET", "hash-max-listpack-value")
+        except ResponseError as e:
+            return f"cannot read Redis's hash-max-listpack-value (CONFIG GET: {e}); {need}"
+        values = [int(r[1]) for r in replies if r]
+        if values and min(values) < RECORD_VALUE_BYTES:
+            return (f"Redis has hash-max-listpack-value {min(values)}: {need}; size Redis "
+                    "for ~460 bytes a ticket retained, or raise the setting")
+        return None
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:
         """The KEYS and ARGV that name ticket `ticket`'s record in a call, before the call's
