@@ -1,11 +1,11 @@
--- wrk script: POST /v1/ticket-batches of N new FDJ tickets (unique ticket_id) of one capped
--- grid each (8-10 numbers, an allowed stake, one draw). Seeded.
--- Usage: wrk -s batch.lua <url> -- <token> <id-prefix> <seed> <mean pause ms> <N>
+-- wrk script: POST /v1/ticket-batches of N new FDJ tickets (unique ticket_id), each of one
+-- capped grid (8-10 numbers, an allowed stake, one draw) or of the realistic mix (see
+-- common.lua). Seeded.
+-- Usage: wrk -s batch.lua <url> -- <token> <id-prefix> <seed> <mean pause ms> <N> [mix]
 
 dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "common.lua")
 
-local token, prefix, counter, size = "bench", "B", 0, 64
-local stakes = {100, 200, 300, 500, 1000}
+local token, prefix, counter, size, make = "bench", "B", 0, 64, one_grid_ticket
 
 function init(args)
   token = args[1] or token
@@ -13,15 +13,17 @@ function init(args)
   math.randomseed(tonumber(args[3] or "42"))
   set_pause(args)
   size = tonumber(args[5] or "64")
+  if args[6] == "mix" then
+    make = mix_ticket
+    choose_hot()
+  end
 end
 
 function request()
   local tickets = {}
   for i = 1, size do
     counter = counter + 1
-    tickets[i] = string.format(
-      '{"ticket_id":"%s-%d","game":"fdj-keno","grids":[{"numbers":[%s],"stake":%d}]}',
-      prefix, counter, numbers(math.random(8, 10)), stakes[math.random(1, #stakes)])
+    tickets[i] = make(prefix .. "-" .. counter)
   end
   return wrk.format("POST", "/v1/ticket-batches", {
     ["Authorization"] = "Bearer " .. token,

@@ -1,6 +1,6 @@
--- What bench/tickets.lua, bench/one_grid.lua and bench/batch.lua share (loaded by both with dofile):
--- pacing (args[4]: the mean ms a connection waits after an answer) and the percentiles
--- line that bench/run.py reads.
+-- What bench/tickets.lua, bench/one_grid.lua and bench/batch.lua share (loaded with dofile):
+-- the tickets they send, pacing (args[4]: the mean ms a connection waits after an answer)
+-- and the percentiles line that bench/run.py reads.
 
 pause = 0
 
@@ -15,6 +15,48 @@ function numbers(picks)
     end
   end
   return table.concat(nums, ",")
+end
+
+local stakes = {100, 200, 300, 500, 1000}
+local hot = {}
+
+-- The hot set of the mix: 20 popular combinations of 8-10 numbers (call once, seeded).
+function choose_hot()
+  for i = 1, 20 do
+    hot[i] = numbers(math.random(8, 10))
+  end
+end
+
+-- A new ticket of one capped grid (8-10 numbers, an allowed stake, one draw), in JSON.
+function one_grid_ticket(id)
+  return string.format(
+    '{"ticket_id":"%s","game":"fdj-keno","grids":[{"numbers":[%s],"stake":%d}]}',
+    id, numbers(math.random(8, 10)), stakes[math.random(1, #stakes)])
+end
+
+local function mix_grid()
+  local nums
+  if math.random() < 0.2 then
+    nums = hot[math.random(1, #hot)]
+  else
+    nums = numbers(math.random(2, 10))
+  end
+  return string.format('{"numbers":[%s],"stake":%d}', nums, stakes[math.random(1, #stakes)])
+end
+
+-- A new ticket of the realistic mix: 1-5 grids of 2-10 numbers with allowed stakes, a fifth
+-- of the grids from the hot set (they reach their cap during a run), some subscriptions
+-- (2, 5 or 10 draws).
+function mix_ticket(id)
+  local grids = {}
+  for g = 1, math.random(1, 5) do
+    grids[g] = mix_grid()
+  end
+  local draws = 1
+  local r = math.random()
+  if r < 0.05 then draws = 10 elseif r < 0.10 then draws = 5 elseif r < 0.15 then draws = 2 end
+  return string.format('{"ticket_id":"%s","game":"fdj-keno","draws":%d,"grids":[%s]}',
+                       id, draws, table.concat(grids, ","))
 end
 
 function set_pause(args)

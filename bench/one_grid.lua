@@ -6,7 +6,6 @@
 dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "common.lua")
 
 local token, prefix, counter = "bench", "B", 0
-local stakes = {100, 200, 300, 500, 1000}
 
 function init(args)
   token = args[1] or token
@@ -17,11 +16,8 @@ end
 
 function request()
   counter = counter + 1
-  local body = string.format(
-    '{"ticket_id":"%s-%d","game":"fdj-keno","grids":[{"numbers":[%s],"stake":%d}]}',
-    prefix, counter, numbers(math.random(8, 10)), stakes[math.random(1, #stakes)])
   return wrk.format("POST", "/v1/tickets", {
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
-  }, body)
+  }, one_grid_ticket(prefix .. "-" .. counter))
 end
