@@ -1,7 +1,7 @@
 """Ablation: capsvc at several commits (and the bare handler), alternating in one run.
 
-    python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--seconds 5] [--rounds 4]
-                       [--journal on|off] [--connections 64] [--redis-arg=ARG ...]
+    python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--batch N] [--seconds 5]
+                       [--rounds 4] [--journal on|off] [--connections 64] [--redis-arg=ARG ...]
 
 Each REV (a commit, a branch, `WORK` for the working tree as it is, or the path of a tree
 prepared by hand) is checked out in a worktree of its own under a temporary directory and
@@ -10,6 +10,9 @@ ship different Lua libraries), with bench/run.py's configuration. Every server r
 to CPU 0 with `PYTHONHASHSEED=0` (the hash seed alone moves a result by a few µs); wrk and
 the Redis servers share CPU 1. Round after round, each target is driven in turn (the order
 rotated every round), so that a drift of the machine falls on every target alike.
+
+With `--batch N`, the tickets go N a request (POST /v1/ticket-batches, bench/batch.lua) and
+every figure but p99 is per ticket (the bare handler's per request).
 
 Prints per target the median tickets/s, p99, server CPU per ticket (and the part of it
 spent by threads other than the event loop's: the journal's writer), Redis CPU and commands
@@ -92,6 +95,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("revs", nargs="+")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="one-grid")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="tickets a request: above 1, POST /v1/ticket-batches")
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--connections", type=int, default=64)
@@ -127,16 +132,23 @@ def main() -> int:
             targets.append(Target(label, svc.base_url, svc.process.pid, redis))
         wait_listening(port)
         targets.append(Target("bare", f"http://127.0.0.1:{port}", bare.pid))
-        script = WORKLOADS[args.workload]
+        script, extra, per = WORKLOADS[args.workload], (), 1
+        if args.batch > 1:
+            script, per = "batch.lua", args.batch
+            extra = (str(args.batch), "mix" if args.workload == "mix" else "one-grid")
         for t in targets:  # warm-up
-            wrk(t.url, 2, args.connections, f"warm-{targets.index(t)}", script)
+            wrk(t.url, 2, args.connections, f"warm-{targets.index(t)}", script, extra=extra)
         for r in range(args.rounds):
             shift = r % len(targets)
             for t in targets[shift:] + targets[:shift]:
                 before = redis_side(t.redis) if t.redis else None
                 cpu, threads = cpu_seconds(t.pid), other_threads_cpu_seconds(t.pid)
                 res = wrk(t.url, args.seconds, args.connections,
-                          f"ab-{r}-{targets.index(t)}", script)  # ids: no "/" of a path
+                          f"ab-{r}-{targets.index(t)}", script,  # ids: no "/" of a path
+                          extra=extra)
+                if t.redis:  # per ticket (the bare handler: per request)
+                    res.rps *= per
+                    res.requests *= per
                 res.server_cpu_us = 1e6 * (cpu_seconds(t.pid) - cpu) / max(res.requests, 1)
                 res.threads_cpu_us = 1e6 * (other_threads_cpu_seconds(t.pid) - threads) / max(
                     res.requests, 1)
@@ -156,7 +168,8 @@ def main() -> int:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                            capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
-    print(f"workload {args.workload}, journal {args.journal}: wrk -t1 -c{args.connections} "
+    batch = f", batches of {args.batch}" if args.batch > 1 else ""
+    print(f"workload {args.workload}{batch}, journal {args.journal}: wrk -t1 -c{args.connections} "
           f"-d{args.seconds}s, {args.rounds} rounds alternating, medians; servers on CPU 0 "
           "(PYTHONHASHSEED=0), wrk and Redis on CPU 1")
     print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'thr µs/t':>9} "
