@@ -409,12 +409,15 @@ class Store:
         for combo, stake in grids:
             args += (combo, stake)
         args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
-        sales = self._sales
-        if not sales:
+        if not self._sales:
             assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
             self.redis.before_flush(self._send_sales)
         out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
-        sales.append((keys, args, out, current_stamp()))
+        self._sales.append((keys, args, out, current_stamp()))
+        if len(self._sales) >= SALES_PER_CALL:
+            # A full call leaves now: Redis works on it while the tick prepares the next
+            # ones (and its answer is not timed from behind all of them).
+            self._send_sales()
         return out
 
     def _send_sales(self) -> None:
@@ -423,7 +426,7 @@ class Store:
         sale gets its own reply; a call that fails fails each of its sales (nothing of it
         ran, or its fate is unknown, as for a call of one)."""
         queued, self._sales = self._sales, []
-        for i in range(0, len(queued), SALES_PER_CALL):
+        for i in range(0, len(queued), SALES_PER_CALL):  # one call, unless sent at the flush
             sales = queued[i:i + SALES_PER_CALL]
             keys: list[str] = []
             args: list[Any] = [len(sales)]

@@ -1,11 +1,14 @@
 """Sales in one Redis call (standalone Redis, games without player limits) beside sales in
 steps: the same tickets, whichever process or protocol answers, and decisions that do not
-follow later changes of the configuration."""
+follow later changes of the configuration; the sales of a tick, several to a call."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import aiohttp
@@ -14,6 +17,9 @@ import redis
 
 from capsvc.config import Settings
 from capsvc.http.server import build
+from capsvc.redis.replies import Sold
+from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, ticket_key
+from capsvc.redis.transport import Coalescer
 from tests.conftest import TEN, Client, services, start_service, ticket
 from tests.support.servers import RedisServer
 
@@ -88,3 +94,34 @@ async def test_a_defaulted_ticket_moves_past_any_run_of_stopped_draws(
         sold = await seller.sell(ticket([{"numbers": TEN[:8], "stake": 100}]))
         assert sold.status == 200, sold.body
         assert sold.body["draws"] == [draw + 4]
+
+
+async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
+        redis_server: RedisServer, standalone_db: redis.Redis) -> None:
+    """Sales queued in one tick go SALES_PER_CALL a call: a full call is handed to the
+    transport as soon as it is full, so that Redis works on it while the tick prepares the
+    next ones (queued behind thousands of sales, its answer would be timed from behind
+    all of them); the rest go at the end of the tick. Each sale gets its own reply."""
+    redis_db = Coalescer(redis_server.url, timeout_s=5, library=lua_source())
+    store = Store(redis_db)
+    await store.load_library()
+    submit, sent = redis_db.submit, []
+
+    def watched(*command: Any) -> Any:
+        sent.append(command[1] if command[0] == "FCALL" else command[0])
+        return submit(*command)
+
+    redis_db.submit = watched  # type: ignore[method-assign]
+    far = int(time.time() * 1000) + 86_400_000
+    replies = []
+    for i in range(SALES_PER_CALL + 3):
+        replies.append(store.sell(
+            ticket_key("t", f"F-{i}"), f"{i:032x}", b"sale", far, far, 60_000, "g", 7, 1,
+            5000, 100, [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60), 100)], [far],
+            "UTC", fix_caps=False))
+        assert sent.count("capsvc_sell") == (1 if i + 1 >= SALES_PER_CALL else 0)
+    claims = await asyncio.gather(*replies)
+    assert sent.count("capsvc_sell") == 2
+    assert [type(c).__name__ for c in claims] == ["Sold"] * (SALES_PER_CALL + 3)
+    assert len({c.sale_id for c in claims if isinstance(c, Sold)}) == SALES_PER_CALL + 3
+    await redis_db.aclose()
