@@ -917,8 +917,12 @@ local function feed_closed(keys, args)
 end
 
 --[[ stop: KEYS stops; ARGV field, expire_at[, instant]
-An admin stops sales of a draw now (Redis TIME; the first stop wins; a journal's restore
-passes the instant the stop was answered at): in the game's stops
+An admin stops sales of a draw now (the first stop wins; a journal's restore passes the
+instant the stop was answered at): from the millisecond after Redis TIME, so that every
+sale Redis ran before this call, stamped with this millisecond or an earlier one, was
+claimed before the stop and stands, and every one-call sale after it sees the stop
+(a claim in steps made later in this same millisecond is before the instant, and stands,
+as the instant says). In the game's stops
 hash (field: the draw), and in a copy per ticket slot (field "<game>:<draw>") that the
 cancel function checks atomically. Stops of draws whose retention has passed are pruned
 here, so a hash holds only draws still retained. Returns the instant sales stopped. ]]
@@ -935,7 +939,7 @@ local function stop(keys, args)
       redis.call('HDEL', keys[1], all[i])
     end
   end
-  local instant = tonumber(args[3]) or now
+  local instant = tonumber(args[3]) or now + 1
   redis.call('HSET', keys[1], args[1], instant .. ':' .. args[2])
   extend(keys[1], tonumber(args[2]))
   return instant

@@ -18,7 +18,7 @@ import redis
 from capsvc.config import Settings
 from capsvc.http.server import build
 from capsvc.redis.replies import Sold
-from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, ticket_key
+from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
 from capsvc.redis.transport import Coalescer
 from tests.conftest import TEN, Client, services, start_service, ticket
 from tests.support.servers import RedisServer
@@ -124,4 +124,28 @@ async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
     assert sent.count("capsvc_sell") == 2
     assert [type(c).__name__ for c in claims] == ["Sold"] * (SALES_PER_CALL + 3)
     assert len({c.sale_id for c in claims if isinstance(c, Sold)}) == SALES_PER_CALL + 3
+    await redis_db.aclose()
+
+
+async def test_a_sale_run_in_the_millisecond_of_a_close_just_before_it_is_before_its_instant(
+        redis_server: RedisServer, standalone_db: redis.Redis) -> None:
+    """A one-call sale and an admin's close of its draw, Redis running the sale first, most
+    often in the same millisecond: the sale stands, so the close's instant is after the
+    sale's (a sale that stands was claimed strictly before its draw's close)."""
+    redis_db = Coalescer(redis_server.url, timeout_s=5, library=lua_source())
+    store = Store(redis_db)
+    await store.load_library()
+    far = int(time.time() * 1000) + 86_400_000
+    for draw in range(1, 31):
+        sold = store.sell(ticket_key("t", f"S-{draw}"), f"{draw:032x}", b"sale", far, far,
+                          60_000, "g", draw, 1, 5000, 100,
+                          [("\x01\x02\x03\x04\x05\x06\x07\x08", 100)], [far], "UTC",
+                          fix_caps=False)
+        stops: list[asyncio.Future[Any]] = []
+        # After the sale in the same pipeline: the close runs right behind it.
+        redis_db.before_flush(lambda draw=draw: stops.append(
+            store.fcall("capsvc_stop", [stops_key("g")], [draw, far])))
+        claim = await sold
+        assert isinstance(claim, Sold)
+        assert int(await stops[0]) > claim.at
     await redis_db.aclose()
