@@ -129,7 +129,7 @@ async def test_a_batch_whose_answer_was_lost_is_sent_again_each_sale_counted_onc
         sold = await c.sell_many(bodies)
         assert dropped.fired.is_set()
         assert stack.http.forwarded.count([b"POST", b"/v1/ticket-batches"]) >= 1
-        assert len(stack.http.forwarded) >= 4  # the batch, and each ticket at least once more
+        assert len(stack.http.forwarded) >= 2  # the batch, and its tickets again
         stack.http.delay_response(batch, 1.0)
         late = [ticket([{"numbers": n, "stake": 500}], first_draw=draw) for n in HOT[:3]]
         sold += await c.sell_many(late)

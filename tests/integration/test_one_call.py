@@ -143,7 +143,7 @@ async def test_a_sale_run_in_the_millisecond_of_a_close_just_before_it_is_before
                           fix_caps=False)
         stops: list[asyncio.Future[Any]] = []
         # After the sale in the same pipeline: the close runs right behind it.
-        redis_db.before_flush(lambda draw=draw: stops.append(
+        redis_db.before_flush(lambda draw=draw, stops=stops: stops.append(
             store.fcall("capsvc_stop", [stops_key("g")], [draw, far])))
         claim = await sold
         assert isinstance(claim, Sold)
