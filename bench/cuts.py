@@ -47,7 +47,7 @@ CLAIMED = """            if isinstance(claim, Refused):
 DECIDED = """                body = _encode(out)
                 await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
 """
-CALL = """        args += (*expiries, time_zone, "fix" if fix_caps else "", nonce)
+CALL = """        args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
 """
 PING = '        await self.store.redis.call("PING")\n'
 RECORD = ("        first = sale.first_draw or game.calendar.current(self.clock.now())\n"

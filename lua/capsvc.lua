@@ -1277,6 +1277,19 @@ local function sell_one(keys, args, now, batch)
 end
 
 
+-- list[from + 1 .. from + n], as a new table (unpack for the usual few, a loop past what
+-- Lua's stack takes: a sale of many grids and draws names thousands of keys).
+local function slice(list, from, n)
+  if n <= 4000 then
+    return {unpack(list, from + 1, from + n)}
+  end
+  local out = {}
+  for i = 1, n do
+    out[i] = list[from + i]
+  end
+  return out
+end
+
 local function sell(keys, args)
   local now = now_ms()
   local batch = {seen = {}, stops = {}, indexes = {}, order = {}}
@@ -1285,8 +1298,7 @@ local function sell(keys, args)
   local replies = {}
   for i = 1, sales do
     local nk, na = tonumber(args[2 * i]), tonumber(args[2 * i + 1])
-    replies[i] = sell_one({unpack(keys, k + 1, k + nk)}, {unpack(args, a + 1, a + na)}, now,
-                          batch)
+    replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
     k, a = k + nk, a + na
   end
   for _, key in ipairs(batch.order) do

@@ -387,14 +387,9 @@ def _narrow_to_games(games: Sequence[GameRules], paths: dict[str, Any],
         for option in components["LimitIn"]["properties"]["daily"]["anyOf"]:
             if option.get("type") == "integer":
                 option["maximum"] = max(limits)
-    ids = sorted(refs)
-    for item in paths.values():
-        for op in item.values():
-            for param in op.get("parameters", ()):
-                if param["name"] == "game" and param["in"] == "path":
-                    param["schema"] = {"type": "string", "enum": ids}
     limited = sorted(g.id for g in games if g.daily_limit is not None)
-    narrowed = {
+    narrowed = {  # new parameters: the shared ones (_PARAMS) stay as they are
+        "game": {"type": "string", "enum": sorted(refs)},
         "numbers": {"type": "string", "pattern": (
             f"^{_number_re(top)}(-{_number_re(top)}){{{low - 1},{high - 1}}}(?!\\n)$")},
         "game_query": {"type": "string", "enum": limited} if limited else None,

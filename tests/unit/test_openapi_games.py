@@ -105,3 +105,17 @@ def test_examples_of_each_side() -> None:
     for ticket in refused:
         assert not schema_accepts(ticket), ticket
         assert not service_accepts(ticket), ticket
+
+
+def test_a_document_for_some_games_changes_nothing_of_the_next_one() -> None:
+    """The game-specific document narrows copies of its parameters: one built without
+    games afterwards still has the game id's pattern (the parameters are shared)."""
+    narrowed = openapi_document(list(games().values()))
+    plain = openapi_document()
+
+    def game_params(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        return [p["schema"] for item in doc["paths"].values() for op in item.values()
+                for p in op.get("parameters", []) if (p["name"], p["in"]) == ("game", "path")]
+
+    assert all("enum" in s for s in game_params(narrowed))
+    assert all("pattern" in s and "enum" not in s for s in game_params(plain))
