@@ -178,8 +178,9 @@ def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | N
 
 
 def with_cancellation(body: bytes, tz: tzinfo, at: int, released: int) -> bytes:
-    """A stored decision's body with its `cancelled` member added (the decision itself is
-    kept byte for byte: it is an object, so the member goes before its closing brace)."""
+    """A stored decision's body with `state: "cancelled"` and its `cancelled` member added
+    (the decision itself is kept byte for byte: it is an object, so the members go before
+    its closing brace)."""
     member = msgspec.json.encode(Cancellation(
         at=instant(at, tz), released=released))
-    return body[:-1] + b',"cancelled":' + member + b"}"
+    return body[:-1] + b',"state":"cancelled","cancelled":' + member + b"}"

@@ -100,6 +100,9 @@ class TicketOut(Struct, omit_defaults=True):
     total_cost: int
     receipt: Receipt | None
     reason: str | None = None
+    state: Literal["cancelled"] | None = None
+    """Only on GET, once the ticket is cancelled: "cancelled" (absent: the decision stands
+    as answered). What to switch on; `status` stays the decision's."""
     cancelled: Cancellation | None = None
     """Only on GET, once the ticket is cancelled (a POST replay answers the decision)."""
 

@@ -106,3 +106,21 @@ async def test_cancel_needs_sell_scope(client: Client) -> None:
     """A read-only channel may not cancel."""
     reply = await client.post(f"/v1/tickets/{new_id()}/cancel", token="read")
     assert reply.status == 403
+
+
+async def test_a_cancelled_ticket_says_so_in_a_field_to_switch_on(client: Client) -> None:
+    """GET of a cancelled ticket: `state: "cancelled"` beside its `cancelled` member, the
+    decision's own `status` kept; before the cancel, and in every POST replay, no `state`
+    (the decision as answered)."""
+    draw = await client.current()
+    body = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw + 1)
+    sold = await client.sell(body)
+    assert "state" not in (await client.get(f"/v1/tickets/{body['ticket_id']}")).body
+    assert (await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")).status == 200
+    looked = (await client.get(f"/v1/tickets/{body['ticket_id']}")).body
+    assert looked["state"] == "cancelled"
+    assert looked["status"] == "accepted"
+    assert looked["cancelled"]["released"] == 500
+    replay = await client.sell(body)
+    assert replay.raw == sold.raw
+    assert "state" not in replay.body
