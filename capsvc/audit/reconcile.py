@@ -29,6 +29,7 @@ from msgspec import Struct
 from capsvc.audit.history import History, Sold
 from capsvc.config import ID_RE
 from capsvc.domain.calendar import instant
+from capsvc.domain.money import amount
 
 REQUIRED = ("channel", "ticket_id", "total_cost")
 
@@ -286,14 +287,18 @@ def counts(rec: Reconciliation) -> dict[str, int]:
             "amount": len(rec.amounts), "duplicate": len(rec.duplicates)}
 
 
-def to_text(rec: Reconciliation) -> str:
-    """For a person: the verdict, the totals, then every difference by ticket id."""
+def to_text(rec: Reconciliation, currency: str) -> str:
+    """For a person: the verdict, the totals, then every difference by ticket id (amounts
+    in `currency`, as the draw's report writes them)."""
+    def money(minor: int) -> str:
+        return amount(minor, currency)
+
     lines = [f"{rec.game} draw {rec.draw}: "
              f"{'BALANCED' if rec.balanced else f'NOT BALANCED ({rec.differences} difference(s))'}"
              f"{'' if rec.final else ' (draw still on sale or settling)'}",
-             f"  sales system: {rec.sold.tickets} ticket(s), {rec.sold.amount} total cost",
-             f"  capsvc:       {rec.capsvc.tickets} ticket(s) standing, {rec.capsvc.amount} "
-             "total cost"]
+             f"  sales system: {rec.sold.tickets} ticket(s), {money(rec.sold.amount)} total cost",
+             f"  capsvc:       {rec.capsvc.tickets} ticket(s) standing, "
+             f"{money(rec.capsvc.amount)} total cost"]
     if rec.in_flight:
         lines.append(f"  {rec.in_flight} decision(s) younger than the grace "
                      f"({rec.grace_ms / 1000:g} s) not in the export yet: not differences")
@@ -302,14 +307,14 @@ def to_text(rec: Reconciliation) -> str:
                      "(found in Redis)")
     for d in rec.not_accepted:
         lines.append(f"  sold, not accepted by capsvc ({d.capsvc}): {d.channel} "
-                     f"{d.ticket_id} (line {d.line}, {d.amount})")
+                     f"{d.ticket_id} (line {d.line}, {money(d.amount)})")
     for s in rec.not_sold:
         tail = f"; {s.cancel}" if s.cancel else ""
         lines.append(f"  accepted by capsvc, never sold: {s.channel} {s.ticket_id} "
-                     f"({s.status}, {s.amount}, sale {s.sale}){tail}")
+                     f"({s.status}, {money(s.amount)}, sale {s.sale}){tail}")
     for a in rec.amounts:
         lines.append(f"  amounts differ: {a.channel} {a.ticket_id} (line {a.line}): sold "
-                     f"{a.sold}, capsvc {a.capsvc}")
+                     f"{money(a.sold)}, capsvc {money(a.capsvc)}")
     for dup in rec.duplicates:
         lines.append(f"  listed more than once: {dup.channel} {dup.ticket_id} (lines "
                      f"{', '.join(map(str, dup.lines))})")

@@ -17,6 +17,7 @@ from capsvc.audit.history import History, Sold
 from capsvc.domain import combination
 from capsvc.domain.calendar import instant
 from capsvc.domain.games import Game
+from capsvc.domain.money import amount
 from capsvc.domain.reports import (
     Chain,
     ChannelLine,
@@ -146,7 +147,7 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
 def _summary(t: TicketCounts, stake: int, currency: str) -> str:
     return (f"{t.accepted + t.partial} ticket(s) standing ({t.accepted} accepted, "
             f"{t.partial} partial), {t.rejected} rejected, {t.cancelled} cancelled, "
-            f"{t.void} void; {stake // 100}.{stake % 100:02d} {currency} staked")
+            f"{t.void} void; {amount(stake, currency)} staked")
 
 
 def capped_totals(history: History, draw: int) -> dict[str, int]:

@@ -12,9 +12,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from capsvc import __version__
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
 from capsvc.domain.models import MAX_DRAW
+from capsvc.domain.money import amount
 from capsvc.ops import logs
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 if TYPE_CHECKING:
     from capsvc.journal.verify import Anchor
@@ -53,15 +57,32 @@ def _settings(path: str | None) -> Settings:
         raise SystemExit(2) from None
 
 
-def check_config(path: str) -> int:
+def check_config(path: str | None, output: str = "text") -> int:
     settings = _settings(path)
+    if output == "json":
+        import json
+
+        print(json.dumps({
+            "source": settings.source, "ok": True,
+            "games": [{"id": g.id, "preset": g.preset, "currency": g.currency,
+                       "stakes": list(g.stakes), "cap": g.cap_limit,
+                       "capped_picks": sorted(g.capped_picks), "daily_limit": g.daily_limit}
+                      for g in settings.games.values()],
+            "channels": [{"id": ch.id, "games": sorted(ch.games), "scopes": sorted(ch.scopes)}
+                         for ch in settings.channels],
+            "redis": None if settings.redis_url is None else _redis_target(settings.redis_url)},
+            indent=2))
+        return 0
     print(f"{settings.source}: OK")
     for g in settings.games.values():
         cap = "no cap" if g.cap_limit is None else (
-            f"cap {g.cap_limit} on {'/'.join(str(p) for p in sorted(g.capped_picks))} numbers")
-        limit = "" if g.daily_limit is None else f", daily limit {g.daily_limit}"
+            f"cap {amount(g.cap_limit, g.currency)} on "
+            f"{'/'.join(str(p) for p in sorted(g.capped_picks))} numbers")
+        limit = ("" if g.daily_limit is None
+                 else f", daily limit {amount(g.daily_limit, g.currency)}")
+        stakes = ", ".join(amount(s, g.currency) for s in g.stakes)
         print(f"  game {g.id} ({g.preset}): numbers 1..{g.numbers}, picks "
-              f"{g.picks_min}-{g.picks_max}, stakes {list(g.stakes)} {g.currency}, {cap}"
+              f"{g.picks_min}-{g.picks_max}, stakes {stakes}, {cap}"
               f"{limit}, {len(g.draw_times)} draws/day ({g.time_zone}), cancel {g.cancel}")
     for ch in settings.channels:
         print(f"  channel {ch.id}: games {sorted(ch.games)}, scopes {sorted(ch.scopes)}")
@@ -217,7 +238,8 @@ def _journal_verify(args: argparse.Namespace) -> int:
 
     from capsvc.journal.verify import verify
 
-    settings = _settings(args.config) if args.config or args.redis or not args.dirs else None
+    settings = (_settings(args.config) if args.config or args.redis_url or not args.dirs
+                else None)
     dirs = [Path(d) for d in args.dirs] or [Path(settings.journal_dir if settings else
                                                  "var/journal")]
     missing = [d for d in dirs if not d.is_dir()]
@@ -228,15 +250,15 @@ def _journal_verify(args: argparse.Namespace) -> int:
     out = verify(dirs, settings.journal_keep_ms if settings else 90 * 86_400_000,
                  args.anchor)
     compared = None
-    if args.redis:
+    if args.redis_url:
         assert settings is not None
-        url = args.redis if isinstance(args.redis, str) else settings.redis_url
+        url = args.redis_url if isinstance(args.redis_url, str) else settings.redis_url
         problem = "no URL (give one, or [redis] url)" if url is None else redis_url_problem(url)
         if problem or url is None:
-            print(f"capsvc journal verify: --redis: {problem}", file=sys.stderr)
+            print(f"capsvc journal verify: --redis-url: {problem}", file=sys.stderr)
             return 2
         compared = asyncio.run(_compare(out, url, settings))
-    if args.json:
+    if args.format == "json":
         print(json.dumps({
             "ok": out.ok, "files": len(out.files), "records": out.records,
             "decisions": out.decisions, "totals": len(out.totals), "breaks": out.breaks,
@@ -277,6 +299,7 @@ async def _compare(out: object, url: str, settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"capsvc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the service")
     p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
@@ -288,9 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "url, else an embedded Redis under ./var/)")
     p_serve.add_argument("--workers", type=_int_in(1, 256, "a number of workers"),
                          help="1 to 256 worker processes")
-    p_serve.add_argument("--log-level", default="INFO")
+    p_serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                         help="DEBUG, INFO (the default), WARNING or ERROR")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
-    p_check.add_argument("path")
+    p_check.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
+                         "else the built-in local configuration)")
+    p_check.add_argument("--format", choices=("text", "json"), default="text")
     p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
                              "a disconnection)")
     p_watch.add_argument("game")
@@ -315,14 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_verify.add_argument("dirs", nargs="*", metavar="DIR",
                           help="journal directories (default: [journal] dir)")
     p_verify.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
-    p_verify.add_argument("--redis", nargs="?", const=True, metavar="URL",
+    p_verify.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                           help="also compare the totals with Redis for draws still retained "
                                "(default URL: [redis] url)")
     p_verify.add_argument("--anchor", action="append", default=[], type=_anchor,
                           metavar="FILE:LINE:SHA256",
                           help="a head an earlier verify printed, written down elsewhere: "
                                "that line must still be there, unchanged (repeatable)")
-    p_verify.add_argument("--json", action="store_true", help="machine-readable output")
+    p_verify.add_argument("--format", choices=("text", "json"), default="text")
     from capsvc.cli.audit import add_parsers, run
 
     add_parsers(sub)
@@ -334,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.setup("WARNING")
         return (_journal_restore if args.journal_command == "restore" else _journal_verify)(args)
     if args.command == "check-config":
-        return check_config(args.path)
+        return check_config(args.config, args.format)
     if args.command == "watch":
         return _watch(args)
     logs.setup(args.log_level)

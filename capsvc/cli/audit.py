@@ -45,7 +45,7 @@ def add_parsers(sub: Any) -> None:
     common.add_argument("--dir", action="append", metavar="DIR",
                         help="a journal directory to read (repeat for every host's); "
                              "default: [journal] dir and [audit] sources")
-    common.add_argument("--redis", nargs="?", const=True, metavar="URL",
+    common.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                         help="also ask Redis (default URL: [redis] url): its clock, the "
                              "counters of a draw still retained, other hosts' tickets")
     p = sub.add_parser("report", parents=[common],
@@ -60,11 +60,11 @@ def add_parsers(sub: Any) -> None:
                    help="CSV with a header naming channel, ticket_id, total_cost")
     p.add_argument("--cancel-abandoned", action="store_true",
                    help="cancel the tickets accepted and never sold, where still possible "
-                        "(needs Redis: [redis] url or --redis URL)")
+                        "(needs Redis: [redis] url or --redis-url URL)")
     p.add_argument("--grace", default="0s",
                    help="decisions this young are not differences yet (during sales: the "
                         "export lags, e.g. 60s); default 0s")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--format", choices=("text", "json"), default="text")
 
 
 def _fail(command: str, message: str) -> int:
@@ -90,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         return _fail(command, f"no such directory: {', '.join(missing)}")
     url = None
-    if args.redis or getattr(args, "cancel_abandoned", False):
-        url = args.redis if isinstance(args.redis, str) else settings.redis_url
+    if args.redis_url or getattr(args, "cancel_abandoned", False):
+        url = args.redis_url if isinstance(args.redis_url, str) else settings.redis_url
         if url is None:
-            return _fail(command, "no Redis: give --redis URL or [redis] url")
+            return _fail(command, "no Redis: give --redis-url URL or [redis] url")
     if command == "report":
         return _report(args, settings, game, dirs, url)
     try:
@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
                                      args.cancel_abandoned))
     except (Unavailable, OSError, RedisError) as e:
         return _fail(command, f"redis: {e}")
-    if args.json:
+    if args.format == "json":
         sys.stdout.write(encode_json(rec).decode() + "\n")
     else:
-        sys.stdout.write(to_text(rec))
+        sys.stdout.write(to_text(rec, game.rules.currency))
     return 0 if _balanced_after(rec) else 1
 
 

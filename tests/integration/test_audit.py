@@ -349,7 +349,7 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         export.write_text("\n".join(rows) + "\n")
         args = ("reconcile", "--config", config, "--dir", str(service.journal_dir),
                 "--game", SLOW, "--draw", str(draw), "--sold", str(export))
-        out = capsvc(*args, "--json")
+        out = capsvc(*args, "--format", "json")
         assert out.returncode == 1, out.stderr
         rec = json.loads(out.stdout)
         assert [(d["ticket_id"], d["line"], d["capsvc"]) for d in rec["not_accepted"]] == [
@@ -376,7 +376,7 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         # A malformed line: named, exit 2, nothing cancelled.
         bad = tmp_path / "bad.csv"
         bad.write_text("\n".join([*rows[:3], "fr-retail,R4,12.50,T9"]) + "\n")
-        refused = capsvc(*args[:-1], str(bad), "--cancel-abandoned", "--redis", redis.url,
+        refused = capsvc(*args[:-1], str(bad), "--cancel-abandoned", "--redis-url", redis.url,
                          journal=service.journal_dir)
         assert refused.returncode == 2
         assert "line 4: total_cost '12.50'" in refused.stderr
@@ -391,8 +391,8 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         fixed = tmp_path / "fixed.csv"
         fixed.write_text("\n".join([rows[0], rows[1], f"fr-retail,R2,{costs['R2']},T2",
                                     rows[3]]) + "\n")
-        cancel_args = (*args[:-1], str(fixed), "--cancel-abandoned", "--redis", redis.url)
-        done = capsvc(*cancel_args, "--json", journal=service.journal_dir)
+        cancel_args = (*args[:-1], str(fixed), "--cancel-abandoned", "--redis-url", redis.url)
+        done = capsvc(*cancel_args, "--format", "json", journal=service.journal_dir)
         assert done.returncode == 0, done.stdout + done.stderr
         cancelled = json.loads(done.stdout)["not_sold"]
         assert [(d["ticket_id"], d["cancel"]) for d in cancelled] == [
@@ -413,7 +413,7 @@ def test_reconcile_finds_each_difference_refuses_a_malformed_export_and_cancels_
         header.write_text("channel,ticket_id,total_cost\n")
         stuck = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
                        "--game", GAME, "--draw", str(quick + 1), "--sold", str(header),
-                       "--cancel-abandoned", "--redis", redis.url, "--json",
+                       "--cancel-abandoned", "--redis-url", redis.url, "--format", "json",
                        journal=service.journal_dir)
         assert stuck.returncode == 1, stuck.stderr
         (item,) = json.loads(stuck.stdout)["not_sold"]
@@ -512,7 +512,7 @@ def test_a_sale_whose_answer_was_lost_is_journaled_by_the_janitor_and_reconciled
             export.write_text(f"channel,ticket_id,total_cost\nfr-retail,A,{a['total_cost']}\n")
             out = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
                          "--game", SLOW, "--draw", str(draw), "--sold", str(export),
-                         "--redis", redis.url, "--cancel-abandoned", "--json",
+                         "--redis-url", redis.url, "--cancel-abandoned", "--format", "json",
                          journal=service.journal_dir)
             rec = json.loads(out.stdout)
             assert [(d["ticket_id"], d["cancel"]) for d in rec["not_sold"]] == [
@@ -608,7 +608,7 @@ def test_a_ticket_of_another_game_is_not_accepted_for_this_one(
             ("X", "other_game")]
         cli = capsvc("reconcile", "--config", config, "--dir", str(service.journal_dir),
                      "--game", SLOW, "--draw", str(draw), "--sold", str(export),
-                     "--redis", redis.url, "--json")
+                     "--redis-url", redis.url, "--format", "json")
         assert cli.returncode == 1, cli.stdout
     finally:
         service.stop()
@@ -639,7 +639,7 @@ def test_a_ticket_id_sold_twice_is_a_sale_without_receipt_in_the_reconciliation(
         export = tmp_path / "sold.csv"
         export.write_text(f"channel,ticket_id,total_cost\nfr-retail,T,{first['total_cost']}\n")
         out = capsvc("reconcile", "--config", config, *dirs, "--game", SLOW, "--draw",
-                     str(draw), "--sold", str(export), "--json")
+                     str(draw), "--sold", str(export), "--format", "json")
         rec = json.loads(out.stdout)
         assert (report["stake"], report["tickets"]["accepted"]) == (1000, 2)
         assert rec["capsvc"]["tickets"] == 2
@@ -778,8 +778,8 @@ def test_cancel_abandoned_never_cancels_a_ticket_the_export_lists(
         export.write_text("channel,ticket_id,total_cost\nfr-retail,X-1,500\n")
         out = capsvc("reconcile", "--config", config, "--game", SLOW, "--draw", str(draw),
                      "--sold", str(export), "--dir", str(tmp_path / "a"), "--dir",
-                     str(tmp_path / "b"), "--redis", redis.url, "--cancel-abandoned",
-                     "--json", journal=tmp_path / "ops")
+                     str(tmp_path / "b"), "--redis-url", redis.url, "--cancel-abandoned",
+                     "--format", "json", journal=tmp_path / "ops")
         (item,) = json.loads(out.stdout)["not_sold"]
         assert item["sale"] != sale_id
         assert item["listed"]
@@ -798,7 +798,7 @@ def test_an_unreachable_redis_is_a_usage_error_of_report_and_reconcile(
     sold = tmp_path / "sold.csv"
     sold.write_text("channel,ticket_id,total_cost\n")
     common = ("--config", config, "--dir", str(tmp_path / "j"), "--game", GAME, "--draw", "5",
-              "--redis", "redis://127.0.0.1:1/0")
+              "--redis-url", "redis://127.0.0.1:1/0")
     for out in (capsvc("report", *common), capsvc("reconcile", *common, "--sold", str(sold))):
         assert out.returncode == 2, out.stderr
         assert "redis: " in out.stderr

@@ -39,6 +39,6 @@ def test_the_retained_decisions_are_journaled_and_in_redis(
     assert any(r.via == "lookup" for r in decisions)
     assert any(isinstance(r, CancelRecord) for r in decisions)
     out = subprocess.run([sys.executable, "-m", "capsvc", "journal", "verify", str(journal),
-                          "--config", str(config), "--redis", redis_server.url],
+                          "--config", str(config), "--redis-url", redis_server.url],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -144,7 +144,7 @@ def test_a_redis_that_lost_everything_gets_every_answered_decision_back_before_a
         again = audit(service.base_url, crowd)
         assert again.counters == result.counters
         verified = capsvc("journal", "verify", str(service.journal_dir), "--config", config,
-                          "--redis", redis.url)
+                          "--redis-url", redis.url)
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert metric(service.base_url, "capsvc_journal_restored_total") > 0
     finally:

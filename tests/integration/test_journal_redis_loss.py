@@ -324,7 +324,7 @@ def test_verify_detects_an_altered_last_sale(
     assert out.returncode == 1, out.stdout
     assert "differs" in out.stdout or "does not follow" in out.stdout, out.stdout
     against = subprocess.run([sys.executable, "-m", "capsvc", "journal", "verify",
-                              str(directory), "--config", config, "--redis", redis_url],
+                              str(directory), "--config", config, "--redis-url", redis_url],
                              capture_output=True, text=True, timeout=60)
     assert against.returncode == 1, against.stdout
     assert "differs from Redis" in against.stdout

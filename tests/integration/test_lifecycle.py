@@ -63,7 +63,7 @@ def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[s
 
 def test_check_config_lists_the_games() -> None:
     """check-config accepts the shipped configuration and names its games."""
-    result = run_cli("check-config", str(CONFIG))
+    result = run_cli("check-config", "--config", str(CONFIG))
     assert result.returncode == 0, result.stderr
     assert "game fdj-keno (fdj-keno-2008)" in result.stdout
     assert "game lnm-keno (lnm-keno)" in result.stdout
@@ -91,7 +91,7 @@ token_sha256 = "abc"
 games = ["loto"]
 scopes = ["sell", "fly"]
 """)
-    result = run_cli("check-config", str(bad))
+    result = run_cli("check-config", "--config", str(bad))
     assert result.returncode == 2
     for expected in ("games[0].stakes[1]", "games[0].cancel", "games[0].time_zone",
                      "games[1].preset", "channels[0].token:", "channels[0].token_sha256",
@@ -108,7 +108,7 @@ def test_serve_refuses_a_misspelt_key_before_starting_anything(tmp_path: Path) -
                       + '\n[redis]\nurll = "redis://10.0.0.1:6379/0"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSVC_")}
     for command in (["serve", "--config", str(config), "--port", str(free_port())],
-                    ["check-config", str(config)]):
+                    ["check-config", "--config", str(config)]):
         result = subprocess.run([sys.executable, "-m", "capsvc", *command], cwd=tmp_path,
                                 env=env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, command

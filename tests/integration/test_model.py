@@ -302,6 +302,7 @@ class SaleMachine(RuleBasedStateMachine):
         assert resp.status_code == 200, resp.text
         got = resp.json()
         cancelled = got.pop("cancelled", None)
+        assert got.pop("state", None) == ("cancelled" if cancelled is not None else None)
         assert got == requests.models.complexjson.loads(t.raw)
         assert (cancelled is None) == (t.cancelled is None)
         if cancelled is not None:

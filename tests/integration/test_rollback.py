@@ -302,7 +302,7 @@ def config() -> str:
 def _verify(config: str, redis_url: str, *dirs: Path) -> subprocess.CompletedProcess[str]:
     """`capsvc journal verify --redis URL DIR…` (the chains, the caps, and Redis)."""
     return subprocess.run([sys.executable, "-m", "capsvc", "journal", "verify", "--config",
-                           config, "--redis", redis_url, *map(str, dirs)],
+                           config, "--redis-url", redis_url, *map(str, dirs)],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -200,7 +200,7 @@ def test_check_config_names_the_sentinel_service(tmp_path: Path) -> None:
     config.write_text(Path(CONFIG).read_text().replace(
         "[server]", f'[redis]\nurl = "redis+sentinel://:pw@127.0.0.1:{free_port()},'
         f'127.0.0.1:{free_port()}/mymaster?db=1"\n\n[server]', 1))
-    out = subprocess.run([sys.executable, "-m", "capsvc", "check-config", str(config)],
+    out = subprocess.run([sys.executable, "-m", "capsvc", "check-config", "--config", str(config)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "redis: the primary of 'mymaster'" in out.stdout

@@ -56,7 +56,7 @@ async def test_every_lifetime_of_pid_1_has_its_head_and_an_anchor_names_a_remove
     out = verify(str(tmp_path), *anchors)
     assert out.returncode == 1, out.stdout
     assert f"chain broken: {newest}: line {line} anchored" in out.stdout
-    as_json = json.loads(verify(str(tmp_path), "--json", *anchors).stdout)
+    as_json = json.loads(verify(str(tmp_path), "--format", "json", *anchors).stdout)
     assert as_json["ok"] is False
     assert {h["life"] for h in as_json["heads"]} == set(lives)
     assert {h["proc"] for h in as_json["heads"]} == {"pod-0/1"}

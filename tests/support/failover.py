@@ -431,6 +431,7 @@ def audit(base_url: str, sellers: Sellers, *, timeout_s: float = 30,
         if not isinstance(body, dict):
             return sale.ticket_id, "not a decision"
         body.pop("cancelled", None)
+        body.pop("state", None)
         return sale.ticket_id, None if body == sale.decision else "changed"
 
     acked: dict[tuple[str, int], int] = {

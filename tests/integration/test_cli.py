@@ -1,0 +1,59 @@
+"""One command-line language: the same flag for the same thing in every command, a version,
+bad options refused in one line, amounts in the game's currency."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capsvc import __version__
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "capsvc.toml"
+
+
+def capsvc(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "capsvc", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_version() -> None:
+    out = capsvc("--version")
+    assert (out.returncode, out.stdout.strip()) == (0, f"capsvc {__version__}")
+
+
+def test_a_bad_log_level_is_one_line_naming_the_choices() -> None:
+    out = capsvc("serve", "--log-level", "verbose")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "invalid choice: 'VERBOSE'" in out.stderr
+    assert "DEBUG" in out.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ("serve",), ("check-config",), ("journal", "restore"), ("journal", "verify"),
+    ("report", "--game", "g", "--draw", "1"),
+    ("reconcile", "--game", "g", "--draw", "1", "--sold", "x")])
+def test_every_command_names_its_configuration_and_redis_alike(command: tuple[str, ...]
+                                                               ) -> None:
+    out = capsvc(*command, "--help")
+    assert out.returncode == 0
+    assert "--config" in out.stdout
+    if command != ("check-config",):
+        assert "--redis-url" in out.stdout
+    if command not in (("serve",), ("journal", "restore")):
+        assert "--format" in out.stdout
+    assert "--json" not in out.stdout
+    assert "--redis " not in out.stdout
+
+
+def test_check_config_writes_amounts_in_the_game_s_currency() -> None:
+    out = capsvc("check-config", "--config", str(CONFIG))
+    assert out.returncode == 0, out.stderr
+    assert "stakes 1.00 EUR, 2.00 EUR" in out.stdout
+    assert "cap 50.00 EUR" in out.stdout
+    assert "daily limit 40000.00 MAD" in out.stdout
+    as_json = capsvc("check-config", "--config", str(CONFIG), "--format", "json")
+    assert '"currency": "EUR"' in as_json.stdout
