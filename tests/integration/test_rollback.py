@@ -243,7 +243,8 @@ class Ledger:
                 continue
             body = json.loads(raw)
             cancelled = body.pop("cancelled", None)
-            if cancelled is None or cancelled.get("released") != self.cancels[tid]["released"]:
+            if (cancelled is None or cancelled.get("released") != self.cancels[tid]["released"]
+                    or body.pop("state", None) != "cancelled"):
                 problems.append(f"GET {tid}: an answered cancel is undone ({cancelled})")
             if body != sale.decision:
                 problems.append(f"GET {tid} answered {body}, not its decision")

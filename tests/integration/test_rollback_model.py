@@ -402,7 +402,7 @@ class RollbackMachine(RuleBasedStateMachine):
             return f"{status} {raw[:300]!r}: an answered decision is gone"
         if t.cancelled is None:
             return None if raw == t.raw else f"{raw!r}, not its decision {t.raw!r}"
-        if not raw.startswith(t.raw[:-1] + b',"cancelled":'):
+        if not raw.startswith(t.raw[:-1] + b',"state":"cancelled","cancelled":'):
             return f"{raw!r}: an answered cancel is undone, or the decision changed"
         if json.loads(raw)["cancelled"]["released"] != t.cancelled:
             return f"{raw!r}: released {t.cancelled} answered"
