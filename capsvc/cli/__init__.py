@@ -138,7 +138,10 @@ def serve(args: argparse.Namespace) -> int:
 
         embedded = EmbeddedRedis()
         url = embedded.start()
-        log.info("embedded redis started", extra={"dir": str(embedded.dir)})
+        log.info("embedded redis joined (another process's)" if embedded.joined
+                 else "embedded redis started", extra={"dir": str(embedded.dir)})
+        if not embedded.joined:
+            embedded.keep_alive()
     try:
         if workers > 1:
             from capsvc.ops.workers import supervise, worker_command

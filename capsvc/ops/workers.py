@@ -147,7 +147,8 @@ def announce_started() -> None:
 class _Worker:
     """One worker process, and the pipe on which it says it has started."""
 
-    def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket,
+                 index: int) -> None:
         started_r, started_w = os.pipe()
         os.set_blocking(started_r, False)
         # The worker starts with SIGTERM and SIGINT blocked (the mask is inherited), and
@@ -156,7 +157,8 @@ class _Worker:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.process = subprocess.Popen(
-                command, env={**env, "CAPSVC_STARTED_FD": str(started_w)},
+                command, env={**env, "CAPSVC_STARTED_FD": str(started_w),
+                              "CAPSVC_WORKER": str(index)},
                 stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(), started_w))
         except BaseException:
             os.close(started_r)
@@ -233,7 +235,7 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
         return any(s.worker is not None and s.worker.poll() is None for s in slots)
 
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    slots.extend(_Slot(_Worker(command, env, sock)) for _ in range(workers))
+    slots.extend(_Slot(_Worker(command, env, sock, i)) for i in range(workers))
     log.info("workers started", extra={"workers": workers, "pids": [
         s.worker.process.pid for s in slots if s.worker is not None]})
     try:
@@ -246,7 +248,7 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
                 worker = slot.worker
                 if worker is None:
                     if clock() >= slot.restart_at:
-                        slot.worker = _Worker(command, env, sock)
+                        slot.worker = _Worker(command, env, sock, slots.index(slot))
                     continue
                 code = worker.poll()
                 if code is None:
@@ -256,13 +258,13 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
                 slot.failures = 0 if worker.started else slot.failures + 1
                 if slot.failures >= restarts.give_up_after:
                     log.error("a worker keeps dying at start: giving up",
-                              extra={"pid": worker.process.pid, "code": code,
+                              extra={"worker_pid": worker.process.pid, "code": code,
                                      "failures": slot.failures})
                     gave_up = stopping = True
                     break
                 delay = restarts.delay(slot.failures)
                 log.warning("worker exited: restarting it",
-                            extra={"pid": worker.process.pid, "code": code,
+                            extra={"worker_pid": worker.process.pid, "code": code,
                                    "at_start": not worker.started, "restart_in_s": delay})
                 slot.worker, slot.restart_at = None, clock() + delay
             time.sleep(0.05)

@@ -9,13 +9,17 @@ If a server already answers on that socket (another capsvc process), it is share
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import redis
+
+log = logging.getLogger(__name__)
 
 
 def server_binary() -> str:
@@ -43,6 +47,10 @@ class EmbeddedRedis:
         self.dir = Path(base).resolve() / "redis"
         self.socket = self.dir / "redis.sock"
         self.process: subprocess.Popen[bytes] | None = None
+        self.joined = False
+        self._stopping: threading.Event | None = None
+        """`start` found a server already answering (another capsvc process's), and uses
+        it."""
 
     @property
     def url(self) -> str:
@@ -59,7 +67,8 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server (or join the one already running) and return its URL."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self._answers():
+        self.joined = self._answers()
+        if self.joined:
             return self.url
         self.socket.unlink(missing_ok=True)
         args = [
@@ -89,8 +98,31 @@ class EmbeddedRedis:
         self.stop()
         raise RuntimeError(f"embedded Redis did not start in {timeout_s}s")
 
+    def keep_alive(self, every_s: float = 0.5) -> None:
+        """Start the server again whenever it exits until `stop` (a thread of its own):
+        from its own directory and AOF, at the same socket, so that the service's
+        connections come back to it. Each exit is logged, with its status."""
+        self._stopping = threading.Event()
+        stopping = self._stopping
+
+        def watch() -> None:
+            while not stopping.wait(every_s):
+                process = self.process
+                if process is None or process.poll() is None:
+                    continue
+                log.error("embedded redis exited: starting it again", extra={
+                    "code": process.returncode, "log": str(self.dir / "server.log")})
+                try:
+                    self.start()
+                except RuntimeError as e:
+                    log.error("embedded redis could not be started again: %s", e)
+
+        threading.Thread(target=watch, name="embedded-redis", daemon=True).start()
+
     def stop(self) -> None:
         """Stop the server if this process started it (SIGTERM: it flushes its AOF)."""
+        if self._stopping is not None:
+            self._stopping.set()
         if self.process is not None:
             stop_process(self.process)
         self.process = None

@@ -476,7 +476,8 @@ class Coalescer:
             self._handshaking = False
             if e is not self._failure:  # else the connection's own failure, counted already
                 kind = "timeout" if isinstance(e, TimeoutError) else "connection"
-                reason = e if isinstance(e, Unavailable) else f"cannot connect to redis: {e}"
+                reason = (e if isinstance(e, Unavailable)
+                          else f"cannot connect to redis at {t.address}: {e}")
                 self._fail(kind, Unavailable(str(reason) or "redis did not answer in time"))
             return
         self._connecting = None

@@ -225,7 +225,8 @@ def test_a_cancel_cut_before_its_release_is_finished(
     eventually(lambda: api.staked(TEN[:8], draw) == 0)
     assert api.call("POST", path + "/cancel").json()["released"] == 500
     assert api.staked(TEN[:8], draw) == 0
-    assert api.sell(body).content == api.call("GET", path).content.split(b',"state":"cancelled"')[0] + b"}"
+    looked = api.call("GET", path).content
+    assert api.sell(body).content == looked.split(b',"state":"cancelled"')[0] + b"}"
 
 
 def test_a_duplicate_whose_reserve_lands_after_the_cancel_counts_nothing(
