@@ -14,12 +14,14 @@ workers, taken at different instants, add up to more than were ever in flight at
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
 from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,7 +37,11 @@ ERROR_KINDS = ("timeout", "connection", "reply", "readonly")
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
 )
+"""Up to past the longest request timeout a configuration is likely to set (5 s by
+default): a request that ran into it lands in a bucket of its own, not in +Inf."""
+_RESTORE_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _READ_ATTEMPTS = 5
 """Reads of the multiprocess files before a scrape gives up (see `exposition`)."""
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -83,18 +89,30 @@ class Metrics:
                               registry=r)
         self.redis_errors = Counter("capsvc_redis_errors", "Redis failures by kind", ["kind"],
                                     registry=r)
-        # Every worker sees the same failover: these two are per process and cumulative,
-        # and with several workers /metrics shows the most any worker counted, not a sum.
-        self.failovers = Gauge(
-            "capsvc_redis_failovers_seen",
-            "Redis failovers seen since start (another node, or the same one after a "
-            "demotion, answering as the primary); of several workers, the most any saw",
-            registry=r, multiprocess_mode="max")
-        self.no_primary = Gauge(
+        # Every worker sees the same failover and the same outage: with several workers
+        # these two add up what each saw (a rate > 0 is what an alert asks).
+        self.failovers = Counter(
+            "capsvc_redis_failovers",
+            "Redis failovers seen (another node, or the same one after a demotion, "
+            "answering as the primary), each worker counting those it saw", registry=r)
+        self.no_primary = Counter(
             "capsvc_redis_no_primary_seconds",
-            "Seconds since start with a needed Redis primary unreachable (no sale can be "
-            "decided meanwhile); of several workers, the most any counted", registry=r,
-            multiprocess_mode="max")
+            "Seconds with a needed Redis primary unreachable (no sale can be decided "
+            "meanwhile), each worker counting its own", registry=r)
+        self.failovers.inc(0)  # exported from the start: an alert's increase() needs it
+        self.no_primary.inc(0)
+        worker = os.environ.get("CAPSVC_WORKER", "0")
+        self._worker = worker
+        self.process_cpu = Counter(
+            "capsvc_process_cpu_seconds", "CPU seconds of the worker (user and system)",
+            ["worker"], registry=r)
+        self.process_rss = Gauge(
+            "capsvc_process_resident_memory_bytes", "Resident memory of the worker",
+            ["worker"], registry=r, multiprocess_mode="livesum")
+        self.process_fds = Gauge(
+            "capsvc_process_open_fds", "Open file descriptors of the worker", ["worker"],
+            registry=r, multiprocess_mode="livesum")
+        self._cpu_seen = 0.0
         self.ticket_batch = Histogram("capsvc_ticket_batch_size",
                                       "Tickets per POST /v1/ticket-batches request",
                                       buckets=_BATCH_BUCKETS, registry=r)
@@ -158,9 +176,9 @@ class Metrics:
         self.restored = Counter("capsvc_journal_restored",
                                 "Journal records that put back into Redis what it had lost",
                                 ["kind"], registry=r)
-        self.restore_seconds = Gauge("capsvc_journal_restore_seconds",
-                                     "Duration of the last restore", registry=r,
-                                     multiprocess_mode="max")
+        self.restore_seconds = Histogram("capsvc_journal_restore_duration_seconds",
+                                         "Restores of the journal into Redis, by duration",
+                                         buckets=_RESTORE_BUCKETS, registry=r)
         self.over_cap = Counter(
             "capsvc_journal_restore_over_cap",
             "Grids a restore counted back past their cap, one per grid and draw (sales "
@@ -281,6 +299,20 @@ class Metrics:
         _apply(self.redis_batch, batches[0])
         _apply(self.redis_latency, batches[1])
         self._count_lost()
+        self._sample_process()
+
+    def _sample_process(self) -> None:
+        """This worker's CPU, resident memory and open descriptors (Prometheus's own
+        process_* series are not exported with several workers)."""
+        times = os.times()
+        cpu = times.user + times.system
+        self.process_cpu.labels(self._worker).inc(max(cpu - self._cpu_seen, 0.0))
+        self._cpu_seen = cpu
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pages = int(Path("/proc/self/statm").read_text().split()[1])
+            self.process_rss.labels(self._worker).set(pages * os.sysconf("SC_PAGE_SIZE"))
+        with contextlib.suppress(OSError):
+            self.process_fds.labels(self._worker).set(len(os.listdir("/proc/self/fd")))
 
     def reconciled(self, game: str, draw: int, differences: dict[str, int],
                    at_s: float) -> None:
@@ -314,7 +346,7 @@ class Metrics:
 
     def restored_into_redis(self, applied: dict[str, int], seconds: float) -> None:
         self.restores.inc()
-        self.restore_seconds.set(seconds)
+        self.restore_seconds.observe(seconds)
         for kind, n in applied.items():
             self.restored.labels(kind).inc(n)
 
