@@ -35,10 +35,12 @@ ENV CAPSVC_CONFIG=/etc/capsvc/capsvc.toml \
     CAPSVC_JOURNAL_DIR=/var/lib/capsvc/journal \
     PYTHONUNBUFFERED=1
 VOLUME ["/var/lib/capsvc/journal"]
+# The port is the configuration's [server] port (8080 unless it says otherwise): serve
+# and the health check both read it from the mounted file.
 EXPOSE 8080
-# Exec form (no shell): the image's own python; any exception (refused, timeout, non-2xx)
-# exits 1, which Docker counts as unhealthy.
+# Exec form (no shell): `capsvc health` GETs /healthz on the configured port; anything but
+# a 200 (refused, timeout) exits 1, which Docker counts as unhealthy.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"]
+  CMD ["capsvc", "health"]
 STOPSIGNAL SIGTERM
-CMD ["capsvc", "serve", "--host", "0.0.0.0", "--port", "8080"]
+CMD ["capsvc", "serve", "--host", "0.0.0.0"]

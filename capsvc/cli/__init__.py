@@ -91,6 +91,24 @@ def check_config(path: str | None, output: str = "text") -> int:
     return 0
 
 
+def health(path: str | None, port: int | None, timeout_s: float = 2.0) -> int:
+    """GET /healthz of the service this configuration describes, on this host (the
+    container's HEALTHCHECK): 0 when it answers 200, else one line and 1."""
+    import urllib.request
+
+    settings = _settings(path)
+    url = f"http://127.0.0.1:{settings.port if port is None else port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            if resp.status == 200:
+                return 0
+            problem = f"HTTP {resp.status}"
+    except OSError as e:
+        problem = str(e)
+    print(f"capsvc health: {url}: {problem}", file=sys.stderr)
+    return 1
+
+
 def _redis_target(url: str) -> str:
     """Where a (valid) Redis URL leads, without its credentials."""
     from capsvc.urls import is_sentinel_url, parse_sentinel_url
@@ -320,6 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
                          "else the built-in local configuration)")
     p_check.add_argument("--format", choices=("text", "json"), default="text")
+    p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
+                              "/healthz (the port from the configuration)")
+    p_health.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
+                          "else the built-in local configuration)")
+    p_health.add_argument("--port", type=_int_in(1, 65535, "a port number"),
+                          help="instead of the configuration's [server] port")
     p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
                              "a disconnection)")
     p_watch.add_argument("game")
@@ -366,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return check_config(args.config, args.format)
     if args.command == "watch":
         return _watch(args)
+    if args.command == "health":
+        return health(args.config, args.port)
     logs.setup(args.log_level)
     return serve(args)
 

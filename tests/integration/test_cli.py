@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 from capsvc import __version__
+from tests.support.servers import RedisServer, free_port
+from tests.support.service import ServiceProcess
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "capsvc.toml"
+TEST_CONFIG = Path(__file__).resolve().parents[1] / "capsvc-test.toml"
 
 
 def capsvc(*args: str) -> subprocess.CompletedProcess[str]:
@@ -57,3 +60,22 @@ def test_check_config_writes_amounts_in_the_game_s_currency() -> None:
     assert "daily limit 40000.00 MAD" in out.stdout
     as_json = capsvc("check-config", "--config", str(CONFIG), "--format", "json")
     assert '"currency": "EUR"' in as_json.stdout
+
+
+def test_health_answers_for_the_configured_port(redis_server: RedisServer,
+                                                tmp_path: Path) -> None:
+    """`capsvc health` (the image's HEALTHCHECK): 0 while the service on the configuration's
+    port answers /healthz; one line naming the URL and 1 when nothing answers there."""
+    service = ServiceProcess(str(TEST_CONFIG), redis_server.url).start()
+    try:
+        ok = capsvc("health", "--config", str(TEST_CONFIG), "--port", str(service.port))
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        service.stop()
+    closed = free_port()
+    config = tmp_path / "capsvc.toml"
+    config.write_text(TEST_CONFIG.read_text().replace("[server]", f"[server]\nport = {closed}", 1))
+    down = capsvc("health", "--config", str(config))
+    assert down.returncode == 1
+    assert f"http://127.0.0.1:{closed}/healthz" in down.stderr
+    assert len(down.stderr.strip().splitlines()) == 1

@@ -95,7 +95,7 @@ def test_a_switch_is_followed_by_itself(
         assert libraries, "the promoted node has no capsvc library"
         assert ready(service.base_url) == 200
         deadline = time.monotonic() + 5
-        while metric(service.base_url, "capsvc_redis_failovers_seen") < 1:
+        while metric(service.base_url, "capsvc_redis_failovers_total") < 1:
             assert time.monotonic() < deadline, "the switch was not counted"
             time.sleep(0.1)
         assert "Traceback" not in service.log.read_text()
@@ -134,14 +134,14 @@ def test_the_primary_killed_is_replaced_within_ten_seconds(
         while ready(service.base_url) != 200:
             assert time.monotonic() < deadline, "not ready again after the failover"
             time.sleep(0.1)
-        without = metric(service.base_url, "capsvc_redis_no_primary_seconds")
+        without = metric(service.base_url, "capsvc_redis_no_primary_seconds_total")
         assert without > 0.5
         # The clock stops once every worker has found the new primary: it stands still over
         # 1.5 s within 10 s (a loaded machine delays the last worker's discovery).
         deadline = time.monotonic() + 10
         while True:
             time.sleep(1.5)
-            after = metric(service.base_url, "capsvc_redis_no_primary_seconds")
+            after = metric(service.base_url, "capsvc_redis_no_primary_seconds_total")
             if after - without < 0.5 or time.monotonic() > deadline:
                 break
             without = after
