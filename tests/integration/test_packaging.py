@@ -44,9 +44,11 @@ def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
 
 
 def test_dockerfile_runs_the_service_from_the_environment() -> None:
-    """The image runs `capsvc serve` as a non-root user with a health check."""
+    """The image runs `capsvc serve` as a non-root user, on the configuration's port, with
+    a health check on that same port (`capsvc health` reads it from the configuration)."""
     text = (ROOT / "Dockerfile").read_text()
     assert "USER capsvc" in text
-    assert "HEALTHCHECK" in text
-    assert 'CMD ["capsvc", "serve", "--host", "0.0.0.0", "--port", "8080"]' in text
+    assert 'CMD ["capsvc", "health"]' in text
+    assert 'CMD ["capsvc", "serve", "--host", "0.0.0.0"]' in text
+    assert "8080/healthz" not in text
     assert "CAPSVC_CONFIG=" in text
