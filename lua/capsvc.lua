@@ -747,10 +747,16 @@ local function recorded(buckets, combo, rec, caps, min_stake)
   return out
 end
 
-local function slice_from(list, from)
+-- list[from + 1 .. from + n] (n: to the end) as a new table: unpack for the usual few, a
+-- loop past what Lua's stack takes (a sale of many grids and draws names thousands of keys).
+local function slice(list, from, n)
+  n = n or #list - from
+  if n <= 4000 then
+    return {unpack(list, from + 1, from + n)}
+  end
   local out = {}
-  for i = from, #list do
-    out[#out + 1] = list[i]
+  for i = 1, n do
+    out[i] = list[from + i]
   end
   return out
 end
@@ -822,7 +828,7 @@ local function reserve(keys, args)
   if now_ms() >= close_ms then
     return {-1}
   end
-  return count(keys, field, combo, stake, caps, min_stake, slice_from(args, 7), shadow)
+  return count(keys, field, combo, stake, caps, min_stake, slice(args, 6), shadow)
 end
 
 --[[ release: KEYS bucket(draw 1), …, bucket(draw n);
@@ -1277,19 +1283,6 @@ local function sell_one(keys, args, now, batch)
 end
 
 
--- list[from + 1 .. from + n], as a new table (unpack for the usual few, a loop past what
--- Lua's stack takes: a sale of many grids and draws names thousands of keys).
-local function slice(list, from, n)
-  if n <= 4000 then
-    return {unpack(list, from + 1, from + n)}
-  end
-  local out = {}
-  for i = 1, n do
-    out[i] = list[from + i]
-  end
-  return out
-end
-
 local function sell(keys, args)
   local now = now_ms()
   local batch = {seen = {}, stops = {}, indexes = {}, order = {}}
@@ -1313,11 +1306,6 @@ end
 lost (a failover, a restart from an older file, a restored backup) is put back. Each
 function writes only what is missing, fenced by the sale id, so that restoring twice
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
-
--- extend(), once per key and instant in a call that names a key many times.
-local function extend_once(seen, key, at, slack)
-  extend(key, at, slack, seen)
-end
 
 --[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at
 ("" for a decision not cancelled), released
@@ -1383,7 +1371,7 @@ local function count_back(buckets, field, combo, stake, caps, min_stake, expirie
       total = (tonumber(last[2]) or 0) + stake
       redis.call('HSET', buckets[n], field, stake, combo, total)
     end
-    extend_once(seen, buckets[i], tonumber(expiries[i]))
+    extend(buckets[i], tonumber(expiries[i]), 0, seen)
     if total > caps[i] then
       over = over + 1
     end
@@ -1398,7 +1386,7 @@ end
 local function restore_grid(keys, args)
   local over, sold = count_back(keys, args[1], args[2], tonumber(args[3]),
                                 caps_of(args[4], #keys), tonumber(args[5]),
-                                slice_from(args, 6), {})
+                                slice(args, 5), {})
   if not over then
     return {0}
   end
@@ -1460,7 +1448,7 @@ local function aggregates_back(keys, k, n, args, i, sid, give_back, seen)
       redis.call('HDEL', key, sid)
     else
       redis.call('HSET', key, sid, args[i + 2 * j])
-      extend_once(seen, key, tonumber(args[i + 2 * j + 1]))
+      extend(key, tonumber(args[i + 2 * j + 1]), 0, seen)
     end
   end
 end
@@ -1518,7 +1506,7 @@ local function restore_tickets(keys, args)
         if st ~= 'c' then
           local index, exp = keys[k + 1], tonumber(args[i + 2])
           redis.call('ZADD', index, 'NX', now, T.name)
-          extend_once(seen, index, exp)
+          extend(index, exp, 0, seen)
           local _, _, fp, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
           local reply = restore_ticket({bucket}, {args[i + 1], sid, fp, at, sale, body, exp,
                                                   ca, rel})
@@ -1584,7 +1572,7 @@ local function restore_tickets(keys, args)
       redis.call('HSET', bucket, unpack(new))
     end
     if latest > 0 then
-      extend_once(seen, bucket, latest, BUCKET_SLACK_MS)
+      extend(bucket, latest, BUCKET_SLACK_MS, seen)
     end
   end
   return table.concat(codes)
@@ -1629,7 +1617,7 @@ local function restore_counts(keys, args)
       if out[1] == 0 then
         found = '0'
       else
-        found, offsets = 'x', slice_from(out, 2)
+        found, offsets = 'x', slice(out, 1)
         details[#details + 1] = out[1]
       end
       i = i + 7

@@ -237,16 +237,14 @@ class Client:
         whole request (a broken connection, a timeout, a 503: each ticket sent again)."""
         try:
             results = await self._results(batch)
-        except (_Retry, msgspec.DecodeError, msgspec.ValidationError,
-                asyncio.CancelledError) as e:
-            failure = (e if isinstance(e, _Retry) else _Retry("the client was closed")
-                       if isinstance(e, asyncio.CancelledError)
-                       else _Retry("a batch's unreadable answer"))
-            for _, _, _, answer in batch:
-                if not answer.done():
-                    answer.set_exception(failure)
-            if isinstance(e, asyncio.CancelledError):
-                raise
+        except asyncio.CancelledError:
+            _fail(batch, _Retry("the client was closed"))
+            raise
+        except _Retry as e:
+            _fail(batch, e)
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            _fail(batch, _Retry("a batch's unreadable answer"))
             return
         for (_, _, _, answer), result in zip(batch, results, strict=True):
             if not answer.done():
@@ -503,6 +501,13 @@ _batch_decoder = msgspec.json.Decoder(_BatchOut)
 _Queued = tuple[str, bytes, str, "asyncio.Future[_Exchanged]"]
 """A sale waiting in the next batch: its ticket id, its body, its attempt's request id, its
 result."""
+
+
+def _fail(batch: list[_Queued], failure: _Retry) -> None:
+    """Each sale of a batch still waiting: the batch's failure (each is sent again)."""
+    for _, _, _, answer in batch:
+        if not answer.done():
+            answer.set_exception(failure)
 
 
 def _judged(answer: _Exchanged, kind: type[T]) -> T:

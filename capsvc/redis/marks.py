@@ -41,12 +41,6 @@ stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=No
 """The G of the marked calls of the current request, by mark (see `Marks.begin`)."""
 
 
-def current_stamp() -> dict[str, int] | None:
-    """The current request's stamp itself (not a copy), for a call made on its behalf
-    later (a batch sent at the end of the tick)."""
-    return stamp.get()
-
-
 class Behind(Unavailable):
     """Redis refused a call: its mark is behind what this process saw (it lost writes).
     Nothing of the call ran."""

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
-from capsvc.redis.marks import MARKED, Marks, current_stamp
+from capsvc.redis.marks import MARKED, Marks, stamp
 from capsvc.redis.replies import (
     Budget,
     Cancelling,
@@ -413,7 +413,7 @@ class Store:
             assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
             self.redis.before_flush(self._send_sales)
         out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
-        self._sales.append((keys, args, out, current_stamp()))
+        self._sales.append((keys, args, out, stamp.get()))
         if len(self._sales) >= SALES_PER_CALL:
             # A full call leaves now: Redis works on it while the tick prepares the next
             # ones (and its answer is not timed from behind all of them).
@@ -421,23 +421,23 @@ class Store:
         return out
 
     def _send_sales(self) -> None:
-        """The sales queued this tick, in calls of SALES_PER_CALL (lua/capsvc.lua, sell):
-        one Redis TIME, one mark and one index write per call rather than per sale. Each
-        sale gets its own reply; a call that fails fails each of its sales (nothing of it
-        ran, or its fate is unknown, as for a call of one)."""
-        queued, self._sales = self._sales, []
-        for i in range(0, len(queued), SALES_PER_CALL):  # one call, unless sent at the flush
-            sales = queued[i:i + SALES_PER_CALL]
-            keys: list[str] = []
-            args: list[Any] = [len(sales)]
-            for sale_keys, sale_args, _, _ in sales:
-                args += (len(sale_keys), len(sale_args))
-            for sale_keys, sale_args, _, _ in sales:
-                keys += sale_keys
-                args += sale_args
-            call = self.marks.call(self.redis.submit, "capsvc_sell", keys, args,
-                                   stamps=[stamped for _, _, _, stamped in sales])
-            call.add_done_callback(functools.partial(_answer_sales, sales))
+        """The sales queued since the last call, as one call (lua/capsvc.lua, sell): one
+        Redis TIME, one mark and one index write for them all. Each sale gets its own
+        reply; a call that fails fails each of its sales (nothing of it ran, or its fate is
+        unknown, as for a call of one)."""
+        sales, self._sales = self._sales, []
+        if not sales:  # sent when full, earlier in this tick
+            return
+        keys: list[str] = []
+        args: list[Any] = [len(sales)]
+        for sale_keys, sale_args, _, _ in sales:
+            args += (len(sale_keys), len(sale_args))
+        for sale_keys, sale_args, _, _ in sales:
+            keys += sale_keys
+            args += sale_args
+        call = self.marks.call(self.redis.submit, "capsvc_sell", keys, args,
+                               stamps=[stamped for _, _, _, stamped in sales])
+        call.add_done_callback(functools.partial(_answer_sales, sales))
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next
@@ -636,8 +636,8 @@ class PlayerStore:
         """Another game's stake, on `days[0]` (today), idempotent by `ref` over the two
         days before as well: taken (ACCEPTED) or refused, and the room left."""
         keys = [limit_key(player), *[budget_key(player, day) for day in days]]
-        return self.fcall("capsvc_stake", keys,
-                                  [ref, regulatory, expire_at, days[0], amount], decode=budget_of)
+        return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount],
+                          decode=budget_of)
 
     def settle(self, player: str, ref: str, shares: list[tuple[str, int]], *,
                final: bool = False) -> asyncio.Future[Any]:

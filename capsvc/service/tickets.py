@@ -517,31 +517,31 @@ class Tickets:
         if record is None:
             raise not_found(f"ticket {ticket_id!r}")
         if only_sale is not None and record.sale_id != only_sale:
-            raise ApiError("conflict", "not_cancellable",
-                           f"ticket {ticket_id} now holds another sale than {only_sale}")
+            raise _not_cancellable(
+                f"ticket {ticket_id} now holds another sale than {only_sale}")
         if record.body is None and record.results is None:
-            raise ApiError("conflict", "not_cancellable", f"ticket {ticket_id} has no decision yet")
+            raise _not_cancellable(f"ticket {ticket_id} has no decision yet")
         sale = unpack_sale(record.sale)
         game = self.catalog.get(sale.game)
         if game is None:
-            raise ApiError("conflict", "not_cancellable", f"game {sale.game} is no longer served")
+            raise _not_cancellable(f"game {sale.game} is no longer served")
         decision = (_ticket_decoder.decode(record.body) if record.body is not None
                     else decision_of(channel.id, sale, record.sale_id, record.at,
                                      record.results or b""))
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and record.state == b"f":
-            raise ApiError("conflict", "not_cancellable", refusal)
+            raise _not_cancellable(refusal)
         reply = await self.store.cancel(key, game.calendar.close_ms(sale.first_draw),
                                         sale.game, sale.first_draw, decision.total_cost,
                                         game.expire_at(sale.first_draw + sale.draws - 1))
         if not isinstance(reply, Cancelling):
             if reply.why == "closed":
-                raise ApiError("conflict", "not_cancellable",
-                               f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
+                raise _not_cancellable(
+                    f"draw {sale.first_draw} is closed: ticket {ticket_id} stands")
             if reply.why == "missing":
                 raise not_found(f"ticket {ticket_id!r}")
-            raise ApiError("conflict", "not_cancellable", f"ticket {ticket_id} has no decision yet")
+            raise _not_cancellable(f"ticket {ticket_id} has no decision yet")
         if reply.state == b"k":
             await self.finish_cancel(channel.id, game, key, sale, record.sale_id, record.at,
                                      record.results is not None)
@@ -590,6 +590,10 @@ def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
     """The body of a decision stored as results: what the sale answered, byte for byte."""
     assert results is not None, "a decision is kept as a body or as results"
     return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id, at, results))
+
+
+def _not_cancellable(message: str) -> ApiError:
+    return ApiError("conflict", "not_cancellable", message)
 
 
 def _conflict(ticket_id: str) -> ApiError:
