@@ -67,6 +67,7 @@ T = TypeVar("T")
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _encode = msgspec.json.encode
+_OPENAPI = _encode(openapi_document())
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _ID_MESSAGE = "expected 1-64 characters of [A-Za-z0-9._:-] (no spaces or control characters)"
@@ -258,7 +259,6 @@ class Api:
         self.metrics = metrics
         self.health = health
         self.auth = Authenticator(settings.channels)
-        self._openapi: bytes | None = None
         self._games = _encode(GamesOut(
             games=[game_out(g.rules) for g in self.catalog.games.values()]))
 
@@ -519,10 +519,7 @@ class Api:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def openapi(self, request: web.BaseRequest) -> web.StreamResponse:
-        if self._openapi is None:
-            self._openapi = _encode(openapi_document(
-                [g.rules for g in self.catalog.games.values()]))
-        return Answer(self._openapi)
+        return Answer(_OPENAPI)
 
 
 def game_out(r: GameRules) -> GameOut:

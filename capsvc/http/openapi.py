@@ -1,16 +1,19 @@
-"""The OpenAPI 3.1 document, generated from the msgspec request and response types."""
+"""The OpenAPI 3.1 document of the API, generated from the msgspec request and response types.
+
+It is the same for every deployment: what depends on the configuration (games, stakes,
+picks, durations, options) is served by `GET /v1/games` and enforced with the documented
+errors, never compiled into schemas. The repository keeps a copy, `openapi.json`, which a
+test holds equal to this; `python -m capsvc.http.openapi > openapi.json` writes it."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
+import json
+import sys
 from typing import Any
 
 import msgspec
 
-from capsvc import __version__
 from capsvc.audit.reconcile import Reconciliation
-from capsvc.config import GameRules
 from capsvc.domain.models import (
     ID_PATTERN,
     MAX_DRAW,
@@ -122,7 +125,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
                          "description": "cancel the tickets accepted and never sold that "
                                         "can still be cancelled"},
     "numbers": {"name": "numbers", "in": "path", "required": True,
-                "schema": {"type": "string", "pattern": r"^[0-9]+(-[0-9]+)*(?!\n)$"},
+                "schema": {"type": "string", "pattern": r"^[0-9]{1,3}(-[0-9]{1,3})*(?!\n)$"},
                 "description": "the numbers joined by '-', in any order"},
 }
 
@@ -165,11 +168,15 @@ _TAGS = [
 ]
 
 
-def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
-    """The document; with the configured `games`, its schemas say what each game allows
-    (numbers, picks, stakes, durations, options, grids a ticket, game ids), so that a
-    request valid by the document breaks no rule of the game's that JSON Schema can say."""
+CONTRACT_VERSION = "1.0.0"
+"""The contract's version (`info.version`), semantic: docs/api.md says what changes it."""
+
+
+def openapi_document() -> dict[str, Any]:
+    """The document: the same for every deployment (see the module's docstring)."""
     (_, components) = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    _settle_optional_fields(components)
+    _type_enumerations(components)
     sell_errors = ("400", "401", "403", "404", "409", "413", "422", "503")
     write_errors = ("400", "401", "403", "404", "413", "422", "503")  # no 409
     draw = _DRAW
@@ -271,12 +278,10 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
     # A batch's tickets are each judged as if sent alone: one that is not a valid ticket is
     # answered in its own result (422), not by the whole request.
     components["TicketsIn"]["properties"]["tickets"]["items"] = {
-        "description": "a ticket as POST /v1/tickets takes it (TicketIn); one that is not is "
-                       "answered in its result with the status it would have had alone"}
-    # A ticket's result carries what POST /v1/tickets would have answered for it alone.
-    components["TicketResult"]["properties"]["body"] = {
-        "oneOf": [{"$ref": _REF.format(name="TicketOut")},
-                  {"$ref": _REF.format(name="ErrorOut")}]}
+        "$ref": _REF.format(name="TicketIn"),
+        "description": "a ticket as POST /v1/tickets takes it; one that is not is answered "
+                       "in its result with the status it would have had alone"}
+    _ticket_results(components)
     for path, operations in paths.items():
         for method, op in operations.items():
             op["operationId"], tag = OPERATIONS[method, path]
@@ -284,12 +289,9 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
     _add_links(paths)
     for path, method, text in _DESCRIPTIONS:
         paths[path][method]["description"] = text
-    if games:
-        _narrow_to_games(games, paths, components)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "capsvc", "version": __version__,
-                 "description": "Stake-cap and sales-validation service for lottery Keno."},
+        "info": {"title": "capsvc", "version": CONTRACT_VERSION, "description": _ABOUT},
         "tags": _TAGS,
         "paths": paths,
         "components": {
@@ -299,6 +301,16 @@ def openapi_document(games: Sequence[GameRules] = ()) -> dict[str, Any]:
         "security": [{"bearer": []}],
     }
 
+
+_ABOUT = (
+    "Stake-cap and sales-validation service for lottery Keno. This document is the same for "
+    "every deployment: what a game allows (numbers, picks, stakes, durations, options, "
+    "grids a ticket, player limits) is served by `GET /v1/games` and enforced with the "
+    "documented errors (`422 stake_not_allowed`, `picks_not_allowed`, …). Its version is "
+    "semantic: a breaking change (an operation, field or accepted value removed, a field "
+    "renamed or newly required, a value added to a response's enumeration) makes a new "
+    "major version; a minor one only adds (operations, optional request fields, response "
+    "fields: ignore those you do not know).")
 
 _UNKNOWN = (
     "A 503, a timeout or a broken connection means the outcome is unknown, not that nothing "
@@ -336,6 +348,38 @@ _DESCRIPTIONS = [
 ]
 
 
+BATCH_ITEM_ERRORS = (400, 403, 404, 409, 422, 503)
+"""The statuses a ticket of a batch can be answered alone, but for 200 (401 and 413 are the
+whole request's)."""
+
+
+def _ticket_results(components: dict[str, Any]) -> None:
+    """A ticket's result carries what POST /v1/tickets would have answered for it alone:
+    a decision (200, TicketOut) or an error (ErrorOut). Told apart by `status`, an
+    enumeration each, so that a generated client reads either body as the one it is."""
+    result = components["TicketResult"]
+    ref = _REF.format
+    components["TicketDecisionResult"] = {
+        "title": "TicketDecisionResult", "type": "object",
+        "description": "A ticket of the batch decided: its decision, as POST /v1/tickets "
+                       "would have answered it, and whether it was a replay.",
+        "properties": {"status": {"type": "integer", "enum": [200]},
+                       "replayed": {"type": "boolean"},
+                       "body": {"$ref": ref(name="TicketOut")}},
+        "required": ["status", "replayed", "body"]}
+    components["TicketErrorResult"] = {
+        "title": "TicketErrorResult", "type": "object",
+        "description": "A ticket of the batch refused or of unknown outcome (503: send it "
+                       "again), as POST /v1/tickets would have answered it.",
+        "properties": {"status": {"type": "integer", "enum": list(BATCH_ITEM_ERRORS)},
+                       "body": {"$ref": ref(name="ErrorOut")}},
+        "required": ["status", "body"]}
+    components["TicketResult"] = {
+        "title": "TicketResult", "description": result["description"],
+        "oneOf": [{"$ref": ref(name="TicketDecisionResult")},
+                  {"$ref": ref(name="TicketErrorResult")}]}
+
+
 def _add_links(paths: dict[str, Any]) -> None:
     """OpenAPI links: what a sale's answer lets a client do next (look it up, cancel it),
     and a player's limit set then read."""
@@ -353,127 +397,72 @@ def _add_links(paths: dict[str, Any]) -> None:
     }
 
 
-def _narrow_to_games(games: Sequence[GameRules], paths: dict[str, Any],
-                     components: dict[str, Any]) -> None:
-    """Per game, a ticket schema of its own (the sale's body: one of them, by `game`); the
-    game-less bodies (availability) and path parameters narrowed to what some game allows."""
-    refs = {}
-    for g in games:
-        grid, ticket = f"GridIn-{g.id}", f"TicketIn-{g.id}"
-        components[grid] = _grid_schema(g, components["GridIn"])
-        components[ticket] = _ticket_schema(g, components["TicketIn"], grid)
-        refs[g.id] = _REF.format(name=ticket)
-    body: dict[str, Any] = (
-        {"$ref": next(iter(refs.values()))} if len(refs) == 1 else
-        {"oneOf": [{"$ref": r} for r in refs.values()],
-         "discriminator": {"propertyName": "game", "mapping": refs}})
-    paths["/v1/tickets"]["post"]["requestBody"]["content"]["application/json"]["schema"] = body
-    components["TicketIn"]["properties"]["game"] = {"type": "string", "enum": list(refs)}
-
-    top, low, high = (max(g.numbers for g in games), min(g.picks_min for g in games),
-                      max(g.picks_max for g in games))
-    any_grid = components["AvailabilityGridIn"]["properties"]
-    any_grid["numbers"] = _numbers_schema(top, low, high)
-    any_grid["stake"] = {"type": "integer", "enum": sorted({s for g in games for s in g.stakes}),
-                         "description": "a stake some game allows (the game's own: GET "
-                                        "/v1/games)"}
-    availability = components["AvailabilityIn"]["properties"]
-    availability["draws"] = _draws_schema(sorted({d for g in games for d in g.durations}))
-    availability["grids"]["maxItems"] = max(g.max_grids for g in games)
-    availability["first_draw"] = _first_draw_schema()
-
-    limits = [g.daily_limit for g in games if g.daily_limit is not None]
-    if limits:  # a self-limit above the regulatory one is refused
-        for option in components["LimitIn"]["properties"]["daily"]["anyOf"]:
-            if option.get("type") == "integer":
-                option["maximum"] = max(limits)
-    limited = sorted(g.id for g in games if g.daily_limit is not None)
-    narrowed = {  # new parameters: the shared ones (_PARAMS) stay as they are
-        "game": {"type": "string", "enum": sorted(refs)},
-        "numbers": {"type": "string", "pattern": (
-            f"^{_number_re(top)}(-{_number_re(top)}){{{low - 1},{high - 1}}}(?!\\n)$")},
-        "game_query": {"type": "string", "enum": limited} if limited else None,
-    }
-    for item in paths.values():
-        for op in item.values():
-            params = op.get("parameters")
-            if params is None:
+def _settle_optional_fields(components: dict[str, Any]) -> None:
+    """Optional fields as generated clients read them. A request's default is the server's
+    to apply: it is said in the field's description, not as `default`, which generators
+    (openapi-typescript's default options) read as "always present". A response field is
+    either always there (required) or, when its struct omits defaults, absent at its
+    default, never null for it."""
+    for struct in _structs(msgspec.inspect.multi_type_info(_TYPES)):
+        schema = components[struct.cls.__name__]
+        config = struct.cls.__struct_config__
+        request = config.forbid_unknown_fields
+        for field in struct.fields:
+            prop = schema["properties"][field.encode_name]
+            default = prop.pop("default", None)
+            if field.required:
                 continue
-            op["parameters"] = [
-                {**p, "schema": narrowed[key]}
-                if (key := _param_key(p)) in narrowed and narrowed[key]
-                else p
-                for p in params]
+            if request:
+                if default is not None:
+                    said = f"Default: {json.dumps(default)}."
+                    prop["description"] = f"{prop['description']} {said}" \
+                        if "description" in prop else said
+            elif not config.omit_defaults:
+                schema.setdefault("required", []).append(field.encode_name)
+            elif field.default is None and "anyOf" in prop:
+                (kept,) = [s for s in prop.pop("anyOf") if s.get("type") != "null"]
+                prop.update(kept)
+        if "required" in schema:
+            order = [f.encode_name for f in struct.fields]
+            schema["required"] = sorted(set(schema["required"]), key=order.index)
 
 
-def _param_key(param: dict[str, Any]) -> str:
-    return "game_query" if (param["name"], param["in"]) == ("game", "query") else param["name"]
+def _type_enumerations(schema: Any) -> None:
+    """`"type": "string"` beside every enumeration of strings (msgspec says only `enum` for
+    a Literal): generators type such a field as a string enum, not as unknown."""
+    if isinstance(schema, dict):
+        values = schema.get("enum")
+        if values and "type" not in schema and all(isinstance(v, str) for v in values):
+            schema["type"] = "string"
+        for value in schema.values():
+            _type_enumerations(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _type_enumerations(value)
 
 
-def _grid_schema(g: GameRules, base: dict[str, Any]) -> dict[str, Any]:
-    schema = copy.deepcopy(base)
-    schema["title"] = f"GridIn ({g.id})"
-    props = schema["properties"]
-    props["numbers"] = _numbers_schema(g.numbers, g.picks_min, g.picks_max)
-    props["stake"] = {"type": "integer", "enum": list(g.stakes),
-                      "description": "the base stake, minor units"}
-    if not g.multiplier:
-        props["multiplier"] = {"type": "boolean", "enum": [False], "default": False,
-                               "description": "the game has no multiplier option"}
-    return schema
+def _structs(types: Any) -> list[msgspec.inspect.StructType]:
+    """Every struct reachable from `types`, each once."""
+    found: dict[type, msgspec.inspect.StructType] = {}
+    todo = list(types)
+    while todo:
+        t = todo.pop()
+        if isinstance(t, msgspec.inspect.StructType):
+            if t.cls in found:
+                continue
+            found[t.cls] = t
+            todo.extend(f.type for f in t.fields)
+        for attr in ("item_type", "key_type", "value_type"):
+            if (inner := getattr(t, attr, None)) is not None:
+                todo.append(inner)
+        todo.extend(getattr(t, "types", ()))
+    return list(found.values())
 
 
-def _ticket_schema(g: GameRules, base: dict[str, Any], grid: str) -> dict[str, Any]:
-    schema = copy.deepcopy(base)
-    schema["title"] = f"TicketIn ({g.id})"
-    schema["description"] = f"A ticket of {g.id}: {g.description}"
-    props = schema["properties"]
-    props["game"] = {"type": "string", "enum": [g.id]}
-    props["grids"] = {"type": "array", "items": {"$ref": _REF.format(name=grid)},
-                      "minItems": 1, "maxItems": g.max_grids}
-    props["draws"] = _draws_schema(list(g.durations))
-    props["first_draw"] = _first_draw_schema()
-    if g.joker_plus_price is None:
-        props["joker_plus"] = {"type": "boolean", "enum": [False], "default": False,
-                               "description": "the game has no Joker+ option"}
-    required = set(schema.get("required", ()))
-    if g.daily_limit is not None:  # player limits: the player is named
-        props["player_id"] = next(s for s in props["player_id"]["anyOf"]
-                                  if s.get("type") != "null")
-        required.add("player_id")
-    if 1 not in g.durations:
-        required.add("draws")
-    schema["required"] = sorted(required)
-    return schema
+def main() -> None:
+    """Print the document as the repository keeps it (`openapi.json`)."""
+    sys.stdout.write(json.dumps(openapi_document(), indent=2, ensure_ascii=False) + "\n")
 
 
-def _numbers_schema(top: int, low: int, high: int) -> dict[str, Any]:
-    return {"type": "array", "minItems": low, "maxItems": high, "uniqueItems": True,
-            "items": {"type": "integer", "minimum": 1, "maximum": top},
-            "description": f"{low} to {high} distinct numbers of 1..{top}, in any order"}
-
-
-def _draws_schema(durations: list[int]) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "integer", "enum": durations,
-                              "description": "consecutive draws played (1: one draw)"}
-    if 1 in durations:
-        schema["default"] = 1
-    return schema
-
-
-def _first_draw_schema() -> dict[str, Any]:
-    return {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DRAW,
-                       "description": "a draw on sale (default: the next one)"},
-                      {"type": "null"}], "default": None}
-
-
-def _number_re(top: int) -> str:
-    """A regular expression of the decimal numbers 1..top (top < 100)."""
-    if top < 10:
-        return f"[1-{top}]"
-    tens, units = divmod(top, 10)
-    parts = ["[1-9]"]
-    if tens > 1:
-        parts.append(f"[1-{tens - 1}][0-9]")
-    parts.append(f"{tens}[0-{units}]")
-    return "(?:" + "|".join(parts) + ")"
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """A client generated from the served /openapi.json by openapi-python-client, as an
 integrator in another team would: functions named after the operations (sell_ticket,
-get_ticket, cancel_ticket…) in modules by tag, a model per game's ticket, and a sale, its
+get_ticket, cancel_ticket…) in modules by tag, one ticket model whatever the games, and a sale, its
 look-up and its cancel through it against the real service."""
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_sell_look_up_and_cancel_through_the_generated_client(
     client: Any = client_module.AuthenticatedClient(base_url=contract_service.base_url,
                                                     token=TOKEN)
     with client:
-        draw = current.sync(client=client, game=models.GetCurrentDrawGame("fdj-keno")).draw
-        body = models.TicketInFdjKeno.from_dict({
+        draw = current.sync(client=client, game="fdj-keno").draw
+        body = models.TicketIn.from_dict({
             "ticket_id": "GEN-1", "game": "fdj-keno", "first_draw": draw,
             "grids": [{"numbers": TEN, "stake": 500}, {"numbers": [1, 2], "stake": 200}]})
         sold = sell.sync_detailed(client=client, body=body)
@@ -86,7 +86,7 @@ def test_sell_look_up_and_cancel_through_the_generated_client(
         assert get.sync(client=client, ticket_id="GEN-1").cancelled.released == 700
 
         # Errors come back as the documented ErrorOut, by status.
-        other = models.TicketInFdjKeno.from_dict({
+        other = models.TicketIn.from_dict({
             "ticket_id": "GEN-1", "game": "fdj-keno", "first_draw": draw,
             "grids": [{"numbers": TEN, "stake": 200}]})
         conflict = sell.sync_detailed(client=client, body=other)

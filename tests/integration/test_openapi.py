@@ -3,11 +3,15 @@ with every check: tests/contract/)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
 
 from tests.conftest import TEN, Client, Reply, ticket
+
+CONTRACT = Path(__file__).parents[2] / "openapi.json"
 
 
 async def document(client: Client) -> dict[str, Any]:
@@ -33,6 +37,12 @@ async def test_document_is_openapi_31_from_the_types(client: Client) -> None:
     ticket_in = doc["components"]["schemas"]["TicketIn"]
     assert ticket_in["properties"]["ticket_id"]["pattern"] == r"^[A-Za-z0-9._:-]+(?!\n)$"
     assert len(doc["paths"]) >= 15
+
+
+async def test_the_served_document_is_the_one_the_repository_keeps(client: Client) -> None:
+    """The contract is the same for every deployment: this service's games and stakes
+    change nothing of it."""
+    assert await document(client) == json.loads(CONTRACT.read_text())
 
 
 async def test_real_responses_match_the_document(client: Client) -> None:
