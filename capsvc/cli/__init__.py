@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from capsvc import __version__
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
@@ -47,9 +47,16 @@ def _anchor(text: str) -> Anchor:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _settings(path: str | None) -> Settings:
+CONFIG_OPTION: dict[str, Any] = {
+    "action": "append", "metavar": "PATH",
+    "help": "TOML configuration; repeat it to merge several files, in order (default: "
+            "$CAPSVC_CONFIG, paths separated by ':', else the built-in local configuration)"}
+"""`--config`, the same in every command."""
+
+
+def _settings(paths: list[str] | None) -> Settings:
     try:
-        return load_settings(path)
+        return load_settings(paths)
     except ConfigError as e:
         print(f"invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
         for p in e.problems:
@@ -57,8 +64,8 @@ def _settings(path: str | None) -> Settings:
         raise SystemExit(2) from None
 
 
-def check_config(path: str | None, output: str = "text") -> int:
-    settings = _settings(path)
+def check_config(paths: list[str] | None, output: str = "text") -> int:
+    settings = _settings(paths)
     if output == "json":
         import json
 
@@ -91,12 +98,12 @@ def check_config(path: str | None, output: str = "text") -> int:
     return 0
 
 
-def health(path: str | None, port: int | None, timeout_s: float = 2.0) -> int:
+def health(paths: list[str] | None, port: int | None, timeout_s: float = 2.0) -> int:
     """GET /healthz of the service this configuration describes, on this host (the
     container's HEALTHCHECK): 0 when it answers 200, else one line and 1."""
     import urllib.request
 
-    settings = _settings(path)
+    settings = _settings(paths)
     url = f"http://127.0.0.1:{settings.port if port is None else port}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
@@ -168,8 +175,8 @@ def serve(args: argparse.Namespace) -> int:
             # where any local user could read its password (ps).
             os.environ["CAPSVC_REDIS_URL"] = url
             worker_args = ["--host", host, "--port", str(port), "--log-level", args.log_level]
-            if args.config:
-                worker_args += ["--config", args.config]
+            for path in args.config or ():
+                worker_args += ["--config", path]
             return supervise(worker_command(worker_args), workers, sock)
         try:
             import uvloop
@@ -323,8 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"capsvc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the service")
-    p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                         "else the built-in local configuration)")
+    p_serve.add_argument("--config", **CONFIG_OPTION)
     p_serve.add_argument("--host")
     p_serve.add_argument("--port", type=_int_in(0, 65535, "a port number"),
                          help="0 to 65535 (0: any free port)")
@@ -335,13 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                          help="DEBUG, INFO (the default), WARNING or ERROR")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
-    p_check.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                         "else the built-in local configuration)")
+    p_check.add_argument("--config", **CONFIG_OPTION)
     p_check.add_argument("--format", choices=("text", "json"), default="text")
     p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
                               "/healthz (the port from the configuration)")
-    p_health.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                          "else the built-in local configuration)")
+    p_health.add_argument("--config", **CONFIG_OPTION)
     p_health.add_argument("--port", type=_int_in(1, 65535, "a port number"),
                           help="instead of the configuration's [server] port")
     p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
@@ -359,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     journal = p_journal.add_subparsers(dest="journal_command", required=True)
     p_restore = journal.add_parser(
         "restore", help="put back into Redis the journaled decisions it lacks (idempotent)")
-    p_restore.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_restore.add_argument("--config", **CONFIG_OPTION)
     p_restore.add_argument("--redis-url", help="default: $CAPSVC_REDIS_URL, [redis] url")
     p_restore.add_argument("--dir", help="journal directory (default: [journal] dir)")
     p_verify = journal.add_parser(
@@ -367,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "within every cap)")
     p_verify.add_argument("dirs", nargs="*", metavar="DIR",
                           help="journal directories (default: [journal] dir)")
-    p_verify.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_verify.add_argument("--config", **CONFIG_OPTION)
     p_verify.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                           help="also compare the totals with Redis for draws still retained "
                                "(default URL: [redis] url)")
