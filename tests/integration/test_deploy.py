@@ -106,13 +106,15 @@ def seconds(duration: str) -> float:
 
 def test_kubernetes_manifests() -> None:
     """StatefulSet (no Deployment) with probes on /healthz and /readyz, resources and a
-    non-root user; Service, PDB, HPA, ConfigMap and Secret present; kustomize applies every
-    manifest of the directory, and only those."""
+    non-root user; Service, PDB, HPA and ConfigMap present, no Secret (the operator creates
+    them: deploy/k8s/README.md); kustomize applies every manifest of the directory, and
+    only those."""
     docs = k8s_docs()
     kinds = {d["kind"] for d in docs}
     assert {"StatefulSet", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "ConfigMap", "Secret"} <= kinds
+            "ConfigMap"} <= kinds
     assert "Deployment" not in kinds
+    assert "Secret" not in kinds
     (kustomization,) = load_all(DEPLOY / "k8s" / "kustomization.yaml")
     files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
