@@ -117,6 +117,11 @@ class Settings:
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080
+    metrics_port: int | None = None
+    """`[server] metrics_port`: `/metrics` served there, on a listener of its own, and no
+    longer on `port` (None: on `port`, the default)."""
+    metrics_host: str | None = None
+    """`[server] metrics_host`: where the metrics listener binds (None: `host`)."""
     workers: int = 1
     max_body_bytes: int = 64 * 1024
     max_batch: int = 256
@@ -420,8 +425,8 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 _SECTIONS = {
     "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
-    "server": frozenset({"host", "port", "workers", "max_body_bytes", "max_batch",
-                         "request_timeout",
+    "server": frozenset({"host", "port", "metrics_host", "metrics_port", "workers",
+                         "max_body_bytes", "max_batch", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
     "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
@@ -547,6 +552,10 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),
         port=c.integer("server.port", server.get("port", 8080), 0, 65535),
+        metrics_port=(None if server.get("metrics_port") is None
+                      else c.integer("server.metrics_port", server["metrics_port"], 0, 65535)),
+        metrics_host=(None if server.get("metrics_host") is None
+                      else c.text("server.metrics_host", server["metrics_host"])),
         workers=c.integer("server.workers", server.get("workers", 1), 1, 256),
         max_body_bytes=c.integer("server.max_body_bytes", server.get("max_body_bytes", 65536),
                                  256),
@@ -574,6 +583,9 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         audit_grace_ms=c.duration("audit.grace", audit.get("grace", "60s")),
         source=source,
     )
+    if settings.metrics_port and settings.metrics_port == settings.port:
+        c.fail("server.metrics_port", f"must differ from server.port ({settings.port}): "
+               "leave it out to serve /metrics on the API port")
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:
         c.fail("janitor.pending_deadline", "must be at least twice server.request_timeout, so that "
                "the janitor never releases a ticket a request is still working on")

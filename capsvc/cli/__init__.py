@@ -144,7 +144,26 @@ def _listener(host: str, port: int) -> socket.socket:
         raise SystemExit(1) from None
 
 
+def _metrics_listener(host: str, port: int | None) -> socket.socket | None:
+    """The metrics listener (`[server] metrics_port`, `--metrics-port`): inherited from the
+    supervisor (a worker), else bound here; None when /metrics is on the API port."""
+    from capsvc.ops.workers import ListenError, listen
+
+    inherited = os.environ.pop("CAPSVC_METRICS_FD", None)
+    if inherited is not None:
+        return socket.socket(fileno=int(inherited))
+    if port is None:
+        return None
+    try:
+        return listen(host, port, "--metrics-port")
+    except ListenError as e:
+        print(f"capsvc: metrics: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from capsvc.ops.workers import remember_stop
 
     remember_stop()
@@ -153,6 +172,11 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     sock = _listener(host, settings.port if args.port is None else args.port)
     port = sock.getsockname()[1]
+    metrics_sock = _metrics_listener(
+        settings.metrics_host or host,
+        settings.metrics_port if args.metrics_port is None else args.metrics_port)
+    if metrics_sock is not None:
+        settings = dataclasses.replace(settings, metrics_port=metrics_sock.getsockname()[1])
     url = args.redis_url or settings.redis_url
     if args.redis_url and (problem := redis_url_problem(args.redis_url)):
         print(f"capsvc: --redis-url: {problem}", file=sys.stderr)
@@ -177,7 +201,8 @@ def serve(args: argparse.Namespace) -> int:
             worker_args = ["--host", host, "--port", str(port), "--log-level", args.log_level]
             for path in args.config or ():
                 worker_args += ["--config", path]
-            return supervise(worker_command(worker_args), workers, sock)
+            return supervise(worker_command(worker_args), workers, sock,
+                             metrics_sock=metrics_sock)
         try:
             import uvloop
 
@@ -186,9 +211,11 @@ def serve(args: argparse.Namespace) -> int:
             pass
         from capsvc.http.server import serve as run
 
-        asyncio.run(run(settings, url, sock))
+        asyncio.run(run(settings, url, sock, metrics_sock))
     finally:
         sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         if embedded is not None:
             embedded.stop()
     return 0
@@ -334,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--host")
     p_serve.add_argument("--port", type=_int_in(0, 65535, "a port number"),
                          help="0 to 65535 (0: any free port)")
+    p_serve.add_argument("--metrics-port", type=_int_in(0, 65535, "a port number"),
+                         help="serve /metrics on this port only, not on --port (default: "
+                              "[server] metrics_port, else /metrics on --port)")
     p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
                          "url, else an embedded Redis under ./var/)")
     p_serve.add_argument("--workers", type=_int_in(1, 256, "a number of workers"),
