@@ -286,3 +286,34 @@ def test_promtool_checks_the_prometheus_config_from_anywhere(tmp_path: Path) -> 
     assert in_container == Path("/etc/prometheus/prometheus.yml")
     for name in rule_files:
         assert mounts.get(f"./prometheus/{name}") == str(in_container.parent / name), name
+
+
+def test_metrics_are_on_a_port_of_their_own_open_to_prometheus_only() -> None:
+    """The pod serves /metrics on its named port `metrics` (the ConfigMap's and the
+    command's metrics_port, what the scrape annotations name), not on `http`; the
+    clients' Service does not expose it; the NetworkPolicy lets only Prometheus's pods of
+    the namespace monitoring reach it, and them not the API port."""
+    sts = statefulset()
+    template = sts["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    metrics = int(args[args.index("--metrics-port") + 1])
+    assert ports == {"http": int(args[args.index("--port") + 1]), "metrics": metrics}
+    assert configmap_toml()["server"]["metrics_port"] == metrics
+    annotations = template["metadata"]["annotations"]
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
+        str(metrics), "/metrics")
+    docs = k8s_docs()
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    assert "metrics" not in {p["targetPort"] for p in services["capsvc"]["ports"]}
+    (policy,) = [d["spec"] for d in docs
+                 if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]]
+    reach: dict[int, list[Any]] = {}
+    for rule in policy["ingress"]:
+        for port in rule["ports"]:
+            reach.setdefault(port["port"], []).extend(rule["from"])
+    assert reach[metrics] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert all("monitoring" not in str(peer) for peer in reach[ports["http"]])
