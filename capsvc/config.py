@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import date, time
 from importlib import resources
@@ -116,6 +117,11 @@ class Settings:
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080
+    metrics_port: int | None = None
+    """`[server] metrics_port`: `/metrics` served there, on a listener of its own, and no
+    longer on `port` (None: on `port`, the default)."""
+    metrics_host: str | None = None
+    """`[server] metrics_host`: where the metrics listener binds (None: `host`)."""
     workers: int = 1
     max_body_bytes: int = 64 * 1024
     max_batch: int = 256
@@ -419,8 +425,8 @@ def _top_prizes(c: _Checker, w: str, raw: object, low: int, high: int
 
 _SECTIONS = {
     "redis": frozenset({"url", "timeout", "durability", "wait_timeout", "sale_calls"}),
-    "server": frozenset({"host", "port", "workers", "max_body_bytes", "max_batch",
-                         "request_timeout",
+    "server": frozenset({"host", "port", "metrics_host", "metrics_port", "workers",
+                         "max_body_bytes", "max_batch", "request_timeout",
                          "max_in_flight", "drain_delay", "access_log"}),
     "janitor": frozenset({"pending_deadline", "interval", "sweep"}),
     "journal": frozenset({"enabled", "dir", "keep", "max_file_bytes", "settle"}),
@@ -546,6 +552,10 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         wait_timeout_ms=c.duration("redis.wait_timeout", redis.get("wait_timeout", "200ms"), 1),
         host=c.text("server.host", server.get("host", "127.0.0.1")),
         port=c.integer("server.port", server.get("port", 8080), 0, 65535),
+        metrics_port=(None if server.get("metrics_port") is None
+                      else c.integer("server.metrics_port", server["metrics_port"], 0, 65535)),
+        metrics_host=(None if server.get("metrics_host") is None
+                      else c.text("server.metrics_host", server["metrics_host"])),
         workers=c.integer("server.workers", server.get("workers", 1), 1, 256),
         max_body_bytes=c.integer("server.max_body_bytes", server.get("max_body_bytes", 65536),
                                  256),
@@ -573,6 +583,9 @@ def parse_settings(doc: dict[str, Any], source: str = "<memory>") -> Settings:
         audit_grace_ms=c.duration("audit.grace", audit.get("grace", "60s")),
         source=source,
     )
+    if settings.metrics_port and settings.metrics_port == settings.port:
+        c.fail("server.metrics_port", f"must differ from server.port ({settings.port}): "
+               "leave it out to serve /metrics on the API port")
     if settings.pending_deadline_ms < 2 * settings.request_timeout_ms:
         c.fail("janitor.pending_deadline", "must be at least twice server.request_timeout, so that "
                "the janitor never releases a ticket a request is still working on")
@@ -611,35 +624,149 @@ def default_config_path() -> Path:
     return Path(str(resources.files("capsvc").joinpath("default.toml")))
 
 
-def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
-    """Read the configuration file (or the built-in local default) and apply the environment."""
-    path = path or os.environ.get("CAPSVC_CONFIG") or default_config_path()
-    p = Path(path)
-    doc = load_document(p)
+ConfigPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
+"""One configuration file, several (merged in order), or None: `$CAPSVC_CONFIG` (paths
+separated by `os.pathsep`, `:` on Linux), else the built-in local default."""
+
+
+def config_paths(paths: ConfigPaths = None) -> list[Path]:
+    """The files a configuration is read from, in order (see `ConfigPaths`)."""
+    if isinstance(paths, str | os.PathLike):
+        return [Path(paths)]
+    if paths:
+        return [Path(p) for p in paths]
+    listed = [p for p in os.environ.get("CAPSVC_CONFIG", "").split(os.pathsep) if p]
+    return [Path(p) for p in listed] or [default_config_path()]
+
+
+_ENTRIES = ("games", "channels")
+"""The arrays of tables: concatenated across files (an id twice is an error)."""
+_INDEXED = re.compile(r"(games|channels)\[([0-9]+)\](.*)\Z", re.S)
+
+
+class _Merged:
+    """Configuration files merged in order, remembering where each value came from."""
+
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] = {}
+        self.files: list[Path] = []
+        self.origins: dict[str, str] = {}
+        """"section", "section.key", top-level key → the file (or variable) that set it."""
+        self.entries: dict[str, list[tuple[str, int]]] = {k: [] for k in _ENTRIES}
+        """Each merged [[games]] / [[channels]] entry's file and index in that file."""
+        self.problems: list[tuple[str, str]] = []
+        """(file, problem) found while merging."""
+
+    def add(self, path: Path, doc: dict[str, Any]) -> None:
+        """Merge one file: its tables key by key over the earlier files', a scalar over an
+        earlier one, its [[games]] and [[channels]] after the earlier files'."""
+        name = str(path)
+        self.files.append(path)
+        for key, value in doc.items():
+            if key in _ENTRIES:
+                self._entries(name, key, value)
+            elif key in _SECTIONS and not isinstance(value, dict):
+                self.problems.append((name, f"{key}: expected a [{key}] table"))
+            elif key in _SECTIONS:
+                section = self.doc.setdefault(key, {})
+                self.origins[key] = name
+                for k, v in value.items():
+                    section[k] = v
+                    self.origins[f"{key}.{k}"] = name
+            else:
+                self.doc[key] = value
+                self.origins[key] = name
+
+    def _entries(self, name: str, key: str, value: object) -> None:
+        if not isinstance(value, list):
+            what = "[[games]] entries" if key == "games" else "[[channels]] entries"
+            self.problems.append((name, f"{key}: expected {what}"))
+            return
+        merged = self.doc.setdefault(key, [])
+        self.origins[key] = name
+        places = self.entries[key]
+        ids: dict[str, int] = {}
+        for i, e in enumerate(merged):
+            if isinstance(e, dict) and isinstance(e.get("id"), str):
+                ids.setdefault(e["id"], i)
+        for j, entry in enumerate(value):
+            eid = entry.get("id") if isinstance(entry, dict) else None
+            known = ids.get(eid) if isinstance(eid, str) else None
+            if known is not None and places[known][0] != name:
+                first, at = places[known]
+                what = "game" if key == "games" else "channel"
+                self.problems.append((name, f"{key}[{j}].id: duplicate {what} id "
+                                      f"{entry['id']!r} (also {key}[{at}] of {first})"))
+                continue
+            merged.append(entry)
+            places.append((name, j))
+            if isinstance(eid, str):
+                ids.setdefault(eid, len(merged) - 1)
+
+    def place(self, problem: str) -> str:
+        """A problem of the merged document, prefixed with the file it comes from (the
+        index of a [[games]] or [[channels]] entry made that of its file)."""
+        where, _, message = problem.partition(": ")
+        m = _INDEXED.fullmatch(where)
+        if m and int(m.group(2)) < len(self.entries[m.group(1)]):
+            name, j = self.entries[m.group(1)][int(m.group(2))]
+            return f"{name}: {m.group(1)}[{j}]{m.group(3)}: {message}"
+        key = where
+        while key:
+            if key in self.origins:
+                return f"{self.origins[key]}: {problem}"
+            key = key.rpartition(".")[0]
+        return problem
+
+
+def load_settings(paths: ConfigPaths = None) -> Settings:
+    """Read the configuration (one file or several, merged in order: `ConfigPaths`) and
+    apply the environment. With more than one file (a `channels_file` included), each
+    problem starts with the file it is in."""
+    files = config_paths(paths)
+    merged = _Merged()
+    for p in files:
+        doc = load_document(p)
+        channels_file = doc.pop("channels_file", None)
+        merged.add(p, doc)
+        if channels_file is not None:
+            # The channels (with their token hashes) may live in a file of their own, e.g.
+            # a Kubernetes Secret mounted beside a ConfigMap holding the rest.
+            merged.add(*_channels_file(p.parent / str(channels_file)))
+    doc = merged.doc
     redis = doc.get("redis", {})
     for env, key in (("CAPSVC_REDIS_URL", "url"), ("CAPSVC_DURABILITY", "durability")):
         value = os.environ.get(env)
         if value and isinstance(redis, dict):  # else parse_settings says [redis] is wrong
             doc["redis"] = redis = {**redis, key: value}
+            merged.origins[f"redis.{key}"] = env
     journal = doc.get("journal", {})
     journal_dir = os.environ.get("CAPSVC_JOURNAL_DIR")
     if journal_dir and isinstance(journal, dict):
         doc["journal"] = {**journal, "dir": journal_dir}
-    channels_file = doc.get("channels_file")
-    if channels_file is not None:
-        # The channels (with their token hashes) may live in a file of their own, e.g. a
-        # Kubernetes Secret mounted beside a ConfigMap holding the rest.
-        path = p.parent / str(channels_file)
-        extra = load_document(path)
-        checker = _Checker()
-        unknown_keys(checker, "", extra, frozenset({"channels"}), "section")
-        listed, theirs = doc.get("channels", []), extra.get("channels", [])
-        if not isinstance(theirs, list):
-            checker.fail("channels", "expected [[channels]] entries")
-        if checker.problems:
-            raise ConfigError([f"{path}: {problem}" for problem in checker.problems])
-        doc["channels"] = [*(listed if isinstance(listed, list) else [listed]), *theirs]
-    return parse_settings(doc, source=str(p))
+        merged.origins["journal.dir"] = "CAPSVC_JOURNAL_DIR"
+    several = len(merged.files) > 1
+    problems = [f"{name}: {p}" if several else p for name, p in merged.problems]
+    try:
+        settings = parse_settings(doc, source=", ".join(map(str, files)))
+    except ConfigError as e:
+        raise ConfigError([*problems, *(merged.place(p) if several else p
+                                        for p in e.problems)]) from None
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def _channels_file(path: Path) -> tuple[Path, dict[str, Any]]:
+    """A `channels_file`: [[channels]] only."""
+    extra = load_document(path)
+    checker = _Checker()
+    unknown_keys(checker, "", extra, frozenset({"channels"}), "section")
+    if not isinstance(extra.get("channels", []), list):
+        checker.fail("channels", "expected [[channels]] entries")
+    if checker.problems:
+        raise ConfigError([f"{path}: {problem}" for problem in checker.problems])
+    return path, extra
 
 
 def load_document(p: Path) -> dict[str, Any]:

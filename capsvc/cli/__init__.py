@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from capsvc import __version__
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
@@ -47,9 +47,16 @@ def _anchor(text: str) -> Anchor:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _settings(path: str | None) -> Settings:
+CONFIG_OPTION: dict[str, Any] = {
+    "action": "append", "metavar": "PATH",
+    "help": "TOML configuration; repeat it to merge several files, in order (default: "
+            "$CAPSVC_CONFIG, paths separated by ':', else the built-in local configuration)"}
+"""`--config`, the same in every command."""
+
+
+def _settings(paths: list[str] | None) -> Settings:
     try:
-        return load_settings(path)
+        return load_settings(paths)
     except ConfigError as e:
         print(f"invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
         for p in e.problems:
@@ -57,8 +64,8 @@ def _settings(path: str | None) -> Settings:
         raise SystemExit(2) from None
 
 
-def check_config(path: str | None, output: str = "text") -> int:
-    settings = _settings(path)
+def check_config(paths: list[str] | None, output: str = "text") -> int:
+    settings = _settings(paths)
     if output == "json":
         import json
 
@@ -91,12 +98,12 @@ def check_config(path: str | None, output: str = "text") -> int:
     return 0
 
 
-def health(path: str | None, port: int | None, timeout_s: float = 2.0) -> int:
+def health(paths: list[str] | None, port: int | None, timeout_s: float = 2.0) -> int:
     """GET /healthz of the service this configuration describes, on this host (the
     container's HEALTHCHECK): 0 when it answers 200, else one line and 1."""
     import urllib.request
 
-    settings = _settings(path)
+    settings = _settings(paths)
     url = f"http://127.0.0.1:{settings.port if port is None else port}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
@@ -137,7 +144,26 @@ def _listener(host: str, port: int) -> socket.socket:
         raise SystemExit(1) from None
 
 
+def _metrics_listener(host: str, port: int | None) -> socket.socket | None:
+    """The metrics listener (`[server] metrics_port`, `--metrics-port`): inherited from the
+    supervisor (a worker), else bound here; None when /metrics is on the API port."""
+    from capsvc.ops.workers import ListenError, listen
+
+    inherited = os.environ.pop("CAPSVC_METRICS_FD", None)
+    if inherited is not None:
+        return socket.socket(fileno=int(inherited))
+    if port is None:
+        return None
+    try:
+        return listen(host, port, "--metrics-port")
+    except ListenError as e:
+        print(f"capsvc: metrics: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from capsvc.ops.workers import remember_stop
 
     remember_stop()
@@ -146,6 +172,11 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     sock = _listener(host, settings.port if args.port is None else args.port)
     port = sock.getsockname()[1]
+    metrics_sock = _metrics_listener(
+        settings.metrics_host or host,
+        settings.metrics_port if args.metrics_port is None else args.metrics_port)
+    if metrics_sock is not None:
+        settings = dataclasses.replace(settings, metrics_port=metrics_sock.getsockname()[1])
     url = args.redis_url or settings.redis_url
     if args.redis_url and (problem := redis_url_problem(args.redis_url)):
         print(f"capsvc: --redis-url: {problem}", file=sys.stderr)
@@ -168,9 +199,10 @@ def serve(args: argparse.Namespace) -> int:
             # where any local user could read its password (ps).
             os.environ["CAPSVC_REDIS_URL"] = url
             worker_args = ["--host", host, "--port", str(port), "--log-level", args.log_level]
-            if args.config:
-                worker_args += ["--config", args.config]
-            return supervise(worker_command(worker_args), workers, sock)
+            for path in args.config or ():
+                worker_args += ["--config", path]
+            return supervise(worker_command(worker_args), workers, sock,
+                             metrics_sock=metrics_sock)
         try:
             import uvloop
 
@@ -179,9 +211,11 @@ def serve(args: argparse.Namespace) -> int:
             pass
         from capsvc.http.server import serve as run
 
-        asyncio.run(run(settings, url, sock))
+        asyncio.run(run(settings, url, sock, metrics_sock))
     finally:
         sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         if embedded is not None:
             embedded.stop()
     return 0
@@ -323,11 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"capsvc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the service")
-    p_serve.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                         "else the built-in local configuration)")
+    p_serve.add_argument("--config", **CONFIG_OPTION)
     p_serve.add_argument("--host")
     p_serve.add_argument("--port", type=_int_in(0, 65535, "a port number"),
                          help="0 to 65535 (0: any free port)")
+    p_serve.add_argument("--metrics-port", type=_int_in(0, 65535, "a port number"),
+                         help="serve /metrics on this port only, not on --port (default: "
+                              "[server] metrics_port, else /metrics on --port)")
     p_serve.add_argument("--redis-url", help="redis://… (default: $CAPSVC_REDIS_URL, [redis] "
                          "url, else an embedded Redis under ./var/)")
     p_serve.add_argument("--workers", type=_int_in(1, 256, "a number of workers"),
@@ -335,13 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                          help="DEBUG, INFO (the default), WARNING or ERROR")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
-    p_check.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                         "else the built-in local configuration)")
+    p_check.add_argument("--config", **CONFIG_OPTION)
     p_check.add_argument("--format", choices=("text", "json"), default="text")
     p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
                               "/healthz (the port from the configuration)")
-    p_health.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, "
-                          "else the built-in local configuration)")
+    p_health.add_argument("--config", **CONFIG_OPTION)
     p_health.add_argument("--port", type=_int_in(1, 65535, "a port number"),
                           help="instead of the configuration's [server] port")
     p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
@@ -359,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     journal = p_journal.add_subparsers(dest="journal_command", required=True)
     p_restore = journal.add_parser(
         "restore", help="put back into Redis the journaled decisions it lacks (idempotent)")
-    p_restore.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_restore.add_argument("--config", **CONFIG_OPTION)
     p_restore.add_argument("--redis-url", help="default: $CAPSVC_REDIS_URL, [redis] url")
     p_restore.add_argument("--dir", help="journal directory (default: [journal] dir)")
     p_verify = journal.add_parser(
@@ -367,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "within every cap)")
     p_verify.add_argument("dirs", nargs="*", metavar="DIR",
                           help="journal directories (default: [journal] dir)")
-    p_verify.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_verify.add_argument("--config", **CONFIG_OPTION)
     p_verify.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                           help="also compare the totals with Redis for draws still retained "
                                "(default URL: [redis] url)")

@@ -40,8 +40,10 @@ def add_parsers(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--game", required=True)
     common.add_argument("--draw", required=True, type=int)
-    common.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG, else "
-                        "the built-in local one): the game's rules, [journal] dir")
+    common.add_argument("--config", action="append", metavar="PATH",
+                        help="TOML configuration, the game's rules and [journal] dir; repeat "
+                             "it to merge several files, in order (default: $CAPSVC_CONFIG, "
+                             "paths separated by ':', else the built-in local one)")
     common.add_argument("--dir", action="append", metavar="DIR",
                         help="a journal directory to read (repeat for every host's); "
                              "default: [journal] dir and [audit] sources")

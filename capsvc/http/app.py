@@ -515,8 +515,7 @@ class Api:
                              status=200 if ready else 503)
 
     async def prometheus(self, request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(body=self.metrics.exposition(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return exposition(self.metrics)
 
     async def openapi(self, request: web.BaseRequest) -> web.StreamResponse:
         return Answer(_OPENAPI)
@@ -826,7 +825,37 @@ def create_app(settings: Settings, usecases: UseCases, store: Store, metrics: Me
     router.add("POST", "/v1/players/{player_id}/stakes", api.player_stake)
     router.add("GET", "/healthz", api.healthz)
     router.add("GET", "/readyz", api.readyz)
-    router.add("GET", "/metrics", api.prometheus)
+    if settings.metrics_port is None:  # else on a listener of its own (`metrics_handler`)
+        router.add("GET", "/metrics", api.prometheus)
     router.add("GET", "/openapi.json", api.openapi)
     return App(_dispatch(api, router), router, health, settings.request_timeout_ms / 1000,
                settings.max_body_bytes)
+
+
+def exposition(metrics: Metrics) -> web.Response:
+    """`GET /metrics`: every process's metrics, in Prometheus's text format."""
+    return web.Response(body=metrics.exposition(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def metrics_handler(metrics: Metrics) -> Handler:
+    """The metrics listener's only route (`[server] metrics_port`): `GET /metrics` (and
+    HEAD); any other path is 404, another method 405, in the API's error format. Scrapes
+    are timed as on the API port (route `/metrics`)."""
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        started = time.perf_counter()
+        route = "/metrics"
+        resp: web.StreamResponse
+        if request.path != "/metrics":
+            route = "unmatched"
+            resp = error_response(ApiError("not_found", "not_found", f"no route {request.path}"))
+        elif request.method not in ("GET", "HEAD"):
+            resp = error_response(ApiError(
+                "method_not_allowed", "method_not_allowed",
+                f"{request.method} is not allowed here", headers={"Allow": "GET"}))
+        else:
+            resp = exposition(metrics)
+        metrics.request(route, request.method, resp.status, time.perf_counter() - started)
+        return resp
+
+    return handle

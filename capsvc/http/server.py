@@ -22,7 +22,7 @@ from aiohttp import web
 from capsvc.audit.reconcile import counts
 from capsvc.config import Settings
 from capsvc.domain.errors import Unavailable
-from capsvc.http.app import App, Health, Protocol, create_app
+from capsvc.http.app import App, Health, Protocol, create_app, metrics_handler
 from capsvc.journal.writer import Journal, open_journal
 from capsvc.ops.metrics import Metrics
 from capsvc.ops.workers import BACKLOG, announce_started, stop_requested
@@ -230,8 +230,20 @@ async def start_serving(svc: Service, sock: socket.socket) -> Serving:
     return Serving(runner, asyncio.create_task(svc.app.watchdog()), svc.usecases.feed)
 
 
-async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None:
-    """Serve on a listening socket until SIGTERM/SIGINT, then drain and return."""
+async def start_metrics(metrics: Metrics, sock: socket.socket) -> web.ServerRunner:
+    """Serve `/metrics` alone on a listening socket of its own (`[server] metrics_port`),
+    until the returned runner is cleaned up."""
+    runner = web.ServerRunner(web.Server(metrics_handler(metrics), access_log=None),
+                              shutdown_timeout=1.0)
+    await runner.setup()
+    await web.SockSite(runner, sock, backlog=BACKLOG).start()
+    return runner
+
+
+async def serve(settings: Settings, redis_url: str, sock: socket.socket,
+                metrics_sock: socket.socket | None = None) -> None:
+    """Serve on a listening socket until SIGTERM/SIGINT, then drain and return; `/metrics`
+    on `metrics_sock` when given (and then not on `sock`: `settings.metrics_port` set)."""
     svc = build(settings, redis_url)
     redis, store, usecases, metrics, health = (
         svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
@@ -255,6 +267,7 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
         background.append(asyncio.create_task(_every(
             "draw reports", settings.audit_interval_ms / 1000, usecases.audit.write_due)))
     runner = await start_serving(svc, sock)
+    scrapes = None if metrics_sock is None else await start_metrics(metrics, metrics_sock)
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's way, and let the young generation grow before a collection (the hot path
     # allocates many short-lived, acyclic objects).
@@ -262,7 +275,10 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
     gc.set_threshold(50_000, 20, 20)
     announce_started()
     host, port = sock.getsockname()[:2]
-    log.info("capsvc listening", extra={"host": host, "port": port, "games": list(settings.games)})
+    listening = {"host": host, "port": port, "games": list(settings.games)}
+    if metrics_sock is not None:
+        listening["metrics_port"] = metrics_sock.getsockname()[1]
+    log.info("capsvc listening", extra=listening)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -279,6 +295,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket) -> None
             await task
     await usecases.feed.close()  # feed subscriptions end: they would hold the drain
     await runner.cleanup()
+    if scrapes is not None:
+        await scrapes.cleanup()
     metrics.flush()  # the decisions of the last second count too
     await redis.aclose()
     if svc.reconciler is not None and svc.reconciler.task is not None:

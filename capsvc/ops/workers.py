@@ -4,7 +4,8 @@ The socket is bound once, by the process the user started, without SO_REUSEPORT:
 already held by anything else (another capsvc included) is a one-line error, never a port
 silently shared with a stranger whose counters are not ours. With several workers, the
 supervisor hands that one socket to each of them (an inherited file descriptor) and the
-workers accept from it in turn.
+workers accept from it in turn; so with the metrics listener of `[server] metrics_port`,
+one socket too, bound by the supervisor.
 
 Workers are `python -P -m capsvc serve …` processes: `-P` keeps the current directory off
 the import path, so a `capsvc/` folder that is not this package (the clone's parent
@@ -47,8 +48,9 @@ class ListenError(Exception):
     """The service cannot listen where it was asked to (one line, for the user)."""
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port, bound by this process alone."""
+def listen(host: str, port: int, option: str = "--port") -> socket.socket:
+    """A listening TCP socket on host:port, bound by this process alone (`option`: the
+    command-line option that chooses the port, named when it is taken)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
@@ -69,7 +71,7 @@ def listen(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise ListenError(
                 f"port {port} on {host} is already in use: stop what is listening there, "
-                f"or choose another port with --port") from e
+                f"or choose another port with {option}") from e
         raise ListenError(f"cannot listen on {host}:{port}: {e.strerror}") from e
     sock.set_inheritable(True)
     return sock
@@ -147,7 +149,7 @@ def announce_started() -> None:
 class _Worker:
     """One worker process, and the pipe on which it says it has started."""
 
-    def __init__(self, command: list[str], env: dict[str, str], sock: socket.socket,
+    def __init__(self, command: list[str], env: dict[str, str], socks: list[socket.socket],
                  index: int) -> None:
         started_r, started_w = os.pipe()
         os.set_blocking(started_r, False)
@@ -159,7 +161,8 @@ class _Worker:
             self.process = subprocess.Popen(
                 command, env={**env, "CAPSVC_STARTED_FD": str(started_w),
                               "CAPSVC_WORKER": str(index)},
-                stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(), started_w))
+                stdin=subprocess.DEVNULL,
+                pass_fds=(*(sock.fileno() for sock in socks), started_w))
         except BaseException:
             os.close(started_r)
             raise
@@ -203,15 +206,22 @@ class _Slot:
 
 def supervise(command: list[str], workers: int, sock: socket.socket,
               restarts: Restarts = Restarts(),
-              clock: Callable[[], float] = time.monotonic) -> int:
+              clock: Callable[[], float] = time.monotonic,
+              metrics_sock: socket.socket | None = None) -> int:
     """Run `workers` processes of `command` until signalled; 0 when they all stopped
     cleanly, 1 when one kept dying at start or did not stop cleanly.
 
-    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD`, calls
+    A worker finds the listening socket's descriptor in `CAPSVC_LISTEN_FD` (and that of
+    the metrics listener, when there is one, in `CAPSVC_METRICS_FD`: the workers accept
+    from it in turn, as from the API's, each answering with the view of them all), calls
     `follow_supervisor` first and `announce_started` once it listens."""
     metrics_dir = tempfile.mkdtemp(prefix="capsvc-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
            "CAPSVC_LISTEN_FD": str(sock.fileno()), "CAPSVC_SUPERVISOR_PID": str(os.getpid())}
+    socks = [sock]
+    if metrics_sock is not None:
+        env["CAPSVC_METRICS_FD"] = str(metrics_sock.fileno())
+        socks.append(metrics_sock)
     stopping = stop_requested()  # a stop sent before this supervisor had its handler
     gave_up = False
     slots: list[_Slot] = []
@@ -223,8 +233,9 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
         stopping = True
 
     def pass_stop_on() -> None:
-        if sock.fileno() != -1:
-            sock.close()  # the workers' copies stay open until each has drained
+        for listener in socks:
+            if listener.fileno() != -1:
+                listener.close()  # the workers' copies stay open until each has drained
         for slot in slots:
             worker = slot.worker
             if worker is not None and not worker.told_to_stop and worker.process.poll() is None:
@@ -235,7 +246,7 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
         return any(s.worker is not None and s.worker.poll() is None for s in slots)
 
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    slots.extend(_Slot(_Worker(command, env, sock, i)) for i in range(workers))
+    slots.extend(_Slot(_Worker(command, env, socks, i)) for i in range(workers))
     log.info("workers started", extra={"workers": workers, "pids": [
         s.worker.process.pid for s in slots if s.worker is not None]})
     try:
@@ -248,7 +259,7 @@ def supervise(command: list[str], workers: int, sock: socket.socket,
                 worker = slot.worker
                 if worker is None:
                     if clock() >= slot.restart_at:
-                        slot.worker = _Worker(command, env, sock, slots.index(slot))
+                        slot.worker = _Worker(command, env, socks, slots.index(slot))
                     continue
                 code = worker.poll()
                 if code is None:

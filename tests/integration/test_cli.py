@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,43 @@ def test_health_answers_for_the_configured_port(redis_server: RedisServer,
     assert down.returncode == 1
     assert f"http://127.0.0.1:{closed}/healthz" in down.stderr
     assert len(down.stderr.strip().splitlines()) == 1
+
+
+def test_every_command_takes_several_configuration_files(tmp_path: Path) -> None:
+    """`--config` repeated merges the files in order, in every command that reads one;
+    a problem names the file it is in."""
+    redis = tmp_path / "redis.toml"
+    redis.write_text('[redis]\nurl = "redis://:secret@redis.example:6380/2"\n')
+    out = capsvc("check-config", "--config", str(redis), "--config", str(CONFIG))
+    assert out.returncode == 0, out.stderr
+    assert f"{redis}, {CONFIG}: OK" in out.stdout
+    assert "redis: redis://redis.example:6380/2" in out.stdout
+    assert "secret" not in out.stdout
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[server]\nportt = 1\n")
+    out = capsvc("check-config", "--config", str(CONFIG), "--config", str(broken))
+    assert out.returncode == 2
+    assert f"{broken}: server.portt: unknown field (did you mean 'port'?)" in out.stderr
+    assert "Traceback" not in out.stderr
+    for command in (("report", "--game", "fdj-keno", "--draw", "1", "--dir", str(tmp_path)),
+                    ("journal", "verify"), ("health",)):
+        out = capsvc(*command, "--config", str(CONFIG), "--config", str(broken))
+        assert out.returncode == 2, (command, out.stderr)
+        assert "server.portt" in out.stderr, command
+        assert "Traceback" not in out.stderr, command
+
+
+def test_serve_with_several_workers_reads_every_file(redis_server: RedisServer,
+                                                     tmp_path: Path) -> None:
+    """The workers read the same files, in the same order, as the command given them: a
+    game of the second file is in every worker's API document."""
+    extra = tmp_path / "extra.toml"
+    extra.write_text('[[games]]\nid = "second-keno"\npreset = "lnm-keno"\n')
+    service = ServiceProcess(str(TEST_CONFIG), redis_server.url,
+                             args=("--config", str(extra), "--workers", "2")).start()
+    try:
+        for _ in range(8):  # new connections: either worker
+            with urllib.request.urlopen(f"{service.base_url}/openapi.json", timeout=10) as r:
+                assert "second-keno" in r.read().decode()
+    finally:
+        service.stop()

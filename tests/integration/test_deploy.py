@@ -106,13 +106,15 @@ def seconds(duration: str) -> float:
 
 def test_kubernetes_manifests() -> None:
     """StatefulSet (no Deployment) with probes on /healthz and /readyz, resources and a
-    non-root user; Service, PDB, HPA, ConfigMap and Secret present; kustomize applies every
-    manifest of the directory, and only those."""
+    non-root user; Service, PDB, HPA and ConfigMap present, no Secret (the operator creates
+    them: deploy/k8s/README.md); kustomize applies every manifest of the directory, and
+    only those."""
     docs = k8s_docs()
     kinds = {d["kind"] for d in docs}
     assert {"StatefulSet", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "ConfigMap", "Secret"} <= kinds
+            "ConfigMap"} <= kinds
     assert "Deployment" not in kinds
+    assert "Secret" not in kinds
     (kustomization,) = load_all(DEPLOY / "k8s" / "kustomization.yaml")
     files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
@@ -284,3 +286,34 @@ def test_promtool_checks_the_prometheus_config_from_anywhere(tmp_path: Path) -> 
     assert in_container == Path("/etc/prometheus/prometheus.yml")
     for name in rule_files:
         assert mounts.get(f"./prometheus/{name}") == str(in_container.parent / name), name
+
+
+def test_metrics_are_on_a_port_of_their_own_open_to_prometheus_only() -> None:
+    """The pod serves /metrics on its named port `metrics` (the ConfigMap's and the
+    command's metrics_port, what the scrape annotations name), not on `http`; the
+    clients' Service does not expose it; the NetworkPolicy lets only Prometheus's pods of
+    the namespace monitoring reach it, and them not the API port."""
+    sts = statefulset()
+    template = sts["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    metrics = int(args[args.index("--metrics-port") + 1])
+    assert ports == {"http": int(args[args.index("--port") + 1]), "metrics": metrics}
+    assert configmap_toml()["server"]["metrics_port"] == metrics
+    annotations = template["metadata"]["annotations"]
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
+        str(metrics), "/metrics")
+    docs = k8s_docs()
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    assert "metrics" not in {p["targetPort"] for p in services["capsvc"]["ports"]}
+    (policy,) = [d["spec"] for d in docs
+                 if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]]
+    reach: dict[int, list[Any]] = {}
+    for rule in policy["ingress"]:
+        for port in rule["ports"]:
+            reach.setdefault(port["port"], []).extend(rule["from"])
+    assert reach[metrics] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert all("monitoring" not in str(peer) for peer in reach[ports["http"]])

@@ -1,8 +1,9 @@
 """The deploy files as a security reviewer checks them: checkov finds no failed check in
 deploy/k8s/, hadolint nothing in the Dockerfile, kubernetes-validate accepts every manifest,
-and every check skipped is justified in deploy/k8s/README.md. The pod's init container,
-which writes the configuration from the ConfigMap and the Redis URL's Secret (a file, not an
-environment variable), is run here on the manifests' own contents.
+and every check skipped is justified in deploy/k8s/README.md. No Secret is applied from
+deploy/k8s/ (the operator creates them, as the README says); the container's own
+configuration arguments (the ConfigMap and the Redis URL's Secret, files, not environment
+variables) are checked here on the manifests' contents and the example Secrets.
 
 The tools live in a virtual environment of their own (checkov pins dependencies the service
 must not get): $CAPSVC_LINT_BIN, else the PATH, else /opt/capsvc-lint/bin (where .ci/run
@@ -15,9 +16,7 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -212,78 +211,107 @@ def test_no_secret_reaches_an_environment_variable() -> None:
             assert d["metadata"].get("namespace") == "capsvc", (d["kind"], d["metadata"])
 
 
-def test_init_container_writes_the_configuration(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The init container's own command, run on the ConfigMap and the Secrets of the
-    manifests (placeholders filled in), with its mount paths mapped to directories here:
-    `capsvc check-config` accepts the result, written mode 0600 where the main container
-    reads it (CAPSVC_CONFIG, read-only), with the Redis URL from the Secret, the ConfigMap's
-    settings and the Secret's channels."""
+SECRET_COMMAND = re.compile(
+    r"kubectl -n capsvc create secret generic ([\w-]+) --from-file=([\w.-]+)=([\w.-]+)")
+
+
+def documented_secrets() -> dict[str, str]:
+    """The Secrets deploy/k8s/README.md tells the operator to create: name → key."""
+    found = dict((name, key) for name, key, _ in SECRET_COMMAND.findall(README.read_text()))
+    assert found, "deploy/k8s/README.md has no `kubectl -n capsvc create secret generic …`"
+    return found
+
+
+def test_no_secret_is_applied_and_the_pod_mounts_the_documented_ones() -> None:
+    """kustomize applies no Secret (no manifest of one, no generator: the operator creates
+    them); the pod mounts exactly the Secrets the README has created, each by the key the
+    README gives it, read-only, mode 0440; an example of each key's content is in
+    examples/, which nothing applies."""
+    assert not [d for d in docs() if d["kind"] == "Secret"]
+    (kustomization,) = yaml.safe_load_all((K8S / "kustomization.yaml").read_text())
+    assert not {"secretGenerator", "generators"} & set(kustomization)
+    assert not [r for r in kustomization["resources"] if "example" in r]
     pod = pod_spec()
-    (init,) = pod["initContainers"]
+    secrets = {v["secret"]["secretName"]: v for v in pod["volumes"] if "secret" in v}
+    documented = documented_secrets()
+    assert set(secrets) == set(documented)
+    (main,) = pod["containers"]
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    for name, volume in secrets.items():
+        key = documented[name]
+        assert volume["secret"]["items"] == [{"key": key, "path": key}], name
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert mounts[volume["name"]].get("readOnly") is True
+        example = K8S / "examples" / key.replace(".toml", ".example.toml")
+        assert example.is_file(), f"no example of {name}'s {key}"
+        assert example.read_text().startswith("# EXAMPLE ONLY")
+
+
+def test_the_container_reads_the_configmap_and_the_secrets(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The capsvc container's own `--config` files, each mount path mapped to a directory
+    here holding the ConfigMap's data and the example Secrets (placeholders filled in):
+    `capsvc check-config` accepts them as given, in that order, with the Redis URL from the
+    Secret, the ConfigMap's settings (its [redis] table too) and the Secret's channels."""
+    pod = pod_spec()
+    assert "initContainers" not in pod
     (main,) = pod["containers"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs()}
+    (configmap,) = [d for d in docs() if d["kind"] == "ConfigMap"]
+    url = "redis://:s3cret@redis.redis.svc:6379/0"
 
     def files(volume: dict[str, Any]) -> dict[str, str]:
         if "configMap" in volume:
-            data: dict[str, str] = objects["ConfigMap", volume["configMap"]["name"]]["data"]
-            return data
+            assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+            return dict(configmap["data"])
         if "secret" in volume:
-            secret = objects["Secret", volume["secret"]["secretName"]]
-            return dict(secret["stringData"])
+            out = {}
+            for item in volume["secret"]["items"]:
+                example = K8S / "examples" / item["key"].replace(".toml", ".example.toml")
+                text = re.sub(r"REPLACE-with-sha256-of-the-([\w-]+)-token",
+                              lambda m: hashlib.sha256(m.group(1).encode()).hexdigest(),
+                              example.read_text())
+                out[item["path"]] = text.replace("redis://:REPLACE-with-the-redis-password@",
+                                                 "redis://:s3cret@")
+            return out
         return {}
 
-    # Each mount path becomes a directory of tmp_path, in the command and in the files.
-    mounts = {m["mountPath"]: tmp_path / m["name"] for m in init["volumeMounts"]}
+    # Each mount of a ConfigMap or Secret becomes a directory of tmp_path, in the arguments
+    # and in the files.
+    held = [m for m in main["volumeMounts"]
+            if {"configMap", "secret"} & set(volumes.get(m["name"], {}))]
+    mounts = {m["mountPath"]: tmp_path / m["name"] for m in held}
 
     def local(text: str) -> str:
         for path in sorted(mounts, key=len, reverse=True):
             text = text.replace(path, str(mounts[path]))
         return text
 
-    url = "redis://:s3cret@redis.redis.svc:6379/0"
-    for mount in init["volumeMounts"]:
+    for mount in held:
         directory = mounts[mount["mountPath"]]
         directory.mkdir()
         for name, content in files(volumes[mount["name"]]).items():
-            content = re.sub(r"REPLACE-with-sha256-of-the-([\w-]+)-token",
-                             lambda m: hashlib.sha256(m.group(1).encode()).hexdigest(),
-                             content)
-            content = content.replace("redis://:REPLACE-with-the-redis-password@",
-                                      "redis://:s3cret@")
             (directory / name).write_text(local(content))
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    python = shlex.quote(sys.executable)
-    (bindir / "capsvc").write_text(f'#!/bin/sh\nexec {python} -m capsvc "$@"\n')
-    (bindir / "capsvc").chmod(0o755)
+    args = main["args"]
+    assert args[:2] == ["capsvc", "serve"]
+    configs = [local(args[i + 1]) for i, a in enumerate(args) if a == "--config"]
+    assert [Path(c).parent.name for c in configs] == ["config", "redis"], configs
+    for path in configs:  # every file is on a read-only mount
+        (mount,) = [m for m in held if mounts[m["mountPath"]] == Path(path).parent]
+        assert mount.get("readOnly") is True
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSVC_")}
-    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
-    command = [local(arg) for arg in init["command"] + init.get("args", [])]
+    command = [sys.executable, "-m", "capsvc", "check-config"]
+    for path in configs:
+        command += ["--config", path]
     result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": OK" in result.stdout, result.stdout
     assert "s3cret" not in result.stdout + result.stderr
-
-    (config_path,) = [e["value"] for e in main["env"] if e["name"] == "CAPSVC_CONFIG"]
-    (run_mount,) = [m for m in main["volumeMounts"]
-                    if config_path.startswith(m["mountPath"].rstrip("/") + "/")]
-    assert run_mount.get("readOnly") is True
-    assert "emptyDir" in volumes[run_mount["name"]]
-    assert volumes[run_mount["name"]]["emptyDir"].get("medium") == "Memory"
-    assert run_mount["mountPath"] in mounts, "the init container does not write there"
-    written = Path(local(config_path))
-    assert stat.S_IMODE(written.stat().st_mode) == 0o600
-    # The main container mounts the channels where the init container checked them.
-    init_paths = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
-    for m in main["volumeMounts"]:
-        if m["name"] != run_mount["name"] and m["mountPath"] in init_paths:
-            assert init_paths[m["mountPath"]] == m["name"]
     for name in ("CAPSVC_REDIS_URL", "CAPSVC_CONFIG", "CAPSVC_DURABILITY"):
         monkeypatch.delenv(name, raising=False)
-    settings = load_settings(written)
+    settings = load_settings(configs)
     assert settings.redis_url == url
     assert settings.redis_timeout_ms == 250
     assert settings.workers == 2
