@@ -143,13 +143,15 @@ async def test_the_report_lists_each_refused_cancelled_and_void_ticket_once(
     assert (can.ticket_id, can.sale, can.status, can.stake, can.released) == (
         "CAN", can_sid, "accepted", 700, can_cost)
     assert can.stake == r.cancelled_stake
-    assert can.cancelled_at is not None and can.decided_at < can.cancelled_at
+    assert can.cancelled_at is not None
+    assert can.decided_at < can.cancelled_at
     (void,) = lists.void
     assert (void.ticket_id, void.status, void.reason, void.stake, void.total_cost) == (
         "VOID", None, "abandoned", 700, None)
     (path,) = journal_files(tmp_path / "j")
     lines = path.read_text().splitlines()
-    assert '"type":"cancel"' in lines[can.line - 1] and '"CAN"' in lines[can.line - 1]
+    assert '"type":"cancel"' in lines[can.line - 1]
+    assert '"CAN"' in lines[can.line - 1]
     assert '"type":"void"' in lines[void.line - 1]
     assert '"Z-REJ"' in lines[rej.line - 1]
     assert {t.file for t in (rej, can, void)} == {path.name}
