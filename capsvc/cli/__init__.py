@@ -203,9 +203,11 @@ def _watch(args: argparse.Namespace) -> int:
 
 def _journal_ship(args: argparse.Namespace) -> int:
     """Keep a copy of the journal directory up to date in `--to` (every `--every`), until
-    SIGTERM or SIGINT: then a last pass, and the copy marked whole (`ended`)."""
+    SIGTERM or SIGINT and `--linger` after it (the service beside it drains meanwhile):
+    then a last pass, and the copy marked whole (`ended`)."""
     import signal
     import threading
+    import time
     from pathlib import Path
 
     from capsvc.config import parse_duration_ms
@@ -215,10 +217,11 @@ def _journal_ship(args: argparse.Namespace) -> int:
     source, dest = Path(args.dir or settings.journal_dir), Path(args.to)
     try:
         every_s = parse_duration_ms(args.every) / 1000
+        linger_s = parse_duration_ms(args.linger) / 1000
         if every_s <= 0:
-            raise ValueError(f"{args.every!r} is not a positive duration")
+            raise ValueError(f"--every {args.every!r} is not a positive duration")
     except ValueError as e:
-        print(f"capsvc journal ship: --every: {e}", file=sys.stderr)
+        print(f"capsvc journal ship: {e}", file=sys.stderr)
         return 2
     if not source.is_dir():
         print(f"capsvc journal ship: no such directory: {source}", file=sys.stderr)
@@ -227,8 +230,12 @@ def _journal_ship(args: argparse.Namespace) -> int:
     if not args.once:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    stopped_at: float | None = None
     while True:
-        ending = args.once or stop.is_set()
+        if stop.is_set() and stopped_at is None:
+            stopped_at = time.monotonic()  # the service may journal a while yet: linger
+        ending = args.once or (stopped_at is not None
+                               and time.monotonic() - stopped_at >= linger_s)
         try:
             _, problems = ship(source, dest, ended=ending and not args.once)
         except OSError as e:
@@ -240,7 +247,10 @@ def _journal_ship(args: argparse.Namespace) -> int:
             print(f"capsvc journal ship: not copied: {problem}", file=sys.stderr)
         if ending:
             return 1 if problems else 0
-        stop.wait(every_s)
+        if stopped_at is None:
+            stop.wait(every_s)
+        else:
+            time.sleep(min(every_s, max(0.0, linger_s - (time.monotonic() - stopped_at))))
 
 
 def _journal_restore(args: argparse.Namespace) -> int:
@@ -411,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_ship.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
     p_ship.add_argument("--dir", help="journal directory (default: [journal] dir)")
     p_ship.add_argument("--every", default="10s", help="between passes (default 10s)")
+    p_ship.add_argument("--linger", default="0s",
+                        help="after SIGTERM, ship this long yet before the last pass (the "
+                             "service's drain: its last decisions); default 0s")
     p_ship.add_argument("--once", action="store_true", help="one pass, then exit")
     p_verify = journal.add_parser(
         "verify", help="check journal files' chains and caps (exit 0 only when intact and "

@@ -165,7 +165,7 @@ def test_the_only_writable_mounts_are_tmp_and_the_journal() -> None:
     emptyDir with a size limit) and its journal claim, nothing else (no hostPath, no
     writable Secret or ConfigMap)."""
     pod = pod_spec()
-    (main,) = pod["containers"]
+    (main,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     assert main["securityContext"]["readOnlyRootFilesystem"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     claims = {t["metadata"]["name"] for t in workload()["spec"]["volumeClaimTemplates"]}
@@ -221,7 +221,7 @@ def test_init_container_writes_the_configuration(tmp_path: Path,
     settings and the Secret's channels."""
     pod = pod_spec()
     (init,) = pod["initContainers"]
-    (main,) = pod["containers"]
+    (main,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     objects = {(d["kind"], d["metadata"]["name"]): d for d in docs()}
 
