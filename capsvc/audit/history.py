@@ -53,6 +53,10 @@ class Sold:
     record: SaleRecord
     decision: TicketOut
     cancel: CancelRecord | None = None
+    at: tuple[str, int] = ("", 0)
+    """Where the decision was first read: (file name, line)."""
+    cancel_at: tuple[str, int] = ("", 0)
+    """Where the cancel was first read."""
 
     @property
     def standing(self) -> bool:
@@ -72,6 +76,8 @@ class History:
     draws: range
     sales: dict[SaleKey, Sold] = field(default_factory=dict)
     voids: dict[SaleKey, VoidRecord] = field(default_factory=dict)
+    void_at: dict[SaleKey, tuple[str, int]] = field(default_factory=dict)
+    """Where each void was first read: (file name, line)."""
     caps: dict[int, int] = field(default_factory=dict)
     """The cap in force on a draw, as the decisions (or a `cap` record) carry it."""
     stops: dict[int, int] = field(default_factory=dict)
@@ -89,6 +95,9 @@ class History:
     def voids_of(self, draw: int) -> list[VoidRecord]:
         return [v for k, v in self.voids.items()
                 if k not in self.sales and v.first_draw <= draw < v.first_draw + v.draws]
+
+    def where_void(self, void: VoidRecord) -> tuple[str, int]:
+        return self.void_at.get((void.channel, void.ticket, void.sale), ("", 0))
 
 
 def first_sale_ms(game: Game, draw: int) -> int:
@@ -156,20 +165,25 @@ def _read_file(out: History, directory: Path, path: Path
 
     check = FileCheck(path, digest=hashlib.sha256())
     proc = None
-    for _, record in read(path, check, wanted=wanted):
+    name = path.name
+    for n, record in read(path, check, wanted=wanted):
         if isinstance(record, Open):
             proc = record.proc
         elif isinstance(record, VoidRecord):
-            out.voids.setdefault((record.channel, record.ticket, record.sale), record)
+            key = (record.channel, record.ticket, record.sale)
+            if key not in out.voids:
+                out.voids[key] = record
+                out.void_at[key] = (name, n)
         elif isinstance(record, SaleRecord):
             key = (record.channel, record.ticket, record.sale)
             sold = out.sales.get(key)
             if sold is None:
-                sold = out.sales[key] = Sold(record, _decision(record.decision))
+                sold = out.sales[key] = Sold(record, _decision(record.decision), at=(name, n))
                 for i, cap in enumerate(record.caps or ()):
                     out.caps.setdefault(record.first_draw + i, cap)
             if isinstance(record, CancelRecord) and sold.cancel is None:
                 sold.cancel = record
+                sold.cancel_at = (name, n)
         elif isinstance(record, CapRecord):
             out.caps.setdefault(record.draw, record.cap)
         elif isinstance(record, StopRecord):

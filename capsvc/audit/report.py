@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import heapq
 import io
+from datetime import tzinfo
 
 import msgspec
 
@@ -24,13 +25,16 @@ from capsvc.domain.reports import (
     CombinationLine,
     DrawReport,
     GridCounts,
+    ListedTicket,
     PicksLine,
     ReasonCount,
     RedisCheck,
     TicketCounts,
+    TicketLists,
 )
+from capsvc.journal.records import VoidRecord
 
-FORMAT = 1
+FORMAT = 2
 """The report's format version (`report` of the JSON): later versions only add fields."""
 TOP = 20
 NO_ACTIVITY = "no activity"
@@ -51,6 +55,7 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
     picks: dict[int, list[int]] = {}
     channels: dict[str, list[int]] = {}
     stake = amount = cancelled_stake = 0
+    lists = TicketLists()
     sales = history.of(draw)
     for sold in sales:
         r, decision = sold.record, sold.decision
@@ -58,12 +63,14 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
         if sold.cancel is not None:
             tickets.cancelled += 1
             channel[4] += 1
+            lists.cancelled.append(_cancelled(sold, tz))
         elif decision.status == "accepted":
             tickets.accepted += 1
         elif decision.status == "partial":
             tickets.partial += 1
         else:
             tickets.rejected += 1
+            lists.rejected.append(_rejected(sold, tz))
         any_accepted = False
         for grid, outcome in zip(r.grids, decision.grids, strict=True):
             if outcome.status != "accepted":
@@ -94,6 +101,9 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
     totals = capped_totals(history, draw)
     voids = history.voids_of(draw)
     tickets.void = len(voids)
+    lists.void = [_void(v, history.where_void(v), tz) for v in voids]
+    for listed in (lists.rejected, lists.cancelled, lists.void):
+        listed.sort(key=lambda t: (t.channel, t.ticket_id, t.sale))
     cap = history.caps.get(draw)
     cap_fixed = cap is not None
     if cap is None:
@@ -141,7 +151,40 @@ def build(history: History, game: Game, draw: int, *, built_ms: int, final: bool
         top=top, top_liability=max(liabilities, default=None),
         sources=history.sources,
         chain=Chain(intact=not history.breaks, breaks=history.breaks, tails=history.tails),
-        redis=redis)
+        redis=redis, ticket_lists=lists)
+
+
+def _rejected(sold: Sold, tz: tzinfo) -> ListedTicket:
+    r, decision = sold.record, sold.decision
+    reason = decision.reason or ",".join(sorted(
+        {g.reason or "rejected" for g in decision.grids if g.status != "accepted"}))
+    return ListedTicket(
+        channel=r.channel, ticket_id=r.ticket, sale=r.sale, status=decision.status,
+        reason=reason or None, decided_at=instant(r.at, tz), first_draw=r.first_draw,
+        draws=r.draws, grids=len(r.grids), stake=sum(g.stake for g in r.grids),
+        total_cost=decision.total_cost, released=None, cancelled_at=None, proc=r.proc,
+        file=sold.at[0], line=sold.at[1])
+
+
+def _cancelled(sold: Sold, tz: tzinfo) -> ListedTicket:
+    r, decision, cancel = sold.record, sold.decision, sold.cancel
+    assert cancel is not None
+    given_back = sum(g.stake for g, o in zip(r.grids, decision.grids, strict=True)
+                     if o.status == "accepted")
+    return ListedTicket(
+        channel=r.channel, ticket_id=r.ticket, sale=r.sale, status=decision.status,
+        reason=None, decided_at=instant(r.at, tz), first_draw=r.first_draw, draws=r.draws,
+        grids=len(r.grids), stake=given_back, total_cost=decision.total_cost,
+        released=cancel.released, cancelled_at=instant(cancel.cancelled_at, tz),
+        proc=cancel.proc, file=sold.cancel_at[0], line=sold.cancel_at[1])
+
+
+def _void(v: VoidRecord, where: tuple[str, int], tz: tzinfo) -> ListedTicket:
+    return ListedTicket(
+        channel=v.channel, ticket_id=v.ticket, sale=v.sale, status=None, reason=v.why,
+        decided_at=instant(v.at, tz), first_draw=v.first_draw, draws=v.draws,
+        grids=len(v.grids), stake=sum(g.stake for g in v.grids), total_cost=None,
+        released=None, cancelled_at=None, proc=v.proc, file=where[0], line=where[1])
 
 
 def _summary(t: TicketCounts, stake: int, currency: str) -> str:
@@ -172,7 +215,9 @@ def to_json(report: DrawReport) -> bytes:
 
 
 def to_csv(report: DrawReport) -> str:
-    """One figure a row: `section,key,field,value` (a spreadsheet pivots it back)."""
+    """One figure a row: `section,key,field,value` (a spreadsheet pivots it back); each
+    listed ticket a row per field, its section the list's name (`rejected`, `cancelled`,
+    `void`), its key `channel/ticket_id/sale`."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(["section", "key", "field", "value"])
@@ -213,6 +258,13 @@ def to_csv(report: DrawReport) -> str:
         w.writerow(["redis", "", "complete", _cell(report.redis.complete)])
         for d in report.redis.differences:
             w.writerow(["redis", "", "difference", d])
+    lists = report.ticket_lists
+    for section, listed in (("rejected", lists.rejected), ("cancelled", lists.cancelled),
+                            ("void", lists.void)):
+        for ticket in listed:
+            key = f"{ticket.channel}/{ticket.ticket_id}/{ticket.sale}"
+            for name in ListedTicket.__struct_fields__:
+                w.writerow([section, key, name, _cell(getattr(ticket, name))])
     return out.getvalue()
 
 

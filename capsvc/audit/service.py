@@ -36,11 +36,13 @@ from capsvc.audit.reconcile import (
 from capsvc.audit.report import build, capped_totals, to_csv, to_json
 from capsvc.config import Channel, Settings
 from capsvc.domain import combination
+from capsvc.domain.calendar import instant
 from capsvc.domain.errors import ApiError
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.reports import DrawReport, RedisCheck
 from capsvc.domain.validator import unpack_sale
 from capsvc.journal.recorder import Recorder
+from capsvc.journal.ship import shipped_until
 from capsvc.journal.verify import opened_at
 from capsvc.journal.writer import journal_files
 from capsvc.redis.clock import RedisClock
@@ -191,7 +193,7 @@ class Audit:
         """Write the report of every draw whose decisions are all made and that has none
         yet, since the journal directory began (one process of the directory at a time:
         the others skip); returns how many were written."""
-        lock = await asyncio.to_thread(_try_lock, self.directory / REPORTS / ".lock")
+        lock = await asyncio.to_thread(try_lock, self.directory / REPORTS / ".lock")
         if lock is None:
             return 0  # another process of this directory is writing them
         try:
@@ -240,7 +242,85 @@ class Audit:
                              "breaks": len(report.chain.breaks)})
 
 
-def _try_lock(path: Path) -> int | None:
+@dataclasses.dataclass
+class FinalReports:
+    """What `write_final_reports` did for a game."""
+
+    game: str
+    written: list[int] = dataclasses.field(default_factory=list)
+    existing: int = 0
+    """Final draws whose report was there already (never written over)."""
+    flawed: list[int] = dataclasses.field(default_factory=list)
+    """Draws written whose report passed a cap or read a broken chain."""
+    last: int = 0
+    """The last draw reported (or found reported)."""
+    waiting: list[str] = dataclasses.field(default_factory=list)
+    """Copies behind (their shipper's `.shipped`): their draws wait for the next run."""
+
+
+SHIP_MARGIN_MS = 60_000
+"""A shipped copy covers a draw this long after it is due (the hosts' clocks differ)."""
+
+
+def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: Path,
+                        now_ms: int, last_final: int | None = None) -> FinalReports:
+    """Write under `out` (`<game>/<draw>.json`, `.csv`, each once, never over a file) the
+    report of every final draw of `game` read from all of `dirs` together that has none,
+    since the oldest journal file of `dirs` (within `[journal] keep`). A draw is final at
+    `due_ms` by `now_ms` (or up to `last_final`, Redis's view), and once every shipped copy
+    among `dirs` is known whole past it (capsvc.journal.ship). One writer of `out` at a
+    time (`out/.lock`: another one running, nothing is done)."""
+    gid = game.rules.id
+    result = FinalReports(gid)
+    last = game.calendar.current(now_ms - settle_ms(settings)) - 1
+    if last_final is not None:
+        last = min(last, last_final)
+    for directory in dirs:
+        until = shipped_until(directory)
+        if until is None:
+            continue
+        whole = until - SHIP_MARGIN_MS - settle_ms(settings)
+        covered = (game.calendar.current(whole) - 1
+                   if whole >= game.calendar.close_ms(1) else 0)
+        if covered < last:
+            last = covered
+            result.waiting.append(f"{directory}: shipped until "
+                                  f"{instant(until, game.rules.tz)}")
+    opened = [o for d in dirs if (files := journal_files(d))
+              and (o := opened_at(files[0].name)) is not None]
+    if not opened or last < 1:
+        return result
+    began = max(int(min(opened) * 1000), now_ms - settings.journal_keep_ms)
+    first = max(1, game.calendar.current(began))
+    result.last = max(0, last)
+
+    def path(draw: int, suffix: str) -> Path:
+        return out / gid / f"{draw}{suffix}"
+
+    missing = []
+    for draw in range(first, last + 1):
+        if path(draw, ".json").exists() and path(draw, ".csv").exists():
+            result.existing += 1
+        else:
+            missing.append(draw)
+    for start in range(0, len(missing), BATCH):
+        chunk = missing[start:start + BATCH]
+        history = read_history(dirs, game, range(chunk[0], chunk[-1] + 1))
+        for draw in chunk:
+            report = None if path(draw, ".json").exists() else build(
+                history, game, draw, built_ms=now_ms, final=True)
+            try:
+                report = _store(path(draw, ".json"), path(draw, ".csv"), report)
+            except FileExistsError:  # written meanwhile by another: never over it
+                result.existing += 1
+                continue
+            result.written.append(draw)
+            if report.flawed:
+                result.flawed.append(draw)
+    return result
+
+
+def try_lock(path: Path) -> int | None:
     """An exclusive lock on `path` (made if need be), or None if another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)

@@ -235,6 +235,58 @@ def _watch(args: argparse.Namespace) -> int:
         return 0
 
 
+def _journal_ship(args: argparse.Namespace) -> int:
+    """Keep a copy of the journal directory up to date in `--to` (every `--every`), until
+    SIGTERM or SIGINT and `--linger` after it (the service beside it drains meanwhile):
+    then a last pass, and the copy marked whole (`ended`)."""
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    from capsvc.config import parse_duration_ms
+    from capsvc.journal.ship import ship
+
+    settings = _settings(args.config)
+    source, dest = Path(args.dir or settings.journal_dir), Path(args.to)
+    try:
+        every_s = parse_duration_ms(args.every) / 1000
+        linger_s = parse_duration_ms(args.linger) / 1000
+        if every_s <= 0:
+            raise ValueError(f"--every {args.every!r} is not a positive duration")
+    except ValueError as e:
+        print(f"capsvc journal ship: {e}", file=sys.stderr)
+        return 2
+    if not source.is_dir():
+        print(f"capsvc journal ship: no such directory: {source}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    if not args.once:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    stopped_at: float | None = None
+    while True:
+        if stop.is_set() and stopped_at is None:
+            stopped_at = time.monotonic()  # the service may journal a while yet: linger
+        ending = args.once or (stopped_at is not None
+                               and time.monotonic() - stopped_at >= linger_s)
+        try:
+            _, problems = ship(source, dest, ended=ending and not args.once)
+        except OSError as e:
+            print(f"capsvc journal ship: {e}", file=sys.stderr)
+            problems = [str(e)]
+            if args.once:
+                return 1
+        for problem in problems:
+            print(f"capsvc journal ship: not copied: {problem}", file=sys.stderr)
+        if ending:
+            return 1 if problems else 0
+        if stopped_at is None:
+            stop.wait(every_s)
+        else:
+            time.sleep(min(every_s, max(0.0, linger_s - (time.monotonic() - stopped_at))))
+
+
 def _journal_restore(args: argparse.Namespace) -> int:
     """Restore the journal directory into Redis now (what a process does by itself at
     start and on every new Redis identity)."""
@@ -396,6 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_restore.add_argument("--config", **CONFIG_OPTION)
     p_restore.add_argument("--redis-url", help="default: $CAPSVC_REDIS_URL, [redis] url")
     p_restore.add_argument("--dir", help="journal directory (default: [journal] dir)")
+    p_ship = journal.add_parser(
+        "ship", help="keep a copy of the journal directory up to date (complete lines only; "
+                     "`.shipped` says until when), until SIGTERM")
+    p_ship.add_argument("--to", required=True, metavar="DIR", help="the copy's directory")
+    p_ship.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_ship.add_argument("--dir", help="journal directory (default: [journal] dir)")
+    p_ship.add_argument("--every", default="10s", help="between passes (default 10s)")
+    p_ship.add_argument("--linger", default="0s",
+                        help="after SIGTERM, ship this long yet before the last pass (the "
+                             "service's drain: its last decisions); default 0s")
+    p_ship.add_argument("--once", action="store_true", help="one pass, then exit")
     p_verify = journal.add_parser(
         "verify", help="check journal files' chains and caps (exit 0 only when intact and "
                        "within every cap)")
@@ -419,7 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     if args.command == "journal":
         logs.setup("WARNING")
-        return (_journal_restore if args.journal_command == "restore" else _journal_verify)(args)
+        handlers = {"restore": _journal_restore, "ship": _journal_ship,
+                    "verify": _journal_verify}
+        return handlers[args.journal_command](args)
     if args.command == "check-config":
         return check_config(args.config, args.format)
     if args.command == "watch":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,14 @@ from capsvc.audit.reconcile import (
     to_text,
 )
 from capsvc.audit.report import build, encode_json, to_csv, to_json
-from capsvc.audit.service import Audit, cancel_abandoned_tickets, due_ms, write_once
+from capsvc.audit.service import (
+    Audit,
+    cancel_abandoned_tickets,
+    due_ms,
+    try_lock,
+    write_final_reports,
+    write_once,
+)
 from capsvc.config import ConfigError, Settings, load_settings, parse_duration_ms
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.games import Catalog, Game
@@ -37,22 +45,35 @@ from capsvc.domain.games import Catalog, Game
 
 def add_parsers(sub: Any) -> None:
     """The `report` and `reconcile` subcommands of `capsvc`."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--game", required=True)
-    common.add_argument("--draw", required=True, type=int)
-    common.add_argument("--config", action="append", metavar="PATH",
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", action="append", metavar="PATH",
                         help="TOML configuration, the game's rules and [journal] dir; repeat "
                              "it to merge several files, in order (default: $CAPSVC_CONFIG, "
                              "paths separated by ':', else the built-in local one)")
-    common.add_argument("--dir", action="append", metavar="DIR",
+    config.add_argument("--dir", action="append", metavar="DIR",
                         help="a journal directory to read (repeat for every host's); "
                              "default: [journal] dir and [audit] sources")
-    common.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
+    config.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                         help="also ask Redis (default URL: [redis] url): its clock, the "
                              "counters of a draw still retained, other hosts' tickets")
-    p = sub.add_parser("report", parents=[common],
+    common = argparse.ArgumentParser(add_help=False, parents=[config])
+    common.add_argument("--game", required=True)
+    common.add_argument("--draw", required=True, type=int)
+    p = sub.add_parser("report", parents=[config],
                        help="a draw's report from the journal (exit 1 if a cap was passed "
-                            "or a chain is broken)")
+                            "or a chain is broken); --all-final: every final draw's, "
+                            "written once")
+    p.add_argument("--game", help="the game (with --all-final: default every game)")
+    p.add_argument("--draw", type=int, help="the draw")
+    p.add_argument("--all-final", action="store_true",
+                   help="write the report of every final draw that has none yet, under "
+                        "--reports (never over a file)")
+    p.add_argument("--journals", metavar="PARENT",
+                   help="read every journal directory under PARENT (each host's), with "
+                        "any --dir")
+    p.add_argument("--reports", metavar="DIR",
+                   help="with --all-final: where to write <game>/<draw>.json and .csv "
+                        "(default: PARENT/reports of --journals)")
     p.add_argument("--format", choices=("json", "csv"), default="json")
     p.add_argument("--out", metavar="FILE", help="write it there (never over a file)")
     p = sub.add_parser("reconcile", parents=[common],
@@ -69,6 +90,17 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text")
 
 
+REPORTS = "reports"
+"""Under --journals PARENT: not a journal directory, the default --reports."""
+
+
+def journal_dirs(parent: Path) -> list[Path]:
+    """Every journal directory under `parent` (its subdirectories, `reports` and hidden ones
+    aside), sorted by name."""
+    return sorted(p for p in parent.iterdir()
+                  if p.is_dir() and p.name != REPORTS and not p.name.startswith("."))
+
+
 def _fail(command: str, message: str) -> int:
     print(f"capsvc {command}: {message}", file=sys.stderr)
     return 2
@@ -80,14 +112,30 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(args.config)
     except ConfigError as e:
         return _fail(command, "invalid configuration: " + "; ".join(e.problems))
-    game = Catalog(settings.games).get(args.game)
-    if game is None:
+    catalog = Catalog(settings.games)
+    all_final = getattr(args, "all_final", False)
+    if command == "report" and not all_final and (args.game is None or args.draw is None):
+        return _fail(command, "give --game and --draw, or --all-final")
+    if all_final and (args.draw is not None or args.out):
+        return _fail(command, "--all-final writes every final draw under --reports: "
+                              "no --draw, no --out")
+    game = catalog.get(args.game) if args.game is not None else None
+    if args.game is not None and game is None:
         return _fail(command, f"no game {args.game!r} in {settings.source} (games: "
                               f"{', '.join(settings.games)})")
-    if not 1 <= args.draw <= game.calendar.last_draw:
+    if game is not None and args.draw is not None and not (
+            1 <= args.draw <= game.calendar.last_draw):
         return _fail(command, f"no draw {args.draw} of {args.game}")
-    dirs = [Path(d) for d in args.dir] if args.dir else [
-        Path(settings.journal_dir), *map(Path, settings.audit_sources)]
+    journals = getattr(args, "journals", None)
+    if journals is not None and not Path(journals).is_dir():
+        return _fail(command, f"no such directory: {journals}")
+    dirs = [Path(d) for d in args.dir or ()]
+    if journals is not None:
+        dirs += journal_dirs(Path(journals))
+        if not dirs:
+            return _fail(command, f"no journal directory under {journals}")
+    if not dirs:
+        dirs = [Path(settings.journal_dir), *map(Path, settings.audit_sources)]
     missing = [str(d) for d in dirs if not d.is_dir()]
     if missing:
         return _fail(command, f"no such directory: {', '.join(missing)}")
@@ -96,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
         url = args.redis_url if isinstance(args.redis_url, str) else settings.redis_url
         if url is None:
             return _fail(command, "no Redis: give --redis-url URL or [redis] url")
+    if all_final:
+        reports = args.reports or (str(Path(journals) / REPORTS) if journals else None)
+        if reports is None:
+            return _fail(command, "--all-final needs --reports DIR (or --journals PARENT)")
+        games = [game] if game is not None else list(catalog.games.values())
+        return _all_final(settings, games, dirs, Path(reports), url)
+    assert game is not None
     if command == "report":
         return _report(args, settings, game, dirs, url)
     try:
@@ -148,6 +203,55 @@ def _report(args: argparse.Namespace, settings: Settings, game: Game, dirs: list
     else:
         sys.stdout.buffer.write(data)
     return 1 if report.flawed else 0
+
+
+def _all_final(settings: Settings, games: list[Game], dirs: list[Path], reports: Path,
+               url: str | None) -> int:
+    """Write every final draw's report of `games` from `dirs` together, each once; exit 1
+    when one written passed a cap or read a broken chain."""
+    try:
+        reports.mkdir(parents=True, exist_ok=True)
+        lock = try_lock(reports / ".lock")
+    except OSError as e:
+        return _fail("report", f"--reports {reports}: {e.strerror or e}")
+    if lock is None:
+        return _fail("report", f"another writer holds {reports / '.lock'}: nothing written")
+    try:
+        if url is None:
+            now = int(time.time() * 1000)
+            lasts: dict[str, int | None] = {g.rules.id: None for g in games}
+        else:
+            try:
+                now, lasts = asyncio.run(_with_redis(settings, url, lambda audit: _finals(
+                    audit, games)))
+            except (Unavailable, OSError, RedisError) as e:
+                return _fail("report", f"redis: {e}")
+        flawed = False
+        for game in games:
+            try:
+                done = write_final_reports(settings, game, dirs, reports, now,
+                                           lasts[game.rules.id])
+            except OSError as e:
+                return _fail("report", f"--reports {reports}: {e.strerror or e}")
+            print(f"{done.game}: {len(done.written)} report(s) written, {done.existing} "
+                  f"already there, through draw {done.last}")
+            for why in done.waiting:
+                print(f"{done.game}: waiting for {why}")
+            for draw in done.flawed:
+                flawed = True
+                print(f"{done.game}: draw {draw} passed a cap or read a broken chain",
+                      file=sys.stderr)
+        return 1 if flawed else 0
+    finally:
+        os.close(lock)
+
+
+async def _finals(audit: Audit, games: list[Game]) -> tuple[int, dict[str, int | None]]:
+    """Redis's clock and, per game, the last draw final by Redis (its pending index)."""
+    lasts: dict[str, int | None] = {}
+    for game in games:
+        lasts[game.rules.id] = await audit.last_final(game)
+    return audit.clock.now(), lasts
 
 
 async def _reconcile(settings: Settings, game: Game, draw: int, dirs: list[Path],

@@ -4,7 +4,7 @@ the client, which imports nothing else of the server."""
 
 from __future__ import annotations
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 
 class Source(Struct, frozen=True):
@@ -31,6 +31,56 @@ class TicketCounts(Struct):
     """Accepted or partial, then cancelled: stands no more."""
     void: int = 0
     """Claimed, never answered: released by the janitor, or claimed after an admin stop."""
+
+
+class ListedTicket(Struct):
+    """A ticket of the draw that does not stand: refused, cancelled or void, with what an
+    auditor needs to find it in the sales system and in the journal. Every field is always
+    present (null where it does not apply)."""
+
+    channel: str
+    ticket_id: str
+    sale: str
+    """The sale id (16 hex digits): names this sale of the ticket id."""
+    status: str | None
+    """The decision as answered: `rejected`; for a cancelled ticket `accepted` or
+    `partial`; null for a void (never answered)."""
+    reason: str | None
+    """Refused: the ticket's reason (`player_limit`, …), else its grids' reasons
+    (`combination_capped`), comma-separated. Void: why (`abandoned`, `stopped`, `closed`).
+    Cancelled: null."""
+    decided_at: str
+    """The sale's instant: when it was claimed (Redis TIME), the receipt's issue time of a
+    decision."""
+    first_draw: int
+    draws: int
+    """The draws the ticket plays, from `first_draw` (a subscription is in each one's
+    report)."""
+    grids: int
+    stake: int
+    """Base stake on this draw: refused (every grid), given back by the cancellation (the
+    grids that were accepted), or claimed and given back (void)."""
+    total_cost: int | None
+    """The decision's total cost (all draws and options); null for a void."""
+    released: int | None
+    """Cancelled: the cost given back."""
+    cancelled_at: str | None
+    """Cancelled: when the cancellation was decided (Redis TIME)."""
+    proc: str
+    """The process that journaled the record (host/pid)."""
+    file: str
+    line: int
+    """The journal record that puts the ticket in this list (the decision; the cancel; the
+    void): its file (see `sources` for its directory) and line."""
+
+
+class TicketLists(Struct):
+    """The draw's tickets that do not stand, each once, sorted by channel, ticket id and
+    sale id. Accepted and partial tickets are counted, not listed."""
+
+    rejected: list[ListedTicket] = []
+    cancelled: list[ListedTicket] = []
+    void: list[ListedTicket] = []
 
 
 class ReasonCount(Struct):
@@ -140,6 +190,8 @@ class DrawReport(Struct, omit_defaults=False):
     sources: list[Source]
     chain: Chain
     redis: RedisCheck | None = None
+    ticket_lists: TicketLists = field(default_factory=TicketLists)
+    """The refused, cancelled and void tickets, one by one (`tickets` counts them)."""
 
     @property
     def flawed(self) -> bool:

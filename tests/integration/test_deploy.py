@@ -119,7 +119,7 @@ def test_kubernetes_manifests() -> None:
     files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
     pod = statefulset()["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["resources"]["requests"]
@@ -138,7 +138,7 @@ def test_statefulset_keeps_each_pods_journal_on_a_claim_of_its_own() -> None:
     directory = journal_dir(configmap_toml(), "configmap.yaml capsvc.toml")
     spec = statefulset()["spec"]
     pod = spec["template"]["spec"]
-    (container,) = pod["containers"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
     assert not mount.get("readOnly", False)
     assert "subPath" not in mount
@@ -158,6 +158,45 @@ def test_statefulset_keeps_each_pods_journal_on_a_claim_of_its_own() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     for init in pod.get("initContainers", []):
         assert mount["name"] not in {m["name"] for m in init["volumeMounts"]}
+
+
+def test_one_report_per_draw_over_every_pods_journal() -> None:
+    """Every pod's container `ship` copies its journal (read-only) into its own directory of
+    a shared ReadWriteMany claim; the report CronJob mounts that claim and runs
+    `capsvc report --all-final --journals` over it (one run at a time), with the
+    configuration's games; it never calls the API."""
+    directory = journal_dir(configmap_toml(), "configmap.yaml capsvc.toml")
+    pod = statefulset()["spec"]["template"]["spec"]
+    (ship,) = [c for c in pod["containers"] if c["name"] == "ship"]
+    mounts = {m["mountPath"]: m for m in ship["volumeMounts"]}
+    assert mounts[directory].get("readOnly") is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    args = ship["args"]
+    assert args[:3] == ["capsvc", "journal", "ship"]
+    target = args[args.index("--to") + 1]
+    assert target.endswith("/$(POD_NAME)")
+    (shared,) = [m for path, m in mounts.items() if target.startswith(path + "/")]
+    claim = volumes[shared["name"]]["persistentVolumeClaim"]["claimName"]
+    docs = k8s_docs()
+    (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"
+              and d["metadata"]["name"] == claim]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    (cron,) = [d for d in docs if d["kind"] == "CronJob"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    job = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert job["automountServiceAccountToken"] is False
+    (report,) = job["containers"]
+    job_volumes = {v["name"]: v for v in job["volumes"]}
+    (journals,) = [m for m in report["volumeMounts"]
+                   if "persistentVolumeClaim" in job_volumes[m["name"]]]
+    assert job_volumes[journals["name"]]["persistentVolumeClaim"]["claimName"] == claim
+    cargs = report["args"]
+    assert cargs[:3] == ["capsvc", "report", "--all-final"]
+    assert cargs[cargs.index("--journals") + 1] == journals["mountPath"]
+    config = cargs[cargs.index("--config") + 1]
+    assert any(config.startswith(m["mountPath"] + "/") and job_volumes[m["name"]].get(
+        "configMap") for m in report["volumeMounts"])
+    assert report["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_statefulset_services_hpa_and_pdb_fit_together() -> None:

@@ -164,7 +164,7 @@ def test_the_only_writable_mounts_are_tmp_and_the_journal() -> None:
     emptyDir with a size limit) and its journal claim, nothing else (no hostPath, no
     writable Secret or ConfigMap)."""
     pod = pod_spec()
-    (main,) = pod["containers"]
+    (main,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     assert main["securityContext"]["readOnlyRootFilesystem"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     claims = {t["metadata"]["name"] for t in workload()["spec"]["volumeClaimTemplates"]}
@@ -235,7 +235,7 @@ def test_no_secret_is_applied_and_the_pod_mounts_the_documented_ones() -> None:
     secrets = {v["secret"]["secretName"]: v for v in pod["volumes"] if "secret" in v}
     documented = documented_secrets()
     assert set(secrets) == set(documented)
-    (main,) = pod["containers"]
+    (main,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     mounts = {m["name"]: m for m in main["volumeMounts"]}
     for name, volume in secrets.items():
         key = documented[name]
@@ -256,7 +256,7 @@ def test_the_container_reads_the_configmap_and_the_secrets(tmp_path: Path,
     Secret, the ConfigMap's settings (its [redis] table too) and the Secret's channels."""
     pod = pod_spec()
     assert "initContainers" not in pod
-    (main,) = pod["containers"]
+    (main,) = [c for c in pod["containers"] if c["name"] == "capsvc"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     (configmap,) = [d for d in docs() if d["kind"] == "ConfigMap"]
     url = "redis://:s3cret@redis.redis.svc:6379/0"

@@ -117,6 +117,58 @@ async def test_the_report_counts_each_sale_once_by_state_reason_picks_and_channe
     assert r.amount == 500 + 400 + 200 + 400 + 400  # grids (twice with the multiplier), Joker+
 
 
+async def test_the_report_lists_each_refused_cancelled_and_void_ticket_once(
+        book: Book, tmp_path: Path) -> None:
+    """Rejected, cancelled and void tickets are listed (accepted ones only counted), each
+    once however often journaled, sorted by channel then ticket id, with where its record
+    is; the CSV carries the same rows, one field a row, keyed channel/ticket/sale."""
+    eight = {"numbers": HOT, "stake": 500}
+    small = {"numbers": [1, 2, 3], "stake": 200}
+    await book.sell(sale("OK", [eight]), [[ACCEPTED]], replays=1)
+    rej_sid, rej_cost = await book.sell(sale("Z-REJ", [eight, small]),
+                                        [[REJECTED, 0, 100], [REJECTED, 0, 100]], replays=2)
+    can_sid, can_cost = await book.sell(sale("CAN", [eight, small]), [[ACCEPTED], None],
+                                        cancel=True)
+    await book.sell(sale("A-REJ", [eight]), [[REJECTED, 0, 0]], channel="pf-retail")
+    await book.void(sale("VOID", [eight, small]))
+    r = report_of(tmp_path / "j")
+    lists = r.ticket_lists
+    assert [(t.channel, t.ticket_id) for t in lists.rejected] == [
+        ("fr-retail", "Z-REJ"), ("pf-retail", "A-REJ")]
+    assert len(lists.rejected) == r.tickets.rejected
+    rej = lists.rejected[0]
+    assert (rej.sale, rej.status, rej.reason, rej.stake, rej.total_cost, rej.grids) == (
+        rej_sid, "rejected", "combination_capped", 700, rej_cost, 2)
+    (can,) = lists.cancelled
+    assert (can.ticket_id, can.sale, can.status, can.stake, can.released) == (
+        "CAN", can_sid, "accepted", 700, can_cost)
+    assert can.stake == r.cancelled_stake
+    assert can.cancelled_at is not None
+    assert can.decided_at < can.cancelled_at
+    (void,) = lists.void
+    assert (void.ticket_id, void.status, void.reason, void.stake, void.total_cost) == (
+        "VOID", None, "abandoned", 700, None)
+    (path,) = journal_files(tmp_path / "j")
+    lines = path.read_text().splitlines()
+    assert '"type":"cancel"' in lines[can.line - 1]
+    assert '"CAN"' in lines[can.line - 1]
+    assert '"type":"void"' in lines[void.line - 1]
+    assert '"Z-REJ"' in lines[rej.line - 1]
+    assert {t.file for t in (rej, can, void)} == {path.name}
+    as_json = msgspec.json.decode(to_json(r))
+    assert as_json["report"] == 2
+    assert [t["ticket_id"] for t in as_json["ticket_lists"]["rejected"]] == ["Z-REJ", "A-REJ"]
+    rows = list(csv.reader(io.StringIO(to_csv(r))))
+    assert all(len(row) == 4 for row in rows)
+    cells = {(s, k, f): v for s, k, f, v in rows[1:]}
+    key = f"fr-retail/CAN/{can_sid}"
+    assert cells["cancelled", key, "released"] == str(can_cost)
+    assert cells["cancelled", key, "line"] == str(can.line)
+    assert cells["void", f"fr-retail/VOID/{void.sale}", "total_cost"] == ""
+    assert {k for s, k, _ in cells if s == "rejected"} == {
+        f"fr-retail/Z-REJ/{rej_sid}", f"pf-retail/A-REJ/{lists.rejected[1].sale}"}
+
+
 async def test_caps_reached_and_passed_are_named_and_over_cap_is_empty_when_it_held(
         book: Book, tmp_path: Path) -> None:
     """A total equal to the cap is at_cap; above it (a restore that counted past the cap)
@@ -176,6 +228,41 @@ async def test_a_sale_journaled_by_two_hosts_and_cancelled_in_the_other_file_cou
         r = build(read_history(dirs, GAME, range(DRAW, DRAW + 1)), GAME, DRAW,
                   built_ms=NOW, final=True)
         assert (r.tickets.accepted, r.tickets.cancelled, r.stake) == (0, 1, 0)
+
+
+async def test_two_hosts_journals_list_every_ticket_once_and_sum_their_counts(
+        tmp_path: Path) -> None:
+    """Two directories, each a host's decisions, one sale journaled by both (a replay on
+    the other host): the report of both lists and counts each ticket once, the sum of
+    each host's report less the one journaled twice."""
+    eight = {"numbers": HOT, "stake": 500}
+    a, b = Book(tmp_path / "a"), Book(tmp_path / "b")
+    b.n = 100  # sale ids of their own
+    await a.sell(sale("A1", [eight]), [[REJECTED, 0, 0]])
+    await a.sell(sale("A2", [eight]), [[ACCEPTED]], cancel=True)
+    await a.void(sale("A3", [eight]))
+    s = sale("S", [eight])
+    sid, _ = await a.sell(s, [[REJECTED, 0, 0]])
+    body = msgspec.json.encode(build_decision("fr-retail", TZ, s, sid, NOW + 1,
+                                              [Reserved(REJECTED, offset=0, room=0)]))
+    await b.rec.sale("lookup", "fr-retail", s, sid, NOW + 1, body, GAME.expire_at(DRAW))
+    await b.sell(sale("B1", [eight]), [[REJECTED, 0, 0]])
+    await b.sell(sale("B2", [eight]), [[ACCEPTED]], cancel=True)
+    await b.void(sale("B3", [eight]))
+    await b.sell(sale("B4", [eight]), [[ACCEPTED]])
+    await a.close()
+    await b.close()
+    both = build(read_history([tmp_path / "a", tmp_path / "b"], GAME, range(DRAW, DRAW + 1)),
+                 GAME, DRAW, built_ms=NOW, final=True)
+    lists = both.ticket_lists
+    assert [t.ticket_id for t in lists.rejected] == ["A1", "B1", "S"]
+    assert [t.ticket_id for t in lists.cancelled] == ["A2", "B2"]
+    assert [t.ticket_id for t in lists.void] == ["A3", "B3"]
+    assert (both.tickets.rejected, both.tickets.cancelled, both.tickets.void,
+            both.tickets.accepted) == (3, 2, 2, 1)
+    one, other = report_of(tmp_path / "a"), report_of(tmp_path / "b")
+    assert both.tickets.rejected == one.tickets.rejected + other.tickets.rejected - 1
+    assert both.cancelled_stake == one.cancelled_stake + other.cancelled_stake == 1000
 
 
 async def test_the_report_names_its_files_with_digests_and_a_broken_chain(
