@@ -3,6 +3,7 @@ bad options refused in one line, amounts in the game's currency."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import urllib.request
@@ -109,14 +110,18 @@ def test_every_command_takes_several_configuration_files(tmp_path: Path) -> None
 def test_serve_with_several_workers_reads_every_file(redis_server: RedisServer,
                                                      tmp_path: Path) -> None:
     """The workers read the same files, in the same order, as the command given them: a
-    game of the second file is in every worker's API document."""
+    game of the second file is in every worker's list of games."""
     extra = tmp_path / "extra.toml"
-    extra.write_text('[[games]]\nid = "second-keno"\npreset = "lnm-keno"\n')
+    extra.write_text('[[games]]\nid = "second-keno"\npreset = "lnm-keno"\n'
+                     '[[channels]]\nid = "second"\ngames = ["second-keno"]\nscopes = ["read"]\n'
+                     f'token_sha256 = "{hashlib.sha256(b"t-second").hexdigest()}"\n')
     service = ServiceProcess(str(TEST_CONFIG), redis_server.url,
                              args=("--config", str(extra), "--workers", "2")).start()
     try:
         for _ in range(8):  # new connections: either worker
-            with urllib.request.urlopen(f"{service.base_url}/openapi.json", timeout=10) as r:
+            request = urllib.request.Request(f"{service.base_url}/v1/games",
+                                             headers={"Authorization": "Bearer t-second"})
+            with urllib.request.urlopen(request, timeout=10) as r:
                 assert "second-keno" in r.read().decode()
     finally:
         service.stop()

@@ -334,7 +334,7 @@ def test_metrics_are_on_a_port_of_their_own_open_to_prometheus_only() -> None:
     the namespace monitoring reach it, and them not the API port."""
     sts = statefulset()
     template = sts["spec"]["template"]
-    (container,) = template["spec"]["containers"]
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] == "capsvc"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     args = container["args"]
     metrics = int(args[args.index("--metrics-port") + 1])
