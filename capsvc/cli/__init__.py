@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -424,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="DEBUG, INFO (the default), WARNING or ERROR")
     p_check = sub.add_parser("check-config", help="validate a configuration and list its games")
     p_check.add_argument("--config", **CONFIG_OPTION)
+    p_check.add_argument("paths", nargs="*", metavar="PATH",
+                         help="the same as --config PATH (after any --config)")
     p_check.add_argument("--format", choices=("text", "json"), default="text")
     p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
                               "/healthz (the port from the configuration)")
@@ -477,6 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command != "serve" and argv is None:
+        # A command's output piped into `head` ends quietly, as other command-line tools
+        # do (the service keeps Python's SIGPIPE-ignored default: a peer's closed socket).
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.command in ("report", "reconcile"):
         logs.setup("WARNING")
         return run(args)
@@ -486,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "verify": _journal_verify}
         return handlers[args.journal_command](args)
     if args.command == "check-config":
-        return check_config(args.config, args.format)
+        return check_config([*(args.config or ()), *args.paths] or None, args.format)
     if args.command == "watch":
         return _watch(args)
     if args.command == "health":

@@ -125,3 +125,20 @@ def test_serve_with_several_workers_reads_every_file(redis_server: RedisServer,
                 assert "second-keno" in r.read().decode()
     finally:
         service.stop()
+
+
+def test_check_config_takes_its_files_as_arguments_too() -> None:
+    """`capsvc check-config PATH` (the contract's form) is `--config PATH`."""
+    positional = capsvc("check-config", str(TEST_CONFIG))
+    flagged = capsvc("check-config", "--config", str(TEST_CONFIG))
+    assert positional.returncode == flagged.returncode == 0, positional.stderr
+    assert positional.stdout == flagged.stdout
+
+
+def test_output_piped_into_a_command_that_stops_reading_ends_quietly() -> None:
+    """`capsvc check-config … | head -1`: no BrokenPipeError traceback."""
+    shell = subprocess.run(
+        f"{sys.executable} -m capsvc check-config {TEST_CONFIG} | head -1",
+        shell=True, capture_output=True, text=True, timeout=60)
+    assert shell.stdout.endswith(": OK\n")
+    assert "Traceback" not in shell.stderr
