@@ -5,17 +5,25 @@
 
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# Every version pinned (constraints.txt), the build backend's too: the same image from the
+# same commit. The embedded local Redis (the `embedded` extra) is not installed: the
+# service runs on the Redis it is configured with.
+ENV PIP_CONSTRAINT=/src/constraints.txt
+COPY constraints.txt pyproject.toml README.md ./
+COPY client client
 COPY capsvc capsvc
 COPY lua lua
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ./client .
 
 FROM python:3.11-slim
 RUN groupadd --system --gid 10001 capsvc \
  && useradd --system --uid 10001 --gid capsvc --create-home --home-dir /app capsvc \
  && install -d -o capsvc -g capsvc -m 0750 /var/lib/capsvc/journal
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY --from=build /src/constraints.txt /tmp/constraints.txt
+RUN pip install --no-cache-dir --no-index --find-links /wheels --constraint /tmp/constraints.txt \
+      capsvc \
+ && rm -rf /wheels /tmp/constraints.txt
 # Named for readability; its uid and gid are fixed (10001) and the Kubernetes manifests set
 # runAsUser/runAsGroup: 10001, so runAsNonRoot is verified on the number (deploy/k8s/README.md).
 # hadolint ignore=DL3066

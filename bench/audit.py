@@ -35,10 +35,10 @@ from capsvc.audit.report import build, to_csv
 from capsvc.config import load_settings
 from capsvc.domain.decisions import ACCEPTED, REJECTED, build_decision
 from capsvc.domain.games import Game
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
+from capsvc_client.models import TicketIn
 
 TZ = ZoneInfo("Europe/Paris")
 

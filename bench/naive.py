@@ -15,7 +15,7 @@ import uvloop
 from aiohttp import web
 
 from capsvc.domain import combination
-from capsvc.domain.models import GridOut, Receipt, TicketIn, TicketOut
+from capsvc_client.models import GridOut, Receipt, TicketIn, TicketOut
 
 CHECK_AND_INCREMENT = """
 for i = 1, #KEYS do

@@ -32,11 +32,11 @@ from capsvc.domain.decisions import (
     player_limit_decision,
 )
 from capsvc.domain.games import Catalog, Game
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import open_journal
 from capsvc.redis.replies import PlayerLimits
+from capsvc_client.models import TicketIn
 
 CONFIG = """
 [[games]]

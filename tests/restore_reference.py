@@ -12,7 +12,6 @@ import msgspec
 
 from capsvc.domain.decisions import ACCEPTED, accepted_grids
 from capsvc.domain.games import Catalog, Game
-from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import pack_sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import (
@@ -32,6 +31,7 @@ from capsvc.redis.replies import Budget
 from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
 from capsvc.service.caps import DrawCaps, caps_argument
 from capsvc.service.steps import SaleSteps
+from capsvc_client.models import TicketOut
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

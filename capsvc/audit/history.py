@@ -22,8 +22,6 @@ from pathlib import Path
 import msgspec
 
 from capsvc.domain.games import Game
-from capsvc.domain.models import TicketOut
-from capsvc.domain.reports import Source
 from capsvc.journal.reader import FileCheck, read
 from capsvc.journal.records import (
     CancelRecord,
@@ -35,6 +33,8 @@ from capsvc.journal.records import (
     VoidRecord,
 )
 from capsvc.journal.writer import journal_files
+from capsvc_client.models import TicketOut
+from capsvc_client.reports import Source
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

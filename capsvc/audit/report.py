@@ -19,7 +19,8 @@ from capsvc.domain import combination
 from capsvc.domain.calendar import instant
 from capsvc.domain.games import Game
 from capsvc.domain.money import amount
-from capsvc.domain.reports import (
+from capsvc.journal.records import VoidRecord
+from capsvc_client.reports import (
     Chain,
     ChannelLine,
     CombinationLine,
@@ -32,7 +33,6 @@ from capsvc.domain.reports import (
     TicketCounts,
     TicketLists,
 )
-from capsvc.journal.records import VoidRecord
 
 FORMAT = 2
 """The report's format version (`report` of the JSON): later versions only add fields."""

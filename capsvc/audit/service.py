@@ -39,7 +39,6 @@ from capsvc.domain import combination
 from capsvc.domain.calendar import instant
 from capsvc.domain.errors import ApiError
 from capsvc.domain.games import Catalog, Game
-from capsvc.domain.reports import DrawReport, RedisCheck
 from capsvc.domain.validator import unpack_sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.ship import shipped_until
@@ -49,6 +48,7 @@ from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.service.exposure import Exposure
 from capsvc.service.tickets import Tickets, derived_body
+from capsvc_client.reports import DrawReport, RedisCheck
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from capsvc import __version__
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
-from capsvc.domain.models import MAX_DRAW
 from capsvc.domain.money import amount
 from capsvc.ops import logs
+from capsvc_client.models import MAX_DRAW
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -34,7 +34,18 @@ from capsvc.domain.errors import (
     not_found,
     unavailable,
 )
-from capsvc.domain.models import (
+from capsvc.http.openapi import openapi_document
+from capsvc.http.responses import Answer, answer_headers
+from capsvc.journal.writer import Journal
+from capsvc.ops.metrics import Metrics
+from capsvc.redis.durability import Durability
+from capsvc.redis.gate import Gate
+from capsvc.redis.marks import Behind, Marks, Restoring
+from capsvc.redis.store import Store
+from capsvc.service.feed import Subscriber
+from capsvc.service.tickets import SaleOutcome
+from capsvc.wiring import UseCases
+from capsvc_client.models import (
     ID_PATTERN,
     MAX_DRAW,
     AvailabilityIn,
@@ -49,17 +60,6 @@ from capsvc.domain.models import (
     TicketResult,
     TicketsOut,
 )
-from capsvc.http.openapi import openapi_document
-from capsvc.http.responses import Answer, answer_headers
-from capsvc.journal.writer import Journal
-from capsvc.ops.metrics import Metrics
-from capsvc.redis.durability import Durability
-from capsvc.redis.gate import Gate
-from capsvc.redis.marks import Behind, Marks, Restoring
-from capsvc.redis.store import Store
-from capsvc.service.feed import Subscriber
-from capsvc.service.tickets import SaleOutcome
-from capsvc.wiring import UseCases
 
 log = logging.getLogger(__name__)
 

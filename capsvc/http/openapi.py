@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from capsvc.audit.reconcile import Reconciliation
-from capsvc.domain.models import (
+from capsvc_client.models import (
     ID_PATTERN,
     MAX_DRAW,
     AvailabilityIn,
@@ -37,7 +37,7 @@ from capsvc.domain.models import (
     TicketsIn,
     TicketsOut,
 )
-from capsvc.domain.reports import DrawReport
+from capsvc_client.reports import DrawReport
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (

@@ -30,7 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from capsvc import __version__
 from capsvc.config import GameRules
-from capsvc.domain.models import TicketOut
+from capsvc_client.models import TicketOut
 
 ERROR_KINDS = ("timeout", "connection", "reply", "readonly")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 from capsvc.domain.calendar import rfc3339
 from capsvc.domain.errors import rule_error
 from capsvc.domain.games import Game
-from capsvc.domain.models import CurrentDrawOut, DrawOut
 from capsvc.journal.recorder import Recorder
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import Store, stop_instants
 from capsvc.service.caps import DrawCaps
+from capsvc_client.models import CurrentDrawOut, DrawOut
 
 
 class Draws:

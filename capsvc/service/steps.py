@@ -25,7 +25,6 @@ from capsvc.domain.decisions import (
     player_limit_decision,
 )
 from capsvc.domain.games import Game
-from capsvc.domain.models import TicketOut
 from capsvc.domain.validator import Sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import VoidWhy
@@ -38,6 +37,7 @@ from capsvc.redis.store import (
     replies_of,
 )
 from capsvc.service.caps import DrawCaps
+from capsvc_client.models import TicketOut
 
 
 @dataclass(slots=True)

@@ -54,7 +54,6 @@ from capsvc.domain.decisions import (
 )
 from capsvc.domain.errors import ApiError, Unavailable, not_found, rule_error, unavailable
 from capsvc.domain.games import Catalog, Game, require_scope
-from capsvc.domain.models import CancelOut, TicketIn, TicketOut
 from capsvc.domain.validator import (
     Sale,
     pack_sale,
@@ -80,6 +79,7 @@ from capsvc.redis.store import Store, replies_of, retrieving, stop_instants, tic
 from capsvc.service.caps import caps_argument
 from capsvc.service.draws import Draws
 from capsvc.service.steps import SaleSteps
+from capsvc_client.models import CancelOut, TicketIn, TicketOut
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode

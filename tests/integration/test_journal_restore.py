@@ -20,7 +20,6 @@ import pytest
 from capsvc.config import Settings, load_settings
 from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
 from capsvc.domain.games import Catalog
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, pack_sale, validate_ticket
 from capsvc.journal.reader import retained_records
 from capsvc.journal.recorder import Recorder
@@ -38,6 +37,7 @@ from capsvc.redis.store import (
     record_field,
     ticket_key,
 )
+from capsvc_client.models import TicketIn
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords, raw_claim

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from capsvc.domain.errors import ApiError
-from capsvc.domain.models import TicketIn
 from capsvc.http.server import Service
 from capsvc.service.tickets import SaleOutcome
+from capsvc_client.models import TicketIn
 from tests.conftest import TEN, Client, ticket
 
 

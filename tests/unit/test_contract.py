@@ -20,9 +20,9 @@ from jsonschema import Draft202012Validator
 
 from capsvc.config import GameRules, parse_settings
 from capsvc.domain.errors import ApiError
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import validate_ticket
 from capsvc.http.openapi import CONTRACT_VERSION, main, openapi_document
+from capsvc_client.models import TicketIn
 from tests.contract.conftest import CONFIG
 
 CHECKED_IN = Path(__file__).parents[2] / "openapi.json"

@@ -25,11 +25,11 @@ from capsvc.config import (
     parse_settings,
 )
 from capsvc.domain.errors import ApiError
-from capsvc.domain.models import ID_PATTERN, MAX_DRAW, StakeIn, TicketIn
 from capsvc.domain.validator import parse_numbers_path
 from capsvc.http.app import PARAMS, _draw, _ticket_id, decode_body, request_id
 from capsvc.http.openapi import openapi_document
 from capsvc.service.players import Players
+from capsvc_client.models import ID_PATTERN, MAX_DRAW, StakeIn, TicketIn
 from tests.conftest import CONFIG
 
 GOOD = ["X", "N-4", "P-9", "a.b_c:d-E9", "A" * 64, "0", "...", "-", ":"]

@@ -10,8 +10,8 @@ import pytest
 from capsvc.config import GameRules, load_settings
 from capsvc.domain import combination
 from capsvc.domain.errors import ApiError
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import validate_ticket
+from capsvc_client.models import TicketIn
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

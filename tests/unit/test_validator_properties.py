@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from capsvc.config import GameRules, load_settings
 from capsvc.domain.errors import ApiError
-from capsvc.domain.models import TicketIn
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.http.app import decode_body
+from capsvc_client.models import TicketIn
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

@@ -1,9 +1,25 @@
-"""The client's errors: one type per thing a caller does something different about."""
+"""The client's errors: one type per thing a caller does something different about, all
+of them `CapsvcError`s."""
 
 from __future__ import annotations
 
 
 class CapsvcError(Exception):
+    """Everything the client raises: an error answer of the service (`AnswerError`), no
+    answer in time (`Unavailable`, `OutcomeUnknown`), a misuse of the client
+    (`UsageError`)."""
+
+
+class UsageError(CapsvcError, ValueError):
+    """The client used as it cannot be: an option out of range, a call outside `async with`
+    or after `close()`. Nothing was sent."""
+
+
+class ClientClosed(UsageError, RuntimeError):
+    """The client is closed (or closing): nothing was sent."""
+
+
+class AnswerError(CapsvcError):
     """An answer of the service that is not a success: its status, code and message."""
 
     def __init__(self, status: int, code: str, message: str, path: str | None = None
@@ -16,29 +32,29 @@ class CapsvcError(Exception):
         """The JSONPath of the offending value, when the service names one."""
 
 
-class ValidationError(CapsvcError):
+class ValidationError(AnswerError):
     """400, 413, 422: the request breaks a rule (a stake, a draw closed…): sending it again
     changes nothing; nothing was counted."""
 
 
-class ConflictError(CapsvcError):
+class ConflictError(AnswerError):
     """409: the ticket id was used with another body (`idempotency_conflict`), or the ticket
     cannot be cancelled (`not_cancellable`)."""
 
 
-class AuthError(CapsvcError):
+class AuthError(AnswerError):
     """401, 403: the token is unknown, or its channel may not do this."""
 
 
-class NotFoundError(CapsvcError):
+class NotFoundError(AnswerError):
     """404: unknown game, draw or ticket (for this channel)."""
 
 
-class ServiceError(CapsvcError):
+class ServiceError(AnswerError):
     """A 5xx on a request that is not retried (a 500 is a bug of the service)."""
 
 
-class Unavailable(Exception):
+class Unavailable(CapsvcError):
     """The service gave no answer before the caller's deadline (every attempt a 502, 503 or
     504, a timeout or a broken connection). For a request that decides nothing (a game, a
     draw, a combination), this is all there is to it: ask again later."""
@@ -65,8 +81,8 @@ class OutcomeUnknown(Unavailable):
         """The ticket (or the stake's `ref`) whose outcome is unknown."""
 
 
-def error_for(status: int, code: str, message: str, path: str | None) -> CapsvcError:
-    kind: type[CapsvcError]
+def error_for(status: int, code: str, message: str, path: str | None) -> AnswerError:
+    kind: type[AnswerError]
     if status in (401, 403):
         kind = AuthError
     elif status == 404:

@@ -32,14 +32,17 @@ import aiohttp
 import msgspec
 import yarl
 
-from capsvc.client.errors import (
+from capsvc_client.errors import (
+    AnswerError,
     CapsvcError,
+    ClientClosed,
     OutcomeUnknown,
     Unavailable,
+    UsageError,
     ValidationError,
     error_for,
 )
-from capsvc.domain.models import (
+from capsvc_client.models import (
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -56,7 +59,7 @@ from capsvc.domain.models import (
     TicketIn,
     TicketOut,
 )
-from capsvc.domain.reports import DrawReport
+from capsvc_client.reports import DrawReport
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -107,7 +110,7 @@ class Client:
                  connections: int = 100, session: aiohttp.ClientSession | None = None,
                  batch_size: int = 64, batch_linger_s: float = 0.001) -> None:
         if batch_size < 1 or batch_linger_s < 0:
-            raise ValueError("batch_size must be at least 1 and batch_linger_s not negative")
+            raise UsageError("batch_size must be at least 1 and batch_linger_s not negative")
         self.base_url = base_url.rstrip("/")
         self.batch_size = batch_size
         """The most tickets of concurrent `sell` calls sent in one POST /v1/ticket-batches
@@ -188,14 +191,14 @@ class Client:
 
     async def sell_many(self, tickets: Sequence[TicketIn | dict[str, Any]], *,
                         deadline_s: float | None = None
-                        ) -> list[TicketOut | CapsvcError | OutcomeUnknown]:
+                        ) -> list[TicketOut | CapsvcError]:
         """Sell several tickets at once (in batches of `batch_size`): each one's decision,
         typed error or OutcomeUnknown, in order, each retried on its own as `sell` is."""
         results = await asyncio.gather(*[self.sell(t, deadline_s=deadline_s) for t in tickets],
                                        return_exceptions=True)
-        out: list[TicketOut | CapsvcError | OutcomeUnknown] = []
+        out: list[TicketOut | CapsvcError] = []
         for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, CapsvcError | OutcomeUnknown):
+            if isinstance(r, BaseException) and not isinstance(r, CapsvcError):
                 raise r
             out.append(r)
         return out
@@ -320,7 +323,7 @@ class Client:
         raises its error."""
         session = self._session
         if session is None:
-            raise RuntimeError("use the client as `async with Client(…) as client`")
+            raise UsageError("use the client as `async with Client(…) as client`")
         query = "" if draw is None else f"?draw={int(draw)}"
         url = yarl.URL(f"{self.base_url}/v1/games/{_seg(game)}/capped/stream{query}",
                        encoded=True)
@@ -406,7 +409,7 @@ class Client:
                              request_id: str | None, batched: _Batched | None = None) -> T:
         budget = self.deadline_s if deadline_s is None else deadline_s
         if not budget > 0:
-            raise ValueError(f"deadline_s must be positive, got {budget}")
+            raise UsageError(f"deadline_s must be positive, got {budget}")
         deadline = time.monotonic() + budget
         attempts, pause, last = 0, self.backoff_s, "no attempt"
         # One id for every attempt of the call: the service's logs show them together.
@@ -414,7 +417,7 @@ class Client:
         while True:
             left = deadline - time.monotonic()
             if self._closed.is_set() and attempts == 0:
-                raise RuntimeError("the client is closed: nothing was sent")
+                raise ClientClosed("the client is closed: nothing was sent")
             if attempts and (left < _LAST_ATTEMPT_S or self._closed.is_set()):
                 if self._closed.is_set():
                     last = f"the client was closed (after: {last})"
@@ -454,7 +457,7 @@ class Client:
         if session is None:
             if self._closed.is_set():
                 raise _Retry("the client was closed")
-            raise RuntimeError("use the client as `async with Client(…) as client`")
+            raise UsageError("use the client as `async with Client(…) as client`")
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -528,7 +531,7 @@ def _judged(answer: _Exchanged, kind: type[T]) -> T:
     raise failure
 
 
-def _failure(status: int, raw: bytes) -> CapsvcError:
+def _failure(status: int, raw: bytes) -> AnswerError:
     """The typed error of a status and its body (the service's error, or whatever a proxy
     answered instead)."""
     try:
@@ -666,7 +669,12 @@ class SyncClient:
     """The same methods as `Client`, blocking (for scripts): one event loop in a thread of
     its own, one connection pool. `with SyncClient(url, token) as c: c.sell({...})`."""
 
-    def __init__(self, base_url: str, token: str, **options: Any) -> None:
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 5.0,
+                 deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
+                 connections: int = 100, batch_size: int = 64, batch_linger_s: float = 0.001
+                 ) -> None:
+        """The options are `Client`'s (but its own aiohttp session: the client runs in a
+        loop of its own)."""
         self._closing = threading.Lock()
         """Held by close(), so that it runs once whoever calls it."""
         self._lock = threading.Lock()
@@ -677,7 +685,10 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="capsvc-client")
         self._thread.start()
-        self._client = Client(base_url, token, **options)
+        self._client = Client(base_url, token, timeout_s=timeout_s, deadline_s=deadline_s,
+                              backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                              connections=connections, batch_size=batch_size,
+                              batch_linger_s=batch_linger_s)
         self._run(self._client.__aenter__())
 
     def _run(self, step: Awaitable[T]) -> T:
@@ -685,7 +696,7 @@ class SyncClient:
             if self._loop.is_closed() or self._stopping:
                 if inspect.iscoroutine(step):
                     step.close()  # never to run
-                raise RuntimeError("the client is closed: nothing was sent")
+                raise ClientClosed("the client is closed: nothing was sent")
             future = asyncio.run_coroutine_threadsafe(_awaited(step), self._loop)
             self._pending.add(future)
         try:
@@ -715,7 +726,7 @@ class SyncClient:
             self._loop.close()
             for future in stranded:  # submitted as the loop stopped: never to run
                 if not future.done():
-                    future.set_exception(RuntimeError("the client was closed"))
+                    future.set_exception(ClientClosed("the client was closed"))
 
     async def _shutdown(self) -> None:
         await self._client.aclose()
