@@ -256,6 +256,9 @@ class FinalReports:
     """The last draw reported (or found reported)."""
     waiting: list[str] = dataclasses.field(default_factory=list)
     """Copies behind (their shipper's `.shipped`): their draws wait for the next run."""
+    unreadable: list[str] = dataclasses.field(default_factory=list)
+    """Report files there already that are not a report (cut short, not capsvc's): named,
+    left alone (never written over), and the other draws written all the same."""
 
 
 SHIP_MARGIN_MS = 60_000
@@ -313,6 +316,9 @@ def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: P
                 report = _store(path(draw, ".json"), path(draw, ".csv"), report)
             except FileExistsError:  # written meanwhile by another: never over it
                 result.existing += 1
+                continue
+            except msgspec.DecodeError as e:  # capsvc writes a report whole, or not at all
+                result.unreadable.append(f"{path(draw, '.json')}: not a report ({e})")
                 continue
             result.written.append(draw)
             if report.flawed:

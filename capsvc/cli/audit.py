@@ -241,6 +241,9 @@ def _all_final(settings: Settings, games: list[Game], dirs: list[Path], reports:
                 flawed = True
                 print(f"{done.game}: draw {draw} passed a cap or read a broken chain",
                       file=sys.stderr)
+            for why in done.unreadable:
+                flawed = True
+                print(f"{done.game}: {why}; left as it is", file=sys.stderr)
         return 1 if flawed else 0
     finally:
         os.close(lock)

@@ -42,7 +42,7 @@ def ship_once(source: Path, dest: Path) -> tuple[int, list[str]]:
     problems: list[str] = []
     for path in journal_files(source):
         target = dest / path.name
-        have = target.stat().st_size if target.exists() else 0
+        have = _whole_lines(target)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -60,13 +60,40 @@ def ship_once(source: Path, dest: Path) -> tuple[int, list[str]]:
             continue  # no complete line yet
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         try:
-            for start in range(0, end, CHUNK):
-                os.write(fd, data[start:min(end, start + CHUNK)])
+            start = 0
+            while start < end:  # each write ends a line: a pass cut short leaves whole ones
+                stop = data.rfind(b"\n", start, min(end, start + CHUNK)) + 1 or end
+                start += os.write(fd, data[start:stop])
             os.fsync(fd)
         finally:
             os.close(fd)
         copied += end
     return copied, problems
+
+
+def _whole_lines(copy: Path) -> int:
+    """The copy's size, once cut back to its last complete line: a shipper killed in the
+    middle of a write leaves part of a line, which the next pass copies again whole."""
+    try:
+        size = copy.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(copy, "rb+") as f:
+        keep = size
+        while keep > 0:  # back to the last newline, however long the torn part
+            back = min(keep, CHUNK)
+            f.seek(keep - back)
+            tail = f.read(back)
+            if (cut := tail.rfind(b"\n")) >= 0:
+                keep = keep - back + cut + 1
+                break
+            keep -= back
+        if keep < size:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+        return keep
 
 
 def mark(dest: Path, shipped: Shipped) -> None:

@@ -213,6 +213,20 @@ def test_two_processes_journals_give_one_report_and_all_final_writes_it_once(
             for p in reports.iterdir()} == before
     assert [p.name for p in parent.joinpath("reports").rglob(".*")] == [".lock"]
 
+    # A report file that is not one (cut short by a copy or a restore: capsvc writes whole
+    # files) is named and left alone; every other draw is written all the same.
+    other = parent / "other-reports"
+    (other / GAME).mkdir(parents=True)
+    cut = (reports / f"{written[0]}.json").read_bytes()
+    (other / GAME / f"{written[0]}.json").write_bytes(cut[:len(cut) // 2])
+    damaged = capsvc("report", "--config", config, "--all-final", "--journals", str(parent),
+                     "--game", GAME, "--reports", str(other))
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    assert f"{written[0]}.json: not a report" in damaged.stderr
+    assert "Traceback" not in damaged.stderr
+    assert (other / GAME / f"{written[0]}.json").read_bytes() == cut[:len(cut) // 2]
+    assert sorted(int(p.stem) for p in (other / GAME).glob("*.csv")) == written[1:]
+
 
 def test_a_shipped_copy_is_whole_and_a_copy_behind_holds_its_draws(
         config: str, redis: RedisServer, tmp_path: Path) -> None:
