@@ -3,12 +3,16 @@
 It is the same for every deployment: what depends on the configuration (games, stakes,
 picks, durations, options) is served by `GET /v1/games` and enforced with the documented
 errors, never compiled into schemas. The repository keeps a copy, `openapi.json`, which a
-test holds equal to this; `python -m capsvc.http.openapi > openapi.json` writes it."""
+test holds equal to this; `python -m capsvc.http.openapi > openapi.json` writes it. For
+generators whose OpenAPI 3.1 support is partial, `openapi-3.0.json` is the same contract
+in OpenAPI 3.0.3 (`as_openapi_30`; `python -m capsvc.http.openapi --3.0` writes it)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -459,9 +463,44 @@ def _structs(types: Any) -> list[msgspec.inspect.StructType]:
     return list(found.values())
 
 
-def main() -> None:
-    """Print the document as the repository keeps it (`openapi.json`)."""
-    sys.stdout.write(json.dumps(openapi_document(), indent=2, ensure_ascii=False) + "\n")
+def as_openapi_30(document: dict[str, Any]) -> dict[str, Any]:
+    """The same contract in OpenAPI 3.0.3: a nullable value is `nullable: true` (not an
+    `anyOf` with `{"type": "null"}`), a schema's examples one `example`, and a `$ref` with
+    a description of its own is wrapped in `allOf` (3.0 ignores a `$ref`'s siblings)."""
+    def schema(node: Any) -> Any:
+        if isinstance(node, list):
+            return [schema(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: schema(v) for k, v in node.items()}
+        options = node.get("anyOf")
+        if options and {"type": "null"} in options:
+            rest = [o for o in options if o != {"type": "null"}]
+            del node["anyOf"]
+            (only,) = rest
+            node.update({"allOf": [only]} if "$ref" in only else only)
+            node["nullable"] = True
+        if isinstance(node.get("examples"), list) and "type" in node:
+            node["example"] = node.pop("examples")[0]
+        if "$ref" in node and len(node) > 1:
+            node = {"allOf": [{"$ref": node.pop("$ref")}], **node}
+        return node
+
+    converted: dict[str, Any] = schema(copy.deepcopy(document))
+    converted["openapi"] = "3.0.3"
+    return converted
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the document as the repository keeps it: `openapi.json`, or with `--3.0`
+    `openapi-3.0.json`."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    document = openapi_document()
+    if args == ["--3.0"]:
+        document = as_openapi_30(document)
+    elif args:
+        raise SystemExit("usage: python -m capsvc.http.openapi [--3.0]")
+    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Clients in other languages, generated from the repository's `openapi.json` as an
-integrator would, compiled, and run against the real service: a sale, its replay, a
-conflicting reuse of its id, its look-up, its cancel (then `state: cancelled`) and a batch
-with one ticket refused in its own result.
+"""Clients in other languages, generated from the repository's contract as an integrator
+would (openapi-generator from `openapi-3.0.json`, the same contract in OpenAPI 3.0.3, whose
+3.1 support it calls beta; openapi-typescript from `openapi.json`), compiled, and run
+against the real service: a sale, its replay, a conflicting reuse of its id, its look-up,
+its cancel (then `state: cancelled`) and a batch with one ticket refused in its own
+result.
 
 - Java: openapi-generator (`java`, `--library native`), compiled by javac 17 against the
   Jackson jars of the local Maven cache;
@@ -28,6 +30,7 @@ from tests.support.service import ServiceProcess
 HERE = Path(__file__).parent
 CLIENTS = HERE / "clients"
 CONTRACT = HERE.parents[1] / "openapi.json"
+CONTRACT_30 = HERE.parents[1] / "openapi-3.0.json"
 M2 = Path.home() / ".m2" / "repository"
 STEPS = ["sold", "replayed", "same receipt", "409 idempotency_conflict", "not cancelled yet",
          "released 700", "state cancelled", "cancelled.released 700", "batch: sold",
@@ -51,11 +54,11 @@ def generate(generator: str, out: Path, *options: str) -> str:
         missing("openapi-generator-cli (pip install -e '.[test]')")
     if shutil.which("java") is None:
         missing("java")
-    output = run(["openapi-generator-cli", "generate", "-i", str(CONTRACT), "-g", generator,
-                  "-o", str(out), *options], cwd=out.parent)
-    # The generator read every schema: no model left unused, none it could not name.
-    assert "Unused model" not in output, output
-    assert "Failed to get the schema name" not in output, output
+    output = run(["openapi-generator-cli", "generate", "-i", str(CONTRACT_30), "-g",
+                  generator, "-o", str(out), *options], cwd=out.parent)
+    # The generator read every schema without a warning: no model left unused, none it
+    # could not name, no construct it does not support.
+    assert [line for line in output.splitlines() if "WARN" in line or "ERROR" in line] == []
     return output
 
 

@@ -17,15 +17,17 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
+from openapi_spec_validator import validate
 
 from capsvc.config import GameRules, parse_settings
 from capsvc.domain.errors import ApiError
 from capsvc.domain.validator import validate_ticket
-from capsvc.http.openapi import CONTRACT_VERSION, main, openapi_document
+from capsvc.http.openapi import CONTRACT_VERSION, as_openapi_30, main, openapi_document
 from capsvc_client.models import TicketIn
 from tests.contract.conftest import CONFIG
 
 CHECKED_IN = Path(__file__).parents[2] / "openapi.json"
+CHECKED_IN_30 = Path(__file__).parents[2] / "openapi-3.0.json"
 
 
 @cache
@@ -133,6 +135,29 @@ def test_the_repository_keeps_the_document_as_the_service_serves_it(
         "openapi.json is not the document the code makes: review the change, then "
         "`python -m capsvc.http.openapi > openapi.json`")
     assert json.loads(written)["info"]["version"] == CONTRACT_VERSION
+    main(["--3.0"])
+    assert CHECKED_IN_30.read_text() == capsys.readouterr().out, (
+        "openapi-3.0.json is not the document the code makes: "
+        "`python -m capsvc.http.openapi --3.0 > openapi-3.0.json`")
+
+
+def test_both_renderings_are_valid_openapi_and_say_the_same() -> None:
+    """openapi.json is valid OpenAPI 3.1, openapi-3.0.json valid 3.0.3, and the 3.0 one
+    is the 3.1 one but for how nullable values, examples and described references are
+    written."""
+    doc = openapi_document()
+    validate(doc)
+    old = as_openapi_30(doc)
+    assert old["openapi"] == "3.0.3"
+    validate(old)
+    assert old["paths"].keys() == doc["paths"].keys()
+    assert old["components"]["schemas"].keys() == doc["components"]["schemas"].keys()
+    text = json.dumps(old)
+    assert '"type": "null"' not in text
+    assert '"examples"' not in json.dumps(old["components"])
+    first_draw = old["components"]["schemas"]["TicketIn"]["properties"]["first_draw"]
+    assert first_draw["nullable"] is True
+    assert first_draw["type"] == "integer"
 
 
 def test_the_document_names_no_game_of_any_configuration() -> None:
