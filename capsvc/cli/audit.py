@@ -56,6 +56,9 @@ def add_parsers(sub: Any) -> None:
     config.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                         help="also ask Redis (default URL: [redis] url): its clock, the "
                              "counters of a draw still retained, other hosts' tickets")
+    config.add_argument("--journals", metavar="PARENT",
+                        help="read every journal directory under PARENT (each host's: the "
+                             "copies `capsvc journal ship` keeps), with any --dir")
     common = argparse.ArgumentParser(add_help=False, parents=[config])
     common.add_argument("--game", required=True)
     common.add_argument("--draw", required=True, type=int)
@@ -68,9 +71,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--all-final", action="store_true",
                    help="write the report of every final draw that has none yet, under "
                         "--reports (never over a file)")
-    p.add_argument("--journals", metavar="PARENT",
-                   help="read every journal directory under PARENT (each host's), with "
-                        "any --dir")
     p.add_argument("--reports", metavar="DIR",
                    help="with --all-final: where to write <game>/<draw>.json and .csv "
                         "(default: PARENT/reports of --journals)")

@@ -213,6 +213,22 @@ def test_two_processes_journals_give_one_report_and_all_final_writes_it_once(
             for p in reports.iterdir()} == before
     assert [p.name for p in parent.joinpath("reports").rglob(".*")] == [".lock"]
 
+    # The reconciliation reads every host's journal the same way: one for the deployment.
+    export = parent / "sold.csv"
+    export.write_text("channel,ticket_id,total_cost\n")
+    each = capsvc("reconcile", "--config", config, "--game", GAME, "--draw", str(d), "--sold",
+                  str(export), "--format", "json", "--dir", str(parent / "pod-0"), "--dir",
+                  str(parent / "pod-1"))
+    under = capsvc("reconcile", "--config", config, "--game", GAME, "--draw", str(d),
+                   "--sold", str(export), "--format", "json", "--journals", str(parent))
+    assert under.returncode == each.returncode == 1, under.stderr
+    def found(out: str) -> dict[str, object]:
+        return {k: v for k, v in json.loads(out).items() if k != "checked_at"}
+
+    assert found(under.stdout) == found(each.stdout)
+    assert "B-CAN" not in under.stdout and "A-REJ" not in under.stdout
+    assert len(json.loads(under.stdout)["not_sold"]) == 4
+
     # A report file that is not one (cut short by a copy or a restore: capsvc writes whole
     # files) is named and left alone; every other draw is written all the same.
     other = parent / "other-reports"
