@@ -153,6 +153,8 @@ class Janitor:
             if state == b"f":  # decided, maybe never journaled: its request died
                 await journal.sale("janitor", channel_id, sale, sale_id, at, body, until,
                                    self.steps.caps.known(game, sale.first_draw, sale.draws))
+                log.info("janitor journaled a sale whose request ended before its answer",
+                         extra={"ticket_key": key})
             else:
                 await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
                                      due.cancelled_at or 0, due.released or 0)
