@@ -336,10 +336,14 @@ class Coalescer:
             self._watcher = None
         if self._queued or self._waits:
             self._flush()
-        if self._inflight or self._connecting:
-            self._idle = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        # Until what was queued is answered (or the deadline): the handshake's replies also
+        # leave nothing in flight, before the connection's own flush has sent the queue.
+        while (self._inflight or self._connecting or self._queued) and loop.time() < deadline:
+            self._idle = loop.create_future()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle, self._timeout)
+                await asyncio.wait_for(self._idle, deadline - loop.time())
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -483,6 +487,8 @@ class Coalescer:
         self._connecting = None
         self._primary_up((t.host, t.port))
         self._flush()
+        if not self._inflight:
+            self._wake_idle()  # a close waiting on this connection: nothing left to answer
 
     async def _handshake(self) -> None:
         """AUTH and SELECT; ROLE (is this node the primary?) and, with a gate, INFO (the

@@ -73,6 +73,26 @@ async def test_background_writes_are_delivered_on_close(fake_url: str) -> None:
     await reader.aclose()
 
 
+async def test_a_close_during_the_handshake_still_delivers_what_was_sent(
+        fake_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake's replies leave nothing in flight before the connection has sent the
+    queue: a close waiting then must go on waiting for the queue, not disconnect."""
+    handshake = Coalescer._handshake
+
+    async def slow_to_resume(self: Coalescer) -> None:
+        await handshake(self)
+        await asyncio.sleep(0.05)  # the connection's task resumes after the close's
+
+    monkeypatch.setattr(Coalescer, "_handshake", slow_to_resume)
+    c = Coalescer(fake_url, timeout_s=2)
+    c.send("SET", "during-handshake", "1")
+    await c.aclose()
+    monkeypatch.setattr(Coalescer, "_handshake", handshake)
+    reader = Coalescer(fake_url, timeout_s=2)
+    assert await reader.call("GET", "during-handshake") == b"1"
+    await reader.aclose()
+
+
 async def test_unreachable_redis_is_unavailable() -> None:
     """Nothing listening: every queued command fails with Unavailable, kind "connection"."""
     errors: list[str] = []
