@@ -23,7 +23,10 @@ out of one another's way while they do.
   is left. So a live process may judge on a Redis that lost another live process's
   decisions only if those were made after this process last saw the mark (its own calls
   and its watch: at most WATCH_S before the loss when idle), and only until the process that
-  lost them has looked (WATCH_S after the loss at most) and announced.
+  lost them has looked (WATCH_S after the loss at most) and announced. A process that
+  starts has seen nothing: it waits `[journal] settle` and for announcements to end before
+  it sells, as a restore does, so that a peer whose announcement Redis lost (going back
+  again during its restore) has renewed it by then.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class Reconciler:
         self._made_cache: dict[tuple[Path, int, float], dict[str, int]] = {}
         self._announced = False
         """Whether the last attempt at a restore announced it."""
+        self._fresh = True
+        """No restore has ended yet: this process has seen nothing of the marks before."""
         gate.on_unknown = self.unknown
         marks.on_behind = self.behind
 
@@ -293,9 +298,12 @@ class Reconciler:
                             raise WentBack("redis went back in time again on "
                                            f"{mark} while the journal was put back") from e
                         raise
-            if lacking_lives or went_back or announcer.marks:
+            if lacking_lives or went_back or announcer.marks or self._fresh:
                 # Every live process has looked at the marks by then (its watch), and
-                # announced its own restore if it lost anything; then none is left.
+                # announced its own restore if it lost anything; then none is left. A
+                # process that starts waits so too: it knows nothing of the others, and
+                # one restoring may have had its announcement lost with the rest (Redis
+                # going back again) and not have renewed it yet.
                 await asyncio.sleep(max(0.0, began + self.settings.journal_settle_ms / 1000
                                         - loop.time()))
                 await announcer.end()
@@ -352,6 +360,7 @@ class Reconciler:
             await asyncio.sleep(0.05)
 
     def _reconciled(self, done: Restored | None, held: list[str | None]) -> None:
+        self._fresh = False
         self.gate.reconciled.update(i for i in held if i is not None)
         self.gate.restoring = False
         self.metrics.restoring.set(0)

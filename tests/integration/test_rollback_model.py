@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -119,13 +121,12 @@ class World:
     model_rules: Rules
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
+def _world(settle: str) -> Iterator[World]:
     directory = Path(tempfile.mkdtemp(prefix="capsvc-rollback-model-"))
     config = write_failover_config(directory, cap=CAP)
     text = Path(config).read_text()
     assert 'settle = "0s"' in text
-    Path(config).write_text(text.replace('settle = "0s"', f'settle = "{SETTLE}"'))
+    Path(config).write_text(text.replace('settle = "0s"', f'settle = "{settle}"'))
     rules = load_settings(config).games[FAILOVER_GAME]
     calendar = DrawCalendar(rules)
     assert rules.cap_limit == CAP
@@ -134,6 +135,17 @@ def world() -> Iterator[World]:
                                     retention_ms=rules.retention_ms,
                                     close_ms=calendar.close_ms))
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    yield from _world(SETTLE)
+
+
+@pytest.fixture(scope="module")
+def slow_world() -> Iterator[World]:
+    """`[journal] settle` 2 s: room for a process paused for a part of it."""
+    yield from _world("2s")
 
 
 # -- HTTP, as a sales system speaks it ------------------------------------------------------
@@ -224,6 +236,9 @@ class RollbackMachine(RuleBasedStateMachine):
         """Where Redis can go back to: `reload` (the last SAVE), `restore` (the last backup),
         `flushall` (nothing)."""
         self.sold = 0
+        self.pause_restorers_s = 0.0
+        """When Redis goes back the second time (`go_back(again=True)`): how long the
+        processes then restoring are stopped."""
 
     def teardown(self) -> None:
         for proc in self.procs:
@@ -302,12 +317,22 @@ class RollbackMachine(RuleBasedStateMachine):
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 done = self.db.eval(AGAIN, 1, NODE_MARK, *args)
+                if done == 1 and self.pause_restorers_s:
+                    self._pause(starting, self.pause_restorers_s)
                 if done:
                     return bool(done == 1)
             return False
         finally:
             if thread is not None:
                 thread.join()
+
+    def _pause(self, starting: ServiceProcess | None, seconds: float) -> None:
+        """Every process but `starting` stopped (SIGSTOP) for `seconds`, as a descheduled
+        one is: its restore's announcement, lost with the rest, is not renewed meanwhile."""
+        for proc in self.procs:
+            if proc is not starting and proc.process is not None:
+                os.kill(proc.process.pid, signal.SIGSTOP)
+                threading.Timer(seconds, os.kill, (proc.process.pid, signal.SIGCONT)).start()
 
     # -- the calls, checked against the model --------------------------------------------
 
@@ -574,6 +599,28 @@ def test_a_process_started_while_another_puts_back_its_sales_sells_nothing_past_
     above tries the orders at random)."""
     RollbackMachine.world = world
     machine = RollbackMachine()
+    try:
+        machine.second()
+        machine.snapshot(backup=True, then=[])
+        for _ in range(CAP // 1000):
+            machine.act(("sell", 0, [{"numbers": list(HOT[0]), "stake": 1000}], 1, 1))
+        machine.restart(which=1, kill=True, meanwhile="restore", again=True,
+                        then=("sell", 1, [{"numbers": list(HOT[0]), "stake": 500}], 1, 1))
+        machine.every_answer_holds()
+    finally:
+        machine.teardown()
+
+
+def test_a_process_started_while_another_restoring_is_paused_waits_for_it(
+        slow_world: World) -> None:
+    """The same, process 0 stopped for 0.8 s (of a 2 s `[journal] settle`) the moment
+    Redis goes back the second time (its announcement lost with the rest, and not renewed
+    meanwhile, as a descheduled process would leave it): process 1, which starts then,
+    waits `settle` before its first sale, by when process 0 has announced again; it sells
+    nothing past process 0's sales."""
+    RollbackMachine.world = slow_world
+    machine = RollbackMachine()
+    machine.pause_restorers_s = 0.8
     try:
         machine.second()
         machine.snapshot(backup=True, then=[])
