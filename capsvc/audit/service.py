@@ -233,7 +233,11 @@ class Audit:
         report = None
         if not json_path.exists():
             report = await self.build(history, game, draw)
-        report = await asyncio.to_thread(_store, json_path, csv_path, report)
+        try:
+            report = await asyncio.to_thread(_store, json_path, csv_path, report)
+        except NotAReport as e:
+            log.error("draw report: %s; left as it is", e)
+            return
         self.on_report(gid, report.flawed)
         if report.flawed:
             log.error("draw report: %s draw %d %s", gid, draw,
@@ -275,14 +279,15 @@ def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: P
     time (`out/.lock`: another one running, nothing is done)."""
     gid = game.rules.id
     result = FinalReports(gid)
-    last = game.calendar.current(now_ms - settle_ms(settings)) - 1
+    settle = settle_ms(settings)
+    last = game.calendar.current(now_ms - settle) - 1
     if last_final is not None:
         last = min(last, last_final)
     for directory in dirs:
         until = shipped_until(directory)
         if until is None:
             continue
-        whole = until - SHIP_MARGIN_MS - settle_ms(settings)
+        whole = until - SHIP_MARGIN_MS - settle
         covered = (game.calendar.current(whole) - 1
                    if whole >= game.calendar.close_ms(1) else 0)
         if covered < last:
@@ -317,8 +322,8 @@ def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: P
             except FileExistsError:  # written meanwhile by another: never over it
                 result.existing += 1
                 continue
-            except msgspec.DecodeError as e:  # capsvc writes a report whole, or not at all
-                result.unreadable.append(f"{path(draw, '.json')}: not a report ({e})")
+            except NotAReport as e:
+                result.unreadable.append(str(e))
                 continue
             result.written.append(draw)
             if report.flawed:
@@ -338,12 +343,20 @@ def try_lock(path: Path) -> int | None:
     return fd
 
 
+class NotAReport(Exception):
+    """A report file there already that is not a report (cut short by a copy or a restore:
+    capsvc writes whole files): named, left alone, never written over."""
+
+
 def _store(json_path: Path, csv_path: Path, report: DrawReport | None) -> DrawReport:
     """Write a draw's report files, each once: `report` as JSON (None: the JSON is there
     already, a crash left the CSV out: made from it), then as CSV."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
     if report is None:
-        report = _report(json_path.read_bytes())
+        try:
+            report = _report(json_path.read_bytes())
+        except msgspec.DecodeError as e:
+            raise NotAReport(f"{json_path}: not a report ({e})") from None
     else:
         write_once(json_path, to_json(report))
     if not csv_path.exists():

@@ -240,7 +240,6 @@ def _journal_ship(args: argparse.Namespace) -> int:
     """Keep a copy of the journal directory up to date in `--to` (every `--every`), until
     SIGTERM or SIGINT and `--linger` after it (the service beside it drains meanwhile):
     then a last pass, and the copy marked whole (`ended`)."""
-    import signal
     import threading
     import time
     from pathlib import Path
@@ -455,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ship", help="keep a copy of the journal directory up to date (complete lines only; "
                      "`.shipped` says until when), until SIGTERM")
     p_ship.add_argument("--to", required=True, metavar="DIR", help="the copy's directory")
-    p_ship.add_argument("--config", help="TOML configuration (default: $CAPSVC_CONFIG)")
+    p_ship.add_argument("--config", **CONFIG_OPTION)
     p_ship.add_argument("--dir", help="journal directory (default: [journal] dir)")
     p_ship.add_argument("--every", default="10s", help="between passes (default 10s)")
     p_ship.add_argument("--linger", default="0s",

@@ -38,6 +38,7 @@ from capsvc.audit.service import (
     write_final_reports,
     write_once,
 )
+from capsvc.cli import CONFIG_OPTION
 from capsvc.config import ConfigError, Settings, load_settings, parse_duration_ms
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.games import Catalog, Game
@@ -46,10 +47,7 @@ from capsvc.domain.games import Catalog, Game
 def add_parsers(sub: Any) -> None:
     """The `report` and `reconcile` subcommands of `capsvc`."""
     config = argparse.ArgumentParser(add_help=False)
-    config.add_argument("--config", action="append", metavar="PATH",
-                        help="TOML configuration, the game's rules and [journal] dir; repeat "
-                             "it to merge several files, in order (default: $CAPSVC_CONFIG, "
-                             "paths separated by ':', else the built-in local one)")
+    config.add_argument("--config", **CONFIG_OPTION)
     config.add_argument("--dir", action="append", metavar="DIR",
                         help="a journal directory to read (repeat for every host's); "
                              "default: [journal] dir and [audit] sources")
@@ -126,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if game is not None and args.draw is not None and not (
             1 <= args.draw <= game.calendar.last_draw):
         return _fail(command, f"no draw {args.draw} of {args.game}")
-    journals = getattr(args, "journals", None)
+    journals = args.journals
     if journals is not None and not Path(journals).is_dir():
         return _fail(command, f"no such directory: {journals}")
     dirs = [Path(d) for d in args.dir or ()]

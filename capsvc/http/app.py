@@ -635,15 +635,9 @@ def _dispatch(api: Api, router: Router) -> Handler:
         handler, template, params, handlers = router.resolve(request.method,
                                                              request.rel_url.raw_path)
         request[PARAMS] = params
+        resp: web.StreamResponse
         if handler is None:
-            if template == "unmatched":
-                resp: web.StreamResponse = error_response(
-                    ApiError("not_found", "not_found", f"no route {request.path}"))
-            else:
-                resp = error_response(ApiError(
-                    "method_not_allowed", "method_not_allowed",
-                    f"{request.method} is not allowed here",
-                    headers={"Allow": ",".join(m for m in handlers if m != "HEAD")}))
+            resp = unrouted(request, template, handlers)
         elif health.in_flight >= settings.max_in_flight:
             resp = busy("too many requests in flight")
         else:
@@ -838,24 +832,34 @@ def exposition(metrics: Metrics) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def unrouted(request: web.BaseRequest, template: str, handlers: dict[str, Handler]
+             ) -> Answer:
+    """The answer to a request no route takes (`Router.resolve` found no handler): 404 for
+    a path unknown, 405 with `Allow` for a method the path does not take."""
+    if template == "unmatched":
+        return error_response(ApiError("not_found", "not_found", f"no route {request.path}"))
+    return error_response(ApiError(
+        "method_not_allowed", "method_not_allowed", f"{request.method} is not allowed here",
+        headers={"Allow": ",".join(m for m in handlers if m != "HEAD")}))
+
+
 def metrics_handler(metrics: Metrics) -> Handler:
     """The metrics listener's only route (`[server] metrics_port`): `GET /metrics` (and
-    HEAD); any other path is 404, another method 405, in the API's error format. Scrapes
-    are timed as on the API port (route `/metrics`)."""
+    HEAD); any other path is 404, another method 405, as on the API port. Scrapes are timed
+    as on the API port (route `/metrics`)."""
+    async def scrape(request: web.BaseRequest) -> web.StreamResponse:
+        return exposition(metrics)
+
+    router = Router()
+    router.add("GET", "/metrics", scrape)
+
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
-        route = "/metrics"
-        resp: web.StreamResponse
-        if request.path != "/metrics":
-            route = "unmatched"
-            resp = error_response(ApiError("not_found", "not_found", f"no route {request.path}"))
-        elif request.method not in ("GET", "HEAD"):
-            resp = error_response(ApiError(
-                "method_not_allowed", "method_not_allowed",
-                f"{request.method} is not allowed here", headers={"Allow": "GET"}))
-        else:
-            resp = exposition(metrics)
-        metrics.request(route, request.method, resp.status, time.perf_counter() - started)
+        handler, template, _, handlers = router.resolve(request.method,
+                                                        request.rel_url.raw_path)
+        resp = (unrouted(request, template, handlers) if handler is None
+                else await handler(request))
+        metrics.request(template, request.method, resp.status, time.perf_counter() - started)
         return resp
 
     return handle

@@ -171,23 +171,17 @@ def test_claimed_sale_of_a_closed_draw_is_voided_after_a_restart(
     assert (status, staked, left) == (404, 0, 0)
 
 
-def test_counted_sale_of_a_closed_draw_is_journaled_accepted_after_a_restart(
-        tmp_path: Path, redis: RedisServer) -> None:
-    """Steps: every grid counted, the decision never written, the process killed, the draw
-    closed: the restarted service writes and journals the decision, GET shows it."""
-    _, tid, draw, journal, service = _killed_mid_sale(
-        tmp_path, redis, "steps", "capsvc_finalize", hold=True)
-    records, status, (got, staked), left = _settled(redis, service, journal, tid, draw)
-    assert [(r["type"], r["via"]) for r in records] == [("sale", "janitor")]
-    assert (status, got["status"], staked, left) == (200, "accepted", 500, 0)
-
-
-def test_one_call_sale_of_a_closed_draw_is_journaled_after_a_restart(
-        tmp_path: Path, redis: RedisServer) -> None:
-    """One call: Redis ran the sale, its reply never came back, the process killed, the draw
-    closed: the restarted service journals the decision Redis holds."""
-    _, tid, draw, journal, service = _killed_mid_sale(
-        tmp_path, redis, "one", "capsvc_sell", hold=False)
+@pytest.mark.parametrize(("calls", "held", "hold"), [
+    # Steps: every grid counted, the decision never written.
+    ("steps", "capsvc_finalize", True),
+    # One call: Redis ran the sale, its reply never came back.
+    ("one", "capsvc_sell", False),
+])
+def test_a_counted_sale_of_a_closed_draw_is_journaled_accepted_after_a_restart(
+        tmp_path: Path, redis: RedisServer, calls: str, held: str, hold: bool) -> None:
+    """The sale counted in Redis, its process killed before it journaled the decision, the
+    draw closed: the restarted service writes and journals the decision, GET shows it."""
+    _, tid, draw, journal, service = _killed_mid_sale(tmp_path, redis, calls, held, hold=hold)
     records, status, (got, staked), left = _settled(redis, service, journal, tid, draw)
     assert [(r["type"], r["via"]) for r in records] == [("sale", "janitor")]
     assert (status, got["status"], staked, left) == (200, "accepted", 500, 0)

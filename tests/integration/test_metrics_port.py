@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 import redis
 
-from tests.conftest import CONFIG, TEN, Client, ticket
-from tests.integration.test_workers import samples, wait_ready
+from tests.conftest import CONFIG, Client
+from tests.integration.test_workers import samples, sell_through_both, wait_ready
 from tests.support.servers import RedisServer, free_port
 
 Served = tuple[subprocess.Popen[bytes], str, str, Path]
@@ -62,16 +62,7 @@ async def test_the_metrics_port_shows_every_worker_and_the_api_port_none(
     connector = aiohttp.TCPConnector(force_close=True)  # new connections: both workers
     async with aiohttp.ClientSession(connector=connector) as session:
         await wait_ready(session, url, log)
-        client = Client(session, url)
-        served_by: set[str] = set()
-        sold = 0
-        while len(served_by) < 2 and sold < 400:  # the workers take connections in turn
-            replies = await asyncio.gather(*[
-                client.sell(ticket([{"numbers": TEN[:4], "stake": 100}])) for _ in range(20)])
-            assert {r.status for r in replies} == {200}
-            sold += len(replies)
-            served_by |= {r.headers["X-Request-ID"].split("-")[0] for r in replies}
-        assert len(served_by) == 2
+        sold = await sell_through_both(Client(session, url))
         await asyncio.sleep(1.5)  # each worker applies its tallies once a second
         for _ in range(6):
             async with session.get(metrics_url + "/metrics") as resp:

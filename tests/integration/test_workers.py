@@ -51,6 +51,22 @@ def workers(redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis,
         proc.wait()
 
 
+async def sell_through_both(client: Client) -> int:
+    """Sales on new connections until both workers have answered some: how many (the
+    workers take connections in turn)."""
+    served_by: set[str] = set()
+    sold = 0
+    while len(served_by) < 2 and sold < 400:
+        replies = await asyncio.gather(*[
+            client.sell(ticket([{"numbers": TEN[:4], "stake": 100}])) for _ in range(20)])
+        assert {r.status for r in replies} == {200}
+        sold += len(replies)
+        # generated request ids start with the worker's pid
+        served_by |= {r.headers["X-Request-ID"].split("-")[0] for r in replies}
+    assert len(served_by) == 2
+    return sold
+
+
 async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path | None = None,
                      timeout_s: float = 20) -> None:
     """Until two different workers have answered /readyz (generated request ids start
@@ -83,16 +99,7 @@ async def test_two_workers_one_view_one_drain(
     async with aiohttp.ClientSession(connector=connector) as session:
         await wait_ready(session, url)
         client = Client(session, url)
-        served_by: set[str] = set()
-        sold = 0
-        while len(served_by) < 2 and sold < 400:  # the workers take connections in turn
-            replies = await asyncio.gather(*[
-                client.sell(ticket([{"numbers": TEN[:4], "stake": 100}])) for _ in range(20)])
-            assert {r.status for r in replies} == {200}
-            sold += len(replies)
-            # generated request ids start with the worker's pid
-            served_by |= {r.headers["X-Request-ID"].split("-")[0] for r in replies}
-        assert len(served_by) == 2
+        sold = await sell_through_both(client)
         await asyncio.sleep(1.5)  # each worker applies its tallies once a second
         for _ in range(6):
             text = (await client.get("/metrics", token=None)).raw.decode()

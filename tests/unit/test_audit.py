@@ -397,3 +397,25 @@ async def test_a_file_read_once_is_skipped_for_draws_it_does_not_hold_until_it_g
     await book.sell(sale("B", [{"numbers": HOT, "stake": 500}], first=DRAW + 1), [[ACCEPTED]])
     grown = read_history([tmp_path / "j"], GAME, range(DRAW + 1, DRAW + 2), spans=spans)
     assert [s.record.ticket for s in grown.sales.values()] == ["B"]
+
+
+async def test_the_service_leaves_a_report_file_that_is_not_a_report_and_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A `<draw>.json` cut short (by a copy or a restore) in the service's reports: named in
+    an error, left as it is, no CSV made from it, and no exception out of the writer (the
+    next draws are written all the same)."""
+    import dataclasses
+
+    from capsvc.audit.service import Audit
+    from capsvc.domain.games import Catalog
+
+    settings = dataclasses.replace(load_settings(CONFIG), journal_dir=str(tmp_path))
+    audit = Audit(settings, Catalog(settings.games), None, None, None, None,  # type: ignore[arg-type]
+                  None)  # type: ignore[arg-type]
+    cut = audit.path("fdj-keno", DRAW, ".json")
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes(b'{"format": 2, "game": "fdj-ke')
+    await audit._write(GAME, DRAW, None)  # type: ignore[arg-type]
+    assert cut.read_bytes() == b'{"format": 2, "game": "fdj-ke'
+    assert not audit.path("fdj-keno", DRAW, ".csv").exists()
+    assert f"{cut}: not a report" in caplog.text

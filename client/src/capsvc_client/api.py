@@ -25,7 +25,16 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import (
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    overload,
+)
 from urllib.parse import quote
 
 import aiohttp
@@ -665,14 +674,24 @@ class _Blocking(Generic[P, T]):
         return call
 
 
+class ClientOptions(TypedDict, total=False):
+    """`Client`'s options but its session (their defaults are `Client`'s), as `SyncClient`
+    takes them: checked by name and type."""
+
+    timeout_s: float
+    deadline_s: float
+    backoff_s: float
+    max_backoff_s: float
+    connections: int
+    batch_size: int
+    batch_linger_s: float
+
+
 class SyncClient:
     """The same methods as `Client`, blocking (for scripts): one event loop in a thread of
     its own, one connection pool. `with SyncClient(url, token) as c: c.sell({...})`."""
 
-    def __init__(self, base_url: str, token: str, *, timeout_s: float = 5.0,
-                 deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
-                 connections: int = 100, batch_size: int = 64, batch_linger_s: float = 0.001
-                 ) -> None:
+    def __init__(self, base_url: str, token: str, **options: Unpack[ClientOptions]) -> None:
         """The options are `Client`'s (but its own aiohttp session: the client runs in a
         loop of its own)."""
         self._closing = threading.Lock()
@@ -685,10 +704,7 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="capsvc-client")
         self._thread.start()
-        self._client = Client(base_url, token, timeout_s=timeout_s, deadline_s=deadline_s,
-                              backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                              connections=connections, batch_size=batch_size,
-                              batch_linger_s=batch_linger_s)
+        self._client = Client(base_url, token, **options)
         self._run(self._client.__aenter__())
 
     def _run(self, step: Awaitable[T]) -> T:
