@@ -242,7 +242,9 @@ def test_two_processes_journals_give_one_report_and_all_final_writes_it_once(
     assert f"{written[0]}.json: not a report" in damaged.stderr
     assert "Traceback" not in damaged.stderr
     assert (other / GAME / f"{written[0]}.json").read_bytes() == cut[:len(cut) // 2]
-    assert sorted(int(p.stem) for p in (other / GAME).glob("*.csv")) == written[1:]
+    made = {int(p.stem) for p in (other / GAME).glob("*.csv")}
+    assert written[0] not in made
+    assert set(written[1:]) <= made  # and any draw final since the first run
 
 
 def test_a_shipped_copy_is_whole_and_a_copy_behind_holds_its_draws(
