@@ -25,6 +25,7 @@ from capsvc.redis.store import TICKET_BUCKETS, pending_key, ticket_key
 from tests.conftest import CONFIG, TEN, Client, past_deadline, start_service, ticket
 from tests.integration.test_journaled import indexed, journaled
 from tests.records import held
+from tests.support.servers import redis_ms
 
 
 def refused(*args: object, **kwargs: object) -> Any:
@@ -238,11 +239,6 @@ async def test_a_stop_whose_answer_was_not_journaled_is_journaled_by_the_report(
     assert [(s.channel, s.game) for s in stops] == [("", "fdj-keno")]
 
 
-def _redis_ms(db: Any) -> int:
-    s, us = db.time()
-    return int(s) * 1000 + int(us) // 1000
-
-
 @pytest.fixture
 def steps_settings(base_settings: Settings, tmp_path: Path) -> Settings:
     """Sales in steps (as on a cluster, or a game with a daily limit)."""
@@ -276,14 +272,14 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
             await asyncio.sleep(0.01)
             await clock.sync()
             await asyncio.to_thread(busy.join)
-            ahead = clock.now() - _redis_ms(redis_db)
+            ahead = clock.now() - redis_ms(redis_db)
             assert ahead > 60
-            draw = game.calendar.current(_redis_ms(redis_db))
+            draw = game.calendar.current(redis_ms(redis_db))
             close = game.calendar.close_ms(draw)
-            if close - _redis_ms(redis_db) < 2000:
+            if close - redis_ms(redis_db) < 2000:
                 draw += 1
                 close = game.calendar.close_ms(draw)
-            await asyncio.sleep(max(0, close - _redis_ms(redis_db) - ahead // 2) / 1000)
+            await asyncio.sleep(max(0, close - redis_ms(redis_db) - ahead // 2) / 1000)
             body = ticket([{"numbers": TEN, "stake": 500}], game="minute-keno",
                           first_draw=draw)
             with pytest.MonkeyPatch.context() as mp:
@@ -292,7 +288,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
             key = ticket_key("fr-retail", body["ticket_id"])
             assert int(held(redis_db, key, "at")) < close
             settle = steps_settings.pending_deadline_ms + 2 * steps_settings.janitor_interval_ms
-            await asyncio.sleep(max(0, close + settle + 500 - _redis_ms(redis_db)) / 1000)
+            await asyncio.sleep(max(0, close + settle + 500 - redis_ms(redis_db)) / 1000)
             assert indexed(redis_db) == 1
             assert await svc.usecases.audit.last_final(game) < draw
             await svc.usecases.audit.write_due()

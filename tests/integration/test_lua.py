@@ -39,7 +39,7 @@ from capsvc.redis.store import (
     ticket_key,
 )
 from tests.records import RawPlayers, TicketRecords, raw_cancel, raw_claim, raw_expire
-from tests.support.servers import RedisCluster, RedisServer
+from tests.support.servers import RedisCluster, RedisServer, redis_ms
 
 GAME = "g"
 COMBO = encode([3, 7, 12, 18, 25, 33, 41, 56, 60, 70])
@@ -49,12 +49,6 @@ CAP, MIN = 5000, 100
 FIRST = 100
 HOUR, DAY = 3_600_000, 86_400_000
 PLAYER, REGULATORY = "P-1", 1000
-
-
-def redis_ms(db: Any) -> int:
-    """Redis TIME of the test server, in ms since the Unix epoch."""
-    sec, usec = db.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 def new_sale() -> str:

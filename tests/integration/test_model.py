@@ -37,7 +37,7 @@ from capsvc.domain.calendar import DrawCalendar
 from capsvc.redis.store import bucket_keys, record_bucket_of, ticket_key
 from tests.model import MARGIN_MS, Expected, Model, Rules
 from tests.records import unpack
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, redis_ms
 from tests.support.service import ServiceProcess
 
 TOKENS = {"fr": "m-fr", "pf": "m-pf", "ops": "m-ops"}
@@ -153,8 +153,7 @@ class SaleMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------
 
     def now(self) -> int:
-        sec, usec = self.world.db.time()
-        return int(sec) * 1000 + int(usec) // 1000
+        return redis_ms(self.world.db)
 
     def call(self, method: str, path: str, channel: str, body: Any = None
              ) -> requests.Response:
@@ -404,8 +403,7 @@ def test_a_ticket_id_used_again_after_its_retention_is_a_new_sale(world: Fixture
                          headers={"Authorization": f"Bearer {TOKENS[channel]}"})
 
     def now() -> int:
-        sec, usec = world.db.time()
-        return int(sec) * 1000 + int(usec) // 1000
+        return redis_ms(world.db)
 
     grid = [{"numbers": list(COMBOS[0]), "stake": 500}]
     first = calendar.current(now()) + 1
@@ -445,8 +443,7 @@ def test_the_janitor_sweeps_a_record_its_bucket_outlives(world: Fixture) -> None
     bucket = record_bucket_of(first_key)
 
     def now() -> int:
-        sec, usec = world.db.time()
-        return int(sec) * 1000 + int(usec) // 1000
+        return redis_ms(world.db)
 
     draw = calendar.current(now()) + 1
     for ticket_id, first_draw in ((first_id, draw), (second_id, draw + 4)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import redis
@@ -26,14 +25,9 @@ from capsvc.redis.store import (
 )
 from tests.conftest import TEN, Client, ticket
 from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire, raw_ticket
-from tests.support.servers import RedisCluster, RedisServer
+from tests.support.servers import RedisCluster, RedisServer, redis_ms
 
 HOUR, DAY = 3_600_000, 86_400_000
-
-
-def redis_ms(db: Any) -> int:
-    sec, usec = db.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 @pytest.fixture

@@ -24,6 +24,12 @@ from capsvc.redis.embedded import server_binary, stop_process
 from tests.support.faults import PartitionProxy
 
 
+def redis_ms(db: Any) -> int:
+    """Redis TIME of `db`, in milliseconds since the Unix epoch (what Lua calls now)."""
+    sec, usec = db.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
