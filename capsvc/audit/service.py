@@ -208,17 +208,13 @@ class Audit:
         gid = game.rules.id
         last = await self.last_final(game)
         first = self._next.get(gid) or max(1, game.calendar.current(self._began_ms()))
-        missing = [d for d in range(first, last + 1)
-                   if not (self.path(gid, d, ".json").exists()
-                           and self.path(gid, d, ".csv").exists())]
-        for start in range(0, len(missing), BATCH):
-            chunk = missing[start:start + BATCH]
-            # The files read once and holding none of these draws are skipped (spans).
-            history = await self.history(game, range(chunk[0], chunk[-1] + 1))
+        missing = unreported(self.directory / REPORTS / gid, range(first, last + 1))
+        for chunk in missing:
+            history = await self.history(game, spanning(chunk))
             for draw in chunk:
                 await self._write(game, draw, history)
         self._next[gid] = max(first, last + 1)
-        return len(missing)
+        return sum(map(len, missing))
 
     def _began_ms(self) -> int:
         """When this journal directory's oldest file was opened, within `[journal] keep`."""
@@ -305,15 +301,11 @@ def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: P
     def path(draw: int, suffix: str) -> Path:
         return out / gid / f"{draw}{suffix}"
 
-    missing = []
-    for draw in range(first, last + 1):
-        if path(draw, ".json").exists() and path(draw, ".csv").exists():
-            result.existing += 1
-        else:
-            missing.append(draw)
-    for start in range(0, len(missing), BATCH):
-        chunk = missing[start:start + BATCH]
-        history = read_history(dirs, game, range(chunk[0], chunk[-1] + 1))
+    draws = range(first, last + 1)
+    missing = unreported(out / gid, draws)
+    result.existing = len(draws) - sum(map(len, missing))
+    for chunk in missing:
+        history = read_history(dirs, game, spanning(chunk))
         for draw in chunk:
             report = None if path(draw, ".json").exists() else build(
                 history, game, draw, built_ms=now_ms, final=True)
@@ -329,6 +321,21 @@ def write_final_reports(settings: Settings, game: Game, dirs: list[Path], out: P
             if report.flawed:
                 result.flawed.append(draw)
     return result
+
+
+def unreported(reports: Path, draws: range) -> list[list[int]]:
+    """The draws of `draws` whose report files are not both under `reports`, BATCH at most
+    a list: each list's draws are read with one pass over the journal (spanning(), the files
+    holding none of them skipped)."""
+    missing = [draw for draw in draws
+               if not ((reports / f"{draw}.json").exists()
+                       and (reports / f"{draw}.csv").exists())]
+    return [missing[i:i + BATCH] for i in range(0, len(missing), BATCH)]
+
+
+def spanning(draws: list[int]) -> range:
+    """The draws from the first of `draws` to the last."""
+    return range(draws[0], draws[-1] + 1)
 
 
 def try_lock(path: Path) -> int | None:
