@@ -20,7 +20,9 @@ out of one another's way while they do.
   until `[journal] settle` has passed since its restore began — every live process has
   looked at the marks by then (WATCH_S) and announced its own restore if it lost anything —
   and, like any process that found Redis behind it, sells again only once no announcement
-  is left. So a live process may judge on a Redis that lost another live process's
+  is left. Meanwhile it looks at the marks as its watch would: Redis that went back again
+  and lost what it put back makes it restore again at once (announcing first), not once
+  the others' announcements have ended. So a live process may judge on a Redis that lost another live process's
   decisions only if those were made after this process last saw the mark (its own calls
   and its watch: at most WATCH_S before the loss when idle), and only until the process that
   lost them has looked (WATCH_S after the loss at most) and announced. A process that
@@ -35,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,8 @@ after its restore's end it still holds the processes (they cannot tell whose it 
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
 (a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
+PEERS_POLL_S = 0.05
+"""How often a process waiting for the others' announcements to end reads them."""
 RETRY_S = 0.2
 """The pause before a failed restore is tried again: shorter than ANNOUNCE_MS, so that an
 announcement the failed attempt made still holds when the next one renews it."""
@@ -303,24 +308,23 @@ class Reconciler:
                 # announced its own restore if it lost anything; then none is left. A
                 # process that starts waits so too: it knows nothing of the others, and
                 # one restoring may have had its announcement lost with the rest (Redis
-                # going back again) and not have renewed it yet.
-                await asyncio.sleep(max(0.0, began + self.settings.journal_settle_ms / 1000
-                                        - loop.time()))
+                # going back again) and not have renewed it yet. Meanwhile it looks, as its
+                # watch would, whether Redis lost again what it put back: then it runs
+                # again at once, announcing at once, before another process judges on it.
+                def still() -> Awaitable[dict[str, int]]:
+                    return self._still(store, marks, names, floor, made)
+
+                period = WATCH_S if store.single_node else WATCH_CLUSTER_S
+                settled = began + self.settings.journal_settle_ms / 1000
+                while (left := settled - loop.time()) > 0:
+                    await asyncio.sleep(min(period, left))
+                    await still()
                 await announcer.end()
-                await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}))
-                # Redis may have gone back again while the restore waited (its watch does
-                # not look meanwhile, and other processes' restores raise G): what it put
-                # back must still be there, or it runs again. What was seen beyond G was
-                # lost by other processes, which have put back what they answered: G goes
-                # on from what is read here.
-                for mark in marks:
-                    held_now = await store.mark_state(mark, names)
-                    g = held_now.g
-                    if g < floor[mark] or any(
-                            held_now.lives[i] < made[life].get(mark, 0)
-                            for i, life in enumerate(names)):
-                        raise WentBack(f"redis went back in time again on {mark} while "
-                                       "the journal was put back")
+                await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}),
+                                           still, period)
+                # What was seen beyond G was lost by other processes, which have put back
+                # what they answered: G goes on from what is read here.
+                for mark, g in (await still()).items():
                     self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
             return done, held
         finally:
@@ -340,10 +344,28 @@ class Reconciler:
             cached = self._made_cache[key] = made_by(life)
         return cached
 
-    async def _wait_for_peers(self, store: Store, marks: list[str]) -> None:
-        """Until no process announces a restore any more (PEERS_WAIT_S at most)."""
+    @staticmethod
+    async def _still(store: Store, marks: list[str], names: list[str], floor: dict[str, int],
+                    made: dict[str, dict[str, int]]) -> dict[str, int]:
+        """The G of each of `marks`; WentBack when Redis lost what the restore put back
+        (other processes' restores raise G, never lower it)."""
+        gs = {}
+        for mark in marks:
+            state = await store.mark_state(mark, names)
+            if state.g < floor[mark] or any(state.lives[i] < made[life].get(mark, 0)
+                                            for i, life in enumerate(names)):
+                raise WentBack(f"redis went back in time again on {mark} while the journal "
+                               "was put back")
+            gs[mark] = state.g
+        return gs
+
+    async def _wait_for_peers(self, store: Store, marks: list[str],
+                              still: Callable[[], Awaitable[object]], period: float) -> None:
+        """Until no process announces a restore any more (PEERS_WAIT_S at most), `still()`
+        every `period` meanwhile."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PEERS_WAIT_S
+        looked = loop.time()
         said = False
         while True:
             now = await store.time_ms()
@@ -357,7 +379,10 @@ class Reconciler:
             if not said:
                 log.info("journal: waiting for other processes' restores before selling")
                 said = True
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(PEERS_POLL_S)
+            if loop.time() - looked >= period:
+                await still()
+                looked = loop.time()
 
     def _reconciled(self, done: Restored | None, held: list[str | None]) -> None:
         self._fresh = False

@@ -628,3 +628,55 @@ def test_a_process_started_while_another_restoring_is_paused_waits_for_it(
     waits `settle` before its first sale, by when process 0 has announced again; it sells
     nothing past process 0's sales."""
     _fill_then_start_another(slow_world, pause_s=0.8)
+
+
+OTHER_RESTORING_MS = 4000
+"""How long the restore of a third process, announced by the test, holds the others."""
+
+
+def _back_to_point(machine: RollbackMachine, announced_until: int) -> None:
+    """Redis back to the backup, with a third process's announcement until
+    `announced_until` (Redis TIME, ms), in one transaction."""
+    pipe = machine.db.pipeline(transaction=True)
+    pipe.flushall()
+    for key, ttl, value in machine.points["restore"].keys:
+        pipe.restore(key, ttl, value, replace=True)
+    pipe.hset(NODE_MARK, "!", announced_until)
+    pipe.execute()
+
+
+def _logged(proc: ServiceProcess, text: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while text not in proc.log.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_restore_waiting_for_another_sees_redis_go_back_again_at_once(world: World) -> None:
+    """Process 0 fills a combination; Redis goes back to before it, while a third process
+    restores (its announcement, written by the test, holds 4 s). Process 0 puts its sales
+    back, settles and waits for that one. Redis goes back once more, with the third
+    process's announcement: process 0 sees it and restores again, announcing, while the
+    other still holds, not once it has ended; process 1 then sells nothing past process 0's
+    sales."""
+    RollbackMachine.world = world
+    machine = RollbackMachine()
+    try:
+        machine.second()
+        machine.snapshot(backup=True, then=[])
+        for _ in range(CAP // 1000):
+            machine.act(("sell", 0, [{"numbers": list(HOT[0]), "stake": 1000}], 1, 1))
+        _back_to_point(machine, redis_ms(machine.db) + OTHER_RESTORING_MS)
+        waiting = "waiting for other processes' restores"
+        assert _logged(machine.procs[0], waiting, OTHER_RESTORING_MS / 1000)
+        until = redis_ms(machine.db) + OTHER_RESTORING_MS
+        _back_to_point(machine, until)
+        assert _logged(machine.procs[0], "restoring again", 2 * OTHER_RESTORING_MS / 1000)
+        assert redis_ms(machine.db) < until, (
+            "process 0 saw Redis go back again only once the other's restore had ended")
+        machine.act(("sell", 1, [{"numbers": list(HOT[0]), "stake": 500}], 1, 1))
+        machine.every_answer_holds()
+    finally:
+        machine.teardown()
