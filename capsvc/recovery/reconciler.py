@@ -22,10 +22,11 @@ out of one another's way while they do.
   and, like any process that found Redis behind it, sells again only once no announcement
   is left. Meanwhile it looks at the marks as its watch would: Redis that went back again
   and lost what it put back makes it restore again at once (announcing first), not once
-  the others' announcements have ended. So a live process may judge on a Redis that lost another live process's
-  decisions only if those were made after this process last saw the mark (its own calls
-  and its watch: at most WATCH_S before the loss when idle), and only until the process that
-  lost them has looked (WATCH_S after the loss at most) and announced. A process that
+  the others' announcements have ended. So a live process may judge on a Redis that lost
+  another live process's decisions only if those were made after this process last saw the
+  mark (its own calls and its watch: at most WATCH_S before the loss when idle), and only
+  until the process that lost them has looked (WATCH_S after the loss at most) and
+  announced. A process that
   starts has seen nothing: it waits `[journal] settle` and for announcements to end before
   it sells, as a restore does, so that a peer whose announcement Redis lost (going back
   again during its restore) has renewed it by then.
