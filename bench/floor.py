@@ -138,8 +138,8 @@ def timed_library() -> str:
     if missing:
         raise SystemExit(f"capsvc_sell changed: no anchor for {sorted(missing)} (SECTIONS)")
     timed = source[:start] + CLOCK + "\n".join(out) + source[end:]
-    return timed.replace("redis.register_function('capsvc_sell', marked(sell))",
-                         "redis.register_function('capsvc_sell', marked(sell))\n"
+    return timed.replace("register_marked('capsvc_sell', sell)",
+                         "register_marked('capsvc_sell', sell)\n"
                          "redis.register_function('capsvc_sections', sections)")
 
 

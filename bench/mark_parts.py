@@ -86,7 +86,7 @@ def main() -> int:
                         if name == "plain":
                             pipe.fcall("plain", 1, "h", field, value)
                         else:
-                            pipe.fcall(name, 2, "h", "m:{marks}", field, value,
+                            pipe.fcall(name, 1, "h", field, value, "m:{marks}",
                                        "life1234abcd5678", "0:0:0")
                     pipe.execute()
                 cpu = (cpu_seconds(pid) - before) / args.calls * 1e6

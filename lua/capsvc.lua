@@ -5,7 +5,8 @@ FCALL on the hot path). Functions rather than EVALSHA: the library is persisted 
 AOF/RDB and replicated, so a restarted or promoted Redis has it without a reload, and a
 cluster pipeline accepts FCALL.
 
-THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}).
+THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}),
+but for the node's mark a marked function also writes (see MARKS).
 
   ticket record  a field of a bucket r:{t:NN}:<m> (see TICKET RECORDS); the ticket's name,
                  what the pending index and the callers know it by, is
@@ -107,16 +108,27 @@ whether Redis went back in time behind it (a failover that lost writes, a restar
 older file, a backup put back, a rollback in place, FLUSHALL).
 
   mark   m:{<tag>}   hash, TTL MARK_TTL_MS (pushed on by every process's watch)
-           "*"      -> G, the count of marked writes this node (standalone) or slot
-                       (cluster: one mark per slot, its tag chosen to hash to it) has run
+           "*"      -> G, the count of marked writes this node has run
            <life>   -> the G of the newest write of process lifetime <life>
            "#<life>" -> how many writes lifetime <life> has made
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
 
-Every marked function takes the mark as its LAST key and, as its last two ARGV, the caller's
-life and what it knows of the mark, "<G seen>:<G of its own newest write answered>:<its
-writes sent before this one>" (life "": a tool, neither checked nor counted). The call is
+One mark per NODE: m:{marks} on a standalone (or Sentinel-managed) Redis; on a cluster, each
+primary's mark is m:{<tag>} with <tag> hashing to the lowest slot it serves
+(capsvc/redis/marks.py), so that every call a node runs, whatever its slot, counts in and is
+checked against the one mark of that node: a node that goes back in time goes back as a
+whole, and a process that never used some of its slots still refuses on it as soon as it
+has seen its G (its calls there, or its watch, which reads every node's mark). A node's
+mark is in another slot than the call's keys: the marked functions are registered
+`allow-cross-slot-keys` and name the mark in ARGV (a key of another slot is not declared,
+and the cluster refuses declared keys of several slots); Redis lets a script reach an
+undeclared key of another slot of its own node, and refuses one of another node ("non local
+key": nothing ran; the caller's slot map is out of date).
+
+Every marked function takes, as its last three ARGV, the mark, the caller's life and what it
+knows of the mark, "<G seen>:<G of its own newest write answered>:<its writes sent before
+this one>" (life "": a tool, neither checked nor counted). The call is
 refused with BEHIND (nothing run) when the mark is behind what the caller knows: G lower
 than the G it last saw (any process's writes lost), its own field lower than its newest
 write answered, or fewer of its writes than it sent before this call and did not see fail
@@ -151,9 +163,9 @@ end
 
 local function marked(fn)
   return function(keys, args)
-    local mark = table.remove(keys)
     local seen = table.remove(args)
     local life = table.remove(args)
+    local mark = table.remove(args)
     if life == '' then
       return {0, fn(keys, args)}
     end
@@ -1670,19 +1682,25 @@ local function restore_budgets(keys, args)
   return out
 end
 
+-- A marked function: its mark may sit in another slot of the node (see MARKS).
+local function register_marked(name, fn)
+  redis.register_function{function_name = name, callback = marked(fn),
+                          flags = {'allow-cross-slot-keys'}}
+end
+
 redis.register_function('capsvc_index', index)
-redis.register_function('capsvc_claim', marked(claim))
-redis.register_function('capsvc_ticket', marked(ticket))
+register_marked('capsvc_claim', claim)
+register_marked('capsvc_ticket', ticket)
 redis.register_function('capsvc_sweep', sweep)
-redis.register_function('capsvc_finalize', marked(finalize))
-redis.register_function('capsvc_unclaim', marked(unclaim))
+register_marked('capsvc_finalize', finalize)
+register_marked('capsvc_unclaim', unclaim)
 redis.register_function('capsvc_journaled_many', journaled_many)
-redis.register_function('capsvc_expire', marked(expire))
-redis.register_function('capsvc_cancel', marked(cancel))
-redis.register_function('capsvc_cancelled', marked(cancelled))
-redis.register_function('capsvc_reserve', marked(reserve))
-redis.register_function('capsvc_release', marked(release))
-redis.register_function('capsvc_stop', marked(stop))
+register_marked('capsvc_expire', expire)
+register_marked('capsvc_cancel', cancel)
+register_marked('capsvc_cancelled', cancelled)
+register_marked('capsvc_reserve', reserve)
+register_marked('capsvc_release', release)
+register_marked('capsvc_stop', stop)
 redis.register_function('capsvc_sold_out', sold_out_add)
 redis.register_function('capsvc_feed_event', feed_event)
 redis.register_function('capsvc_feed_closed', feed_closed)
@@ -1691,12 +1709,12 @@ redis.register_function{function_name = 'capsvc_exposure', callback = exposure,
 redis.register_function('capsvc_aggregate', aggregate)
 redis.register_function{function_name = 'capsvc_aggregate_sum', callback = aggregate_sum,
                         flags = {'no-writes'}}
-redis.register_function('capsvc_budget', marked(budget))
-redis.register_function('capsvc_stake', marked(stake))
-redis.register_function('capsvc_settle', marked(settle))
-redis.register_function('capsvc_set_limit', marked(set_limit))
-redis.register_function('capsvc_player', marked(player))
-redis.register_function('capsvc_sell', marked(sell))
+register_marked('capsvc_budget', budget)
+register_marked('capsvc_stake', stake)
+register_marked('capsvc_settle', settle)
+register_marked('capsvc_set_limit', set_limit)
+register_marked('capsvc_player', player)
+register_marked('capsvc_sell', sell)
 redis.register_function('capsvc_restore_ticket', restore_ticket)
 redis.register_function('capsvc_restore_grid', restore_grid)
 redis.register_function('capsvc_restore_limit', restore_limit)

@@ -5,8 +5,9 @@ out of one another's way while they do.
   has not reconciled (the gate, capsvc.redis.gate: a failover, a restart); a marked call
   that Redis refused because its mark is behind what the process saw (capsvc.redis.marks: a
   rollback in place, an emptied Redis, a backup put back); and the watch, which reads the
-  marks every WATCH_S on the process's own connection, so that an idle process notices as
-  soon as one that sells.
+  marks of every node every WATCH_S on the process's own connection, so that an idle
+  process notices as soon as one that sells, and a node it never wrote to is judged against
+  what it saw there all the same.
 - **What is restored.** For this process's lifetime and every lifetime of the journal
   directory whose process is gone (the lifetimes before it; a worker that died), the records
   the Redis lacks: those stamped above the lifetime's field in the mark
@@ -15,21 +16,21 @@ out of one another's way while they do.
   nothing costs a read of the marks; a failover that lost the last seconds, the read of the
   files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
   what it had written, never lowered.
-- **Several processes.** A process that restores announces it in the marks (lua/capsvc.lua,
-  MARKS): every marked call of every process is refused meanwhile. It keeps announcing
-  until `[journal] settle` has passed since its restore began — every live process has
-  looked at the marks by then (WATCH_S) and announced its own restore if it lost anything —
-  and, like any process that found Redis behind it, sells again only once no announcement
-  is left. Meanwhile it looks at the marks as its watch would: Redis that went back again
-  and lost what it put back makes it restore again at once (announcing first), not once
-  the others' announcements have ended. So a live process may judge on a Redis that lost
-  another live process's decisions only if those were made after this process last saw the
-  mark (its own calls and its watch: at most WATCH_S before the loss when idle), and only
-  until the process that lost them has looked (WATCH_S after the loss at most) and
-  announced. A process that
-  starts has seen nothing: it waits `[journal] settle` and for announcements to end before
-  it sells, as a restore does, so that a peer whose announcement Redis lost (going back
-  again during its restore) has renewed it by then.
+- **Several processes.** A process that restores announces it in every node's mark
+  (lua/capsvc.lua, MARKS): every marked call of every process is refused meanwhile. It
+  keeps announcing until `[journal] settle` has passed since its restore began — every live
+  process has looked at the marks by then (WATCH_S) and announced its own restore if it
+  lost anything — and, like any process that found Redis behind it, sells again only once
+  no announcement is left. Meanwhile it looks at the marks as its watch would: Redis that
+  went back again and lost what it put back makes it restore again at once (announcing
+  first), not once the others' announcements have ended. So a live process may judge on a
+  node that lost another live process's decisions only if those were made after this
+  process last saw the node's mark (its own calls there and its watch, which reads every
+  node's: at most WATCH_S before the loss when idle), and only until the process that lost
+  them has looked (WATCH_S after the loss at most) and announced. A process that starts has
+  seen nothing: it waits `[journal] settle` and for announcements to end before it sells,
+  as a restore does, so that a peer whose announcement Redis lost (going back again during
+  its restore) has renewed it by then.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from capsvc.config import Settings
@@ -54,15 +54,14 @@ from capsvc.ops.metrics import Metrics
 from capsvc.recovery.restore import Restored, Restorer, identities
 from capsvc.redis.cluster import connect
 from capsvc.redis.gate import Gate
-from capsvc.redis.marks import NODE_MARK, Marks, mark_of_slot
-from capsvc.redis.store import TICKET_BUCKETS, Store, lua_source, pending_key
+from capsvc.redis.marks import Marks
+from capsvc.redis.store import Store, lua_source
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.05
-"""The watch's period on one node (a read of one mark)."""
-WATCH_CLUSTER_S = 1.0
-"""The watch's period on a cluster (a read of every slot's mark this process wrote to)."""
+"""The watch's period: a read of each node's mark (one on a standalone Redis, one a primary
+on a cluster) and of the marks the directory's lifetimes wrote through."""
 CHECKPOINT_S = 1.0
 """How often the process writes down, in its journal, what it has written through each
 mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restore reads."""
@@ -138,17 +137,16 @@ class Reconciler:
     # -- the watch -------------------------------------------------------------------------
 
     async def watch(self, store: Store) -> None:
-        """Every WATCH_S (WATCH_CLUSTER_S on a cluster), on the process's own connection:
+        """Every WATCH_S, on the process's own connection:
         is any mark behind what this process saw, or behind what another lifetime of the
         directory wrote? Then restore. Also: the checkpoint in the journal, once a second;
         the marks' TTL, once an hour. The reads also reconnect after a Redis restart or
         failover, which the gate judges."""
-        period = WATCH_S if store.single_node else WATCH_CLUSTER_S
         loop = asyncio.get_running_loop()
         checkpointed = loop.time()
         kept = checkpointed - KEEP_S  # at once: the lifetime noted alive from its start
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(WATCH_S)
             now = loop.time()
             if now - checkpointed >= CHECKPOINT_S:
                 checkpointed = now
@@ -159,17 +157,19 @@ class Reconciler:
                 problem = await self._look(store)
                 if problem is None and now - kept >= KEEP_S:
                     kept = now
-                    for mark in self._marks(store):
+                    for mark in await self._marks(store):
                         await store.mark_call("capsvc_mark_keep", mark, [self.life])
             except Exception:  # unreachable, or held by the gate: not the watch's to judge
                 continue
             if problem is not None:
                 self.trouble(problem)
 
-    def _marks(self, store: Store) -> list[str]:
-        if store.single_node:
-            return [NODE_MARK]
-        keys = set(self.marks.seen)
+    async def _marks(self, store: Store) -> list[str]:
+        """The marks to look at: every node's, and those this lifetime and the directory's
+        other lifetimes wrote through (a node's mark moves with its lowest slot when the
+        cluster is resharded)."""
+        keys = set(await store.node_marks())
+        keys.update(self.marks.made)
         for made in self.others.values():
             keys.update(made)
         return sorted(keys)
@@ -177,7 +177,7 @@ class Reconciler:
     async def _look(self, store: Store) -> str | None:
         """Why Redis may lack decisions of this directory (None: no sign of it)."""
         lives = [self.life, *self.others]
-        marks = self._marks(store)
+        marks = await self._marks(store)
         # What the process saw of the marks when the reads were sent: they travel behind
         # every call sent before them on the connection, not behind the ones sent after
         # (whose replies may be read before this coroutine resumes).
@@ -235,13 +235,13 @@ class Reconciler:
         done on. `announce`: announce at once (an attempt before did)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        # On a cluster the announcement goes to the ticket slots' marks too: every sale's
-        # first call is in one of them, whatever slots this process wrote to.
-        own = self._marks(store)
+        # The announcement goes to every node's mark: every call of every process, on
+        # whatever node, is refused while it holds.
+        own = await self._marks(store)
         mine = dict(self.marks.made)
         first = {mark: await store.mark_state(mark, [self.life]) for mark in own}
         went_back = any(first[m].g < self.marks.seen.get(m, 0) for m in own)
-        announcer = _Announcer(store, self.life, ticket_marks(store))
+        announcer = _Announcer(store, self.life, await store.node_marks())
         try:
             if announce or not covered(mine, {m: first[m].lives[0] for m in own}):
                 # Its own writes lost (or an attempt before announced): announced at once,
@@ -264,7 +264,7 @@ class Reconciler:
                     for life in gone}
             self.others = made
             made = {**made, self.life: mine}
-            marks = self._marks(store)
+            marks = await self._marks(store)
             names = list(made)
             state = {mark: await store.mark_state(mark, names) for mark in marks}
             fields = {life: {mark: state[mark].lives[i] for mark in marks}
@@ -315,14 +315,13 @@ class Reconciler:
                 def still() -> Awaitable[dict[str, int]]:
                     return self._still(store, marks, names, floor, made)
 
-                period = WATCH_S if store.single_node else WATCH_CLUSTER_S
                 settled = began + self.settings.journal_settle_ms / 1000
                 while (left := settled - loop.time()) > 0:
-                    await asyncio.sleep(min(period, left))
+                    await asyncio.sleep(min(WATCH_S, left))
                     await still()
                 await announcer.end()
                 await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}),
-                                           still, period)
+                                           still, WATCH_S)
                 # What was seen beyond G was lost by other processes, which have put back
                 # what they answered: G goes on from what is read here.
                 for mark, g in (await still()).items():
@@ -414,7 +413,7 @@ class _Announcer:
         self.store = store
         self.life = life
         self.everywhere = everywhere
-        """Marks announced in whatever is restored (the ticket slots' on a cluster)."""
+        """Marks announced whatever is restored: every node's."""
         self.token = os.urandom(8).hex()
         self.marks: list[str] = []
         self._renewing: asyncio.Task[None] | None = None
@@ -441,14 +440,6 @@ class _Announcer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewing
             self._renewing = None
-
-
-def ticket_marks(store: Store) -> list[str]:
-    """The marks of the slots that hold ticket records (none apart on one node)."""
-    if store.single_node:
-        return [NODE_MARK]
-    return sorted({mark_of_slot(key_slot(pending_key(b).encode()))
-                   for b in range(TICKET_BUCKETS)})
 
 
 def _g(value: Any) -> int:

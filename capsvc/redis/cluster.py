@@ -20,6 +20,11 @@ own replicas.
 
 A failover is counted when a primary leaves the slot map (its replica took its slots); the
 coalescers of nodes no longer in the map are closed.
+
+Each primary has one mark (capsvc.redis.marks): a key in the lowest slot it serves, which
+`mark_of` names for a call's key from the slot map, and `node_marks` lists for the watch. A
+marked call that reaches a node the mark is not on (the map changed under it: "non local
+key", nothing ran) fails with `Unavailable` and refreshes the map.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.gate import Gate
+from capsvc.redis.marks import mark_of_slot
 from capsvc.redis.transport import (
     BatchObserver,
     Coalescer,
@@ -50,6 +56,9 @@ log = logging.getLogger(__name__)
 SLOTS = 16384
 _KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
 _REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+_NON_LOCAL = "non local key"
+"""Redis's refusal of a script that reached a key another node serves: a marked call whose
+node's mark was named from an outdated slot map."""
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -102,6 +111,8 @@ class ClusterCoalescer:
         self._library = library
         self._nodes: dict[Node, Coalescer] = {}
         self._slots: list[Node | None] = [None] * SLOTS
+        self._marks: dict[Node, str] = {}
+        """Each primary's mark: the key of its lowest slot (capsvc.redis.marks)."""
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -124,6 +135,19 @@ class ClusterCoalescer:
         await self._ensure_map()
         primaries = sorted({n for n in self._slots if n is not None})
         return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
+
+    def mark_of(self, key: str) -> str | None:
+        """The mark of the primary that serves `key` (None: the map is not known yet)."""
+        node = self._slots[slot_of(key)]
+        mark = self._marks.get(node) if node is not None else None
+        if mark is None:
+            self._refresh_soon()
+        return mark
+
+    async def node_marks(self) -> list[str]:
+        """Every primary's mark."""
+        await self._ensure_map()
+        return sorted(self._marks.values())
 
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT on every primary; the fewest acknowledgements of any of them."""
@@ -203,9 +227,12 @@ class ClusterCoalescer:
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
                 self._later(self._retry(args, fut, hops + 1))
                 return
-        if isinstance(error, ResponseError) and str(error).startswith(_REDIRECTED):
-            # Still redirected or down after every retry (a failover under way): nothing
-            # ran, and the cluster may serve it shortly. Unavailable (503), not a refusal.
+        if isinstance(error, ResponseError) and (str(error).startswith(_REDIRECTED)
+                                                 or _NON_LOCAL in str(error)):
+            # Still redirected or down after every retry (a failover under way), or a mark
+            # named from an outdated map: nothing ran, and the cluster may serve it
+            # shortly. Unavailable (503), not a refusal.
+            self._refresh_soon()
             error = Unavailable(f"redis cluster: {error}")
         fut.set_exception(error)
 
@@ -273,6 +300,11 @@ class ClusterCoalescer:
         """Take a new slot map; a primary gone from it was failed over (or emptied)."""
         before = {n for n in self._slots if n is not None}
         self._slots = slots
+        lowest: dict[Node, int] = {}
+        for slot, n in enumerate(slots):
+            if n is not None:
+                lowest.setdefault(n, slot)
+        self._marks = {n: mark_of_slot(slot) for n, slot in lowest.items()}
         after = {n for n in slots if n is not None}
         for gone in before - after:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)

@@ -1,13 +1,14 @@
 """The marks: how every call that judges or reports a decision knows, inside Redis and in
 the same atomic call, whether Redis went back in time behind this process.
 
-lua/capsvc.lua (MARKS) lays the mark out: per node (standalone, Sentinel) or per slot
-(cluster), the count G of marked writes, and per process lifetime the G of its newest
-write. This module is the process's side: which functions are marked, which mark a call
-carries, what the process last saw of each mark (`seen`: any process's writes; `made`: its
-own), and the stamp each journal record gets — the G of the calls that made it, collected
-per request in a context variable — so that a restore can tell exactly which records a
-Redis lacks: those stamped above the mark of their lifetime.
+lua/capsvc.lua (MARKS) lays the mark out: one per node — the standalone (or Sentinel-
+managed) Redis's, or each cluster primary's, whatever slot a call touches — the count G of
+marked writes, and per process lifetime the G of its newest write. This module is the
+process's side: which functions are marked, which mark a call carries (the transport says
+which node a key is on: `mark_of`), what the process last saw of each mark (`seen`: any
+process's writes; `made`: its own), and the stamp each journal record gets — the G of the
+calls that made it, collected per request in a context variable — so that a restore can
+tell exactly which records a Redis lacks: those stamped above the mark of their lifetime.
 
 A call refused because the mark is behind (`BEHIND`) fails with `Behind` (a 503: nothing
 ran) and tells `on_behind`, which starts the restore; a call refused while a process
@@ -37,6 +38,10 @@ MARKED = frozenset({
 NODE_MARK = "m:{marks}"
 """The one mark of a standalone (or Sentinel-managed) Redis."""
 
+MarkOf = Callable[[str], "str | None"]
+"""The mark of the node that serves a key (None: not known yet, the cluster's slot map is
+being learnt)."""
+
 stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=None)
 """The G of the marked calls of the current request, by mark (see `Marks.begin`)."""
 
@@ -53,8 +58,7 @@ class Restoring(Unavailable):
 
 @functools.cache
 def slot_tags() -> tuple[str, ...]:
-    """For each cluster slot, a hash tag that hashes to it (the slot's mark is
-    `m:{<tag>}`)."""
+    """For each cluster slot, a hash tag that hashes to it."""
     tags: list[str | None] = [None] * 16384
     left, i = 16384, 0
     while left:
@@ -68,18 +72,25 @@ def slot_tags() -> tuple[str, ...]:
 
 
 def mark_of_slot(slot: int) -> str:
+    """The mark of the cluster primary whose lowest slot is `slot`: a key in that slot."""
     return f"m:{{{slot_tags()[slot]}}}"
+
+
+def single_node(key: str) -> str:
+    """The mark of a standalone Redis, whatever the key."""
+    return NODE_MARK
 
 
 class Marks:
     """This process's side of the marks (see the module's docstring)."""
 
-    def __init__(self, life: str, *, single_node: bool,
+    def __init__(self, life: str, *, mark_of: MarkOf = single_node,
                  on_behind: Callable[[str, str], None] | None = None) -> None:
         self.life = life
         """The process lifetime (capsvc.journal.writer's `Journal.life`); "" for a tool,
         whose calls are neither checked nor counted."""
-        self.single_node = single_node
+        self.mark_of = mark_of
+        """The mark a call carries: its node's (the transport's `mark_of`)."""
         self.seen: dict[str, int] = {}
         """Per mark, the highest G this process has seen there."""
         self.made: dict[str, int] = {}
@@ -91,27 +102,26 @@ class Marks:
         self.on_behind = on_behind or (lambda mark, found: None)
 
     @classmethod
-    def tool(cls, single_node: bool) -> Marks:
+    def tool(cls, mark_of: MarkOf) -> Marks:
         """Marks for a tool (a restore, an audit): calls go unchecked and uncounted."""
-        return cls("", single_node=single_node)
-
-    def mark_of(self, key: str) -> str:
-        """The mark a call whose first key is `key` carries (in that key's slot)."""
-        if self.single_node:
-            return NODE_MARK
-        return mark_of_slot(key_slot(key.encode()))
+        return cls("", mark_of=mark_of)
 
     def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
              args: list[Any], decode: Callable[[Any], Any] | None = None,
              stamps: Sequence[dict[str, int] | None] | None = None) -> asyncio.Future[Any]:
-        """Queue a marked FCALL through `submit`: the mark as the last key, this process's
-        life and what it saw of the mark as the last ARGV. The future answers the function's
-        own reply, decoded by `decode` if given (capsvc.redis.replies). `stamps`: the
-        requests the call acts for (default: the current one), whose stamps get its G."""
+        """Queue a marked FCALL through `submit`: the mark of the node that serves
+        `keys[0]`, this process's life and what it saw of the mark as the last ARGV. The
+        future answers the function's own reply, decoded by `decode` if given
+        (capsvc.redis.replies). `stamps`: the requests the call acts for (default: the
+        current one), whose stamps get its G."""
         mark = self.mark_of(keys[0])
+        if mark is None:  # a cluster whose slot map is not known yet: nothing sent
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(Unavailable("the Redis Cluster's slot map is not known yet"))
+            return failed
         sent = self.sent.get(mark, 0)
         seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
-        reply = submit("FCALL", name, len(keys) + 1, *keys, mark, *args, self.life, seen)
+        reply = submit("FCALL", name, len(keys), *keys, *args, mark, self.life, seen)
         if self.life:
             self.sent[mark] = sent + 1
         out: asyncio.Future[Any] = reply.get_loop().create_future()

@@ -9,11 +9,8 @@ Every step that decides something reads Redis TIME inside its function.
 Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
 queues a command into the current tick's pipeline and returns a future, so a caller can
 issue several independent steps and await them together without an extra round trip.
-Every call that judges or reports a decision also names its slot's mark (capsvc.redis.marks):
-on a cluster, while a slot is being migrated, such a call names a key that exists (the
-mark, once moved) beside keys that may not yet, and Redis answers TRYAGAIN until the slot
-has moved (the transport retries, capsvc.redis.cluster): a sale on a migrating slot waits for the
-end of that slot's migration.
+Every call that judges or reports a decision also names its node's mark
+(capsvc.redis.marks; `mark_of`, `node_marks`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,8 @@ from typing import Any, Literal, TypeVar
 from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
-from capsvc.redis.marks import MARKED, Marks, stamp
+from capsvc.redis.cluster import ClusterCoalescer
+from capsvc.redis.marks import MARKED, NODE_MARK, Marks, single_node, stamp
 from capsvc.redis.replies import (
     Budget,
     Cancelling,
@@ -238,7 +236,9 @@ class Store:
         """Sales to send at the end of this tick, in one call (`sell`)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
-        self.marks = Marks.tool(self.single_node)
+        self.mark_of = redis.mark_of if isinstance(redis, ClusterCoalescer) else single_node
+        """The mark of the node that serves a key (capsvc.redis.marks)."""
+        self.marks = Marks.tool(self.mark_of)
         """The marks the calls that judge or report a decision carry (capsvc.redis.marks): a
         tool's until the service gives the store its own."""
 
@@ -285,6 +285,12 @@ class Store:
     def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
         """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
         return decoded(self.mark_call("capsvc_marks", mark, lives), mark_state_of)
+
+    async def node_marks(self) -> list[str]:
+        """Every node's mark: the standalone Redis's, or each cluster primary's."""
+        if isinstance(self.redis, ClusterCoalescer):
+            return await self.redis.node_marks()
+        return [NODE_MARK]
 
     def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:
         """One of the marks' own functions (lua/capsvc.lua, MARKS) on `mark`."""

@@ -129,7 +129,7 @@ def test_the_repository_keeps_the_document_as_the_service_serves_it(
         capsys: Any) -> None:
     """`openapi.json` is the document, byte for byte as `python -m capsvc.http.openapi`
     writes it: a change to the API's types shows in the file's diff."""
-    main()
+    main([])
     written = capsys.readouterr().out
     assert CHECKED_IN.read_text() == written, (
         "openapi.json is not the document the code makes: review the change, then "
