@@ -347,8 +347,9 @@ class Reconciler:
     @staticmethod
     async def _still(store: Store, marks: list[str], names: list[str], floor: dict[str, int],
                     made: dict[str, dict[str, int]]) -> dict[str, int]:
-        """The G of each of `marks`; WentBack when Redis lost what the restore put back
-        (other processes' restores raise G, never lower it)."""
+        """The G of each of `marks`, each raised into `floor`; WentBack when Redis lost what
+        the restore put back, or writes made since (G lower than it was read before: other
+        processes' writes and restores raise G, never lower it)."""
         gs = {}
         for mark in marks:
             state = await store.mark_state(mark, names)
@@ -356,7 +357,7 @@ class Reconciler:
                                             for i, life in enumerate(names)):
                 raise WentBack(f"redis went back in time again on {mark} while the journal "
                                "was put back")
-            gs[mark] = state.g
+            gs[mark] = floor[mark] = state.g
         return gs
 
     async def _wait_for_peers(self, store: Store, marks: list[str],

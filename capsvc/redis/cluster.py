@@ -40,7 +40,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.gate import Gate
-from capsvc.redis.marks import mark_of_slot
+from capsvc.redis.marks import MarkElsewhere, mark_of_slot
 from capsvc.redis.transport import (
     BatchObserver,
     Coalescer,
@@ -227,12 +227,14 @@ class ClusterCoalescer:
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
                 self._later(self._retry(args, fut, hops + 1))
                 return
-        if isinstance(error, ResponseError) and (str(error).startswith(_REDIRECTED)
-                                                 or _NON_LOCAL in str(error)):
-            # Still redirected or down after every retry (a failover under way), or a mark
-            # named from an outdated map: nothing ran, and the cluster may serve it
-            # shortly. Unavailable (503), not a refusal.
+        if isinstance(error, ResponseError) and _NON_LOCAL in str(error):
+            # A mark named from an outdated map, or a slot being moved: nothing ran; the
+            # caller marks it anew (capsvc.redis.marks).
             self._refresh_soon()
+            error = MarkElsewhere(f"redis cluster: {error}")
+        if isinstance(error, ResponseError) and str(error).startswith(_REDIRECTED):
+            # Still redirected or down after every retry (a failover under way): nothing
+            # ran, and the cluster may serve it shortly. Unavailable (503), not a refusal.
             error = Unavailable(f"redis cluster: {error}")
         fut.set_exception(error)
 

