@@ -39,9 +39,10 @@ from capsvc.http.responses import Answer, answer_headers
 from capsvc.journal.writer import Journal
 from capsvc.ops.metrics import Metrics
 from capsvc.redis.durability import Durability
-from capsvc.redis.gate import Gate
+from capsvc.redis.gate import Evicting, Gate
 from capsvc.redis.marks import Behind, Marks, Restoring
 from capsvc.redis.store import Store
+from capsvc.redis.transport import OutOfMemory
 from capsvc.service.feed import Subscriber
 from capsvc.service.tickets import SaleOutcome
 from capsvc.wiring import UseCases
@@ -495,7 +496,10 @@ class Api:
         if self.journal is not None:
             checks["journal"] = await self.journal.probe()
         if self.gate is not None:
-            checks["restored"] = not self.gate.restoring
+            if self.gate.reconciles:
+                checks["restored"] = not self.gate.restoring
+            # Every node used has maxmemory-policy noeviction (each read on its connection).
+            checks["noeviction"] = not self.gate.evicting
         if not self.health.draining and checks.get("restored", True):
             try:
                 loaded = await self.store.library_loaded()
@@ -510,7 +514,7 @@ class Api:
                 log.debug("readiness check failed: %s", e)
         ready = (checks["redis"] and checks["scripts"] and self.clock.synced
                  and not checks["draining"] and checks.get("journal", True)
-                 and checks.get("restored", True))
+                 and checks.get("restored", True) and checks.get("noeviction", True))
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 
@@ -677,6 +681,11 @@ def _dispatch(api: Api, router: Router) -> Handler:
             except (Behind, Restoring) as e:  # refused by Redis before anything ran
                 log.info("%s", e, extra={"request_id": rid, "route": template})
                 resp = unknown(request, "Redis is being restored from the journal")
+            except Evicting:  # held by the gate, nothing sent; said once, by the gate
+                resp = unknown(request, "Redis may evict what capsvc writes (its "
+                                        "maxmemory-policy): nothing is sold on it")
+            except OutOfMemory:  # said by the transport, at most once per OOM_LOG_S
+                resp = unknown(request, "Redis is out of memory and refuses writes")
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})

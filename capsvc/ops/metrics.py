@@ -32,7 +32,7 @@ from capsvc import __version__
 from capsvc.config import GameRules
 from capsvc_client.models import TicketOut
 
-ERROR_KINDS = ("timeout", "connection", "reply", "readonly")
+ERROR_KINDS = ("timeout", "connection", "reply", "readonly", "oom")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""
 
 _LATENCY_BUCKETS = (
