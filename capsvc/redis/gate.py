@@ -77,8 +77,9 @@ class Gate:
     """The Redis identities this process has reconciled its journal with and the nodes whose
     eviction policy holds their commands; what the transports ask before sending anything
     (see the module's docstring). `reconciles` False: identities are not judged (no
-    journal; a command-line tool), only the policy. `logs` False: the policy lines are not
-    logged (a command-line tool prints the `Evicting` error instead)."""
+    journal; a command-line tool), only the policy. `logs` False: neither the policy lines
+    nor the transport's out-of-memory lines are logged (a command-line tool prints the
+    error it gets instead)."""
 
     def __init__(self, *, reconciles: bool = True, logs: bool = True) -> None:
         self.reconciles = reconciles

@@ -763,7 +763,8 @@ class Coalescer:
         timeout. One line per OOM_LOG_S, every refusal counted."""
         self._on_error("oom")
         loop = self._loop or self._bind()
-        if loop.time() - self._oom_said >= OOM_LOG_S:
+        quiet = self._gate is not None and not self._gate.logs  # a tool says it itself
+        if not quiet and loop.time() - self._oom_said >= OOM_LOG_S:
             self._oom_said = loop.time()
             log.error("redis at %s refuses writes: out of memory (maxmemory reached under "
                       "noeviction): requests that write answer 503 until memory is freed or "

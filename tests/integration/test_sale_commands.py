@@ -51,4 +51,7 @@ async def test_a_one_grid_sale_issues_the_pinned_commands(
     used = commands(standalone_db)
     used.pop("config|resetstat", None)
     used.pop("info", None)
+    # Each connection reads its node's maxmemory-policy once a second (capsvc.redis.gate):
+    # one may fall in this window, whatever the sale.
+    assert used.pop("config|get", 0) <= 2
     assert used == ONE_GRID_SALE

@@ -5,7 +5,10 @@ A redis-server with `maxmemory` (8 MB) and a `maxmemory-policy`, a `capsvc serve
 Six combinations are sold to their cap; another client then writes keys until Redis has
 evicted `evictions` of them (or refuses its writes: noeviction); the same combinations are
 sold again to their cap; `capsvc journal verify --redis-url` is run while Redis is full;
-the other client's keys are deleted and every answered sale is asked for again.
+the other client's keys are deleted and every answered sale is asked for again. Where Redis
+refuses the other client's writes (noeviction), `maxmemory` is then set a little below what
+it uses (`squeeze`), so that it refuses every write, not only those that come while memory
+is at the limit to the byte.
 
 Figures: the sales answered accepted, those the service then no longer has or shows
 otherwise (lost), the combinations whose answered stakes pass the cap, the answers 503.
@@ -152,6 +155,17 @@ def fill(db: redis.Redis, evictions: int) -> tuple[int, str]:
             return evicted, ""
 
 
+SQUEEZE_BYTES = 1_000_000
+
+
+def squeeze(db: redis.Redis) -> None:
+    """Set maxmemory below what Redis uses now (as if the other client's keys had grown
+    on): under noeviction every write is refused from now on, not only those that come
+    while memory is at the limit to the byte."""
+    used = int(db.info("memory")["used_memory"])
+    db.config_set("maxmemory", max(used - SQUEEZE_BYTES, 1))
+
+
 def unfill(db: redis.Redis) -> None:
     """Delete the other client's keys (what is left of them)."""
     batch = list(db.scan_iter("filler:*", count=1000))
@@ -182,9 +196,12 @@ async def eviction_scenario(policy: str, *, evictions: int = 2400, maxmemory: st
                 run.ready = await seller.ready()
                 await seller.sell_out("a")
                 run.evicted, run.filler_refused = await asyncio.to_thread(fill, db, evictions)
+                if run.filler_refused:
+                    squeeze(db)
                 await seller.sell_out("b")
                 run.verify = await asyncio.to_thread(verify, service)
                 await asyncio.to_thread(unfill, db)
+                db.config_set("maxmemory", maxmemory)
                 await seller.ready()  # a process held by its Redis may serve again now
                 run.answered = len(seller.sold)
                 run.lost = await seller.lost()

@@ -1,0 +1,295 @@
+"""A Redis that may evict, or that is full: capsvc sells only on a Redis whose
+maxmemory-policy is noeviction (every node, read on every connection), and a Redis at
+maxmemory is a 503 and one line, never a traceback, a sale past the cap or a sale lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+
+from tests.conftest import CONFIG, TEN, TOKENS, new_id
+from tests.support.eviction import eviction_scenario, fill, squeeze
+from tests.support.servers import RedisCluster, RedisServer
+from tests.support.service import ServiceProcess
+
+WAIT_S = 15.0
+"""Longest wait for a state the service reaches by itself (not a speed: a bound)."""
+
+
+def capsvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "capsvc", *args], capture_output=True,
+                          text=True, timeout=120, check=False, env=env)
+
+
+def problem_lines(text: str, policy: str) -> list[str]:
+    """The lines of `text` that name `policy` as the node's maxmemory-policy."""
+    return [line for line in text.splitlines()
+            if f"has maxmemory-policy {policy}:" in line]
+
+
+def one_line(out: subprocess.CompletedProcess[str]) -> str:
+    """A command's only line on stderr (none on stdout but what it printed before)."""
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    return lines[0]
+
+
+async def status(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def sell(session: aiohttp.ClientSession, base: str, numbers: list[int] | None = None
+               ) -> tuple[int, Any]:
+    body = {"ticket_id": new_id("EV"), "game": "fdj-keno",
+            "grids": [{"numbers": numbers or TEN[:8], "stake": 500}]}
+    async with session.post(f"{base}/v1/tickets", json=body,
+                            headers={"Authorization": f"Bearer {TOKENS['fr']}"}) as resp:
+        return resp.status, {**await resp.json(content_type=None), "sent": body}
+
+
+async def until_ready(session: aiohttp.ClientSession, base: str, ready: bool,
+                      **checks: bool) -> None:
+    """Until /readyz says `ready`, with `checks` among its checks, within WAIT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while True:
+        code, body = await status(session, f"{base}/readyz")
+        if (code == 200) == ready and checks.items() <= body["checks"].items():
+            return
+        assert loop.time() < deadline, f"/readyz still {code}: {body}"
+        await asyncio.sleep(0.1)
+
+
+def kill_clients(db: redis.Redis) -> None:
+    """CLIENT KILL TYPE normal: every client connection but this one (a reconnection)."""
+    db.execute_command("CLIENT", "KILL", "TYPE", "normal")  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def lru_redis() -> Iterator[RedisServer]:
+    server = RedisServer(extra=("--maxmemory-policy", "allkeys-lru")).start()
+    yield server
+    server.stop()
+
+
+async def test_an_evicting_redis_keeps_the_process_not_ready_with_one_line(
+        lru_redis: RedisServer) -> None:
+    """allkeys-lru: /readyz 503, sales 503, one log line (node, setting, fix); check-config
+    --redis-url exits 1 with the same line."""
+    service = ServiceProcess(str(CONFIG), lru_redis.url).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_ready(session, service.base_url, ready=False, noeviction=False)
+            for _ in range(3):
+                code, body = await sell(session, service.base_url)
+                assert code == 503, body
+            await asyncio.sleep(1.5)  # the policy read again meanwhile: said once still
+            assert (await status(session, f"{service.base_url}/readyz"))[0] == 503
+    finally:
+        service.stop()
+    log = service.log.read_text()
+    said = problem_lines(log, "allkeys-lru")
+    assert len(said) == 1, log
+    line = json.loads(said[0])
+    assert line["level"] == "error"
+    assert f"redis at 127.0.0.1:{lru_redis.port} has maxmemory-policy allkeys-lru" in line[
+        "message"]
+    assert "set `maxmemory-policy noeviction`" in line["message"]
+    assert "Traceback" not in log
+    out = capsvc("check-config", str(CONFIG), "--redis-url", lru_redis.url)
+    assert out.returncode == 1
+    assert one_line(out) == f"capsvc check-config: {line['message']}"
+
+
+async def test_with_config_disabled_the_policy_is_read_from_info() -> None:
+    """CONFIG renamed away (as on managed services): the evicting policy is found in INFO
+    memory, for the service and for check-config."""
+    server = RedisServer(extra=("--maxmemory-policy", "volatile-lru",
+                                "--rename-command", "CONFIG", "")).start()
+    try:
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            server.client().config_get("maxmemory-policy")
+        service = ServiceProcess(str(CONFIG), server.url).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await until_ready(session, service.base_url, ready=False, noeviction=False)
+                assert (await sell(session, service.base_url))[0] == 503
+        finally:
+            service.stop()
+        assert len(problem_lines(service.log.read_text(), "volatile-lru")) == 1
+        out = capsvc("check-config", str(CONFIG), "--redis-url", server.url)
+        assert out.returncode == 1
+        assert "has maxmemory-policy volatile-lru" in one_line(out)
+    finally:
+        server.stop()
+
+
+async def test_a_policy_switched_on_a_running_redis_holds_sales_until_switched_back() -> None:
+    """CONFIG SET allkeys-lru then a reconnection: not ready, sales 503; noeviction again:
+    ready, the journal re-applied first, every answered sale still there."""
+    server = RedisServer().start()
+    db = server.client()
+    service = ServiceProcess(str(CONFIG), server.url).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            base = service.base_url
+            await until_ready(session, base, ready=True)
+            code, sold = await sell(session, base)
+            assert code == 200, sold
+            assert sold["status"] == "accepted"
+            db.config_set("maxmemory-policy", "allkeys-lru")
+            kill_clients(db)
+            await until_ready(session, base, ready=False, noeviction=False)
+            assert (await sell(session, base, TEN[1:9]))[0] == 503
+            db.config_set("maxmemory-policy", "noeviction")
+            kill_clients(db)
+            await until_ready(session, base, ready=True)
+            code, again = await sell(session, base, TEN[1:9])
+            assert code == 200, again
+            assert again["status"] == "accepted"
+            ticket_id = sold["sent"]["ticket_id"]
+            async with session.get(f"{base}/v1/tickets/{ticket_id}", headers={
+                    "Authorization": f"Bearer {TOKENS['fr']}"}) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["grids"] == sold["grids"]
+    finally:
+        service.stop()
+        db.close()
+        server.stop()
+    log = service.log.read_text()
+    assert len(problem_lines(log, "allkeys-lru")) == 1, log
+    assert "has maxmemory-policy noeviction again" in log
+    assert "re-applying the whole journal" in log
+    assert "Traceback" not in log
+
+
+async def test_one_cluster_node_that_may_evict_keeps_the_process_not_ready(
+        redis_cluster: RedisCluster) -> None:
+    """A 3-primary cluster, one node with allkeys-lru: not ready, that node named; it set
+    back to noeviction: ready."""
+    node = redis_cluster.primary_nodes()[-1]
+    db = node.client()
+    db.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        service = ServiceProcess(str(CONFIG), redis_cluster.url).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await until_ready(session, service.base_url, ready=False, noeviction=False)
+                db.config_set("maxmemory-policy", "noeviction")
+                await until_ready(session, service.base_url, ready=True)
+        finally:
+            service.stop()
+    finally:
+        db.config_set("maxmemory-policy", "noeviction")
+        db.close()
+    said = problem_lines(service.log.read_text(), "allkeys-lru")
+    assert len(said) == 1
+    assert f"redis at 127.0.0.1:{node.port} has" in said[0]
+
+
+async def test_a_full_noeviction_redis_answers_503_and_loses_nothing() -> None:
+    """maxmemory reached under noeviction: sales 503, none past the cap, every answered
+    sale still there once memory is freed; journal verify --redis-url one line, exit 1."""
+    run = await eviction_scenario("noeviction")
+    assert run.ready
+    assert "command not allowed when used memory > 'maxmemory'" in run.filler_refused
+    assert run.answered == 6 * 25  # six combinations sold to their cap, before Redis filled
+    assert run.unavailable == 6 * 4  # the second round: refused out of memory, every try
+    assert (run.lost, run.over_cap, run.highest) == (0, 0, 5000)
+    code, stderr = run.verify
+    assert code == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert "is out of memory (maxmemory reached under noeviction)" in lines[0]
+    assert "refuses writes: out of memory" in run.log
+    assert "Traceback" not in run.log
+
+
+async def test_an_evicting_redis_sells_nothing_where_it_lost_sales_before() -> None:
+    """The eviction of ~2,400 keys under allkeys-lru: nothing answered, so nothing lost and
+    no cap passed (without the check: sales lost and caps passed twice over)."""
+    run = await eviction_scenario("allkeys-lru")
+    assert run.evicted >= 2400
+    assert not run.ready
+    assert (run.answered, run.lost, run.over_cap) == (0, 0, 0)
+
+
+@pytest.fixture
+def sold_then_stopped(tmp_path: Path
+                      ) -> Iterator[tuple[RedisServer, ServiceProcess, int, list[str]]]:
+    """A noeviction Redis of 8 MB, a few tickets sold by a service now stopped: the Redis,
+    the service (its journal), the draw sold and the tickets' ids."""
+    server = RedisServer(extra=("--maxmemory", "8mb")).start()
+    service = ServiceProcess(str(CONFIG), server.url).start()
+
+    tickets: list[str] = []
+
+    async def some_sales() -> int:
+        async with aiohttp.ClientSession() as session:
+            await until_ready(session, service.base_url, ready=True)
+            for i in range(5):
+                code, body = await sell(session, service.base_url, TEN[i:i + 8])
+                assert code == 200, body
+                tickets.append(body["ticket_id"])
+            draw: int = body["draws"][0]
+            return draw
+
+    try:
+        draw = asyncio.run(some_sales())
+        service.stop()
+        yield server, service, draw, tickets
+    finally:
+        service.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", ["evicting", "full"])
+def test_every_command_on_redis_says_an_evicting_or_full_redis_in_one_line(
+        sold_then_stopped: tuple[RedisServer, ServiceProcess, int, list[str]], fault: str,
+        tmp_path: Path) -> None:
+    """journal verify/restore, report, reconcile, check-config with --redis-url: one line
+    and a non-zero exit on an evicting policy or a write refused at maxmemory, never a
+    traceback (a report or reconciliation that only reads is answered by a full Redis)."""
+    server, service, draw, tickets = sold_then_stopped
+    db = server.client()
+    if fault == "evicting":
+        db.config_set("maxmemory-policy", "allkeys-lru")
+        said = "has maxmemory-policy allkeys-lru"
+    else:
+        fill(db, 1)
+        squeeze(db)
+        said = "out of memory"
+    db.close()
+    journal, url = str(service.journal_dir), server.url
+    sold = tmp_path / "sold.csv"
+    sold.write_text("channel,ticket_id,total_cost\n"
+                    + "".join(f"fr-retail,{t},500\n" for t in tickets))  # balanced
+    commands = [
+        ("journal", "verify", journal, "--config", str(CONFIG), "--redis-url", url),
+        ("journal", "restore", "--config", str(CONFIG), "--redis-url", url, "--dir", journal),
+        ("report", "--config", str(CONFIG), "--dir", journal, "--game", "fdj-keno",
+         "--draw", str(draw), "--redis-url", url),
+        ("reconcile", "--config", str(CONFIG), "--dir", journal, "--game", "fdj-keno",
+         "--draw", str(draw), "--sold", str(sold), "--redis-url", url),
+    ]
+    if fault == "evicting":  # a full Redis that keeps what it has is no configuration error
+        commands.append(("check-config", str(CONFIG), "--redis-url", url))
+    for command in commands:
+        out = capsvc(*command, env=service.env)
+        assert "Traceback" not in out.stderr
+        if fault == "full" and command[0] in ("report", "reconcile") and not out.returncode:
+            continue  # what they read, a full Redis still answers
+        assert out.returncode != 0, (command, out.stdout)
+        assert said in one_line(out), (command, out.stderr)
