@@ -149,6 +149,7 @@ def build(settings: Settings, redis_url: str) -> Service:
     # Every connection's handshake reads its node's eviction policy (and, with the journal,
     # its identity): nothing goes to a node that may evict what capsvc writes.
     gate = Gate(reconciles=settings.journal_enabled)
+    gate.on_evicting = metrics.redis_evicting.set
     if settings.journal_enabled:
         journal = open_journal(settings.journal_dir,
                                max_file_bytes=settings.journal_max_file_bytes,

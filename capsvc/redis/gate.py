@@ -94,6 +94,8 @@ class Gate:
         self.on_kept: Callable[[str], None] = lambda node: None
         """A node held for its policy no longer is (noeviction again, or no longer used):
         it may have evicted what it held meanwhile."""
+        self.on_evicting: Callable[[int], None] = lambda nodes: None
+        """Told the number of nodes held for their policy whenever it changes."""
 
     def admits(self, ident: str | None, node: str | None = None) -> bool:
         """Whether commands may go to the server of identity `ident` (None: a server that
@@ -114,6 +116,7 @@ class Gate:
         if problem is None:
             if node in self.evicting:
                 del self.evicting[node]
+                self.on_evicting(len(self.evicting))
                 if self.logs:
                     log.warning("redis at %s has maxmemory-policy noeviction again: capsvc "
                                 "serves on it once what it may have evicted is put back",
@@ -122,12 +125,14 @@ class Gate:
             return
         if self.evicting.get(node) != problem:
             self.evicting[node] = problem
+            self.on_evicting(len(self.evicting))
             if self.logs:
                 log.error("%s", problem)
 
     def forget(self, node: str) -> None:
         """`node` is no longer used (a failover moved away from it, a cluster dropped it)."""
         if self.evicting.pop(node, None) is not None:
+            self.on_evicting(len(self.evicting))
             self.on_kept(node)
 
     def problem(self, node: str | None) -> str | None:
