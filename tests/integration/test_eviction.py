@@ -217,13 +217,18 @@ async def test_a_full_noeviction_redis_answers_503_and_loses_nothing() -> None:
     assert "Traceback" not in run.log
 
 
-async def test_an_evicting_redis_sells_nothing_where_it_lost_sales_before() -> None:
-    """The eviction of ~2,400 keys under allkeys-lru: nothing answered, so nothing lost and
-    no cap passed (without the check: sales lost and caps passed twice over)."""
-    run = await eviction_scenario("allkeys-lru")
+async def test_keys_evicted_while_switched_are_put_back_before_the_next_sale() -> None:
+    """~2,400 keys evicted while a running Redis was switched to allkeys-lru: no sale then;
+    switched back, the whole journal is re-applied first: no answered sale lost, no cap
+    passed (without the check: sales lost, caps passed twice over)."""
+    run = await eviction_scenario("allkeys-lru", switched=True)
+    assert run.ready
     assert run.evicted >= 2400
-    assert not run.ready
-    assert (run.answered, run.lost, run.over_cap) == (0, 0, 0)
+    assert run.answered == 6 * 25  # the first round; the third finds every cap reached
+    assert run.unavailable == 6 * 4  # the second round, while the policy could evict
+    assert (run.lost, run.over_cap, run.highest) == (0, 0, 5000)
+    assert "re-applying the whole journal" in run.log
+    assert "Traceback" not in run.log
 
 
 @pytest.fixture

@@ -126,12 +126,13 @@ class _Seller:
                 lost += 1
         return lost
 
-    async def ready(self) -> bool:
+    async def ready(self, ready: bool = True) -> bool:
+        """Whether /readyz says `ready` within READY_S."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_S
         while loop.time() < deadline:
             async with self.session.get(self.base + "/readyz") as resp:
-                if resp.status == 200:
+                if (resp.status == 200) == ready:
                     return True
             await asyncio.sleep(0.1)
         return False
@@ -182,11 +183,14 @@ def verify(service: ServiceProcess) -> tuple[int, str]:
 
 
 async def eviction_scenario(policy: str, *, evictions: int = 2400, maxmemory: str = "8mb",
-                            extra: tuple[str, ...] = ()) -> EvictionRun:
-    """The scenario of the module's docstring on a Redis with `policy`."""
-    run = EvictionRun(policy)
-    server = RedisServer(extra=("--maxmemory", maxmemory, "--maxmemory-policy", policy,
-                                *extra)).start()
+                            switched: bool = False) -> EvictionRun:
+    """The scenario of the module's docstring on a Redis with `policy`. `switched`: Redis
+    starts with noeviction and is switched to `policy` (CONFIG SET) after the first round,
+    and back to noeviction once the other client's keys are deleted; the combinations are
+    then sold to their cap a third time."""
+    run = EvictionRun(f"{policy} (switched)" if switched else policy)
+    server = RedisServer(extra=("--maxmemory", maxmemory, "--maxmemory-policy",
+                                "noeviction" if switched else policy)).start()
     try:
         service = ServiceProcess(str(CONFIG), server.url).start()
         db = server.client()
@@ -195,6 +199,11 @@ async def eviction_scenario(policy: str, *, evictions: int = 2400, maxmemory: st
                 seller = _Seller(session, service.base_url, run)
                 run.ready = await seller.ready()
                 await seller.sell_out("a")
+                if switched:
+                    db.config_set("maxmemory-policy", policy)
+                    # A process reads the policy again every second (capsvc.redis.gate): the
+                    # evictions begin once it had the time to (if it ever reads it).
+                    await seller.ready(False)
                 run.evicted, run.filler_refused = await asyncio.to_thread(fill, db, evictions)
                 if run.filler_refused:
                     squeeze(db)
@@ -202,7 +211,11 @@ async def eviction_scenario(policy: str, *, evictions: int = 2400, maxmemory: st
                 run.verify = await asyncio.to_thread(verify, service)
                 await asyncio.to_thread(unfill, db)
                 db.config_set("maxmemory", maxmemory)
+                if switched:
+                    db.config_set("maxmemory-policy", "noeviction")
                 await seller.ready()  # a process held by its Redis may serve again now
+                if switched:
+                    await seller.sell_out("c")
                 run.answered = len(seller.sold)
                 run.lost = await seller.lost()
                 run.highest = max(seller.staked)
