@@ -85,8 +85,7 @@ def lru_redis() -> Iterator[RedisServer]:
 
 async def test_an_evicting_redis_keeps_the_process_not_ready_with_one_line(
         lru_redis: RedisServer) -> None:
-    """allkeys-lru: /readyz 503, sales 503, one log line (node, setting, fix); check-config
-    --redis-url exits 1 with the same line."""
+    """allkeys-lru: not ready, sales 503, one line (node, setting, fix), check-config too."""
     service = ServiceProcess(str(CONFIG), lru_redis.url).start()
     try:
         async with aiohttp.ClientSession() as session:
@@ -113,8 +112,7 @@ async def test_an_evicting_redis_keeps_the_process_not_ready_with_one_line(
 
 
 async def test_with_config_disabled_the_policy_is_read_from_info() -> None:
-    """CONFIG renamed away (as on managed services): the evicting policy is found in INFO
-    memory, for the service and for check-config."""
+    """CONFIG renamed away: the evicting policy is read from INFO memory, by both."""
     server = RedisServer(extra=("--maxmemory-policy", "volatile-lru",
                                 "--rename-command", "CONFIG", "")).start()
     try:
@@ -136,8 +134,7 @@ async def test_with_config_disabled_the_policy_is_read_from_info() -> None:
 
 
 async def test_a_policy_switched_on_a_running_redis_holds_sales_until_switched_back() -> None:
-    """CONFIG SET allkeys-lru then a reconnection: not ready, sales 503; noeviction again:
-    ready, the journal re-applied first, every answered sale still there."""
+    """CONFIG SET allkeys-lru and a reconnection: not ready; set back: ready, nothing lost."""
     server = RedisServer().start()
     db = server.client()
     service = ServiceProcess(str(CONFIG), server.url).start()
@@ -176,8 +173,7 @@ async def test_a_policy_switched_on_a_running_redis_holds_sales_until_switched_b
 
 async def test_one_cluster_node_that_may_evict_keeps_the_process_not_ready(
         redis_cluster: RedisCluster) -> None:
-    """A 3-primary cluster, one node with allkeys-lru: not ready, that node named; it set
-    back to noeviction: ready."""
+    """One cluster node with allkeys-lru: not ready, that node named; set back: ready."""
     node = redis_cluster.primary_nodes()[-1]
     db = node.client()
     db.config_set("maxmemory-policy", "allkeys-lru")
@@ -199,8 +195,7 @@ async def test_one_cluster_node_that_may_evict_keeps_the_process_not_ready(
 
 
 async def test_a_full_noeviction_redis_answers_503_and_loses_nothing() -> None:
-    """maxmemory reached under noeviction: sales 503, none past the cap, every answered
-    sale still there once memory is freed; journal verify --redis-url one line, exit 1."""
+    """At maxmemory: sales 503, no cap passed, no sale lost, verify one line and exit 1."""
     run = await eviction_scenario("noeviction")
     assert run.ready
     assert "command not allowed when used memory > 'maxmemory'" in run.filler_refused
@@ -218,9 +213,7 @@ async def test_a_full_noeviction_redis_answers_503_and_loses_nothing() -> None:
 
 
 async def test_keys_evicted_while_switched_are_put_back_before_the_next_sale() -> None:
-    """~2,400 keys evicted while a running Redis was switched to allkeys-lru: no sale then;
-    switched back, the whole journal is re-applied first: no answered sale lost, no cap
-    passed (without the check: sales lost, caps passed twice over)."""
+    """~2,400 keys evicted while switched to allkeys-lru: nothing lost, no cap passed."""
     run = await eviction_scenario("allkeys-lru", switched=True)
     assert run.ready
     assert run.evicted >= 2400
@@ -229,6 +222,35 @@ async def test_keys_evicted_while_switched_are_put_back_before_the_next_sale() -
     assert (run.lost, run.over_cap, run.highest) == (0, 0, 5000)
     assert "re-applying the whole journal" in run.log
     assert "Traceback" not in run.log
+
+
+LIBRARY = """#!lua name=oomcheck
+redis.register_function('two_writes', function(keys, args)
+  redis.call('SET', keys[1], '1')
+  redis.call('SET', keys[2], string.rep('x', tonumber(args[1])))
+  return 1
+end)
+redis.register_function{function_name = 'read', flags = {'no-writes'},
+  callback = function(keys) return redis.call('EXISTS', keys[1]) end}
+"""
+
+
+def test_redis_runs_a_writing_function_whole_or_refuses_it_before_it_runs() -> None:
+    """Below maxmemory a writing FCALL runs whole (even past it); above, none of it runs."""
+    server = RedisServer(extra=("--maxmemory", "4mb")).start()
+    db = server.client()
+    try:
+        db.function_load(LIBRARY)
+        assert db.fcall("two_writes", 2, "a", "b", 5_000_000) == 1
+        assert db.exists("a", "b") == 2
+        assert int(db.info("memory")["used_memory"]) > 4 * 1024 * 1024
+        with pytest.raises(redis.ResponseError, match="used memory > 'maxmemory'"):
+            db.fcall("two_writes", 2, "c", "d", 1)
+        assert db.exists("c", "d") == 0
+        assert db.fcall("read", 1, "a") == 1
+    finally:
+        db.close()
+        server.stop()
 
 
 @pytest.fixture
@@ -264,9 +286,8 @@ def sold_then_stopped(tmp_path: Path
 def test_every_command_on_redis_says_an_evicting_or_full_redis_in_one_line(
         sold_then_stopped: tuple[RedisServer, ServiceProcess, int, list[str]], fault: str,
         tmp_path: Path) -> None:
-    """journal verify/restore, report, reconcile, check-config with --redis-url: one line
-    and a non-zero exit on an evicting policy or a write refused at maxmemory, never a
-    traceback (a report or reconciliation that only reads is answered by a full Redis)."""
+    """Every command with --redis-url: one line, non-zero exit, no traceback on either."""
+    # A report or a reconciliation that only reads is answered by a full Redis: exit 0.
     server, service, draw, tickets = sold_then_stopped
     db = server.client()
     if fault == "evicting":

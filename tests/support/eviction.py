@@ -104,7 +104,8 @@ class _Seller:
         for i, numbers in enumerate(COMBINATIONS):
             while True:
                 self._n += 1
-                body = {"ticket_id": f"E{round_}-{i}-{self._n:05d}", "game": GAME,
+                ticket_id = f"E{round_}-{i}-{self._n:05d}"
+                body = {"ticket_id": ticket_id, "game": GAME,
                         "grids": [{"numbers": numbers, "stake": STAKE}]}
                 for _ in range(TRIES):
                     status, data = await self._send("POST", "/v1/tickets", body)
@@ -114,7 +115,7 @@ class _Seller:
                     await asyncio.sleep(0.05)
                 if status != 200 or data["status"] != "accepted":
                     break  # refused by the cap (or still 503: the seller gives up)
-                self.sold[body["ticket_id"]] = (i, data["grids"])
+                self.sold[ticket_id] = (i, data["grids"])
                 self.staked[i] += STAKE
 
     async def lost(self) -> int:

@@ -16,8 +16,7 @@ INFO = (b"# Server\r\nredis_version:7.0.15\r\nrun_id:abc\r\n# Replication\r\n"
 
 
 def test_the_policy_is_read_from_config_get_or_from_info() -> None:
-    """CONFIG GET's [name, value] (or a RESP3 map) and INFO's memory field give the policy;
-    anything else gives none."""
+    """CONFIG GET's reply (a list or a RESP3 map) and INFO's memory field give the policy."""
     assert _policy_of([b"maxmemory-policy", b"noeviction"], False) == "noeviction"
     assert _policy_of({b"maxmemory-policy": b"volatile-lru"}, False) == "volatile-lru"
     assert _policy_of([], False) is None
@@ -28,8 +27,7 @@ def test_the_policy_is_read_from_config_get_or_from_info() -> None:
 
 
 def test_only_noeviction_is_admitted_and_the_line_names_node_setting_and_fix() -> None:
-    """A node with another policy (or none told) is held, its line naming it; noeviction
-    releases it, and says so."""
+    """Any policy but noeviction, or none told, has a line naming node, setting and fix."""
     assert policy_problem("h:1", "noeviction") is None
     line = policy_problem("h:1", "allkeys-lru")
     assert line is not None
@@ -42,8 +40,7 @@ def test_only_noeviction_is_admitted_and_the_line_names_node_setting_and_fix() -
 
 def test_a_held_node_is_logged_once_and_released_with_on_kept(
         caplog: pytest.LogCaptureFixture) -> None:
-    """The same policy read again says nothing more; noeviction again, or the node left,
-    calls on_kept (what it held may have been evicted)."""
+    """Held and logged once; noeviction again or the node left releases it via on_kept."""
     gate = Gate()
     kept: list[str] = []
     gate.on_kept = kept.append
@@ -64,7 +61,7 @@ def test_a_held_node_is_logged_once_and_released_with_on_kept(
 
 
 def test_a_gate_without_journal_judges_the_policy_only() -> None:
-    """reconciles=False (no journal, a tool): any identity passes, an evicting node not."""
+    """Without reconciliation (no journal, a tool) only the policy holds a node."""
     gate = Gate(reconciles=False, logs=False)
     assert gate.admits("never-reconciled", "h:1")
     gate.policy("h:1", "allkeys-random")
