@@ -116,7 +116,7 @@ def check_config(paths: list[str] | None, output: str = "text",
         try:
             problems = asyncio.run(redis_problems(url, settings))
         except (Unavailable, RedisError, OSError) as e:
-            print(f"capsvc check-config: redis at {_redis_target(url)}: {e}", file=sys.stderr)
+            print(f"capsvc check-config: redis: {e}", file=sys.stderr)
             return 1
     if output == "json":
         import json

@@ -752,7 +752,6 @@ class Coalescer:
         elif not p.fut.done():
             p.fut.set_exception(reply)
 
-
     def _out_of_memory(self, p: _Pending, reply: ResponseError) -> None:
         """Redis refused a command at maxmemory (noeviction). It refuses before running
         anything: a plain write, and an FCALL of a function without the `no-writes` flag
