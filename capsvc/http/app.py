@@ -319,9 +319,14 @@ class Api:
                                       outcome.shadowed)
             return TicketResult(200, msgspec.Raw(outcome.body), outcome.replayed)
         if isinstance(outcome, Unavailable):
-            log.warning("redis unavailable: %s", outcome)
-            outcome = unavailable(OUTCOME_UNKNOWN.format("Redis could not be reached in time"),
-                                  self.settings.retry_after_s)
+            if isinstance(outcome, Evicting):  # said once, by the gate
+                cause = EVICTING
+            elif isinstance(outcome, OutOfMemory):  # said by the transport
+                cause = OUT_OF_MEMORY
+            else:
+                log.warning("redis unavailable: %s", outcome)
+                cause = "Redis could not be reached in time"
+            outcome = unavailable(OUTCOME_UNKNOWN.format(cause), self.settings.retry_after_s)
         return TicketResult(STATUS_OF[outcome.kind], msgspec.Raw(_encode(ErrorOut(ErrorDetail(
             code=outcome.code, message=outcome.message, path=outcome.path)))))
 
@@ -606,6 +611,11 @@ class Router:
         return handlers.get(method), template, params, handlers
 
 
+EVICTING = "Redis may evict what capsvc writes (its maxmemory-policy): nothing is sold on it"
+"""The cause a 503 gives when the gate holds the node for its eviction policy."""
+OUT_OF_MEMORY = "Redis is out of memory and refuses writes"
+"""The cause a 503 gives when Redis refused a command at maxmemory."""
+
 _CONFIRMED = frozenset({200, 409, 422})
 """The statuses of answers that may rest on state a Redis failover can lose."""
 _STATELESS = frozenset({"/v1/games", STREAM_ROUTE})
@@ -682,10 +692,9 @@ def _dispatch(api: Api, router: Router) -> Handler:
                 log.info("%s", e, extra={"request_id": rid, "route": template})
                 resp = unknown(request, "Redis is being restored from the journal")
             except Evicting:  # held by the gate, nothing sent; said once, by the gate
-                resp = unknown(request, "Redis may evict what capsvc writes (its "
-                                        "maxmemory-policy): nothing is sold on it")
+                resp = unknown(request, EVICTING)
             except OutOfMemory:  # said by the transport, at most once per OOM_LOG_S
-                resp = unknown(request, "Redis is out of memory and refuses writes")
+                resp = unknown(request, OUT_OF_MEMORY)
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})

@@ -224,6 +224,44 @@ async def test_keys_evicted_while_switched_are_put_back_before_the_next_sale() -
     assert "Traceback" not in run.log
 
 
+async def test_a_full_redis_answers_each_sale_503_with_one_log_line_and_counts_them() -> None:
+    """At maxmemory: a sale and each sale of a batch 503 (out of memory), one line, counted."""
+    server = RedisServer(extra=("--maxmemory", "8mb")).start()
+    db = server.client()
+    service = ServiceProcess(str(CONFIG), server.url).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            base = service.base_url
+            await until_ready(session, base, ready=True)
+            fill(db, 1)
+            squeeze(db)
+            code, body = await sell(session, base)
+            assert code == 503
+            assert "out of memory" in body["error"]["message"]
+            tickets = [{"ticket_id": new_id("EB"), "game": "fdj-keno",
+                        "grids": [{"numbers": TEN[i:i + 8], "stake": 500}]} for i in range(3)]
+            async with session.post(f"{base}/v1/ticket-batches", json={"tickets": tickets},
+                                    headers={"Authorization": f"Bearer {TOKENS['fr']}"}
+                                    ) as resp:
+                assert resp.status == 200
+                results = (await resp.json())["results"]
+            assert [r["status"] for r in results] == [503] * 3
+            assert all("out of memory" in r["body"]["error"]["message"] for r in results)
+            async with session.get(f"{base}/metrics") as resp:
+                metrics = await resp.text()
+            refused = [line for line in metrics.splitlines()
+                       if line.startswith('capsvc_redis_errors_total{kind="oom"}')]
+            # Each refused command counted: the batch's sales were judged in one call.
+            assert float(refused[0].split()[-1]) >= 2
+    finally:
+        service.stop()
+        db.close()
+        server.stop()
+    log = service.log.read_text()
+    assert log.count("refuses writes: out of memory") == 1
+    assert "Traceback" not in log
+
+
 LIBRARY = """#!lua name=oomcheck
 redis.register_function('two_writes', function(keys, args)
   redis.call('SET', keys[1], '1')

@@ -164,8 +164,10 @@ def squeeze(db: redis.Redis) -> None:
     """Set maxmemory below what Redis uses now (as if the other client's keys had grown
     on): under noeviction every write is refused from now on, not only those that come
     while memory is at the limit to the byte."""
-    used = int(db.info("memory")["used_memory"])
-    db.config_set("maxmemory", max(used - SQUEEZE_BYTES, 1))
+    memory = db.info("memory")
+    # What Redis compares with maxmemory: its memory less the AOF and replication buffers.
+    counted = int(memory["used_memory"]) - int(memory.get("mem_not_counted_for_evict", 0))
+    db.config_set("maxmemory", max(counted - SQUEEZE_BYTES, 1))
 
 
 def unfill(db: redis.Redis) -> None:
