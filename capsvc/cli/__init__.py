@@ -23,6 +23,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 if TYPE_CHECKING:
     from capsvc.journal.verify import Anchor
+    from capsvc.redis.cluster import ClusterCoalescer
+    from capsvc.redis.gate import Gate
+    from capsvc.redis.transport import Coalescer
 
 log = logging.getLogger("capsvc")
 
@@ -65,8 +68,56 @@ def _settings(paths: list[str] | None) -> Settings:
         raise SystemExit(2) from None
 
 
-def check_config(paths: list[str] | None, output: str = "text") -> int:
+def redis_for_tools(url: str, settings: Settings, library: str | None = None,
+                    gate: Gate | None = None) -> Coalescer | ClusterCoalescer:
+    """The transport a command-line tool uses: every node's maxmemory-policy read by its
+    connection's handshake, as the service's are; commands to a node that may evict fail
+    with `Evicting` (an Unavailable) whose message is the one line to print."""
+    from capsvc.redis.cluster import connect
+    from capsvc.redis.gate import Gate
+
+    return connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
+                   library=library, gate=gate or Gate(reconciles=False, logs=False))
+
+
+async def redis_problems(url: str, settings: Settings) -> list[str]:
+    """Why capsvc would not sell on the Redis at `url` (every primary's maxmemory-policy,
+    each read on its own connection): one line each, none when it would."""
+    from capsvc.redis.gate import Evicting, Gate
+
+    gate = Gate(reconciles=False, logs=False)
+    redis = redis_for_tools(url, settings, gate=gate)
+    try:
+        await redis.broadcast("PING")
+    except Evicting:
+        pass  # every node's line is in the gate once every connection is closed
+    finally:
+        await redis.aclose()  # waits for the connections still being made (their handshakes)
+    return list(gate.evicting.values())
+
+
+def check_config(paths: list[str] | None, output: str = "text",
+                 redis_url: str | bool | None = None) -> int:
+    """Validate the configuration; with `redis_url` (True: the configuration's), also that
+    capsvc would sell on that Redis: exit 1 with one line per problem when it would not."""
     settings = _settings(paths)
+    problems: list[str] = []
+    if redis_url:
+        url = redis_url if isinstance(redis_url, str) else settings.redis_url
+        problem = ("no URL (give one, or [redis] url)" if url is None
+                   else redis_url_problem(url))
+        if problem or url is None:
+            print(f"capsvc check-config: --redis-url: {problem}", file=sys.stderr)
+            return 2
+        from redis.exceptions import RedisError
+
+        from capsvc.domain.errors import Unavailable
+
+        try:
+            problems = asyncio.run(redis_problems(url, settings))
+        except (Unavailable, RedisError, OSError) as e:
+            print(f"capsvc check-config: redis: {e}", file=sys.stderr)
+            return 1
     if output == "json":
         import json
 
@@ -78,9 +129,10 @@ def check_config(paths: list[str] | None, output: str = "text") -> int:
                       for g in settings.games.values()],
             "channels": [{"id": ch.id, "games": sorted(ch.games), "scopes": sorted(ch.scopes)}
                          for ch in settings.channels],
-            "redis": None if settings.redis_url is None else _redis_target(settings.redis_url)},
+            "redis": None if settings.redis_url is None else _redis_target(settings.redis_url),
+            "redis_problems": problems},
             indent=2))
-        return 0
+        return 1 if problems else 0
     print(f"{settings.source}: OK")
     for g in settings.games.values():
         cap = "no cap" if g.cap_limit is None else (
@@ -96,7 +148,11 @@ def check_config(paths: list[str] | None, output: str = "text") -> int:
         print(f"  channel {ch.id}: games {sorted(ch.games)}, scopes {sorted(ch.scopes)}")
     if settings.redis_url is not None:
         print(f"  redis: {_redis_target(settings.redis_url)}")
-    return 0
+    for problem in problems:
+        print(f"capsvc check-config: {problem}", file=sys.stderr)
+    if redis_url and not problems:
+        print("  redis: every node has maxmemory-policy noeviction")
+    return 1 if problems else 0
 
 
 def health(paths: list[str] | None, port: int | None, timeout_s: float = 2.0) -> int:
@@ -294,7 +350,6 @@ def _journal_restore(args: argparse.Namespace) -> int:
 
     from capsvc.domain.games import Catalog
     from capsvc.recovery.restore import restore_once
-    from capsvc.redis.cluster import connect
     from capsvc.redis.store import Store, lua_source
 
     settings = _settings(args.config)
@@ -309,8 +364,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
     directory = Path(args.dir or settings.journal_dir)
 
     async def run() -> int:
-        redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
-                        library=lua_source())
+        redis = redis_for_tools(url, settings, lua_source())
         try:
             done, _ = await restore_once(directory, Catalog(settings.games),
                                          Store(redis))
@@ -364,7 +418,16 @@ def _journal_verify(args: argparse.Namespace) -> int:
         if problem or url is None:
             print(f"capsvc journal verify: --redis-url: {problem}", file=sys.stderr)
             return 2
-        compared = asyncio.run(_compare(out, url, settings))
+        from redis.exceptions import RedisError
+
+        from capsvc.domain.errors import Unavailable
+
+        try:
+            compared = asyncio.run(_compare(out, url, settings))
+        except (Unavailable, RedisError, OSError) as e:
+            # An evicting or full Redis, an unreachable one: one line, never a traceback.
+            print(f"capsvc journal verify: cannot compare with Redis: {e}", file=sys.stderr)
+            return 1
     if args.format == "json":
         print(json.dumps({
             "ok": out.ok, "files": len(out.files), "records": out.records,
@@ -393,11 +456,10 @@ def _journal_verify(args: argparse.Namespace) -> int:
 async def _compare(out: object, url: str, settings: Settings) -> int:
     from capsvc.domain.games import Catalog
     from capsvc.journal.verify import Verification, compare_with_redis
-    from capsvc.redis.cluster import connect
     from capsvc.redis.store import Store
 
     assert isinstance(out, Verification)
-    redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0))
+    redis = redis_for_tools(url, settings)
     try:
         return await compare_with_redis(out, Store(redis), Catalog(settings.games))
     finally:
@@ -427,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check.add_argument("paths", nargs="*", metavar="PATH",
                          help="the same as --config PATH (after any --config)")
     p_check.add_argument("--format", choices=("text", "json"), default="text")
+    p_check.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
+                         help="also check that capsvc would sell on that Redis: every "
+                              "node's maxmemory-policy noeviction (default URL: [redis] url)")
     p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
                               "/healthz (the port from the configuration)")
     p_health.add_argument("--config", **CONFIG_OPTION)
@@ -492,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "verify": _journal_verify}
         return handlers[args.journal_command](args)
     if args.command == "check-config":
-        return check_config([*(args.config or ()), *args.paths] or None, args.format)
+        return check_config([*(args.config or ()), *args.paths] or None, args.format,
+                            args.redis_url)
     if args.command == "watch":
         return _watch(args)
     if args.command == "health":

@@ -278,13 +278,12 @@ async def _with_redis(settings: Settings, url: str, work: Any, *, journaled: boo
                       ) -> Any:
     """Run `work(audit)` with the audit use-cases over Redis at `url` (and, `journaled`,
     a journal in `[journal] dir` for the cancels)."""
+    from capsvc.cli import redis_for_tools
     from capsvc.journal.writer import open_journal
-    from capsvc.redis.cluster import connect
     from capsvc.redis.store import Store, lua_source
     from capsvc.wiring import build_usecases
 
-    redis = connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
-                    library=lua_source())
+    redis = redis_for_tools(url, settings, lua_source())
     journal = (open_journal(settings.journal_dir,
                             max_file_bytes=settings.journal_max_file_bytes,
                             keep_ms=settings.journal_keep_ms)

@@ -39,9 +39,10 @@ from capsvc.http.responses import Answer, answer_headers
 from capsvc.journal.writer import Journal
 from capsvc.ops.metrics import Metrics
 from capsvc.redis.durability import Durability
-from capsvc.redis.gate import Gate
+from capsvc.redis.gate import Evicting, Gate
 from capsvc.redis.marks import Behind, Marks, Restoring
 from capsvc.redis.store import Store
+from capsvc.redis.transport import OutOfMemory
 from capsvc.service.feed import Subscriber
 from capsvc.service.tickets import SaleOutcome
 from capsvc.wiring import UseCases
@@ -318,9 +319,14 @@ class Api:
                                       outcome.shadowed)
             return TicketResult(200, msgspec.Raw(outcome.body), outcome.replayed)
         if isinstance(outcome, Unavailable):
-            log.warning("redis unavailable: %s", outcome)
-            outcome = unavailable(OUTCOME_UNKNOWN.format("Redis could not be reached in time"),
-                                  self.settings.retry_after_s)
+            if isinstance(outcome, Evicting):  # said once, by the gate
+                cause = EVICTING
+            elif isinstance(outcome, OutOfMemory):  # said by the transport
+                cause = OUT_OF_MEMORY
+            else:
+                log.warning("redis unavailable: %s", outcome)
+                cause = "Redis could not be reached in time"
+            outcome = unavailable(OUTCOME_UNKNOWN.format(cause), self.settings.retry_after_s)
         return TicketResult(STATUS_OF[outcome.kind], msgspec.Raw(_encode(ErrorOut(ErrorDetail(
             code=outcome.code, message=outcome.message, path=outcome.path)))))
 
@@ -495,7 +501,10 @@ class Api:
         if self.journal is not None:
             checks["journal"] = await self.journal.probe()
         if self.gate is not None:
-            checks["restored"] = not self.gate.restoring
+            if self.gate.reconciles:
+                checks["restored"] = not self.gate.restoring
+            # Every node used has maxmemory-policy noeviction (each read on its connection).
+            checks["noeviction"] = not self.gate.evicting
         if not self.health.draining and checks.get("restored", True):
             try:
                 loaded = await self.store.library_loaded()
@@ -510,7 +519,7 @@ class Api:
                 log.debug("readiness check failed: %s", e)
         ready = (checks["redis"] and checks["scripts"] and self.clock.synced
                  and not checks["draining"] and checks.get("journal", True)
-                 and checks.get("restored", True))
+                 and checks.get("restored", True) and checks.get("noeviction", True))
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 
@@ -602,6 +611,11 @@ class Router:
         return handlers.get(method), template, params, handlers
 
 
+EVICTING = "Redis may evict what capsvc writes (its maxmemory-policy): nothing is sold on it"
+"""The cause a 503 gives when the gate holds the node for its eviction policy."""
+OUT_OF_MEMORY = "Redis is out of memory and refuses writes"
+"""The cause a 503 gives when Redis refused a command at maxmemory."""
+
 _CONFIRMED = frozenset({200, 409, 422})
 """The statuses of answers that may rest on state a Redis failover can lose."""
 _STATELESS = frozenset({"/v1/games", STREAM_ROUTE})
@@ -677,6 +691,10 @@ def _dispatch(api: Api, router: Router) -> Handler:
             except (Behind, Restoring) as e:  # refused by Redis before anything ran
                 log.info("%s", e, extra={"request_id": rid, "route": template})
                 resp = unknown(request, "Redis is being restored from the journal")
+            except Evicting:  # held by the gate, nothing sent; said once, by the gate
+                resp = unknown(request, EVICTING)
+            except OutOfMemory:  # said by the transport, at most once per OOM_LOG_S
+                resp = unknown(request, OUT_OF_MEMORY)
             except Unavailable as e:
                 log.warning("redis unavailable: %s", e,
                             extra={"request_id": rid, "route": template})

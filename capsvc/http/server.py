@@ -29,7 +29,7 @@ from capsvc.ops.workers import BACKLOG, announce_started, stop_requested
 from capsvc.recovery.reconciler import Reconciler
 from capsvc.redis.cluster import connect
 from capsvc.redis.durability import Durability
-from capsvc.redis.gate import Gate
+from capsvc.redis.gate import Evicting, Gate
 from capsvc.redis.marks import Marks
 from capsvc.redis.store import Store, lua_source
 from capsvc.redis.transport import Transport
@@ -54,6 +54,8 @@ async def _every(what: str, interval_s: float, step: Callable[[], Awaitable[obje
         try:
             await step()
             reachable = True
+        except Evicting:
+            reachable = False  # said once, by the gate
         except Unavailable as e:
             if reachable:
                 log.warning("%s: redis unavailable: %s", what, e)
@@ -143,14 +145,17 @@ class Service:
 def build(settings: Settings, redis_url: str) -> Service:
     metrics = Metrics()
     metrics.declare(settings.games.values())
-    journal, gate = None, None
+    journal = None
+    # Every connection's handshake reads its node's eviction policy (and, with the journal,
+    # its identity): nothing goes to a node that may evict what capsvc writes.
+    gate = Gate(reconciles=settings.journal_enabled)
+    gate.on_evicting = metrics.redis_evicting.set
     if settings.journal_enabled:
         journal = open_journal(settings.journal_dir,
                                max_file_bytes=settings.journal_max_file_bytes,
                                keep_ms=settings.journal_keep_ms,
                                on_write=metrics.journal_written, on_error=metrics.journal_failed,
                                on_files=metrics.journal_files.set)
-        gate = Gate()
     else:
         log.warning("the journal is off ([journal] enabled = false): decisions Redis loses "
                     "are not restored, and nothing outlives Redis's retention")
@@ -170,9 +175,8 @@ def build(settings: Settings, redis_url: str) -> Service:
                             settings.retry_after_s)
     reconciler = (Reconciler(settings, redis_url, gate, usecases.catalog, metrics,
                              store.marks, usecases.journal)
-                  if gate is not None and journal is not None else None)
-    app = create_app(settings, usecases, store, metrics, health, durability, journal,
-                     reconciler.gate if reconciler else None)
+                  if journal is not None else None)
+    app = create_app(settings, usecases, store, metrics, health, durability, journal, gate)
     return Service(settings, redis, store, usecases, metrics, health, app, journal, reconciler)
 
 
@@ -249,6 +253,8 @@ async def serve(settings: Settings, redis_url: str, sock: socket.socket,
         svc.redis, svc.store, svc.usecases, svc.metrics, svc.health)
     try:
         await prepare(svc)
+    except Evicting:
+        pass  # said once, by the gate: not ready until the node keeps what it is given
     except Unavailable as e:
         log.warning("redis not reachable at start (%s): not ready until it is", e)
     background = [

@@ -32,7 +32,7 @@ from capsvc import __version__
 from capsvc.config import GameRules
 from capsvc_client.models import TicketOut
 
-ERROR_KINDS = ("timeout", "connection", "reply", "readonly")
+ERROR_KINDS = ("timeout", "connection", "reply", "readonly", "oom")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""
 
 _LATENCY_BUCKETS = (
@@ -167,6 +167,10 @@ class Metrics:
             "1 while the journal's last write succeeded; 0: decisions answer 503", registry=r,
             multiprocess_mode="min")
         self.journal_healthy.set(1)
+        self.redis_evicting = Gauge(
+            "capsvc_redis_evicting_nodes",
+            "Redis nodes this process holds for their maxmemory-policy (not noeviction: "
+            "nothing sold on them, not ready)", registry=r, multiprocess_mode="max")
         self.restoring = Gauge(
             "capsvc_journal_restoring",
             "1 while this process restores its journal into a Redis it has not reconciled "

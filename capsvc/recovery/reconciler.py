@@ -8,6 +8,11 @@ out of one another's way while they do.
   marks of every node every WATCH_S on the process's own connection, so that an idle
   process notices as soon as one that sells, and a node it never wrote to is judged against
   what it saw there all the same.
+- **A node that may have evicted.** A node the gate held for its maxmemory-policy
+  (capsvc.redis.gate) that keeps what it is given again, or is left: it may have evicted
+  any key, marks included, so the marks cannot tell what it lacks. The whole journal
+  directory is re-applied (what the Redis has is found there and left), as for a backup
+  of unknown origin.
 - **What is restored.** For this process's lifetime and every lifetime of the journal
   directory whose process is gone (the lifetimes before it; a worker that died), the records
   the Redis lacks: those stamped above the lifetime's field in the mark
@@ -108,12 +113,23 @@ class Reconciler:
         """Whether the last attempt at a restore announced it."""
         self._fresh = True
         """No restore has ended yet: this process has seen nothing of the marks before."""
+        self._full = 0
+        """Whole re-applications asked for (a node may have evicted), and done:"""
+        self._full_done = 0
         gate.on_unknown = self.unknown
+        gate.on_kept = self.kept
         marks.on_behind = self.behind
 
     def unknown(self, identity: str) -> None:
         """A connection reached a server not reconciled: restore (once at a time)."""
         self.trouble(f"redis {identity} not reconciled with the journal yet")
+
+    def kept(self, node: str) -> None:
+        """A node held for its eviction policy no longer is: it may have evicted anything
+        meanwhile, marks included."""
+        self._full += 1
+        self.trouble(f"redis at {node} may have evicted keys while its maxmemory-policy was "
+                     "not noeviction: re-applying the whole journal")
 
     def behind(self, mark: str, found: str) -> None:
         """A marked call was refused: Redis is behind what this process saw of `mark`."""
@@ -206,10 +222,11 @@ class Reconciler:
             redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
                             library=lua_source())
             store = Store(redis)
+            full = self._full
             try:
                 # The library is loaded by the transport if Redis lacks it (a first call
                 # answered "Function not found"): no FUNCTION LOAD ahead of the announcement.
-                done, held = await self._reconcile(store, announced)
+                done, held = await self._reconcile(store, announced, full > self._full_done)
             except WentBack as e:
                 log.warning("journal: %s: restoring again", e)
                 announced = True
@@ -224,15 +241,19 @@ class Reconciler:
                 continue
             finally:
                 await redis.aclose()
+            self._full_done = full
+            if self._full > full:  # a node left eviction behind during this restore: again
+                continue
             self._reconciled(done, held)
             self.attempted.set()
             return
 
-    async def _reconcile(self, store: Store, announce: bool = False
+    async def _reconcile(self, store: Store, announce: bool = False, full: bool = False
                          ) -> tuple[Restored | None, list[str | None]]:
         """Put back what Redis lacks of this lifetime and of the directory's lifetimes gone;
         what was done (None: nothing was lacking) and the identities of the Redis it was
-        done on. `announce`: announce at once (an attempt before did)."""
+        done on. `announce`: announce at once (an attempt before did). `full`: re-apply the
+        whole directory, whatever the marks say (a node may have evicted)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         # The announcement goes to every node's mark: every call of every process, on
@@ -273,13 +294,15 @@ class Reconciler:
             """G as this restore leaves each mark: never lower unless Redis went back."""
             for mark in marks:  # what the process has seen of the marks from now on
                 self.marks.saw(mark, floor[mark])
-            lacking_lives = [life for life in names if not covered(made[life], fields[life])]
+            lacking_lives = (names if full else
+                             [life for life in names if not covered(made[life], fields[life])])
             done: Restored | None = None
             if lacking_lives:
                 await announcer.begin(marks)
-                if all(not any(fields[life].values()) for life in lacking_lives):
-                    # Redis has no mark of any of them (emptied, or never reconciled): the
-                    # whole directory, read and planned apart from the event loop.
+                if full or all(not any(fields[life].values()) for life in lacking_lives):
+                    # Redis has no mark of any of them (emptied, or never reconciled), or
+                    # may have evicted anything: the whole directory, read and planned
+                    # apart from the event loop.
                     done = await restorer.run()
                 else:
                     done = Restored()

@@ -39,12 +39,13 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
-from capsvc.redis.gate import Gate
+from capsvc.redis.gate import Evicting, Gate
 from capsvc.redis.marks import MarkElsewhere, mark_of_slot
 from capsvc.redis.transport import (
     BatchObserver,
     Coalescer,
     ErrorObserver,
+    OutOfMemory,
     PrimaryObserver,
     ignore_batch,
     ignore_error,
@@ -210,8 +211,8 @@ class ClusterCoalescer:
         if error is None:
             fut.set_result(done.result())
             return
-        if isinstance(error, Unavailable):
-            self._refresh_soon()
+        if isinstance(error, Unavailable) and not isinstance(error, Evicting | OutOfMemory):
+            self._refresh_soon()  # the node may be gone (not merely refusing: it answered)
         if isinstance(error, ResponseError) and hops < _MAX_REDIRECTS:
             text = str(error)
             kind = text.split(" ", 1)[0]
@@ -312,6 +313,8 @@ class ClusterCoalescer:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)
             self._on_primary(f"{gone[0]}:{gone[1]}", "switched")
             self._on_primary(f"{gone[0]}:{gone[1]}", "forgotten")
+            if self._gate is not None:
+                self._gate.forget(f"{gone[0]}:{gone[1]}")
             old = self._nodes.pop(gone, None)
             if old is not None:
                 self._later(old.aclose())

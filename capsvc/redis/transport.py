@@ -14,7 +14,9 @@ parsing by hiredis (C), in-order replies, a deadline per batch, reconnection.
 Failure semantics: a connection error, or a batch unanswered past the timeout, closes the
 connection and fails every command in flight with `Unavailable` (the caller cannot know
 whether Redis ran them; capsvc's Lua steps are idempotent, so a retry converges). The next
-command reconnects. Error replies (`-ERR …`) fail only their own command.
+command reconnects. Error replies (`-ERR …`) fail only their own command; an `OOM` reply
+(maxmemory reached under noeviction: nothing of that command ran) fails it with
+`OutOfMemory`, a 503 whose outcome is unknown, since the request's other calls may have run.
 
 Replica acknowledgements (`wait_replicas`, capsvc.redis.durability): Redis `WAIT` counts the
 replicas that have every earlier write *of the connection it is sent on*, so it must travel
@@ -32,6 +34,10 @@ Only a primary is talked to: every new connection first asks `ROLE` (a node that
 connection, and with a `redis+sentinel://` URL the primary's address is asked of the
 sentinels before each connection and a `+switch-master` drops the connection at once
 (capsvc.redis.sentinel). Reconnections are spaced by RECONNECT_S; commands queued meanwhile wait.
+
+With a gate (capsvc.redis.gate), the same handshake reads the node's maxmemory-policy and its
+identity, and nothing goes to a node that may evict or that the journal has not reconciled;
+the policy is read again every POLICY_S on a connection in use.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import hiredis
 from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
-from capsvc.redis.gate import Gate, identity
+from capsvc.redis.gate import POLICY_S, Evicting, Gate, identity, info_field
 from capsvc.redis.sentinel import Sentinels
 from capsvc.urls import Address, is_sentinel_url, parse_sentinel_url
 
@@ -60,7 +66,7 @@ log = logging.getLogger(__name__)
 BatchObserver = Callable[[int, float], None]
 """Called with (commands in the batch, seconds until its last reply) after each batch."""
 ErrorObserver = Callable[[str], None]
-"""Called with the kind of failure ("timeout", "connection", "reply", "readonly")."""
+"""Called with the kind of failure ("timeout", "connection", "reply", "readonly", "oom")."""
 PrimaryObserver = Callable[[str, str], None]
 """Called with (node, event): "lost" when the connection to the primary failed, "up" when a
 primary answers again, "switched" when the one that answers is another node than before
@@ -68,6 +74,11 @@ primary answers again, "switched" when the one that answers is another node than
 used (a cluster node removed from the slot map)."""
 
 _MISSING_FUNCTION = "Function not found"
+_OOM = "OOM"
+"""The error reply of a command Redis refuses at maxmemory under noeviction."""
+OOM_LOG_S = 10.0
+"""Least time between two log lines of a node refusing writes out of memory (each refusal
+is counted in `capsvc_redis_errors_total{kind="oom"}`)."""
 _NOT_NOW = ("LOADING", "MASTERDOWN", "BUSY ")
 """Error replies that mean "not now": nothing ran."""
 
@@ -98,6 +109,11 @@ FAILOVER_HOLD_S = 10.0
 sentinels are asked again: an announcement may have been missed)."""
 FENCE_TTL_MS = 10_000
 """Life of the fence key written before each WAIT (one key per node, rewritten per tick)."""
+
+
+class OutOfMemory(Unavailable):
+    """Redis refused a command: used memory is past `maxmemory` (noeviction). The command
+    did not run; what else the request sent may have: an unknown outcome (503)."""
 
 
 class Transport(Protocol):
@@ -238,6 +254,14 @@ class Coalescer:
         """What says whether this process may use the server it reached (its journal
         reconciled with that server's identity: capsvc.recovery.restore); None: always."""
         self._identity: str | None = None
+        self._node: str | None = None
+        """The address the handshake judged (the gate's name for the node)."""
+        self._policy_due = 0.0
+        """Loop time from which the node's maxmemory-policy is read again (POLICY_S)."""
+        self._policy_by_info = False
+        """CONFIG GET was refused on this connection: the policy is read from INFO memory."""
+        self._oom_said = float("-inf")
+        """Loop time of the last line about this node refusing writes out of memory."""
         self._transport: asyncio.Transport | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._handshaking = False
@@ -372,9 +396,12 @@ class Coalescer:
             return  # flushed once connected
         if self._handshaking:
             return  # flushed once the node is known to be the primary
-        if self._gate is not None and not self._gate.admits(self._identity):
-            self._refuse()
-            return
+        if self._gate is not None:
+            if (self._loop or self._bind()).time() >= self._policy_due:
+                self._read_policy()
+            if not self._gate.admits(self._identity, self._node):
+                self._refuse()
+                return
         hold = self._queue_waits() if self._waits else 0.0
         if self._queued:
             self._write(self._buffer, self._queued, hold)
@@ -416,16 +443,19 @@ class Coalescer:
         return sum(timeout_ms for _, timeout_ms in waits) / 1000
 
     def _refuse(self) -> None:
-        """Fail what is queued, nothing sent: this server is not reconciled with the
-        journal yet (a restore is under way)."""
-        error = Unavailable("Redis is being restored from the journal (a new server, or one "
-                            "that may have lost writes): nothing is sold until it is done")
+        """Fail what is queued, nothing sent: this node may evict (its maxmemory-policy),
+        or this server is not reconciled with the journal yet (a restore is under way)."""
+        assert self._gate is not None
+        problem = self._gate.problem(self._node)
+        error = Evicting(problem) if problem is not None else Unavailable(
+            "Redis is being restored from the journal (a new server, or one that may have "
+            "lost writes): nothing is sold until it is done")
         failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
         self._queued, self._buffer, self._waits = [], [], {}
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)
-        if self._gate is not None and not self._gate.restoring:
+        if problem is None and not self._gate.restoring:
             # Restored, and this server is still not one the restore reconciled (it changed
             # meanwhile, or its role did: a cluster node demoted under us): look at it
             # again on a new connection, whose handshake judges it afresh.
@@ -435,6 +465,29 @@ class Coalescer:
             transport, self._transport = self._transport, None
             if transport is not None:
                 transport.abort()
+
+    def _read_policy(self) -> None:
+        """Read the node's maxmemory-policy again (every POLICY_S while the connection is
+        used), ahead of this flush's batch and whatever the gate says of the node: a node
+        held for its policy is released by this read once set to noeviction."""
+        loop = self._loop or self._bind()
+        self._policy_due = loop.time() + POLICY_S
+        args: tuple[Any, ...] = (("INFO", "memory") if self._policy_by_info
+                                 else ("CONFIG", "GET", "maxmemory-policy"))
+        fut: asyncio.Future[Any] = loop.create_future()
+        fut.add_done_callback(self._policy_read)
+        self._write([encode_command(args)], [_Pending(args, fut)])
+
+    def _policy_read(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or self._gate is None or self._node is None:
+            return
+        error = fut.exception()
+        if isinstance(error, ResponseError) and not self._policy_by_info:
+            self._policy_by_info = True  # CONFIG refused since (an ACL): INFO next time
+            self._policy_due = 0.0
+            return
+        if error is None:
+            self._gate.policy(self._node, _policy_of(fut.result(), self._policy_by_info))
 
     def _enqueue_now(self, p: _Pending) -> None:
         self._buffer.append(encode_command(p.args))
@@ -491,14 +544,16 @@ class Coalescer:
             self._wake_idle()  # a close waiting on this connection: nothing left to answer
 
     async def _handshake(self) -> None:
-        """AUTH and SELECT; ROLE (is this node the primary?) and, with a gate, INFO (the
-        server's identity, for the journal: capsvc.redis.gate). Their replies are awaited
-        before anything queued goes out."""
+        """AUTH and SELECT; ROLE (is this node the primary?) and, with a gate, its
+        maxmemory-policy (CONFIG GET, else INFO's memory section) and INFO (the server's
+        identity, for the journal: capsvc.redis.gate). Their replies are awaited before
+        anything queued goes out; all of them travel in one write, one round trip."""
         commands = self._target.greeting()
         greeting = len(commands)
         gate = self._gate
         if gate is not None:
-            commands.append(("INFO", "server", "replication"))
+            commands.append(("CONFIG", "GET", "maxmemory-policy"))
+            commands.append(("INFO", "server", "replication", "memory"))
         asks_role = self._primary_only or gate is not None
         if asks_role:
             commands.append(("ROLE",))
@@ -515,7 +570,8 @@ class Coalescer:
         for reply in replies[:greeting]:
             if isinstance(reply, BaseException):
                 raise reply
-        info = replies[greeting] if gate is not None else None
+        config = replies[greeting] if gate is not None else None
+        info = replies[greeting + 1] if gate is not None else None
         role: bytes | None = None
         if asks_role:
             reply = replies[-1]
@@ -530,6 +586,17 @@ class Coalescer:
             raise Unavailable(f"redis at {self._target.address} is a {role.decode()}, "
                               "not the primary")
         if gate is not None:
+            node = self._target.address
+            if self._node is not None and self._node != node:
+                gate.forget(self._node)  # a failover moved us: the old node is not used
+            self._node = node
+            # CONFIG refused (renamed or disabled, as on managed services; an ACL): INFO.
+            self._policy_by_info = isinstance(config, BaseException)
+            self._policy_due = (self._loop or self._bind()).time() + POLICY_S
+            policy = (_policy_of(config, False) if not self._policy_by_info else None)
+            if policy is None and isinstance(info, bytes | str):
+                policy = _policy_of(info, True)
+            gate.policy(node, policy)
             # A cluster's replica serves nothing (it redirects): only a primary's identity
             # is judged.
             known = role in (None, b"master") and isinstance(info, bytes | str)
@@ -670,6 +737,9 @@ class Coalescer:
             self._enqueue(_Pending(("FUNCTION", "LOAD", "REPLACE", self._library), None))
             self._enqueue(p)
             return
+        if str(reply).startswith(_OOM):
+            self._out_of_memory(p, reply)
+            return
         self._on_error("reply")
         if str(reply).startswith(_NOT_NOW):
             # Redis ran nothing and may later: loading its data, a replica cut from its
@@ -681,6 +751,40 @@ class Coalescer:
             log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
         elif not p.fut.done():
             p.fut.set_exception(reply)
+
+    def _out_of_memory(self, p: _Pending, reply: ResponseError) -> None:
+        """Redis refused a command at maxmemory (noeviction). It refuses before running
+        anything: a plain write, and an FCALL of a function without the `no-writes` flag
+        (every capsvc function that writes), whose Lua is then not run at all — checked on
+        Redis 7.0: a function that starts below maxmemory runs whole even if its writes pass
+        it, one that would start above is refused up front, so a call never runs in part.
+        The request's other calls may have run: its outcome is unknown (503), as for a
+        timeout. One line per OOM_LOG_S, every refusal counted."""
+        self._on_error("oom")
+        loop = self._loop or self._bind()
+        quiet = self._gate is not None and not self._gate.logs  # a tool says it itself
+        if not quiet and loop.time() - self._oom_said >= OOM_LOG_S:
+            self._oom_said = loop.time()
+            log.error("redis at %s refuses writes: out of memory (maxmemory reached under "
+                      "noeviction): requests that write answer 503 until memory is freed or "
+                      "maxmemory raised (size it: README, Sizing Redis)", self._target.address)
+        if p.fut is not None and not p.fut.done():
+            p.fut.set_exception(OutOfMemory(
+                f"redis at {self._target.address} is out of memory (maxmemory reached "
+                f"under noeviction): {p.args[0]} refused, nothing of it ran"))
+
+
+def _policy_of(reply: Any, from_info: bool) -> str | None:
+    """The maxmemory-policy in a reply to CONFIG GET maxmemory-policy (a [name, value]
+    list, or a map on RESP3) or INFO (its memory section); None: not there."""
+    if from_info:
+        return info_field(reply, "maxmemory_policy") if isinstance(reply, bytes | str) else None
+    if isinstance(reply, dict):
+        reply = [x for kv in reply.items() for x in kv]
+    if isinstance(reply, list) and len(reply) == 2:
+        value = reply[1]
+        return value.decode() if isinstance(value, bytes) else str(value)
+    return None
 
 
 def _unknown_command(reply: BaseException) -> bool:

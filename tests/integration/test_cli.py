@@ -46,8 +46,7 @@ def test_every_command_names_its_configuration_and_redis_alike(command: tuple[st
     out = capsvc(*command, "--help")
     assert out.returncode == 0
     assert "--config" in out.stdout
-    if command != ("check-config",):
-        assert "--redis-url" in out.stdout
+    assert "--redis-url" in out.stdout
     if command not in (("serve",), ("journal", "restore")):
         assert "--format" in out.stdout
     assert "--json" not in out.stdout
