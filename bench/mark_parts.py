@@ -33,7 +33,7 @@ local function plain(keys, args)
   return {1, 2, 3}
 end
 """
-READ = "local refused, g, count, sent = mark_refusal(mark, life, seen)"
+READ = "local refused, g, count, sent, ng = mark_refusal(mark, node, life, seen)"
 WRITE = "redis.call('HSET', mark, '*', g, life, g, count, sent + 1)"
 
 
@@ -45,11 +45,12 @@ def library() -> str:
                      source.index("--[[ marks: KEYS mark")]
     if READ not in section or WRITE not in section:
         raise SystemExit("lua/capsvc.lua's MARKS section changed: update bench/mark_parts.py")
+    unread = "local refused, g, count, sent, ng = nil, 0, '#x', 0, 0"
     variants = {
         "marked": section,
-        "no_read": section.replace(READ, "local refused, g, count, sent = nil, 0, '#x', 0"),
+        "no_read": section.replace(READ, unread),
         "no_write": section.replace(WRITE, ""),
-        "wrap_only": section.replace(READ, "local refused, g, count, sent = nil, 0, '#x', 0")
+        "wrap_only": section.replace(READ, unread)
                             .replace(WRITE, ""),
     }
     parts = ["#!lua name=markparts", PLAIN, "redis.register_function('plain', plain)"]
@@ -86,8 +87,8 @@ def main() -> int:
                         if name == "plain":
                             pipe.fcall("plain", 1, "h", field, value)
                         else:
-                            pipe.fcall(name, 1, "h", field, value, "m:{marks}",
-                                       "life1234abcd5678", "0:0:0")
+                            pipe.fcall(name, 2, "h", "m:{marks}", field, value, "",
+                                       "life1234abcd5678", "0:0:0:0")
                     pipe.execute()
                 cpu = (cpu_seconds(pid) - before) / args.calls * 1e6
                 fcall = client.info("commandstats")["cmdstat_fcall"]["usec_per_call"]

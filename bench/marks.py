@@ -22,7 +22,7 @@ from record import fcall_usec, round_of, sales
 from run import cpu_seconds, with_fixed_hash_seed
 
 from capsvc.domain.validator import pack_sale
-from capsvc.redis.marks import Marks, single_node
+from capsvc.redis.marks import Marks
 from capsvc.redis.store import Store, lua_source
 from capsvc.redis.transport import Coalescer
 
@@ -37,8 +37,8 @@ async def measure(calls: int, rounds: int) -> dict[str, list[tuple[float, float]
         pid = int(client.info("server")["process_id"])
         redis = Coalescer(server.url, timeout_s=30, library=lua_source())
         store = Store(redis)
-        variants = {"marked": Marks("bench"),
-                    "unmarked": Marks.tool(single_node)}
+        variants = {"marked": Marks("bench", single_node=True),
+                    "unmarked": Marks.tool(single_node=True)}
         out: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         for r in range(rounds):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))

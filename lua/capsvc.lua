@@ -6,7 +6,7 @@ AOF/RDB and replicated, so a restarted or promoted Redis has it without a reload
 cluster pipeline accepts FCALL.
 
 THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}),
-but for the node's mark a marked function also writes (see MARKS).
+but for the node's count a marked function also writes on a cluster (see MARKS).
 
   ticket record  a field of a bucket r:{t:NN}:<m> (see TICKET RECORDS); the ticket's name,
                  what the pending index and the callers know it by, is
@@ -108,34 +108,41 @@ whether Redis went back in time behind it (a failover that lost writes, a restar
 older file, a backup put back, a rollback in place, FLUSHALL).
 
   mark   m:{<tag>}   hash, TTL MARK_TTL_MS (pushed on by every process's watch)
-           "*"      -> G, the count of marked writes this node has run
+           "*"      -> G, the count of marked writes this node (standalone) or slot
+                       (cluster: one mark per slot, its tag chosen to hash to it) has run
            <life>   -> the G of the newest write of process lifetime <life>
            "#<life>" -> how many writes lifetime <life> has made
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
+  node   n:{<tag>}   hash, TTL MARK_TTL_MS; on a cluster only, one per primary, in the
+                     lowest slot it serves (capsvc/redis/cluster.py)
+           "*"      -> N, the count of marked writes the primary has run, whatever their slot
+           "!"      -> an announcement, as in a mark
 
-One mark per NODE: m:{marks} on a standalone (or Sentinel-managed) Redis; on a cluster, each
-primary's mark is m:{<tag>} with <tag> hashing to the lowest slot it serves
-(capsvc/redis/marks.py), so that every call a node runs, whatever its slot, counts in and is
-checked against the one mark of that node: a node that goes back in time goes back as a
-whole, and a process that never used some of its slots still refuses on it as soon as it
-has seen its G (its calls there, or its watch, which reads every node's mark). A node's
-mark is in another slot than the call's keys: the marked functions are registered
-`allow-cross-slot-keys` and name the mark in ARGV (a key of another slot is not declared,
-and the cluster refuses declared keys of several slots); Redis lets a script reach an
-undeclared key of another slot of its own node, and refuses one of another node ("non local
-key": nothing ran; the caller's slot map is out of date).
+A slot's mark moves with the slot's data (a reshard), so it covers exactly what the slot
+holds: each journal record is stamped with it, and a restore compares stamps with it. But a
+process judges on a slot it never used against nothing it saw there; so on a cluster each
+call also checks and counts in its PRIMARY's count N, which the process saw through its
+calls on any slot of that primary and its watch (which reads every primary's): a primary
+that goes back in time goes back as a whole, and refuses every process that saw it ahead,
+whatever the slots that process used. The node's key is in another slot than the call's:
+the marked functions are registered `allow-cross-slot-keys` and name it in ARGV (the
+cluster refuses declared keys of several slots); Redis lets a script reach an undeclared key
+of another slot of its own node, and refuses one of another node ("non local key": nothing
+ran, the caller's slot map is out of date, capsvc/redis/marks.py sends it again).
 
-Every marked function takes, as its last three ARGV, the mark, the caller's life and what it
-knows of the mark, "<G seen>:<G of its own newest write answered>:<its writes sent before
-this one>" (life "": a tool, neither checked nor counted). The call is
+Every marked function takes the mark as its LAST key and, as its last three ARGV, the node
+("" on one Redis: its one mark is the node's), the caller's life and what it knows,
+"<G seen>:<G of its own newest write answered>:<its writes sent before this one>:<N seen>"
+(life "": a tool, neither checked nor counted). The call is
 refused with BEHIND (nothing run) when the mark is behind what the caller knows: G lower
 than the G it last saw (any process's writes lost), its own field lower than its newest
 write answered, or fewer of its writes than it sent before this call and did not see fail
 (its own writes lost, also those whose answer it has not read yet: a call queued behind
-them on the connection would otherwise write their G again over a rollback that lost them).
-A write then counts itself (G + 1, its field set to it, its count + 1) and answers
-{G, reply} — a look-up
+them on the connection would otherwise write their G again over a rollback that lost them);
+or when the node's N is lower than the N it saw.
+A write then counts itself (G + 1, its field set to it, its count + 1; N + 1) and answers
+{G, N, reply} — a look-up
 too: a decision reported is a write of the reporter's, so that losing the decision loses
 the write, and the reporter sees it. The mark is written by the same call as the data it covers, so replication
 and the AOF keep them together: it can never be ahead of that data, and whatever Redis
@@ -143,33 +150,44 @@ keeps of a node's history is a prefix of it. A journal record carries the G of t
 that made it: Redis holds it exactly when the mark of its process's life is not below. ]]
 local MARK_TTL_MS = 8 * 86400000
 
+local function restoring(h)
+  return h and tonumber(h) > now_ms()
+end
+
 -- nil when the caller may go on; else the error reply that refuses the call.
-local function mark_refusal(mark, life, seen)
+local function mark_refusal(mark, node, life, seen)
   local count = '#' .. life
   local m = redis.call('HMGET', mark, '*', '!', life, count)
-  if m[2] and tonumber(m[2]) > now_ms() then
+  local n = node ~= '' and redis.call('HMGET', node, '*', '!') or {0, false}
+  if restoring(m[2]) or restoring(n[2]) then
     return redis.error_reply('RESTORING a process is putting its journal back into Redis')
   end
   local c1 = string.find(seen, ':', 1, true)
   local c2 = string.find(seen, ':', c1 + 1, true)
+  local c3 = string.find(seen, ':', c2 + 1, true)
   local g, own, sent = tonumber(m[1]) or 0, tonumber(m[3]) or 0, tonumber(m[4]) or 0
+  local ng = tonumber(n[1]) or 0
+  if ng < tonumber(string.sub(seen, c3 + 1)) then
+    return redis.error_reply('BEHIND node ' .. ng)
+  end
   if g < tonumber(string.sub(seen, 1, c1 - 1))
       or own < tonumber(string.sub(seen, c1 + 1, c2 - 1))
-      or sent < tonumber(string.sub(seen, c2 + 1)) then
+      or sent < tonumber(string.sub(seen, c2 + 1, c3 - 1)) then
     return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. sent)
   end
-  return nil, g, count, sent
+  return nil, g, count, sent, ng
 end
 
 local function marked(fn)
   return function(keys, args)
+    local mark = table.remove(keys)
     local seen = table.remove(args)
     local life = table.remove(args)
-    local mark = table.remove(args)
+    local node = table.remove(args)
     if life == '' then
-      return {0, fn(keys, args)}
+      return {0, 0, fn(keys, args)}
     end
-    local refused, g, count, sent = mark_refusal(mark, life, seen)
+    local refused, g, count, sent, ng = mark_refusal(mark, node, life, seen)
     if refused then
       return refused
     end
@@ -179,7 +197,13 @@ local function marked(fn)
     if g == 1 then
       redis.call('PEXPIRE', mark, MARK_TTL_MS)
     end
-    return {g, reply}
+    if node ~= '' then
+      ng = redis.call('HINCRBY', node, '*', 1)
+      if ng == 1 then
+        redis.call('PEXPIRE', node, MARK_TTL_MS)
+      end
+    end
+    return {g, ng, reply}
   end
 end
 
@@ -1682,7 +1706,7 @@ local function restore_budgets(keys, args)
   return out
 end
 
--- A marked function: its mark may sit in another slot of the node (see MARKS).
+-- A marked function: its node's count sits in another slot of the node (see MARKS).
 local function register_marked(name, fn)
   redis.register_function{function_name = name, callback = marked(fn),
                           flags = {'allow-cross-slot-keys'}}

@@ -164,7 +164,8 @@ def build(settings: Settings, redis_url: str) -> Service:
                     on_primary=metrics.primary, library=lua_source(), gate=gate)
     store = Store(redis)
     if journal is not None:
-        store.marks = Marks(journal.life, mark_of=store.mark_of)
+        store.marks = Marks(journal.life, single_node=store.single_node,
+                            node_of=store.node_of)
     usecases = build_usecases(settings, store, journal=journal)
     usecases.journal.marks = store.marks
     usecases.audit.on_report = metrics.report_written

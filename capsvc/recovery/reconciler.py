@@ -59,14 +59,16 @@ from capsvc.ops.metrics import Metrics
 from capsvc.recovery.restore import Restored, Restorer, identities
 from capsvc.redis.cluster import connect
 from capsvc.redis.gate import Gate
-from capsvc.redis.marks import Marks
+from capsvc.redis.marks import NODE_MARK, Marks
 from capsvc.redis.store import Store, lua_source
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.05
-"""The watch's period: a read of each node's mark (one on a standalone Redis, one a primary
-on a cluster) and of the marks the directory's lifetimes wrote through."""
+"""The watch's period: a read of the one mark of a standalone Redis, or of every cluster
+primary's count."""
+WATCH_CLUSTER_S = 1.0
+"""How often the watch reads, on a cluster, every slot's mark the directory wrote through."""
 CHECKPOINT_S = 1.0
 """How often the process writes down, in its journal, what it has written through each
 mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restore reads."""
@@ -153,14 +155,16 @@ class Reconciler:
     # -- the watch -------------------------------------------------------------------------
 
     async def watch(self, store: Store) -> None:
-        """Every WATCH_S, on the process's own connection:
-        is any mark behind what this process saw, or behind what another lifetime of the
-        directory wrote? Then restore. Also: the checkpoint in the journal, once a second;
-        the marks' TTL, once an hour. The reads also reconnect after a Redis restart or
-        failover, which the gate judges."""
+        """Every WATCH_S, on the process's own connection: is any mark behind what this
+        process saw, or behind what another lifetime of the directory wrote — on a cluster,
+        every primary's count each time, the marks of the slots the directory wrote through
+        every WATCH_CLUSTER_S? Then restore. Also: the checkpoint in the journal, once a
+        second; the marks' TTL, once an hour. The reads also reconnect after a Redis
+        restart or failover, which the gate judges."""
         loop = asyncio.get_running_loop()
         checkpointed = loop.time()
         kept = checkpointed - KEEP_S  # at once: the lifetime noted alive from its start
+        looked = checkpointed
         while True:
             await asyncio.sleep(WATCH_S)
             now = loop.time()
@@ -169,37 +173,46 @@ class Reconciler:
                 self.recorder.checkpoint(self.marks.made)
             if self.gate.restoring:
                 continue
+            slots = store.single_node or now - looked >= WATCH_CLUSTER_S
             try:
-                problem = await self._look(store)
+                problem = await self._look(store, slots)
+                if slots:
+                    looked = now
                 if problem is None and now - kept >= KEEP_S:
                     kept = now
-                    for mark in await self._marks(store):
+                    for mark in sorted({*self._marks(store), *await store.nodes()}):
                         await store.mark_call("capsvc_mark_keep", mark, [self.life])
             except Exception:  # unreachable, or held by the gate: not the watch's to judge
                 continue
             if problem is not None:
                 self.trouble(problem)
 
-    async def _marks(self, store: Store) -> list[str]:
-        """The marks to look at: every node's, and those this lifetime and the directory's
-        other lifetimes wrote through (a node's mark moves with its lowest slot when the
-        cluster is resharded)."""
-        keys = set(await store.node_marks())
-        keys.update(self.marks.made)
+    def _marks(self, store: Store) -> list[str]:
+        if store.single_node:
+            return [NODE_MARK]
+        keys = set(self.marks.seen)
         for made in self.others.values():
             keys.update(made)
         return sorted(keys)
 
-    async def _look(self, store: Store) -> str | None:
-        """Why Redis may lack decisions of this directory (None: no sign of it)."""
+    async def _look(self, store: Store, slots: bool = True) -> str | None:
+        """Why Redis may lack decisions of this directory (None: no sign of it). `slots`:
+        the marks too, not only the cluster's primaries' counts."""
         lives = [self.life, *self.others]
-        marks = await self._marks(store)
+        nodes = [] if store.single_node else await store.nodes()
+        marks = self._marks(store) if slots else []
         # What the process saw of the marks when the reads were sent: they travel behind
         # every call sent before them on the connection, not behind the ones sent after
         # (whose replies may be read before this coroutine resumes).
         seen, made = dict(self.marks.seen), dict(self.marks.made)
-        states = await asyncio.gather(*[store.mark_state(mark, lives) for mark in marks])
-        for mark, state in zip(marks, states, strict=True):
+        node_seen = dict(self.marks.node_seen)
+        states = await asyncio.gather(*[store.mark_state(node, []) for node in nodes],
+                                      *[store.mark_state(mark, lives) for mark in marks])
+        for node, state in zip(nodes, states, strict=False):
+            if state.g < node_seen.get(node, 0):
+                return f"redis went back in time on {node} ({state.g} < {node_seen[node]})"
+            self.marks.saw_node(node, state.g)
+        for mark, state in zip(marks, states[len(nodes):], strict=True):
             g, fields = state.g, state.lives
             if g < seen.get(mark, 0):
                 return f"redis went back in time on {mark} ({g} < {seen[mark]})"
@@ -256,13 +269,15 @@ class Reconciler:
         whole directory, whatever the marks say (a node may have evicted)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        # The announcement goes to every node's mark: every call of every process, on
-        # whatever node, is refused while it holds.
-        own = await self._marks(store)
+        # The announcement goes to every node (a cluster's primaries' counts): every call of
+        # every process, on whatever slot, is refused while it holds.
+        own = self._marks(store)
+        nodes = [] if store.single_node else await store.nodes()
         mine = dict(self.marks.made)
-        first = {mark: await store.mark_state(mark, [self.life]) for mark in own}
-        went_back = any(first[m].g < self.marks.seen.get(m, 0) for m in own)
-        announcer = _Announcer(store, self.life, await store.node_marks())
+        first = {mark: await store.mark_state(mark, [self.life]) for mark in [*own, *nodes]}
+        went_back = (any(first[m].g < self.marks.seen.get(m, 0) for m in own)
+                     or any(first[n].g < self.marks.node_seen.get(n, 0) for n in nodes))
+        announcer = _Announcer(store, self.life, await store.nodes())
         try:
             if announce or not covered(mine, {m: first[m].lives[0] for m in own}):
                 # Its own writes lost (or an attempt before announced): announced at once,
@@ -285,13 +300,15 @@ class Reconciler:
                     for life in gone}
             self.others = made
             made = {**made, self.life: mine}
-            marks = await self._marks(store)
+            marks = self._marks(store)
             names = list(made)
             state = {mark: await store.mark_state(mark, names) for mark in marks}
             fields = {life: {mark: state[mark].lives[i] for mark in marks}
                       for i, life in enumerate(names)}
             floor = {mark: state[mark].g for mark in marks}
             """G as this restore leaves each mark: never lower unless Redis went back."""
+            for node in nodes:
+                floor[node] = first[node].g
             for mark in marks:  # what the process has seen of the marks from now on
                 self.marks.saw(mark, floor[mark])
             lacking_lives = (names if full else
@@ -336,7 +353,7 @@ class Reconciler:
                 # watch would, whether Redis lost again what it put back: then it runs
                 # again at once, announcing at once, before another process judges on it.
                 def still() -> Awaitable[dict[str, int]]:
-                    return self._still(store, marks, names, floor, made)
+                    return self._still(store, marks, names, floor, made, nodes)
 
                 settled = began + self.settings.journal_settle_ms / 1000
                 while (left := settled - loop.time()) > 0:
@@ -347,8 +364,11 @@ class Reconciler:
                                            still, WATCH_S)
                 # What was seen beyond G was lost by other processes, which have put back
                 # what they answered: G goes on from what is read here.
-                for mark, g in (await still()).items():
-                    self.marks.seen[mark] = max(g, self.marks.made.get(mark, 0))
+                for key, g in (await still()).items():
+                    if key in nodes:
+                        self.marks.node_seen[key] = g
+                    else:
+                        self.marks.seen[key] = max(g, self.marks.made.get(key, 0))
             return done, held
         finally:
             self._announced = bool(announcer.marks)
@@ -369,13 +389,20 @@ class Reconciler:
 
     @staticmethod
     async def _still(store: Store, marks: list[str], names: list[str], floor: dict[str, int],
-                    made: dict[str, dict[str, int]]) -> dict[str, int]:
-        """The G of each of `marks`, each raised into `floor`; WentBack when Redis lost what
-        the restore put back, or writes made since (G lower than it was read before: other
-        processes' writes and restores raise G, never lower it)."""
+                    made: dict[str, dict[str, int]], nodes: list[str]) -> dict[str, int]:
+        """The G of each of `marks` and the N of each of `nodes`, each raised into `floor`;
+        WentBack when Redis lost what the restore put back, or writes made since (lower
+        than it was read before: other processes' writes and restores raise them, never
+        lower them)."""
         gs = {}
-        for mark in marks:
-            state = await store.mark_state(mark, names)
+        states = await asyncio.gather(*[store.mark_state(node, []) for node in nodes],
+                                      *[store.mark_state(mark, names) for mark in marks])
+        for node, state in zip(nodes, states, strict=False):
+            if state.g < floor[node]:
+                raise WentBack(f"redis went back in time again on {node} while the journal "
+                               "was put back")
+            gs[node] = floor[node] = state.g
+        for mark, state in zip(marks, states[len(nodes):], strict=True):
             if state.g < floor[mark] or any(state.lives[i] < made[life].get(mark, 0)
                                             for i, life in enumerate(names)):
                 raise WentBack(f"redis went back in time again on {mark} while the journal "
@@ -437,7 +464,8 @@ class _Announcer:
         self.store = store
         self.life = life
         self.everywhere = everywhere
-        """Marks announced whatever is restored: every node's."""
+        """Where it is announced whatever is restored: every node (on a cluster, every
+        primary's count)."""
         self.token = os.urandom(8).hex()
         self.marks: list[str] = []
         self._renewing: asyncio.Task[None] | None = None

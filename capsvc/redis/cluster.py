@@ -40,7 +40,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.gate import Evicting, Gate
-from capsvc.redis.marks import MarkElsewhere, mark_of_slot
+from capsvc.redis.marks import MarkElsewhere, node_of_slot
 from capsvc.redis.transport import (
     BatchObserver,
     Coalescer,
@@ -59,7 +59,7 @@ _KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
 _REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 _NON_LOCAL = "non local key"
 """Redis's refusal of a script that reached a key another node serves: a marked call whose
-node's mark was named from an outdated slot map."""
+node's count was named from an outdated slot map."""
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -112,8 +112,9 @@ class ClusterCoalescer:
         self._library = library
         self._nodes: dict[Node, Coalescer] = {}
         self._slots: list[Node | None] = [None] * SLOTS
-        self._marks: dict[Node, str] = {}
-        """Each primary's mark: the key of its lowest slot (capsvc.redis.marks)."""
+        self._counts: dict[Node, str] = {}
+        """Each primary's count of marked calls: a key of its lowest slot
+        (capsvc.redis.marks)."""
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -137,18 +138,19 @@ class ClusterCoalescer:
         primaries = sorted({n for n in self._slots if n is not None})
         return list(await asyncio.gather(*[self._node(n).submit(*args) for n in primaries]))
 
-    def mark_of(self, key: str) -> str | None:
-        """The mark of the primary that serves `key` (None: the map is not known yet)."""
+    def node_of(self, key: str) -> str | None:
+        """The count key of the primary that serves `key` (None: the map is not known
+        yet)."""
         node = self._slots[slot_of(key)]
-        mark = self._marks.get(node) if node is not None else None
-        if mark is None:
+        count = self._counts.get(node) if node is not None else None
+        if count is None:
             self._refresh_soon()
-        return mark
+        return count
 
-    async def node_marks(self) -> list[str]:
-        """Every primary's mark."""
+    async def nodes(self) -> list[str]:
+        """Every primary's count key."""
         await self._ensure_map()
-        return sorted(self._marks.values())
+        return sorted(self._counts.values())
 
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT on every primary; the fewest acknowledgements of any of them."""
@@ -229,8 +231,8 @@ class ClusterCoalescer:
                 self._later(self._retry(args, fut, hops + 1))
                 return
         if isinstance(error, ResponseError) and _NON_LOCAL in str(error):
-            # A mark named from an outdated map, or a slot being moved: nothing ran; the
-            # caller marks it anew (capsvc.redis.marks).
+            # A node's count named from an outdated map, or a slot being moved: nothing
+            # ran; the caller marks it anew (capsvc.redis.marks).
             self._refresh_soon()
             error = MarkElsewhere(f"redis cluster: {error}")
         if isinstance(error, ResponseError) and str(error).startswith(_REDIRECTED):
@@ -307,7 +309,7 @@ class ClusterCoalescer:
         for slot, n in enumerate(slots):
             if n is not None:
                 lowest.setdefault(n, slot)
-        self._marks = {n: mark_of_slot(slot) for n, slot in lowest.items()}
+        self._counts = {n: node_of_slot(slot) for n, slot in lowest.items()}
         after = {n for n in slots if n is not None}
         for gone in before - after:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)

@@ -1,18 +1,19 @@
 """The marks: how every call that judges or reports a decision knows, inside Redis and in
 the same atomic call, whether Redis went back in time behind this process.
 
-lua/capsvc.lua (MARKS) lays the mark out: one per node — the standalone (or Sentinel-
-managed) Redis's, or each cluster primary's, whatever slot a call touches — the count G of
-marked writes, and per process lifetime the G of its newest write. This module is the
-process's side: which functions are marked, which mark a call carries (the transport says
-which node a key is on: `mark_of`), what the process last saw of each mark (`seen`: any
-process's writes; `made`: its own), and the stamp each journal record gets — the G of the
-calls that made it, collected per request in a context variable — so that a restore can
-tell exactly which records a Redis lacks: those stamped above the mark of their lifetime.
+lua/capsvc.lua (MARKS) lays the mark out: per node (standalone, Sentinel) or per slot
+(cluster), the count G of marked writes, and per process lifetime the G of its newest
+write; on a cluster each primary also counts every marked write it runs, whatever its slot
+(N, its node's key: `node_of`). This module is the process's side: which functions are
+marked, which mark and node a call carries, what the process last saw of each (`seen`: any
+process's writes; `made`: its own; `node_seen`: N), and the stamp each journal record gets
+— the G of the calls that made it, collected per request in a context variable — so that a
+restore can tell exactly which records a Redis lacks: those stamped above the mark of their
+lifetime.
 
-A call refused because the mark is behind (`BEHIND`) fails with `Behind` (a 503: nothing
-ran) and tells `on_behind`, which starts the restore; a call refused while a process
-announces a restore (`RESTORING`) fails with `Unavailable`.
+A call refused because the mark or its node is behind (`BEHIND`) fails with `Behind` (a
+503: nothing ran) and tells `on_behind`, which starts the restore; a call refused while a
+process announces a restore (`RESTORING`) fails with `Unavailable`.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ MARKED = frozenset({
 NODE_MARK = "m:{marks}"
 """The one mark of a standalone (or Sentinel-managed) Redis."""
 
-MarkOf = Callable[[str], "str | None"]
-"""The mark of the node that serves a key (None: not known yet, the cluster's slot map is
-being learnt)."""
+NodeOf = Callable[[str], "str | None"]
+"""The count key of the cluster primary that serves a key ("" on one Redis, whose one mark
+is the node's; None: not known yet, the cluster's slot map is being learnt)."""
 
 stamp: ContextVar[dict[str, int] | None] = ContextVar("capsvc_stamp", default=None)
 """The G of the marked calls of the current request, by mark (see `Marks.begin`)."""
@@ -52,8 +53,9 @@ class Behind(Unavailable):
 
 
 class MarkElsewhere(Unavailable):
-    """Redis refused a call: its mark is on another node than the call's keys (a cluster
-    whose slot map changed: a slot moving, a node's lowest slot moved). Nothing ran."""
+    """Redis refused a call: its node's count is on another node than the call's keys (a
+    cluster whose slot map changed: a slot moving, a node's lowest slot moved). Nothing
+    ran."""
 
 
 MOVE_TRIES = 16
@@ -99,25 +101,30 @@ def slot_tags() -> tuple[str, ...]:
 
 
 def mark_of_slot(slot: int) -> str:
-    """The mark of the cluster primary whose lowest slot is `slot`: a key in that slot."""
     return f"m:{{{slot_tags()[slot]}}}"
 
 
-def single_node(key: str) -> str:
-    """The mark of a standalone Redis, whatever the key."""
-    return NODE_MARK
+def node_of_slot(slot: int) -> str:
+    """The count key of the cluster primary whose lowest slot is `slot`."""
+    return f"n:{{{slot_tags()[slot]}}}"
+
+
+def one_node(key: str) -> str:
+    """One Redis: no count apart from its one mark."""
+    return ""
 
 
 class Marks:
     """This process's side of the marks (see the module's docstring)."""
 
-    def __init__(self, life: str, *, mark_of: MarkOf = single_node,
+    def __init__(self, life: str, *, single_node: bool, node_of: NodeOf = one_node,
                  on_behind: Callable[[str, str], None] | None = None) -> None:
         self.life = life
         """The process lifetime (capsvc.journal.writer's `Journal.life`); "" for a tool,
         whose calls are neither checked nor counted."""
-        self.mark_of = mark_of
-        """The mark a call carries: its node's (the transport's `mark_of`)."""
+        self.single_node = single_node
+        self.node_of = node_of
+        """The node's count a call carries too (the cluster transport's `node_of`)."""
         self.seen: dict[str, int] = {}
         """Per mark, the highest G this process has seen there."""
         self.made: dict[str, int] = {}
@@ -126,23 +133,31 @@ class Marks:
         """Per mark, how many of this process's writes were sent there and not seen to
         fail (answered, or not yet): Redis's count of them ("#<life>") is never lower
         unless it lost some."""
+        self.node_seen: dict[str, int] = {}
+        """Per node (a cluster primary's count key), the highest N this process has seen."""
         self.on_behind = on_behind or (lambda mark, found: None)
 
     @classmethod
-    def tool(cls, mark_of: MarkOf) -> Marks:
+    def tool(cls, single_node: bool) -> Marks:
         """Marks for a tool (a restore, an audit): calls go unchecked and uncounted."""
-        return cls("", mark_of=mark_of)
+        return cls("", single_node=single_node)
+
+    def mark_of(self, key: str) -> str:
+        """The mark a call whose first key is `key` carries (in that key's slot)."""
+        if self.single_node:
+            return NODE_MARK
+        return mark_of_slot(key_slot(key.encode()))
 
     def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
              args: list[Any], decode: Callable[[Any], Any] | None = None,
              stamps: Sequence[dict[str, int] | None] | None = None) -> asyncio.Future[Any]:
-        """Queue a marked FCALL through `submit`: the mark of the node that serves
-        `keys[0]`, this process's life and what it saw of the mark as the last ARGV. The
-        future answers the function's own reply, decoded by `decode` if given
+        """Queue a marked FCALL through `submit`: the mark as the last key, the node's
+        count, this process's life and what it saw of them as the last ARGV. The future
+        answers the function's own reply, decoded by `decode` if given
         (capsvc.redis.replies). `stamps`: the requests the call acts for (default: the
-        current one), whose stamps get its G. A call that reached a node its mark is not on
-        (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again, marked
-        anew, for as long as a slot's move takes (MOVE_TRIES)."""
+        current one), whose stamps get its G. A call that reached a node its node's count
+        is not on (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again,
+        marked anew, for as long as a slot's move takes (MOVE_TRIES)."""
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._send(_Call(submit, name, keys, args, decode,
                          (stamp.get(),) if stamps is None else stamps, out), 0)
@@ -151,17 +166,19 @@ class Marks:
     def _send(self, c: _Call, tries: int) -> None:
         if c.out.done():  # its request gave up meanwhile
             return
-        mark = self.mark_of(c.keys[0])
-        if mark is None:  # a cluster whose slot map is not known yet: nothing sent
+        node = self.node_of(c.keys[0])
+        if node is None:  # a cluster whose slot map is not known yet: nothing sent
             self._again(c, tries, Unavailable("the Redis Cluster's slot map is not known yet"))
             return
+        mark = self.mark_of(c.keys[0])
         sent = self.sent.get(mark, 0)
-        seen = f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}"
-        reply = c.submit("FCALL", c.name, len(c.keys), *c.keys, *c.args, mark, self.life,
-                         seen)
+        seen = (f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}:"
+                f"{self.node_seen.get(node, 0)}")
+        reply = c.submit("FCALL", c.name, len(c.keys) + 1, *c.keys, mark, *c.args, node,
+                         self.life, seen)
         if self.life:
             self.sent[mark] = sent + 1
-        reply.add_done_callback(functools.partial(self._unwrap, mark, c, tries))
+        reply.add_done_callback(functools.partial(self._unwrap, mark, node, c, tries))
 
     def _again(self, c: _Call, tries: int, error: BaseException) -> None:
         """`c` sent again shortly (the slot map is being learnt), or failed with `error`."""
@@ -172,7 +189,8 @@ class Marks:
         asyncio.get_running_loop().call_later(min(0.02 * (tries + 1), 0.1), self._send, c,
                                               tries + 1)
 
-    def _unwrap(self, mark: str, c: _Call, tries: int, reply: asyncio.Future[Any]) -> None:
+    def _unwrap(self, mark: str, node: str, c: _Call, tries: int,
+                reply: asyncio.Future[Any]) -> None:
         out = c.out
         if reply.cancelled():
             if self.life:
@@ -188,9 +206,11 @@ class Marks:
             if isinstance(error, MarkElsewhere):
                 self._again(c, tries, error)
             elif not out.done():
-                out.set_exception(self._refusal(mark, error))
+                out.set_exception(self._refusal(mark, node, error))
             return
-        g, *rest = reply.result()
+        g, n, *rest = reply.result()
+        if n and n > self.node_seen.get(node, 0):
+            self.node_seen[node] = n
         if g:
             if g > self.seen.get(mark, 0):
                 self.seen[mark] = g
@@ -210,12 +230,15 @@ class Marks:
         except Exception as e:  # a reply of another layout: the library is not this one
             out.set_exception(e)
 
-    def _refusal(self, mark: str, error: BaseException) -> BaseException:
+    def _refusal(self, mark: str, node: str, error: BaseException) -> BaseException:
         if not isinstance(error, ResponseError):
             return error
         text = str(error)
-        if text.startswith("BEHIND"):
+        if text.startswith("BEHIND node "):
+            self.on_behind(node, text.removeprefix("BEHIND node "))
+        elif text.startswith("BEHIND"):
             self.on_behind(mark, text.partition(" ")[2])
+        if text.startswith("BEHIND"):
             return Behind("Redis has lost decisions this process answered (it went back "
                           "in time): they are being put back from the journal; nothing is "
                           "judged meanwhile")
@@ -228,6 +251,11 @@ class Marks:
         """The watch read G on `mark`."""
         if g > self.seen.get(mark, 0):
             self.seen[mark] = g
+
+    def saw_node(self, node: str, n: int) -> None:
+        """The watch read N on `node`."""
+        if n > self.node_seen.get(node, 0):
+            self.node_seen[node] = n
 
     @staticmethod
     def begin() -> dict[str, int]:

@@ -9,8 +9,12 @@ Every step that decides something reads Redis TIME inside its function.
 Calls go through a transport (`Coalescer`, or `ClusterCoalescer` per node): `submit`
 queues a command into the current tick's pipeline and returns a future, so a caller can
 issue several independent steps and await them together without an extra round trip.
-Every call that judges or reports a decision also names its node's mark
-(capsvc.redis.marks; `mark_of`, `node_marks`).
+Every call that judges or reports a decision also names its slot's mark, and on a cluster
+its primary's count (capsvc.redis.marks; `node_of`, `nodes`): on a cluster, while a slot is
+being migrated, such a call names a key that exists (the mark, once moved) beside keys that
+may not yet, and Redis answers TRYAGAIN until the slot has moved (the transport retries,
+capsvc.redis.cluster): a sale on a migrating slot waits for the end of that slot's
+migration.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
 from capsvc.redis.cluster import ClusterCoalescer
-from capsvc.redis.marks import MARKED, NODE_MARK, Marks, single_node, stamp
+from capsvc.redis.marks import MARKED, NODE_MARK, Marks, one_node, stamp
 from capsvc.redis.replies import (
     Budget,
     Cancelling,
@@ -236,9 +240,9 @@ class Store:
         """Sales to send at the end of this tick, in one call (`sell`)."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
-        self.mark_of = redis.mark_of if isinstance(redis, ClusterCoalescer) else single_node
-        """The mark of the node that serves a key (capsvc.redis.marks)."""
-        self.marks = Marks.tool(self.mark_of)
+        self.node_of = redis.node_of if isinstance(redis, ClusterCoalescer) else one_node
+        """The count key of the cluster primary that serves a key (capsvc.redis.marks)."""
+        self.marks = Marks.tool(self.single_node)
         """The marks the calls that judge or report a decision carry (capsvc.redis.marks): a
         tool's until the service gives the store its own."""
 
@@ -286,10 +290,11 @@ class Store:
         """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
         return decoded(self.mark_call("capsvc_marks", mark, lives), mark_state_of)
 
-    async def node_marks(self) -> list[str]:
-        """Every node's mark: the standalone Redis's, or each cluster primary's."""
+    async def nodes(self) -> list[str]:
+        """What counts every node's marked calls: the standalone Redis's mark, or each
+        cluster primary's count key."""
         if isinstance(self.redis, ClusterCoalescer):
-            return await self.redis.node_marks()
+            return await self.redis.nodes()
         return [NODE_MARK]
 
     def mark_call(self, name: str, mark: str, args: list[Any]) -> asyncio.Future[Any]:

@@ -1,5 +1,5 @@
 """The marks (lua/capsvc.lua, MARKS; capsvc/redis/marks.py) on a real Redis: every call that judges
-or reports a decision counts itself in its node's mark and is refused, running
+or reports a decision counts itself in its node's (or slot's) mark and is refused, running
 nothing, when the mark is behind what the caller saw; a restore announced refuses every
 marked call; and a journal record is stamped with the count Redis gave its calls, so that
 what a Redis that went back in time lacks is exactly the records stamped above it, whatever
@@ -25,7 +25,7 @@ from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
 from capsvc.redis.cluster import connect
-from capsvc.redis.marks import NODE_MARK, Behind, Marks, stamp
+from capsvc.redis.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.redis.replies import Claimed, Pending
 from capsvc.redis.store import Store, lua_source, ticket_key
 from tests.support.faults import FaultProxy, command
@@ -41,7 +41,7 @@ class Recorded:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.behind: list[tuple[str, str]] = []
-        store.marks = Marks("life-a", mark_of=store.mark_of,
+        store.marks = Marks("life-a", single_node=store.single_node, node_of=store.node_of,
                             on_behind=lambda mark, found: self.behind.append((mark, found)))
 
     @property
@@ -64,9 +64,7 @@ async def recorded(redis_backend: RedisServer | RedisCluster, redis_db: Any
 
 
 def mark_of(store: Store, key: str) -> str:
-    mark = store.mark_of(key)
-    assert mark is not None
-    return mark
+    return NODE_MARK if store.single_node else mark_of_slot(key_slot(key.encode()))
 
 
 def neighbour(ticket_id: str, n: int = 1) -> str:
@@ -219,7 +217,7 @@ async def test_a_call_never_runs_ahead_of_an_earlier_write_still_in_flight(
         slow = await opened(proxy.url)
         fast = await opened(debug_redis.url)
         journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
-        fast.marks = slow.marks = Marks(journal.life)
+        fast.marks = slow.marks = Marks(journal.life, single_node=True)
         recorder = Recorder(journal, lambda: 1)
         proxy.hold_request(command("FCALL", "capsvc_claim"), release)
         db = redis_py.Redis(port=debug_redis.port)
@@ -277,32 +275,65 @@ async def test_a_checkpoint_bounds_what_is_read_back(tmp_path: Path) -> None:
     assert [r.ticket for r in lacking(life, {NODE_MARK: 2}, 10**14)] == []  # past `until`
 
 
-async def test_a_cluster_node_behind_refuses_the_calls_of_every_slot_it_serves(
+async def test_a_cluster_shard_behind_refuses_only_the_calls_of_its_slots(
         redis_cluster: RedisCluster) -> None:
-    """On a cluster each primary has one mark: a node's mark behind refuses a call on a slot
-    of that node the process never used, while a ticket on another node is claimed."""
+    """On a cluster each slot has its own mark: one slot's mark behind refuses the calls of
+    that slot, while a ticket in another slot is claimed."""
     redis_db = redis_cluster.client()
     redis_db.flushall()
     store = await opened(redis_cluster.url)
     try:
         rec = Recorded(store)
-        by_mark: dict[str, dict[int, str]] = {}
+        by_slot: dict[int, list[str]] = {}
         i = 0
-        while len(by_mark) < 2 or max(len(v) for v in by_mark.values()) < 2:
-            key = ticket_key("fr", f"S-{i}")
-            by_mark.setdefault(mark_of(store, key), {}).setdefault(
-                key_slot(key.encode()), f"S-{i}")
+        while len(by_slot) < 2 or max(len(v) for v in by_slot.values()) < 2:
+            by_slot.setdefault(key_slot(ticket_key("fr", f"S-{i}").encode()), []).append(
+                f"S-{i}")
             i += 1
-        mark = next(m for m, slots in by_mark.items() if len(slots) >= 2)
-        a, unused = list(by_mark[mark].values())[:2]
-        b = next(next(iter(slots.values())) for m, slots in by_mark.items() if m != mark)
+        slot_a = next(slot for slot, ids in by_slot.items() if len(ids) >= 2)
+        a, a2 = by_slot[slot_a][:2]
+        b = next(ids[0] for slot, ids in by_slot.items() if slot != slot_a)
         await claim(store, a)
         await claim(store, b)
+        mark = mark_of_slot(slot_a)
         redis_db.hset(mark, "life-a", 0)
         with pytest.raises(Behind):
-            await claim(store, unused)
+            await claim(store, a2)
         assert rec.behind == [(mark, "1:0:1")]
         assert isinstance(await claim(store, b), Pending)
+    finally:
+        await store.redis.aclose()
+
+
+async def test_a_cluster_primary_behind_refuses_a_slot_the_process_never_used(
+        redis_cluster: RedisCluster) -> None:
+    """On a cluster each primary counts every marked call it runs: once the process has seen
+    a primary's count (a call on one of its slots), that count behind refuses a call on
+    another slot of the primary, which the process never used, while a ticket on another
+    primary is claimed."""
+    redis_db = redis_cluster.client()
+    redis_db.flushall()
+    store = await opened(redis_cluster.url)
+    try:
+        rec = Recorded(store)
+        by_node: dict[str, dict[int, str]] = {}
+        i = 0
+        while len(by_node) < 2 or max(len(v) for v in by_node.values()) < 2:
+            key = ticket_key("fr", f"N-{i}")
+            node = store.node_of(key)
+            assert node is not None
+            by_node.setdefault(node, {}).setdefault(key_slot(key.encode()), f"N-{i}")
+            i += 1
+        node = next(n for n, slots in by_node.items() if len(slots) >= 2)
+        used, unused = list(by_node[node].values())[:2]
+        other = next(next(iter(slots.values())) for n, slots in by_node.items() if n != node)
+        await claim(store, used)
+        await claim(store, other)
+        redis_db.hset(node, "*", 0)
+        with pytest.raises(Behind):
+            await claim(store, unused)
+        assert rec.behind == [(node, "0")]
+        assert isinstance(await claim(store, other), Pending)
     finally:
         await store.redis.aclose()
 
@@ -358,7 +389,7 @@ async def test_a_record_made_outside_a_request_is_stamped_with_all_the_process_w
     must put it back finds it above the Redis's mark."""
     journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=DAY)
     recorder = Recorder(journal, lambda: 1)
-    recorder.marks = Marks(journal.life)
+    recorder.marks = Marks(journal.life, single_node=True)
     recorder.marks.made[NODE_MARK] = 41
     stamp.set(None)
     s = sale("BG")
