@@ -86,6 +86,10 @@ def slot_of(key: str | bytes) -> int:
 
 Node = tuple[str, int]
 
+_LEARNT: dict[Node, set[Node]] = {}
+"""By a cluster URL's seed, the primaries this process has seen in its slot maps: a transport
+made later (a restore's) asks them too, not only the seed, which may be down."""
+
 
 class ClusterCoalescer:
     """Per-node coalescing over a Redis Cluster, following its redirections."""
@@ -104,6 +108,9 @@ class ClusterCoalescer:
         u = urlsplit(url)
         self._gate = gate
         self._seeds: list[Node] = [(u.hostname or "127.0.0.1", u.port or 6379)]
+        self._learnt = _LEARNT.setdefault(self._seeds[0], set())
+        """The nodes this process has seen serve slots of this cluster, by any transport:
+        asked for the map when the seed is down (a failover took its slots)."""
         self._password = u.password
         self._timeout = timeout_s
         self._on_batch = on_batch
@@ -310,6 +317,7 @@ class ClusterCoalescer:
             if n is not None:
                 lowest.setdefault(n, slot)
         self._counts = {n: node_of_slot(slot) for n, slot in lowest.items()}
+        self._learnt.update(lowest)
         after = {n for n in slots if n is not None}
         for gone in before - after:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)
@@ -323,7 +331,8 @@ class ClusterCoalescer:
 
     async def _refresh(self) -> None:
         """Ask the known nodes, then the seeds, for CLUSTER SLOTS until one answers."""
-        candidates = [*{n for n in self._slots if n is not None}, *self._seeds]
+        candidates = [*{n for n in self._slots if n is not None}, *self._seeds,
+                      *sorted(self._learnt)]
         last: Exception | None = None
         for node in dict.fromkeys(candidates):
             try:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from tests.failover.conftest import assert_harness_worked, report
-from tests.support.failover import cluster_scenario
+from tests.integration.test_rollback import Ledger, X, _assert_none, _config
+from tests.support.failover import cluster_scenario, current_draw
+from tests.support.servers import RedisCluster
+from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -31,3 +34,23 @@ def test_cluster_manual_failover(binary: str, record_property: pytest.RecordProp
     assert run.audit.lost == {}
     assert run.audit.over_cap == []
     assert run.audit.mismatched == []
+
+
+def test_sales_go_on_when_the_urls_own_node_is_failed_over(redis7: str) -> None:
+    """The primary the `redis+cluster://` URL names killed, its replica promoted: capsvc
+    sells again once the cluster serves every slot, without that node coming back (its
+    restore asks the nodes it learnt, not only the URL's)."""
+    cluster = RedisCluster(replicas=1, binary=redis7).start()
+    svc = ServiceProcess(_config(settle="1s"), cluster.url).start()
+    try:
+        ledger = Ledger(current_draw(svc.base_url) + 1)
+        ledger.sell(svc.base_url, X)
+        seed = cluster.servers[0]
+        assert seed.role() == "master"
+        _, replicas = cluster.kill_primary(seed)
+        cluster.wait_promoted(replicas)
+        ledger.sell(svc.base_url, X)
+        _assert_none(ledger.lost())
+    finally:
+        svc.stop()
+        cluster.stop()
