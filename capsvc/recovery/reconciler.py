@@ -5,9 +5,10 @@ out of one another's way while they do.
   has not reconciled (the gate, capsvc.redis.gate: a failover, a restart); a marked call
   that Redis refused because its mark is behind what the process saw (capsvc.redis.marks: a
   rollback in place, an emptied Redis, a backup put back); and the watch, which reads the
-  marks of every node every WATCH_S on the process's own connection, so that an idle
-  process notices as soon as one that sells, and a node it never wrote to is judged against
-  what it saw there all the same.
+  one mark of a standalone Redis, or every cluster primary's count, every WATCH_S (and the
+  marks of the cluster's slots the directory wrote through every WATCH_CLUSTER_S) on the
+  process's own connection, so that an idle process notices as soon as one that sells, and
+  a primary whose slots it never used is judged against what it saw there all the same.
 - **A node that may have evicted.** A node the gate held for its maxmemory-policy
   (capsvc.redis.gate) that keeps what it is given again, or is left: it may have evicted
   any key, marks included, so the marks cannot tell what it lacks. The whole journal
@@ -21,8 +22,9 @@ out of one another's way while they do.
   nothing costs a read of the marks; a failover that lost the last seconds, the read of the
   files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
   what it had written, never lowered.
-- **Several processes.** A process that restores announces it in every node's mark
-  (lua/capsvc.lua, MARKS): every marked call of every process is refused meanwhile. It
+- **Several processes.** A process that restores announces it on every node (the one mark,
+  or every primary's count; lua/capsvc.lua, MARKS): every marked call of every process is
+  refused meanwhile. It
   keeps announcing until `[journal] settle` has passed since its restore began — every live
   process has looked at the marks by then (WATCH_S) and announced its own restore if it
   lost anything — and, like any process that found Redis behind it, sells again only once
@@ -30,9 +32,10 @@ out of one another's way while they do.
   went back again and lost what it put back makes it restore again at once (announcing
   first), not once the others' announcements have ended. So a live process may judge on a
   node that lost another live process's decisions only if those were made after this
-  process last saw the node's mark (its own calls there and its watch, which reads every
-  node's: at most WATCH_S before the loss when idle), and only until the process that lost
-  them has looked (WATCH_S after the loss at most) and announced. A process that starts has
+  process last saw the node's mark or count (its own calls there and its watch, which reads
+  every primary's: at most WATCH_S before the loss when idle), and only until the process
+  that lost them has looked (WATCH_S after the loss at most; WATCH_CLUSTER_S for a slot's
+  mark) and announced. A process that starts has
   seen nothing: it waits `[journal] settle` and for announcements to end before it sells,
   as a restore does, so that a peer whose announcement Redis lost (going back again during
   its restore) has renewed it by then.
