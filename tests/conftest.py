@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import hypothesis
 import pytest
 import redis
 
@@ -22,6 +23,12 @@ from capsvc.ops.workers import listen
 from capsvc.service.janitor import Janitor
 from tests.support.servers import RedisCluster, RedisServer
 from tests.support.service import ServiceProcess
+
+# No property test has a wall-clock deadline, nor fails when drawing its examples is slow:
+# how long an example takes is the machine's load, not what a test proves.
+hypothesis.settings.register_profile(
+    "capsvc", deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.load_profile("capsvc")
 
 CONFIG = Path(__file__).parent / "capsvc-test.toml"
 TOKENS = {"fr": "t-fr", "pf": "t-pf", "read": "t-read", "admin": "t-admin", "ma": "t-ma",

@@ -4,8 +4,8 @@ Two `capsvc serve` processes (each with its janitor) over one Redis with AOF `al
 Sixteen clients sell a few hundred tickets on three hot combinations, retrying on 503 and
 on broken connections as a sales system would, and cancel some; a few sales are abandoned
 after one try. Meanwhile a service is killed with SIGKILL and restarted, and so is Redis.
-Once the janitors' deadline has passed, every counter equals the stakes of the accepted,
-uncancelled grids (as GET tells each ticket), and none exceeds the cap.
+Once no request is in flight and no ticket pending, every counter equals the stakes of the
+accepted, uncancelled grids (as GET tells each ticket), and none exceeds the cap.
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ from tests.support.service import ServiceProcess
 CONFIG = Path(__file__).parent.parent / "capsvc-faults.toml"
 HOT = [TEN[:8], TEN[:9], TEN]
 CAP = 5000
+SETTLED_WITHIN_S = 60.0
+"""How long the requests in flight and the janitors (deadline 3 s) may take to settle
+before the test fails (a hang, not a speed)."""
+
+
+def in_flight(base: str) -> float:
+    """`capsvc_http_requests_in_flight` of a service."""
+    text = requests.get(f"{base}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("capsvc_http_requests_in_flight"))
 
 
 class Chaos:
@@ -100,6 +110,26 @@ class Chaos:
         time.sleep(0.5)
         self.redis.start()
 
+    def idle(self) -> None:
+        """Until neither service has a request in flight: an abandoned sale runs on after
+        its client gave up, until it is decided or cut by the request timeout."""
+        deadline = time.monotonic() + SETTLED_WITHIN_S
+        for service in self.services:
+            while in_flight(service.base_url):
+                assert time.monotonic() < deadline, "requests in flight for ever"
+                time.sleep(0.05)
+
+    def settled(self, tid: str) -> requests.Response:
+        """GET of a ticket, again while it is pending (409: abandoned half-way, the
+        janitors settle it once their deadline has passed)."""
+        deadline = time.monotonic() + SETTLED_WITHIN_S
+        while True:
+            got = self.call("GET", f"/v1/tickets/{tid}")
+            assert got is not None
+            if got.status_code != 409 or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
     def stop(self) -> None:
         for s in self.services:
             s.stop()
@@ -121,11 +151,10 @@ def test_counters_equal_accepted_minus_released_through_kills(tmp_path: Path) ->
                 f.result()
             killer.result()
         assert chaos.failures > 0, "the kills hit no request: the test proved nothing"
-        time.sleep(4.0)  # the janitors' deadline (3 s) for the abandoned sales
+        chaos.idle()
         expected: dict[tuple[int, ...], int] = defaultdict(int)
         for tid in chaos.sold:
-            got = chaos.call("GET", f"/v1/tickets/{tid}")
-            assert got is not None
+            got = chaos.settled(tid)
             assert got.status_code in (200, 404), got.text
             if got.status_code == 404:
                 continue  # abandoned before a decision, released by the janitor

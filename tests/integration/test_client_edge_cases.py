@@ -34,6 +34,10 @@ from tests.conftest import CONFIG, TEN, TOKENS, ticket
 from tests.support.http_faults import HttpFaultProxy, request
 from tests.support.service import ServiceProcess, served
 
+ENDS_S = 30.0
+"""What "at once" is bounded by: far below the deadlines and silences the tests close
+the client during (an hour), far above a loaded machine's delays."""
+FOREVER_S = 3600.0
 SALE = {"ticket_id": "R-1", "game": "fdj-keno", "grids": [{"numbers": TEN, "stake": 500}]}
 
 
@@ -71,11 +75,20 @@ class StandIn:
         self.requests = 0
         self.handler: Any = None
         self.url = ""
+        self.counted = asyncio.Condition()
 
     async def handle(self, req: web.Request) -> web.StreamResponse:
-        self.requests += 1
+        async with self.counted:
+            self.requests += 1
+            self.counted.notify_all()
         result: web.StreamResponse = await self.handler(req)
         return result
+
+
+async def arrived(stand_in: StandIn, n: int) -> None:
+    """Until the stand-in has received `n` requests (fails after ENDS_S: a hang)."""
+    async with asyncio.timeout(ENDS_S), stand_in.counted:
+        await stand_in.counted.wait_for(lambda: stand_in.requests >= n)
 
 
 @pytest.fixture
@@ -192,7 +205,7 @@ async def test_a_callers_session_that_raises_for_status_still_gets_typed_errors_
 
 
 async def never_answer(req: web.Request) -> web.Response:
-    await asyncio.sleep(60)
+    await asyncio.sleep(FOREVER_S)
     return web.Response()
 
 
@@ -202,13 +215,11 @@ async def test_closing_the_client_ends_a_sale_in_flight_with_outcome_unknown(
     have been counted), not a RuntimeError; a sale after the close is refused unsent."""
     stand_in.handler = never_answer
     async with Client(stand_in.url, "t") as c:
-        selling = asyncio.create_task(c.sell(SALE, deadline_s=30))
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
+        selling = asyncio.create_task(c.sell(SALE, deadline_s=FOREVER_S))
+        await arrived(stand_in, 1)
         await c.aclose()
         with pytest.raises(OutcomeUnknown) as unknown:
-            await selling
-        assert time.monotonic() - started < 2
+            await asyncio.wait_for(selling, ENDS_S)
         assert "closed" in unknown.value.last
         with pytest.raises(RuntimeError):
             await c.sell(SALE)
@@ -225,19 +236,16 @@ async def test_closing_the_blocking_client_ends_another_threads_sale(stand_in: S
 
     def sell() -> None:
         try:
-            c.sell(SALE, deadline_s=30)
+            c.sell(SALE, deadline_s=FOREVER_S)
         except BaseException as e:
             outcome.append(e)
 
     seller = threading.Thread(target=sell)
     seller.start()
-    await asyncio.sleep(0.3)
-    assert stand_in.requests == 1
-    started = time.monotonic()
+    await arrived(stand_in, 1)
     await asyncio.to_thread(c.close)
-    await asyncio.to_thread(seller.join, 5)
+    await asyncio.to_thread(seller.join, ENDS_S)
     assert not seller.is_alive()
-    assert time.monotonic() - started < 5
     assert len(outcome) == 1
     assert isinstance(outcome[0], OutcomeUnknown)
 
@@ -263,7 +271,7 @@ async def half_an_answer(req: web.Request) -> web.StreamResponse:
                                                    "Content-Length": "1000"})
     await resp.prepare(req)
     await resp.write(b'{"ticket_id": "R-1", ')
-    await asyncio.sleep(10)
+    await asyncio.sleep(FOREVER_S)
     return resp
 
 
@@ -271,19 +279,18 @@ async def snapshot_then_silence(req: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(req)
     await resp.write(b'event: snapshot\nid: 0-0\ndata: {"draws": []}\n\n')
-    await asyncio.sleep(10)
+    await asyncio.sleep(FOREVER_S)
     return resp
 
 
-async def ends_at_once(c: Client, waiting: asyncio.Task[Any],
+async def ends_at_once(stand_in: StandIn, n: int, c: Client, waiting: asyncio.Task[Any],
                        error: type[BaseException]) -> None:
-    """Close `c` while `waiting` is blocked on it: `waiting` ends with `error`, at once."""
-    await asyncio.sleep(0.3)
-    started = time.monotonic()
+    """Close `c` while `waiting` is blocked on it (the stand-in's `n`th request, answered in
+    part, then silent for an hour): `waiting` ends with `error`, at once."""
+    await arrived(stand_in, n)
     await c.aclose()
     with pytest.raises(error):
-        await waiting
-    assert time.monotonic() - started < 1
+        await asyncio.wait_for(waiting, ENDS_S)
 
 
 async def test_closing_ends_a_sale_reading_its_answer_and_a_feed_at_once(
@@ -291,25 +298,40 @@ async def test_closing_ends_a_sale_reading_its_answer_and_a_feed_at_once(
     """aclose() while a sale's answer is half read: OutcomeUnknown at once; while a feed
     iterator waits for its next event: the iterator ends."""
     stand_in.handler = half_an_answer
-    async with Client(stand_in.url, "t", timeout_s=20) as c:
-        selling = asyncio.create_task(c.sell(SALE, deadline_s=30))
-        await ends_at_once(c, selling, OutcomeUnknown)
+    async with Client(stand_in.url, "t", timeout_s=FOREVER_S) as c:
+        selling = asyncio.create_task(c.sell(SALE, deadline_s=FOREVER_S))
+        await ends_at_once(stand_in, 1, c, selling, OutcomeUnknown)
     stand_in.handler = snapshot_then_silence
     async with Client(stand_in.url, "t") as c:
         events = c.capped_events("fdj-keno")
         assert (await anext(events)).kind == "snapshot"
         waiting = asyncio.create_task(anext(events))
-        await ends_at_once(c, waiting, StopAsyncIteration)
+        await ends_at_once(stand_in, 2, c, waiting, StopAsyncIteration)
+
+
+async def test_a_feed_asked_for_its_next_event_after_the_close_ends(stand_in: StandIn
+                                                                    ) -> None:
+    """The next event asked of a feed iterator once aclose() has run: the iterator ends
+    (StopAsyncIteration), as for one waiting during the close, not a RuntimeError."""
+    stand_in.handler = snapshot_then_silence
+    async with Client(stand_in.url, "t") as c:
+        events = c.capped_events("fdj-keno")
+        assert (await anext(events)).kind == "snapshot"
+        await c.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(anext(events), ENDS_S)
 
 
 async def test_closing_the_blocking_client_ends_a_half_read_sale_and_a_feed_in_threads(
         stand_in: StandIn) -> None:
+    """SyncClient.close() while one thread reads half an answer and another waits for the
+    feed's next event: both end at once, with OutcomeUnknown and the feed's end."""
     got: list[Any] = []
-    c = SyncClient(stand_in.url, "t", timeout_s=20)
+    c = SyncClient(stand_in.url, "t", timeout_s=FOREVER_S)
 
     def sell() -> None:
         try:
-            c.sell(SALE, deadline_s=30)
+            c.sell(SALE, deadline_s=FOREVER_S)
         except OutcomeUnknown as e:
             got.append(e)
 
@@ -328,13 +350,14 @@ async def test_closing_the_blocking_client_ends_a_half_read_sale_and_a_feed_in_t
     threads = [threading.Thread(target=sell), threading.Thread(target=follow)]
     for t in threads:
         t.start()
-    await asyncio.sleep(0.5)
-    assert stand_in.requests == 2
-    started = time.monotonic()
+    await arrived(stand_in, 2)
+    deadline = time.monotonic() + ENDS_S
+    while "snapshot" not in got:  # the feed's thread has read the snapshot
+        assert time.monotonic() < deadline, "no snapshot read"
+        await asyncio.sleep(0.01)
     await asyncio.to_thread(c.close)
     for t in threads:
-        await asyncio.to_thread(t.join, 5)
-    assert time.monotonic() - started < 2
+        await asyncio.to_thread(t.join, ENDS_S)
     assert not any(t.is_alive() for t in threads)
     assert sorted(map(str, (type(g).__name__ if not isinstance(g, str) else g for g in got))
                   ) == ["OutcomeUnknown", "snapshot"]
@@ -343,17 +366,18 @@ async def test_closing_the_blocking_client_ends_a_half_read_sale_and_a_feed_in_t
 
 
 async def test_two_threads_closing_at_once_both_return(stand_in: StandIn) -> None:
+    """Two threads close a SyncClient while a third sells: all three return."""
     stand_in.handler = never_answer
-    for _ in range(5):
+    for sent in range(1, 6):
         c = SyncClient(stand_in.url, "t")
         seller = threading.Thread(target=lambda c=c: _quietly(c.sell, SALE))
         seller.start()
-        await asyncio.sleep(0.1)
+        await arrived(stand_in, sent)
         closers = [threading.Thread(target=c.close) for _ in range(2)]
         for t in closers:
             t.start()
         for t in [*closers, seller]:
-            await asyncio.to_thread(t.join, 10)
+            await asyncio.to_thread(t.join, ENDS_S)
         assert not any(t.is_alive() for t in [*closers, seller])
 
 
@@ -368,7 +392,7 @@ async def test_retry_after_of_any_form_is_read_or_ignored_never_an_error(
 
     assert _retry_after("3") == 3.0
     assert _retry_after("²") == _retry_after("1.5") == _retry_after("soon") == 0.0
-    assert 9 < _retry_after(time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+    assert 8 < _retry_after(time.strftime("%a, %d %b %Y %H:%M:%S GMT",
                                           time.gmtime(time.time() + 10))) <= 10
     assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
 

@@ -27,7 +27,7 @@ from tests.integration.test_journal_redis_loss import (
     _staked,
     _until_answer,
 )
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, backup_keys, restore_keys
 from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
@@ -137,19 +137,11 @@ def test_reload_from_an_older_file_is_restored(debug_redis: RedisServer) -> None
 # -- 3. a restart on a Redis given back a backup of itself ---------------------------------
 
 def _dump_all(server: RedisServer) -> list[tuple[bytes, int, bytes]]:
-    c = server.client()
-    out = []
-    for key in c.scan_iter(count=1000):
-        ttl = c.pttl(key)
-        out.append((key, max(ttl, 0), c.dump(key)))
-    return out
+    return backup_keys(server.client())
 
 
 def _restore_all(server: RedisServer, keys: list[tuple[bytes, int, Any]]) -> None:
-    c = server.client()
-    c.flushall()
-    for key, ttl, value in keys:
-        c.restore(key, ttl, value, replace=True)
+    restore_keys(server.client(), keys)
 
 
 def test_restart_after_a_backup_restored_in_place_restores() -> None:

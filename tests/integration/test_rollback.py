@@ -50,7 +50,7 @@ from tests.support.failover import (
     write_failover_config,
 )
 from tests.support.faults import FaultProxy
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisServer, backup_keys, restore_keys
 from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
@@ -332,10 +332,10 @@ def _identity(server: RedisServer) -> tuple[str, str]:
 
 
 def _dump_all(server: RedisServer) -> list[tuple[bytes, int, Any]]:
-    """Every key, its time to live and its DUMP: a key-by-key backup."""
+    """Every key, its time to live and its DUMP, as of one instant: a key-by-key backup."""
     c = server.client()
     try:
-        return [(key, max(c.pttl(key), 0), c.dump(key)) for key in c.scan_iter(count=1000)]
+        return backup_keys(c)
     finally:
         c.close()
 
@@ -344,9 +344,7 @@ def _restore_all(server: RedisServer, keys: list[tuple[bytes, int, Any]]) -> Non
     """The backup put back in place: FLUSHALL, then every key RESTOREd."""
     c = server.client()
     try:
-        c.flushall()
-        for key, ttl, value in keys:
-            c.restore(key, ttl, value, replace=True)
+        restore_keys(c, keys)
     finally:
         c.close()
 

@@ -69,7 +69,7 @@ from tests.support.failover import (
     combination_key,
     write_failover_config,
 )
-from tests.support.servers import RedisServer, redis_ms
+from tests.support.servers import RedisServer, backup_keys, redis_ms
 from tests.support.service import ServiceProcess
 
 pytestmark = pytest.mark.slow
@@ -260,15 +260,8 @@ class RollbackMachine(RuleBasedStateMachine):
         return redis_ms(self.db)
 
     def snapshot_keys(self) -> list[tuple[Any, int, Any]]:
-        """Every key, its time to live and its DUMP, read in one transaction."""
-        keys = self.db.keys()
-        pipe = self.db.pipeline(transaction=True)
-        for key in keys:
-            pipe.pttl(key)
-            pipe.dump(key)
-        replies = pipe.execute()
-        return [(key, max(ttl, 0), value) for key, ttl, value
-                in zip(keys, replies[::2], replies[1::2], strict=True) if value is not None]
+        """Every key, its time to live and its DUMP, as of one instant."""
+        return backup_keys(self.db)
 
     def go_back(self, how: str, again: bool = False, starting: ServiceProcess | None = None
                 ) -> None:

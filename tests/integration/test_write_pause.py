@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -22,44 +22,78 @@ from capsvc.config import Settings
 from tests.conftest import TEN, Client, services, ticket
 from tests.support.servers import RedisCluster, RedisServer
 
-PAUSE_MS = 1500
 SELLERS = 24
+HELD_S = 120
+"""How long a write pause is asked for: longer than the test could take, so that only the
+test's UNPAUSE ends it (once it has seen what it needs), never the clock."""
+WITHIN_S = 60.0
+"""How long each step may take before the test fails (a hang, not a speed)."""
 
 
 def primaries(backend: RedisServer | RedisCluster) -> list[RedisServer]:
     return backend.servers if isinstance(backend, RedisCluster) else [backend]
 
 
-async def sell_until(client: Client, deadline: float, r: int, statuses: list[int]) -> None:
+async def sell_until(client: Client, stop: asyncio.Event, r: int, statuses: list[int]) -> None:
     """Sell tickets (four grids, three of them capped; retrying one answered 503, as a
-    client does) until `deadline`."""
-    while time.monotonic() < deadline:
+    client does) until `stop` is set."""
+    while not stop.is_set():
         body = ticket([{"numbers": TEN, "stake": 100}, {"numbers": TEN[:9], "stake": 100},
                        {"numbers": [*TEN[:7], 42 + r % 20], "stake": 100},
                        {"numbers": [1, 2], "stake": 100}], draws=2)
         await client.sell_until_decided(body, tries=3, pause_s=0, statuses=statuses)
 
 
+async def redis_timeouts(client: Client) -> float:
+    """`capsvc_redis_errors_total{kind="timeout"}` of the service: its Redis calls failed by
+    the Redis timeout so far."""
+    text = (await client.get("/metrics", token=None)).raw.decode()
+    line = next(x for x in text.splitlines()
+                if x.startswith('capsvc_redis_errors_total{kind="timeout"}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Poll `condition` until it holds; fail after WITHIN_S (something hangs)."""
+    deadline = asyncio.get_running_loop().time() + WITHIN_S
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"not within {WITHIN_S}s: {what}")
+        await asyncio.sleep(0.02)
+
+
 async def sell_through_a_pause(variant: Settings, backend: RedisServer | RedisCluster,
                                caplog: pytest.LogCaptureFixture) -> list[int]:
-    """SELLERS clients sell through a write pause of every primary; the statuses
-    answered. Asserts that asyncio logged no unretrieved future meanwhile."""
+    """SELLERS clients sell while every primary pauses its writes, held until every
+    seller has been answered 503 and the service has counted a Redis timeout (calls failed
+    by it, also those of requests cancelled before); the statuses answered, one sale
+    decided after the pause last. Asserts that asyncio logged no unretrieved future."""
     statuses: list[int] = []
     caplog.set_level(logging.ERROR, logger="asyncio")
     async with services([variant], backend.url) as (client,):
-        assert (await client.sell(ticket())).status == 200  # connected, library loaded
-        deadline = time.monotonic() + PAUSE_MS / 1000 + 0.5
-        sellers = [asyncio.create_task(sell_until(client, deadline, r, statuses))
+        # Connected, library loaded (a 503 is "send it again", under load too).
+        assert (await client.sell_until_decided(ticket())).status == 200
+        before = await redis_timeouts(client)
+        stop = asyncio.Event()
+        sellers = [asyncio.create_task(sell_until(client, stop, r, statuses))
                    for r in range(SELLERS)]
-        await asyncio.sleep(0.2)
         try:
             for server in primaries(backend):
-                server.client().execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
-            await asyncio.gather(*sellers)
+                server.client().execute_command("CLIENT", "PAUSE", HELD_S * 1000, "WRITE")
+            paused_at = len(statuses)
+
+            async def failed() -> bool:
+                return (statuses[paused_at:].count(503) >= SELLERS
+                        and await redis_timeouts(client) > before)
+
+            await until(failed, "503s and a Redis timeout during the pause")
         finally:
             for server in primaries(backend):
                 server.client().execute_command("CLIENT", "UNPAUSE")
-        assert (await client.sell(ticket())).status == 200
+            stop.set()
+            await asyncio.gather(*sellers)
+        # Sells again once the writes resume (retrying the 503s of a reconnection).
+        assert (await client.sell_until_decided(ticket(), statuses=statuses)).status == 200
         await asyncio.sleep(0.2)  # what the last requests left in flight settles
     gc.collect()  # a future held in a reference cycle logs when the cycle is collected
     await asyncio.sleep(0)

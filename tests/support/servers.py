@@ -30,6 +30,37 @@ def redis_ms(db: Any) -> int:
     return int(sec) * 1000 + int(usec) // 1000
 
 
+_BACKUP = """
+local out = {}
+for _, key in ipairs(redis.call('KEYS', '*')) do
+  local value = redis.call('DUMP', key)
+  if value then
+    local ttl = redis.call('PTTL', key)  -- RESTORE: 0 is none, -1 here
+    out[#out + 1] = key
+    out[#out + 1] = ttl < 0 and 0 or math.max(ttl, 1)
+    out[#out + 1] = value
+  end
+end
+return out
+"""
+
+
+def backup_keys(db: Any) -> list[tuple[bytes, int, bytes]]:
+    """A key-by-key backup of a standalone Redis as of one instant: every key, its time
+    to live (0: none) and its DUMP, read by one script (no other client runs meanwhile, and
+    a script sees the time of its start: no key expires between its listing and its DUMP)."""
+    flat: list[Any] = db.eval(_BACKUP, 0)
+    return [(key, int(ttl), value)
+            for key, ttl, value in zip(flat[::3], flat[1::3], flat[2::3], strict=True)]
+
+
+def restore_keys(db: Any, keys: list[tuple[bytes, int, Any]]) -> None:
+    """A backup (`backup_keys`) put back in place: FLUSHALL, then every key RESTOREd."""
+    db.flushall()
+    for key, ttl, value in keys:
+        db.restore(key, ttl, value, replace=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

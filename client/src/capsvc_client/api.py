@@ -172,7 +172,10 @@ class Client:
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:
         """While the calling task waits on the service: aclose() cancels it, and that
-        cancellation (none other) comes out as `_Closed`."""
+        cancellation (none other) comes out as `_Closed`; so does a wait begun once
+        aclose() has run (a feed's next event asked after the close)."""
+        if self._closed.is_set():
+            raise _Closed
         task = asyncio.current_task()
         assert task is not None
         self._calls.add(task)
