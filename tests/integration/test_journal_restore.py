@@ -166,14 +166,15 @@ class NoProcesses:
         pass
 
 
-@pytest.mark.parametrize("processes", ["started", "refused"])
-async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
+@pytest.mark.parametrize(("processes", "workers"), [("started", 1), ("started", 3),
+                                                     ("refused", 2)])
+async def test_a_journal_planned_in_processes_of_its_own_restores_the_same(
         journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, processes: str) -> None:
-    """A large journal is read, decoded and planned by a process of its own, piece by piece
-    (or here, when no process can be started): with pieces of a few kilobytes (lines cut
-    across pieces) and a torn last line, the restore leaves what planning every record here
-    leaves, and reports the same."""
+        monkeypatch: pytest.MonkeyPatch, processes: str, workers: int) -> None:
+    """A large journal is read, decoded and planned by processes of their own, piece by
+    piece, each taking the next piece (or here, when no process can be started): with
+    pieces of a few kilobytes (lines cut across pieces) and a torn last line, the restore
+    leaves what planning every record here leaves, and reports the same."""
     directory, catalog = journal
     copy = tmp_path / "journal"
     copy.mkdir()
@@ -185,7 +186,7 @@ async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
     expected = snapshot(redis_db)
     redis_db.flushall()
     monkeypatch.setattr(restore_module, "POOL_BYTES", 0)
-    monkeypatch.setattr(restore_module, "planners", lambda: 1)
+    monkeypatch.setattr(restore_module, "planners", lambda: workers)
     monkeypatch.setattr(planner, "CHUNK_BYTES", 7_000)
     if processes == "refused":
         monkeypatch.setattr(planner, "ProcessPoolExecutor", NoProcesses)
