@@ -190,6 +190,9 @@ class Restorer:
         """Grids to count or give back, waiting (DEFERRED), in journal order."""
         self._later: list[_Later] = []
         """What each waiting grid's record calls for once they are sent."""
+        self._sending: asyncio.Future[None] | None = None
+        """The grids sent last and what their replies call for, while the next windows are
+        applied (each send waits for the one before it: one bucket's ops stay in order)."""
 
     def oldest_useful(self, now_ms: int) -> float:
         """The host time (s) before which a file cannot hold a decision still retained."""
@@ -217,7 +220,6 @@ class Restorer:
                     found, self.catalog, now, workers), now, out)
             except PlanningFailed as e:
                 log.warning("restore: no planning process (%s): planning here", e)
-                await self._send_counts(out)
                 out.records = out.skipped = 0
         return await self._restore(self._planned(
             retained_records(self.dir, modified_since=since), now), now, out)
@@ -263,9 +265,20 @@ class Restorer:
                     break
                 applying = asyncio.ensure_future(self._apply(window, now, out))
             await self._send_counts(out)
+        except PlanningFailed:
+            # What was applied is finished and reported; the restore starts again from the
+            # first record, which finds it present.
+            if applying is not None:
+                await applying
+                applying = None
+            await self._send_counts(out)
+            raise
         finally:
             if applying is not None:
                 applying.cancel()
+            if self._sending is not None:
+                self._sending.cancel()
+                self._sending = None
             await chunks.aclose()
             if collecting:
                 gc.enable()
@@ -374,17 +387,32 @@ class Restorer:
                 if kind:
                     out.count(kind)
             if len(self._counts) >= DEFERRED:
-                await self._send_counts(out)
+                self._send_counts_behind(out)
         finally:
             others.cancel()
 
     async def _send_counts(self, out: Restored) -> None:
         """Send the grids waiting to be counted or given back, and what their replies call
-        for (reports, sold-out and reopened events)."""
+        for (reports, sold-out and reopened events); return once every send is done."""
+        self._send_counts_behind(out)
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            await sending
+
+    def _send_counts_behind(self, out: Restored) -> None:
+        """Start sending the waiting grids (see `_send_counts`) behind the sends before,
+        while the next windows are applied: nothing else touches a counter bucket, and
+        sold-out and reopened events touch nothing a window does."""
         counts, waiting = self._counts, self._later
-        self._counts, self._later = self.store.restore_counts(), []
-        if not waiting:
-            return
+        if waiting:
+            self._counts, self._later = self.store.restore_counts(), []
+            self._sending = asyncio.ensure_future(
+                self._sent(self._sending, counts, waiting, out))
+
+    async def _sent(self, before: asyncio.Future[None] | None, counts: CountRestores,
+                    waiting: list[_Later], out: Restored) -> None:
+        if before is not None:
+            await before
         replies = iter(await counts.send())
         follow: list[Any] = []
         for later in waiting:
