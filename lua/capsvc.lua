@@ -1589,8 +1589,8 @@ Details, for each x in turn: g's draws now above the cap, then how many offsets 
 offsets of the draws it brought to the cap; r's stake given back, how many offsets follow,
 the offsets of the draws that left the cap.
 
-Bucket by bucket, not op by op: each bucket the call names is read once (HGETALL, its
-PEXPIRETIME), the ops run in their order on what was read (the same comparisons and
+Bucket by bucket, not op by op: each bucket the call names is read once (HMGET of every
+field its ops name, HLEN, PEXPIRETIME), the ops run in their order on what was read (the same comparisons and
 arithmetic as `count_back` and `release`, the fence being the grid's record as read or as
 an earlier op of the call left it), and each bucket is written once at the end (one HSET
 of every field that changed, one HDEL of those gone, one PEXPIREAT when its expiry moved).
@@ -1598,17 +1598,19 @@ So the call leaves exactly what its ops run one at a time leave, at a few comman
 bucket whatever the ops on it: the caller sends the ops of one bucket together (the plan
 merges them, in journal order, over many windows). ]]
 
--- A counter bucket as restore_counts holds it while it runs: its fields (`f`), how many
--- (`n`), its expiry (`ttl`: PEXPIRETIME's -1 none, -2 no key) as read (`ttl0`) and now,
--- and the fields written or deleted (`dirty`).
-local function bucket_read(key)
-  local all = redis.call('HGETALL', key)
+-- A counter bucket as restore_counts holds it while it runs: the fields its ops name
+-- (`f`: those it holds), how many fields it holds (`n`), its expiry (`ttl`: PEXPIRETIME's
+-- -1 none, -2 no key) as read (`ttl0`) and now, and the fields written or deleted (`dirty`).
+local function bucket_read(key, names)
   local f = {}
-  for j = 1, #all, 2 do
-    f[all[j]] = all[j + 1]
+  local values = redis.call('HMGET', key, unpack(names))
+  for j, name in ipairs(names) do
+    if values[j] then
+      f[name] = values[j]
+    end
   end
   local ttl = redis.call('PEXPIRETIME', key)
-  return {key = key, f = f, n = #all / 2, ttl = ttl, ttl0 = ttl, dirty = {}}
+  return {key = key, f = f, n = redis.call('HLEN', key), ttl = ttl, ttl0 = ttl, dirty = {}}
 end
 
 local function bucket_set(b, field, value)
@@ -1730,23 +1732,45 @@ end
 
 local function restore_counts(keys, args)
   local codes, details = {}, {}
-  local held, order = {}, {}
+  -- First the ops' buckets and the fields each names (its combination; the record in the
+  -- last draw's), then each bucket read once.
+  local ops, names, order = {}, {}, {}
   local i, k = 1, 1
   while i <= #args do
     local op, n = args[i], tonumber(args[i + 1])
-    local buckets = {}
+    if op ~= 'g' and op ~= 'r' then
+      return redis.error_reply('restore_counts: unknown op ' .. tostring(op))
+    end
+    ops[#ops + 1] = {i, k, n}
     for j = 1, n do
       local key = keys[k + j - 1]
-      local b = held[key]
-      if not b then
-        b = bucket_read(key)
-        held[key] = b
-        order[#order + 1] = b
+      local wanted = names[key]
+      if not wanted then
+        wanted = {}
+        names[key] = wanted
+        order[#order + 1] = key
       end
-      buckets[j] = b
+      wanted[#wanted + 1] = args[i + 3]
+      if j == n then
+        wanted[#wanted + 1] = args[i + 2]
+      end
+    end
+    i = i + 7 + (op == 'g' and n or 0)
+    k = k + n
+  end
+  local held = {}
+  for j, key in ipairs(order) do
+    held[key] = bucket_read(key, names[key])
+    order[j] = held[key]
+  end
+  for _, at in ipairs(ops) do
+    local i, k, n = at[1], at[2], at[3]
+    local buckets = {}
+    for j = 1, n do
+      buckets[j] = held[keys[k + j - 1]]
     end
     local found, offsets
-    if op == 'g' then
+    if args[i] == 'g' then
       local over, sold = count_back_held(buckets, args[i + 2], args[i + 3],
                                          tonumber(args[i + 4]), caps_of(args[i + 5], n),
                                          tonumber(args[i + 6]), slice(args, i + 6, n))
@@ -1758,8 +1782,7 @@ local function restore_counts(keys, args)
         found, offsets = 'x', sold or {}
         details[#details + 1] = over
       end
-      i = i + 7 + n
-    elseif op == 'r' then
+    else
       local out = release_held(buckets, args[i + 2], args[i + 3], caps_of(args[i + 4], n),
                                tonumber(args[i + 5]), tonumber(args[i + 6]))
       if out[1] == 0 then
@@ -1768,9 +1791,6 @@ local function restore_counts(keys, args)
         found, offsets = 'x', slice(out, 1)
         details[#details + 1] = out[1]
       end
-      i = i + 7
-    else
-      return redis.error_reply('restore_counts: unknown op ' .. tostring(op))
     end
     codes[#codes + 1] = found
     if offsets then
@@ -1779,7 +1799,6 @@ local function restore_counts(keys, args)
         details[#details + 1] = o
       end
     end
-    k = k + n
   end
   for _, b in ipairs(order) do
     bucket_write(b)
