@@ -1587,193 +1587,21 @@ Returns {letters, details}: one letter per op, in order: g 1 counted, 0 recorded
 (nothing done), x counted and past the cap or to it; r 0 nothing given back, x given back.
 Details, for each x in turn: g's draws now above the cap, then how many offsets follow, the
 offsets of the draws it brought to the cap; r's stake given back, how many offsets follow,
-the offsets of the draws that left the cap.
-
-Bucket by bucket, not op by op: each bucket the call names is read once (HMGET of every
-field its ops name, HLEN, PEXPIRETIME), the ops run in their order on what was read (the same comparisons and
-arithmetic as `count_back` and `release`, the fence being the grid's record as read or as
-an earlier op of the call left it), and each bucket is written once at the end (one HSET
-of every field that changed, one HDEL of those gone, one PEXPIREAT when its expiry moved).
-So the call leaves exactly what its ops run one at a time leave, at a few commands a
-bucket whatever the ops on it: the caller sends the ops of one bucket together (the plan
-merges them, in journal order, over many windows). ]]
-
--- A counter bucket as restore_counts holds it while it runs: the fields its ops name
--- (`f`: those it holds), how many fields it holds (`n`), its expiry (`ttl`: PEXPIRETIME's
--- -1 none, -2 no key) as read (`ttl0`) and now, and the fields written or deleted (`dirty`).
-local function bucket_read(key, names)
-  local f = {}
-  local values = redis.call('HMGET', key, unpack(names))
-  for j, name in ipairs(names) do
-    if values[j] then
-      f[name] = values[j]
-    end
-  end
-  local ttl = redis.call('PEXPIRETIME', key)
-  return {key = key, f = f, n = redis.call('HLEN', key), ttl = ttl, ttl0 = ttl, dirty = {}}
-end
-
-local function bucket_set(b, field, value)
-  if b.f[field] == nil then
-    b.n = b.n + 1
-    if b.n == 1 then
-      b.ttl = -1  -- a key made anew has no expiry
-    end
-  end
-  b.f[field] = value
-  b.dirty[field] = true
-end
-
-local function bucket_del(b, field)
-  if b.f[field] ~= nil then
-    b.f[field] = nil
-    b.n = b.n - 1
-    b.dirty[field] = true
-    if b.n == 0 then
-      b.ttl = -2  -- the key is gone with its last field
-    end
-  end
-end
-
--- What `extend(key, at)` does to a bucket that exists: its expiry pushed to `at` at least.
-local function bucket_extend(b, at)
-  if b.ttl < at then
-    b.ttl = at
-  end
-end
-
--- The bucket written back: its fields that changed, then those gone (so a bucket left
--- with fields is never deleted on the way, and keeps its expiry), then its expiry.
-local function bucket_write(b)
-  local set, gone = {}, {}
-  for field in pairs(b.dirty) do
-    local value = b.f[field]
-    if value == nil then
-      gone[#gone + 1] = field
-    else
-      set[#set + 1] = field
-      set[#set + 1] = value
-    end
-  end
-  for from = 1, #set, 4000 do
-    redis.call('HSET', b.key, unpack(set, from, math.min(from + 3999, #set)))
-  end
-  for from = 1, #gone, 4000 do
-    redis.call('HDEL', b.key, unpack(gone, from, math.min(from + 3999, #gone)))
-  end
-  if b.n > 0 then
-    if b.ttl > 0 and (b.ttl ~= b.ttl0 or #gone > 0) then
-      redis.call('PEXPIREAT', b.key, b.ttl)
-    elseif b.ttl == -1 and b.ttl0 > 0 then
-      redis.call('PERSIST', b.key)
-    end
-  end
-end
-
--- `count_back` on buckets as read (bucket_read): nil when the grid has a record; else the
--- draws now above their cap and the offsets of those this brought to it (nil: none).
-local function count_back_held(buckets, field, combo, stake, caps, min_stake, expiries)
-  local n = #buckets
-  if buckets[n].f[field] then
-    return nil
-  end
-  local over, sold = 0, nil
-  for i = 1, n do
-    local b = buckets[i]
-    local total = (tonumber(b.f[combo]) or 0) + stake
-    bucket_set(b, combo, total)
-    if i == n then
-      bucket_set(b, field, stake)
-    end
-    bucket_extend(b, tonumber(expiries[i]))
-    if total > caps[i] then
-      over = over + 1
-    end
-    if caps[i] - total < min_stake and caps[i] - (total - stake) >= min_stake then
-      sold = sold or {}
-      sold[#sold + 1] = i - 1
-    end
-  end
-  return over, sold
-end
-
--- `release` on buckets as read (bucket_read): its reply.
-local function release_held(buckets, field, combo, caps, min_stake, expire_at)
-  local last = buckets[#buckets]
-  local rec = last.f[field]
-  if not rec then
-    bucket_set(last, field, 'X')
-    last.ttl = expire_at  -- release's PEXPIREAT, on a key its HSET made sure of
-    return {0}
-  end
-  local kind = string.sub(rec, 1, 1)
-  if kind == 'X' or kind == 'R' then
-    return {0}
-  end
-  local stake = tonumber(rec)
-  bucket_set(last, field, 'X')
-  local out = {stake}
-  for i = 1, #buckets do
-    local b = buckets[i]
-    if b.f[combo] ~= nil then
-      local total = tonumber(b.f[combo]) - stake
-      if total <= 0 then
-        bucket_del(b, combo)
-      else
-        bucket_set(b, combo, total)
-      end
-      if caps[i] - total >= min_stake and caps[i] - (total + stake) < min_stake then
-        out[#out + 1] = i - 1
-      end
-    end
-  end
-  return out
-end
-
+the offsets of the draws that left the cap. ]]
 local function restore_counts(keys, args)
-  local codes, details = {}, {}
-  -- First the ops' buckets and the fields each names (its combination; the record in the
-  -- last draw's), then each bucket read once.
-  local ops, names, order = {}, {}, {}
+  local codes, details, seen = {}, {}, {}
   local i, k = 1, 1
   while i <= #args do
     local op, n = args[i], tonumber(args[i + 1])
-    if op ~= 'g' and op ~= 'r' then
-      return redis.error_reply('restore_counts: unknown op ' .. tostring(op))
-    end
-    ops[#ops + 1] = {i, k, n}
-    for j = 1, n do
-      local key = keys[k + j - 1]
-      local wanted = names[key]
-      if not wanted then
-        wanted = {}
-        names[key] = wanted
-        order[#order + 1] = key
-      end
-      wanted[#wanted + 1] = args[i + 3]
-      if j == n then
-        wanted[#wanted + 1] = args[i + 2]
-      end
-    end
-    i = i + 7 + (op == 'g' and n or 0)
-    k = k + n
-  end
-  local held = {}
-  for j, key in ipairs(order) do
-    held[key] = bucket_read(key, names[key])
-    order[j] = held[key]
-  end
-  for _, at in ipairs(ops) do
-    local i, k, n = at[1], at[2], at[3]
     local buckets = {}
     for j = 1, n do
-      buckets[j] = held[keys[k + j - 1]]
+      buckets[j] = keys[k + j - 1]
     end
     local found, offsets
-    if args[i] == 'g' then
-      local over, sold = count_back_held(buckets, args[i + 2], args[i + 3],
-                                         tonumber(args[i + 4]), caps_of(args[i + 5], n),
-                                         tonumber(args[i + 6]), slice(args, i + 6, n))
+    if op == 'g' then
+      local over, sold = count_back(buckets, args[i + 2], args[i + 3], tonumber(args[i + 4]),
+                                    caps_of(args[i + 5], n), tonumber(args[i + 6]),
+                                    {unpack(args, i + 7, i + 6 + n)}, seen)
       if not over then
         found = '0'
       elseif over == 0 and not sold then
@@ -1782,15 +1610,19 @@ local function restore_counts(keys, args)
         found, offsets = 'x', sold or {}
         details[#details + 1] = over
       end
-    else
-      local out = release_held(buckets, args[i + 2], args[i + 3], caps_of(args[i + 4], n),
-                               tonumber(args[i + 5]), tonumber(args[i + 6]))
+      i = i + 7 + n
+    elseif op == 'r' then
+      local out = release(buckets, {args[i + 2], args[i + 3], args[i + 4], args[i + 5],
+                                    args[i + 6]})
       if out[1] == 0 then
         found = '0'
       else
         found, offsets = 'x', slice(out, 1)
         details[#details + 1] = out[1]
       end
+      i = i + 7
+    else
+      return redis.error_reply('restore_counts: unknown op ' .. tostring(op))
     end
     codes[#codes + 1] = found
     if offsets then
@@ -1799,9 +1631,7 @@ local function restore_counts(keys, args)
         details[#details + 1] = o
       end
     end
-  end
-  for _, b in ipairs(order) do
-    bucket_write(b)
+    k = k + n
   end
   return {table.concat(codes), details}
 end

@@ -18,14 +18,12 @@ on a Redis it has not reconciled with its journal directory:
 At the speed of Redis: a Redis that lost everything takes back millions of decisions while
 nothing is sold. Each record's ops are planned from the record alone (capsvc.recovery.planner:
 for a large journal on more than two CPUs, in processes of their own that read and decode
-the files too), and records are applied in windows of thousands, each in rounds of bulk
-calls (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records, then
-what their answers call for (caps, budgets, a cancel's end, an unclaim). The grids they
-count or give back wait, over many windows (DEFERRED), and go a counter bucket at a time:
-each bucket read once and written once a call, whatever the grids on it; then their
-sold-out and reopened events. Records are applied in journal order as far as they touch
-the same keys (see `Restorer._window`; the counter buckets are touched by nothing else),
-the next window is planned while Redis works on this one.
+the files too), and records are applied in windows of thousands, each in three rounds of
+bulk calls (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records,
+then what their answers call for (grids counted or released, caps, budgets), then what
+follows those (sold-out marks, a cancel's end, an unclaim). Records are applied in journal
+order as far as they touch the same keys (see `Restorer._window`), the next window is
+planned while Redis works on this one.
 """
 
 from __future__ import annotations
@@ -84,11 +82,6 @@ WINDOW = 8_192
 in memory at a time (one applied, the next planned): ~60 MB here (the restoring process's
 peak: 115 MB at 8,192, 163 at 16,384, 267 at 32,768, no faster), while a window of a few
 thousand keeps Redis busy."""
-DEFERRED = 131_072
-"""Grids counted or given back that wait, across windows, to be sent together (a few tens
-of MB): the ops of one counter bucket go in one call (`CountRestores`), which reads and
-writes the bucket once, so the more wait, the fewer commands a grid (at 100,000 one-grid
-decisions on 8 draws of 4,096 buckets, ~3 grids a bucket)."""
 CHUNK = 256
 """Records decoded and planned between two turns of the event loop (the replies of the
 window being applied are read meanwhile)."""
@@ -134,26 +127,6 @@ class Restored:
 
 
 @dataclass(slots=True)
-class _Later:
-    """What a record's grids counted or given back still call for once their replies are
-    in (the reports, the sold-out and reopened events): what of the record it takes."""
-
-    kind: str
-    """"sale", "cancel" or "void"."""
-    ticket: str
-    game: str
-    first: int
-    combos: list[tuple[int, str]]
-    """The grids (index, combination) whose ops wait, in order."""
-    put_back: bool = False
-    """A sale: whether it put something back besides its grids."""
-    code: str = ""
-    """A cancel's or a void's ticket op's answer."""
-    given: int = 0
-    """A cancel's or a void's budget given back."""
-
-
-@dataclass(slots=True)
 class _Window:
     """Records applied together: one per ticket, player or draw (`_key_of`), but a sale's
     cancel after it (see `Restorer._window`)."""
@@ -186,13 +159,6 @@ class Restorer:
         self.on_over_cap = on_over_cap
         self._caps_fixed: set[tuple[str, int]] = set()
         """(game, draw) whose cap this restore has put back already."""
-        self._counts = store.restore_counts()
-        """Grids to count or give back, waiting (DEFERRED), in journal order."""
-        self._later: list[_Later] = []
-        """What each waiting grid's record calls for once they are sent."""
-        self._sending: asyncio.Future[None] | None = None
-        """The grids sent last and what their replies call for, while the next windows are
-        applied (each send waits for the one before it: one bucket's ops stay in order)."""
 
     def oldest_useful(self, now_ms: int) -> float:
         """The host time (s) before which a file cannot hold a decision still retained."""
@@ -264,21 +230,9 @@ class Restorer:
                 if not window.keys and not window.caps:
                     break
                 applying = asyncio.ensure_future(self._apply(window, now, out))
-            await self._send_counts(out)
-        except PlanningFailed:
-            # What was applied is finished and reported; the restore starts again from the
-            # first record, which finds it present.
-            if applying is not None:
-                await applying
-                applying = None
-            await self._send_counts(out)
-            raise
         finally:
             if applying is not None:
                 applying.cancel()
-            if self._sending is not None:
-                self._sending.cancel()
-                self._sending = None
             await chunks.aclose()
             if collecting:
                 gc.enable()
@@ -344,15 +298,13 @@ class Restorer:
         return True
 
     async def _apply(self, window: _Window, now: int, out: Restored) -> None:
-        """The window's rounds (see the module's docstring), and its other records. Its
-        grids counted or given back wait with the windows' before them (`_send_counts`):
-        nothing else reads or writes a counter bucket, and they stay in journal order."""
+        """The window's three rounds (see the module's docstring), and its other records."""
         others = asyncio.ensure_future(replies_of(
             [asyncio.ensure_future(self._other(r, now)) for r in window.others]))
         try:
             codes = iter(await window.steps.send())
             later = iter(await window.after.send())  # a cancel's step after its sale's
-            counts, budgets = self._counts, self.store.restore_budgets()
+            counts, budgets = self.store.restore_counts(), self.store.restore_budgets()
             caps = await self._caps_to_give_back(window.tickets)
             for t in window.tickets:
                 code = t.code = next(later if t.after else codes)
@@ -369,59 +321,29 @@ class Restorer:
                         budgets.add(t.budget)
                         t.budgeted = True
             fixed = self._fix_caps(window)
-            budgeted = await budgets.send()
+            counted, budgeted = await asyncio.gather(counts.send(), budgets.send())
             await replies_of([f for t in window.tickets if t.fixing for f in t.fixing] + fixed)
             for f in fixed:
                 if f.result() is None:
                     out.count("cap")
             follow: list[Any] = []
-            budget_replies = iter(budgeted)
+            grid_replies, budget_replies = iter(counted), iter(budgeted)
             for t in window.tickets:
+                if t.gives_back:
+                    grids = [next(grid_replies) for _ in t.released]
+                else:
+                    grids = [next(grid_replies) for _ in t.counts] if t.code != "c" else []
                 budget = next(budget_replies) if t.budgeted else (0, 0)
                 if t.gives_back:
-                    follow += self._giving_back(t, budget)
+                    follow += self._given_back(t, grids, budget, out)
                 elif t.code != "c":
-                    self._counting(t, budget, out)
+                    follow += self._counted(t, grids, budget, out)
             await replies_of(follow)
             for kind in await others:
                 if kind:
                     out.count(kind)
-            if len(self._counts) >= DEFERRED:
-                self._send_counts_behind(out)
         finally:
             others.cancel()
-
-    async def _send_counts(self, out: Restored) -> None:
-        """Send the grids waiting to be counted or given back, and what their replies call
-        for (reports, sold-out and reopened events); return once every send is done."""
-        self._send_counts_behind(out)
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            await sending
-
-    def _send_counts_behind(self, out: Restored) -> None:
-        """Start sending the waiting grids (see `_send_counts`) behind the sends before,
-        while the next windows are applied: nothing else touches a counter bucket, and
-        sold-out and reopened events touch nothing a window does."""
-        counts, waiting = self._counts, self._later
-        if waiting:
-            self._counts, self._later = self.store.restore_counts(), []
-            self._sending = asyncio.ensure_future(
-                self._sent(self._sending, counts, waiting, out))
-
-    async def _sent(self, before: asyncio.Future[None] | None, counts: CountRestores,
-                    waiting: list[_Later], out: Restored) -> None:
-        if before is not None:
-            await before
-        replies = iter(await counts.send())
-        follow: list[Any] = []
-        for later in waiting:
-            grids = [next(replies) for _ in later.combos]
-            if later.kind == "sale":
-                follow += self._counted(later, grids, out)
-            else:
-                follow += self._given_back(later, grids, out)
-        await replies_of(follow)
 
     async def _caps_to_give_back(self, tickets: list[Planned]
                                  ) -> dict[tuple[str, int, int], str | int]:
@@ -454,8 +376,9 @@ class Restorer:
             item.fixing = fixing
         return records
 
-    def _counting(self, t: Planned, budget: tuple[int, int], out: Restored) -> None:
-        """A sale's rounds but its grids, counted; its grids' wait (`_counted`)."""
+    def _counted(self, t: Planned, grids: list[Any], budget: tuple[int, int],
+                 out: Restored) -> list[Any]:
+        """What a sale's rounds put back, counted; its sold-out marks to send."""
         if t.code == "o":
             out.other_sale += 1 + t.repeats  # one a record, as one record at a time counts
             log.error("restore: ticket %s of channel %s now holds another sale than the one "
@@ -463,28 +386,21 @@ class Restorer:
                       "stakes are counted too", t.ticket, t.channel)
         put_back = (t.code == "w" or any(f.result() is None for f in t.fixing or ())
                     or any(budget))
-        self._later.append(_Later("sale", t.ticket, t.game, t.first,
-                                  [(i, t.sale.grids[i].combo) for i in t.counted],
-                                  put_back=put_back))
-
-    def _counted(self, t: _Later, grids: list[Any], out: Restored) -> list[Any]:
-        """What a sale put back, counted once its grids' replies are in; its sold-out marks
-        to send."""
-        put_back = t.put_back
         game = self.catalog.games[t.game]
         marks = []
-        for (index, combo), (letter, over, offsets) in zip(t.combos, grids, strict=True):
+        for index, (letter, over, offsets) in zip(t.counted, grids, strict=True):
             if letter == "0":
                 continue
             put_back = True
             out.grids += 1
+            g = t.sale.grids[index]
             if over:
                 out.over_cap += over
                 self.on_over_cap(t.game, over)
                 log.warning("restore: ticket %s grid %d counted again past the cap on %d "
-                            "draw(s) (it was sold before Redis lost it)", t.ticket, index,
+                            "draw(s) (it was sold before Redis lost it)", t.ticket, g.index,
                             over)
-            marks += [self.store.mark_sold_out(t.game, t.first + o, combo,
+            marks += [self.store.mark_sold_out(t.game, t.first + o, g.combo,
                                                game.expire_at(t.first + o))
                       for o in offsets]
         if put_back:
@@ -505,32 +421,23 @@ class Restorer:
                                        caps[(t.game, first, draws)], rules.min_stake, first,
                                        draws, expire_at))
 
-    def _giving_back(self, t: Planned, budget: tuple[int, int]) -> list[Any]:
-        """A cancel's or a void's rounds but its grids: its grids' wait (`_given_back`);
-        its ticket's last steps to send (they touch no counter)."""
-        self._later.append(_Later(t.kind, t.ticket, t.game, t.first,
-                                  [(i, t.sale.grids[i].combo) for i in t.released],
-                                  code=t.code, given=budget[1]))
-        if t.kind == "cancel":
-            return [asyncio.ensure_future(self._cancelled(t, self.catalog.games[t.game]))]
-        if t.code == "u":
-            return [asyncio.ensure_future(self.store.unclaim(t.key, t.sale_id))]
-        return []
-
-    def _given_back(self, t: _Later, grids: list[Any], out: Restored) -> list[Any]:
-        """What a cancel or a void gave back, counted once its grids' replies are in; its
-        reopened events to send."""
+    def _given_back(self, t: Planned, grids: list[Any], budget: tuple[int, int],
+                    out: Restored) -> list[Any]:
+        """What a cancel's or a void's rounds gave back, counted; its last steps to send."""
         game = self.catalog.games[t.game]
-        reopened = [self.store.feed_reopened(t.game, t.first + o, combo,
+        reopened = [self.store.feed_reopened(t.game, t.first + o, t.sale.grids[index].combo,
                                              game.expire_at(t.first + o))
-                    for (_, combo), (_, _, offsets) in zip(t.combos, grids, strict=True)
+                    for index, (_, _, offsets) in zip(t.released, grids, strict=True)
                     for o in offsets]
-        given = sum(amount for _, amount, _ in grids) + t.given
+        given = sum(amount for _, amount, _ in grids) + budget[1]
         if t.kind == "cancel":
             if t.code in "kK" or given:
                 out.count("cancel")
-        elif given or t.code == "u":
+            return [*reopened, asyncio.ensure_future(self._cancelled(t, game))]
+        if given or t.code == "u":
             out.count("void")
+        if t.code == "u":
+            reopened.append(asyncio.ensure_future(self.store.unclaim(t.key, t.sale_id)))
         return reopened
 
     async def _cancelled(self, t: Planned, game: Game) -> None:

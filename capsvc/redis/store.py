@@ -805,11 +805,6 @@ class _Bulk:
     """Whether a call's ops may be put in the order of their first keys (ops on one key
     stay in the order they were added): their function does less when ops on one key
     follow one another."""
-    by_tag = False
-    """Whether a call's ops may be put in the order of their hash tags (ops of one tag stay
-    in the order they were added, as ops naming several keys of one tag must): their
-    function reads and writes each key once a call, so the fewer calls a key's ops are
-    spread over, the less it does."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -838,11 +833,8 @@ class _Bulk:
         well within the connection's deadline, however many ops the batch holds."""
         calls: list[tuple[str, list[int], list[str], list[Any]]] = []
         for tag, ops in self._ops.items():
-            order: Sequence[int] = range(len(ops))
-            if self.by_first_key:
-                order = sorted(order, key=lambda i: ops[i][0][0])
-            elif self.by_tag and not self._tagged:
-                order = sorted(order, key=lambda i: _tag(ops[i][0][0]))
+            order = (sorted(range(len(ops)), key=lambda i: ops[i][0][0])
+                     if self.by_first_key else range(len(ops)))
             for start in range(0, len(ops), RESTORE_OPS_PER_CALL):
                 placed = list(order[start:start + RESTORE_OPS_PER_CALL])
                 keys: list[str] = []
@@ -891,12 +883,10 @@ class TicketRestores(_Bulk):
 
 class CountRestores(_Bulk):
     """Grids counted back or given back (capsvc_restore_counts; ops of restore_count and
-    restore_release), a bucket's ops in one call as far as they fit: the function reads and
-    writes each bucket once a call. Each op's reply is (letter, draws above the cap or stake
-    given back, offsets)."""
+    restore_release). Each op's reply is (letter, draws above the cap or stake given back,
+    offsets)."""
 
     function = "capsvc_restore_counts"
-    by_tag = True
 
     def _split(self, reply: Any, ops: int) -> list[Any]:
         letters, details = reply
