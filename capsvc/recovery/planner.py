@@ -285,13 +285,12 @@ def planners() -> int:
     """How many planning processes a large restore starts: one a CPU this process may use
     beyond two (one for the restoring process, one for a Redis on the same host), so none on
     two CPUs. Each takes the next piece of the files as it is free; the restoring process
-    takes their plans in journal order and merges them (`capsvc.recovery.restore`: a
-    ticket's records in order, the grids of a counter bucket together). A plan handed over
-    costs its planner about what planning it here costs (it is encoded, then decoded here),
-    and the restoring process still spends ~22 µs a one-grid decision on what is left
-    (windows, calls, replies), so more planners than the restoring process can take wait;
-    on two CPUs, one of which Redis takes, a planner slows the restore down
-    (bench/restore.py --ablation)."""
+    takes their plans in journal order (`capsvc.recovery.restore` applies one ticket's, one
+    key's records in that order). A plan handed over costs its planner about what planning
+    it here costs (it is encoded, then decoded here), and the restoring process still spends
+    ~22 µs a one-grid decision on what is left (windows, calls, replies), so more planners
+    than the restoring process can take wait; on two CPUs, one of which Redis takes, a
+    planner slows the restore down (bench/restore.py --ablation)."""
     return max(0, len(os.sched_getaffinity(0)) - 2)
 
 

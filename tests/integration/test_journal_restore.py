@@ -164,7 +164,7 @@ class NoProcesses:
 
 @pytest.mark.parametrize(("processes", "workers"), [("started", 1), ("started", 3),
                                                      ("refused", 2)])
-async def test_a_journal_planned_in_processes_of_its_own_restores_the_same(
+async def test_a_journal_planned_in_processes_of_their_own_restores_the_same(
         journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, processes: str, workers: int) -> None:
     """A large journal is read, decoded and planned by processes of their own, piece by
