@@ -1,6 +1,6 @@
 """What each journal record's restore calls for, planned from the record alone (no Redis):
 the bulk ops of a sale, a cancel or a void (capsvc.redis.store, restore_sale and its kin), in this
-process or, for a large journal, in a process of its own that reads and decodes the files
+process or, for a large journal, in processes of their own that read and decode the files
 too (the part of a restore that takes Python the longest, out of the event loop's way).
 
 Knows the records and what a restore does with each; the key names and op layouts are
@@ -243,7 +243,7 @@ class Planner:
                               settle, final=not held)
 
 
-# -- planning in a process of its own ----------------------------------------------------
+# -- planning in processes of their own ---------------------------------------------------
 
 _planner: Planner | None = None
 """A planning process's planner (set by `_start`)."""
@@ -282,13 +282,16 @@ def _decoded(lines: list[bytes]) -> Iterator[Open | Record]:
 
 
 def planners() -> int:
-    """How many planning processes a large restore starts: one when this process may use
-    three CPUs or more, else none. With it, planning a record costs about what applying it
-    costs the restoring process (a second one would wait), and each is a Python of its own,
-    tens of MB while it lives. On two CPUs, one of which a Redis on the same host takes,
-    it slows the restore down (bench/restore.py --ablation: 15,750 against 18,423 decisions
-    a second)."""
-    return 1 if len(os.sched_getaffinity(0)) > 2 else 0
+    """How many planning processes a large restore starts: one a CPU this process may use
+    beyond two (one for the restoring process, one for a Redis on the same host), so none on
+    two CPUs. Each takes the next piece of the files as it is free; the restoring process
+    takes their plans in journal order (`capsvc.recovery.restore` applies one ticket's, one
+    key's records in that order). A plan handed over costs its planner about what planning
+    it here costs (it is encoded, then decoded here), and the restoring process still spends
+    ~22 µs a one-grid decision on what is left (windows, calls, replies), so more planners
+    than the restoring process can take wait; on two CPUs, one of which Redis takes, a
+    planner slows the restore down (bench/restore.py --ablation)."""
+    return max(0, len(os.sched_getaffinity(0)) - 2)
 
 
 class PlanningFailed(Exception):

@@ -17,13 +17,13 @@ on a Redis it has not reconciled with its journal directory:
 
 At the speed of Redis: a Redis that lost everything takes back millions of decisions while
 nothing is sold. Each record's ops are planned from the record alone (capsvc.recovery.planner:
-for a large journal, in a process of its own that reads and decodes the files too), and
-records are applied in windows of thousands, each in three rounds of bulk calls
-(lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records, then what
-their answers call for (grids counted or released, caps, budgets), then what follows those
-(sold-out marks, a cancel's end, an unclaim). Records are applied in journal order as far
-as they touch the same keys (see `Restorer._window`), the next window is planned while Redis
-works on this one.
+for a large journal on more than two CPUs, in processes of their own that read and decode
+the files too), and records are applied in windows of thousands, each in three rounds of
+bulk calls (lua/capsvc.lua, THE BULK RESTORE; per slot on a cluster): the tickets' records,
+then what their answers call for (grids counted or released, caps, budgets), then what
+follows those (sold-out marks, a cancel's end, an unclaim). Records are applied in journal
+order as far as they touch the same keys (see `Restorer._window`), the next window is
+planned while Redis works on this one.
 """
 
 from __future__ import annotations
@@ -172,8 +172,9 @@ class Restorer:
 
     async def run(self) -> Restored:
         """Restore every record of a decision still retained; returns what was done. A
-        large journal is read, decoded and planned by a process of its own (planner), or
-        here if it cannot be (what it had applied is found present and not counted twice)."""
+        large journal is read, decoded and planned by processes of their own (planner), or
+        here if they cannot be (what it had applied is found present and not counted
+        twice)."""
         now = await self.store.time_ms()
         since = self.oldest_useful(now)
         found = pieces(self.dir, since)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,6 +36,8 @@ from capsvc.redis.store import (
     lua_source,
     pending_key_of,
     record_field,
+    restore_count,
+    restore_release,
     ticket_key,
 )
 from capsvc_client.models import TicketIn
@@ -159,14 +162,15 @@ class NoProcesses:
         pass
 
 
-@pytest.mark.parametrize("processes", ["started", "refused"])
-async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
+@pytest.mark.parametrize(("processes", "workers"), [("started", 1), ("started", 3),
+                                                     ("refused", 2)])
+async def test_a_journal_planned_in_processes_of_their_own_restores_the_same(
         journal: tuple[Path, Catalog], store: Store, redis_db: Any, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, processes: str) -> None:
-    """A large journal is read, decoded and planned by a process of its own, piece by piece
-    (or here, when no process can be started): with pieces of a few kilobytes (lines cut
-    across pieces) and a torn last line, the restore leaves what planning every record here
-    leaves, and reports the same."""
+        monkeypatch: pytest.MonkeyPatch, processes: str, workers: int) -> None:
+    """A large journal is read, decoded and planned by processes of their own, piece by
+    piece, each taking the next piece (or here, when no process can be started): with
+    pieces of a few kilobytes (lines cut across pieces) and a torn last line, the restore
+    leaves what planning every record here leaves, and reports the same."""
     directory, catalog = journal
     copy = tmp_path / "journal"
     copy.mkdir()
@@ -178,7 +182,7 @@ async def test_a_journal_planned_in_a_process_of_its_own_restores_the_same(
     expected = snapshot(redis_db)
     redis_db.flushall()
     monkeypatch.setattr(restore_module, "POOL_BYTES", 0)
-    monkeypatch.setattr(restore_module, "planners", lambda: 1)
+    monkeypatch.setattr(restore_module, "planners", lambda: workers)
     monkeypatch.setattr(planner, "CHUNK_BYTES", 7_000)
     if processes == "refused":
         monkeypatch.setattr(planner, "ProcessPoolExecutor", NoProcesses)
@@ -423,3 +427,82 @@ async def check_counters(client: Client, directory: Path, draw: int) -> None:
     for numbers, stake in held.items():
         assert await client.staked(list(numbers), draw) == stake, numbers
 
+
+async def test_counts_sent_in_one_call_leave_what_the_single_functions_leave(
+        fdj: tuple[Catalog, int, Path], store: Store, redis_db: Any) -> None:
+    """capsvc_restore_counts, many ops a call: 300 grids counted and given back at random
+    over two combinations and three draws (subscriptions of one to three draws, stakes past
+    the cap, buckets emptied by a release and made again, grids sealed without a record,
+    which puts their bucket's expiry at their draw's, below what it was), and a third
+    combination's bucket emptied and made again with nothing after, leave every key as
+    capsvc_restore_grid and capsvc_release, one call a grid, leave them, and answer the
+    same (a call a combination: a call is of one slot)."""
+    catalog, first, _ = fdj
+    game = catalog.games["fdj-keno"]
+    rules = game.rules
+    cap, low = rules.cap_limit or 0, rules.min_stake
+    rng = random.Random(5)
+    combos = [fdj_sale("C", first, numbers).grids[0].combo
+              for numbers in (TEN[:8], [*TEN[:7], 61], [*TEN[:7], 62])]
+    seeded = record_field("f" * 16, 0)
+    # (kind, combination, draws, record, first draw, stake or the release's expiry)
+    ops: list[tuple[str, int, int, bytes, int, int]] = [
+        ("r", 2, 2, seeded, first, game.expire_at(first + 1)),  # empties draw 1's bucket
+        ("g", 2, 2, record_field("e" * 16, 0), first, 500)]  # which is made again
+    for _ in range(300):
+        combo, draws = rng.randrange(2), rng.randint(1, 3)
+        start = first + rng.randint(0, 3 - draws)
+        record = record_field(f"{rng.randrange(40):016x}", 0)
+        if rng.random() < 0.6:
+            ops.append(("g", combo, draws, record, start, rng.choice([500, 2000])))
+        else:
+            ops.append(("r", combo, draws, record, start, game.expire_at(start + draws - 1)))
+
+    def seed() -> None:
+        """Combination 0 counted on every draw (a record on each), combinations 1 and 2
+        on draws 1 and 2 by one subscription; every bucket living 5 s past its draw's
+        expiry."""
+        redis_db.flushall()
+        for d in range(first, first + 3):
+            key = bucket_keys("fdj-keno", combos[0], d, 1)[0]
+            redis_db.hset(key, mapping={combos[0]: 1500, seeded: 1500})
+        for combo in combos[1:]:
+            keys = bucket_keys("fdj-keno", combo, first, 2)
+            redis_db.hset(keys[0], combo, 500)
+            redis_db.hset(keys[1], mapping={combo: 500, seeded: 500})
+        for d in range(first, first + 3):
+            for combo in combos:
+                redis_db.pexpireat(bucket_keys("fdj-keno", combo, d, 1)[0],
+                                   game.expire_at(d) + 5000)
+
+    def bulk(op: tuple[str, int, int, bytes, int, int]) -> tuple[list[str], list[Any]]:
+        kind, combo, draws, record, start, x = op
+        if kind == "g":
+            return restore_count("fdj-keno", combos[combo], record, x, cap, low, start,
+                                 game.expiries(start, draws))
+        return restore_release("fdj-keno", combos[combo], record, cap, low, start, draws, x)
+
+    seed()
+    letters = []
+    for kind, combo, draws, record, start, x in ops:
+        if kind == "g":
+            keys, args = bulk((kind, combo, draws, record, start, x))
+            reply = await store.fcall("capsvc_restore_grid", keys, args[2:])
+            letters.append("0" if reply[0] == 0 else "1" if reply[1:] == [0] else "x")
+        else:
+            given = await store.release("fdj-keno", combos[combo], record, cap, low, start,
+                                        draws, x)
+            letters.append("x" if given.stake else "0")
+    expected = snapshot(redis_db)
+    seed()
+    found = [""] * len(ops)
+    for combo in range(3):
+        mine = [i for i, op in enumerate(ops) if op[1] == combo]
+        calls = [bulk(ops[i]) for i in mine]
+        reply = await store.fcall("capsvc_restore_counts", [k for keys, _ in calls for k in keys],
+                                  [a for _, args in calls for a in args])
+        for i, letter in zip(mine, reply[0].decode(), strict=True):
+            found[i] = letter
+    assert snapshot(redis_db) == expected
+    assert found == letters
+    assert set(letters) == {"0", "1", "x"}
