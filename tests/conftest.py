@@ -125,15 +125,27 @@ class Client:
                 break
         return reply
 
+    async def read(self, path: str, *, tries: int = 100, pause_s: float = 0.05) -> Reply:
+        """`GET path` as admin, sent again while it answers 503 (nothing was changed: a
+        Redis call slower than the Redis timeout, on a loaded machine), at most `tries`
+        times: the last reply."""
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(pause_s)
+            reply = await self.get(path, token="admin")
+            if reply.status != 503:
+                break
+        return reply
+
     async def current(self, game: str = "fdj-keno") -> int:
-        reply = await self.get(f"/v1/games/{game}/draws/current", token="admin")
+        reply = await self.read(f"/v1/games/{game}/draws/current")
         assert reply.status == 200, reply.body
         draw: int = reply.body["draw"]
         return draw
 
     async def staked(self, numbers: list[int], draw: int, game: str = "fdj-keno") -> int:
         path = f"/v1/games/{game}/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
-        reply = await self.get(path, token="admin")
+        reply = await self.read(path)
         assert reply.status == 200, reply.body
         staked: int = reply.body["staked"]
         return staked
