@@ -21,10 +21,11 @@ own replicas.
 A failover is counted when a primary leaves the slot map (its replica took its slots); the
 coalescers of nodes no longer in the map are closed.
 
-Each primary has one mark (capsvc.redis.marks): a key in the lowest slot it serves, which
-`mark_of` names for a call's key from the slot map, and `node_marks` lists for the watch. A
-marked call that reaches a node the mark is not on (the map changed under it: "non local
-key", nothing ran) fails with `Unavailable` and refreshes the map.
+Each primary has a count of the marked calls it runs (capsvc.redis.marks): a key in the
+lowest slot it serves, which `node_of` names for a call's key from the slot map, and
+`nodes` lists for the watch. A marked call that reaches a node its node's count is not on
+(the map changed under it: "non local key", nothing ran) fails with `MarkElsewhere`, which
+the marks send again, and refreshes the map.
 """
 
 from __future__ import annotations
