@@ -115,7 +115,7 @@ older file, a backup put back, a rollback in place, FLUSHALL).
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
   node   n:{<tag>}   hash, TTL MARK_TTL_MS; on a cluster only, one per primary, in the
-                     lowest slot it serves (capsvc/redis/cluster.py)
+                     highest slot it serves (capsvc/redis/cluster.py)
            "*"      -> N, the count of marked writes the primary has run, whatever their slot
            "!"      -> an announcement, as in a mark
 

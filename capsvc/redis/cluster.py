@@ -22,7 +22,7 @@ A failover is counted when a primary leaves the slot map (its replica took its s
 coalescers of nodes no longer in the map are closed.
 
 Each primary has a count of the marked calls it runs (capsvc.redis.marks): a key in the
-lowest slot it serves, which `node_of` names for a call's key from the slot map, and
+highest slot it serves, which `node_of` names for a call's key from the slot map, and
 `nodes` lists for the watch. A marked call that reaches a node its node's count is not on
 (the map changed under it: "non local key", nothing ran) fails with `MarkElsewhere`, which
 the marks send again, and refreshes the map.
@@ -121,8 +121,10 @@ class ClusterCoalescer:
         self._nodes: dict[Node, Coalescer] = {}
         self._slots: list[Node | None] = [None] * SLOTS
         self._counts: dict[Node, str] = {}
-        """Each primary's count of marked calls: a key of its lowest slot
-        (capsvc.redis.marks)."""
+        """Each primary's count of marked calls: a key of its highest slot
+        (capsvc.redis.marks). The highest: `redis-cli --cluster reshard` moves a primary's
+        lowest slots first, and a count whose slot moves away reads as a primary gone
+        back (every process restores once)."""
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -313,12 +315,12 @@ class ClusterCoalescer:
         """Take a new slot map; a primary gone from it was failed over (or emptied)."""
         before = {n for n in self._slots if n is not None}
         self._slots = slots
-        lowest: dict[Node, int] = {}
+        highest: dict[Node, int] = {}
         for slot, n in enumerate(slots):
             if n is not None:
-                lowest.setdefault(n, slot)
-        self._counts = {n: node_of_slot(slot) for n, slot in lowest.items()}
-        self._learnt.update(lowest)
+                highest[n] = slot
+        self._counts = {n: node_of_slot(slot) for n, slot in highest.items()}
+        self._learnt.update(highest)
         after = {n for n in slots if n is not None}
         for gone in before - after:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)

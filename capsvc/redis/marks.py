@@ -54,7 +54,7 @@ class Behind(Unavailable):
 
 class MarkElsewhere(Unavailable):
     """Redis refused a call: its node's count is on another node than the call's keys (a
-    cluster whose slot map changed: a slot moving, a node's lowest slot moved). Nothing
+    cluster whose slot map changed: a slot moving, a node's highest slot moved). Nothing
     ran."""
 
 
@@ -105,7 +105,7 @@ def mark_of_slot(slot: int) -> str:
 
 
 def node_of_slot(slot: int) -> str:
-    """The count key of the cluster primary whose lowest slot is `slot`."""
+    """The count key of the cluster primary whose highest slot is `slot`."""
     return f"n:{{{slot_tags()[slot]}}}"
 
 
