@@ -114,6 +114,8 @@ older file, a backup put back, a rollback in place, FLUSHALL).
            "#<life>" -> how many writes lifetime <life> has made
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
+           "!<life>" -> that lifetime's own announcement, which it ends at once when its
+                       restore is done ("!" is the latest of them)
   node   n:{<tag>}   hash, TTL MARK_TTL_MS; on a cluster only, one per primary, in the
                      highest slot it serves (capsvc/redis/cluster.py)
            "*"      -> N, the count of marked writes the primary has run, whatever their slot
@@ -242,27 +244,61 @@ local function mark_restored(keys, args)
   return g
 end
 
---[[ announce: KEYS mark; ARGV for_ms[, restorer, token]
-A restore under way: every marked call refuses until now + for_ms (at least; never
-shortened). When it begins (and only then: a renewal must not put back a token that Redis
-lost), the restore's token ("^<restorer>"), for mark_restored to find. Returns the
-announcement's end. ]]
+--[[ announce: KEYS mark; ARGV for_ms, restorer[, token]
+A restore under way: every marked call refuses until now + for_ms (at least; only its
+restorer shortens it, with announce_end). The restorer's own end ("!<restorer>") set too.
+When it begins (and only then: a renewal must not put back a token that Redis lost), the
+restore's token ("^<restorer>"), for mark_restored to find. Returns the announcement's
+end. ]]
 local function announce(keys, args)
   local mark = keys[1]
   local till = now_ms() + tonumber(args[1])
+  redis.call('HSET', mark, '!' .. args[2], till)
   local cur = tonumber(redis.call('HGET', mark, '!')) or 0
   if cur < till then
     redis.call('HSET', mark, '!', till)
   else
     till = cur
   end
-  if args[2] then
+  if args[3] then
     redis.call('HSET', mark, '^' .. args[2], args[3])
   end
   if redis.call('PTTL', mark) < 0 then
     redis.call('PEXPIRE', mark, MARK_TTL_MS)
   end
   return till
+end
+
+--[[ announce_end: KEYS mark; ARGV restorer
+The restorer's restore is done: its own announcement removed at once, and "!" brought back
+to the latest of the others still holding (removed when none is). An end in "!" that no
+restorer's own field reaches is left as it is (it ends by itself). Returns "!" as left
+(0: none). ]]
+local function announce_end(keys, args)
+  local mark, now = keys[1], now_ms()
+  local own = tonumber(redis.call('HGET', mark, '!' .. args[1]))
+  redis.call('HDEL', mark, '!' .. args[1])
+  local cur = tonumber(redis.call('HGET', mark, '!'))
+  if not own or not cur or cur > own then
+    return cur or 0
+  end
+  local latest = 0
+  local fields = redis.call('HGETALL', mark)
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if #f > 1 and string.sub(f, 1, 1) == '!' then
+      local till = tonumber(fields[i + 1])
+      if till > latest then
+        latest = till
+      end
+    end
+  end
+  if latest > now then
+    redis.call('HSET', mark, '!', latest)
+    return latest
+  end
+  redis.call('HDEL', mark, '!')
+  return 0
 end
 
 --[[ mark_keep: KEYS mark; ARGV life (each process's watch, once in a while)
@@ -288,6 +324,8 @@ local function mark_keep(keys, args)
     if string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
       redis.call('HDEL', mark, f, string.sub(f, 2), '#' .. string.sub(f, 2))
       gone = gone + 1
+    elseif #f > 1 and string.sub(f, 1, 1) == '!' and tonumber(fields[i + 1]) <= now then
+      redis.call('HDEL', mark, f)
     end
   end
   return gone
@@ -1746,6 +1784,7 @@ redis.register_function{function_name = 'capsvc_marks', callback = marks,
                         flags = {'no-writes'}}
 redis.register_function('capsvc_mark_restored', mark_restored)
 redis.register_function('capsvc_announce', announce)
+redis.register_function('capsvc_announce_end', announce_end)
 redis.register_function('capsvc_mark_keep', mark_keep)
 redis.register_function('capsvc_restore_tickets', restore_tickets)
 redis.register_function('capsvc_restore_counts', restore_counts)

@@ -79,8 +79,9 @@ KEEP_S = 3600.0
 """How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
 announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
 ANNOUNCE_MS = 500
-"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5): how long
-after its restore's end it still holds the processes (they cannot tell whose it is)."""
+"""How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5) or ended
+(a restore that is done ends its own at once): how long a process that died restoring, or
+whose restore failed, still holds the others."""
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
 (a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
@@ -362,7 +363,7 @@ class Reconciler:
                 while (left := settled - loop.time()) > 0:
                     await asyncio.sleep(min(WATCH_S, left))
                     await still()
-                await announcer.end()
+                await announcer.release()
                 await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}),
                                            still, WATCH_S)
                 # What was seen beyond G was lost by other processes, which have put back
@@ -486,15 +487,24 @@ class _Announcer:
         while True:
             await asyncio.sleep(ANNOUNCE_MS / 5000)
             for mark in self.marks:
-                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS])
+                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS, self.life])
 
     async def end(self) -> None:
-        """Stop renewing (the announcement ends within ANNOUNCE_MS)."""
+        """Stop renewing (the announcement ends within ANNOUNCE_MS): a restore that failed,
+        whose next attempt renews it before it ends (RETRY_S)."""
         if self._renewing is not None:
             self._renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewing
             self._renewing = None
+
+    async def release(self) -> None:
+        """The restore is done: its announcement ended at once (capsvc_announce_end; the
+        others' hold on). A renewal still in flight goes out first, on the same
+        connection."""
+        await self.end()
+        for mark in self.marks:
+            await self.store.mark_call("capsvc_announce_end", mark, [self.life])
 
 
 def _g(value: Any) -> int:

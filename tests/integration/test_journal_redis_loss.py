@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from capsvc.recovery.reconciler import WATCH_S
+from capsvc.redis.marks import NODE_MARK
 from tests.conftest import CONFIG, TEN, TOKENS
 from tests.support.failover import HttpClient
 from tests.support.servers import RedisServer
@@ -222,7 +223,8 @@ def test_flushall_is_restored_before_the_next_sale() -> None:
     restored empty backup in place): its run id and replication id stay. The watch finds
     the process's mark gone within its period (capsvc.recovery.reconciler.WATCH_S) and
     restores: the next sale is judged on the restored counters, and the answered ticket is
-    found."""
+    found. Its announcement is ended by then, not left to run out (the process sells as
+    soon as its restore is done)."""
     redis = RedisServer().start()
     svc = ServiceProcess(str(CONFIG), redis.url).start()
     try:
@@ -237,6 +239,7 @@ def test_flushall_is_restored_before_the_next_sale() -> None:
         looked_up = _until_answer(svc.base_url, "GET", f"/v1/tickets/{first['ticket_id']}")
         assert (status, body["status"]) == (200, "rejected"), body
         assert looked_up[0] == 200, looked_up
+        assert [f for f in redis.client().hkeys(NODE_MARK) if f.startswith(b"!")] == []
     finally:
         svc.stop()
         redis.stop()

@@ -140,13 +140,46 @@ async def test_an_announced_restore_refuses_every_marked_call_until_it_ends(
     process lost nothing) until the announcement's end, then go through."""
     store = recorded.store
     mark = mark_of(store, ticket_key("fr", "A-1"))
-    await store.mark_call("capsvc_announce", mark, [400])
+    await store.mark_call("capsvc_announce", mark, [400, "other"])
     with pytest.raises(Unavailable) as refused:
         await claim(store, "A-1")
     assert not isinstance(refused.value, Behind)
     assert recorded.behind == []
     await asyncio.sleep(0.45)
     assert isinstance(await claim(store, "A-1"), Claimed)
+
+
+async def test_a_restore_that_is_done_ends_its_own_announcement_at_once(
+        recorded: Recorded, redis_db: Any) -> None:
+    """Two restores announced: the one that is done ends its own at once (the other's
+    still refuses every call until it ends too); then calls go through at once, not once
+    the last renewal has run out."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    await store.mark_call("capsvc_announce", mark, [60_000, "a", "tok-a"])
+    held = await store.mark_call("capsvc_announce", mark, [30_000, "b", "tok-b"])
+    assert held == int(redis_db.hget(mark, "!a"))  # the latest of the two: a's
+    assert await store.mark_call("capsvc_announce_end", mark, ["a"]) == int(
+        redis_db.hget(mark, "!b"))
+    with pytest.raises(Unavailable):
+        await claim(store, "A-1")
+    assert await store.mark_call("capsvc_announce_end", mark, ["b"]) == 0
+    assert not {b"!", b"!a", b"!b"} & set(redis_db.hkeys(mark))
+    assert isinstance(await claim(store, "A-1"), Claimed)
+
+
+async def test_an_announcement_nobody_owns_is_left_to_end_by_itself(
+        recorded: Recorded, redis_db: Any) -> None:
+    """A restorer's end never shortens an announcement later than its own that no
+    restorer's field reaches (written as a test writes it): it holds to its end."""
+    store = recorded.store
+    mark = mark_of(store, ticket_key("fr", "A-1"))
+    await store.mark_call("capsvc_announce", mark, [500, "a", "tok-a"])
+    later = int(redis_db.hget(mark, "!")) + 60_000
+    redis_db.hset(mark, "!", later)
+    assert await store.mark_call("capsvc_announce_end", mark, ["a"]) == later
+    with pytest.raises(Unavailable):
+        await claim(store, "A-1")
 
 
 async def test_a_tools_call_is_neither_checked_nor_counted(
@@ -175,6 +208,7 @@ async def test_mark_restored_raises_fields_and_g_and_never_lowers_them(
     assert g == 12
     fields = redis_db.hgetall(mark)
     fields.pop(b"!")
+    fields.pop(b"!r")
     assert fields == {b"*": b"12", b"a": b"12", b"b": b"9"}
 
 
@@ -187,7 +221,7 @@ async def test_mark_restored_refuses_once_redis_lost_the_restores_token(
     mark = mark_of(store, ticket_key("fr", "A-1"))
     await store.mark_call("capsvc_announce", mark, [500, "r", "tok"])
     redis_db.delete(mark)  # what a FLUSHALL or a reload to an older file does to it
-    await store.mark_call("capsvc_announce", mark, [500])
+    await store.mark_call("capsvc_announce", mark, [500, "r"])
     with pytest.raises(redis_py.ResponseError, match="LOST"):
         await store.mark_call("capsvc_mark_restored", mark, ["r", "tok", "a", 12])
     assert redis_db.hget(mark, "a") is None
