@@ -3,27 +3,31 @@
 #   -v $PWD/capsvc.toml:/etc/capsvc/capsvc.toml:ro -v capsvc-journal:/var/lib/capsvc/journal \
 #   -e CAPSVC_REDIS_URL=redis://redis:6379/0 capsvc
 
-FROM python:3.11-slim AS build
+# The base image pinned by digest (python:3.11-slim, linux/amd64 among its platforms): the
+# same bytes from the same commit. Move it on purpose, in a commit of its own, to the digest
+# `docker buildx imagetools inspect python:3.11-slim` prints.
+FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7 AS build
 WORKDIR /src
-# Every version pinned (constraints.txt), the build backend's too: the same image from the
-# same commit. The embedded local Redis (the `embedded` extra) is not installed: the
-# service runs on the Redis it is configured with.
-ENV PIP_CONSTRAINT=/src/constraints.txt
-COPY constraints.txt pyproject.toml README.md ./
-COPY client client
+# Every dependency pinned with the hashes of its files (requirements.lock, written from
+# constraints.txt by deploy/lock.py), the build backend's too, into a virtual environment
+# that the runtime stage copies. The embedded local Redis (the `embedded` extra) is not
+# installed: the service runs on the Redis it is configured with.
+COPY requirements.lock ./
+RUN python -m venv /opt/capsvc \
+ && /opt/capsvc/bin/pip install --no-cache-dir --require-hashes --only-binary=:all: \
+      -r requirements.lock
+# capsvc itself, built from this checkout with the backend installed above; nothing fetched.
+COPY pyproject.toml README.md ./
 COPY capsvc capsvc
 COPY lua lua
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ./client .
+RUN /opt/capsvc/bin/pip install --no-cache-dir --no-index --no-deps --no-build-isolation .
 
-FROM python:3.11-slim
+FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 RUN groupadd --system --gid 10001 capsvc \
  && useradd --system --uid 10001 --gid capsvc --create-home --home-dir /app capsvc \
  && install -d -o capsvc -g capsvc -m 0750 /var/lib/capsvc/journal
-COPY --from=build /wheels /wheels
-COPY --from=build /src/constraints.txt /tmp/constraints.txt
-RUN pip install --no-cache-dir --no-index --find-links /wheels --constraint /tmp/constraints.txt \
-      capsvc \
- && rm -rf /wheels /tmp/constraints.txt
+COPY --from=build /opt/capsvc /opt/capsvc
+ENV PATH=/opt/capsvc/bin:$PATH
 # Named for readability; its uid and gid are fixed (10001) and the Kubernetes manifests set
 # runAsUser/runAsGroup: 10001, so runAsNonRoot is verified on the number (deploy/k8s/README.md).
 # hadolint ignore=DL3066

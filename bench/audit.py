@@ -32,13 +32,13 @@ import msgspec
 from capsvc.audit.history import Spans, read_history
 from capsvc.audit.reconcile import read_export, reconcile
 from capsvc.audit.report import build, to_csv
+from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
 from capsvc.domain.decisions import ACCEPTED, REJECTED, build_decision
 from capsvc.domain.games import Game
 from capsvc.domain.validator import validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
-from capsvc_client.models import TicketIn
 
 TZ = ZoneInfo("Europe/Paris")
 

@@ -9,7 +9,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from capsvc_client.models import GridOut, Receipt, TicketIn, TicketOut
+from capsvc.client.models import GridOut, Receipt, TicketIn, TicketOut
 
 _decode = msgspec.json.Decoder(TicketIn).decode
 _encode = msgspec.json.encode

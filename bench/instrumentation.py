@@ -14,8 +14,8 @@ import timeit
 
 from prometheus_client import CollectorRegistry
 
+from capsvc.client.models import GridOut, Receipt, TicketOut
 from capsvc.ops.metrics import Metrics
-from capsvc_client.models import GridOut, Receipt, TicketOut
 
 N = 200_000
 

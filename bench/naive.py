@@ -14,8 +14,8 @@ import redis.asyncio as redis
 import uvloop
 from aiohttp import web
 
+from capsvc.client.models import GridOut, Receipt, TicketIn, TicketOut
 from capsvc.domain import combination
-from capsvc_client.models import GridOut, Receipt, TicketIn, TicketOut
 
 CHECK_AND_INCREMENT = """
 for i = 1, #KEYS do

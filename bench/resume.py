@@ -213,11 +213,11 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
 
     import msgspec
 
+    from capsvc.client.models import TicketIn
     from capsvc.config import load_settings
     from capsvc.domain.errors import ApiError, Unavailable
     from capsvc.http.server import build, prepare
     from capsvc.redis.marks import Marks
-    from capsvc_client.models import TicketIn
 
     settings = dataclasses.replace(load_settings(config), redis_timeout_ms=10_000)
     svc = build(settings, redis_url)

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules
 from capsvc.domain.decisions import (
     ACCEPTED,
@@ -36,7 +37,6 @@ from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import open_journal
 from capsvc.redis.replies import PlayerLimits
-from capsvc_client.models import TicketIn
 
 CONFIG = """
 [[games]]

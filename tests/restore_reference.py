@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from capsvc.client.models import TicketOut
 from capsvc.domain.decisions import ACCEPTED, accepted_grids
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.validator import pack_sale
@@ -31,7 +32,6 @@ from capsvc.redis.replies import Budget
 from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
 from capsvc.service.caps import DrawCaps, caps_argument
 from capsvc.service.steps import SaleSteps
-from capsvc_client.models import TicketOut
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import msgspec
 
+from capsvc.client.models import TicketOut
+from capsvc.client.reports import Source
 from capsvc.domain.games import Game
 from capsvc.journal.reader import FileCheck, read
 from capsvc.journal.records import (
@@ -33,8 +35,6 @@ from capsvc.journal.records import (
     VoidRecord,
 )
 from capsvc.journal.writer import journal_files
-from capsvc_client.models import TicketOut
-from capsvc_client.reports import Source
 
 _decision = msgspec.json.Decoder(TicketOut).decode
 

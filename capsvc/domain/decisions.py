@@ -16,11 +16,11 @@ from typing import ClassVar
 
 import msgspec
 
+from capsvc.client.models import Cancellation, GridOut, Receipt, TicketOut, TicketStatus
 from capsvc.config import GameRules
 from capsvc.domain.calendar import DrawCalendar, instant
 from capsvc.domain.errors import rule_error
 from capsvc.domain.validator import Sale, budget_shares
-from capsvc_client.models import Cancellation, GridOut, Receipt, TicketOut, TicketStatus
 
 DAY_MS = 86_400_000
 

@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from capsvc.client.models import AvailabilityIn, TicketIn
 from capsvc.config import GameRules
 from capsvc.domain import combination
 from capsvc.domain.errors import ApiError, rule_error
-from capsvc_client.models import AvailabilityIn, TicketIn
 
 _encode = msgspec.json.encode
 _NUMBERS_PATH_RE = re.compile(r"^[0-9]{1,3}(?:-[0-9]{1,3})*\Z")

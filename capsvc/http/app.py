@@ -25,6 +25,21 @@ from redis.exceptions import ResponseError
 
 from capsvc.audit.reconcile import ExportError
 from capsvc.audit.report import to_csv, to_json
+from capsvc.client.models import (
+    ID_PATTERN,
+    MAX_DRAW,
+    AvailabilityIn,
+    ErrorDetail,
+    ErrorOut,
+    GameOut,
+    GamesOut,
+    HealthOut,
+    LimitIn,
+    StakeIn,
+    TicketIn,
+    TicketResult,
+    TicketsOut,
+)
 from capsvc.config import ID_RE, Channel, GameRules, Settings
 from capsvc.domain.errors import (
     NOTHING_CHANGED,
@@ -46,21 +61,6 @@ from capsvc.redis.transport import OutOfMemory
 from capsvc.service.feed import Subscriber
 from capsvc.service.tickets import SaleOutcome
 from capsvc.wiring import UseCases
-from capsvc_client.models import (
-    ID_PATTERN,
-    MAX_DRAW,
-    AvailabilityIn,
-    ErrorDetail,
-    ErrorOut,
-    GameOut,
-    GamesOut,
-    HealthOut,
-    LimitIn,
-    StakeIn,
-    TicketIn,
-    TicketResult,
-    TicketsOut,
-)
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from capsvc.audit.reconcile import Reconciliation
-from capsvc_client.models import (
+from capsvc.client.models import (
     ID_PATTERN,
     MAX_DRAW,
     AvailabilityIn,
@@ -41,7 +41,7 @@ from capsvc_client.models import (
     TicketsIn,
     TicketsOut,
 )
-from capsvc_client.reports import DrawReport
+from capsvc.client.reports import DrawReport
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (

@@ -29,8 +29,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from capsvc import __version__
+from capsvc.client.models import TicketOut
 from capsvc.config import GameRules
-from capsvc_client.models import TicketOut
 
 ERROR_KINDS = ("timeout", "connection", "reply", "readonly", "oom")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""

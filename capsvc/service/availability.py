@@ -5,19 +5,19 @@ Advisory reads of the counters: nothing here counts or reserves anything.
 
 from __future__ import annotations
 
-from capsvc.domain import combination
-from capsvc.domain.errors import rule_error
-from capsvc.domain.games import Game
-from capsvc.domain.validator import parse_numbers_path, validate_availability
-from capsvc.redis.store import Store, replies_of, retrieving, stop_instants
-from capsvc.service.draws import Draws
-from capsvc_client.models import (
+from capsvc.client.models import (
     AvailabilityGridOut,
     AvailabilityIn,
     AvailabilityOut,
     CappedOut,
     CombinationOut,
 )
+from capsvc.domain import combination
+from capsvc.domain.errors import rule_error
+from capsvc.domain.games import Game
+from capsvc.domain.validator import parse_numbers_path, validate_availability
+from capsvc.redis.store import Store, replies_of, retrieving, stop_instants
+from capsvc.service.draws import Draws
 
 
 class Availability:

@@ -7,6 +7,7 @@ Redis clock, never the host's.
 
 from __future__ import annotations
 
+from capsvc.client.models import CurrentDrawOut, DrawOut
 from capsvc.domain.calendar import rfc3339
 from capsvc.domain.errors import rule_error
 from capsvc.domain.games import Game
@@ -14,7 +15,6 @@ from capsvc.journal.recorder import Recorder
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import Store, stop_instants
 from capsvc.service.caps import DrawCaps
-from capsvc_client.models import CurrentDrawOut, DrawOut
 
 
 class Draws:

@@ -19,13 +19,13 @@ import asyncio
 import heapq
 import time
 
+from capsvc.client.models import CappedPicks, ExposureOut, PicksStake, TopCombination
 from capsvc.domain import combination
 from capsvc.domain.calendar import instant
 from capsvc.domain.games import Game
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import COUNTER_BUCKETS, Store, replies_of
 from capsvc.service.caps import DrawCaps
-from capsvc_client.models import CappedPicks, ExposureOut, PicksStake, TopCombination
 
 CACHE_S = 5.0
 """How long a computed exposure is served again."""

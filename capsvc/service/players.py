@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from capsvc.client.models import LimitIn, PlayerOut, StakeIn, StakeOut
 from capsvc.config import ID_RE, Channel
 from capsvc.domain.decisions import ACCEPTED
 from capsvc.domain.errors import ApiError, rule_error
@@ -17,7 +18,6 @@ from capsvc.journal.recorder import Recorder
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.replies import PlayerLimits
 from capsvc.redis.store import PlayerStore
-from capsvc_client.models import LimitIn, PlayerOut, StakeIn, StakeOut
 
 SELF_LIMIT_TTL_MS = 400 * 86_400_000
 """A self-limit record lives 400 days after it was last set (no key lives forever)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from capsvc.client.models import TicketOut
 from capsvc.domain.decisions import (
     ACCEPTED,
     REJECTED,
@@ -37,7 +38,6 @@ from capsvc.redis.store import (
     replies_of,
 )
 from capsvc.service.caps import DrawCaps
-from capsvc_client.models import TicketOut
 
 
 @dataclass(slots=True)

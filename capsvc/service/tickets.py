@@ -39,6 +39,7 @@ from zoneinfo import ZoneInfo
 
 import msgspec
 
+from capsvc.client.models import CancelOut, TicketIn, TicketOut
 from capsvc.config import Channel, Settings
 from capsvc.domain.decisions import (
     ACCEPTED,
@@ -79,7 +80,6 @@ from capsvc.redis.store import Store, replies_of, retrieving, stop_instants, tic
 from capsvc.service.caps import caps_argument
 from capsvc.service.draws import Draws
 from capsvc.service.steps import SaleSteps
-from capsvc_client.models import CancelOut, TicketIn, TicketOut
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode

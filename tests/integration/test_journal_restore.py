@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from capsvc.client.models import TicketIn
 from capsvc.config import Settings, load_settings
 from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
 from capsvc.domain.games import Catalog
@@ -40,7 +41,6 @@ from capsvc.redis.store import (
     restore_release,
     ticket_key,
 )
-from capsvc_client.models import TicketIn
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords, raw_claim

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import redis
 
+from capsvc.client.models import TicketIn
 from capsvc.domain.errors import ApiError
 from capsvc.http.server import Service
 from capsvc.service.tickets import SaleOutcome
-from capsvc_client.models import TicketIn
 from tests.conftest import TEN, Client, ticket
 
 

@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, parse_settings
 from capsvc.domain.calendar import DrawCalendar
 from capsvc.domain.validator import Sale, budget_shares, validate_ticket
-from capsvc_client.models import TicketIn
 
 
 def game(policy: str, **overrides: Any) -> GameRules:

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, parse_settings
 from capsvc.domain.errors import ApiError
 from capsvc.domain.validator import validate_ticket
 from capsvc.http.openapi import CONTRACT_VERSION, as_openapi_30, main, openapi_document
-from capsvc_client.models import TicketIn
 from tests.contract.conftest import CONFIG
 
 CHECKED_IN = Path(__file__).parents[2] / "openapi.json"

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from jsonschema import Draft202012Validator
 
+from capsvc.client.models import ID_PATTERN, MAX_DRAW, StakeIn, TicketIn
 from capsvc.config import (
     GAME_ID_RE,
     ID_RE,
@@ -29,7 +30,6 @@ from capsvc.domain.validator import parse_numbers_path
 from capsvc.http.app import PARAMS, _draw, _ticket_id, decode_body, request_id
 from capsvc.http.openapi import openapi_document
 from capsvc.service.players import Players
-from capsvc_client.models import ID_PATTERN, MAX_DRAW, StakeIn, TicketIn
 from tests.conftest import CONFIG
 
 GOOD = ["X", "N-4", "P-9", "a.b_c:d-E9", "A" * 64, "0", "...", "-", ":"]

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.validator import Sale, validate_ticket
@@ -23,7 +24,6 @@ from capsvc.journal.reader import records
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.verify import verify
 from capsvc.journal.writer import Journal, journal_files, open_journal
-from capsvc_client.models import TicketIn
 
 CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
 RULES = load_settings(CONFIG).games["fdj-keno"]

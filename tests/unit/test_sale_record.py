@@ -12,9 +12,9 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, parse_settings
 from capsvc.domain.validator import Sale, pack_sale, unpack_sale, validate_ticket
-from capsvc_client.models import TicketIn
 from tests.contract.conftest import CONFIG
 
 

@@ -7,11 +7,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, load_settings
 from capsvc.domain import combination
 from capsvc.domain.errors import ApiError
 from capsvc.domain.validator import validate_ticket
-from capsvc_client.models import TicketIn
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

@@ -8,11 +8,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, load_settings
 from capsvc.domain.errors import ApiError
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.http.app import decode_body
-from capsvc_client.models import TicketIn
 from tests.conftest import CONFIG
 
 GAMES = load_settings(CONFIG).games

@@ -41,7 +41,7 @@ import aiohttp
 import msgspec
 import yarl
 
-from capsvc_client.errors import (
+from capsvc.client.errors import (
     AnswerError,
     CapsvcError,
     ClientClosed,
@@ -51,7 +51,7 @@ from capsvc_client.errors import (
     ValidationError,
     error_for,
 )
-from capsvc_client.models import (
+from capsvc.client.models import (
     AvailabilityIn,
     AvailabilityOut,
     CancelOut,
@@ -68,7 +68,7 @@ from capsvc_client.models import (
     TicketIn,
     TicketOut,
 )
-from capsvc_client.reports import DrawReport
+from capsvc.client.reports import DrawReport
 
 T = TypeVar("T")
 P = ParamSpec("P")
