@@ -69,14 +69,16 @@ def _settings(paths: list[str] | None) -> Settings:
 
 
 def redis_for_tools(url: str, settings: Settings, library: str | None = None,
-                    gate: Gate | None = None) -> Coalescer | ClusterCoalescer:
+                    gate: Gate | None = None, timeout_s: float = 2.0
+                    ) -> Coalescer | ClusterCoalescer:
     """The transport a command-line tool uses: every node's maxmemory-policy read by its
     connection's handshake, as the service's are; commands to a node that may evict fail
-    with `Evicting` (an Unavailable) whose message is the one line to print."""
+    with `Evicting` (an Unavailable) whose message is the one line to print. Replies are
+    awaited `[redis] timeout`, `timeout_s` at least."""
     from capsvc.redis.cluster import connect
     from capsvc.redis.gate import Gate
 
-    return connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, 2.0),
+    return connect(url, timeout_s=max(settings.redis_timeout_ms / 1000, timeout_s),
                    library=library, gate=gate or Gate(reconciles=False, logs=False))
 
 
@@ -349,7 +351,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from capsvc.domain.games import Catalog
-    from capsvc.recovery.restore import restore_once
+    from capsvc.recovery.restore import RESTORE_TIMEOUT_S, restore_once
     from capsvc.redis.store import Store, lua_source
 
     settings = _settings(args.config)
@@ -364,7 +366,7 @@ def _journal_restore(args: argparse.Namespace) -> int:
     directory = Path(args.dir or settings.journal_dir)
 
     async def run() -> int:
-        redis = redis_for_tools(url, settings, lua_source())
+        redis = redis_for_tools(url, settings, lua_source(), timeout_s=RESTORE_TIMEOUT_S)
         try:
             done, _ = await restore_once(directory, Catalog(settings.games),
                                          Store(redis))

@@ -59,7 +59,7 @@ from capsvc.journal.lives import Life, covered, lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive
 from capsvc.ops.metrics import Metrics
-from capsvc.recovery.restore import Restored, Restorer, identities
+from capsvc.recovery.restore import RESTORE_TIMEOUT_S, Restored, Restorer, identities
 from capsvc.redis.cluster import connect
 from capsvc.redis.gate import Gate
 from capsvc.redis.marks import NODE_MARK, Marks
@@ -236,7 +236,8 @@ class Reconciler:
         """Whether the attempt before announced: the next one announces at once, before
         anything else, so that no other process judges between the two."""
         while True:
-            redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000, 1.0),
+            redis = connect(self.url, timeout_s=max(self.settings.redis_timeout_ms / 1000,
+                                                    RESTORE_TIMEOUT_S),
                             library=lua_source())
             store = Store(redis)
             full = self._full
