@@ -96,6 +96,7 @@ _BODY_BYTES = 64 * 1024
 max_body_bytes`): a batch's body stays within it until a refusal says the service's is
 lower."""
 _FRAME = len(b'{"tickets":[]}')
+"""A batch's body but its tickets (and the commas between them)."""
 _error = msgspec.json.Decoder(ErrorOut).decode
 
 
