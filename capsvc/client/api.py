@@ -21,6 +21,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
+    Iterable,
     Iterator,
     Sequence,
 )
@@ -73,6 +74,7 @@ from capsvc.client.reports import DrawReport
 T = TypeVar("T")
 P = ParamSpec("P")
 
+_NOT_ENTERED = "use the client as `async with Client(…) as client`: nothing was sent"
 _CLOSING = "capsvc.client: closed"
 """The message of the cancellation aclose() sends to the calls in flight."""
 _FEED_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=45)
@@ -83,6 +85,18 @@ _LAST_ATTEMPT_S = 0.05
 """Less time than this left before the deadline: no attempt is worth starting."""
 RETRIED = frozenset({502, 503, 504})
 """Statuses after which the outcome is unknown and the same request is sent again."""
+_UNDECIDED = RETRIED | {500}
+"""The same for a request that decides (a sale, a cancel, a stake): a 500 on it is a bug of
+the service that may have struck after the decision, so its outcome is unknown too."""
+MAX_BATCH = 8192
+"""The most tickets any service takes in one batch (its `[server] max_batch` is at most
+this): a larger `batch_size` is refused at once."""
+_BODY_BYTES = 64 * 1024
+"""The body limit of a service unless its configuration says otherwise (`[server]
+max_body_bytes`): a batch's body stays within it until a refusal says the service's is
+lower."""
+_FRAME = len(b'{"tickets":[]}')
+"""A batch's body but its tickets (and the commas between them)."""
 _error = msgspec.json.Decoder(ErrorOut).decode
 
 
@@ -118,8 +132,9 @@ class Client:
                  deadline_s: float = 30.0, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
                  connections: int = 100, session: aiohttp.ClientSession | None = None,
                  batch_size: int = 64, batch_linger_s: float = 0.001) -> None:
-        if batch_size < 1 or batch_linger_s < 0:
-            raise UsageError("batch_size must be at least 1 and batch_linger_s not negative")
+        if not 1 <= batch_size <= MAX_BATCH or batch_linger_s < 0:
+            raise UsageError(f"batch_size must be 1 to {MAX_BATCH} (no service takes more "
+                             f"tickets at once), and batch_linger_s not negative")
         self.base_url = base_url.rstrip("/")
         self.batch_size = batch_size
         """The most tickets of concurrent `sell` calls sent in one POST /v1/ticket-batches
@@ -129,7 +144,15 @@ class Client:
         """How long the first sale of a batch waits for others to join it (at most 1 ms
         by default: a lone sale is that much later, concurrent ones share a request)."""
         self._batch: list[_Queued] = []
+        self._batch_bytes = _FRAME
+        """The body the next batch would be sent with, in bytes."""
         self._batch_timer: asyncio.TimerHandle | None = None
+        self._max_tickets = batch_size
+        """The most tickets a batch is sent with: `batch_size`, lowered when the service
+        refuses a batch for its number of tickets (its `max_batch` is lower)."""
+        self._max_bytes = _BODY_BYTES
+        """The largest body a batch is sent with, lowered when the service refuses one as
+        too large (its body limit is lower)."""
         self.timeout_s = timeout_s
         """One attempt's timeout (a timeout is an unknown outcome: sent again)."""
         self.deadline_s = deadline_s
@@ -161,6 +184,11 @@ class Client:
         """Close the client: calls in flight end at once (a sale or a cancel whose outcome
         is then unknown raises OutcomeUnknown), and the pool, if the client made it."""
         self._closed.set()
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        queued, self._batch, self._batch_bytes = self._batch, [], _FRAME
+        _fail(queued, _Retry("the client was closed"))  # never sent
         for task in self._calls - {asyncio.current_task()}:
             task.cancel(_CLOSING)
         for batch in self._batches:  # their sales' calls end above
@@ -194,9 +222,10 @@ class Client:
     async def sell(self, ticket: TicketIn | dict[str, Any], *, deadline_s: float | None = None,
                    request_id: str | None = None) -> TicketOut:
         """Sell a ticket: its decision (accepted, partial or rejected, each grid's reason),
-        or a typed error for a 4xx; `OutcomeUnknown` if no decision came in time."""
-        t = _as(ticket, TicketIn)
-        body = msgspec.json.encode(t)
+        or a typed error for a 4xx; `OutcomeUnknown` if no decision came in time. A ticket
+        the service would refuse for its form (a wrong type, a text that is not Unicode) is
+        the `ValidationError` it would answer, and nothing is sent."""
+        t, body = _ticket(ticket)
         return await self._until_decided(
             t.ticket_id, "POST", "/v1/tickets", TicketOut, body, deadline_s, request_id,
             functools.partial(self._batched, t.ticket_id) if self.batch_size > 1 else None)
@@ -205,7 +234,8 @@ class Client:
                         deadline_s: float | None = None
                         ) -> list[TicketOut | CapsvcError]:
         """Sell several tickets at once (in batches of `batch_size`): each one's decision,
-        typed error or OutcomeUnknown, in order, each retried on its own as `sell` is."""
+        typed error or OutcomeUnknown, in order, each retried on its own as `sell` is (a
+        ticket that cannot be sent has its `ValidationError`, the others their decisions)."""
         results = await asyncio.gather(*[self.sell(t, deadline_s=deadline_s) for t in tickets],
                                        return_exceptions=True)
         out: list[TicketOut | CapsvcError] = []
@@ -220,54 +250,100 @@ class Client:
     async def _batched(self, ticket_id: str, body: bytes, timeout_s: float, request_id: str
                        ) -> _Exchanged:
         """One attempt of a sale, as a ticket of the next POST /v1/ticket-batches: what the
-        service answered for it (the status and body POST /v1/tickets would have)."""
+        service answered for it (the status and body POST /v1/tickets would have). An
+        attempt that ends before its batch has left (its caller cancelled, its timeout) is
+        withdrawn from it: that ticket is not sent."""
         loop = asyncio.get_running_loop()
         if any(tid == ticket_id for tid, _, _, _ in self._batch):
             self._send_batch()  # a ticket id once a batch: the batch before goes first
+        if self._batch and self._batch_bytes + len(body) + 1 > self._max_bytes:
+            self._send_batch()  # it would not fit: the batch goes as it is
         answer: asyncio.Future[_Exchanged] = loop.create_future()
         # Retrieved even when this attempt gave up waiting (its timeout, the client closed).
         answer.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._batch.append((ticket_id, body, request_id, answer))
-        if len(self._batch) >= self.batch_size:
+        queued = (ticket_id, body, request_id, answer)
+        self._batch.append(queued)
+        self._batch_bytes += len(body) + (len(self._batch) > 1)
+        if len(self._batch) >= self._max_tickets or self._batch_bytes >= self._max_bytes:
             self._send_batch()
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(self.batch_linger_s, self._send_batch)
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
         except TimeoutError:
+            self._withdraw(queued)
             raise _Retry("timed out") from None
+        except asyncio.CancelledError:
+            self._withdraw(queued)
+            raise
+
+    def _withdraw(self, queued: _Queued) -> None:
+        """An attempt no one waits for any more: out of the next batch if it is still there,
+        and out of a batch sent again after a refusal of the whole request."""
+        queued[3].cancel()
+        if queued in self._batch:
+            self._batch.remove(queued)
+            self._batch_bytes = _FRAME + sum(len(b) + 1 for _, b, _, _ in self._batch) - (
+                1 if self._batch else 0)
+            if not self._batch and self._batch_timer is not None:
+                self._batch_timer.cancel()
+                self._batch_timer = None
 
     def _send_batch(self) -> None:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        batch, self._batch = self._batch, []
-        if batch:
-            task = asyncio.get_running_loop().create_task(self._post_batch(batch))
-            self._batches.add(task)
-            task.add_done_callback(self._batches.discard)
+        batch, self._batch, self._batch_bytes = self._batch, [], _FRAME
+        if not batch:
+            return
+        if self._closed.is_set():  # the callers end as the close says
+            _fail(batch, _Retry("the client was closed"))
+            return
+        task = asyncio.get_running_loop().create_task(self._post_batch(batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
 
     async def _post_batch(self, batch: list[_Queued]) -> None:
-        """Send the batch; each ticket's future gets its result, or the failure of the
-        whole request (a broken connection, a timeout, a 503: each ticket sent again)."""
+        """Send the batch: each ticket's future gets its result, or the failure of the
+        request that carried it."""
         try:
-            results = await self._results(batch)
+            await self._deliver(batch)
         except asyncio.CancelledError:
             _fail(batch, _Retry("the client was closed"))
             raise
+
+    async def _deliver(self, batch: list[_Queued]) -> None:
+        """Send these tickets, and give each its result; the failure of a whole request (a
+        broken connection, a timeout, a 503) is each of its tickets' (each sent again by its
+        call). A refusal of a batch as a whole (too large, too many tickets) says nothing of
+        its tickets: they are sent again at once, in smaller batches, down to one ticket a
+        request (POST /v1/tickets, whose answer is that ticket's own), but for those whose
+        callers stopped waiting (nothing of theirs was counted)."""
+        try:
+            results = await self._results(batch)
         except _Retry as e:
             _fail(batch, e)
             return
         except (msgspec.DecodeError, msgspec.ValidationError):
             _fail(batch, _Retry("a batch's unreadable answer"))
             return
+        except Exception as e:  # the client used as it cannot be (no session), or a bug:
+            _fail(batch, e)   # each call raises it at once, none waits for its deadline
+            return
+        if results is None:
+            waiting = [q for q in batch if not q[3].done()]
+            await asyncio.gather(*[self._deliver(part) for part in self._parts(waiting)])
+            return
         for (_, _, _, answer), result in zip(batch, results, strict=True):
             if not answer.done():
                 answer.set_result(result)
 
-    async def _results(self, batch: list[_Queued]) -> list[_Exchanged]:
+    async def _results(self, batch: list[_Queued]) -> list[_Exchanged] | None:
         """What the service answered for each ticket of the batch: a lone ticket as POST
-        /v1/tickets (with its attempt's request id), several as POST /v1/ticket-batches."""
+        /v1/tickets (with its attempt's request id), several as POST /v1/ticket-batches;
+        None when the service refused the batch as a whole for what it is (a 4xx but the
+        token's 401 and 403, which are every ticket's answer): what it says of the
+        service's limits is learnt."""
         if len(batch) == 1:
             _, body, request_id, _ = batch[0]
             return [await self._exchange("POST", "/v1/tickets", body, self.timeout_s,
@@ -275,12 +351,39 @@ class Client:
         body = b'{"tickets":[' + b",".join(b for _, b, _, _ in batch) + b"]}"
         whole = await self._exchange(
             "POST", "/v1/ticket-batches", body, self.timeout_s, uuid.uuid4().hex)
+        if 400 <= whole.status < 500 and whole.status not in (401, 403):
+            if whole.status == 413:  # the service's body limit is below this body
+                self._max_bytes = min(self._max_bytes, max(len(body) // 2, 1))
+            elif whole.status == 422 and _failure(whole.status, whole.raw).path == "$.tickets":
+                # Not a list of 1 to max_batch tickets: its max_batch is below this count.
+                self._max_tickets = min(self._max_tickets, max(len(batch) // 2, 1))
+            return None
         if whole.status != 200:  # the whole request answered as each ticket would be
             return [whole] * len(batch)
         items = _batch_decoder.decode(whole.raw).results
         if len(items) != len(batch):
             raise _Retry("a batch answered with another number of results")
         return [_Exchanged(r.status, bytes(r.body), whole.retry_after) for r in items]
+
+    def _parts(self, batch: list[_Queued]) -> list[list[_Queued]]:
+        """A refused batch's tickets in smaller batches: within the limits learnt, and in
+        two halves at least."""
+        parts: list[list[_Queued]] = []
+        part: list[_Queued] = []
+        size = _FRAME
+        for queued in batch:
+            if part and (len(part) >= self._max_tickets
+                         or size + len(queued[1]) + 1 > self._max_bytes):
+                parts.append(part)
+                part, size = [], _FRAME
+            part.append(queued)
+            size += len(queued[1]) + 1
+        if part:
+            parts.append(part)
+        if len(parts) == 1 and len(batch) > 1:
+            half = len(batch) // 2
+            return [batch[:half], batch[half:]]
+        return parts
 
     async def ticket(self, ticket_id: str, *, deadline_s: float | None = None,
                      request_id: str | None = None) -> TicketOut:
@@ -422,6 +525,9 @@ class Client:
         budget = self.deadline_s if deadline_s is None else deadline_s
         if not budget > 0:
             raise UsageError(f"deadline_s must be positive, got {budget}")
+        if self._session is None and not self._closed.is_set():
+            raise UsageError(_NOT_ENTERED)
+        undecided = RETRIED if ticket_id is None else _UNDECIDED
         deadline = time.monotonic() + budget
         attempts, pause, last = 0, self.backoff_s, "no attempt"
         # One id for every attempt of the call: the service's logs show them together.
@@ -439,9 +545,11 @@ class Client:
                 with self._in_flight():
                     timeout_s = min(self.timeout_s, max(left, 0.001))
                     if batched is not None and body is not None:
-                        return _judged(await batched(body, timeout_s, request_id), kind)
-                    return await self._attempt(method, path, kind, body, timeout_s,
-                                               request_id)
+                        answer = await batched(body, timeout_s, request_id)
+                    else:
+                        answer = await self._exchange(method, path, body, timeout_s,
+                                                      request_id)
+                    return _judged(answer, kind, undecided)
             except _Closed:
                 last = f"the client was closed (during attempt {attempts})"
                 raise _unknown(ticket_id, method, path, attempts, last, request_id) from None
@@ -458,18 +566,16 @@ class Client:
                     with contextlib.suppress(TimeoutError, _Closed), self._in_flight():
                         await asyncio.sleep(wait)
 
-    async def _attempt(self, method: str, path: str, kind: type[T], body: bytes | None,
-                       timeout_s: float, request_id: str) -> T:
-        return _judged(await self._exchange(method, path, body, timeout_s, request_id), kind)
-
     async def _exchange(self, method: str, path: str, body: bytes | None, timeout_s: float,
                         request_id: str) -> _Exchanged:
         """One request: its status, body and Retry-After; `_Retry` when nothing came."""
         session = self._session
-        if session is None:
+        if session is None or session.closed:
             if self._closed.is_set():
                 raise _Retry("the client was closed")
-            raise UsageError("use the client as `async with Client(…) as client`")
+            if session is None:
+                raise UsageError(_NOT_ENTERED)
+            raise ClientClosed("the client's session is closed: nothing was sent")
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -518,16 +624,16 @@ _Queued = tuple[str, bytes, str, "asyncio.Future[_Exchanged]"]
 result."""
 
 
-def _fail(batch: list[_Queued], failure: _Retry) -> None:
+def _fail(batch: list[_Queued], failure: Exception) -> None:
     """Each sale of a batch still waiting: the batch's failure (each is sent again)."""
     for _, _, _, answer in batch:
         if not answer.done():
             answer.set_exception(failure)
 
 
-def _judged(answer: _Exchanged, kind: type[T]) -> T:
-    """The decision an answer carries; `_Retry` when its outcome is unknown; the typed
-    error of a refusal."""
+def _judged(answer: _Exchanged, kind: type[T], undecided: frozenset[int] = RETRIED) -> T:
+    """The decision an answer carries; `_Retry` when its outcome is unknown (a status of
+    `undecided`); the typed error of a refusal."""
     status, raw = answer.status, answer.raw
     if status < 300:
         try:
@@ -535,7 +641,7 @@ def _judged(answer: _Exchanged, kind: type[T]) -> T:
         except (msgspec.DecodeError, msgspec.ValidationError):
             # Not the service's answer (a proxy's page, a cut body): nothing known.
             raise _Retry(f"HTTP {status} with an unreadable body") from None
-    if status in RETRIED:
+    if status in undecided:
         raise _Retry(f"HTTP {status}", _retry_after(answer.retry_after))
     failure = _failure(status, raw)
     if failure.code == "ticket_pending":  # interrupted half-way: the janitor decides it
@@ -641,6 +747,55 @@ def _as(value: Any, kind: type[T]) -> T:
                               ) from None
 
 
+def _ticket(value: TicketIn | dict[str, Any]) -> tuple[TicketIn, bytes]:
+    """The ticket and the body it is sent as; one that is not a request the service could
+    read (a wrong type, even in a `TicketIn` built by hand; a text with a lone surrogate,
+    which UTF-8 cannot carry) is the `ValidationError` the service would answer, and
+    nothing is sent."""
+    t = _as(value, TicketIn)
+    odd = _not_json(t, "$")
+    if odd is not None:
+        where, what = odd
+        raise ValidationError(422, "invalid_request", what, where)
+    body = msgspec.json.encode(t)
+    if value is t:  # built by hand: its fields were never checked
+        try:
+            msgspec.json.decode(body, type=TicketIn)
+        except msgspec.ValidationError as e:
+            message, _, where = str(e).partition(" - at `")
+            raise ValidationError(422, "invalid_request", message, where.rstrip("`") or "$"
+                                  ) from None
+    return t, body
+
+
+def _not_json(value: Any, path: str) -> tuple[str, str] | None:
+    """The path of the first value that has no JSON form, and why; None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path, "Expected text, got a lone surrogate (not Unicode)"
+        return None
+    if value is None or isinstance(value, bool | int | float):
+        return None
+    items: Iterable[tuple[str, Any]]
+    if isinstance(value, msgspec.Struct):
+        items = ((f".{f}", getattr(value, f)) for f in value.__struct_fields__)
+    elif isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return path, "Expected an object with text keys"
+        items = ((f".{k}", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return path, f"Expected a JSON value, got `{type(value).__name__}`"
+    for step, item in items:
+        found = _not_json(item, path + step)
+        if found is not None:
+            return found
+    return None
+
+
 def _unknown(ticket_id: str | None, method: str, path: str, attempts: int, last: str,
              request_id: str) -> Unavailable:
     if ticket_id is None:
@@ -736,9 +891,12 @@ class SyncClient:
         with self._closing:
             if self._loop.is_closed():
                 return
-            self._run(self._shutdown())
             with self._lock:  # from now on, nothing more is sent to the loop
                 self._stopping = True
+            # After every call already sent to the loop: each ends there (at once, or
+            # cancelled), so that none is left pending or unread when the loop closes.
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+            with self._lock:
                 stranded = list(self._pending)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)

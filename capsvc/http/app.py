@@ -49,6 +49,7 @@ from capsvc.domain.errors import (
     not_found,
     unavailable,
 )
+from capsvc.domain.games import require_scope
 from capsvc.http.openapi import openapi_document
 from capsvc.http.responses import Answer, answer_headers
 from capsvc.journal.writer import Journal
@@ -281,9 +282,11 @@ class Api:
     async def post_ticket_batch(self, request: web.BaseRequest) -> web.StreamResponse:
         """Several sales, each judged exactly as if sent alone (`Tickets.sell_many`): one
         result per ticket, in order, with the status and body `post_ticket` would have
-        answered for it. Whole-request problems (auth, a body that is not a list of 1 to
-        `max_batch` tickets, one ticket id twice) answer as usual."""
+        answered for it. Whole-request problems (auth, a token without the `sell` scope, a
+        body that is not a list of 1 to `max_batch` tickets, one ticket id twice) answer as
+        usual."""
         channel = self.auth.channel(request)
+        require_scope(channel, "sell")  # the token's, not a ticket's: the whole request
         sent = decode_body(await request.read(), _TicketsSent).tickets
         if not 1 <= len(sent) <= self.settings.max_batch:
             raise ApiError("invalid", "invalid_request", f"a batch holds 1 to "

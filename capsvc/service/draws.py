@@ -64,9 +64,7 @@ class Draws:
         game.check_draw(draw)
         (stop,) = await self.stops(game, draw, 1)
         closed = stop is not None or game.calendar.is_past(draw, self.clock.now())
-        cap, fixed = None, False
-        if game.rules.cap_limit is not None:
-            ((cap, fixed),) = await self.caps.in_force(game, draw, 1)
+        cap, fixed = await self._cap(game, draw)
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
                        status="closed" if closed else "open", cap=cap, cap_fixed=fixed)
 
@@ -76,5 +74,14 @@ class Draws:
         instant = await self.store.stop(game.rules.id, draw, until)
         await self.store.feed_closed(game.rules.id, draw, until)
         await self.journal.stop(channel_id, game.rules.id, draw, instant, until)
+        cap, fixed = await self._cap(game, draw)
         return DrawOut(draw=draw, closes_at=rfc3339(game.calendar.closes_at(draw)),
-                       status="closed")
+                       status="closed", cap=cap, cap_fixed=fixed)
+
+    async def _cap(self, game: Game, draw: int) -> tuple[int | None, bool]:
+        """The cap in force for the draw and whether a sale has fixed it (None, False for a
+        game without a cap)."""
+        if game.rules.cap_limit is None:
+            return None, False
+        ((cap, fixed),) = await self.caps.in_force(game, draw, 1)
+        return cap, fixed

@@ -53,6 +53,22 @@ async def test_admin_close_stops_sales_at_once(client: Client) -> None:
     assert again.status == 200
 
 
+async def test_close_answers_the_draw_as_its_look_up_does(client: Client) -> None:
+    """The close's answer is the draw as GET answers it once closed: the cap in force and
+    whether a sale fixed it (a sale fixed it here), not a cap unknown."""
+    target = await client.current() + 1
+    assert (await client.sell(ticket([{"numbers": TEN, "stake": 100}], first_draw=target))
+            ).status == 200
+    reply = await client.post(f"/v1/games/fdj-keno/draws/{target}/close", token="admin")
+    assert reply.status == 200
+    assert (reply.body["cap"], reply.body["cap_fixed"]) == (5000, True)
+    assert reply.body == (await client.get(f"/v1/games/fdj-keno/draws/{target}")).body
+    unsold = target + 1
+    reply = await client.post(f"/v1/games/fdj-keno/draws/{unsold}/close", token="admin")
+    assert reply.body == (await client.get(f"/v1/games/fdj-keno/draws/{unsold}")).body
+    assert (reply.body["cap"], reply.body["cap_fixed"]) == (5000, False)
+
+
 async def test_admin_close_of_current_draw_moves_the_default(client: Client) -> None:
     """With the current draw stopped, a ticket without first_draw goes to the next one."""
     draw = await client.current()

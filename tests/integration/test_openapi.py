@@ -56,6 +56,8 @@ async def test_real_responses_match_the_document(client: Client) -> None:
         ("POST", "/v1/tickets", await client.sell(ticket([{"numbers": TEN, "stake": 7}]))),
         ("POST", "/v1/tickets", await client.request("POST", "/v1/tickets", data=b"{")),
         ("POST", "/v1/tickets", await client.sell(ticket(), token="nope")),
+        ("POST", "/v1/ticket-batches", await client.post(
+            "/v1/ticket-batches", {"tickets": [ticket()]}, token="read")),
         ("GET", "/v1/tickets/{ticket_id}", await client.get(f"/v1/tickets/{body['ticket_id']}")),
         ("POST", "/v1/tickets/{ticket_id}/cancel",
          await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")),

@@ -76,6 +76,18 @@ async def test_whole_request_problems_answer_as_usual(client: Client) -> None:
     assert await client.staked(TEN[:8], draw) == 0
 
 
+async def test_a_token_without_the_sell_scope_is_refused_for_the_whole_batch(
+        client: Client) -> None:
+    """A token that may read but not sell: 403 for the request, as on every other route
+    (the scope is the token's, not a ticket's); nothing sold."""
+    draw = await client.current()
+    tickets = [ticket([{"numbers": TEN[:8], "stake": 100}], first_draw=draw)
+               for _ in range(2)]
+    reply = await client.post(BATCHES, {"tickets": tickets}, token="read")
+    assert (reply.status, reply.body["error"]["code"]) == (403, "forbidden")
+    assert await client.staked(TEN[:8], draw) == 0
+
+
 async def test_a_batch_counts_its_tickets_and_its_size_in_the_metrics(client: Client) -> None:
     """capsvc_tickets_total counts each ticket decided, as for single sales; the batch's
     size goes to capsvc_ticket_batch_size."""
