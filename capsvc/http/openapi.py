@@ -191,7 +191,7 @@ def openapi_document() -> dict[str, Any]:
                                     errors=sell_errors, headers=replayed)},
         "/v1/ticket-batches": {"post": _op(
             "Validate and record several sales, each as if sent alone", TicketsOut,
-            body=TicketsIn, errors=("400", "401", "413", "422", "503"))},
+            body=TicketsIn, errors=("400", "401", "403", "413", "422", "503"))},
         "/v1/tickets/{ticket_id}": {"get": _op("The stored decision of a ticket", TicketOut,
                                                params=("ticket_id",),
                                                errors=("401", "403", "404", "409", "422",
