@@ -753,11 +753,12 @@ def _ticket(value: TicketIn | dict[str, Any]) -> tuple[TicketIn, bytes]:
     which UTF-8 cannot carry) is the `ValidationError` the service would answer, and
     nothing is sent."""
     t = _as(value, TicketIn)
-    odd = _not_json(t, "$")
-    if odd is not None:
-        where, what = odd
-        raise ValidationError(422, "invalid_request", what, where)
-    body = msgspec.json.encode(t)
+    try:
+        body = msgspec.json.encode(t)
+    except (UnicodeEncodeError, TypeError):  # then found, with its path (not walked before:
+        odd = _not_json(t, "$")               # a ticket that encodes costs nothing more)
+        where, what = odd or ("$", "Expected a JSON value")
+        raise ValidationError(422, "invalid_request", what, where) from None
     if value is t:  # built by hand: its fields were never checked
         try:
             msgspec.json.decode(body, type=TicketIn)
