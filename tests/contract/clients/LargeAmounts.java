@@ -1,6 +1,6 @@
 // Amounts past 2^31 minor units through the Java client that openapi-generator (java,
 // library native) makes from openapi-3.0.json: a sale of 3,000,000,000 on the game
-// big-keno (cap 6,000,000,000), its exposure (a top-rank liability of 6 x 10^14), its
+// big-keno (cap 6,000,000,000), the draw's exposure (a top-rank liability of 6 x 10^14), its
 // combination and its cancel, each read back exactly. Run by
 // tests/contract/test_other_languages.py: java LargeAmounts BASE_URL TOKEN TICKET_PREFIX
 import capsvc.gen.ApiClient;
@@ -38,7 +38,10 @@ public class LargeAmounts {
     client.setRequestInterceptor(b -> b.header("Authorization", "Bearer " + token));
     TicketsApi tickets = new TicketsApi(client);
     DrawsApi draws = new DrawsApi(client);
-    int draw = draws.getCurrentDraw(GAME).getDraw();
+    // The draw after the one on sale: the exposure of the draw on sale is also computed for
+    // the metrics, and a computation is served again for a few seconds (one made just
+    // before the sale would not show it).
+    int draw = draws.getCurrentDraw(GAME).getDraw() + 1;
 
     TicketOut sold = tickets.sellTicket(new TicketIn().ticketId(id).game(GAME).firstDraw(draw)
         .addGridsItem(new GridIn().numbers(TEN).stake(STAKE)));
