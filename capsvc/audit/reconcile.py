@@ -35,6 +35,7 @@ from capsvc.domain.money import amount
 REQUIRED = ("channel", "ticket_id", "total_cost")
 
 Line = Annotated[int, INT64, Meta(description="a line of the export, from 1 (its header)")]
+"""A place in the sales system's export, as long as its sales make it."""
 
 
 class ExportError(ValueError):
