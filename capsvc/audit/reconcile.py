@@ -22,16 +22,20 @@ import csv
 import io
 from dataclasses import dataclass
 from datetime import tzinfo
-from typing import Literal
+from typing import Annotated, Literal
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from capsvc.audit.history import History, Sold
+from capsvc.client.models import INT64, Money, Tickets
 from capsvc.config import ID_RE
 from capsvc.domain.calendar import instant
 from capsvc.domain.money import amount
 
 REQUIRED = ("channel", "ticket_id", "total_cost")
+
+Line = Annotated[int, INT64, Meta(description="a line of the export, from 1 (its header)")]
+"""A place in the sales system's export, as long as its sales make it."""
 
 
 class ExportError(ValueError):
@@ -98,8 +102,8 @@ CapsvcState = Literal["unknown", "rejected", "cancelled", "void", "other_draws",
 class NotAccepted(Struct):
     channel: str
     ticket_id: str
-    line: int
-    amount: int
+    line: Line
+    amount: Money
     capsvc: CapsvcState
     """What capsvc has of the ticket: nothing, a rejection, a cancellation, a void (never
     answered), or a ticket of other draws or of another game."""
@@ -109,7 +113,7 @@ class NotSold(Struct, omit_defaults=True):
     channel: str
     ticket_id: str
     sale: str
-    amount: int
+    amount: Money
     status: str
     """accepted or partial."""
     decided_at: str
@@ -123,22 +127,22 @@ class NotSold(Struct, omit_defaults=True):
 class AmountDiff(Struct):
     channel: str
     ticket_id: str
-    line: int
-    sold: int
+    line: Line
+    sold: Money
     """The export's total cost."""
-    capsvc: int
+    capsvc: Money
     """The decision's total cost."""
 
 
 class Duplicate(Struct):
     channel: str
     ticket_id: str
-    lines: list[int]
+    lines: list[Line]
 
 
 class Side(Struct):
-    tickets: int
-    amount: int
+    tickets: Tickets
+    amount: Money
 
 
 class Reconciliation(Struct):
@@ -161,11 +165,11 @@ class Reconciliation(Struct):
     not_sold: list[NotSold]
     amounts: list[AmountDiff]
     duplicates: list[Duplicate]
-    in_flight: int
+    in_flight: Tickets
     """Standing decisions younger than the grace, not in the export (not differences)."""
-    elsewhere: int
+    elsewhere: Tickets
     """Exported tickets the journal read does not hold but Redis does (another host's)."""
-    differences: int
+    differences: Annotated[int, INT64, Meta(description="a number of differences")]
 
 
 @dataclass(frozen=True, slots=True)

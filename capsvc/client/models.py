@@ -32,8 +32,23 @@ PlayerId = Annotated[
     Meta(min_length=1, max_length=64, pattern=ID_PATTERN,
          description="1-64 characters of [A-Za-z0-9._:-]", examples=["P-42"]),
 ]
+INT64 = Meta(extra_json_schema={"format": "int64"})
+"""An integer that can pass 2^31: `format: int64` in the document, so that generators give
+it 64 bits (`Long` in Java), not the 32 they give an integer without a format. Money, and
+every count that sums sales or grows with the journal, is one; what the contract bounds far
+below 2^31 (a draw number, a ticket's draws and grids, a grid's numbers and index, picks,
+a game's sizes and durations) is not."""
+
+Money = Annotated[int, INT64, Meta(
+    description="minor units of the game's currency (cents, centimes)")]
+"""An amount: a stake, a cost, a cap, what is left under one, a liability, a limit."""
+Tickets = Annotated[int, INT64, Meta(description="a number of tickets")]
+Grids = Annotated[int, INT64, Meta(description="a number of grids")]
+Combinations = Annotated[int, INT64, Meta(description="a number of combinations")]
+
 Number = Annotated[int, SAFE_INT]
-Amount = Annotated[int, SAFE_INT, Meta(description="money in minor units (cents, centimes)")]
+Amount = Annotated[Money, SAFE_INT]
+"""An amount a request carries: any a JSON peer represents exactly (game rules narrow it)."""
 Draw = Annotated[int, SAFE_INT, Meta(description="draw number")]
 Numbers = Annotated[list[Number], Meta(max_length=100)]
 
@@ -73,10 +88,10 @@ class GridOut(Struct, omit_defaults=True):
     index: int
     numbers: list[int]
     status: GridStatus
-    cost: int | None = None
+    cost: Money | None = None
     reason: str | None = None
     draw: int | None = None
-    remaining: int | None = None
+    remaining: Money | None = None
 
 
 class Receipt(Struct):
@@ -88,7 +103,7 @@ class Cancellation(Struct):
     """When a ticket was cancelled, and what it gave back (minor units)."""
 
     at: str
-    released: int
+    released: Money
 
 
 class TicketOut(Struct, omit_defaults=True):
@@ -97,7 +112,7 @@ class TicketOut(Struct, omit_defaults=True):
     status: TicketStatus
     draws: list[int]
     grids: list[GridOut]
-    total_cost: int
+    total_cost: Money
     receipt: Receipt | None
     reason: str | None = None
     state: Literal["cancelled"] | None = None
@@ -110,15 +125,15 @@ class TicketOut(Struct, omit_defaults=True):
 class CancelOut(Struct):
     ticket_id: str
     status: Literal["cancelled"]
-    released: int
+    released: Money
 
 
 class CombinationOut(Struct):
     numbers: list[int]
     draw: int
-    cap: int | None
-    staked: int | None
-    remaining: int | None
+    cap: Money | None
+    staked: Money | None
+    remaining: Money | None
     selectable: bool
 
 
@@ -126,7 +141,7 @@ class AvailabilityGridOut(Struct, omit_defaults=True):
     index: int
     available: bool
     draw: int | None = None
-    remaining: int | None = None
+    remaining: Money | None = None
 
 
 class AvailabilityOut(Struct):
@@ -142,7 +157,7 @@ class DrawOut(Struct):
     draw: int
     closes_at: str
     status: Literal["open", "closed"]
-    cap: int | None = None
+    cap: Money | None = None
     """The cap in force for the draw (minor units; null for a game without a cap): fixed
     by the draw's first sale, else the configured one, which the first sale will fix."""
     cap_fixed: bool = False
@@ -151,32 +166,32 @@ class DrawOut(Struct):
 
 class PicksStake(Struct):
     picks: int
-    stake: int
+    stake: Money
     """Base stake accepted on the draw by grids of `picks` numbers (minor units)."""
 
 
 class CappedPicks(Struct):
     picks: int
-    played: int
+    played: Combinations
     """Combinations of this size with a stake on the draw."""
-    at_cap: int
+    at_cap: Combinations
     """Of those, combinations at their cap (the smallest stake no longer fits)."""
-    near_cap: int
+    near_cap: Combinations
     """Of those, combinations at 80 % of the cap or more (those at the cap included)."""
-    stake: int
+    stake: Money
 
 
 class TopCombination(Struct):
     numbers: list[int]
-    staked: int
-    liability: int | None
+    staked: Money
+    liability: Money | None
     """The top-rank prize it would pay if drawn: staked / prize_base_stake x the game's top
     prize for its size (minor units); null when the game has no top prize for that size."""
 
 
 class ExposureOut(Struct):
     draw: int
-    cap: int | None
+    cap: Money | None
     cap_fixed: bool
     computed_at: str
     """When these figures were computed (they are kept a few seconds)."""
@@ -184,7 +199,7 @@ class ExposureOut(Struct):
     capped: list[CappedPicks]
     top: list[TopCombination]
     """The 20 combinations with the largest stake on the draw, largest first."""
-    top_liability: int | None
+    top_liability: Money | None
     """The largest `liability` of `top`."""
 
 
@@ -201,12 +216,12 @@ class GameOut(Struct):
     numbers: int
     picks_min: int
     picks_max: int
-    stakes: list[int]
+    stakes: list[Money]
     durations: list[int]
-    cap_limit: int | None
-    shadow_cap_limit: int | None
+    cap_limit: Money | None
+    shadow_cap_limit: Money | None
     capped_picks: list[int]
-    daily_limit: int | None
+    daily_limit: Money | None
     time_zone: str
     draw_times: list[str]
     """Local times of the day's draws, "HH:MM" (or "HH:MM:SS" when a draw is not on a
@@ -217,10 +232,10 @@ class GameOut(Struct):
     sales_horizon: int
     subscription_accounting: str
     multiplier: bool
-    joker_plus_price: int | None
-    top_prizes: dict[str, int]
+    joker_plus_price: Money | None
+    top_prizes: dict[str, Money]
     """Top-rank prize by number of picks, for a stake of `prize_base_stake`."""
-    prize_base_stake: int
+    prize_base_stake: Money
 
 
 class GamesOut(Struct):
@@ -228,33 +243,33 @@ class GamesOut(Struct):
 
 
 class LimitIn(Struct, forbid_unknown_fields=True):
-    daily: Annotated[int, Meta(ge=0, le=2**53)] | None
+    daily: Annotated[Money, Meta(ge=0, le=2**53)] | None
     """The player's own daily limit (minor units); null removes it."""
 
 
 class StakeIn(Struct, forbid_unknown_fields=True):
     ref: TicketId
     game: Annotated[str, Meta(min_length=1, max_length=64)]
-    amount: Annotated[int, Meta(ge=1, le=2**53)]
+    amount: Annotated[Money, Meta(ge=1, le=2**53)]
 
 
 class PlayerOut(Struct):
     player_id: str
     day: str
-    spent: int
-    limit: int
+    spent: Money
+    limit: Money
     """The regulatory daily limit."""
-    self_limit: int | None
+    self_limit: Money | None
     """The player's own limit in force today."""
-    remaining: int
-    pending_self_limit: int | None = None
+    remaining: Money
+    pending_self_limit: Money | None = None
     """A raised (or removed: null) self-limit waiting for `pending_from`."""
     pending_from: str | None = None
 
 
 class StakeOut(Struct):
     status: Literal["accepted", "rejected"]
-    remaining: int
+    remaining: Money
 
 
 class TicketsIn(Struct, forbid_unknown_fields=True):

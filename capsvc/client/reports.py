@@ -4,7 +4,14 @@ the client, which imports nothing else of the server."""
 
 from __future__ import annotations
 
-from msgspec import Struct, field
+from typing import Annotated
+
+from msgspec import Meta, Struct, field
+
+from capsvc.client.models import INT64, Combinations, Grids, Money, Tickets
+
+Line = Annotated[int, INT64, Meta(description="a line of the file, from 1")]
+"""A place in a journal file, which grows with the sales (as its bytes and lines do)."""
 
 
 class Source(Struct, frozen=True):
@@ -17,19 +24,19 @@ class Source(Struct, frozen=True):
     sha256: str
     """SHA-256 of the file's bytes read: `sha256sum` of the file, while it is not written
     to any more."""
-    bytes: int
-    lines: int
+    bytes: Annotated[int, INT64, Meta(description="a number of bytes")]
+    lines: Annotated[int, INT64, Meta(description="a number of lines")]
 
 
 class TicketCounts(Struct):
     """Tickets that play the draw, each counted once under its state now."""
 
-    accepted: int = 0
-    partial: int = 0
-    rejected: int = 0
-    cancelled: int = 0
+    accepted: Tickets = 0
+    partial: Tickets = 0
+    rejected: Tickets = 0
+    cancelled: Tickets = 0
     """Accepted or partial, then cancelled: stands no more."""
-    void: int = 0
+    void: Tickets = 0
     """Claimed, never answered: released by the janitor, or claimed after an admin stop."""
 
 
@@ -57,19 +64,19 @@ class ListedTicket(Struct):
     """The draws the ticket plays, from `first_draw` (a subscription is in each one's
     report)."""
     grids: int
-    stake: int
+    stake: Money
     """Base stake on this draw: refused (every grid), given back by the cancellation (the
     grids that were accepted), or claimed and given back (void)."""
-    total_cost: int | None
+    total_cost: Money | None
     """The decision's total cost (all draws and options); null for a void."""
-    released: int | None
+    released: Money | None
     """Cancelled: the cost given back."""
     cancelled_at: str | None
     """Cancelled: when the cancellation was decided (Redis TIME)."""
     proc: str
     """The process that journaled the record (host/pid)."""
     file: str
-    line: int
+    line: Line
     """The journal record that puts the ticket in this list (the decision; the cancel; the
     void): its file (see `sources` for its directory) and line."""
 
@@ -85,13 +92,13 @@ class TicketLists(Struct):
 
 class ReasonCount(Struct):
     reason: str
-    grids: int
+    grids: Grids
 
 
 class GridCounts(Struct):
-    accepted: int = 0
+    accepted: Grids = 0
     """Grids that stand (their tickets not cancelled)."""
-    cancelled: int = 0
+    cancelled: Grids = 0
     """Grids accepted, then given back by their ticket's cancellation."""
     rejected: list[ReasonCount] = []
     """Grids refused, by reason (whatever became of their tickets)."""
@@ -99,32 +106,32 @@ class GridCounts(Struct):
 
 class PicksLine(Struct):
     picks: int
-    grids: int
-    stake: int
+    grids: Grids
+    stake: Money
     """Base stake on this draw (what the cap counts)."""
-    amount: int
+    amount: Money
     """What the players paid for this draw: twice the stake with the multiplier."""
 
 
 class ChannelLine(Struct):
     channel: str
-    tickets: int
+    tickets: Tickets
     """Standing tickets (accepted or partial)."""
-    grids: int
-    stake: int
-    amount: int
+    grids: Grids
+    stake: Money
+    amount: Money
     """Grids' amounts plus Joker+ for this draw."""
-    cancelled: int
+    cancelled: Tickets
     """Tickets cancelled."""
 
 
 class CombinationLine(Struct, omit_defaults=True):
     numbers: list[int]
-    staked: int
-    liability: int | None = None
+    staked: Money
+    liability: Money | None = None
     """Top-rank liability: what the operator pays if the combination is drawn (preset
     `top_prizes`, per `prize_base_stake`)."""
-    excess: int | None = None
+    excess: Money | None = None
     """Over its cap: by how much."""
 
 
@@ -138,7 +145,7 @@ class Chain(Struct):
 class RedisCheck(Struct):
     """The report's capped totals against Redis's counters, while the draw is retained."""
 
-    compared: int
+    compared: Annotated[int, INT64, Meta(description="a number of counters")]
     complete: bool
     """Every counter equals the journal's total: the journal read holds every stake
     Redis counted on this draw's capped combinations."""
@@ -160,7 +167,7 @@ class DrawReport(Struct, omit_defaults=False):
     activity: bool
     summary: str
     """"no activity" when nothing was sold or refused on the draw."""
-    cap: int | None
+    cap: Money | None
     """The cap in force on the draw (as its decisions carry it; the configuration's when
     nothing fixed it)."""
     cap_fixed: bool
@@ -169,11 +176,11 @@ class DrawReport(Struct, omit_defaults=False):
     """An admin stopped the draw's sales at this instant."""
     tickets: TicketCounts
     grids: GridCounts
-    stake: int
+    stake: Money
     """Base stake standing on the draw."""
-    amount: int
+    amount: Money
     """What the players paid for this draw (grids with the multiplier, Joker+)."""
-    cancelled_stake: int
+    cancelled_stake: Money
     """Base stake given back by cancellations."""
     by_picks: list[PicksLine]
     by_channel: list[ChannelLine]
@@ -181,12 +188,12 @@ class DrawReport(Struct, omit_defaults=False):
     """Combinations whose stake reached their cap exactly."""
     over_cap: list[CombinationLine]
     """Combinations whose stake passed their cap: empty when the cap held."""
-    sold_out: int
+    sold_out: Combinations
     """Combinations with less room than the smallest stake (at_cap included)."""
-    combinations: int
+    combinations: Combinations
     """Capped combinations played."""
     top: list[CombinationLine]
-    top_liability: int | None
+    top_liability: Money | None
     sources: list[Source]
     chain: Chain
     redis: RedisCheck | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,69 @@ def test_optional_fields_read_as_generated_clients_read_them() -> None:
     assert "Default: 1." in schemas["TicketIn"]["properties"]["draws"]["description"]
     assert "Default: false." in schemas["GridIn"]["properties"]["multiplier"]["description"]
     grid = schemas["GridOut"]
-    assert grid["properties"]["cost"] == {"type": "integer"}
+    assert grid["properties"]["cost"] == {
+        "type": "integer", "format": "int64",
+        "description": "minor units of the game's currency (cents, centimes)"}
     assert "cost" not in grid["required"]
     assert schemas["TicketCounts"]["required"] == [
         "accepted", "partial", "rejected", "cancelled", "void"]
     assert schemas["TicketOut"]["properties"]["status"]["type"] == "string"
+
+
+BELOW_2_31 = {
+    "draw", "first_draw", "grace",  # draw numbers up to 10^9; seconds up to 999999
+    "draws", "durations", "sales_horizon",  # a ticket's draws: up to 1000; the horizon 10^4
+    "numbers", "picks", "picks_min", "picks_max", "capped_picks",  # below 100
+    "CappedOut.combinations",  # a combination's numbers
+    "index", "max_grids", "ListedTicket.grids",  # a ticket's grids: up to 100
+    "retention_seconds", "grace_ms",  # up to 366 days; up to 999999 s
+    "report", "status",  # the report's format; an HTTP status
+}
+"""The integers the contract bounds far below 2^31, by field (or schema.field): 32 bits."""
+
+
+def integers(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every integer schema under `node`, named `Schema.field` (or a parameter's name)."""
+    if isinstance(node, list):
+        for n in node:
+            yield from integers(n, where)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            yield where, node
+        for key, value in node.items():
+            if key == "properties":
+                for name, prop in value.items():
+                    yield from integers(prop, f"{where.split('.')[0]}.{name}")
+            else:
+                yield from integers(value, where)
+
+
+MONEY = "minor units of the game's currency (cents, centimes)"
+
+
+def test_money_and_counts_are_64_bits_and_say_their_unit() -> None:
+    """A generator gives an integer without a format 32 bits (`Integer` in Java), which an
+    amount in minor units, or a count that sums sales, can pass. Every integer of both
+    renderings is `format: int64` with its unit in its description, or one the contract
+    bounds far below 2^31 (BELOW_2_31): a new integer field is the one or the other."""
+    doc = openapi_document()
+    for rendering in (doc, as_openapi_30(doc)):
+        found = [i for name, schema in rendering["components"]["schemas"].items()
+                 for i in integers(schema, name)]
+        found += [i for path in rendering["paths"].values() for op in path.values()
+                  for p in op.get("parameters", []) for i in integers(p["schema"], p["name"])]
+        wide = {where: s for where, s in found if s.get("format") == "int64"}
+        narrow = {where for where, s in found if where not in wide}
+        assert {w for w in narrow
+                if w not in BELOW_2_31 and w.split(".")[-1] not in BELOW_2_31} == set()
+        assert {w for w in wide if w in BELOW_2_31 or w.split(".")[-1] in BELOW_2_31} == set()
+        assert {w for w, s in wide.items() if s.get("description") != MONEY
+                and not s.get("description", "").startswith(("a number of ", "a line of "))
+                } == set()
+        money = {w for w, s in wide.items() if s.get("description") == MONEY}
+        assert {"TicketOut.total_cost", "GridIn.stake", "GridOut.cost", "CancelOut.released",
+                "ExposureOut.top_liability", "TopCombination.liability", "DrawOut.cap",
+                "PlayerOut.remaining", "DrawReport.top_liability", "Side.amount",
+                "GameOut.top_prizes", "GameOut.stakes"} <= money
+        assert {"TicketCounts.accepted", "CappedPicks.played", "DrawReport.combinations",
+                "PicksLine.grids", "Side.tickets", "Source.bytes"} <= wide.keys() - money

@@ -27,10 +27,10 @@ public class SellThrough {
     System.out.println("ok " + what);
   }
 
-  static TicketIn ticket(String id, int draw, int stake) {
+  static TicketIn ticket(String id, int draw, long stake) {
     return new TicketIn().ticketId(id).game("fdj-keno").firstDraw(draw)
         .addGridsItem(new GridIn().numbers(TEN).stake(stake))
-        .addGridsItem(new GridIn().numbers(List.of(1, 2)).stake(200));
+        .addGridsItem(new GridIn().numbers(List.of(1, 2)).stake(200L));
   }
 
   public static void main(String[] args) throws Exception {
