@@ -1,4 +1,4 @@
-"""The `capsvc` command: `serve`, `check-config`, `watch`, `journal restore`,
+"""The `capsvc` command: `serve`, `check-config`, `health`, `watch`, `journal restore`,
 `journal verify`, `report` and `reconcile`."""
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from capsvc import __version__
 from capsvc.client.models import MAX_DRAW
-from capsvc.config import ConfigError, Settings, load_settings, redis_url_problem
+from capsvc.config import (
+    ConfigError,
+    Settings,
+    config_paths,
+    load_settings,
+    redis_url_problem,
+)
 from capsvc.domain.money import amount
 from capsvc.ops import logs
 
@@ -51,11 +57,40 @@ def _anchor(text: str) -> Anchor:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Command(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is refused with this command's
+    usage (`capsvc serve --bogus` prints `serve`'s options), not the top level's, which
+    argparse prints when the unknown arguments reach it."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 CONFIG_OPTION: dict[str, Any] = {
     "action": "append", "metavar": "PATH",
     "help": "TOML configuration; repeat it to merge several files, in order (default: "
             "$CAPSVC_CONFIG, paths separated by ':', else the built-in local configuration)"}
 """`--config`, the same in every command."""
+
+
+def files_read(paths: list[str] | None) -> str:
+    """Which files a command read its configuration from, and why those: a file given is
+    the whole configuration, not merged over the built-in one (whose games and channels an
+    override file then lacks: "at least one [[games]] entry is needed")."""
+    files = config_paths(paths)
+    names = ", ".join(map(str, files))
+    if paths:
+        return (f"read: {names} (the built-in configuration is not read when --config is "
+                "given: the files given are the whole configuration)")
+    if os.environ.get("CAPSVC_CONFIG", "").strip(os.pathsep):
+        return (f"read: {names} (from $CAPSVC_CONFIG; the built-in configuration is not read "
+                "when it is set: the files it lists are the whole configuration)")
+    return f"read: the built-in configuration ({names}): no --config, no $CAPSVC_CONFIG"
 
 
 def _settings(paths: list[str] | None) -> Settings:
@@ -65,6 +100,7 @@ def _settings(paths: list[str] | None) -> Settings:
         print(f"invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
         for p in e.problems:
             print(f"  - {p}", file=sys.stderr)
+        print(files_read(paths), file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -159,7 +195,9 @@ def check_config(paths: list[str] | None, output: str = "text",
 
 def health(paths: list[str] | None, port: int | None, timeout_s: float = 2.0) -> int:
     """GET /healthz of the service this configuration describes, on this host (the
-    container's HEALTHCHECK): 0 when it answers 200, else one line and 1."""
+    container's HEALTHCHECK): 0 when it answers 200, else one line and 1. The port is
+    `port`, else the configuration's: a service started with `serve --port` listens where
+    no file says, so the line then says to give that port."""
     import urllib.request
 
     settings = _settings(paths)
@@ -171,7 +209,10 @@ def health(paths: list[str] | None, port: int | None, timeout_s: float = 2.0) ->
             problem = f"HTTP {resp.status}"
     except OSError as e:
         problem = str(e)
-    print(f"capsvc health: {url}: {problem}", file=sys.stderr)
+    hint = ("" if port is not None else
+            f" (port {settings.port}: the configuration's [server] port; for a service "
+            "started with `serve --port N`, give `health --port N`)")
+    print(f"capsvc health: {url}: {problem}{hint}", file=sys.stderr)
     return 1
 
 
@@ -490,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="capsvc", description=__doc__)
     parser.add_argument("--version", action="version", version=f"capsvc {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Command)
     p_serve = sub.add_parser("serve", help="run the service")
     p_serve.add_argument("--config", **CONFIG_OPTION)
     p_serve.add_argument("--host")
@@ -513,11 +554,15 @@ def _main(argv: Sequence[str] | None) -> int:
     p_check.add_argument("--redis-url", nargs="?", const=True, metavar="URL",
                          help="also check that capsvc would sell on that Redis: every "
                               "node's maxmemory-policy noeviction (default URL: [redis] url)")
-    p_health = sub.add_parser("health", help="exit 0 when this host's service answers "
-                              "/healthz (the port from the configuration)")
+    health_does = ("exit 0 when this host's service answers /healthz on the configuration's "
+                   "[server] port, or on --port: a port given to `serve --port` is not known "
+                   "here, give it again")
+    p_health = sub.add_parser("health", help=health_does, description=health_does)
     p_health.add_argument("--config", **CONFIG_OPTION)
     p_health.add_argument("--port", type=_int_in(1, 65535, "a port number"),
-                          help="instead of the configuration's [server] port")
+                          help="the port the service listens on (default: the "
+                               "configuration's [server] port; a service started with "
+                               "`serve --port N` listens on N)")
     p_watch = sub.add_parser("watch", help="print a game's live sold-out feed (resumes after "
                              "a disconnection)")
     p_watch.add_argument("game")

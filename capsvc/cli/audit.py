@@ -38,7 +38,7 @@ from capsvc.audit.service import (
     write_final_reports,
     write_once,
 )
-from capsvc.cli import CONFIG_OPTION
+from capsvc.cli import CONFIG_OPTION, files_read
 from capsvc.config import ConfigError, Settings, load_settings, parse_duration_ms
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.games import Catalog, Game
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config)
     except ConfigError as e:
-        return _fail(command, "invalid configuration: " + "; ".join(e.problems))
+        return _fail(command, "invalid configuration: " + "; ".join(e.problems) + "; "
+                     + files_read(args.config))
     catalog = Catalog(settings.games)
     all_final = getattr(args, "all_final", False)
     if command == "report" and not all_final and (args.game is None or args.draw is None):

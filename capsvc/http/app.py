@@ -50,7 +50,7 @@ from capsvc.domain.errors import (
     unavailable,
 )
 from capsvc.domain.games import require_scope
-from capsvc.http.openapi import openapi_document
+from capsvc.http.openapi import openapi_document, openapi_text
 from capsvc.http.responses import Answer, answer_headers
 from capsvc.journal.writer import Journal
 from capsvc.ops.metrics import Metrics
@@ -69,7 +69,7 @@ T = TypeVar("T")
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _encode = msgspec.json.encode
-_OPENAPI = _encode(openapi_document())
+_OPENAPI = openapi_text(openapi_document()).encode()
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _ID_MESSAGE = "expected 1-64 characters of [A-Za-z0-9._:-] (no spaces or control characters)"

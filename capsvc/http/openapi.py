@@ -491,6 +491,13 @@ def as_openapi_30(document: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
+def openapi_text(document: dict[str, Any]) -> str:
+    """The document as the repository keeps it: indented JSON, UTF-8 characters as they
+    are, one newline at the end. `GET /openapi.json` serves these bytes, so the installed
+    service, which has no copy of the file, serves the file byte for byte."""
+    return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Print the document as the repository keeps it: `openapi.json`, or with `--3.0`
     `openapi-3.0.json`."""
@@ -500,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         document = as_openapi_30(document)
     elif args:
         raise SystemExit("usage: python -m capsvc.http.openapi [--3.0]")
-    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.write(openapi_text(document))
 
 
 if __name__ == "__main__":

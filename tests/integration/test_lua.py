@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 import secrets
 import zlib
@@ -886,6 +887,33 @@ async def test_library_reloaded_after_function_flush(store: Store, combos: Combo
     for n in range(1, 31):  # combinations spread over every primary of a cluster
         assert await combos.reserve(new_sale(), 500, combo=encode([n])) == [1, 0]
     assert await store.library_loaded()
+
+
+async def test_a_first_load_is_not_a_loss(redis_backend: RedisServer | RedisCluster,
+                                         redis_db: redis.Redis, now: int,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis that never had the library (a first start): the first calls load it with
+    an INFO line, no warning. Once it answered, its loss (FUNCTION FLUSH) is a warning."""
+    redis_db.function_flush()
+    caplog.set_level(logging.INFO, logger="capsvc.redis.transport")
+    coalescer = connect(redis_backend.url, timeout_s=2, library=lua_source())
+    combos = Combos(Store(coalescer), redis_db, now)
+
+    def said(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "capsvc.redis.transport" and r.levelno == level]
+
+    try:
+        for n in range(1, 31):  # combinations spread over every primary of a cluster
+            assert await combos.reserve(new_sale(), 500, combo=encode([n])) == [1, 0]
+        assert said(logging.WARNING) == []
+        assert any(m.endswith("has no Lua library yet: loading it") for m in said(logging.INFO))
+        caplog.clear()
+        redis_db.function_flush()
+        assert await combos.reserve(new_sale(), 500, combo=encode([1])) == [1, 0]
+        assert said(logging.WARNING) == ["redis lost the Lua library: reloading it"]
+    finally:
+        await coalescer.aclose()
 
 
 async def test_a_final_settle_seals_the_ref(store: Store, redis_db: redis.Redis,

@@ -1,4 +1,5 @@
-"""docs/api.md, the API reference for integrators, is in step with the code.
+"""docs/api.md, the API reference for integrators, is in step with the code (and the
+README's table of metrics with the metrics' types).
 
 Fast and without Redis: the OpenAPI document is built by `openapi_document()` (what
 `GET /openapi.json` serves), the served routes are read from the aiohttp router that
@@ -239,9 +240,10 @@ def code_headers() -> frozenset[str]:
 
 
 @cache
-def metric_names() -> frozenset[str]:
-    """The names the service exports (a Counter `x` is exported as `x_total`)."""
-    names = set()
+def metric_types() -> dict[str, str]:
+    """The names the service exports (a Counter `x` is exported as `x_total`), each with
+    its type (`Counter`, `Gauge`, `Histogram`, `Summary`)."""
+    types = {}
     for _, tree in _sources("ops/metrics.py"):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _callee(node) in METRIC_TYPES and node.args:
@@ -250,9 +252,13 @@ def metric_names() -> frozenset[str]:
                     continue
                 if _callee(node) == "Counter" and not name.endswith("_total"):
                     name += "_total"
-                names.add(name)
-    assert names, "found no metric in capsvc/ops/metrics.py: the scan is broken"
-    return frozenset(names)
+                types[name] = str(_callee(node))
+    assert types, "found no metric in capsvc/ops/metrics.py: the scan is broken"
+    return types
+
+
+def metric_names() -> frozenset[str]:
+    return frozenset(metric_types())
 
 
 def _properties(schema: Any, seen: set[str]) -> Iterator[str]:
@@ -391,6 +397,19 @@ def test_every_metric_is_documented() -> None:
     assert not missing, "metrics exported but not in docs/api.md:" + fmt(missing)
     stale = set(re.findall(r"`(capsvc_[a-z0-9_]+)`", doc_text())) - metric_names()
     assert not stale, "docs/api.md names metrics the service does not export:" + fmt(stale)
+
+
+def test_the_readme_calls_every_histogram_a_histogram() -> None:
+    """The README's table of metrics says "histogram" in each row naming one: a histogram
+    read as one value (a gauge's "the last one") is queried wrong."""
+    readme = (DOC_PATH.parents[1] / "README.md").read_text()
+    histograms = {n for n, t in metric_types().items() if t == "Histogram"}
+    rows = [line for line in readme.splitlines() if line.startswith("| `capsvc_")]
+    named = {n for row in rows for n in re.findall(r"`(capsvc_[a-z0-9_]+)`", row)}
+    assert histograms <= named, "histograms missing from the README's metrics table"
+    wrong = [row for row in rows if "histogram" not in row
+             and set(re.findall(r"`(capsvc_[a-z0-9_]+)`", row)) & histograms]
+    assert not wrong, "README rows naming a histogram without saying so:" + fmt(wrong)
 
 
 def test_every_operation_has_an_operation_id_and_a_declared_tag() -> None:

@@ -4,7 +4,7 @@
 //   node out/sell_fetch.js BASE_URL TOKEN TICKET_PREFIX
 import {
   Configuration, DrawsApi, ResponseError, TicketsApi, type TicketIn, type TicketOut,
-} from "./fetch";
+} from "./src/capsvc";
 
 const [base, token, prefix] = process.argv.slice(2);
 const TEN = [3, 7, 12, 18, 25, 33, 41, 56, 60, 70];

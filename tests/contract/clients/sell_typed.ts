@@ -2,7 +2,7 @@
 // by tsc --strict. Run by tests/contract/test_other_languages.py:
 //   node out/sell_typed.js BASE_URL TOKEN TICKET_PREFIX
 import createClient from "openapi-fetch";
-import type { components, paths } from "./typed/capsvc";
+import type { components, paths } from "./src/capsvc-schema";
 
 type TicketIn = components["schemas"]["TicketIn"];
 const [base, token, prefix] = process.argv.slice(2);
