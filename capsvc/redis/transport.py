@@ -39,7 +39,7 @@ Reconnections back off while they keep failing: the first attempt after a connec
 worked goes at once; after n failed attempts in a row the next one waits RECONNECT_S x
 2^(n-1), at most RECONNECT_MAX_S, each pause drawn between half and all of that (jitter:
 the workers and hosts of a deployment do not knock on a Redis that comes back in step).
-While Redis stays down a coalescer makes at most one attempt every RECONNECT_MAX_S / 2
+While Redis stays down a coalescer soon makes at most one attempt every RECONNECT_MAX_S / 2
 (one every 0.75 x RECONNECT_MAX_S on average), whatever its traffic. A primary that answers
 ends the backoff, and so do the news of a new primary — a sentinel's switch, a cluster's
 MOVED to this node (`retry_now`) — whose first attempt goes at once. A command issued during
@@ -119,7 +119,7 @@ an outage, requests share attempts instead of each opening one (and asking the s
 per event-loop tick."""
 RECONNECT_MAX_S = 2.0
 """The backoff's ceiling: the longest pause between two failed connection attempts, so
-also the longest a primary that is back waits to be found (docs/runbook.md)."""
+also the longest a primary that is back waits to be found (docs/durability.md)."""
 FAILOVER_HOLD_S = 10.0
 """Longest wait for the switch once the sentinels have started a failover (past it, the
 sentinels are asked again: an announcement may have been missed)."""
