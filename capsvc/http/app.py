@@ -523,6 +523,7 @@ class Api:
         ready = (checks["redis"] and checks["scripts"] and self.clock.synced
                  and not checks["draining"] and checks.get("journal", True)
                  and checks.get("restored", True) and checks.get("noeviction", True))
+        self.metrics.readiness(ready)
         return json_response(HealthOut(status="ready" if ready else "not_ready", checks=checks),
                              status=200 if ready else 503)
 

@@ -101,6 +101,12 @@ class Metrics:
             "meanwhile), each worker counting its own", registry=r)
         self.failovers.inc(0)  # exported from the start: an alert's increase() needs it
         self.no_primary.inc(0)
+        self.primaries_lost = Gauge(
+            "capsvc_redis_primaries_lost",
+            "Redis primaries this process needs and cannot reach now (0: every one "
+            "answers; no sale on theirs meanwhile), the most of any worker", registry=r,
+            multiprocess_mode="livemax")
+        self.primaries_lost.set(0)
         worker = os.environ.get("CAPSVC_WORKER", "0")
         self._worker = worker
         self.process_cpu = Counter(
@@ -113,6 +119,13 @@ class Metrics:
             "capsvc_process_open_fds", "Open file descriptors of the worker", ["worker"],
             registry=r, multiprocess_mode="livesum")
         self._cpu_seen = 0.0
+        self.readiness_changes = Counter(
+            "capsvc_readiness_changes",
+            "Times the worker's /readyz answer changed (ready to not ready, or back), each "
+            "worker counting its own", ["worker"], registry=r)
+        self.readiness_changes.labels(worker)
+        self._ready: bool | None = None
+        """This worker's last /readyz answer (None: none yet)."""
         self.ticket_batch = Histogram("capsvc_ticket_batch_size",
                                       "Tickets per POST /v1/ticket-batches request",
                                       buckets=_BATCH_BUCKETS, registry=r)
@@ -374,12 +387,19 @@ class Metrics:
         elif node in self._lost:
             self._count_lost()
             self._lost.discard(node)
+        self.primaries_lost.set(len(self._lost))
 
     def _count_lost(self) -> None:
         if self._lost:
             now = time.monotonic()
             self.no_primary.inc(now - self._lost_mark)
             self._lost_mark = now
+
+    def readiness(self, ready: bool) -> None:
+        """A /readyz answer of this worker: a change from its last one is counted."""
+        if self._ready is not None and ready != self._ready:
+            self.readiness_changes.labels(self._worker).inc()
+        self._ready = ready
 
     def batch(self, size: int, seconds: float) -> None:
         """Tally one Redis pipeline: its commands and its round trip."""

@@ -10,8 +10,10 @@ background), `ASK` sends `ASKING` + the command to the importing node in one pip
 `TRYAGAIN` (a multi-key call on a slot being migrated) retries shortly after. Nothing ran
 when Redis answered any of these, so resending is safe. A node that cannot be reached
 fails its commands with `Unavailable` and triggers a refresh of the slot map, so the next
-requests find the promoted replica. Every primary gets the Lua library
-(`FUNCTION LOAD REPLACE` on all of them) and reloads it on "Function not found".
+requests find the promoted replica; a node named by a `MOVED` or newly in the map is
+connected to at once, out of its reconnection backoff (capsvc.redis.transport). Every
+primary gets the Lua library (`FUNCTION LOAD REPLACE` on all of them) and reloads it on
+"Function not found".
 
 `wait_replicas` sends `WAIT` on every primary's connection, after whatever this tick queued
 there and behind a fence write to a key of a slot that primary owns (capsvc.redis.transport): a
@@ -235,6 +237,7 @@ class ClusterCoalescer:
                 if kind == "MOVED":
                     self._slots[int(slot)] = target
                     self._refresh_soon()
+                    self._node(target).retry_now()  # it serves the slot: no backoff
                 self._route(args, fut, hops + 1, target, asking=kind == "ASK")
                 return
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
@@ -322,6 +325,9 @@ class ClusterCoalescer:
         self._counts = {n: node_of_slot(slot) for n, slot in highest.items()}
         self._learnt.update(highest)
         after = {n for n in slots if n is not None}
+        for new in after - before:  # a promoted replica, a node back: tried at once
+            if new in self._nodes:
+                self._nodes[new].retry_now()
         for gone in before - after:
             log.warning("redis cluster: %s:%s serves no slot any more", *gone)
             self._on_primary(f"{gone[0]}:{gone[1]}", "switched")

@@ -33,7 +33,18 @@ Only a primary is talked to: every new connection first asks `ROLE` (a node that
 "slave" is left at once), a `READONLY` reply (the node was demoted under us) drops the
 connection, and with a `redis+sentinel://` URL the primary's address is asked of the
 sentinels before each connection and a `+switch-master` drops the connection at once
-(capsvc.redis.sentinel). Reconnections are spaced by RECONNECT_S; commands queued meanwhile wait.
+(capsvc.redis.sentinel).
+
+Reconnections back off while they keep failing: the first attempt after a connection that
+worked goes at once; after n failed attempts in a row the next one waits RECONNECT_S x
+2^(n-1), at most RECONNECT_MAX_S, each pause drawn between half and all of that (jitter:
+the workers and hosts of a deployment do not knock on a Redis that comes back in step).
+While Redis stays down a coalescer soon makes at most one attempt every RECONNECT_MAX_S / 2
+(one every 0.75 x RECONNECT_MAX_S on average), whatever its traffic. A primary that answers
+ends the backoff, and so do the news of a new primary — a sentinel's switch, a cluster's
+MOVED to this node (`retry_now`) — whose first attempt goes at once. A command issued during
+a pause longer than RECONNECT_S fails at once with the last attempt's error (503) rather
+than wait for the next attempt; during a shorter one it waits, as it always has.
 
 With a gate (capsvc.redis.gate), the same handshake reads the node's maxmemory-policy and its
 identity, and nothing goes to a node that may evict or that the journal has not reconciled;
@@ -46,6 +57,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import ssl
 import time
 from collections import deque
@@ -102,8 +114,12 @@ def ignore_primary(node: str, event: str) -> None:
 
 
 RECONNECT_S = 0.05
-"""Least time between two connection attempts: during an outage, requests share attempts
-instead of each opening one (and asking the sentinels) per event-loop tick."""
+"""Least time between two connection attempts, and the first pause of the backoff: during
+an outage, requests share attempts instead of each opening one (and asking the sentinels)
+per event-loop tick."""
+RECONNECT_MAX_S = 2.0
+"""The backoff's ceiling: the longest pause between two failed connection attempts, so
+also the longest a primary that is back waits to be found (docs/durability.md)."""
 FAILOVER_HOLD_S = 10.0
 """Longest wait for the switch once the sentinels have started a failover (past it, the
 sentinels are asked again: an announcement may have been missed)."""
@@ -272,7 +288,13 @@ class Coalescer:
         """Connected, but the greeting's replies (AUTH, SELECT, ROLE) are still awaited:
         nothing queued is written before the node is known to be the primary."""
         self._next_attempt = 0.0
-        """Loop time before which no new connection is attempted (RECONNECT_S)."""
+        """Loop time before which no new connection is attempted (the backoff's pause)."""
+        self._last_attempt = float("-inf")
+        """Loop time of the last connection attempt's start."""
+        self._failed_attempts = 0
+        """Connection attempts that failed since a primary last answered (the backoff)."""
+        self._wake: asyncio.Future[None] | None = None
+        """Set while an attempt waits out its pause: resolving it ends the pause."""
         self._address: Address | None = None
         """The node of the current (or last) connection."""
         self._lost = False
@@ -338,6 +360,15 @@ class Coalescer:
         """A keyless command on every primary: here, the one node."""
         return [await self.call(*args)]
 
+    def retry_now(self) -> None:
+        """News that the node may serve now (a cluster's MOVED to it, a sentinel's switch):
+        the backoff ends, the next connection attempt goes at once (RECONNECT_S after the
+        last one at the earliest), an attempt waiting out its pause included."""
+        self._failed_attempts = 0
+        self._next_attempt = min(self._next_attempt, self._last_attempt + RECONNECT_S)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
     def submit_wait(self, replicas: int, timeout_ms: int) -> asyncio.Future[Any]:
         """Queue `WAIT replicas timeout_ms` behind everything queued in this tick; the
         callers of one tick share it. Await it shielded: it is shared."""
@@ -363,7 +394,14 @@ class Coalescer:
                 await self._watcher
             self._watcher = None
         if self._queued or self._waits:
+            self.retry_now()  # what is queued gets one attempt now, not after a pause
             self._flush()
+        elif self._wake is not None and self._connecting is not None:
+            # An attempt waiting out its pause with nothing to deliver: not needed any more.
+            self._connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._connecting
+            self._connecting = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         # Until what was queued is answered (or the deadline): the handshake's replies also
@@ -395,8 +433,11 @@ class Coalescer:
                 hook()
         self._scheduled = False
         if self._transport is None:
+            loop = self._loop or self._bind()
             if self._connecting is None:
-                self._connecting = (self._loop or self._bind()).create_task(self._connect())
+                self._connecting = loop.create_task(self._connect())
+            if self._next_attempt - loop.time() > RECONNECT_S and self._failure is not None:
+                self._backing_off(self._failure)  # Redis is down: say so now
             return  # flushed once connected
         if self._handshaking:
             return  # flushed once the node is known to be the primary
@@ -470,6 +511,23 @@ class Coalescer:
             if transport is not None:
                 transport.abort()
 
+    def _backing_off(self, error: Unavailable) -> None:
+        """Fail what is queued, nothing sent: the last attempt failed and the next one is
+        not due yet (the backoff's pause). Not counted as a Redis error: nothing was tried."""
+        failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
+        self._queued, self._buffer, self._waits = [], [], {}
+        for p in failed:
+            if p.fut is not None and not p.fut.done():
+                p.fut.set_exception(error)
+        self._wake_idle()
+
+    def _pause(self) -> float:
+        """The backoff's pause after `_failed_attempts` failures in a row (see the module's
+        docstring): between half and all of RECONNECT_S x 2^(n-1), capped."""
+        n = self._failed_attempts
+        ceiling = min(RECONNECT_MAX_S, RECONNECT_S * 2 ** min(n - 1, 16)) if n else 0.0
+        return ceiling * (0.5 + random.random() / 2)
+
     def _read_policy(self) -> None:
         """Read the node's maxmemory-policy again (every POLICY_S while the connection is
         used), ahead of this flush's batch and whatever the gate says of the node: a node
@@ -515,8 +573,13 @@ class Coalescer:
         t = self._target
         pause = self._next_attempt - loop.time()
         if pause > 0:
-            await asyncio.sleep(pause)
-        self._next_attempt = loop.time() + RECONNECT_S
+            self._wake = loop.create_future()
+            try:
+                await asyncio.wait((self._wake,), timeout=pause)
+            finally:
+                self._wake = None
+        self._last_attempt = loop.time()
+        self._next_attempt = self._last_attempt + RECONNECT_S
         try:
             if t.sentinels is not None:
                 if self._watcher is None:
@@ -535,6 +598,8 @@ class Coalescer:
         except Exception as e:  # refused, reset, slow, a replica, a reply that makes no sense
             self._connecting = None
             self._handshaking = False
+            self._failed_attempts += 1
+            self._next_attempt = max(self._next_attempt, loop.time() + self._pause())
             if e is not self._failure:  # else the connection's own failure, counted already
                 kind = "timeout" if isinstance(e, TimeoutError) else "connection"
                 reason = (e if isinstance(e, Unavailable)
@@ -542,6 +607,7 @@ class Coalescer:
                 self._fail(kind, Unavailable(str(reason) or "redis did not answer in time"))
             return
         self._connecting = None
+        self._failed_attempts = 0
         self._primary_up((t.host, t.port))
         self._flush()
         if not self._inflight:
@@ -640,11 +706,13 @@ class Coalescer:
         if self._held_until:
             log.info("the sentinels gave the failover up: the primary is used again")
         self._held_until = 0.0
+        self.retry_now()
 
     def switched(self, address: Address) -> None:
         """A sentinel announced a new primary: leave the old one now (anything in flight
-        there is an unknown outcome), the next command connects to the new one."""
+        there is an unknown outcome), the next command connects to the new one at once."""
         self._held_until = 0.0
+        self.retry_now()
         if address == self._address:
             return  # already there (each sentinel announces the same switch)
         if address != self._announced:

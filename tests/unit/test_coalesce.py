@@ -15,7 +15,7 @@ from fakeredis import TcpFakeServer
 from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
-from capsvc.redis.cluster import ClusterCoalescer
+from capsvc.redis.cluster import ClusterCoalescer, slot_of
 from capsvc.redis.transport import FLUSH_EVERY, Coalescer, encode_command
 from tests.support.servers import free_port
 
@@ -170,3 +170,48 @@ async def test_a_cluster_still_down_after_its_retries_is_unavailable() -> None:
         await c.call("GET", "k")
     await c.aclose()
     server.close()
+
+
+async def test_a_moved_connects_to_its_node_out_of_its_backoff() -> None:
+    """A MOVED names the node that serves the slot now: that node's coalescer, backing off
+    after failed attempts (the node was down, its replica is promoted in its place),
+    connects at once instead of answering from its pause."""
+    b_port = free_port()
+    maps = 0
+
+    def a_script(cmd: list[bytes], port: int) -> bytes:
+        nonlocal maps
+        if cmd[0].upper() == b"CLUSTER":  # every slot here, then slot k on b
+            maps += 1
+            if maps == 1:
+                return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+            k = slot_of("k")
+            return (b"*3\r\n*3\r\n:0\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (k - 1, port)
+                    + b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (k, k, b_port)
+                    + b"*3\r\n:%d\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (k + 1, port))
+        return b"-MOVED %d 127.0.0.1:%d\r\n" % (slot_of("k"), b_port)
+
+    a_server, a_port = await _scripted(a_script)
+    c = ClusterCoalescer(f"redis+cluster://127.0.0.1:{a_port}", timeout_s=1)
+    b = c._node(("127.0.0.1", b_port))
+    with pytest.raises(Unavailable):  # b is down: a failed attempt
+        await b.call("GET", "k")
+    b._failed_attempts, b._next_attempt = 6, asyncio.get_running_loop().time() + 60
+    with pytest.raises(Unavailable):  # in its pause: answered at once, no attempt
+        await b.call("GET", "k")
+    b_server = await asyncio.start_server(
+        lambda r, w: _answer(r, w, b"$1\r\nv\r\n"), "127.0.0.1", b_port)
+    assert await c.call("GET", "k") == b"v"
+    await c.aclose()
+    a_server.close()
+    b_server.close()
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  reply: bytes) -> None:
+    parser = hiredis.Reader()
+    while data := await reader.read(65536):
+        parser.feed(data)
+        while parser.gets() is not False:
+            writer.write(reply)
+    writer.close()

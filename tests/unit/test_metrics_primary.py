@@ -46,3 +46,27 @@ def test_two_nodes_lost_at_once_count_the_time_once(monkeypatch: pytest.MonkeyPa
     now[0] = 9.0
     assert seconds(m) == pytest.approx(3.0)
     assert m.failovers._value.get() == 0
+
+
+def test_the_primaries_lost_now_are_a_gauge() -> None:
+    """capsvc_redis_primaries_lost is the number of primaries lost and not found again:
+    what an alert reads as the state of now (no rate window to fill or to empty)."""
+    m = Metrics()
+    lost = m.primaries_lost._value
+    assert lost.get() == 0
+    m.primary("a:1", "lost")
+    m.primary("b:2", "lost")
+    assert lost.get() == 2
+    m.primary("a:1", "up")
+    assert lost.get() == 1
+    m.primary("b:2", "forgotten")
+    assert lost.get() == 0
+
+
+def test_readiness_changes_count_each_change_of_the_answer() -> None:
+    """One outage (ready, unready while it lasts, ready again) is two changes, whatever the
+    number of probes; the first answer is no change."""
+    m = Metrics()
+    for ready in (False, True, True, False, False, False, True, True):
+        m.readiness(ready)
+    assert m.readiness_changes.labels("0")._value.get() == 3
