@@ -78,10 +78,14 @@ mark (capsvc.journal.records.Checkpoint), when that moved: how far back a restor
 KEEP_S = 3600.0
 """How often the watch pushes the marks' TTL on, notes this lifetime alive in them, clears
 announcements past their end and the fields of lifetimes long gone (capsvc_mark_keep)."""
-ANNOUNCE_MS = 500
+ANNOUNCE_MS = 5000
 """How long an announcement holds unless renewed (renewed every ANNOUNCE_MS / 5) or ended
 (a restore that is done ends its own at once): how long a process that died restoring, or
-whose restore failed, still holds the others."""
+whose restore failed, still holds the others, and how long a restoring process may stall
+(descheduled, stopped, paused by its host) before the others judge without it. Long, since
+a restore that ends ends its own at once: a process paused 0.4 s once let another sell past
+the cap while its restore still ran, when an announcement held 0.5 s; and a worker killed
+while restoring is started again and announces its own restore within about 2 s."""
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
 (a process that died restoring stops renewing its own: it ends within ANNOUNCE_MS)."""
@@ -463,7 +467,8 @@ class WentBack(Exception):
 
 class _Announcer:
     """A restore's announcement in the marks (lua/capsvc.lua, MARKS): begun with a token of
-    its own (which capsvc_mark_restored checks), renewed every ANNOUNCE_MS / 5 until ended."""
+    its own (which capsvc_mark_restored checks), renewed every ANNOUNCE_MS / 5 until ended
+    (`end`: stopped renewing, it runs out; `release`: ended at once)."""
 
     def __init__(self, store: Store, life: str, everywhere: list[str]) -> None:
         self.store = store
@@ -476,19 +481,26 @@ class _Announcer:
         self._renewing: asyncio.Task[None] | None = None
 
     async def begin(self, marks: list[str]) -> None:
-        new = [m for m in sorted({*marks, *self.everywhere}) if m not in self.marks]
-        for mark in new:
-            await self.store.mark_call("capsvc_announce", mark,
-                                       [ANNOUNCE_MS, self.life, self.token])
-        self.marks += new
+        """Announce on `marks` too (at once on every node first: what every call checks on
+        a cluster), all in one round trip, not one a mark: a process restoring thousands of
+        slots' records announces in milliseconds."""
+        for group in (self.everywhere, sorted(set(marks))):
+            new = [m for m in group if m not in self.marks]
+            await asyncio.gather(*[self.store.mark_call(
+                "capsvc_announce", mark, [ANNOUNCE_MS, self.life, self.token])
+                for mark in new])
+            self.marks += new
         if self._renewing is None:
             self._renewing = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
+        """Every ANNOUNCE_MS / 5, every mark at once (a renewal that fails is tried again
+        at the next: the restore itself fails on a Redis that does not answer)."""
         while True:
             await asyncio.sleep(ANNOUNCE_MS / 5000)
-            for mark in self.marks:
-                await self.store.mark_call("capsvc_announce", mark, [ANNOUNCE_MS, self.life])
+            await asyncio.gather(*[self.store.mark_call(
+                "capsvc_announce", mark, [ANNOUNCE_MS, self.life]) for mark in self.marks],
+                return_exceptions=True)
 
     async def end(self) -> None:
         """Stop renewing (the announcement ends within ANNOUNCE_MS): a restore that failed,
@@ -504,8 +516,8 @@ class _Announcer:
         others' hold on). A renewal still in flight goes out first, on the same
         connection."""
         await self.end()
-        for mark in self.marks:
-            await self.store.mark_call("capsvc_announce_end", mark, [self.life])
+        await asyncio.gather(*[self.store.mark_call("capsvc_announce_end", mark, [self.life])
+                               for mark in self.marks])
 
 
 def _g(value: Any) -> int:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,6 +156,42 @@ def test_cap_holds_across_processes_after_redis_loses_everything(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_restorer_that_stalls_still_holds_the_others() -> None:
+    """A puts its sales back after a FLUSHALL, and stalls half-way (forced: its first bulk
+    call, and everything behind it on its restore's connection, its announcement's renewals
+    too, held 1.5 s, as a process descheduled or paused by its host would stall). B, which
+    lost nothing of its own, sells the same combination meanwhile: its sales wait for A's
+    restore, and are judged on A's sales put back (refused by the cap), not on the emptied
+    counter while A's announcement would have run out."""
+    config = Path(tempfile.mkdtemp(prefix="jr-stall-")) / "capsvc.toml"
+    config.write_text(CONFIG.read_text().replace('settle = "0s"', 'settle = "1s"'))
+    redis = RedisServer().start()
+    with FaultProxy("127.0.0.1", redis.port) as proxy:
+        a = ServiceProcess(str(config), proxy.url).start()
+        b = ServiceProcess(str(config), redis.url).start()
+        try:
+            draw = _current(a.base_url)
+            for _ in range(FDJ_CAP // 500):
+                assert _sell(a.base_url, _fdj(draw))[1]["status"] == "accepted"
+            release = threading.Event()
+            held = proxy.hold_request(command("FCALL", "capsvc_restore_tickets"), release)
+            threading.Timer(1.5, release.set).start()
+            redis.client().flushall()
+            deadline = time.monotonic() + 10
+            while held.hits == 0:  # A's restore has begun, and stalls
+                assert time.monotonic() < deadline, "A did not restore"
+                time.sleep(0.01)
+            status, body = _until_answer(b.base_url, "POST", "/v1/tickets", _fdj(draw))
+            assert release.is_set(), "B answered before A's restore could go on"
+            assert (status, body["status"]) == (200, "rejected"), body
+            assert _staked(b.base_url, EIGHT, draw) == FDJ_CAP
+        finally:
+            release.set()
+            a.stop()
+            b.stop()
+    redis.stop()
 
 
 # -- 2. restore from an older file: the player is charged only the accepted cost ---------
