@@ -7,7 +7,6 @@ and every other command run without it.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from collections import Counter
 
@@ -20,7 +19,11 @@ EXTRA = "pip install 'capsvc[charts]'"
 
 def available() -> bool:
     """Whether matplotlib can be imported."""
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def steps(curve: Counter[int]) -> tuple[list[float], list[int]]:
