@@ -216,18 +216,22 @@ def _read_file(out: Demand, path: Path, wanted: Callable[[Line], bool]) -> None:
 
 def _sale(out: Demand, r: SaleRecord, file: int, line: int) -> None:
     """The capped grids of a sale's (or a cancel's) record, with the cancel's releases."""
+    grids = r.grids
+    capped = [i for i, grid in enumerate(grids) if grid.capped]
+    if not capped:
+        return
     try:
         decision = _decision(r.decision)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        outcomes = [decision.grids[i] for i in capped]
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
         out.breaks.append(f"{out.files[file]}: line {line}: its decision is not one")
         return
     cancel = isinstance(r, CancelRecord)
     sale = _sale_hash(r.channel, r.ticket, r.sale)
     base = (SUBSCRIPTION if r.draws > 1 else 0) | (CANCELLED if cancel else 0)
     at = _instant(r.at)
-    for i, (grid, outcome) in enumerate(zip(r.grids, decision.grids, strict=False)):
-        if not grid.capped:
-            continue
+    for i, outcome in zip(capped, outcomes, strict=True):
+        grid = grids[i]
         accepted = outcome.status == "accepted"
         if not accepted and (outcome.reason or decision.reason) != CAPPED:
             continue  # refused for another reason: not demand
