@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import resource
 import shutil
@@ -208,16 +209,19 @@ def main() -> None:
                    "2500", "--cap", "10000"]
         for d in dirs:
             command += ["--dir", str(d)]
-        if args.chart:
-            command += ["--chart", args.chart]
-        t0 = time.perf_counter()
-        out = subprocess.run(command, capture_output=True, text=True, check=False)
-        seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        print(" ".join(command[1:]).replace(str(CONFIG), "tests/capsvc-test.toml"))
-        print(out.stdout + out.stderr, end="")
-        print(f"capsvc whatif: exit {out.returncode}, {seconds:.1f} s wall (process start "
-              f"included), peak memory {peak:.0f} MiB")
+        runs = [command] + ([[*command, "--chart", args.chart]] if args.chart else [])
+        for run in runs:  # the chart's last: the children's peak is the largest so far
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            out = subprocess.run(run, capture_output=True, text=True, check=False)
+            seconds = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+            print("$ capsvc " + " ".join(run[3:]).replace(str(CONFIG), "tests/capsvc-test.toml"))
+            print(out.stdout + out.stderr, end="")
+            print(f"exit {out.returncode}: {seconds:.1f} s wall (process start included), "
+                  f"{cpu:.1f} s CPU, peak memory {after.ru_maxrss / 1024:.0f} MiB; "
+                  f"load average {os.getloadavg()[0]:.1f}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

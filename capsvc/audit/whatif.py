@@ -497,10 +497,10 @@ def to_text(replay: Replay, in_force: int | None, min_stake: int) -> str:
     asked = s0.stake_accepted + s0.stake_refused
     force = "none fixed" if in_force is None else amount(in_force, cur)
     lines = [
-        f"{what.game} draw {what.draw}: {grids} capped grid(s) asked for "
-        f"{amount(asked, cur)} on {replay.combinations} combination(s), "
-        f"{s0.subscription_grids} of them by subscriptions (judged on this draw alone); "
-        f"cap in force {force}",
+        f"{what.game} draw {what.draw}, cap in force {force}",
+        f"demand: {grids:,} capped grid(s) asking {amount(asked, cur)} on "
+        f"{replay.combinations:,} combination(s); {s0.subscription_grids:,} of the grids "
+        "by subscriptions, judged on this draw alone",
         "",
     ]
     head = ("cap", "grids accepted", "grids refused", "stake accepted", "stake refused",
@@ -517,8 +517,10 @@ def to_text(replay: Replay, in_force: int | None, min_stake: int) -> str:
     widths = [max(len(r[k]) for r in (head, *rows)) for k in range(len(head))]
     for r in (head, *rows):
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
-    lines += ["", "* the cap in force. Refused: asked by a grid the cap would refuse. At cap: "
-              f"combinations with less than {amount(min_stake, cur)} of room (the smallest "
-              "stake). Top liability: the largest top-rank prize one combination's accepted "
-              "stakes could cost."]
+    lines += ["",
+              "* the cap in force. Refused %: the share of the stake asked that the cap refuses.",
+              f"At cap: combinations with less room than the smallest stake "
+              f"({amount(min_stake, cur)}).",
+              "Top liability: the largest top-rank prize one combination's accepted stakes "
+              "could cost."]
     return "\n".join(lines) + "\n"
