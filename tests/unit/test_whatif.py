@@ -303,6 +303,12 @@ def test_ties_in_one_millisecond_go_in_journal_order_and_hosts_in_the_order_give
     assert (s.grids_accepted, s.grids_refused, s.stake_accepted) == (1, 1, 500)
     swapped = replay(read_demand(dirs[::-1], GAME, DRAW), GAME, [500])
     assert swapped.finding is None
+    # `--journals PARENT`: every host's directory under it, by name (`reports` aside).
+    (tmp_path / "reports").mkdir()
+    out = capsvc("--config", str(CONFIG), "--game", "fdj-keno", "--draw", str(DRAW),
+                 "--journals", str(tmp_path), "--cap", "500", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    assert msgspec.json.decode(out.stdout, type=WhatIf) == result.what
 
 
 def test_a_cancel_gives_its_room_back_at_its_instant_and_is_no_demand(tmp_path: Path) -> None:
