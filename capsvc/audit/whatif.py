@@ -141,7 +141,8 @@ class Demand:
     file_of: array[int] = field(default_factory=lambda: array("I"))
     line_of: array[int] = field(default_factory=lambda: array("I"))
     cap: int | None = None
-    """The cap in force on the draw, as its decisions (or a `cap` record) carry it."""
+    """The cap in force on the draw, as its decisions (or a `cap` record) carry it; the
+    game's configured cap when none of them was read."""
     sales: int = 0
     """Records of sales, cancels and voids of the draw read (any grid)."""
     breaks: list[str] = field(default_factory=list)
