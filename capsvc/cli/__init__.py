@@ -1,5 +1,5 @@
 """The `capsvc` command: `serve`, `check-config`, `health`, `watch`, `journal restore`,
-`journal verify`, `report` and `reconcile`."""
+`journal verify`, `report`, `reconcile` and `whatif`."""
 
 from __future__ import annotations
 
@@ -606,9 +606,11 @@ def _main(argv: Sequence[str] | None) -> int:
                           help="a head an earlier verify printed, written down elsewhere: "
                                "that line must still be there, unchanged (repeatable)")
     p_verify.add_argument("--format", choices=("text", "json"), default="text")
+    from capsvc.cli import whatif
     from capsvc.cli.audit import add_parsers, run
 
     add_parsers(sub)
+    whatif.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command != "serve" and argv is None:
         # A command's output piped into `head` ends quietly, as other command-line tools
@@ -617,6 +619,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command in ("report", "reconcile"):
         logs.setup("WARNING")
         return run(args)
+    if args.command == "whatif":
+        logs.setup("WARNING")
+        return whatif.run(args)
     if args.command == "journal":
         logs.setup("WARNING")
         handlers = {"restore": _journal_restore, "ship": _journal_ship,

@@ -99,6 +99,26 @@ def journal_dirs(parent: Path) -> list[Path]:
                   if p.is_dir() and p.name != REPORTS and not p.name.startswith("."))
 
 
+def directories(settings: Settings, dirs: list[str] | None, journals: str | None
+                ) -> list[Path]:
+    """The journal directories a command reads: those given (`--dir`) and every one under
+    `--journals PARENT`; with neither, `[journal] dir` and `[audit] sources`. ValueError
+    (its one line to print) when one is missing."""
+    out = [Path(d) for d in dirs or ()]
+    if journals is not None:
+        if not Path(journals).is_dir():
+            raise ValueError(f"no such directory: {journals}")
+        out += journal_dirs(Path(journals))
+        if not out:
+            raise ValueError(f"no journal directory under {journals}")
+    if not out:
+        out = [Path(settings.journal_dir), *map(Path, settings.audit_sources)]
+    missing = [str(d) for d in out if not d.is_dir()]
+    if missing:
+        raise ValueError(f"no such directory: {', '.join(missing)}")
+    return out
+
+
 def _fail(command: str, message: str) -> int:
     print(f"capsvc {command}: {message}", file=sys.stderr)
     return 2
@@ -126,18 +146,10 @@ def run(args: argparse.Namespace) -> int:
             1 <= args.draw <= game.calendar.last_draw):
         return _fail(command, f"no draw {args.draw} of {args.game}")
     journals = args.journals
-    if journals is not None and not Path(journals).is_dir():
-        return _fail(command, f"no such directory: {journals}")
-    dirs = [Path(d) for d in args.dir or ()]
-    if journals is not None:
-        dirs += journal_dirs(Path(journals))
-        if not dirs:
-            return _fail(command, f"no journal directory under {journals}")
-    if not dirs:
-        dirs = [Path(settings.journal_dir), *map(Path, settings.audit_sources)]
-    missing = [str(d) for d in dirs if not d.is_dir()]
-    if missing:
-        return _fail(command, f"no such directory: {', '.join(missing)}")
+    try:
+        dirs = directories(settings, args.dir, journals)
+    except ValueError as e:
+        return _fail(command, str(e))
     url = None
     if args.redis_url or getattr(args, "cancel_abandoned", False):
         url = args.redis_url if isinstance(args.redis_url, str) else settings.redis_url
