@@ -53,8 +53,12 @@ def grids(r: int, stake: int) -> list[dict[str, Any]]:
 @pytest.fixture
 async def clients(settings: Settings, redis_backend: RedisServer | RedisCluster,
                   redis_db: Any) -> Any:
-    """Two services selling in steps on the test's Redis."""
-    steps = dataclasses.replace(settings, one_call_sales=False)
+    """Two services selling in steps on the test's Redis. No request may time out (a 503
+    leaves its outcome unknown, and whether it was the one to answer first): the timeouts
+    are far above any delay a loaded machine puts on 40 concurrent requests (one took over
+    the 2 s of the suite's configuration on a machine with two busy loops beside it)."""
+    steps = dataclasses.replace(settings, one_call_sales=False, request_timeout_ms=30_000,
+                                redis_timeout_ms=10_000, pending_deadline_ms=60_000)
     async with services([steps, steps], redis_backend.url) as started:
         yield started
 
