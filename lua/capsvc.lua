@@ -116,6 +116,9 @@ older file, a backup put back, a rollback in place, FLUSHALL).
                        journal back into this Redis; every marked call refuses meanwhile
            "!<life>" -> that lifetime's own announcement, which it ends at once when its
                        restore is done ("!" is the latest of them)
+           "^<life>" -> the token of that lifetime's restore under way
+           "%<token>" -> how many writes through this mark that restore has made (each
+                       counts itself): what it checks at its end (mark_restored)
   node   n:{<tag>}   hash, TTL MARK_TTL_MS; on a cluster only, one per primary, in the
                      highest slot it serves (capsvc/redis/cluster.py)
            "*"      -> N, the count of marked writes the primary has run, whatever their slot
@@ -189,6 +192,11 @@ local function marked(fn)
     if life == '' then
       return {0, 0, fn(keys, args)}
     end
+    if string.sub(life, 1, 1) == '%' then  -- a restore's write: counted, not checked
+      local reply = fn(keys, args)
+      redis.call('HINCRBY', mark, life, 1)
+      return {0, 0, reply}
+    end
     local refused, g, count, sent, ng = mark_refusal(mark, node, life, seen)
     if refused then
       return refused
@@ -216,20 +224,31 @@ local function marks(keys, args)
   return m
 end
 
---[[ mark_restored: KEYS mark; ARGV restorer, token, (life, G of its newest write)...
+--[[ mark_restored: KEYS mark; ARGV restorer, token, counter, writes, (life, G of its newest
+write)...
 After a restore put lifetimes' records back: their fields and G raised to at least those G
 (never lowered; a field "#<life>", a count of writes, raises only itself), the mark's TTL
-renewed. Only if the restore's token (`announce`) is still
-there: else Redis went back in time (or was emptied) while the restore ran, and what it put
-back may be gone with it: error LOST, nothing written (the restore runs again). Returns
-the mark's G. ]]
+renewed. Only if the restore's token (`announce`) is still there (token "": a mark it wrote
+through without announcing there, its count alone is checked), and the count of the
+restore's writes through this mark (field `counter`, "%<token>", counted by each of them:
+`counted`, and the marked functions called with it as life) is `writes`: else
+Redis went back in time (or was emptied) while the restore ran — to before it began, or to
+a snapshot taken while it ran, which holds its token but not what it wrote after — and what
+it put back may be gone with it: error LOST, nothing written (the restore runs again).
+Returns the mark's G. ]]
 local function mark_restored(keys, args)
   local mark = keys[1]
-  if redis.call('HGET', mark, '^' .. args[1]) ~= args[2] then
+  if args[2] ~= '' and redis.call('HGET', mark, '^' .. args[1]) ~= args[2] then
     return redis.error_reply('LOST the restore\'s token is gone: Redis went back in time')
   end
+  local counter = args[3]
+  if (tonumber(redis.call('HGET', mark, counter)) or 0) ~= tonumber(args[4]) then
+    return redis.error_reply('LOST the restore\'s writes are not all there: Redis went back '
+                             .. 'in time')
+  end
+  redis.call('HDEL', mark, counter)
   local g = tonumber(redis.call('HGET', mark, '*')) or 0
-  for i = 3, #args, 2 do
+  for i = 5, #args, 2 do
     local made = tonumber(args[i + 1])
     if (tonumber(redis.call('HGET', mark, args[i])) or 0) < made then
       redis.call('HSET', mark, args[i], made)
@@ -302,8 +321,9 @@ local function announce_end(keys, args)
 end
 
 --[[ mark_keep: KEYS mark; ARGV life (each process's watch, once in a while)
-The mark's TTL renewed, an announcement past its end removed, the caller's lifetime noted
-alive ("@<life>" -> now), and the fields of lifetimes not alive for MARK_TTL_MS removed:
+The mark's TTL renewed, an announcement past its end removed, the counts of restores no
+longer under way ("%<token>" without its "^<restorer>" token) removed, the caller's
+lifetime noted alive ("@<life>" -> now), and the fields of lifetimes not alive for MARK_TTL_MS removed:
 their records are past their retention by then (a lifetime without its field has all of
 its records restored, which is never wrong). ]]
 local function mark_keep(keys, args)
@@ -318,10 +338,17 @@ local function mark_keep(keys, args)
     redis.call('HDEL', mark, '!')
   end
   local fields = redis.call('HGETALL', mark)
-  local gone = 0
+  local gone, tokens = 0, {}
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 1) == '^' then
+      tokens[fields[i + 1]] = true
+    end
+  end
   for i = 1, #fields, 2 do
     local f = fields[i]
-    if string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
+    if string.sub(f, 1, 1) == '%' and not tokens[string.sub(f, 2)] then
+      redis.call('HDEL', mark, f)  -- the count of a restore that ended or failed
+    elseif string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
       redis.call('HDEL', mark, f, string.sub(f, 2), '#' .. string.sub(f, 2))
       gone = gone + 1
     elseif #f > 1 and string.sub(f, 1, 1) == '!' and tonumber(fields[i + 1]) <= now then
@@ -1745,6 +1772,21 @@ local function restore_budgets(keys, args)
 end
 
 -- A marked function: its node's count sits in another slot of the node (see MARKS).
+-- A bulk restore function whose calls count themselves, as a restore's marked calls do: the
+-- mark of the call's slot as its last key, the restore's counter ("%<token>", or "" for a
+-- tool's restore, not counted) as its last ARGV.
+local function counted(fn)
+  return function(keys, args)
+    local mark = table.remove(keys)
+    local counter = table.remove(args)
+    local reply = fn(keys, args)
+    if counter ~= '' then
+      redis.call('HINCRBY', mark, counter, 1)
+    end
+    return reply
+  end
+end
+
 local function register_marked(name, fn)
   redis.register_function{function_name = name, callback = marked(fn),
                           flags = {'allow-cross-slot-keys'}}
@@ -1786,6 +1828,6 @@ redis.register_function('capsvc_mark_restored', mark_restored)
 redis.register_function('capsvc_announce', announce)
 redis.register_function('capsvc_announce_end', announce_end)
 redis.register_function('capsvc_mark_keep', mark_keep)
-redis.register_function('capsvc_restore_tickets', restore_tickets)
-redis.register_function('capsvc_restore_counts', restore_counts)
-redis.register_function('capsvc_restore_budgets', restore_budgets)
+redis.register_function('capsvc_restore_tickets', counted(restore_tickets))
+redis.register_function('capsvc_restore_counts', counted(restore_counts))
+redis.register_function('capsvc_restore_budgets', counted(restore_budgets))

@@ -224,7 +224,7 @@ def to_csv(report: DrawReport) -> str:
     for name in ("report", "game", "draw", "currency", "closes_at", "built_at", "final",
                  "activity", "summary", "cap", "cap_fixed", "stopped_at", "stake", "amount",
                  "cancelled_stake", "sold_out", "combinations", "top_liability"):
-        w.writerow(["draw", "", name, _cell(getattr(report, name))])
+        w.writerow(["draw", "", name, csv_cell(getattr(report, name))])
     w.writerow(["draw", "", "capped_picks", " ".join(map(str, report.capped_picks))])
     for name in TicketCounts.__struct_fields__:
         w.writerow(["tickets", name, "count", getattr(report.tickets, name)])
@@ -247,15 +247,15 @@ def to_csv(report: DrawReport) -> str:
     for s in report.sources:
         key = f"{s.directory}/{s.file}"
         for name in ("proc", "sha256", "bytes", "lines"):
-            w.writerow(["source", key, name, _cell(getattr(s, name))])
-    w.writerow(["chain", "", "intact", _cell(report.chain.intact)])
+            w.writerow(["source", key, name, csv_cell(getattr(s, name))])
+    w.writerow(["chain", "", "intact", csv_cell(report.chain.intact)])
     for b in report.chain.breaks:
         w.writerow(["chain", "", "break", b])
     for t in report.chain.tails:
         w.writerow(["chain", "", "tail", t])
     if report.redis is not None:
         w.writerow(["redis", "", "compared", report.redis.compared])
-        w.writerow(["redis", "", "complete", _cell(report.redis.complete)])
+        w.writerow(["redis", "", "complete", csv_cell(report.redis.complete)])
         for d in report.redis.differences:
             w.writerow(["redis", "", "difference", d])
     lists = report.ticket_lists
@@ -264,11 +264,12 @@ def to_csv(report: DrawReport) -> str:
         for ticket in listed:
             key = f"{ticket.channel}/{ticket.ticket_id}/{ticket.sale}"
             for name in ListedTicket.__struct_fields__:
-                w.writerow([section, key, name, _cell(getattr(ticket, name))])
+                w.writerow([section, key, name, csv_cell(getattr(ticket, name))])
     return out.getvalue()
 
 
-def _cell(value: object) -> str:
+def csv_cell(value: object) -> str:
+    """A value as a CSV cell of the audit files: empty for none, booleans in lower case."""
     if value is None:
         return ""
     if isinstance(value, bool):

@@ -44,6 +44,7 @@ import msgspec
 from msgspec import Struct
 
 from capsvc.audit.history import CLOCK_MARGIN_MS, first_sale_ms
+from capsvc.audit.report import csv_cell
 from capsvc.domain.games import Game
 from capsvc.domain.money import amount
 from capsvc.journal.reader import FileCheck, lines_of, read
@@ -477,16 +478,8 @@ def to_csv(what: WhatIf) -> str:
     w.writerow(["game", "draw", "currency", *FIELDS])
     for s in what.scenarios:
         w.writerow([what.game, what.draw, what.currency,
-                    *(_cell(getattr(s, name)) for name in FIELDS)])
+                    *(csv_cell(getattr(s, name)) for name in FIELDS)])
     return out.getvalue()
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def to_text(replay: Replay, in_force: int | None, min_stake: int) -> str:

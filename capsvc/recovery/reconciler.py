@@ -83,8 +83,8 @@ ANNOUNCE_MS = 5000
 (a restore that is done ends its own at once): how long a process that died restoring, or
 whose restore failed, still holds the others, and how long a restoring process may stall
 (descheduled, stopped, paused by its host) before the others judge without it. Long, since
-a restore that ends ends its own at once: a process paused 0.4 s once let another sell past
-the cap while its restore still ran, when an announcement held 0.5 s; and a worker killed
+a restore that is done ends its own at once: a stall of a fraction of a second must not let
+another process sell on a Redis that still lacks this one's decisions, and a worker killed
 while restoring is started again and announces its own restore within about 2 s."""
 PEERS_WAIT_S = 120.0
 """How long a process waits for the others' announcements to end before it sells anyway
@@ -287,6 +287,10 @@ class Reconciler:
         went_back = (any(first[m].g < self.marks.seen.get(m, 0) for m in own)
                      or any(first[n].g < self.marks.node_seen.get(n, 0) for n in nodes))
         announcer = _Announcer(store, self.life, await store.nodes())
+        # Each write of the restore counts itself in its mark, which its end checks: Redis
+        # going back to a snapshot taken while it ran (its token there, not all it wrote
+        # after) is caught, as a loss before it began is by the token.
+        store.marks = Marks.restoring(announcer.token, store.single_node)
         try:
             if announce or not covered(mine, {m: first[m].lives[0] for m in own}):
                 # Its own writes lost (or an attempt before announced): announced at once,
@@ -336,23 +340,19 @@ class Reconciler:
                         life_of = lives.get(life, Life(life, []))
                         done.merge(await restorer.restore(lacking(life_of, fields[life],
                                                                   now)))
+                counter, written = store.marks.counter, store.marks.sent
+                for mark in sorted(set(written) - set(marks)):  # not announced there
+                    await self._mark_restored(store, mark, [self.life, "", counter,
+                                                            written[mark]])
                 for mark in marks:
-                    args: list[Any] = [self.life, announcer.token]
+                    args: list[Any] = [self.life, announcer.token, counter,
+                                       written.get(mark, 0)]
                     for life in lacking_lives:
                         if made[life].get(mark):
                             args += [life, made[life][mark]]
                     if self.marks.sent.get(mark):  # its count of writes, as they were sent
                         args += [f"#{self.life}", self.marks.sent[mark]]
-                    # LOST (an error) when Redis went back in time again meanwhile: then
-                    # the restore runs again, from the start, at once.
-                    try:
-                        floor[mark] = _g(await store.mark_call("capsvc_mark_restored", mark,
-                                                               args))
-                    except ResponseError as e:
-                        if str(e).startswith("LOST"):
-                            raise WentBack("redis went back in time again on "
-                                           f"{mark} while the journal was put back") from e
-                        raise
+                    floor[mark] = await self._mark_restored(store, mark, args)
             if lacking_lives or went_back or announcer.marks or self._fresh:
                 # Every live process has looked at the marks by then (its watch), and
                 # announced its own restore if it lost anything; then none is left. A
@@ -382,6 +382,18 @@ class Reconciler:
         finally:
             self._announced = bool(announcer.marks)
             await announcer.end()
+
+    @staticmethod
+    async def _mark_restored(store: Store, mark: str, args: list[Any]) -> int:
+        """capsvc_mark_restored; WentBack when Redis went back in time again while the
+        restore ran (LOST): then it runs again, from the start, at once."""
+        try:
+            return _g(await store.mark_call("capsvc_mark_restored", mark, args))
+        except ResponseError as e:
+            if str(e).startswith("LOST"):
+                raise WentBack(f"redis went back in time again on {mark} while the journal "
+                               "was put back") from e
+            raise
 
     def _made_by(self, life: Life) -> dict[str, int]:
         """made_by, remembered while the lifetime's newest file does not change."""

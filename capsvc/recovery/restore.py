@@ -89,9 +89,9 @@ RESTORE_TIMEOUT_S = 30.0
 """How long a restore's connection waits for a batch's replies (the sales' connections wait
 `[redis] timeout`). A restore sends windows of thousands of records back to back, and Redis
 works through them in order: on a loaded machine the replies of the last ones come seconds
-after they were sent, from a Redis that is busy, not gone (a restore of 1,000,000 decisions
-at a load of 6.5 failed on a 1 s timeout after 25 s of work, and started again). Sales are
-held while it runs either way; a connection refused or reset still fails it at once."""
+after they were sent, from a Redis that is busy, not gone (measured: at 1,000,000 decisions
+and a load of 6.5, replies more than a second behind). Sales are held while it runs either
+way; a connection refused or reset still fails it at once."""
 MARGIN_S = 2 * 86_400
 """Journal files last written this much before the oldest decision that can still be
 retained are read too (the host's clock judges a file's age; a record's own expiry is

@@ -100,6 +100,11 @@ def slot_tags() -> tuple[str, ...]:
     return tuple(t for t in tags if t is not None)
 
 
+def restore_counter(token: str) -> str:
+    """The field of the marks a restore's writes count themselves in."""
+    return f"%{token}"
+
+
 def mark_of_slot(slot: int) -> str:
     return f"m:{{{slot_tags()[slot]}}}"
 
@@ -139,8 +144,22 @@ class Marks:
 
     @classmethod
     def tool(cls, single_node: bool) -> Marks:
-        """Marks for a tool (a restore, an audit): calls go unchecked and uncounted."""
+        """Marks for a tool (an audit, `capsvc journal restore`): calls go unchecked and
+        uncounted."""
         return cls("", single_node=single_node)
+
+    @classmethod
+    def restoring(cls, token: str, single_node: bool) -> Marks:
+        """Marks for a process's restore (capsvc.recovery.reconciler): its calls go
+        unchecked, and each counts itself in its mark's field `counter` (lua/capsvc.lua,
+        MARKS), its bulk calls too (capsvc.redis.store); `sent` has how many went through
+        each mark, which the restore's end checks Redis holds, every one."""
+        return cls(restore_counter(token), single_node=single_node)
+
+    @property
+    def counter(self) -> str:
+        """The field a restore's writes count themselves in ("" for other marks)."""
+        return self.life if self.life.startswith("%") else ""
 
     def mark_of(self, key: str) -> str:
         """The mark a call whose first key is `key` carries (in that key's slot)."""

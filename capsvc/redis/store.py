@@ -855,6 +855,8 @@ class _Bulk:
                     args += ops[i][1]
                 calls.append((tag, placed, keys, args))
         fcall, function = self._store.fcall, self.function
+        marks = self._store.marks
+        counter = marks.counter
         found: dict[str, list[Any]] = {tag: [None] * len(ops) for tag, ops in self._ops.items()}
         sent: deque[tuple[str, list[int], asyncio.Future[Any]]] = deque()
         in_flight = 0
@@ -862,7 +864,12 @@ class _Bulk:
             for tag, placed, keys, args in calls:
                 while sent and in_flight + len(placed) > RESTORE_OPS_IN_FLIGHT:
                     in_flight -= await self._take_reply(sent, found)
-                sent.append((tag, placed, retrieving(fcall(function, keys, args))))
+                # The call counts itself in its slot's mark (a restore's: see Marks.restoring).
+                mark = marks.mark_of(keys[0])
+                if counter:
+                    marks.sent[mark] = marks.sent.get(mark, 0) + 1
+                sent.append((tag, placed, retrieving(fcall(function, [*keys, mark],
+                                                           [*args, counter]))))
                 in_flight += len(placed)
             while sent:
                 await self._take_reply(sent, found)

@@ -507,8 +507,9 @@ async def test_counts_sent_in_one_call_leave_what_the_single_functions_leave(
     for combo in range(3):
         mine = [i for i, op in enumerate(ops) if op[1] == combo]
         calls = [bulk(ops[i]) for i in mine]
-        reply = await store.fcall("capsvc_restore_counts", [k for keys, _ in calls for k in keys],
-                                  [a for _, args in calls for a in args])
+        keys = [k for keys, _ in calls for k in keys]
+        reply = await store.fcall("capsvc_restore_counts", [*keys, store.marks.mark_of(keys[0])],
+                                  [*(a for _, args in calls for a in args), ""])
         for i, letter in zip(mine, reply[0].decode(), strict=True):
             found[i] = letter
     assert snapshot(redis_db) == expected

@@ -49,7 +49,7 @@ from tests.support.failover import (
     current_draw,
     write_failover_config,
 )
-from tests.support.faults import FaultProxy
+from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisServer, backup_keys, restore_keys
 from tests.support.service import ServiceProcess
 
@@ -531,6 +531,44 @@ def test_a_rollback_while_the_process_restores_is_put_back_too(
         _assert_none(problems)
     finally:
         svc.stop()
+
+
+def test_a_snapshot_taken_while_the_process_restores_then_loaded_is_put_back_too(
+        debug_redis: RedisServer, config: str) -> None:
+    """Redis is emptied; while the process puts its sales back, a snapshot is saved (after
+    its tickets' records, before its counters: forced, the restore's connection held at
+    its first counters' call), and once everything is back (the restore's end held), Redis
+    goes back to that snapshot in place. The snapshot holds the restore's token, but not
+    the counters: the restore's end sees that some of its writes are gone, and it runs
+    again; nothing answered is lost, nothing passes the cap."""
+    with FaultProxy("127.0.0.1", debug_redis.port) as proxy:
+        svc = ServiceProcess(config, proxy.url).start()
+        try:
+            ledger = Ledger(current_draw(svc.base_url) + 1)
+            for _ in range(CAP // STAKE):
+                ledger.sell(svc.base_url, X)
+            client = debug_redis.client()
+            counting, ending = threading.Event(), threading.Event()
+            counts = proxy.hold_request(command("FCALL", "capsvc_restore_counts"), counting)
+            end = proxy.hold_request(command("FCALL", "capsvc_mark_restored"), ending)
+            try:
+                client.flushall()
+                _wait(lambda: counts.hits > 0, 20, "the restore did not count")
+                client.save()  # its token and tickets' records, not its counters
+                counting.set()
+                _wait(lambda: end.hits > 0, 20, "the restore did not end")
+                client.execute_command("DEBUG", "RELOAD", "NOSAVE")  # type: ignore[no-untyped-call]
+            finally:
+                counting.set()
+                ending.set()
+            ledger.sell_out(svc.base_url, X)
+            problems = ledger.over(svc.base_url)
+            problems += ledger.lost()
+            _assert_none(problems)
+            assert "the restore's writes are not all there" in svc.log.read_text() or \
+                "went back in time again" in svc.log.read_text()
+        finally:
+            svc.stop()
 
 
 def test_a_rollback_while_a_restore_waits_for_the_others_is_put_back_too(

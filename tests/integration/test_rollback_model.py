@@ -629,12 +629,13 @@ OTHER_RESTORING_MS = 4000
 
 def _back_to_point(machine: RollbackMachine, announced_until: int) -> None:
     """Redis back to the backup, with a third process's announcement until
-    `announced_until` (Redis TIME, ms), in one transaction."""
+    `announced_until` (Redis TIME, ms), in one transaction: its end and its own field, as
+    capsvc_announce writes them."""
     pipe = machine.db.pipeline(transaction=True)
     pipe.flushall()
     for key, ttl, value in machine.points["restore"].keys:
         pipe.restore(key, ttl, value, replace=True)
-    pipe.hset(NODE_MARK, "!", announced_until)
+    pipe.hset(NODE_MARK, mapping={"!": announced_until, "!third": announced_until})
     pipe.execute()
 
 
