@@ -319,6 +319,9 @@ class Client:
         its tickets: they are sent again at once, in smaller batches, down to one ticket a
         request (POST /v1/tickets, whose answer is that ticket's own), but for those whose
         callers stopped waiting (nothing of theirs was counted)."""
+        batch = [q for q in batch if not q[3].done()]  # withdrawn since it was made up
+        if not batch:
+            return
         try:
             results = await self._results(batch)
         except _Retry as e:
