@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import venv
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import capsvc
+from tests.support.clone import copy_of_clone
 from tests.support.service import ServiceProcess, served
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,13 +47,7 @@ def integrator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The python of a fresh virtual environment in which docs/client.md's install command
     ran, as written, in a copy of the clone's files."""
     where = tmp_path_factory.mktemp("integrator")
-    clone = where / "clone"
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    for name in listed.splitlines():
-        if (ROOT / name).is_file():
-            (clone / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, clone / name)
+    clone = copy_of_clone(where / "clone")
     venv.create(where / "venv", with_pip=True)
     (install,) = _INSTALL.findall(DOC.read_text())
     commands = [line for line in install.splitlines() if line.strip()]

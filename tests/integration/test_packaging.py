@@ -3,11 +3,12 @@ configuration (what the image runs, checked without a Docker engine)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.support.clone import copy_of_clone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,13 +18,7 @@ def test_wheel_ships_lua_and_presets(tmp_path: Path) -> None:
     inside the package, and nothing of the test harness."""
     # Built from a copy of the files git knows (a `build/` left by an earlier build in the
     # checkout would otherwise ship modules that no longer exist).
-    source = tmp_path / "source"
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    for name in listed.splitlines():
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
+    source = copy_of_clone(tmp_path / "source")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                     str(tmp_path), str(source)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("capsvc-*.whl")
