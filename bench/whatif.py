@@ -37,11 +37,14 @@ import msgspec
 
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
+from capsvc.domain.decisions import build_decision
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.journals
+from tests.journals import LiveCaps
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "capsvc-test.toml"
 TZ = ZoneInfo("Europe/Paris")
@@ -54,47 +57,11 @@ POPULAR = 30_000
 BATCH = 4096
 
 
-class Live:
-    """The live rule: counters per (combination, draw), one cap."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.counters: dict[tuple[str, int], int] = {}
-
-    def judge(self, sale: Sale) -> list[Reserved | None]:
-        first = sale.first_draw
-        assert first is not None
-        replies: list[Reserved | None] = []
-        for g in sale.grids:
-            if not g.capped:
-                replies.append(None)
-                continue
-            keys = [(g.combo, first + i) for i in range(sale.draws)]
-            over = next((i for i, k in enumerate(keys)
-                         if self.counters.get(k, 0) + g.stake > self.cap), None)
-            if over is None:
-                for k in keys:
-                    self.counters[k] = self.counters.get(k, 0) + g.stake
-                replies.append(Reserved(ACCEPTED))
-            else:
-                replies.append(Reserved(REJECTED, offset=over,
-                                        room=self.cap - self.counters.get(keys[over], 0)))
-        return replies
-
-    def give_back(self, sale: Sale, accepted: set[int]) -> None:
-        first = sale.first_draw
-        assert first is not None
-        for g in sale.grids:
-            if g.capped and g.index in accepted:
-                for i in range(sale.draws):
-                    self.counters[(g.combo, first + i)] -= g.stake
-
-
 async def write(dirs: list[Path], game: Game, tickets: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     rules = game.rules
     cap = rules.cap_limit or 0
-    live = Live(cap)
+    live = LiveCaps(cap)
     journals = [open_journal(d, max_file_bytes=64 << 20, keep_ms=90 * 86_400_000,
                              proc=f"host-{k}/1") for k, d in enumerate(dirs)]
     recs = [Recorder(j, lambda: 0) for j in journals]

@@ -238,3 +238,39 @@ async def write_journal(directory: Path, catalog: Catalog, n: int, mix: str = "o
     for j in journals:
         await j.aclose()
     return written
+
+
+class LiveCaps:
+    """The live rule: counters per (combination, draw), one cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.counters: dict[tuple[str, int], int] = {}
+
+    def judge(self, sale: Sale) -> list[Reserved | None]:
+        first = sale.first_draw
+        assert first is not None
+        replies: list[Reserved | None] = []
+        for g in sale.grids:
+            if not g.capped:
+                replies.append(None)
+                continue
+            keys = [(g.combo, first + i) for i in range(sale.draws)]
+            over = next((i for i, k in enumerate(keys)
+                         if self.counters.get(k, 0) + g.stake > self.cap), None)
+            if over is None:
+                for k in keys:
+                    self.counters[k] = self.counters.get(k, 0) + g.stake
+                replies.append(Reserved(ACCEPTED))
+            else:
+                replies.append(Reserved(REJECTED, offset=over,
+                                        room=self.cap - self.counters.get(keys[over], 0)))
+        return replies
+
+    def give_back(self, sale: Sale, accepted: set[int]) -> None:
+        first = sale.first_draw
+        assert first is not None
+        for g in sale.grids:
+            if g.capped and g.index in accepted:
+                for i in range(sale.draws):
+                    self.counters[(g.combo, first + i)] -= g.stake

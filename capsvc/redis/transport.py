@@ -495,11 +495,7 @@ class Coalescer:
         error = Evicting(problem) if problem is not None else Unavailable(
             "Redis is being restored from the journal (a new server, or one that may have "
             "lost writes): nothing is sold until it is done")
-        failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
-        self._queued, self._buffer, self._waits = [], [], {}
-        for p in failed:
-            if p.fut is not None and not p.fut.done():
-                p.fut.set_exception(error)
+        self._fail_queued(error)
         if problem is None and not self._gate.restoring:
             # Restored, and this server is still not one the restore reconciled (it changed
             # meanwhile, or its role did: a cluster node demoted under us): look at it
@@ -511,14 +507,18 @@ class Coalescer:
             if transport is not None:
                 transport.abort()
 
-    def _backing_off(self, error: Unavailable) -> None:
-        """Fail what is queued, nothing sent: the last attempt failed and the next one is
-        not due yet (the backoff's pause). Not counted as a Redis error: nothing was tried."""
+    def _fail_queued(self, error: BaseException) -> None:
+        """Fail what is queued in this tick (its WAITs too), nothing of it sent."""
         failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
         self._queued, self._buffer, self._waits = [], [], {}
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)
+
+    def _backing_off(self, error: Unavailable) -> None:
+        """Fail what is queued, nothing sent: the last attempt failed and the next one is
+        not due yet (the backoff's pause). Not counted as a Redis error: nothing was tried."""
+        self._fail_queued(error)
         self._wake_idle()
 
     def _pause(self) -> float:

@@ -37,6 +37,7 @@ from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
+from tests.journals import LiveCaps
 
 CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
 GAME = Game(load_settings(CONFIG).games["fdj-keno"])
@@ -80,42 +81,22 @@ class Draw:
     hosts: int
     lines: list[list[tuple[str, tuple[Any, ...]]]] = field(default_factory=list)
     sold: list[Sold] = field(default_factory=list)
-    counters: dict[tuple[str, int], int] = field(default_factory=dict)
     held: list[tuple[list[tuple[str, int]], int, int]] = field(default_factory=list)
     """Voids' grids held live: (keys, stake, the action that gives them back)."""
 
     def __post_init__(self) -> None:
         self.lines = [[] for _ in range(self.hosts)]
+        self.live = LiveCaps(self.cap)
 
     def write(self, host: int, method: str, *args: Any) -> tuple[int, int]:
         self.lines[host].append((method, args))
         return host, len(self.lines[host]) + 1  # line 1 is the file's `open`
 
     def judge(self, s: Sale) -> list[Reserved | None]:
-        assert s.first_draw is not None
-        replies: list[Reserved | None] = []
-        for g in s.grids:
-            if not g.capped:
-                replies.append(None)
-                continue
-            keys = [(g.combo, s.first_draw + i) for i in range(s.draws)]
-            over = next((i for i, k in enumerate(keys)
-                         if self.counters.get(k, 0) + g.stake > self.cap), None)
-            if over is None:
-                for k in keys:
-                    self.counters[k] = self.counters.get(k, 0) + g.stake
-                replies.append(Reserved(ACCEPTED))
-            else:
-                replies.append(Reserved(REJECTED, offset=over,
-                                        room=self.cap - self.counters.get(keys[over], 0)))
-        return replies
+        return self.live.judge(s)
 
     def give_back(self, s: Sale, accepted: set[int]) -> None:
-        assert s.first_draw is not None
-        for g in s.grids:
-            if g.capped and g.index in accepted:
-                for i in range(s.draws):
-                    self.counters[(g.combo, s.first_draw + i)] -= g.stake
+        self.live.give_back(s, accepted)
 
 
 def generate(rng: random.Random, n: int, hosts: int, cap: int, *, ties: bool = True,
@@ -127,7 +108,7 @@ def generate(rng: random.Random, n: int, hosts: int, cap: int, *, ties: bool = T
         host = rng.randrange(hosts)
         for keys, stake, due in [h for h in out.held if h[2] == k]:
             for key in keys:  # a void's grids given back by the janitor
-                out.counters[key] -= stake
+                out.live.counters[key] -= stake
             out.held.remove((keys, stake, due))
         r = rng.random()
         if cancels and r < 0.1 and any(not s.cancelled for s in out.sold):
@@ -150,9 +131,9 @@ def generate(rng: random.Random, n: int, hosts: int, cap: int, *, ties: bool = T
             for g in s.grids:
                 if g.capped:
                     keys = [(g.combo, first + i) for i in range(draws)]
-                    if all(out.counters.get(key, 0) + g.stake <= cap for key in keys):
+                    if all(out.live.counters.get(key, 0) + g.stake <= cap for key in keys):
                         for key in keys:
-                            out.counters[key] = out.counters.get(key, 0) + g.stake
+                            out.live.counters[key] = out.live.counters.get(key, 0) + g.stake
                         keys_held.append((keys, g.stake))
             for keys, stake in keys_held:
                 out.held.append((keys, stake, k + rng.randint(1, 6)))
