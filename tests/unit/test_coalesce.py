@@ -122,8 +122,9 @@ Script = Callable[[list[bytes], int], bytes]
 """What a scripted server answers to a command, given its own port."""
 
 
-async def _scripted(script: Script) -> tuple[asyncio.Server, int]:
-    """A server on loopback answering each command as `script` says; it and its port."""
+async def _scripted(script: Script, at: int = 0) -> tuple[asyncio.Server, int]:
+    """A server on loopback (port `at`, any free one by default) answering each command as
+    `script` says; it and its port."""
     port = 0
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -134,7 +135,7 @@ async def _scripted(script: Script) -> tuple[asyncio.Server, int]:
                 writer.write(script(cmd, port))
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve, "127.0.0.1", at)
     port = server.sockets[0].getsockname()[1]
     return server, port
 
@@ -199,19 +200,10 @@ async def test_a_moved_connects_to_its_node_out_of_its_backoff() -> None:
     b._failed_attempts, b._next_attempt = 6, asyncio.get_running_loop().time() + 60
     with pytest.raises(Unavailable):  # in its pause: answered at once, no attempt
         await b.call("GET", "k")
-    b_server = await asyncio.start_server(
-        lambda r, w: _answer(r, w, b"$1\r\nv\r\n"), "127.0.0.1", b_port)
+    b_server, _ = await _scripted(  # the slot map as a has it now; v for the rest
+        lambda cmd, port: a_script(cmd, a_port) if cmd[0].upper() == b"CLUSTER"
+        else b"$1\r\nv\r\n", b_port)
     assert await c.call("GET", "k") == b"v"
     await c.aclose()
     a_server.close()
     b_server.close()
-
-
-async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  reply: bytes) -> None:
-    parser = hiredis.Reader()
-    while data := await reader.read(65536):
-        parser.feed(data)
-        while parser.gets() is not False:
-            writer.write(reply)
-    writer.close()
