@@ -18,7 +18,9 @@ out of one another's way while they do.
   directory whose process is gone (the lifetimes before it; a worker that died), the records
   the Redis lacks: those stamped above the lifetime's field in the mark
   (capsvc.journal.lives). A lifetime whose process still runs (another worker of the
-  directory: its lock is held, capsvc.journal.writer.alive) restores its own. A Redis that lost
+  directory: its lock is held, capsvc.journal.writer.alive) restores its own, and this
+  process judges nothing until it has: what its files stamp, read after the loss, is what
+  Redis must hold of it (`_peers_behind`), however long it takes. A Redis that lost
   nothing costs a read of the marks; a failover that lost the last seconds, the read of the
   files' ends; an emptied Redis, a full restore. Then each lifetime's field is raised to
   what it had written, never lowered.
@@ -38,7 +40,8 @@ out of one another's way while they do.
   mark) and announced. A process that starts has
   seen nothing: it waits `[journal] settle` and for announcements to end before it sells,
   as a restore does, so that a peer whose announcement Redis lost (going back again during
-  its restore) has renewed it by then.
+  its restore) has renewed it by then. That time bound is for other hosts' processes; the
+  workers of one directory wait for each other's fields instead.
 """
 
 from __future__ import annotations
@@ -306,12 +309,17 @@ class Reconciler:
             # Another process that still runs (a worker of the same directory) restores its
             # own: nobody else raises its field, or a request of its own, answered once its
             # record is written, could find its writes lost and its field raised over them.
-            gone = [life for life in lives
-                    if life != self.life and not await loop.run_in_executor(None, alive,
-                                                                           self.dir, life)]
+            living = {life: await loop.run_in_executor(None, alive, self.dir, life)
+                      for life in lives if life != self.life}
+            gone = [life for life, running in living.items() if not running]
             made = {life: await loop.run_in_executor(None, self._made_by, lives[life])
                     for life in gone}
             self.others = made
+            # What each live worker of the directory had journaled, read after the loss:
+            # answered, so Redis held it; where Redis lacks it now, that worker restores it
+            # and this process judges nothing until it has (whatever the time it takes).
+            peers = {life: await loop.run_in_executor(None, self._made_by, lives[life])
+                     for life, running in living.items() if running}
             made = {**made, self.life: mine}
             marks = self._marks(store)
             names = list(made)
@@ -353,7 +361,8 @@ class Reconciler:
                     if self.marks.sent.get(mark):  # its count of writes, as they were sent
                         args += [f"#{self.life}", self.marks.sent[mark]]
                     floor[mark] = await self._mark_restored(store, mark, args)
-            if lacking_lives or went_back or announcer.marks or self._fresh:
+            behind = await self._peers_behind(store, peers)
+            if lacking_lives or went_back or announcer.marks or self._fresh or behind:
                 # Every live process has looked at the marks by then (its watch), and
                 # announced its own restore if it lost anything; then none is left. A
                 # process that starts waits so too: it knows nothing of the others, and
@@ -370,7 +379,7 @@ class Reconciler:
                     await still()
                 await announcer.release()
                 await self._wait_for_peers(store, sorted({*marks, *announcer.everywhere}),
-                                           still, WATCH_S)
+                                           still, WATCH_S, peers)
                 # What was seen beyond G was lost by other processes, which have put back
                 # what they answered: G goes on from what is read here.
                 for key, g in (await still()).items():
@@ -432,9 +441,12 @@ class Reconciler:
         return gs
 
     async def _wait_for_peers(self, store: Store, marks: list[str],
-                              still: Callable[[], Awaitable[object]], period: float) -> None:
-        """Until no process announces a restore any more (PEERS_WAIT_S at most), `still()`
-        every `period` meanwhile."""
+                              still: Callable[[], Awaitable[object]], period: float,
+                              peers: dict[str, dict[str, int]]) -> None:
+        """Until no process announces a restore any more and Redis holds what each live
+        worker of the directory had journaled (`peers`; PEERS_WAIT_S at most), `still()`
+        every `period` meanwhile. A worker that died meanwhile without putting back what it
+        had journaled: WentBack (the restore runs again, and puts it back itself)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PEERS_WAIT_S
         looked = loop.time()
@@ -442,11 +454,18 @@ class Reconciler:
         while True:
             now = await store.time_ms()
             ends = [(await store.mark_state(mark, [])).announced_until for mark in marks]
-            if all(end <= now for end in ends):
+            behind = await self._peers_behind(store, peers)
+            for life in behind:
+                if not await loop.run_in_executor(None, alive, self.dir, life):
+                    raise WentBack(f"the journal's lifetime {life} ended before it put back "
+                                   "what Redis lacks of it")
+            if all(end <= now for end in ends) and not behind:
                 return
             if loop.time() > deadline:
-                log.error("journal: other processes still restoring after %.0f s: selling "
-                          "anyway", PEERS_WAIT_S)
+                log.error("journal: other processes still restoring, or workers of the "
+                          "journal directory not having put back what redis lost of theirs "
+                          "(%s), after %.0f s: selling anyway", ", ".join(behind) or "none",
+                          PEERS_WAIT_S)
                 return
             if not said:
                 log.info("journal: waiting for other processes' restores before selling")
@@ -455,6 +474,19 @@ class Reconciler:
             if loop.time() - looked >= period:
                 await still()
                 looked = loop.time()
+
+    @staticmethod
+    async def _peers_behind(store: Store, peers: dict[str, dict[str, int]]) -> list[str]:
+        """The live workers of `peers` (lifetime: what it had journaled through each mark)
+        whose field in a mark is below what it had journaled there: Redis lost their
+        writes, and they have not put them back yet."""
+        behind = []
+        for life, made in peers.items():
+            marks = sorted(made)
+            states = await asyncio.gather(*[store.mark_state(mark, [life]) for mark in marks])
+            if not covered(made, {m: s.lives[0] for m, s in zip(marks, states, strict=True)}):
+                behind.append(life)
+        return behind
 
     def _reconciled(self, done: Restored | None, held: list[str | None]) -> None:
         self._fresh = False

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -789,6 +790,69 @@ def test_two_workers_put_back_what_either_answered_after_a_reload(
     finally:
         svc.stop()
 
+
+
+def test_a_worker_judges_nothing_until_a_stopped_worker_has_put_back_its_answers(
+        debug_redis: RedisServer, config: str) -> None:
+    """Two workers, one stopped (SIGSTOP) when Redis goes back: the other, which restores its
+    own answers at once, answers neither a look-up of the stopped one's lost tickets nor a
+    sale until the stopped one, continued, has put them back: it reads in their shared
+    journal directory what that worker answered, and waits for Redis to hold it, however
+    long the worker takes (no time bound, no `settle`)."""
+    svc = ServiceProcess(config, debug_redis.url, args=("--workers", "2")).start()
+    try:
+        url = svc.base_url
+        ledger = Ledger(current_draw(url) + 1)
+        rng = random.Random(5)
+        spare = iter(lambda: tuple(sorted(rng.sample(range(1, 71), 8))), None)
+
+        def sell_from_both(prefix: str) -> set[str]:
+            sold: set[str] = set()
+            deadline = time.monotonic() + 30
+            while {proc for proc, records in _decisions_by_worker(svc.journal_dir).items()
+                   if any(r["ticket"] in sold for r in records)} != set(pids):
+                assert time.monotonic() < deadline, "one worker answered every sale"
+                bodies = [ledger.body(next(spare), prefix=prefix) for _ in range(2)]
+                ledger.sell_together(url, bodies)
+                sold.update(b["ticket_id"] for b in bodies)
+            return sold
+
+        pids: set[str] = set()
+        while len(pids) < 2:  # both workers' marks in Redis before the SAVE: a partial loss
+            ledger.sell_together(url, [ledger.body(next(spare), prefix="W") for _ in range(2)])
+            pids = set(_decisions_by_worker(svc.journal_dir))
+        debug_redis.client().save()
+        sold = sell_from_both("Q")
+        stopped, records = sorted(_decisions_by_worker(svc.journal_dir).items())[0]
+        theirs = sorted({r["ticket"] for r in records if r["via"] == "answer"} & sold)
+        assert theirs
+        pid = int(stopped.rpartition("/")[2])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _rollback(debug_redis, "reload")
+            # While it is stopped, the other worker accepts every connection: every answer
+            # is the other's. Its first call finds Redis behind and restores its own; then
+            # it must wait for the stopped one's.
+            answers: list[int] = []
+            until = time.monotonic() + 3
+            while time.monotonic() < until:
+                for tid in theirs:
+                    try:
+                        status, raw = _call(url, "GET", f"/v1/tickets/{tid}")
+                    except Transport:
+                        continue
+                    assert status == 503, (tid, status, raw[:200])
+                    answers.append(status)
+                status, raw = _call(url, "POST", "/v1/tickets",
+                                    ledger.body(X, prefix="D"))
+                assert status == 503, ("a sale judged meanwhile", status, raw[:200])
+            assert len(answers) >= 2 * len(theirs), answers
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _assert_none(ledger.lost(tickets=sorted(sold)) + ledger.over(url) + ledger.lost())
+        _assert_verified(config, debug_redis.url, svc.journal_dir)
+    finally:
+        svc.stop()
 
 # -- 5. FLUSHALL under load --------------------------------------------------------------------
 #
