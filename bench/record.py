@@ -37,6 +37,7 @@ from capsvc.redis.store import Store, lua_source, ticket_key
 from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.sales import sell_alone
 from tests.support.servers import RedisServer
 
 GAME, CAP, MIN_STAKE, DRAW = "fdj-keno", 5000, 100, 13179
@@ -66,7 +67,7 @@ async def round_of(store: Store, batch: list[Sale], encode: Callable[[Sale], byt
     far = int(time.time() * 1000) + 86_400_000
     for start in range(0, len(batch), 200):
         await asyncio.gather(*[
-            store.sell(ticket_key("bench", s.ticket_id), s.fingerprint, encode(s), far, far,
+            sell_alone(store, ticket_key("bench", s.ticket_id), s.fingerprint, encode(s), far, far,
                        60_000, GAME, DRAW, 1, CAP, MIN_STAKE,
                        [(g.combo, g.stake) for g in s.grids], [far], "Europe/Paris",
                        fix_caps=False)

@@ -238,7 +238,9 @@ async def sell_retained(config: Path, redis_url: str, count: int, prefix: str, s
             for attempt in range(10):
                 try:
                     Marks.begin()  # as every request does (capsvc.http.app): its records stamped
-                    out = await tickets.sell(channel, t)
+                    [out] = await tickets.sell(channel, [t])
+                    if isinstance(out, Exception):
+                        raise out
                     if i % 10 == 0:
                         Marks.begin()
                         await tickets.ticket(channel, t.ticket_id)

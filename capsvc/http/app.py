@@ -269,7 +269,9 @@ class Api:
     async def post_ticket(self, request: web.BaseRequest) -> web.StreamResponse:
         channel = self.auth.channel(request)
         ticket = decode_body(await request.read(), TicketIn)
-        outcome = await self.tickets.sell(channel, ticket)
+        [outcome] = await self.tickets.sell(channel, [ticket])
+        if not isinstance(outcome, SaleOutcome):
+            raise outcome
         if outcome.ticket is not None and not outcome.replayed:
             self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
                                   outcome.shadowed)
@@ -280,7 +282,7 @@ class Api:
         return Answer(outcome.body)
 
     async def post_ticket_batch(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Several sales, each judged exactly as if sent alone (`Tickets.sell_many`): one
+        """Several sales, each judged exactly as if sent alone (`Tickets.sell`): one
         result per ticket, in order, with the status and body `post_ticket` would have
         answered for it. Whole-request problems (auth, a token without the `sell` scope, a
         body that is not a list of 1 to `max_batch` tickets, one ticket id twice) answer as
@@ -307,7 +309,7 @@ class Api:
                                f"(first at $.tickets[{first_at[tid]}])",
                                f"$.tickets[{i}].ticket_id")
             first_at[tid] = i
-        outcomes = iter(await self.tickets.sell_many(
+        outcomes = iter(await self.tickets.sell(
             channel, [t for t in items if isinstance(t, TicketIn)]))
         results = [self._result(item if isinstance(item, ApiError) else next(outcomes))
                    for item in items]

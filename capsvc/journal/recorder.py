@@ -9,7 +9,7 @@ once the record is durable, and the use-case answers only then. With the journal
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -30,6 +30,10 @@ from capsvc.journal.records import (
 from capsvc.journal.writer import Journal
 from capsvc.redis.marks import Marks
 from capsvc.redis.replies import PlayerLimits
+
+SaleDecision = tuple[Via, str, Sale, str, int, bytes, int, "list[int] | None"]
+"""A sale's decision as `Recorder.sale` takes it: via, channel, sale, sale id, instant,
+body, until, caps."""
 
 
 class Recorder:
@@ -64,12 +68,18 @@ class Recorder:
     def sale(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
              until: int, caps: list[int] | None = None) -> asyncio.Future[None]:
         """A sale's decision (`body`: the answer, byte for byte)."""
+        return self.sales([(via, channel, sale, sale_id, at, body, until, caps)])
+
+    def sales(self, decisions: Sequence[SaleDecision]) -> asyncio.Future[None]:
+        """Several sales' decisions (each as `sale` takes it), durable together: one future
+        for them all."""
         journal = self.journal
         if journal is None:
             return self._resolved()
-        return journal.append(SaleRecord(
+        return journal.append_many([SaleRecord(
             **self._ticket(via, channel, sale, sale_id, at, body, until),
-            caps=caps if caps is not None and any(g.capped for g in sale.grids) else None))
+            caps=caps if caps is not None and any(g.capped for g in sale.grids) else None)
+            for via, channel, sale, sale_id, at, body, until, caps in decisions])
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
                until: int, cancelled_at: int, released: int) -> asyncio.Future[None]:

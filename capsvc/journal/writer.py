@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -173,6 +173,24 @@ class Journal:
         self._bodies.append(body)
         self._waiters.append(fut)
         self._pending += len(body)
+        if not self._busy and not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._start)
+        return fut
+
+    def append_many(self, records: Sequence[Record]) -> asyncio.Future[None]:
+        """Queue records together (one write takes them all): one future, resolved once
+        they are all durable (raises Unavailable if they cannot be made so)."""
+        bodies = [encode(r) for r in records]
+        size = sum(len(b) for b in bodies)
+        if self._pending + size > MAX_PENDING_BYTES:
+            raise Unavailable("the journal's disk is not keeping up: decision not journaled")
+        loop = self._loop or self._bind()
+        fut = loop.create_future()
+        self._bodies += bodies
+        self._waiters += [None] * (len(bodies) - 1)
+        self._waiters.append(fut)
+        self._pending += size
         if not self._busy and not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._start)

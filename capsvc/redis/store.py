@@ -25,6 +25,7 @@ import os
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
@@ -204,28 +205,41 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
-_QueuedSale = tuple[list[str], list[Any], "asyncio.Future[Claim]", dict[str, int] | None]
-"""A sale waiting for the end of the tick: its KEYS, its ARGV, its reply, its request's
-stamp (capsvc.redis.marks)."""
+SaleCall = tuple[list[str], list[Any]]
+"""One sale's KEYS and ARGV in a call of capsvc_sell (`sale_call`)."""
 
 
-def _answer_sales(sales: list[_QueuedSale], call: asyncio.Future[Any]) -> None:
-    """Each sale of a batch its reply (or the call's failure)."""
+@dataclass(slots=True)
+class _QueuedSales:
+    """Sales of one request waiting for the end of the tick: their KEYS and ARGV, their
+    replies' one future, the request's stamp (capsvc.redis.marks)."""
+
+    calls: list[SaleCall]
+    out: asyncio.Future[list[Claim]]
+    stamp: dict[str, int] | None
+
+
+def _answer_sales(groups: list[_QueuedSales], call: asyncio.Future[Any]) -> None:
+    """Each group of a call its replies (or the call's failure)."""
     if call.cancelled():
-        for _, _, out, _ in sales:
-            out.cancel()
+        for group in groups:
+            group.out.cancel()
         return
     error = call.exception()
-    for i, (_, _, out, _) in enumerate(sales):
+    at = 0
+    for group in groups:
+        n = len(group.calls)
+        out = group.out
         if out.done():
-            continue
-        if error is not None:
+            pass
+        elif error is not None:
             out.set_exception(error)
-            continue
-        try:
-            out.set_result(claim_of(call.result()[i]))
-        except Exception as e:  # a reply of another layout: the library is not this one
-            out.set_exception(e)
+        else:
+            try:
+                out.set_result([claim_of(r) for r in call.result()[at:at + n]])
+            except Exception as e:  # a reply of another layout: the library is not this one
+                out.set_exception(e)
+        at += n
 
 
 class Store:
@@ -236,8 +250,10 @@ class Store:
         self._source = lua_source()
         self.single_node = isinstance(redis, Coalescer)
         """Every key on one Redis (not a cluster): a sale may be one multi-key call."""
-        self._sales: list[_QueuedSale] = []
+        self._sales: list[_QueuedSales] = []
         """Sales to send at the end of this tick, in one call (`sell`)."""
+        self._queued = 0
+        """How many sales `_sales` holds."""
         self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
         """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
         self.node_of = redis.node_of if isinstance(redis, ClusterCoalescer) else one_node
@@ -397,58 +413,86 @@ class Store:
         keys, args = self.names(ticket)
         return self.fcall("capsvc_ticket", keys, args, decode=ticket_of)
 
-    def sell(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
-             stale_after_ms: int, game: str, first_draw: int, draws: int, caps: str | int,
-             min_stake: int, grids: list[tuple[str, int]], expiries: list[int],
-             time_zone: str, fix_caps: bool = True) -> asyncio.Future[Claim]:
-        """The whole sale in one call (standalone Redis; see lua/capsvc.lua, sell). `grids`:
-        (combo, stake) of each grid, combo "\0<picks>" when the grid is not capped (a
-        combination never holds a zero byte)."""
-        keys, args = self.names(ticket)
+    @staticmethod
+    def sale_call(ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+                  stale_after_ms: int, game: str, first_draw: int, draws: int,
+                  caps: str | int, min_stake: int, grids: list[tuple[str, int]],
+                  expiries: list[int], time_zone: str, fix_caps: bool,
+                  draw_keys: tuple[list[str], list[str], list[str]]) -> SaleCall:
+        """One sale's KEYS and ARGV in a call of capsvc_sell (see lua/capsvc.lua, sell).
+        `grids`: (combo, stake) of each grid, combo "\0<picks>" when the grid is not
+        capped (a combination never holds a zero byte). `draw_keys`: the draws' sold-out
+        lists, aggregates and cap keys (`draw_keys`), built once a batch per (game, draws,
+        aggregate bucket)."""
+        keys, args = record_names(ticket)
         keys += (stops_key(game), pending_key_of(ticket))
         for combo, _ in grids:
             if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
-        keys += [capped_key(game, d) for d in range(first_draw, first_draw + draws)]
+        capped, aggregates, caps_keys = draw_keys
+        keys += capped
         keys.append(feed_key(game))
-        keys += [aggregate_key(ticket, game, d) for d in range(first_draw, first_draw + draws)]
+        keys += aggregates
         if fix_caps:
-            keys += [cap_key(game, d) for d in range(first_draw, first_draw + draws)]
+            keys += caps_keys
         sale_nonce = nonce()
         args += (fingerprint, sale, close_ms, expire_at, stale_after_ms,
                  sale_nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
         args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
+        return keys, args
+
+    @staticmethod
+    def draw_keys(ticket: str, game: str, first_draw: int, draws: int
+                  ) -> tuple[list[str], list[str], list[str]]:
+        """A sale's per-draw keys (`sale_call`): the same for every ticket of a batch on
+        those draws whose aggregate bucket is the same."""
+        drawn = range(first_draw, first_draw + draws)
+        return ([capped_key(game, d) for d in drawn],
+                [aggregate_key(ticket, game, d) for d in drawn],
+                [cap_key(game, d) for d in drawn])
+
+    def sell(self, calls: list[SaleCall]) -> asyncio.Future[list[Claim]]:
+        """Whole sales, each in one call (standalone Redis; see lua/capsvc.lua, sell): the
+        replies, in order, of one request's sales, queued until the end of the tick and sent
+        with every other request's of that tick in one call (at most SALES_PER_CALL sales
+        a call: `calls` must not hold more). One future for them all."""
+        assert len(calls) <= SALES_PER_CALL
         if not self._sales:
             assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
             self.redis.before_flush(self._send_sales)
-        out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
-        self._sales.append((keys, args, out, stamp.get()))
-        if len(self._sales) >= SALES_PER_CALL:
+        out: asyncio.Future[list[Claim]] = asyncio.get_running_loop().create_future()
+        if self._queued + len(calls) > SALES_PER_CALL:
             # A full call leaves now: Redis works on it while the tick prepares the next
             # ones (and its answer is not timed from behind all of them).
+            self._send_sales()  # the hook already registered sends the rest at the flush
+        self._sales.append(_QueuedSales(calls, out, stamp.get()))
+        self._queued += len(calls)
+        if self._queued >= SALES_PER_CALL:
             self._send_sales()
         return out
 
     def _send_sales(self) -> None:
         """The sales queued since the last call, as one call (lua/capsvc.lua, sell): one
-        Redis TIME, one mark and one index write for them all. Each sale gets its own
-        reply; a call that fails fails each of its sales (nothing of it ran, or its fate is
+        Redis TIME, one mark and one index write for them all. Each request gets its own
+        replies; a call that fails fails all of them (nothing of it ran, or its fate is
         unknown, as for a call of one)."""
-        sales, self._sales = self._sales, []
-        if not sales:  # sent when full, earlier in this tick
+        groups, self._sales, self._queued = self._sales, [], 0
+        if not groups:  # sent when full, earlier in this tick
             return
         keys: list[str] = []
-        args: list[Any] = [len(sales)]
-        for sale_keys, sale_args, _, _ in sales:
-            args += (len(sale_keys), len(sale_args))
-        for sale_keys, sale_args, _, _ in sales:
-            keys += sale_keys
-            args += sale_args
-        call = self.marks.call(self.redis.submit, "capsvc_sell", keys, args,
-                               stamps=[stamped for _, _, _, stamped in sales])
-        call.add_done_callback(functools.partial(_answer_sales, sales))
+        sizes: list[Any] = []
+        args: list[Any] = []
+        for group in groups:
+            for sale_keys, sale_args in group.calls:
+                sizes += (len(sale_keys), len(sale_args))
+                keys += sale_keys
+                args += sale_args
+        call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
+                               [len(sizes) // 2, *sizes, *args],
+                               stamps=[group.stamp for group in groups])
+        call.add_done_callback(functools.partial(_answer_sales, groups))
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next

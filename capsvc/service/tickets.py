@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any, Final
@@ -62,7 +62,7 @@ from capsvc.domain.validator import (
     unpack_sale,
     validate_ticket,
 )
-from capsvc.journal.recorder import Recorder
+from capsvc.journal.recorder import Recorder, SaleDecision
 from capsvc.journal.records import Via
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.replies import (
@@ -76,7 +76,14 @@ from capsvc.redis.replies import (
     StoppedAt,
     TicketRecord,
 )
-from capsvc.redis.store import Store, replies_of, retrieving, stop_instants, ticket_key
+from capsvc.redis.store import (
+    SALES_PER_CALL,
+    Store,
+    replies_of,
+    retrieving,
+    stop_instants,
+    ticket_key,
+)
 from capsvc.service.caps import caps_argument
 from capsvc.service.draws import Draws
 from capsvc.service.steps import SaleSteps
@@ -122,9 +129,25 @@ class Stop:
 Step = SaleOutcome | _Again | Stop
 """What deciding a claimed sale comes to."""
 
-FirstCall = Callable[[Game, str, Sale, int, int, bool], Awaitable[Claim]]
-"""A sale's first call: (game, ticket key, sale, close, expiry, first draw asked) -> the
-claim's reply."""
+@dataclass(slots=True)
+class _Prepared:
+    """A ticket of a batch that passed every check that does not need Redis."""
+
+    index: int
+    """Its place in the batch."""
+    ticket: TicketIn
+    game: Game
+    sale: Sale
+    key: str
+    """Its record's name (capsvc.redis.store.ticket_key)."""
+    defaulted: bool
+    """No first draw asked: the calendar's current one, moving on when it closes."""
+    first: int
+    one_call: bool
+    """Sold in one atomic call (else in steps)."""
+    stored: Sale | None = None
+    """The sale as its first call stores it (its first draw resolved)."""
+    expire_at: int = 0
 
 
 def first_stopped(stops: list[int | None], at: int) -> int | None:
@@ -146,48 +169,158 @@ class Tickets:
         self.clock = clock
         # A request may resume a pending ticket only while the janitor cannot touch it.
         self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
-        self._first: dict[str, FirstCall] = {
-            game.rules.id: (self._sell_in_one_call
-                            if (settings.one_call_sales and store.single_node
-                                and game.rules.daily_limit is None)
-                            else self._claim)
+        self._one_call = {
+            game.rules.id: (settings.one_call_sales and store.single_node
+                            and game.rules.daily_limit is None)
             for game in catalog.games.values()}
-        """Each game's first call: the one-call protocol or the steps', fixed at wiring."""
+        """Whether each game's sales are one atomic call (else steps), fixed at wiring."""
 
     # -- sell ------------------------------------------------------------------------------
 
-    async def sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
-        """Judge and record a sale, or answer the decision already recorded for its ticket
-        id. A request refused (4xx) before its ticket id was looked up is looked up then:
-        a retry of a sale whose answer was lost still gets its decision when the
-        configuration has changed since (a stake, a duration, a game no longer offered)."""
-        try:
-            return await self._sell(channel, t)
-        except ApiError as e:
-            if e.kind == "unavailable" or e.code == "idempotency_conflict":
-                raise
-            recorded = await self._recorded(channel, t)
-            if recorded is None:
-                raise
-            return recorded
-
-    async def sell_many(self, channel: Channel, tickets: Sequence[TicketIn]
-                        ) -> list[SaleOutcome | ApiError | Unavailable]:
-        """Each ticket judged exactly as if it had been sent alone (`sell`), all at once:
-        their Redis calls leave together (the transport sends a tick's calls in one
-        pipeline, per node) and their journal records share group commits. One result per
-        ticket, in order: its outcome, or the error it would have been answered alone —
-        a 503 among them leaves that ticket's outcome unknown and nothing of the others'.
+    async def sell(self, channel: Channel, tickets: Sequence[TicketIn]
+                   ) -> list[SaleOutcome | ApiError | Unavailable]:
+        """The only sale entry: judge and record each ticket exactly as if it had been sent
+        alone, in order, or answer the decision already recorded for its ticket id. One
+        result per ticket: its outcome, or the error it would have been answered alone — a
+        503 among them leaves that ticket's outcome unknown and nothing of the others'.
         Not a transaction: a ticket refused or capped changes nothing for the others, and a
-        player's limit holds across them as across concurrent requests."""
-        results = await asyncio.gather(*[self.sell(channel, t) for t in tickets],
-                                       return_exceptions=True)
-        out: list[SaleOutcome | ApiError | Unavailable] = []
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result,
-                                                                    ApiError | Unavailable):
-                raise result
-            out.append(result)
+        player's limit holds across them as across concurrent requests. `POST /v1/tickets`
+        is a batch of one.
+
+        The batch is prepared as a whole (`_prepare`), then its tickets on the one-call
+        protocol go to Redis as one group (`_sell_group`: one future, one journal append,
+        joined with the other requests' of the tick in one call), and the others — the
+        steps' protocol, and what a first call leaves to do (a replay, a claim to resume,
+        a first draw that moved on) — each as a sale alone (`_sell`). A request refused
+        (4xx) before its ticket id was looked up is looked up then: a retry of a sale whose
+        answer was lost still gets its decision when the configuration has changed since
+        (a stake, a duration, a game no longer offered)."""
+        results: list[SaleOutcome | ApiError | Unavailable | None] = [None] * len(tickets)
+        group: list[_Prepared] = []
+        alone: list[tuple[int, _Prepared, Claim | None]] = []
+        for i, t in enumerate(tickets):
+            try:
+                prepared = self._prepare(channel, t, i)
+            except ApiError as e:
+                results[i] = e
+                continue
+            if prepared.one_call:
+                group.append(prepared)
+            else:
+                alone.append((i, prepared, None))
+        for at in range(0, len(group), SALES_PER_CALL):
+            part = group[at:at + SALES_PER_CALL]
+            try:
+                done = await self._sell_group(channel, part)
+            except Unavailable as e:
+                for prepared in part:
+                    results[prepared.index] = e
+                continue
+            for prepared, outcome in zip(part, done, strict=True):
+                if isinstance(outcome, SaleOutcome | ApiError | Unavailable):
+                    results[prepared.index] = outcome
+                else:
+                    alone.append((prepared.index, prepared, outcome))
+        if alone:
+            finished = await asyncio.gather(*[self._sell(channel, prepared, claim)
+                                              for _, prepared, claim in alone],
+                                            return_exceptions=True)
+            for (i, _, _), result in zip(alone, finished, strict=True):
+                if isinstance(result, BaseException) and not isinstance(
+                        result, ApiError | Unavailable):
+                    raise result
+                results[i] = result
+        refused = [i for i, r in enumerate(results)
+                   if isinstance(r, ApiError) and r.kind != "unavailable"
+                   and r.code != "idempotency_conflict"]
+        if refused:
+            recorded = await asyncio.gather(*[self._recorded(channel, tickets[i])
+                                              for i in refused], return_exceptions=True)
+            for i, found in zip(refused, recorded, strict=True):
+                if isinstance(found, BaseException) and not isinstance(
+                        found, ApiError | Unavailable):
+                    raise found
+                if found is not None:
+                    results[i] = found
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, channel: Channel, t: TicketIn, index: int) -> _Prepared:
+        """A ticket checked against every rule that does not need Redis, its first draw
+        resolved (the calendar's current one when not asked), as its first call sends it."""
+        game = self.catalog.game(t.game, channel, "sell")
+        sale = validate_ticket(game.rules, t)
+        defaulted = sale.first_draw is None
+        first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
+        assert first is not None
+        if first < 1:  # before the calendar's first draw: closed long ago
+            raise _closed(first)
+        self.draws.check_horizon(game, first)
+        return _Prepared(index, t, game, sale, ticket_key(channel.id, t.ticket_id),
+                         defaulted, first, self._one_call[game.rules.id])
+
+    async def _sell_group(self, channel: Channel, group: list[_Prepared]
+                          ) -> list[SaleOutcome | ApiError | Unavailable | Claim]:
+        """Tickets of the one-call protocol (at most SALES_PER_CALL), each sold in one
+        atomic call, all in one call of the tick: the outcome of each sale made, or the
+        first call's reply when a step is left to take (`_sell` takes it)."""
+        store = self.store
+        draw_keys: dict[tuple[str, str, int, int], tuple[list[str], list[str], list[str]]] = {}
+        calls = []
+        fixing = []
+        for p in group:
+            game, sale, first = p.game, p.sale, p.first
+            rules = game.rules
+            # The draws' caps when this process has seen them fixed; else the configured
+            # cap, which the call fixes on the draws no sale has fixed yet, once nothing
+            # refused the sale, judging each draw by its own (lua/capsvc.lua, CAPS).
+            capped = any(g.capped for g in sale.grids)
+            known = self.steps.caps.known(game, first, sale.draws) if capped else None
+            fix = capped and known is None
+            fixing.append(fix)
+            key = p.key
+            shared = (key[2:key.index("}")], rules.id, first, sale.draws)
+            per_draw = draw_keys.get(shared)
+            if per_draw is None:
+                per_draw = draw_keys[shared] = store.draw_keys(key, rules.id, first,
+                                                               sale.draws)
+            p.stored = stored = msgspec.structs.replace(sale, first_draw=first)
+            p.expire_at = expire_at = game.expire_at(first + sale.draws - 1)
+            calls.append(store.sale_call(
+                key, sale.fingerprint, pack_sale(stored, not p.defaulted),
+                game.calendar.close_ms(first), expire_at, self.stale_after_ms, rules.id,
+                first, sale.draws,
+                caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit),
+                rules.min_stake,
+                [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake)
+                 for g in sale.grids],
+                game.expiries(first, sale.draws), rules.time_zone, fix, per_draw))
+        claims = await store.sell(calls)
+        out: list[SaleOutcome | ApiError | Unavailable | Claim] = []
+        records: list[SaleDecision] = []
+        for p, claim, fix in zip(group, claims, fixing, strict=True):
+            if not isinstance(claim, Sold):
+                out.append(claim)
+                continue
+            assert p.stored is not None
+            if fix and claim.caps is not None:
+                self.steps.caps.remember(p.game, p.first, claim.caps)
+            decision = decision_of(channel.id, p.stored, claim.sale_id, claim.at,
+                                   claim.results)
+            body = _encode(decision)
+            records.append(("answer", channel.id, p.stored, claim.sale_id, claim.at, body,
+                            p.expire_at, claim.caps))
+            out.append(SaleOutcome(body=body, replayed=False, ticket=decision,
+                                   near_cap=claim.near_cap, sold_out=claim.sold_out,
+                                   shadowed=claim.shadowed))
+        if records:
+            try:
+                await self.journal.sales(records)
+            except Unavailable as e:
+                return [e if isinstance(o, SaleOutcome) else o for o in out]
+            for p, claim in zip(group, claims, strict=True):
+                if isinstance(claim, Sold):
+                    self.store.journaled_later(p.key, claim.sale_id, b"f")
         return out
 
     async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
@@ -207,22 +340,24 @@ class Tickets:
         raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
                           "retry shortly", self.settings.retry_after_s)
 
-    async def _sell(self, channel: Channel, t: TicketIn) -> SaleOutcome:
-        game = self.catalog.game(t.game, channel, "sell")
-        sale = validate_ticket(game.rules, t)
-        key = ticket_key(channel.id, t.ticket_id)
-        defaulted = sale.first_draw is None
-        first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
-        assert first is not None
-        if first < 1:  # before the calendar's first draw: closed long ago
-            raise _closed(first)
-        first_call = self._first[game.rules.id]
+    async def _sell(self, channel: Channel, p: _Prepared, claim: Claim | None
+                    ) -> SaleOutcome:
+        """One ticket's sale from its first call (`claim`: its reply, when the group's call
+        made it) to its answer, claiming again while a step sends it back: a defaulted
+        first draw that just closed moves on, a sale the janitor took over is claimed
+        again."""
+        t, game, sale, key, defaulted, first = (p.ticket, p.game, p.sale, p.key,
+                                                 p.defaulted, p.first)
+        first_call = self._sell_in_one_call if p.one_call else self._claim
         for _ in range(_ATTEMPTS):
-            self.draws.check_horizon(game, first)
+            if claim is None:
+                self.draws.check_horizon(game, first)
             stored = msgspec.structs.replace(sale, first_draw=first)
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
-            claim = await first_call(game, key, stored, close_ms, expire_at, not defaulted)
+            if claim is None:
+                claim = await first_call(game, key, stored, close_ms, expire_at,
+                                         not defaulted)
             if isinstance(claim, Refused):
                 if claim.why == "conflict":
                     raise _conflict(t.ticket_id)
@@ -233,8 +368,10 @@ class Tickets:
                 if not defaulted:  # closed by the calendar
                     raise _closed(first)
                 first = max(first + 1, game.calendar.current(self.clock.now()))
+                claim = None
                 continue
             step = await self._after(channel, game, key, stored, expire_at, claim)
+            claim = None
             if isinstance(step, SaleOutcome):
                 return step
             if isinstance(step, Stop):
@@ -299,22 +436,21 @@ class Tickets:
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
                                 expire_at: int, asked: bool) -> Claim:
-        """The sale as one atomic call (standalone Redis, no player limits)."""
+        """The sale as one atomic call (standalone Redis, no player limits), alone: a
+        ticket whose first call moved it on (a draw closed or stopped)."""
         rules = game.rules
         assert sale.first_draw is not None
-        # The draws' caps when this process has seen them fixed; else the configured cap,
-        # which the call fixes on the draws no sale has fixed yet, once nothing refused the
-        # sale, judging each draw by its own (lua/capsvc.lua, CAPS).
         capped = any(g.capped for g in sale.grids)
         known = self.steps.caps.known(game, sale.first_draw, sale.draws) if capped else None
         fix = capped and known is None
-        caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
-        claim = await self.store.sell(
+        [claim] = await self.store.sell([self.store.sale_call(
             key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at,
-            self.stale_after_ms,
-            rules.id, sale.first_draw, sale.draws, caps, rules.min_stake,
+            self.stale_after_ms, rules.id, sale.first_draw, sale.draws,
+            caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit),
+            rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix)
+            game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix,
+            self.store.draw_keys(key, rules.id, sale.first_draw, sale.draws))])
         if fix and isinstance(claim, Sold) and claim.caps is not None:
             self.steps.caps.remember(game, sale.first_draw, claim.caps)
         return claim

@@ -64,7 +64,7 @@ async def test_a_sale_whose_answer_was_lost_is_sent_again_and_counted_once(
     sends the same request again and returns the one decision, counted once."""
     svc, url = service
     draw = await client.current()
-    original, failures = svc.usecases.journal.sale, [2]
+    original, failures = svc.usecases.journal.sales, [2]
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         if failures[0]:
@@ -72,7 +72,7 @@ async def test_a_sale_whose_answer_was_lost_is_sent_again_and_counted_once(
             raise Unavailable("the answer was lost")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(svc.usecases.journal, "sale", flaky)
+    monkeypatch.setattr(svc.usecases.journal, "sales", flaky)
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
     async with Client(url, TOKENS["fr"], backoff_s=0.01) as c:
         sold = await c.sell(body)
@@ -90,7 +90,7 @@ async def test_no_decision_before_the_deadline_is_outcome_unknown_never_a_guess(
     def down(*args: Any, **kwargs: Any) -> Any:
         raise Unavailable("the journal cannot be written")
 
-    monkeypatch.setattr(svc.usecases.journal, "sale", down)
+    monkeypatch.setattr(svc.usecases.journal, "sales", down)
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
     async with Client(url, TOKENS["fr"], backoff_s=0.01) as c:
         with pytest.raises(OutcomeUnknown) as unknown:

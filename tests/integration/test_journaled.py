@@ -53,7 +53,7 @@ async def test_a_decision_its_process_did_not_journal_is_journaled_by_the_janito
     def refused(*args: object, **kwargs: object) -> Any:
         raise Unavailable("the journal could not be written")
 
-    monkeypatch.setattr(svc.usecases.journal, "sale", refused)
+    monkeypatch.setattr(svc.usecases.journal, "sales", refused)
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
     assert await client.staked(TEN, draw) == 500
@@ -146,7 +146,7 @@ async def test_a_cancel_refused_as_closed_leaves_an_unjournaled_decision_to_the_
     svc, _ = service
     draw = await client.current()
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
-    refuse_journal(monkeypatch, svc.usecases.journal, "sale")
+    refuse_journal(monkeypatch, svc.usecases.journal, "sales")
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
     assert (await client.post(f"/v1/games/fdj-keno/draws/{draw}/close",
@@ -168,8 +168,8 @@ async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_f
     draw = await client.current()
     body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw)
     journal, ledger = svc.usecases.journal, svc.usecases.tickets.steps
-    original_sale, original_give_back = journal.sale, ledger.give_back
-    refuse_journal(monkeypatch, journal, "sale")
+    original_sale, original_give_back = journal.sales, ledger.give_back
+    refuse_journal(monkeypatch, journal, "sales")
     assert (await client.sell(body)).status == 503
     monkeypatch.undo()
 
@@ -187,7 +187,7 @@ async def test_a_cancel_interrupted_while_the_janitor_journals_a_sale_is_still_f
             await original_sale(*args, **kwargs)
         return asyncio.ensure_future(slow())
 
-    monkeypatch.setattr(journal, "sale", journals_slowly)
+    monkeypatch.setattr(journal, "sales", journals_slowly)
     assert await past_deadline(svc.usecases.janitor).run_once() == 1
     monkeypatch.undo()
     key = ticket_key("fr-retail", body["ticket_id"])

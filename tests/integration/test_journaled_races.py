@@ -112,7 +112,7 @@ async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entr
     await asyncio.wait_for(entered.wait(), 5)
     monkeypatch.undo()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(svc.usecases.journal, "sale", refused)
+        mp.setattr(svc.usecases.journal, "sales", refused)
         assert (await client.sell(dict(late, first_draw=draw), token="ma")).status == 503
     assert held(redis_db, key, "st") == b"f"
     go.set()
@@ -134,7 +134,7 @@ async def test_entries_that_must_wait_do_not_hide_the_rest_of_their_slot(
     (victim,) = ids_in_slot("fr-retail", 0, 1, "V")
     fdj = await client.current()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(svc.usecases.journal, "sale", refused)
+        mp.setattr(svc.usecases.journal, "sales", refused)
         for tid in stuck:
             assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 200}],
                                              ticket_id=tid, game="minute-keno"))).status == 503
@@ -209,7 +209,7 @@ async def test_a_short_retention_sale_does_not_expire_the_entries_of_its_slot(
             fdj = ticket([{"numbers": TEN, "stake": 500}], first_draw=await client.current())
             slot = slot_of("fr-retail", fdj["ticket_id"])
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(svc.usecases.journal, "sale", refused)
+                mp.setattr(svc.usecases.journal, "sales", refused)
                 assert (await client.sell(fdj)).status == 503
             tid = next(f"Q-{i}" for i in range(10**6) if slot_of("fr-retail", f"Q-{i}") == slot)
             assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 200}],
@@ -295,7 +295,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
             body = ticket([{"numbers": TEN, "stake": 500}], game="minute-keno",
                           first_draw=draw)
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(svc.usecases.journal, "sale", refused)
+                mp.setattr(svc.usecases.journal, "sales", refused)
                 before = redis_ms(redis_db)
                 sold = await client.sell(body)
                 after = redis_ms(redis_db)

@@ -21,6 +21,7 @@ from capsvc.redis.replies import Sold
 from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
 from capsvc.redis.transport import Coalescer
 from tests.conftest import TEN, Client, services, start_service, ticket
+from tests.support.sales import sell_alone
 from tests.support.servers import RedisServer
 
 
@@ -115,7 +116,7 @@ async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
     far = int(time.time() * 1000) + 86_400_000
     replies = []
     for i in range(SALES_PER_CALL + 3):
-        replies.append(store.sell(
+        replies.append(sell_alone(store,
             ticket_key("t", f"F-{i}"), f"{i:032x}", b"sale", far, far, 60_000, "g", 7, 1,
             5000, 100, [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60), 100)], [far],
             "UTC", fix_caps=False))
@@ -137,7 +138,7 @@ async def test_a_sale_run_in_the_millisecond_of_a_close_just_before_it_is_before
     await store.load_library()
     far = int(time.time() * 1000) + 86_400_000
     for draw in range(1, 31):
-        sold = store.sell(ticket_key("t", f"S-{draw}"), f"{draw:032x}", b"sale", far, far,
+        sold = sell_alone(store, ticket_key("t", f"S-{draw}"), f"{draw:032x}", b"sale", far, far,
                           60_000, "g", draw, 1, 5000, 100,
                           [("\x01\x02\x03\x04\x05\x06\x07\x08", 100)], [far], "UTC",
                           fix_caps=False)

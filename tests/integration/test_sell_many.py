@@ -41,7 +41,7 @@ async def test_each_ticket_is_judged_as_if_sent_alone(
               ticket([{"numbers": eight, "stake": 123}], first_draw=draw),
               ticket([{"numbers": eight, "stake": 1000}], first_draw=draw),
               ticket([{"numbers": eight, "stake": 500}], first_draw=draw)]
-    first = await svc.usecases.tickets.sell_many(channel, _tickets(*bodies))
+    first = await svc.usecases.tickets.sell(channel, _tickets(*bodies))
     assert [type(r) for r in first] == [SaleOutcome, ApiError, SaleOutcome, SaleOutcome]
     sold, refused, capped, fits = first
     assert isinstance(refused, ApiError)
@@ -53,7 +53,7 @@ async def test_each_ticket_is_judged_as_if_sent_alone(
         "accepted", "rejected", "accepted"]
     assert await client.staked(eight, draw) == 5000
     assert await client.staked(other, draw) == 300
-    again = await svc.usecases.tickets.sell_many(channel, _tickets(*bodies))
+    again = await svc.usecases.tickets.sell(channel, _tickets(*bodies))
     for before, after in zip(first, again, strict=True):
         if isinstance(before, SaleOutcome):
             assert isinstance(after, SaleOutcome)
@@ -103,7 +103,7 @@ async def test_on_one_node_the_tickets_of_a_tick_are_one_call_judged_in_order(
 
     svc.store.redis.submit = watched  # type: ignore[method-assign]
     try:
-        results = await svc.usecases.tickets.sell_many(channel, _tickets(*bodies))
+        results = await svc.usecases.tickets.sell(channel, _tickets(*bodies))
     finally:
         svc.store.redis.submit = submit  # type: ignore[method-assign]
     assert sent.count("capsvc_sell") == 1

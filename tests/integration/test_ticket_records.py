@@ -25,6 +25,7 @@ from capsvc.redis.store import (
 )
 from tests.conftest import TEN, Client, ticket
 from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire, raw_ticket
+from tests.support.sales import sell_alone
 from tests.support.servers import RedisCluster, RedisServer, redis_ms
 
 HOUR, DAY = 3_600_000, 86_400_000
@@ -165,7 +166,7 @@ async def test_a_sale_of_thousands_of_keys_is_one_call(redis_server: RedisServer
         grids = [(bytes(sorted(range(1 + g, 9 + g))).decode(), 100) for g in range(20)]
         expiries = [now + DAY + d for d in range(draws)]
         key = ticket_key("ch", "LONG-1")
-        reply = await store.sell(key, "fp", b"sale", now + HOUR, expiries[-1], 60_000, "g",
+        reply = await sell_alone(store, key, "fp", b"sale", now + HOUR, expiries[-1], 60_000, "g",
                                  1000, draws, 5000, 100, grids, expiries, "UTC")
         assert isinstance(reply, Sold), reply
         assert (await raw_ticket(store, key))[0] == b"f"
