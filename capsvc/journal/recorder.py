@@ -31,9 +31,10 @@ from capsvc.journal.writer import Journal
 from capsvc.redis.marks import Marks
 from capsvc.redis.replies import PlayerLimits
 
-SaleDecision = tuple[Via, str, Sale, str, int, bytes, int, "list[int] | None"]
+SaleDecision = tuple[Via, str, Sale, str, int, bytes, int, "list[int] | None",
+                     "dict[str, int] | None"]
 """A sale's decision as `Recorder.sale` takes it: via, channel, sale, sale id, instant,
-body, until, caps."""
+body, until, caps; and its stamp (`Recorder.stamp` of the request that made it)."""
 
 
 class Recorder:
@@ -68,7 +69,8 @@ class Recorder:
     def sale(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
              until: int, caps: list[int] | None = None) -> asyncio.Future[None]:
         """A sale's decision (`body`: the answer, byte for byte)."""
-        return self.sales([(via, channel, sale, sale_id, at, body, until, caps)])
+        return self.sales([(via, channel, sale, sale_id, at, body, until, caps,
+                            self.stamp())])
 
     def sales(self, decisions: Sequence[SaleDecision]) -> asyncio.Future[None]:
         """Several sales' decisions (each as `sale` takes it), durable together: one future
@@ -77,9 +79,9 @@ class Recorder:
         if journal is None:
             return self._resolved()
         return journal.append_many([SaleRecord(
-            **self._ticket(via, channel, sale, sale_id, at, body, until),
+            **self._ticket(via, channel, sale, sale_id, at, body, until, marks),
             caps=caps if caps is not None and any(g.capped for g in sale.grids) else None)
-            for via, channel, sale, sale_id, at, body, until, caps in decisions])
+            for via, channel, sale, sale_id, at, body, until, caps, marks in decisions])
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
                until: int, cancelled_at: int, released: int) -> asyncio.Future[None]:
@@ -91,15 +93,17 @@ class Recorder:
             cancelled_at=cancelled_at, released=released))
 
     def _ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
-                until: int) -> dict[str, Any]:
-        """The fields a sale's and a cancel's records share: the ticket and its decision."""
+                until: int, marks: dict[str, int] | None = None) -> dict[str, Any]:
+        """The fields a sale's and a cancel's records share: the ticket and its decision;
+        `marks`: its stamp (default: `stamp`)."""
         assert sale.first_draw is not None
         return {"at": at, "via": via, "proc": self.proc, "channel": channel,
                 "ticket": sale.ticket_id, "sale": sale_id, "game": sale.game,
                 "first_draw": sale.first_draw, "draws": sale.draws, "fp": sale.fingerprint,
                 "until": until, "grids": grids_of(sale), "decision": msgspec.Raw(body),
                 "player": sale.player_id, "joker_plus": sale.joker_plus,
-                "joker_cost": sale.joker_cost, "marks": self.stamp()}
+                "joker_cost": sale.joker_cost,
+                "marks": self.stamp() if marks is None else marks}
 
     def ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,

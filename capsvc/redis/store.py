@@ -211,12 +211,12 @@ SaleCall = tuple[list[str], list[Any]]
 
 @dataclass(slots=True)
 class _QueuedSales:
-    """Sales of one request waiting for the end of the tick: their KEYS and ARGV, their
-    replies' one future, the request's stamp (capsvc.redis.marks)."""
+    """Sales waiting for the end of the tick: their KEYS and ARGV, their replies' one
+    future, the stamps of the requests they are for (capsvc.redis.marks)."""
 
     calls: list[SaleCall]
     out: asyncio.Future[list[Claim]]
-    stamp: dict[str, int] | None
+    stamps: Sequence[dict[str, int] | None]
 
 
 def _answer_sales(groups: list[_QueuedSales], call: asyncio.Future[Any]) -> None:
@@ -453,11 +453,13 @@ class Store:
                 [aggregate_key(ticket, game, d) for d in drawn],
                 [cap_key(game, d) for d in drawn])
 
-    def sell(self, calls: list[SaleCall]) -> asyncio.Future[list[Claim]]:
+    def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None
+             ) -> asyncio.Future[list[Claim]]:
         """Whole sales, each in one call (standalone Redis; see lua/capsvc.lua, sell): the
         replies, in order, of one request's sales, queued until the end of the tick and sent
         with every other request's of that tick in one call (at most SALES_PER_CALL sales
-        a call: `calls` must not hold more). One future for them all."""
+        a call: `calls` must not hold more). One future for them all. `stamps`: the
+        requests they are for (default: the current one), whose stamps get the call's G."""
         assert len(calls) <= SALES_PER_CALL
         if not self._sales:
             assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
@@ -467,7 +469,7 @@ class Store:
             # A full call leaves now: Redis works on it while the tick prepares the next
             # ones (and its answer is not timed from behind all of them).
             self._send_sales()  # the hook already registered sends the rest at the flush
-        self._sales.append(_QueuedSales(calls, out, stamp.get()))
+        self._sales.append(_QueuedSales(calls, out, (stamp.get(),) if stamps is None else stamps))
         self._queued += len(calls)
         if self._queued >= SALES_PER_CALL:
             self._send_sales()
@@ -491,7 +493,7 @@ class Store:
                 args += sale_args
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
                                [len(sizes) // 2, *sizes, *args],
-                               stamps=[group.stamp for group in groups])
+                               stamps=[s for group in groups for s in group.stamps])
         call.add_done_callback(functools.partial(_answer_sales, groups))
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:

@@ -30,6 +30,7 @@ nobody asks again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from capsvc.domain.validator import (
 from capsvc.journal.recorder import Recorder, SaleDecision
 from capsvc.journal.records import Via
 from capsvc.redis.clock import RedisClock
+from capsvc.redis.marks import stamp
 from capsvc.redis.replies import (
     Cancelling,
     Claim,
@@ -136,6 +138,9 @@ class _Prepared:
     index: int
     """Its place in the batch."""
     ticket: TicketIn
+    channel: Channel
+    stamp: dict[str, int] | None
+    """Its request's stamp (capsvc.redis.marks)."""
     game: Game
     sale: Sale
     key: str
@@ -148,6 +153,35 @@ class _Prepared:
     stored: Sale | None = None
     """The sale as its first call stores it (its first draw resolved)."""
     expire_at: int = 0
+
+
+_GroupOutcome = SaleOutcome | ApiError | Unavailable | Claim
+"""A one-call ticket's outcome, or its first call's reply when a step is left to take."""
+
+
+def _answer_joined(joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]],
+                   parts: list[list[_Prepared]], done: asyncio.Future[list[Any]]) -> None:
+    """Each request of a tick its tickets' outcomes: a call that failed as unavailable
+    fails its tickets so (outcome unknown); any other failure, every request."""
+    outcomes: dict[int, _GroupOutcome] = {}
+    failure: BaseException | None = None
+    if done.cancelled():
+        failure = asyncio.CancelledError()
+    else:
+        for part, result in zip(parts, done.result(), strict=True):
+            if isinstance(result, Unavailable):
+                outcomes.update((id(p), result) for p in part)
+            elif isinstance(result, BaseException):
+                failure = result
+            else:
+                outcomes.update(zip(map(id, part), result, strict=True))
+    for group, out in joining:
+        if out.done():
+            continue
+        if failure is not None:
+            out.set_exception(failure)
+        else:
+            out.set_result([outcomes[id(p)] for p in group])
 
 
 def first_stopped(stops: list[int | None], at: int) -> int | None:
@@ -174,6 +208,8 @@ class Tickets:
                             and game.rules.daily_limit is None)
             for game in catalog.games.values()}
         """Whether each game's sales are one atomic call (else steps), fixed at wiring."""
+        self._joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]] = []
+        """The one-call tickets of this tick's requests, sold together at its end."""
 
     # -- sell ------------------------------------------------------------------------------
 
@@ -208,15 +244,8 @@ class Tickets:
                 group.append(prepared)
             else:
                 alone.append((i, prepared, None))
-        for at in range(0, len(group), SALES_PER_CALL):
-            part = group[at:at + SALES_PER_CALL]
-            try:
-                done = await self._sell_group(channel, part)
-            except Unavailable as e:
-                for prepared in part:
-                    results[prepared.index] = e
-                continue
-            for prepared, outcome in zip(part, done, strict=True):
+        if group:
+            for prepared, outcome in zip(group, await self._joined(group), strict=True):
                 if isinstance(outcome, SaleOutcome | ApiError | Unavailable):
                     results[prepared.index] = outcome
                 else:
@@ -245,6 +274,28 @@ class Tickets:
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
+    def _joined(self, group: list[_Prepared]) -> asyncio.Future[list[_GroupOutcome]]:
+        """The outcomes of `group` (one request's one-call tickets), sold with every other
+        request's of this event-loop tick: the tick's tickets are one batch, cut into calls
+        of SALES_PER_CALL (`_sell_groups`). One future a request."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[list[_GroupOutcome]] = loop.create_future()
+        if not self._joining:
+            loop.call_soon(self._sell_joined)
+        self._joining.append((group, out))
+        return out
+
+    def _sell_joined(self) -> None:
+        """The tick's one-call tickets, every request's, sold in calls of SALES_PER_CALL
+        (one task a call), each request then answered its own."""
+        joining, self._joining = self._joining, []
+        items = [p for group, _ in joining for p in group]
+        parts = [items[at:at + SALES_PER_CALL] for at in range(0, len(items), SALES_PER_CALL)]
+        loop = asyncio.get_running_loop()
+        done = asyncio.gather(*[loop.create_task(self._sell_group(part)) for part in parts],
+                              return_exceptions=True)
+        done.add_done_callback(functools.partial(_answer_joined, joining, parts))
+
     def _prepare(self, channel: Channel, t: TicketIn, index: int) -> _Prepared:
         """A ticket checked against every rule that does not need Redis, its first draw
         resolved (the calendar's current one when not asked), as its first call sends it."""
@@ -256,14 +307,15 @@ class Tickets:
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
         self.draws.check_horizon(game, first)
-        return _Prepared(index, t, game, sale, ticket_key(channel.id, t.ticket_id),
-                         defaulted, first, self._one_call[game.rules.id])
+        return _Prepared(index, t, channel, stamp.get(), game, sale,
+                         ticket_key(channel.id, t.ticket_id), defaulted, first,
+                         self._one_call[game.rules.id])
 
-    async def _sell_group(self, channel: Channel, group: list[_Prepared]
-                          ) -> list[SaleOutcome | ApiError | Unavailable | Claim]:
-        """Tickets of the one-call protocol (at most SALES_PER_CALL), each sold in one
-        atomic call, all in one call of the tick: the outcome of each sale made, or the
-        first call's reply when a step is left to take (`_sell` takes it)."""
+    async def _sell_group(self, group: list[_Prepared]) -> list[_GroupOutcome]:
+        """Tickets of the one-call protocol (at most SALES_PER_CALL, of one or several
+        requests), each sold in one atomic call, all in one Redis call: the outcome of each
+        sale made, or the first call's reply when a step is left to take (`_sell` takes
+        it). Each request's stamp gets the call's G, and stamps its records."""
         store = self.store
         draw_keys: dict[tuple[str, str, int, int], tuple[list[str], list[str], list[str]]] = {}
         calls = []
@@ -295,8 +347,9 @@ class Tickets:
                 [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake)
                  for g in sale.grids],
                 game.expiries(first, sale.draws), rules.time_zone, fix, per_draw))
-        claims = await store.sell(calls)
-        out: list[SaleOutcome | ApiError | Unavailable | Claim] = []
+        stamps = list({id(p.stamp): p.stamp for p in group}.values())
+        claims = await store.sell(calls, stamps)
+        out: list[_GroupOutcome] = []
         records: list[SaleDecision] = []
         for p, claim, fix in zip(group, claims, fixing, strict=True):
             if not isinstance(claim, Sold):
@@ -305,11 +358,12 @@ class Tickets:
             assert p.stored is not None
             if fix and claim.caps is not None:
                 self.steps.caps.remember(p.game, p.first, claim.caps)
-            decision = decision_of(channel.id, p.stored, claim.sale_id, claim.at,
+            decision = decision_of(p.channel.id, p.stored, claim.sale_id, claim.at,
                                    claim.results)
             body = _encode(decision)
-            records.append(("answer", channel.id, p.stored, claim.sale_id, claim.at, body,
-                            p.expire_at, claim.caps))
+            records.append(("answer", p.channel.id, p.stored, claim.sale_id, claim.at, body,
+                            p.expire_at, claim.caps,
+                            None if p.stamp is None else dict(p.stamp)))
             out.append(SaleOutcome(body=body, replayed=False, ticket=decision,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed))
