@@ -13,6 +13,10 @@ but for the node's count a marked function also writes on a cluster (see MARKS).
                  t:{t:NN}:<channel>/<ticket id>
                  fields st, fp, at, sid, sale, body | res, ca, rel
                  kept until: close of the ticket's last draw + retention.
+  unjournaled    q:{sales}                        hash   (standalone: sales in one call)
+                 <call> -> msgpack [instant, {ticket name, sid, ...}]: the sales a call of
+                 `sell` made, until their process has journaled them (it deletes the
+                 field), else the janitor journals them and deletes it
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
@@ -1232,11 +1236,15 @@ end
 
 --[[ sell: a batch of sales, each judged as if it were a call of its own, in order:
 ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV,
-then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order. One Redis TIME, one
-mark, one ZADD per pending index and one expiry read per key serve the whole batch (a
-batch is judged at one instant). Returns one reply per sale, in order.
+then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order; then the key of the
+unjournaled sales (see THE KEYS) and this call's field in it (any string no other call
+uses). One Redis TIME, one mark, one expiry read per key and one entry of the unjournaled
+sales serve the whole batch (a batch is judged at one instant): the names and sale ids of
+the sales it made (not the replays), at its instant, which the caller deletes once their
+decisions are journaled (else the janitor journals them). Returns one reply per sale, in
+order.
 
-One sale: KEYS ticket, stops, the pending index, the buckets (draw 1..n) of each capped
+One sale: KEYS ticket, stops, the buckets (draw 1..n) of each capped
 grid, the sold-out
 list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES), the
 cap key of each draw (see CAPS: fixed here, once the sale is known to stand);
@@ -1256,8 +1264,8 @@ counted as `reserve` counts it, the combinations it brought to their cap go on t
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a
-function of them, the sale, sid and at). No pending state; the ticket is indexed until the
-caller has journaled its decision (the janitor journals it otherwise). Returns
+function of them, the sale, sid and at). No pending state; the sale is in its call's entry
+of the unjournaled sales until the caller has journaled its decision (see `sell`). Returns
 {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
@@ -1278,7 +1286,7 @@ local function sell_one(keys, args, now, batch)
   for i = 1, n do
     draws[i] = first + i - 1
   end
-  local asked = keys[2] .. '\0' .. first .. ':' .. n  -- keys[3]: the pending index
+  local asked = keys[2] .. '\0' .. first .. ':' .. n
   local stops = batch.stops[asked]
   if not stops then
     stops = redis.call('HMGET', keys[2], unpack(draws))
@@ -1321,7 +1329,7 @@ local function sell_one(keys, args, now, batch)
   end
   local res, near, sold, shadowed = {}, 0, 0, 0
   local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
-  local k = 4
+  local k = 3
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
@@ -1357,19 +1365,11 @@ local function sell_one(keys, args, now, batch)
   end
   local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
   ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
-  -- Indexed until the caller has journaled the decision (else the janitor journals it):
-  -- added with the batch's other sales of that index.
-  local index = batch.indexes[keys[3]]
-  if not index then
-    index = {until_ms = 0}
-    batch.indexes[keys[3]] = index
-    batch.order[#batch.order + 1] = keys[3]
-  end
-  index[#index + 1] = now
-  index[#index + 1] = T.name
-  if index.until_ms < tonumber(args[4]) then
-    index.until_ms = tonumber(args[4])
-  end
+  -- Kept in the call's entry of the unjournaled sales until the caller has journaled the
+  -- decision (else the janitor journals it).
+  local made = batch.sold
+  made[#made + 1] = T.name
+  made[#made + 1] = sid
   -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
   for i = 1, n do
     local key = keys[aggregates + i]
@@ -1386,7 +1386,7 @@ end
 
 local function sell(keys, args)
   local now = now_ms()
-  local batch = {seen = {}, stops = {}, indexes = {}, order = {}}
+  local batch = {seen = {}, stops = {}, sold = {}}
   local sales = tonumber(args[1])
   local k, a = 0, 1 + 2 * sales  -- before the next sale's first key and argument
   local replies = {}
@@ -1395,10 +1395,8 @@ local function sell(keys, args)
     replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
     k, a = k + nk, a + na
   end
-  for _, key in ipairs(batch.order) do
-    local index = batch.indexes[key]
-    redis.call('ZADD', key, 'NX', unpack(index))
-    extend(key, index.until_ms, 0, batch.seen)
+  if #batch.sold > 0 then
+    redis.call('HSET', keys[#keys], args[#args], cmsgpack.pack({now, batch.sold}))
   end
   return replies
 end

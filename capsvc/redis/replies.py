@@ -49,6 +49,8 @@ class Sold:
     """Grids accepted that the shadow cap would have refused."""
     caps: list[int] | None
     """The draws' caps the sale was judged by, when the call fixed them."""
+    entry: object = None
+    """Its call's entry of the unjournaled sales (capsvc.redis.store.Unjournaled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +101,17 @@ class Refused:
 Claim = Claimed | Sold | Decided | Pending | StoppedAt | Refused
 
 
-def claim_of(reply: list[Any]) -> Claim:
-    """A claim's or a one-call sale's reply."""
+def claim_of(reply: list[Any], entry: object = None) -> Claim:
+    """A claim's or a one-call sale's reply; `entry`: a sale's call's entry of the
+    unjournaled sales."""
     kind = reply[0]
     if kind == b"new":
         if len(reply) == 3:
             return Claimed(int(reply[1]), _text(reply[2]))
         caps = reply[7] if len(reply) > 7 else None
         return Sold(int(reply[1]), _text(reply[2]), reply[3], int(reply[4]), int(reply[5]),
-                    int(reply[6]), [int(c) for c in caps.split(b",")] if caps else None)
+                    int(reply[6]), [int(c) for c in caps.split(b",")] if caps else None,
+                    entry)
     if kind == b"final":
         return Decided(reply[1], int(reply[2]), _text(reply[3]), reply[4], reply[5],
                        reply[6], _int(reply[7] if len(reply) > 7 else None),

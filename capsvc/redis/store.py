@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
+import msgspec
 from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
@@ -43,6 +44,7 @@ from capsvc.redis.replies import (
     NotCancelled,
     PlayerLimits,
     Released,
+    Sold,
     TicketRecord,
     budget_of,
     cancel_of,
@@ -145,6 +147,10 @@ def aggregate_keys(game: str, draw: int) -> list[str]:
     return [f"a:{{t:{b}}}:{game}:{draw}" for b in range(TICKET_BUCKETS)]
 
 
+UNJOURNALED = "q:{sales}"
+"""The unjournaled sales of the calls of `sell` (lua/capsvc.lua, THE KEYS)."""
+
+
 def pending_key(bucket: int) -> str:
     return f"p:{{t:{bucket}}}"
 
@@ -219,8 +225,21 @@ class _QueuedSales:
     stamps: Sequence[dict[str, int] | None]
 
 
-def _answer_sales(groups: list[_QueuedSales], call: asyncio.Future[Any]) -> None:
-    """Each group of a call its replies (or the call's failure)."""
+class Unjournaled:
+    """A call's entry of the unjournaled sales (lua/capsvc.lua, `sell`): deleted once
+    each of the sales it made has been journaled (`Store.journaled_sale`)."""
+
+    __slots__ = ("field", "left")
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+        self.left = 0
+
+
+def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
+                  call: asyncio.Future[Any]) -> None:
+    """Each group of a call its replies (or the call's failure); each sale made carries
+    the call's entry of the unjournaled sales."""
     if call.cancelled():
         for group in groups:
             group.out.cancel()
@@ -236,9 +255,12 @@ def _answer_sales(groups: list[_QueuedSales], call: asyncio.Future[Any]) -> None
             out.set_exception(error)
         else:
             try:
-                out.set_result([claim_of(r) for r in call.result()[at:at + n]])
+                claims = [claim_of(r, entry) for r in call.result()[at:at + n]]
             except Exception as e:  # a reply of another layout: the library is not this one
                 out.set_exception(e)
+            else:
+                entry.left += sum(1 for c in claims if isinstance(c, Sold))
+                out.set_result(claims)
         at += n
 
 
@@ -425,7 +447,7 @@ class Store:
         lists, aggregates and cap keys (`draw_keys`), built once a batch per (game, draws,
         aggregate bucket)."""
         keys, args = record_names(ticket)
-        keys += (stops_key(game), pending_key_of(ticket))
+        keys.append(stops_key(game))
         for combo, _ in grids:
             if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
@@ -491,10 +513,42 @@ class Store:
                 sizes += (len(sale_keys), len(sale_args))
                 keys += sale_keys
                 args += sale_args
+        entry = Unjournaled(nonce().hex())
+        keys.append(UNJOURNALED)
+        args.append(entry.field)
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
                                [len(sizes) // 2, *sizes, *args],
                                stamps=[s for group in groups for s in group.stamps])
-        call.add_done_callback(functools.partial(_answer_sales, groups))
+        call.add_done_callback(functools.partial(_answer_sales, groups, entry))
+
+    def journaled_sale(self, sold: Sold) -> None:
+        """A sale made in one call (`sell`) is journaled: its call's entry of the
+        unjournaled sales goes once every sale of the call is (one HDEL a call, nobody
+        waiting for it: an entry left by a failure only makes the janitor journal its
+        sales again)."""
+        entry = sold.entry
+        if not isinstance(entry, Unjournaled):
+            return
+        entry.left -= 1
+        if entry.left == 0:
+            self.redis.send("HDEL", UNJOURNALED, entry.field)
+
+    async def unjournaled(self) -> list[tuple[str, int, list[tuple[str, str]]]]:
+        """The entries of the unjournaled sales: (field, instant, [(ticket, sale id)])."""
+        raw = await self.redis.submit("HGETALL", UNJOURNALED)
+        items = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2],
+                                                              strict=True)
+        out = []
+        for field, value in items:
+            at, sold = msgspec.msgpack.decode(value)
+            names = [n.decode() if isinstance(n, bytes) else n for n in sold]
+            out.append((field.decode() if isinstance(field, bytes) else field, int(at),
+                        list(zip(names[::2], names[1::2], strict=True))))
+        return out
+
+    def forget_unjournaled(self, field: str) -> asyncio.Future[Any]:
+        """The janitor has journaled an entry's sales."""
+        return self.redis.submit("HDEL", UNJOURNALED, field)
 
     def sweep(self, bucket: str, cursor: bytes, count: int) -> asyncio.Future[Any]:
         """Delete the records past their expiry of one page of a record bucket: [next
@@ -503,11 +557,15 @@ class Store:
 
     async def oldest_pending(self) -> int | None:
         """The instant of the oldest entry of the pending indexes (a ticket claimed, being
-        cancelled, or decided and not journaled yet), None when they are empty."""
+        cancelled, or decided and not journaled yet) and of the unjournaled sales, None
+        when there is none."""
         replies = await replies_of([self.redis.submit("ZRANGE", pending_key(b), 0, 0,
                                                       "WITHSCORES")
                                     for b in range(TICKET_BUCKETS)])
-        return min((int(float(r[1])) for r in replies if r), default=None)
+        indexed = [int(float(r[1])) for r in replies if r]
+        if self.single_node:
+            indexed += [at for _, at, _ in await self.unjournaled()]
+        return min(indexed, default=None)
 
     def pending(self, bucket: int, indexed_before_ms: int, limit: int, offset: int = 0
                 ) -> asyncio.Future[Any]:

@@ -86,6 +86,10 @@ class Janitor:
         # Index entries carry the Redis-clock instant they were made; the function decides.
         cutoff = self.clock.now() - self.deadline_ms + 1
         settled = 0
+        if self.store.single_node:
+            for field, at, sold in await self.store.unjournaled():
+                if at < cutoff:
+                    settled += await self.journal_sold(field, sold)
         for bucket in range(TICKET_BUCKETS):
             # Page by page: entries that must wait (a game no longer configured) do not
             # hide the ones behind them.
@@ -123,6 +127,37 @@ class Janitor:
                 deleted += gone
             pending = [i for i in pending if cursors[i] != b"0"]
         return deleted
+
+    async def journal_sold(self, field: str, sold: list[tuple[str, str]]) -> int:
+        """Journal the sales of a call's entry of the unjournaled sales (sold in one call,
+        their request ended before journaling them), then delete the entry; returns how
+        many were journaled. A sale since cancelled is its cancel's to journal (the cancel
+        indexed it), one forgotten or expired has nothing left to journal. An entry with a
+        sale of a game no longer configured waits, whole, until it is configured again."""
+        journaled = 0
+        for key, sale_id in sold:
+            Marks.begin()  # its journal record is stamped with this settlement's calls only
+            record = await self.store.ticket(key)
+            if record is None or record.sale_id != sale_id or record.state != b"f":
+                continue
+            sale = unpack_sale(record.sale)
+            game = self.catalog.get(sale.game)
+            if game is None or sale.first_draw is None:
+                log.error("janitor: ticket of a game no longer configured: configure %s again "
+                          "to journal it", sale.game, extra={"ticket_key": key})
+                return journaled
+            channel_id = channel_of(key)
+            body = record.body or derived_body(channel_id, record.sale, sale_id, record.at,
+                                               record.results)
+            await self.tickets.journal.sale(
+                "janitor", channel_id, sale, sale_id, record.at, body,
+                game.expire_at(sale.first_draw + sale.draws - 1),
+                self.steps.caps.known(game, sale.first_draw, sale.draws))
+            log.info("janitor journaled a sale whose request ended before its answer",
+                     extra={"ticket_key": key})
+            journaled += 1
+        await self.store.forget_unjournaled(field)
+        return journaled
 
     async def settle(self, key: str) -> int:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index

@@ -372,9 +372,9 @@ class Tickets:
                 await self.journal.sales(records)
             except Unavailable as e:
                 return [e if isinstance(o, SaleOutcome) else o for o in out]
-            for p, claim in zip(group, claims, strict=True):
+            for claim in claims:
                 if isinstance(claim, Sold):
-                    self.store.journaled_later(p.key, claim.sale_id, b"f")
+                    self.store.journaled_sale(claim)
         return out
 
     async def _recorded(self, channel: Channel, t: TicketIn) -> SaleOutcome | None:
@@ -444,9 +444,9 @@ class Tickets:
             case Sold():  # decided in that same call
                 out = decision_of(channel.id, sale, claim.sale_id, claim.at, claim.results)
                 body = _encode(out)
-                await self._journaled(key, claim.sale_id, b"f", self.journal.sale(
-                    "answer", channel.id, sale, claim.sale_id, claim.at, body, expire_at,
-                    claim.caps))
+                await self.journal.sale("answer", channel.id, sale, claim.sale_id, claim.at,
+                                        body, expire_at, claim.caps)
+                self.store.journaled_sale(claim)
                 return SaleOutcome(body=body, replayed=False, ticket=out,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed)

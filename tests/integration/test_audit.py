@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import requests
 
-from capsvc.redis.store import ticket_key
+from capsvc.redis.store import UNJOURNALED, ticket_key
 from tests.records import held
 from tests.support.failover import HttpClient, Sellers
 from tests.support.faults import FaultProxy, command
@@ -667,9 +667,10 @@ def test_report_out_into_a_missing_directory_is_a_usage_error(
 
 def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_indexed(
         config: str, redis: RedisServer) -> None:
-    """Process A answers a sale, its removal of the ticket's index entry held on the way;
-    the cashier's cancel through B is decided and its reply lost; A's removal lands: the
-    entry stays (the ticket moved on), so the janitor finishes the cancel."""
+    """Process A answers a sale, its removal of the sale's entry of the unjournaled sales
+    held on the way; the cashier's cancel through B is decided (indexing the ticket) and
+    its reply lost; A's removal lands: the cancel's entry stays, so the janitor finishes
+    the cancel."""
     db = redis.client()
     with FaultProxy("127.0.0.1", redis.port) as proxy_a, \
             FaultProxy("127.0.0.1", redis.port) as proxy_b:
@@ -678,7 +679,7 @@ def test_a_late_removal_of_a_sales_entry_leaves_a_cancel_decided_meanwhile_index
         try:
             draw, _ = current(a.base_url, SLOW)
             release = threading.Event()
-            removal = proxy_a.hold_request(command("FCALL", "capsvc_journaled_many"), release)
+            removal = proxy_a.hold_request(command("HDEL", UNJOURNALED), release)
             assert _sell(a.base_url, "Z-1", SLOW, draw)[0] == 200
             assert removal.fired.wait(5)
             lost = proxy_b.drop_reply(command("FCALL", "capsvc_cancel"))

@@ -21,7 +21,7 @@ from capsvc.http import server as server_module
 from capsvc.http.server import Service, build
 from capsvc.journal.reader import records
 from capsvc.journal.records import StopRecord
-from capsvc.redis.store import TICKET_BUCKETS, pending_key, ticket_key
+from capsvc.redis.store import TICKET_BUCKETS, ticket_key
 from tests.conftest import CONFIG, TEN, Client, past_deadline, start_service, ticket
 from tests.integration.test_journaled import indexed, journaled
 from tests.records import held
@@ -144,7 +144,7 @@ async def test_entries_that_must_wait_do_not_hide_the_rest_of_their_slot(
     for _ in range(2):
         await past_deadline(svc.usecases.janitor).run_once()
     assert [via for _, via in journaled(svc, victim)] == ["janitor"]
-    assert redis_db.zcard(pending_key(0)) == waiting
+    assert indexed(redis_db) == waiting
 
 
 async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
