@@ -25,6 +25,7 @@ a branch per lever made from the same base. Asserts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -64,6 +65,24 @@ class Target:
     pid: int
     redis: RedisServer | None = None
     runs: list[Result] = field(default_factory=list)
+    journal: float = 0.0
+    """Bytes of journal a ticket decided (its files ÷ the decisions in them)."""
+
+
+def journal_bytes(directory: Path) -> float:
+    """The journal's bytes on disk a decision journaled, every line counted (checkpoints
+    and file headers too)."""
+    size = tickets = 0
+    for path in directory.glob("capsvc-*.jsonl"):
+        data = path.read_bytes()
+        size += len(data)
+        for line in data.splitlines():
+            kind = json.loads(line).get("type") if line.startswith(b"{") else None
+            if kind in ("sale", "cancel"):
+                tickets += 1
+            elif kind == "sales":
+                tickets += len(json.loads(line)["sales"])
+    return size / max(tickets, 1)
 
 
 def checkout(rev: str, root: Path) -> Path:
@@ -162,6 +181,8 @@ def main() -> int:
                     res.redis = {k: (after[k] - before[k]) / max(res.requests, 1)
                                  for k in after}
                 t.runs.append(res)
+        for t, svc in zip(targets, services, strict=False):
+            t.journal = journal_bytes(svc.journal_dir)
     finally:
         bare.terminate()
         for svc in services:
@@ -180,7 +201,7 @@ def main() -> int:
     print(f"{'target':<24} {'tickets/s':>10} {'p99 ms':>7} {'cpu µs/t':>9} {'thr µs/t':>9} "
           f"{'redis µs/t':>11} "
           f"{'fcall µs/t':>11} {'cmds/t':>7} {'errors':>7} {'/ first':>8} {'/ bare':>7} "
-          f"{'rnd':>6}  rounds (tickets/s)")
+          f"{'rnd':>6} {'jrnl B/t':>8}  rounds (tickets/s)")
     first = statistics.median(r.rps for r in targets[0].runs)
     bare_rps = statistics.median(r.rps for r in targets[-1].runs)
     for t in targets:
@@ -199,7 +220,8 @@ def main() -> int:
         print(f"{t.label:<24} {rps:>10.0f} {p99:>7.2f} {cpu:>9.0f} {thr:>9.1f} {rcpu:>11.1f} "
               f"{fcall:>11.1f} "
               f"{cmds:>7.1f} {sum(r.errors for r in t.runs):>7} "
-              f"{rps / first:>8.3f} {rps / bare_rps:>7.3f} {by_round:>6.3f}  {rounds}")
+              f"{rps / first:>8.3f} {rps / bare_rps:>7.3f} {by_round:>6.3f} {t.journal:>8.0f}  "
+              f"{rounds}")
     return 0
 
 

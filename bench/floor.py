@@ -83,8 +83,8 @@ SECTIONS = [
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
     ("  local results = args[12 + 2 * grids + n]", "grids (count, record)"),
     ("  ticket_new(T, tonumber(args[4])", "ticket record (HSET, bucket TTL)"),
-    ("  index[#index + 1] = T.name", "index queued"),
-    ("    extend(key, index.until_ms, 0, batch.seen)", "index ZADD, TTL"),
+    ("  made[#made + 1] = T.name", "unjournaled queued"),
+    ("    redis.call('HSET', keys[#keys], args[#args]", "unjournaled HSET"),
 ]
 CLOCK = """
 local acc, times, mark_end = {}, {}, 0

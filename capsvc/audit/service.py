@@ -38,6 +38,7 @@ from capsvc.client.reports import DrawReport, RedisCheck
 from capsvc.config import Channel, Settings
 from capsvc.domain import combination
 from capsvc.domain.calendar import instant
+from capsvc.domain.decisions import derived_body
 from capsvc.domain.errors import ApiError
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.validator import unpack_sale
@@ -48,7 +49,7 @@ from capsvc.journal.writer import journal_files
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.store import Store, replies_of, stop_instants, ticket_key
 from capsvc.service.exposure import Exposure
-from capsvc.service.tickets import Tickets, derived_body
+from capsvc.service.tickets import Tickets
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import tzinfo
 from typing import ClassVar
+from zoneinfo import ZoneInfo
 
 import msgspec
 
@@ -20,7 +21,7 @@ from capsvc.client.models import Cancellation, GridOut, Receipt, TicketOut, Tick
 from capsvc.config import GameRules
 from capsvc.domain.calendar import DrawCalendar, instant
 from capsvc.domain.errors import rule_error
-from capsvc.domain.validator import Sale, budget_shares
+from capsvc.domain.validator import Sale, budget_shares, unpack_sale
 
 DAY_MS = 86_400_000
 
@@ -184,3 +185,30 @@ def with_cancellation(body: bytes, tz: tzinfo, at: int, released: int) -> bytes:
     member = msgspec.json.encode(Cancellation(
         at=instant(at, tz), released=released))
     return body[:-1] + b',"state":"cancelled","cancelled":' + member + b"}"
+
+
+def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
+                ) -> TicketOut:
+    """The decision of a sale made in one call, from what it stored: the time zone of the
+    sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
+    rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
+    so the body is the one first answered, byte for byte, for as long as it is kept."""
+    zone, _, grids = results.decode().partition("|")
+    replies: list[Reserved | None] = []
+    for r in grids.split(";"):
+        if r == "-":
+            replies.append(None)
+        elif r == "1":
+            replies.append(Reserved(ACCEPTED))
+        else:
+            _, offset, room = r.split(":")
+            replies.append(Reserved(REJECTED, offset=int(offset), room=int(room)))
+    return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
+
+
+def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
+                 results: bytes | None) -> bytes:
+    """The body of a decision stored as results: what the sale answered, byte for byte."""
+    assert results is not None, "a decision is kept as a body or as results"
+    return msgspec.json.encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id, at,
+                                           results))

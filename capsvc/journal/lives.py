@@ -22,7 +22,7 @@ import msgspec
 from msgspec import Struct
 
 from capsvc.journal.reader import header_of
-from capsvc.journal.records import Checkpoint, Open, Record, line_decoder
+from capsvc.journal.records import Checkpoint, Open, Record, expanded, line_decoder
 from capsvc.journal.writer import journal_files
 
 _CHECKPOINT = b'"type":"marks"'
@@ -116,9 +116,9 @@ def lacking(life: Life, fields: dict[str, int], now_ms: int) -> Iterator[Record]
             if (head is None or head.type in ("open", "marks") or head.until <= now_ms
                     or (head.marks is not None and covered(head.marks, fields))):
                 continue
-            record = line_decoder.decode(line)
-            if not isinstance(record, Open):
-                yield record
+            for record in expanded(line_decoder.decode(line)):
+                if not isinstance(record, Open):
+                    yield record
 
 
 def _read(path: Path) -> bytes | None:

@@ -24,9 +24,12 @@ from capsvc.journal.records import (
     Line,
     Open,
     Record,
+    SalesRecord,
     chain_decoder,
+    expanded,
     line_decoder,
     link_decoder,
+    sale_records,
 )
 from capsvc.journal.writer import journal_files
 
@@ -117,7 +120,12 @@ def read(path: Path, check: FileCheck | None = None, *, capture: frozenset[int] 
             check.captured[n] = prev
         check.lines = n
         check.last_hash = prev
-        if record is not None:
+        if isinstance(record, SalesRecord):
+            for sold in sale_records(record):
+                if wanted is None or wanted(Line(game=sold.game, first_draw=sold.first_draw,
+                                                 draws=sold.draws)):
+                    yield n, sold
+        elif record is not None:
             yield n, record
 
 
@@ -172,7 +180,7 @@ def retained_records(directory: Path, *, modified_since: float = 0.0
                 rest = lines.pop()  # a line not complete yet (at the end: a torn tail)
                 for line in lines:
                     try:
-                        yield decode(line)
+                        yield from expanded(decode(line))
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
 

@@ -20,7 +20,10 @@ from capsvc.journal.records import (
     CapRecord,
     Checkpoint,
     LimitRecord,
+    Record,
     SaleRecord,
+    SalesRecord,
+    SoldTicket,
     StakeRecord,
     StopRecord,
     Via,
@@ -32,9 +35,11 @@ from capsvc.redis.marks import Marks
 from capsvc.redis.replies import PlayerLimits
 
 SaleDecision = tuple[Via, str, Sale, str, int, bytes, int, "list[int] | None",
-                     "dict[str, int] | None"]
+                     "dict[str, int] | None", "bytes | None"]
 """A sale's decision as `Recorder.sale` takes it: via, channel, sale, sale id, instant,
-body, until, caps; and its stamp (`Recorder.stamp` of the request that made it)."""
+body, until, caps; its stamp (`Recorder.stamp` of the request that made it); and, for a
+sale made in one call, its results (lua/capsvc.lua, `sell`), from which the body is
+rendered again on reading."""
 
 
 class Recorder:
@@ -70,18 +75,43 @@ class Recorder:
              until: int, caps: list[int] | None = None) -> asyncio.Future[None]:
         """A sale's decision (`body`: the answer, byte for byte)."""
         return self.sales([(via, channel, sale, sale_id, at, body, until, caps,
-                            self.stamp())])
+                            self.stamp(), None)])
 
     def sales(self, decisions: Sequence[SaleDecision]) -> asyncio.Future[None]:
-        """Several sales' decisions (each as `sale` takes it), durable together: one future
-        for them all."""
+        """Several sales' decisions, durable together: one future for them all. Those made
+        in one call (with results) are one `sales` line a channel and game (what they share
+        once, each sale's own after), the others a `sale` line each."""
         journal = self.journal
         if journal is None:
             return self._resolved()
-        return journal.append_many([SaleRecord(
-            **self._ticket(via, channel, sale, sale_id, at, body, until, marks),
-            caps=caps if caps is not None and any(g.capped for g in sale.grids) else None)
-            for via, channel, sale, sale_id, at, body, until, caps, marks in decisions])
+        records: list[Record | SalesRecord] = []
+        lines: dict[tuple[Via, str, str, int, str], list[SoldTicket]] = {}
+        stamps: dict[tuple[Via, str, str, int, str], dict[str, int]] = {}
+        for via, channel, sale, sale_id, at, body, until, caps, marks, results in decisions:
+            capped = caps if caps is not None and any(g.capped for g in sale.grids) else None
+            if results is None:
+                records.append(SaleRecord(
+                    **self._ticket(via, channel, sale, sale_id, at, body, until, marks),
+                    caps=capped))
+                continue
+            assert sale.first_draw is not None
+            zone, _, res = results.decode().partition("|")
+            key = (via, channel, sale.game, at, zone)
+            lines.setdefault(key, []).append(SoldTicket(
+                sale.ticket_id, sale_id, sale.first_draw, sale.draws, sale.fingerprint, until,
+                grids_of(sale), res, capped, sale.joker_plus, sale.joker_cost))
+            stamp = stamps.setdefault(key, {})
+            for mark, g in ((self.stamp() if marks is None else marks) or {}).items():
+                if g > stamp.get(mark, 0):
+                    stamp[mark] = g
+        for (via, channel, game, at, zone), sold in lines.items():
+            first = min(s.first_draw for s in sold)
+            records.append(SalesRecord(
+                at=at, via=via, proc=self.proc, channel=channel, game=game, first_draw=first,
+                draws=max(s.first_draw + s.draws for s in sold) - first,
+                until=max(s.until for s in sold), zone=zone, sales=sold,
+                marks=stamps[(via, channel, game, at, zone)] or None))
+        return journal.append_many(records)
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
                until: int, cancelled_at: int, released: int) -> asyncio.Future[None]:

@@ -20,6 +20,7 @@ import msgspec
 from msgspec import Raw, Struct
 
 from capsvc.domain import combination
+from capsvc.domain.decisions import decision_of
 from capsvc.domain.validator import Sale, SaleGrid
 
 VERSION = 1
@@ -112,6 +113,49 @@ class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
     """Redis TIME (ms) when the cancellation was decided."""
     released: int = 0
     """The cost given back (minor units): the decision's total cost."""
+
+
+class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False, gc=False):
+    """One sale of a `sales` line: what is its own (see SalesRecord)."""
+
+    ticket: str
+    sale: str
+    first_draw: int
+    draws: int
+    fp: str
+    until: int
+    grids: list[Grid]
+    res: str
+    """Each grid's outcome, joined by ";": "-" not capped, "1" accepted,
+    "0:<offset>:<room>" refused by the cap at draw first_draw + offset, `room` left there."""
+    caps: list[int] | None = None
+    joker_plus: bool = False
+    joker_cost: int = 0
+
+
+class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
+                  forbid_unknown_fields=False):
+    """The decisions of sales made together in one call (a standalone Redis's `sell`), of one
+    channel and one game, answered: what they share once, then each sale's own. Each stands
+    for the `sale` record it is read as (`sale_records`): its `decision` is rendered from
+    the sale and `res` exactly as the answer was (capsvc.domain.decisions.decision_of, the
+    function that answered it)."""
+
+    at: int
+    via: Via
+    proc: str
+    channel: str
+    game: str
+    first_draw: int
+    """The first draw of any of its sales (with `draws`: the span they play, for readers
+    that skip lines of other draws)."""
+    draws: int
+    until: int
+    """The latest `until` of its sales."""
+    zone: str
+    """The game's time zone at the sale (the receipts' instants are rendered in it)."""
+    sales: list[SoldTicket]
+    marks: dict[str, int] | None = None
 
 
 VoidWhy = Literal["abandoned", "stopped", "closed"]
@@ -218,7 +262,8 @@ _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 
 
-KNOWN_TYPES = frozenset(str(t.__struct_config__.tag) for t in (Open, *get_args(Record)))
+KNOWN_TYPES = frozenset(str(t.__struct_config__.tag)
+                        for t in (Open, SalesRecord, *get_args(Record)))
 """The record types this reader decodes; a line of another type (a later version's) is
 chained like any other and skipped."""
 
@@ -240,8 +285,31 @@ class Line(Link, forbid_unknown_fields=False):
     draw: int | None = None
 
 
-line_decoder = msgspec.json.Decoder(Open | Record)
-"""Decodes a line's record (the `prev` field is read with `Line`)."""
+line_decoder = msgspec.json.Decoder(Open | Record | SalesRecord)
+"""Decodes a line's record (the `prev` field is read with `Line`); a `sales` line is read
+as the records it stands for with `expanded`."""
+
+
+def sale_records(r: SalesRecord) -> list[SaleRecord]:
+    """The `sale` records a `sales` line stands for, in its order."""
+    out = []
+    for s in r.sales:
+        record = SaleRecord(
+            at=r.at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
+            game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
+            grids=s.grids, decision=Raw(b"null"), joker_plus=s.joker_plus,
+            joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
+        body = encode(decision_of(r.channel, sale_of(record), s.sale, r.at,
+                                  f"{r.zone}|{s.res}".encode()))
+        out.append(msgspec.structs.replace(record, decision=Raw(body)))
+    return out
+
+
+def expanded(record: Open | Record | SalesRecord) -> list[Open | Record]:
+    """A decoded line as the records it stands for."""
+    if isinstance(record, SalesRecord):
+        return list(sale_records(record))
+    return [record]
 chain_decoder = msgspec.json.Decoder(Line)
 link_decoder = msgspec.json.Decoder(Link)
 """For a line of an unknown type whose fields `Line` cannot read."""

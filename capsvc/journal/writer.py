@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from capsvc.domain.errors import Unavailable
-from capsvc.journal.records import VERSION, Checkpoint, Open, Record, encode
+from capsvc.journal.records import VERSION, Checkpoint, Open, Record, SalesRecord, encode
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Journal:
             loop.call_soon(self._start)
         return fut
 
-    def append_many(self, records: Sequence[Record]) -> asyncio.Future[None]:
+    def append_many(self, records: Sequence[Record | SalesRecord]) -> asyncio.Future[None]:
         """Queue records together (one write takes them all): one future, resolved once
         they are all durable (raises Unavailable if they cannot be made so)."""
         bodies = [encode(r) for r in records]

@@ -35,6 +35,7 @@ from capsvc.journal.records import (
     StakeRecord,
     StopRecord,
     VoidRecord,
+    expanded,
     line_decoder,
     sale_of,
 )
@@ -276,7 +277,7 @@ def _decoded(lines: list[bytes]) -> Iterator[Open | Record]:
     decode = line_decoder.decode
     for line in lines:
         try:
-            yield decode(line)
+            yield from expanded(decode(line))
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
 

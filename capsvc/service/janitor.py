@@ -38,6 +38,7 @@ import random
 import msgspec
 
 from capsvc.config import Settings
+from capsvc.domain.decisions import derived_body
 from capsvc.domain.errors import ApiError, Unavailable
 from capsvc.domain.games import Catalog
 from capsvc.domain.validator import unpack_sale
@@ -54,7 +55,7 @@ from capsvc.redis.store import (
     stop_instants,
 )
 from capsvc.service.steps import SaleSteps
-from capsvc.service.tickets import Tickets, derived_body, first_stopped
+from capsvc.service.tickets import Tickets, first_stopped
 
 log = logging.getLogger(__name__)
 

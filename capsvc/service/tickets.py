@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any, Final
-from zoneinfo import ZoneInfo
 
 import msgspec
 
@@ -45,12 +44,12 @@ from capsvc.config import Channel, Settings
 from capsvc.domain.decisions import (
     ACCEPTED,
     CLOSED,
-    REJECTED,
     RELEASED,
     SHADOWED,
-    Reserved,
     build_decision,
     cancel_refusal,
+    decision_of,
+    derived_body,
     player_limit_decision,
     with_cancellation,
 )
@@ -363,7 +362,7 @@ class Tickets:
             body = _encode(decision)
             records.append(("answer", p.channel.id, p.stored, claim.sale_id, claim.at, body,
                             p.expire_at, claim.caps,
-                            None if p.stamp is None else dict(p.stamp)))
+                            None if p.stamp is None else dict(p.stamp), claim.results))
             out.append(SaleOutcome(body=body, replayed=False, ticket=decision,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed))
@@ -754,32 +753,6 @@ class Tickets:
             one_call = record is not None and record.results is not None
         await self.store.cancelled(
             key, sale_id, self.steps.one_call_aggregates(key, game, sale) if one_call else None)
-
-
-def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
-                ) -> TicketOut:
-    """The decision of a sale made in one call, from what it stored: the time zone of the
-    sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
-    rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
-    so the body is the one first answered, byte for byte, for as long as it is kept."""
-    zone, _, grids = results.decode().partition("|")
-    replies: list[Reserved | None] = []
-    for r in grids.split(";"):
-        if r == "-":
-            replies.append(None)
-        elif r == "1":
-            replies.append(Reserved(ACCEPTED))
-        else:
-            _, offset, room = r.split(":")
-            replies.append(Reserved(REJECTED, offset=int(offset), room=int(room)))
-    return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
-
-
-def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
-                 results: bytes | None) -> bytes:
-    """The body of a decision stored as results: what the sale answered, byte for byte."""
-    assert results is not None, "a decision is kept as a body or as results"
-    return _encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id, at, results))
 
 
 def _not_cancellable(message: str) -> ApiError:

@@ -22,6 +22,7 @@ import pytest
 import redis as redis_py
 import requests
 
+from capsvc.redis.store import UNJOURNALED
 from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess
@@ -141,13 +142,14 @@ def _settled(redis: RedisServer, service: ServiceProcess, journal: Path, tid: st
              draw: int) -> tuple[list[dict[str, Any]], int, Any, int]:
     """After the restart and the janitor's deadline: the ticket's journal records (before the
     GET), GET, the
-    combination's stake, and the entries left in the pending indexes."""
+    combination's stake, and the entries left in the pending indexes and the unjournaled
+    sales."""
     service.start()
     try:
         r = redis_py.Redis(port=redis.port)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            left = sum(r.zcard(k) for k in r.keys("p:*"))
+            left = sum(r.zcard(k) for k in r.keys("p:*")) + r.hlen(UNJOURNALED)
             if not left:
                 break
             time.sleep(0.2)

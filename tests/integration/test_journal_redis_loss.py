@@ -379,13 +379,14 @@ def test_verify_detects_an_altered_last_sale(
     follows it in the chain, so verify names the break; against Redis, while the draw is
     retained, the totals no longer match either."""
     directory, config, redis_url = journal_with_sales
-    newest = next(f for f in reversed(_files(directory)) if b'"type":"sale"' in f.read_bytes())
+    newest = next(f for f in reversed(_files(directory)) if b'"type":"sale' in f.read_bytes())
     lines = newest.read_bytes().split(b"\n")
     assert lines[-1] == b""
-    n = max(i for i, line in enumerate(lines) if b'"type":"sale"' in line)
+    n = max(i for i, line in enumerate(lines) if b'"type":"sale' in line)
     last = json.loads(lines[n])
-    last["ticket"] = last["ticket"] + "-forged"
-    last["grids"][0]["stake"] = 100
+    sold = last["sales"][-1] if last["type"] == "sales" else last  # sales made together
+    sold["ticket"] = sold["ticket"] + "-forged"
+    sold["grids"][0]["stake"] = 100
     lines[n] = json.dumps(last, separators=(",", ":")).encode()
     newest.write_bytes(b"\n".join(lines))
     out = _verify(directory)

@@ -5,8 +5,16 @@ as usual. On a standalone Redis (one call per ticket) and a cluster (the steps).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from capsvc.client.models import TicketIn
+from capsvc.http.server import Service
+from capsvc.journal.reader import records
+from capsvc.journal.records import SaleRecord
+from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, ticket
 
 BATCHES = "/v1/ticket-batches"
@@ -101,3 +109,52 @@ async def test_a_batch_counts_its_tickets_and_its_size_in_the_metrics(client: Cl
                if line.startswith('capsvc_tickets_total{game="fdj-keno",status="accepted"}')]
     assert counted
     assert float(counted[0].split()[-1]) >= 3
+
+
+async def test_a_batch_is_journaled_as_answered_in_one_line(
+        service: tuple[Service, str], client: Client) -> None:
+    """Tickets of every shape sold together (accepted, refused by the cap, partial, not
+    capped, with the multiplier, with Joker+, a subscription): the journal gives back each
+    decision byte for byte as answered; on a standalone Redis (one call) they are one
+    `sales` line."""
+    svc, _ = service
+    channel = next(c for c in svc.settings.channels if c.id == "fr-retail")
+    draw = await client.current()
+    eight, nine = TEN[:8], TEN[:9]
+    for stake in (1000, 1000, 1000, 1000, 500, 300):  # 4,800 of 5,000
+        assert (await client.sell(ticket([{"numbers": eight, "stake": stake}],
+                                         first_draw=draw))).status == 200
+    bodies = [
+        ticket([{"numbers": TEN[2:], "stake": 300}], first_draw=draw),
+        ticket([{"numbers": eight, "stake": 500}], first_draw=draw),
+        ticket([{"numbers": eight, "stake": 300}, {"numbers": nine, "stake": 200,
+                                                   "multiplier": True}], first_draw=draw),
+        ticket([{"numbers": [1, 2, 3], "stake": 200}, {"numbers": nine, "stake": 100}],
+               first_draw=draw, joker_plus=True),
+        ticket([{"numbers": TEN[1:9], "stake": 100}], first_draw=draw, draws=5),
+        ticket([{"numbers": [5, 6, 7, 8], "stake": 100}], ticket_id="a.b:c-_1",
+               first_draw=draw),
+    ]
+    before = {name: len(lines) for name, lines in _lines(Path(svc.settings.journal_dir)).items()}
+    outcomes = await svc.usecases.tickets.sell(
+        channel, [msgspec.convert(b, TicketIn) for b in bodies])
+    answered = {}
+    for body, outcome in zip(bodies, outcomes, strict=True):
+        assert isinstance(outcome, SaleOutcome), outcome
+        answered[body["ticket_id"]] = outcome.body
+    statuses = [json.loads(answered[b["ticket_id"]])["status"] for b in bodies]
+    assert statuses == ["accepted", "rejected", "partial", "accepted", "accepted", "accepted"]
+    found = {r.ticket: bytes(r.decision)
+             for _, _, r in records(Path(svc.settings.journal_dir))
+             if isinstance(r, SaleRecord) and r.ticket in answered and r.via == "answer"}
+    assert found == answered
+    if svc.store.single_node:
+        new = _lines(Path(svc.settings.journal_dir), after=before)
+        kinds = [json.loads(line)["type"] for lines in new.values() for line in lines]
+        assert [k for k in kinds if k not in ("marks", "cap")] == ["sales"]
+
+
+def _lines(directory: Path, after: dict[str, int] | None = None) -> dict[str, list[bytes]]:
+    """The journal's lines, by file (those past `after`'s counts)."""
+    return {path.name: path.read_bytes().splitlines()[(after or {}).get(path.name, 0):]
+            for path in directory.glob("capsvc-*.jsonl")}
