@@ -5,10 +5,11 @@
 1. The floor, side by side in one run (rounds alternating, on one redis-server): Redis CPU
    (the process's, from /proc) and FCALL time (`INFO commandstats`) per sale of
    - `noop`: a function that returns at once, called with the sale's keys and arguments
-     (8 keys, 17 arguments): what any one call costs;
+     (7 keys, 17 arguments): what any one call costs;
    - `commands`: the commands a one-grid sale cannot do without (TIME, the ticket's HMGET,
      the stops' HMGET, HINCRBY of the counter, HSET of the grid's record, HSET and
-     PEXPIREAT of the ticket, ZADD to the pending index), with no logic around them;
+     PEXPIREAT of the ticket; the call's entry of the unjournaled sales is one HSET a call),
+     with no logic around them;
    - `capsvc_sell`: the sale itself, called through `Store.sell` as a worker calls it
      (the sales queued in one tick go in one call: batches of up to 64 here).
 2. The sale's sections under the service: a copy of the library whose `capsvc_sell` reads
@@ -42,7 +43,6 @@ from capsvc.redis.store import (
     capped_key,
     feed_key,
     lua_source,
-    pending_key_of,
     stops_key,
     ticket_key,
 )
@@ -62,12 +62,11 @@ local function commands(keys, args)
   local t = redis.call('TIME')
   redis.call('HMGET', keys[1], 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel')
   redis.call('HMGET', keys[2], args[7])
-  redis.call('HINCRBY', keys[4], args[12], args[13])
-  redis.call('HSET', keys[4], args[6], args[13])
+  redis.call('HINCRBY', keys[3], args[12], args[13])
+  redis.call('HSET', keys[3], args[6], args[13])
   redis.call('HSET', keys[1], 'st', 'f', 'fp', args[1], 'at', t[1], 'sid', args[6],
              'sale', args[2], 'res', '1')
   redis.call('PEXPIREAT', keys[1], args[4])
-  redis.call('ZADD', keys[3], 'NX', t[1], keys[1])
   return 1
 end
 redis.register_function('floor_noop', noop)
@@ -144,10 +143,10 @@ def timed_library() -> str:
 
 
 def floor_args(i: int, far: int) -> list[object]:
-    """8 keys and 17 arguments shaped like a one-grid sale's."""
+    """7 keys and 17 arguments shaped like a one-grid sale's."""
     key = ticket_key("bench", f"F-{i}")
     combo = "\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60)
-    keys = [key, stops_key(GAME), pending_key_of(key), bucket_keys(GAME, combo, DRAW, 1)[0],
+    keys = [key, stops_key(GAME), bucket_keys(GAME, combo, DRAW, 1)[0],
             capped_key(GAME, DRAW), feed_key(GAME), aggregate_key(key, GAME, DRAW),
             cap_key(GAME, DRAW)]
     nonce = os.urandom(8)
