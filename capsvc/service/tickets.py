@@ -1,19 +1,27 @@
-"""The tickets use-cases: sell, look up, cancel. A sale reads top-down in `Tickets._sell`
-and the steps it calls, in this order:
+"""The tickets use-cases: sell, look up, cancel.
 
-1. **validate** the request (capsvc.domain.validator): nothing touches Redis before;
-2. **first call** (`_first`, chosen per game when the service is wired): on a standalone
-   Redis for a game without player limits, the whole sale in one atomic call
-   (`capsvc_sell`: claim, close, admin stops, every grid, the decision); otherwise the
-   ticket indexed for the janitor and claimed (`capsvc_claim`), which mints the sale id
-   that fences every later step. Its reply (capsvc.redis.replies) says what comes next: a
-   sale made (`Sold`), a decision already made for this request (`Decided`: a replay), a
-   claim of ours to decide (`Claimed`, or `Pending` for a retry), or nothing claimed;
-3. for a claim, **decide** (`_decide`): the player's budget, the admin stops read with the
-   first step, every capped grid reserved at once, the decision built from their records;
-4. **write** the decision (with the budget's settlement and the sold-out lists), then
-   **journal** it, and only then let the ticket's index entry go (`_journaled`);
-5. the HTTP layer then waits for the replicas (`replicas:N`) and answers.
+A sale's unit is a batch: `Tickets.sell(channel, tickets)` is the one entry (`POST
+/v1/tickets` a batch of one), each ticket judged exactly as if sent alone, in order. It
+reads top-down:
+
+1. **prepare** the batch (`_prepare`): every rule that does not need Redis
+   (capsvc.domain.validator), the first draw resolved; nothing touches Redis before;
+2. **sell in one call** what can be (a standalone Redis, a game without player limits):
+   the tickets of every request of this event-loop tick join one batch (`_joined`), cut
+   into calls of SALES_PER_CALL (`_sell_joined`); each call (`_sell_group`) is one atomic
+   `capsvc_sell` — claim, close, admin stops, every grid, the decision — one future, one
+   journal append (a `sales` line), then the release of its entry of the unjournaled
+   sales (capsvc.redis.store `journaled_sale`);
+3. **the rest alone** (`_sell`): the tickets sold in steps (a Redis Cluster, player
+   limits), and those a first call left a step to (`Decided`: a replay; `Claimed`,
+   `Pending`: a claim to decide; a defaulted first draw that closed or was stopped moves
+   on and is sold again). In steps: the ticket indexed for the janitor and claimed
+   (`capsvc_claim`, which mints the sale id that fences every later step), then
+   **decided** (`_decide`: the player's budget, the admin stops read with the first step,
+   every capped grid reserved at once, the decision built from their records), **written**
+   (with the budget's settlement and the sold-out lists), **journaled**, and only then the
+   ticket's index entry let go (`_journaled`);
+4. the HTTP layer then waits for the replicas (`replicas:N`) and answers.
 
 What a step cannot finish is a value, not an exception: `AGAIN` (another actor of the sale
 sealed or decided it: claim again), `Stop` (an admin stopped a draw of it: voided), a
@@ -23,7 +31,7 @@ draw closed mid-sale, the janitor.
 
 A decision is written before the answer, so that a GET or a cancel sent on receipt, to any
 process, finds it; if the write is lost the answer is a 503 (outcome unknown), a replay
-rebuilds the identical body from the same records, and the janitor finalizes the ticket if
+rebuilds the identical body from the same records, and the janitor journals the ticket if
 nobody asks again.
 """
 
