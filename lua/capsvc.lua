@@ -1235,14 +1235,18 @@ local function player(keys, args)
 end
 
 --[[ sell: a batch of sales, each judged as if it were a call of its own, in order:
-ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV,
-then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order; then the key of the
+ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV and
+its tag (2 × its group + 1 when its first draw was not asked: a group is one request's
+sales, 0 none), then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order; then
+the key of the
 unjournaled sales (see THE KEYS) and this call's field in it (any string no other call
 uses). One Redis TIME, one mark, one expiry read per key and one entry of the unjournaled
 sales serve the whole batch (a batch is judged at one instant): the names and sale ids of
 the sales it made (not the replays), at its instant, which the caller deletes once their
-decisions are journaled (else the janitor journals them). Returns one reply per sale, in
-order.
+decisions are journaled (else the janitor journals them). A sale whose first draw was not
+asked and is closed or stopped moves on to the next draw, which its caller sells alone:
+the later sales of its group are not judged here ({'later'}), so that the caller judges
+them after it, in order. Returns one reply per sale, in order.
 
 One sale: KEYS ticket, stops, the buckets (draw 1..n) of each capped
 grid, the sold-out
@@ -1388,11 +1392,21 @@ local function sell(keys, args)
   local now = now_ms()
   local batch = {seen = {}, stops = {}, sold = {}}
   local sales = tonumber(args[1])
-  local k, a = 0, 1 + 2 * sales  -- before the next sale's first key and argument
-  local replies = {}
+  local k, a = 0, 1 + 3 * sales  -- before the next sale's first key and argument
+  local replies, halted = {}, {}
   for i = 1, sales do
-    local nk, na = tonumber(args[2 * i]), tonumber(args[2 * i + 1])
-    replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
+    local nk, na = tonumber(args[3 * i - 1]), tonumber(args[3 * i])
+    local tag = tonumber(args[3 * i + 1])
+    local group = math.floor(tag / 2)
+    if group > 0 and halted[group] then
+      replies[i] = {'later'}
+    else
+      replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
+      local kind = replies[i][1]
+      if tag % 2 == 1 and (kind == 'stopped' or kind == 'closed') then
+        halted[group] = true
+      end
+    end
     k, a = k + nk, a + na
   end
   if #batch.sold > 0 then

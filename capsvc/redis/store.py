@@ -211,8 +211,8 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
-SaleCall = tuple[list[str], list[Any]]
-"""One sale's KEYS and ARGV in a call of capsvc_sell (`sale_call`)."""
+SaleCall = tuple[list[str], list[Any], int]
+"""One sale's KEYS, ARGV and tag in a call of capsvc_sell (`sale_call`)."""
 
 
 @dataclass(slots=True)
@@ -249,19 +249,24 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
     for group in groups:
         n = len(group.calls)
         out = group.out
-        if out.done():
-            pass
-        elif error is not None:
-            out.set_exception(error)
-        else:
-            try:
-                claims = [claim_of(r, entry) for r in call.result()[at:at + n]]
-            except Exception as e:  # a reply of another layout: the library is not this one
+        if error is not None:
+            if not out.done():
+                out.set_exception(error)
+            continue
+        try:
+            claims = [claim_of(r, entry) for r in call.result()[at:at + n]]
+        except Exception as e:  # a reply of another layout: the library is not this one
+            entry.left += n  # none reported journaled: the entry stays for the janitor
+            if not out.done():
                 out.set_exception(e)
-            else:
-                entry.left += sum(1 for c in claims if isinstance(c, Sold))
-                out.set_result(claims)
-        at += n
+            continue
+        finally:
+            at += n
+        # Every sale made counts, a group nobody waits for any more too (its request gave
+        # up): its sales are never reported journaled, so the entry stays for the janitor.
+        entry.left += sum(1 for c in claims if isinstance(c, Sold))
+        if not out.done():
+            out.set_result(claims)
 
 
 class Store:
@@ -440,12 +445,15 @@ class Store:
                   stale_after_ms: int, game: str, first_draw: int, draws: int,
                   caps: str | int, min_stake: int, grids: list[tuple[str, int]],
                   expiries: list[int], time_zone: str, fix_caps: bool,
-                  draw_keys: tuple[list[str], list[str], list[str]]) -> SaleCall:
+                  draw_keys: tuple[list[str], list[str], list[str]], group: int = 0,
+                  asked: bool = True) -> SaleCall:
         """One sale's KEYS and ARGV in a call of capsvc_sell (see lua/capsvc.lua, sell).
         `grids`: (combo, stake) of each grid, combo "\0<picks>" when the grid is not
         capped (a combination never holds a zero byte). `draw_keys`: the draws' sold-out
         lists, aggregates and cap keys (`draw_keys`), built once a batch per (game, draws,
-        aggregate bucket)."""
+        aggregate bucket). `group` (a request's sales, 0 none) and `asked` (its first draw
+        asked): a sale whose first draw was not asked and is closed or stopped leaves the
+        later sales of its group to its caller (lua/capsvc.lua, `sell`)."""
         keys, args = record_names(ticket)
         keys.append(stops_key(game))
         for combo, _ in grids:
@@ -463,7 +471,7 @@ class Store:
         for combo, stake in grids:
             args += (combo, stake)
         args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
-        return keys, args
+        return keys, args, 2 * group + (0 if asked else 1)
 
     @staticmethod
     def draw_keys(ticket: str, game: str, first_draw: int, draws: int
@@ -509,15 +517,15 @@ class Store:
         sizes: list[Any] = []
         args: list[Any] = []
         for group in groups:
-            for sale_keys, sale_args in group.calls:
-                sizes += (len(sale_keys), len(sale_args))
+            for sale_keys, sale_args, tag in group.calls:
+                sizes += (len(sale_keys), len(sale_args), tag)
                 keys += sale_keys
                 args += sale_args
         entry = Unjournaled(nonce().hex())
         keys.append(UNJOURNALED)
         args.append(entry.field)
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
-                               [len(sizes) // 2, *sizes, *args],
+                               [len(sizes) // 3, *sizes, *args],
                                stamps=[s for group in groups for s in group.stamps])
         call.add_done_callback(functools.partial(_answer_sales, groups, entry))
 

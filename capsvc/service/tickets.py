@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,6 +145,9 @@ class _Prepared:
 
     index: int
     """Its place in the batch."""
+    request: int
+    """Its batch's number in this process: a ticket of it that moves on to another draw
+    holds the batch's later tickets back until it has (lua/capsvc.lua, `sell`)."""
     ticket: TicketIn
     channel: Channel
     stamp: dict[str, int] | None
@@ -215,6 +219,7 @@ class Tickets:
                             and game.rules.daily_limit is None)
             for game in catalog.games.values()}
         """Whether each game's sales are one atomic call (else steps), fixed at wiring."""
+        self._requests = itertools.count(1)
         self._joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]] = []
         """The one-call tickets of this tick's requests, sold together at its end."""
 
@@ -239,11 +244,12 @@ class Tickets:
         answer was lost still gets its decision when the configuration has changed since
         (a stake, a duration, a game no longer offered)."""
         results: list[SaleOutcome | ApiError | Unavailable | None] = [None] * len(tickets)
+        request = next(self._requests)
         group: list[_Prepared] = []
         alone: list[tuple[int, _Prepared, Claim | None]] = []
         for i, t in enumerate(tickets):
             try:
-                prepared = self._prepare(channel, t, i)
+                prepared = self._prepare(channel, t, i, request)
             except ApiError as e:
                 results[i] = e
                 continue
@@ -251,21 +257,22 @@ class Tickets:
                 group.append(prepared)
             else:
                 alone.append((i, prepared, None))
-        if group:
+        while group:
+            later: list[_Prepared] = []
+            left: list[tuple[int, _Prepared, Claim | None]] = []
             for prepared, outcome in zip(group, await self._joined(group), strict=True):
-                if isinstance(outcome, SaleOutcome | ApiError | Unavailable):
+                if isinstance(outcome, Refused) and outcome.why == "later":
+                    later.append(prepared)  # behind a ticket that moves on: after it
+                elif isinstance(outcome, SaleOutcome | ApiError | Unavailable):
                     results[prepared.index] = outcome
                 else:
-                    alone.append((prepared.index, prepared, outcome))
-        if alone:
-            finished = await asyncio.gather(*[self._sell(channel, prepared, claim)
-                                              for _, prepared, claim in alone],
-                                            return_exceptions=True)
-            for (i, _, _), result in zip(alone, finished, strict=True):
-                if isinstance(result, BaseException) and not isinstance(
-                        result, ApiError | Unavailable):
-                    raise result
-                results[i] = result
+                    left.append((prepared.index, prepared, outcome))
+            if later:  # the tickets before them first, in order
+                await self._alone(channel, left, results)
+            else:
+                alone += left
+            group = later
+        await self._alone(channel, alone, results)
         refused = [i for i, r in enumerate(results)
                    if isinstance(r, ApiError) and r.kind != "unavailable"
                    and r.code != "idempotency_conflict"]
@@ -280,6 +287,22 @@ class Tickets:
                     results[i] = found
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    async def _alone(self, channel: Channel,
+                     alone: Sequence[tuple[int, _Prepared, Claim | None]],
+                     results: list[SaleOutcome | ApiError | Unavailable | None]) -> None:
+        """Each of `alone` sold as a sale of its own (`_sell`, from its first call's reply
+        when it has one), all at once; its result put at its place."""
+        if not alone:
+            return
+        finished = await asyncio.gather(*[self._sell(channel, prepared, claim)
+                                          for _, prepared, claim in alone],
+                                        return_exceptions=True)
+        for (i, _, _), result in zip(alone, finished, strict=True):
+            if isinstance(result, BaseException) and not isinstance(
+                    result, ApiError | Unavailable):
+                raise result
+            results[i] = result
 
     def _joined(self, group: list[_Prepared]) -> asyncio.Future[list[_GroupOutcome]]:
         """The outcomes of `group` (one request's one-call tickets), sold with every other
@@ -303,7 +326,7 @@ class Tickets:
                               return_exceptions=True)
         done.add_done_callback(functools.partial(_answer_joined, joining, parts))
 
-    def _prepare(self, channel: Channel, t: TicketIn, index: int) -> _Prepared:
+    def _prepare(self, channel: Channel, t: TicketIn, index: int, request: int) -> _Prepared:
         """A ticket checked against every rule that does not need Redis, its first draw
         resolved (the calendar's current one when not asked), as its first call sends it."""
         game = self.catalog.game(t.game, channel, "sell")
@@ -314,7 +337,7 @@ class Tickets:
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
         self.draws.check_horizon(game, first)
-        return _Prepared(index, t, channel, stamp.get(), game, sale,
+        return _Prepared(index, request, t, channel, stamp.get(), game, sale,
                          ticket_key(channel.id, t.ticket_id), defaulted, first,
                          self._one_call[game.rules.id])
 
@@ -353,7 +376,8 @@ class Tickets:
                 rules.min_stake,
                 [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake)
                  for g in sale.grids],
-                game.expiries(first, sale.draws), rules.time_zone, fix, per_draw))
+                game.expiries(first, sale.draws), rules.time_zone, fix, per_draw, p.request,
+                not p.defaulted))
         stamps = list({id(p.stamp): p.stamp for p in group}.values())
         claims = await store.sell(calls, stamps)
         out: list[_GroupOutcome] = []

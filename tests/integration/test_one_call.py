@@ -150,3 +150,31 @@ async def test_a_sale_run_in_the_millisecond_of_a_close_just_before_it_is_before
         assert isinstance(claim, Sold)
         assert int(await stops[0]) > claim.at
     await redis_db.aclose()
+
+
+async def test_a_call_s_entry_stays_while_a_sale_of_it_is_not_journaled(
+        redis_server: RedisServer, standalone_db: redis.Redis) -> None:
+    """Two requests' sales in one call of `capsvc_sell`, the first request gone before the
+    reply (its future cancelled): the second's sale journaled leaves the call's entry of
+    the unjournaled sales in place, naming both, so that the janitor journals the first."""
+    redis_db = Coalescer(redis_server.url, timeout_s=5, library=lua_source())
+    store = Store(redis_db)
+    await store.load_library()
+    far = int(time.time() * 1000) + 86_400_000
+
+    def call(i: int) -> Any:
+        key = ticket_key("t", f"G-{i}")
+        return store.sale_call(key, f"{i:032x}", b"sale", far, far, 60_000, "g", 7, 1, 5000,
+                               100, [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)],
+                               [far], "UTC", False, store.draw_keys(key, "g", 7, 1))
+
+    gone = store.sell([call(1)])
+    kept = store.sell([call(2)])
+    gone.cancel()
+    [claim] = await kept
+    assert isinstance(claim, Sold)
+    store.journaled_sale(claim)
+    await redis_db.submit("PING")  # behind an HDEL the release would have sent
+    [(_, _, sold)] = await store.unjournaled()
+    assert sorted(t for t, _ in sold) == sorted([ticket_key("t", "G-1"), ticket_key("t", "G-2")])
+    await redis_db.aclose()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from capsvc.client.models import TicketIn
 from capsvc.http.server import Service
@@ -158,3 +159,26 @@ def _lines(directory: Path, after: dict[str, int] | None = None) -> dict[str, li
     """The journal's lines, by file (those past `after`'s counts)."""
     return {path.name: path.read_bytes().splitlines()[(after or {}).get(path.name, 0):]
             for path in directory.glob("capsvc-*.jsonl")}
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_ticket_that_moves_on_is_judged_before_the_batch_s_later_tickets(
+        client: Client) -> None:
+    """The current draw stopped by an admin; one combination at 4,500 of 5,000 on the next.
+    A batch [T0: no first draw (moves on to the next), T1: the next draw], each 500 on that
+    combination: T0 takes the room and T1 is refused, as sent alone in that order (sales in
+    one call: the call leaves T1 to be judged after T0 has moved on)."""
+    draw = await client.current()
+    assert (await client.post(f"/v1/games/fdj-keno/draws/{draw}/close",
+                              token="admin")).status == 200
+    eight = TEN[:8]
+    for stake in (1000, 1000, 1000, 1000, 500):
+        assert (await client.sell(ticket([{"numbers": eight, "stake": stake}],
+                                         first_draw=draw + 1))).status == 200
+    t0 = ticket([{"numbers": eight, "stake": 500}])
+    t1 = ticket([{"numbers": eight, "stake": 500}], first_draw=draw + 1)
+    reply = await client.post(BATCHES, {"tickets": [t0, t1]})
+    assert reply.status == 200, reply.body
+    bodies = [r["body"] for r in reply.body["results"]]
+    assert [(b["draws"], b["status"]) for b in bodies] == [
+        ([draw + 1], "accepted"), ([draw + 1], "rejected")]
