@@ -1320,7 +1320,7 @@ local function sell_one(keys, args, now, batch)
   local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
   local feed = keys[aggregates]
   local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
-  if fix and lists > 3 then
+  if fix and lists > 2 then  -- keys past the ticket and the stops: capped grids' buckets
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do

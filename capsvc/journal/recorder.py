@@ -99,7 +99,8 @@ class Recorder:
             key = (via, channel, sale.game, at, zone)
             lines.setdefault(key, []).append(SoldTicket(
                 sale.ticket_id, sale_id, sale.first_draw, sale.draws, sale.fingerprint, until,
-                grids_of(sale), res, capped, sale.joker_plus, sale.joker_cost))
+                grids_of(sale), res, capped, sale.player_id, sale.joker_plus,
+                sale.joker_cost))
             stamp = stamps.setdefault(key, {})
             for mark, g in ((self.stamp() if marks is None else marks) or {}).items():
                 if g > stamp.get(mark, 0):

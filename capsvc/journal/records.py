@@ -129,6 +129,7 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
     """Each grid's outcome, joined by ";": "-" not capped, "1" accepted,
     "0:<offset>:<room>" refused by the cap at draw first_draw + offset, `room` left there."""
     caps: list[int] | None = None
+    player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
 
@@ -297,7 +298,7 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
         record = SaleRecord(
             at=r.at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
             game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
-            grids=s.grids, decision=Raw(b"null"), joker_plus=s.joker_plus,
+            grids=s.grids, decision=Raw(b"null"), player=s.player, joker_plus=s.joker_plus,
             joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
         body = encode(decision_of(r.channel, sale_of(record), s.sale, r.at,
                                   f"{r.zone}|{s.res}".encode()))

@@ -40,6 +40,7 @@ from capsvc.redis.store import (
     ticket_key,
 )
 from tests.records import RawPlayers, TicketRecords, raw_cancel, raw_claim, raw_expire
+from tests.support.sales import sell_alone
 from tests.support.servers import RedisCluster, RedisServer, redis_ms
 
 GAME = "g"
@@ -953,8 +954,8 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     grids = [(COMBO, 300), ("\0" "4", 500), (OTHER, CAP), (HASH, 200)]
 
     def sell(fingerprint: str = "fp") -> Any:
-        return one_node.sell(key, fingerprint, b"{}", close, expire, 60_000, GAME, FIRST, 2,
-                             CAP, MIN, grids, [expire, expire], "Europe/Paris")
+        return sell_alone(one_node, key, fingerprint, b"{}", close, expire, 60_000, GAME,
+                          FIRST, 2, CAP, MIN, grids, [expire, expire], "Europe/Paris")
 
     new = await sell()
     assert isinstance(new, Sold), new
@@ -987,9 +988,11 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert again.body is None
     assert [again.at, again.sale_id, (again.results or b"").decode()] == [at, sid, results]
     assert await sell("other") == Refused("conflict")
-    # Indexed until the caller journals the decision (the janitor does it otherwise).
-    assert db.zscore(pending_key_of(key), key) == at
-    assert db.pexpiretime(pending_key_of(key)) == expire
+    # In its call's entry of the unjournaled sales until the caller journals the decision
+    # (the janitor does it otherwise); no pending-index entry.
+    [(_, entry_at, sold)] = await one_node.unjournaled()
+    assert (entry_at, sold) == (at, [(key, sid)])
+    assert db.zscore(pending_key_of(key), key) is None
 
 
 async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
@@ -999,7 +1002,7 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     release and a cancel look for."""
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
-    new = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
+    new = await sell_alone(one_node, key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
                               1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
     assert isinstance(new, Sold), new
     sid = new.sale_id
@@ -1021,12 +1024,12 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
     before = set(db.scan_iter())
-    closed = await one_node.sell(key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
+    closed = await sell_alone(one_node, key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
                                  1, CAP, MIN, [(COMBO, 100)], [now + DAY], "UTC")
     assert closed == Refused("closed")
     await one_node.stop(GAME, FIRST + 1, now + DAY)
     before = set(db.scan_iter())
-    stopped = await one_node.sell(key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
+    stopped = await sell_alone(one_node, key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
                                   FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY],
                                   "UTC")
     assert stopped == StoppedAt(1)
