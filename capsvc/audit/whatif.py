@@ -14,8 +14,9 @@ C: the live rule.
 
 **The self-check.** Under the cap in force, the live counter is replayed as Redis kept it:
 every grid accepted live counts from its decision (a subscription's included), a cancelled
-sale's grids until its cancel, a void's grids may have been held until it was given back
-(how long, the journal does not say). Every single-draw grid's live outcome must be what
+sale's grids until its cancel, a void's grids may have been held from its claim (before
+any decision of its millisecond, wherever its line is) until it was given back (how long,
+the journal does not say). Every single-draw grid's live outcome must be what
 the rule gives on that counter; when several sales of one combination share a millisecond
 (two processes), either order is taken as possible. A grid whose outcome no order explains
 is a finding: the journal and the rule disagree. With no cancelled sale and no
@@ -369,14 +370,20 @@ def replay(demand: Demand, game: Game, caps: Sequence[int]) -> Replay:
             decided = {it[2] for it in items if it[1] == GRID}
             if decided:
                 items = [it for it in items if it[1] != VOID or it[2] not in decided]
-            items.sort()
+            # A cancel follows its sale's decision: its releases after every grid.
+            items.sort(key=lambda it: (it[1] == RELEASE, it[0]))
             several = len({it[2] for it in items if it[1] != VOID}) > 1
+            # A void's claim may precede every decision of its millisecond, whatever its
+            # line's place (it is journaled when given back): perhaps held from the start.
+            high += sum(stakes[it[0]] for it in items if it[1] == VOID)
             low0 = high0 = everyone = 0
             held: dict[int, int] = {}
             own: dict[int, int] = {}
             if several:  # either order possible: the bounds of every order
-                low0 = low - sum(stakes[it[0]] for it in items if it[1] == RELEASE)
-                high0 = high + sum(stakes[it[0]] for it in items if it[1] == VOID)
+                # A sale decided and cancelled in it gives back no more than it took.
+                low0 = low - sum(stakes[it[0]] for it in items
+                                 if it[1] == RELEASE and it[2] not in decided)
+                high0 = high
                 for it in items:
                     if it[1] == GRID and it[3] & ACCEPTED:
                         held[it[2]] = held.get(it[2], 0) + stakes[it[0]]
@@ -388,8 +395,7 @@ def replay(demand: Demand, game: Game, caps: Sequence[int]) -> Replay:
                     high -= stake
                     continue
                 if kind == VOID:
-                    high += stake
-                    continue
+                    continue  # counted in `high` above
                 live = bool(flag & ACCEPTED)
                 if not flag & SUBSCRIPTION and in_force is not None:
                     if several:

@@ -319,6 +319,78 @@ def test_a_cancel_gives_its_room_back_at_its_instant_and_is_no_demand(tmp_path: 
     assert (above.grids_accepted, above.grids_refused, above.top_stake) == (2, 0, 2000)
 
 
+def test_a_void_claimed_in_a_decisions_millisecond_may_have_held_room_before_it(
+        tmp_path: Path) -> None:
+    """Live: A takes 500 of 600; in one millisecond a void (host 1) claims 100, then B
+    (host 0) is refused. B's line is read before the void's, but the void's line is written
+    when it is given back: its claim may precede B, and the self-check takes it as held.
+    A void claimed a millisecond after B explains nothing: B is named."""
+    combo = COMBOS[0]
+
+    def day(void_at: int) -> list[Path]:
+        draw = Draw(600, 2)
+        a, b = ticket("A", [(combo, 500)], DRAW, 1), ticket("B", [(combo, 100)], DRAW, 1)
+        v = ticket("V", [(combo, 100)], DRAW, 1)
+        ok = build_decision("fr-retail", TZ, a, "a" * 16, NOW - 1, [Reserved(ACCEPTED)])
+        no = build_decision("fr-retail", TZ, b, "b" * 16, NOW, [Reserved(REJECTED, room=0)])
+        draw.write(0, "sale", "answer", "fr-retail", a, "a" * 16, NOW - 1,
+                   msgspec.json.encode(ok), GAME.expire_at(DRAW), [600])
+        draw.write(0, "sale", "answer", "fr-retail", b, "b" * 16, NOW,
+                   msgspec.json.encode(no), GAME.expire_at(DRAW), [600])
+        draw.write(1, "void", "abandoned", "fr-retail", v, "v" * 16, void_at,
+                   GAME.expire_at(DRAW))
+        return write(draw, tmp_path / str(void_at - NOW))
+
+    dirs = day(NOW)
+    for order in (dirs, dirs[::-1]):
+        result = replay(read_demand(order, GAME, DRAW), GAME, [600])
+        assert result.finding is None, result.finding
+        (s,) = result.what.scenarios
+        # The scenario leaves the void out (no demand): B fits.
+        assert (s.grids_accepted, s.grids_refused, s.stake_accepted) == (2, 0, 600)
+    late = replay(read_demand(day(NOW + 1), GAME, DRAW), GAME, [600])
+    assert late.finding is not None
+    assert (late.finding.line, late.finding.accepted, late.finding.counted) == (3, False, 500)
+
+
+def test_a_sale_cancelled_in_its_own_millisecond_gives_back_after_its_grids(
+        tmp_path: Path) -> None:
+    """Live: T's first grid fills the cap, its second is refused, T is cancelled in the same
+    millisecond; its cancel's line (host 0) is read before its sale's (host 1). The cancel
+    gives back after T's grids were judged, wherever its line is. And a sale cancelled in
+    the millisecond it was decided gives back no more than it took: S, accepted though A's
+    500 stays counted and S asks the whole cap, is named in any order of that millisecond."""
+    combo = COMBOS[2]
+    draw = Draw(1000, 2)
+    t = ticket("T", [(combo, 1000), (combo, 1000)], DRAW, 1)
+    body = msgspec.json.encode(build_decision("fr-retail", TZ, t, "t" * 16, NOW,
+                                              draw.judge(t)))
+    draw.write(1, "sale", "answer", "fr-retail", t, "t" * 16, NOW, body,
+               GAME.expire_at(DRAW), [1000])
+    draw.write(0, "cancel", "answer", "fr-retail", t, "t" * 16, NOW, body,
+               GAME.expire_at(DRAW), NOW, 1000)
+    dirs = write(draw, tmp_path / "own")
+    for order in (dirs, dirs[::-1]):
+        result = replay(read_demand(order, GAME, DRAW), GAME, [1000])
+        assert result.finding is None, result.finding
+
+    draw = Draw(1000, 1)
+    sales = {k: ticket(k, [(combo, stake)], DRAW, 1)
+             for k, stake in (("A", 500), ("R", 500), ("S", 1000))}
+    bodies = {k: msgspec.json.encode(build_decision(
+        "fr-retail", TZ, sales[k], k.lower() * 16, at, [Reserved(ACCEPTED)]))
+        for k, at in (("A", NOW - 1), ("R", NOW), ("S", NOW))}
+    for k, at in (("A", NOW - 1), ("R", NOW), ("S", NOW)):
+        draw.write(0, "sale", "answer", "fr-retail", sales[k], k.lower() * 16, at, bodies[k],
+                   GAME.expire_at(DRAW), [1000])
+    draw.write(0, "cancel", "answer", "fr-retail", sales["R"], "r" * 16, NOW, bodies["R"],
+               GAME.expire_at(DRAW), NOW, 500)
+    result = replay(read_demand(write(draw, tmp_path / "others"), GAME, DRAW), GAME, [1000])
+    assert result.finding is not None
+    assert (result.finding.line, result.finding.accepted, result.finding.counted) == (
+        4, True, 500)
+
+
 def test_the_figures_a_risk_manager_reads(tmp_path: Path) -> None:
     """Liability by the size's top prize (a 10-number combination under a smaller stake
     can cost the most), combinations at cap (less room than the smallest stake), the
