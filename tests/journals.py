@@ -16,7 +16,6 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,43 +63,20 @@ def write_config(path: Path) -> Path:
     return path
 
 
-@dataclass
 class _Model:
-    """What the sales generated so far hold: counters and the caps fixed."""
+    """What the sales generated so far hold: each game's counters (its cap's live rule) and
+    the caps fixed."""
 
-    cap: dict[str, int]
-    counters: dict[tuple[str, str, int], int] = field(default_factory=dict)
-    caps_seen: set[tuple[str, int]] = field(default_factory=set)
+    def __init__(self, caps: dict[str, int]) -> None:
+        self.live = {game: LiveCaps(cap) for game, cap in caps.items()}
+        self.caps_seen: set[tuple[str, int]] = set()
 
     def judge(self, sale: Sale) -> list[Reserved | None]:
         """Reserve replies as Redis would give them (None: not capped)."""
-        first = sale.first_draw
-        assert first is not None
-        replies: list[Reserved | None] = []
-        for g in sale.grids:
-            if not g.capped:
-                replies.append(None)
-                continue
-            cap = self.cap[sale.game]
-            keys = [(sale.game, g.combo, first + i) for i in range(sale.draws)]
-            refused = next((i for i, k in enumerate(keys)
-                            if self.counters.get(k, 0) + g.stake > cap), None)
-            if refused is None:
-                for k in keys:
-                    self.counters[k] = self.counters.get(k, 0) + g.stake
-                replies.append(Reserved(ACCEPTED))
-            else:
-                replies.append(Reserved(REJECTED, offset=refused,
-                                        room=cap - self.counters.get(keys[refused], 0)))
-        return replies
+        return self.live[sale.game].judge(sale)
 
     def give_back(self, sale: Sale, accepted: set[int]) -> None:
-        first = sale.first_draw
-        assert first is not None
-        for g in sale.grids:
-            if g.capped and g.index in accepted:
-                for i in range(sale.draws):
-                    self.counters[(sale.game, g.combo, first + i)] -= g.stake
+        self.live[sale.game].give_back(sale, accepted)
 
 
 class _Tickets:

@@ -40,8 +40,8 @@ import msgspec
 from capsvc.config import Settings
 from capsvc.domain.decisions import derived_body
 from capsvc.domain.errors import ApiError, Unavailable
-from capsvc.domain.games import Catalog
-from capsvc.domain.validator import unpack_sale
+from capsvc.domain.games import Catalog, Game
+from capsvc.domain.validator import Sale, unpack_sale
 from capsvc.journal.records import VoidWhy
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.marks import Marks
@@ -147,18 +147,26 @@ class Janitor:
                 log.error("janitor: ticket of a game no longer configured: configure %s again "
                           "to journal it", sale.game, extra={"ticket_key": key})
                 return journaled
-            channel_id = channel_of(key)
-            body = record.body or derived_body(channel_id, record.sale, sale_id, record.at,
-                                               record.results)
-            await self.tickets.journal.sale(
-                "janitor", channel_id, sale, sale_id, record.at, body,
-                game.expire_at(sale.first_draw + sale.draws - 1),
-                self.steps.caps.known(game, sale.first_draw, sale.draws))
-            log.info("janitor journaled a sale whose request ended before its answer",
-                     extra={"ticket_key": key})
+            await self._journal_sold(key, game, sale, record.sale, sale_id, record.at,
+                                     record.body, record.results)
             journaled += 1
         await self.store.forget_unjournaled(field)
         return journaled
+
+    async def _journal_sold(self, key: str, game: Game, sale: Sale, raw_sale: bytes,
+                            sale_id: str, at: int, body: bytes | None, results: bytes | None
+                            ) -> None:
+        """Journal a sold ticket's decision that its request may have died before
+        journaling (its body, or rendered from its results)."""
+        assert sale.first_draw is not None
+        channel_id = channel_of(key)
+        await self.tickets.journal.sale(
+            "janitor", channel_id, sale, sale_id, at,
+            body or derived_body(channel_id, raw_sale, sale_id, at, results),
+            game.expire_at(sale.first_draw + sale.draws - 1),
+            self.steps.caps.known(game, sale.first_draw, sale.draws))
+        log.info("janitor journaled a sale whose request ended before its answer",
+                 extra={"ticket_key": key})
 
     async def settle(self, key: str) -> int:
         """Settle one indexed ticket if it is due, journal its outcome, then drop its index
@@ -185,13 +193,12 @@ class Janitor:
             if state == b"k":
                 await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
                 log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
-            body = due.body or derived_body(channel_id, due.sale, sale_id, at, due.results)
             if state == b"f":  # decided, maybe never journaled: its request died
-                await journal.sale("janitor", channel_id, sale, sale_id, at, body, until,
-                                   self.steps.caps.known(game, sale.first_draw, sale.draws))
-                log.info("janitor journaled a sale whose request ended before its answer",
-                         extra={"ticket_key": key})
+                await self._journal_sold(key, game, sale, due.sale, sale_id, at, due.body,
+                                         due.results)
             else:
+                body = due.body or derived_body(channel_id, due.sale, sale_id, at,
+                                                due.results)
                 await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
                                      due.cancelled_at or 0, due.released or 0)
             # Unless the ticket moved on meanwhile (a cancel decided): the next round's.

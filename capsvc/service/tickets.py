@@ -44,7 +44,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -88,6 +88,7 @@ from capsvc.redis.replies import (
 )
 from capsvc.redis.store import (
     SALES_PER_CALL,
+    SaleCall,
     Store,
     replies_of,
     retrieving,
@@ -99,6 +100,7 @@ from capsvc.service.draws import Draws
 from capsvc.service.steps import SaleSteps
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _encode = msgspec.json.encode
 _ticket_decoder = msgspec.json.Decoder(TicketOut)
 _ATTEMPTS = 4
@@ -161,9 +163,9 @@ class _Prepared:
     first: int
     one_call: bool
     """Sold in one atomic call (else in steps)."""
-    stored: Sale | None = None
+    stored: Sale
     """The sale as its first call stores it (its first draw resolved)."""
-    expire_at: int = 0
+    expire_at: int
 
 
 _GroupOutcome = SaleOutcome | ApiError | Unavailable | Claim
@@ -193,6 +195,14 @@ def _answer_joined(joining: list[tuple[list[_Prepared], asyncio.Future[list[_Gro
             out.set_exception(failure)
         else:
             out.set_result([outcomes[id(p)] for p in group])
+
+
+def _answered(result: T | BaseException) -> T | ApiError | Unavailable:
+    """A gathered result as the request answers it: an error of the contract stands for the
+    ticket; any other exception is a bug, raised."""
+    if isinstance(result, BaseException) and not isinstance(result, ApiError | Unavailable):
+        raise result
+    return result
 
 
 def first_stopped(stops: list[int | None], at: int) -> int | None:
@@ -280,11 +290,9 @@ class Tickets:
             recorded = await asyncio.gather(*[self._recorded(channel, tickets[i])
                                               for i in refused], return_exceptions=True)
             for i, found in zip(refused, recorded, strict=True):
-                if isinstance(found, BaseException) and not isinstance(
-                        found, ApiError | Unavailable):
-                    raise found
-                if found is not None:
-                    results[i] = found
+                answered = _answered(found)
+                if answered is not None:
+                    results[i] = answered
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
@@ -299,10 +307,7 @@ class Tickets:
                                           for _, prepared, claim in alone],
                                         return_exceptions=True)
         for (i, _, _), result in zip(alone, finished, strict=True):
-            if isinstance(result, BaseException) and not isinstance(
-                    result, ApiError | Unavailable):
-                raise result
-            results[i] = result
+            results[i] = _answered(result)
 
     def _joined(self, group: list[_Prepared]) -> asyncio.Future[list[_GroupOutcome]]:
         """The outcomes of `group` (one request's one-call tickets), sold with every other
@@ -339,56 +344,37 @@ class Tickets:
         self.draws.check_horizon(game, first)
         return _Prepared(index, request, t, channel, stamp.get(), game, sale,
                          ticket_key(channel.id, t.ticket_id), defaulted, first,
-                         self._one_call[game.rules.id])
+                         self._one_call[game.rules.id],
+                         msgspec.structs.replace(sale, first_draw=first),
+                         game.expire_at(first + sale.draws - 1))
 
     async def _sell_group(self, group: list[_Prepared]) -> list[_GroupOutcome]:
         """Tickets of the one-call protocol (at most SALES_PER_CALL, of one or several
         requests), each sold in one atomic call, all in one Redis call: the outcome of each
         sale made, or the first call's reply when a step is left to take (`_sell` takes
         it). Each request's stamp gets the call's G, and stamps its records."""
-        store = self.store
         draw_keys: dict[tuple[str, str, int, int], tuple[list[str], list[str], list[str]]] = {}
-        calls = []
-        fixing = []
+        calls, fixing = [], []
         for p in group:
-            game, sale, first = p.game, p.sale, p.first
-            rules = game.rules
-            # The draws' caps when this process has seen them fixed; else the configured
-            # cap, which the call fixes on the draws no sale has fixed yet, once nothing
-            # refused the sale, judging each draw by its own (lua/capsvc.lua, CAPS).
-            capped = any(g.capped for g in sale.grids)
-            known = self.steps.caps.known(game, first, sale.draws) if capped else None
-            fix = capped and known is None
-            fixing.append(fix)
-            key = p.key
-            shared = (key[2:key.index("}")], rules.id, first, sale.draws)
+            key, sale, first = p.key, p.stored, p.first
+            shared = (key[2:key.index("}")], p.game.rules.id, first, sale.draws)
             per_draw = draw_keys.get(shared)
             if per_draw is None:
-                per_draw = draw_keys[shared] = store.draw_keys(key, rules.id, first,
-                                                               sale.draws)
-            p.stored = stored = msgspec.structs.replace(sale, first_draw=first)
-            p.expire_at = expire_at = game.expire_at(first + sale.draws - 1)
-            calls.append(store.sale_call(
-                key, sale.fingerprint, pack_sale(stored, not p.defaulted),
-                game.calendar.close_ms(first), expire_at, self.stale_after_ms, rules.id,
-                first, sale.draws,
-                caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit),
-                rules.min_stake,
-                [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake)
-                 for g in sale.grids],
-                game.expiries(first, sale.draws), rules.time_zone, fix, per_draw, p.request,
-                not p.defaulted))
+                per_draw = draw_keys[shared] = self.store.draw_keys(key, p.game.rules.id,
+                                                                    first, sale.draws)
+            call, fix = self._sale_call(p.game, key, sale, not p.defaulted, p.expire_at,
+                                        per_draw, p.request)
+            calls.append(call)
+            fixing.append(fix)
         stamps = list({id(p.stamp): p.stamp for p in group}.values())
-        claims = await store.sell(calls, stamps)
+        claims = await self.store.sell(calls, stamps)
         out: list[_GroupOutcome] = []
         records: list[SaleDecision] = []
         for p, claim, fix in zip(group, claims, fixing, strict=True):
             if not isinstance(claim, Sold):
                 out.append(claim)
                 continue
-            assert p.stored is not None
-            if fix and claim.caps is not None:
-                self.steps.caps.remember(p.game, p.first, claim.caps)
+            self._fixed(p.game, p.first, fix, claim)
             decision = decision_of(p.channel.id, p.stored, claim.sale_id, claim.at,
                                    claim.results)
             body = _encode(decision)
@@ -523,22 +509,39 @@ class Tickets:
                                 expire_at: int, asked: bool) -> Claim:
         """The sale as one atomic call (standalone Redis, no player limits), alone: a
         ticket whose first call moved it on (a draw closed or stopped)."""
-        rules = game.rules
         assert sale.first_draw is not None
+        call, fix = self._sale_call(game, key, sale, asked, expire_at, self.store.draw_keys(
+            key, game.rules.id, sale.first_draw, sale.draws))
+        [claim] = await self.store.sell([call])
+        self._fixed(game, sale.first_draw, fix, claim)
+        return claim
+
+    def _sale_call(self, game: Game, key: str, sale: Sale, asked: bool, expire_at: int,
+                   draw_keys: tuple[list[str], list[str], list[str]], request: int = 0
+                   ) -> tuple[SaleCall, bool]:
+        """A one-call sale's part of a call of capsvc_sell, and whether it fixes its draws'
+        caps: the draws' caps when this process has seen them fixed; else the configured
+        cap, which the call fixes on the draws no sale has fixed yet, once nothing refused
+        the sale, judging each draw by its own (lua/capsvc.lua, CAPS)."""
+        rules = game.rules
+        first = sale.first_draw
+        assert first is not None
         capped = any(g.capped for g in sale.grids)
-        known = self.steps.caps.known(game, sale.first_draw, sale.draws) if capped else None
+        known = self.steps.caps.known(game, first, sale.draws) if capped else None
         fix = capped and known is None
-        [claim] = await self.store.sell([self.store.sale_call(
-            key, sale.fingerprint, pack_sale(sale, asked), close_ms, expire_at,
-            self.stale_after_ms, rules.id, sale.first_draw, sale.draws,
+        return self.store.sale_call(
+            key, sale.fingerprint, pack_sale(sale, asked), game.calendar.close_ms(first),
+            expire_at, self.stale_after_ms, rules.id, first, sale.draws,
             caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit),
             rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            game.expiries(sale.first_draw, sale.draws), rules.time_zone, fix,
-            self.store.draw_keys(key, rules.id, sale.first_draw, sale.draws))])
+            game.expiries(first, sale.draws), rules.time_zone, fix, draw_keys, request,
+            asked), fix
+
+    def _fixed(self, game: Game, first: int, fix: bool, claim: Claim) -> None:
+        """Remember the caps a sale's call fixed (or found fixed) on its draws."""
         if fix and isinstance(claim, Sold) and claim.caps is not None:
-            self.steps.caps.remember(game, sale.first_draw, claim.caps)
-        return claim
+            self.steps.caps.remember(game, first, claim.caps)
 
     async def _decide(self, channel: Channel, game: Game, key: str, sale: Sale, sale_id: str,
                       at: int, close_ms: int) -> Step:

@@ -737,6 +737,22 @@ def _decisions_by_worker(directory: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def _sell_from_both(svc: ServiceProcess, ledger: Ledger, prefix: str,
+                    combinations: Iterator[tuple[int, ...]]) -> set[str]:
+    """Sales of `combinations`, two at a time on connections of their own, until each of
+    the service's two workers has answered one of them: their ticket ids."""
+    sold: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len({proc for proc, records in _decisions_by_worker(svc.journal_dir).items()
+               if any(r.get("via") == "answer" and r["ticket"] in sold
+                      for r in records)}) < 2:
+        assert time.monotonic() < deadline, "one worker answered every sale"
+        bodies = [ledger.body(next(combinations), prefix=prefix) for _ in range(2)]
+        ledger.sell_together(svc.base_url, bodies)
+        sold.update(b["ticket_id"] for b in bodies)
+    return sold
+
+
 def test_two_workers_put_back_what_either_answered_after_a_reload(
         debug_redis: RedisServer, config: str) -> None:
     """With two workers, a reload in place loses neither worker's answers and passes no cap."""
@@ -749,26 +765,11 @@ def test_two_workers_put_back_what_either_answered_after_a_reload(
         hot = [X, Y, Z]
         grids = itertools.cycle(hot)
 
-        def answered_by_both(tickets: set[str]) -> bool:
-            return len({proc for proc, records in _decisions_by_worker(svc.journal_dir).items()
-                        if any(r.get("via") == "answer" and r["ticket"] in tickets
-                               for r in records)}) == 2
-
-        def sell_from_both(prefix: str, combinations: Iterator[tuple[int, ...]]) -> set[str]:
-            sold: set[str] = set()
-            deadline = time.monotonic() + 30
-            while not answered_by_both(sold):
-                assert time.monotonic() < deadline, "one worker answered every sale"
-                bodies = [ledger.body(next(combinations), prefix=prefix) for _ in range(2)]
-                ledger.sell_together(url, bodies)
-                sold.update(b["ticket_id"] for b in bodies)
-            return sold
-
         # Both workers up and selling (a combination of its own per sale: no room taken).
-        sell_from_both("W", (c for c in spare if c not in hot))
-        saved = sell_from_both("P", grids)
+        _sell_from_both(svc, ledger, "W", (c for c in spare if c not in hot))
+        saved = _sell_from_both(svc, ledger, "P", grids)
         debug_redis.client().save()
-        after = sell_from_both("Q", grids)
+        after = _sell_from_both(svc, ledger, "Q", grids)
         assert any(ledger.sales[t].decision["status"] == "accepted" for t in after)
         t1 = min(saved)
 
@@ -809,26 +810,10 @@ def test_a_worker_judges_nothing_until_a_stopped_worker_has_put_back_its_answers
         ledger = Ledger(current_draw(url) + 1)
         rng = random.Random(5)
         spare = iter(lambda: tuple(sorted(rng.sample(range(1, 71), 8))), None)
-
-        def sell_from_both(prefix: str) -> set[str]:
-            sold: set[str] = set()
-            deadline = time.monotonic() + 30
-            while {proc for proc, records in _decisions_by_worker(svc.journal_dir).items()
-                   if any(r["ticket"] in sold for r in records)} != set(pids):
-                assert time.monotonic() < deadline, "one worker answered every sale"
-                bodies = [ledger.body(next(spare), prefix=prefix) for _ in range(2)]
-                ledger.sell_together(url, bodies)
-                sold.update(b["ticket_id"] for b in bodies)
-            return sold
-
-        pids: set[str] = set()
-        deadline = time.monotonic() + 30
-        while len(pids) < 2:  # both workers' marks in Redis before the SAVE: a partial loss
-            assert time.monotonic() < deadline, "one worker answered every sale"
-            ledger.sell_together(url, [ledger.body(next(spare), prefix="W") for _ in range(2)])
-            pids = set(_decisions_by_worker(svc.journal_dir))
+        # Both workers' marks in Redis before the SAVE: a partial loss.
+        _sell_from_both(svc, ledger, "W", spare)
         debug_redis.client().save()
-        sold = sell_from_both("Q")
+        sold = _sell_from_both(svc, ledger, "Q", spare)
         stopped, records = sorted(_decisions_by_worker(svc.journal_dir).items())[0]
         theirs = sorted({r["ticket"] for r in records if r["via"] == "answer"} & sold)
         assert theirs
