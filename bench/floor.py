@@ -80,7 +80,7 @@ SECTIONS = [
     ("  local rec = ticket_read(T, now)", "ticket read (arguments sliced)"),
     ("    batch.stops[asked] = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
-    ("  local results = args[12 + 2 * grids + n]", "grids (count, record)"),
+    ("  local results = zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
     ("  ticket_new(T, tonumber(args[4])", "ticket record (HSET, bucket TTL)"),
     ("  made[#made + 1] = T.name", "unjournaled queued"),
     ("    redis.call('HSET', keys[#keys], args[#args]", "unjournaled HSET"),

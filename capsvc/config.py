@@ -111,9 +111,9 @@ class Settings:
     durability_replicas: int = 0
     """Replicas that must acknowledge a sale's writes before it is answered (0: default)."""
     one_call_sales: bool = True
-    """On a standalone Redis, sell a ticket of a game without player limits in one atomic
-    call (`[redis] sale_calls = "one"`, the default) rather than in steps ("steps": the
-    protocol a Redis Cluster always uses, whose keys are spread over slots)."""
+    """On a standalone Redis, sell a ticket in one atomic call (`[redis] sale_calls =
+    "one"`, the default) rather than in steps ("steps": the protocol a Redis Cluster always
+    uses, whose keys are spread over slots)."""
     wait_timeout_ms: int = 200
     host: str = "127.0.0.1"
     port: int = 8080

@@ -1234,6 +1234,64 @@ local function player(keys, args)
           tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
 end
 
+--[[ A sale's player budget in its one call (see `sell`): KEYS (the sale's last) the player's
+limit, then each day's budget; ARGV from `i`: m (the days), the ref's prefix (the sale id
+completes it), regulatory, until, from and to (ms: the purchase day the caller planned for;
+a sale judged at another instant answers {'day'} and is planned again), Joker+'s cost a
+draw, m × (day, draws on that day), then each grid's cost a draw. What a sale takes is
+what the ledger's steps leave (`budget`, then `settle`): under the ref, on each day, the
+accepted grids' cost (and Joker+'s, when one is), or "X" when none is; "R<room>" on the first
+day for a ticket refused by the limit. Nil when the sale's game has no limit. ]]
+local function budget_of(keys, args, i, grids, sid)
+  local m = tonumber(args[i])
+  if not m then
+    return nil
+  end
+  local B = {ref = args[i + 1] .. sid, regulatory = tonumber(args[i + 2]),
+             expire_at = tonumber(args[i + 3]), from = tonumber(args[i + 4]),
+             to = tonumber(args[i + 5]), joker = tonumber(args[i + 6]),
+             limit = #keys - m, limit_key = keys[#keys - m], days = {}, names = {}, draws = {}, costs = {}}
+  for d = 1, m do
+    B.days[d] = keys[#keys - m + d]
+    B.names[d] = args[i + 5 + 2 * d]
+    B.draws[d] = tonumber(args[i + 6 + 2 * d])
+  end
+  local requested = B.joker
+  for g = 1, grids do
+    B.costs[g] = tonumber(args[i + 6 + 2 * m + g])
+    requested = requested + B.costs[g]
+  end
+  B.requested = requested
+  return B
+end
+
+-- The room on the first day that cannot take `per_draw` a draw, or nil when every day can.
+local function budget_room(B, per_draw)
+  local rec = redis.call('HMGET', B.limit_key, 'limit', 'next', 'from')
+  for d = 1, #B.days do
+    local spent = tonumber(redis.call('HGET', B.days[d], 'spent') or '0')
+    local room = day_limit(rec, B.names[d], B.regulatory) - spent
+    if B.draws[d] * per_draw > room then
+      return room
+    end
+  end
+  return nil
+end
+
+-- Charge each day what the accepted grids cost (`per_draw`, a draw; nothing accepted: "X").
+local function budget_charge(B, per_draw, took, seen)
+  for d = 1, #B.days do
+    if took then
+      local amount = B.draws[d] * per_draw
+      redis.call('HINCRBY', B.days[d], 'spent', amount)
+      redis.call('HSET', B.days[d], B.ref, amount)
+    else
+      redis.call('HSET', B.days[d], B.ref, 'X')
+    end
+    extend(B.days[d], B.expire_at, 0, seen)
+  end
+end
+
 --[[ sell: a batch of sales, each judged as if it were a call of its own, in order:
 ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV and
 its tag (2 × its group + 1 when its first draw was not asked: a group is one request's
@@ -1260,10 +1318,12 @@ time is rendered in the zone of the sale, whatever the configuration says later)
 "fix" when the caller does not know the draws' caps (the last n keys are then their cap
 keys, fixed here; the reply's last element gives the caps the sale was judged by), then
 the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
-of a one-grid sale's ~65 µs of Redis CPU).
-The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node)
-for a game without player limits: the claim's answers for a known ticket id, else the close
-and the admin stops (nothing is written if a draw is stopped), then every capped grid is
+of a one-grid sale's ~65 µs of Redis CPU), then, for a game with player limits, its budget's
+(`budget_of`: the player's keys are then the sale's last).
+The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node):
+the claim's answers for a known ticket id, else the close and the admin stops (nothing is
+written if a draw is stopped), then the player's limit (the whole ticket refused, `res`
+"<time zone>|P", when its requested cost does not fit a day), then every capped grid is
 counted as `reserve` counts it, the combinations it brought to their cap go on the sold-out
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
@@ -1273,7 +1333,10 @@ of the unjournaled sales until the caller has journaled its decision (see `sell`
 {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
-| {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}. ]]
+| {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}
+| {'day'} (judged on another day than its budget was planned for: nothing written; the
+later sales of its group are not judged either). The player's budget is charged what the
+accepted grids cost once they are judged. ]]
 local function sell_one(keys, args, now, batch)
   local T = ticket_of(keys, args)
   T.seen = batch.seen
@@ -1304,19 +1367,40 @@ local function sell_one(keys, args, now, batch)
   -- The caller's nonce (8 random bytes, hex) is the sale id: nothing else is needed to
   -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
   local sid = args[6]
+  local grids = tonumber(args[11])
   -- Its 8 bytes, taken as sent: the caller makes the hex and the bytes from one nonce
   -- (checking them here would cost what sending them saves).
-  local sid_bytes = args[14 + 2 * tonumber(args[11]) + n]
+  local sid_bytes = args[14 + 2 * grids + n]
+  local zone = args[12 + 2 * grids + n]
+  local B = budget_of(keys, args, 15 + 2 * grids + n, grids, sid)
+  local top = #keys  -- the sale's keys before the player's
+  if B then
+    if now < B.from or now >= B.to then
+      return {'day'}
+    end
+    top = B.limit - 1
+    local room = budget_room(B, B.requested)
+    if room then  -- the whole ticket refused, nothing counted (see PLAYER LIMITS)
+      redis.call('HSET', B.days[1], B.ref, 'R' .. room)
+      extend(B.days[1], B.expire_at, 0, batch.seen)
+      local results = zone .. '|P'
+      ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
+      local made = batch.sold
+      made[#made + 1] = T.name
+      made[#made + 1] = sid
+      return {'new', now, sid, results, 0, 0, 0, false}
+    end
+  end
   local caps, shadow = caps_of(args[9], n)
-  local min_stake, grids = args[10], tonumber(args[11])
+  local min_stake = args[10]
   local expiries = {}
   for i = 1, n do
     expiries[i] = args[11 + 2 * grids + i]
   end
-  -- With "fix", the caller does not know the draws' caps yet: the last n keys are the
-  -- draws' cap keys.
+  -- With "fix", the caller does not know the draws' caps yet: the last n keys before the
+  -- player's are the draws' cap keys.
   local fix = args[13 + 2 * grids + n] == 'fix'
-  local fixed = fix and #keys - n or #keys  -- the cap key of draw i is keys[fixed + i]
+  local fixed = fix and top - n or top  -- the cap key of draw i is keys[fixed + i]
   local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
   local feed = keys[aggregates]
   local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
@@ -1333,11 +1417,16 @@ local function sell_one(keys, args, now, batch)
   end
   local res, near, sold, shadowed = {}, 0, 0, 0
   local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
+  local charged, took = 0, false  -- a draw's cost of the accepted grids; whether any is
   local k = 3
   for g = 1, grids do
     local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
       res[g] = '-'
+      took = true
+      if B then
+        charged = charged + B.costs[g]
+      end
       local picks = tonumber(string.sub(combo, 2))
       accepted[picks] = (accepted[picks] or 0) + tonumber(stake)
     else
@@ -1353,6 +1442,10 @@ local function sell_one(keys, args, now, batch)
                         batch.seen)
       if out[1] >= 1 then
         res[g] = '1'
+        took = true
+        if B then
+          charged = charged + B.costs[g]
+        end
         near = near + out[2]
         if out[1] == 2 then
           shadowed = shadowed + 1
@@ -1367,7 +1460,10 @@ local function sell_one(keys, args, now, batch)
       end
     end
   end
-  local results = args[12 + 2 * grids + n] .. '|' .. table.concat(res, ';')
+  if B then  -- Joker+ costs the player only with a grid accepted
+    budget_charge(B, charged + B.joker, took, batch.seen)
+  end
+  local results = zone .. '|' .. table.concat(res, ';')
   ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
   -- Kept in the call's entry of the unjournaled sales until the caller has journaled the
   -- decision (else the janitor journals it).
@@ -1403,7 +1499,7 @@ local function sell(keys, args)
     else
       replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
       local kind = replies[i][1]
-      if tag % 2 == 1 and (kind == 'stopped' or kind == 'closed') then
+      if kind == 'day' or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed')) then
         halted[group] = true
       end
     end

@@ -49,6 +49,7 @@ class DrawCalendar:
         # Per local day: its midnight (ms) when the offset holds all day, else every close.
         self._day_cache: dict[int, int | array[int]] = {}
         self._current: tuple[int, int, int] = (0, 0, -1)  # (draw, close_ms, valid_from_ms)
+        self._bounds: tuple[str, int, int] = ("", 0, 0)  # the last local_day
         # Python dates end with the year 9999; so does the calendar.
         self.last_draw = (date(9999, 12, 30) - rules.draw_epoch).days * self._per_day
 
@@ -142,6 +143,20 @@ class DrawCalendar:
 
     def local_date(self, now_ms: int) -> date:
         return datetime.fromtimestamp(now_ms / 1000, self.rules.tz).date()
+
+    def local_day(self, now_ms: int) -> tuple[str, int, int]:
+        """The local day (YYYY-MM-DD) of the instant `now_ms`, and the instants (ms) it
+        starts and the next one starts."""
+        bounds = self._bounds
+        if bounds[1] <= now_ms < bounds[2]:
+            return bounds
+        day = self.local_date(now_ms)
+        tz = self.rules.tz
+        start = int(datetime.combine(day, _MIDNIGHT, tz).timestamp() * 1000)
+        end = int(datetime.combine(day + _DAY, _MIDNIGHT, tz).timestamp() * 1000)
+        # A midnight the clock skips or shows twice: the day holds `now_ms` all the same.
+        self._bounds = bounds = (day.isoformat(), min(start, now_ms), max(end, now_ms + 1))
+        return bounds
 
     def local_days(self, first_draw: int, draws: int) -> list[str]:
         """The local day (YYYY-MM-DD) of each draw of first_draw..first_draw+draws-1."""

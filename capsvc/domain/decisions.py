@@ -191,9 +191,12 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
                 ) -> TicketOut:
     """The decision of a sale made in one call, from what it stored: the time zone of the
     sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
-    rejected; see lua/capsvc.lua, sell). Nothing of the configuration of the day is used,
-    so the body is the one first answered, byte for byte, for as long as it is kept."""
+    rejected), or "P" for a ticket the player's limit refused (see lua/capsvc.lua, sell).
+    Nothing of the configuration of the day is used, so the body is the one first answered,
+    byte for byte, for as long as it is kept."""
     zone, _, grids = results.decode().partition("|")
+    if grids == "P":  # refused by the player's limit
+        return player_limit_decision(sale)
     replies: list[Reserved | None] = []
     for r in grids.split(";"):
         if r == "-":

@@ -446,14 +446,16 @@ class Store:
                   caps: str | int, min_stake: int, grids: list[tuple[str, int]],
                   expiries: list[int], time_zone: str, fix_caps: bool,
                   draw_keys: tuple[list[str], list[str], list[str]], group: int = 0,
-                  asked: bool = True) -> SaleCall:
+                  asked: bool = True, budget: tuple[list[str], list[Any]] | None = None
+                  ) -> SaleCall:
         """One sale's KEYS and ARGV in a call of capsvc_sell (see lua/capsvc.lua, sell).
         `grids`: (combo, stake) of each grid, combo "\0<picks>" when the grid is not
         capped (a combination never holds a zero byte). `draw_keys`: the draws' sold-out
         lists, aggregates and cap keys (`draw_keys`), built once a batch per (game, draws,
         aggregate bucket). `group` (a request's sales, 0 none) and `asked` (its first draw
         asked): a sale whose first draw was not asked and is closed or stopped leaves the
-        later sales of its group to its caller (lua/capsvc.lua, `sell`)."""
+        later sales of its group to its caller (lua/capsvc.lua, `sell`). `budget`: the
+        player's keys and the budget's ARGV, for a game with player limits (`budget_call`)."""
         keys, args = record_names(ticket)
         keys.append(stops_key(game))
         for combo, _ in grids:
@@ -471,6 +473,9 @@ class Store:
         for combo, stake in grids:
             args += (combo, stake)
         args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
+        if budget is not None:
+            keys += budget[0]
+            args += budget[1]
         return keys, args, 2 * group + (0 if asked else 1)
 
     @staticmethod
@@ -725,6 +730,21 @@ class Store:
     def identities(self) -> asyncio.Future[Any]:
         """INFO server and replication of every primary (see `identity`)."""
         return asyncio.ensure_future(self.redis.broadcast("INFO", "server", "replication"))
+
+
+def budget_call(player: str, ref: str, regulatory: int, until: int, day: tuple[str, int, int],
+                joker: int, days: list[tuple[str, int]], costs: list[int]
+                ) -> tuple[list[str], list[Any]]:
+    """A sale's player budget in its one call (`Store.sale_call`; lua/capsvc.lua,
+    `budget_of`): the player's keys, and the ARGV. `ref`: the ref's prefix (the sale id ends
+    it); `day`: the purchase day planned for and its bounds (ms); `joker`: Joker+'s cost a
+    draw; `days`: (day, draws on it) charged; `costs`: each grid's cost a draw."""
+    keys = [limit_key(player), *(budget_key(player, d) for d, _ in days)]
+    args: list[Any] = [len(days), ref, regulatory, until, day[1], day[2], joker]
+    for d, n in days:
+        args += (d, n)
+    args += costs
+    return keys, args
 
 
 def limit_key(player: str) -> str:

@@ -6,17 +6,18 @@ reads top-down:
 
 1. **prepare** the batch (`_prepare`): every rule that does not need Redis
    (capsvc.domain.validator), the first draw resolved; nothing touches Redis before;
-2. **sell in one call** what can be (a standalone Redis, a game without player limits):
+2. **sell in one call** what can be (a standalone Redis, player limits included):
    the tickets of every request of this event-loop tick join one batch (`_joined`), cut
    into calls of SALES_PER_CALL (`_sell_joined`); each call (`_sell_group`) is one atomic
-   `capsvc_sell` — claim, close, admin stops, every grid, the decision — one future, one
-   journal append (a `sales` line), then the release of its entry of the unjournaled
-   sales (capsvc.redis.store `journaled_sale`);
-3. **the rest alone** (`_sell`): the tickets sold in steps (a Redis Cluster, player
-   limits), and those a first call left a step to (`Decided`: a replay; `Claimed`,
-   `Pending`: a claim to decide; a defaulted first draw that closed or was stopped moves
-   on and is sold again). In steps: the ticket indexed for the janitor and claimed
-   (`capsvc_claim`, which mints the sale id that fences every later step), then
+   `capsvc_sell` — claim, close, admin stops, the player's limit, every grid, the
+   decision — one future, one journal append (a `sales` line), then the release of its
+   entry of the unjournaled sales (capsvc.redis.store `journaled_sale`);
+3. **the rest alone** (`_sell`): the tickets sold in steps (a Redis Cluster), and those a
+   first call left a step to (`Decided`: a replay; `Claimed`, `Pending`: a claim to
+   decide; a defaulted first draw that closed or was stopped moves on and is sold again; a
+   sale judged on another day than its player's budget was planned for is planned again).
+   In steps: the ticket indexed for the janitor and claimed (`capsvc_claim`, which mints
+   the sale id that fences every later step), then
    **decided** (`_decide`: the player's budget, the admin stops read with the first step,
    every capped grid reserved at once, the decision built from their records), **written**
    (with the budget's settlement and the sold-out lists), **journaled**, and only then the
@@ -38,6 +39,7 @@ nobody asks again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import logging
@@ -53,6 +55,7 @@ from capsvc.config import Channel, Settings
 from capsvc.domain.decisions import (
     ACCEPTED,
     CLOSED,
+    DAY_MS,
     RELEASED,
     SHADOWED,
     build_decision,
@@ -90,6 +93,8 @@ from capsvc.redis.store import (
     SALES_PER_CALL,
     SaleCall,
     Store,
+    budget_call,
+    ident_of,
     replies_of,
     retrieving,
     stop_instants,
@@ -224,10 +229,8 @@ class Tickets:
         self.clock = clock
         # A request may resume a pending ticket only while the janitor cannot touch it.
         self.stale_after_ms = settings.pending_deadline_ms - settings.request_timeout_ms
-        self._one_call = {
-            game.rules.id: (settings.one_call_sales and store.single_node
-                            and game.rules.daily_limit is None)
-            for game in catalog.games.values()}
+        self._one_call = {game.rules.id: settings.one_call_sales and store.single_node
+                          for game in catalog.games.values()}
         """Whether each game's sales are one atomic call (else steps), fixed at wiring."""
         self._requests = itertools.count(1)
         self._joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]] = []
@@ -430,6 +433,9 @@ class Tickets:
                 claim = await first_call(game, key, stored, close_ms, expire_at,
                                          not defaulted)
             if isinstance(claim, Refused):
+                if claim.why == "day":  # judged on another day than planned: plan again
+                    claim = None
+                    continue
                 if claim.why == "conflict":
                     raise _conflict(t.ticket_id)
                 if claim.why == "stale":
@@ -536,7 +542,29 @@ class Tickets:
             rules.min_stake,
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             game.expiries(first, sale.draws), rules.time_zone, fix, draw_keys, request,
-            asked), fix
+            asked, self._budget(game, key, sale, expire_at)), fix
+
+    def _budget(self, game: Game, key: str, sale: Sale, expire_at: int
+                ) -> tuple[list[str], list[Any]] | None:
+        """The player's budget in a one-call sale (a game with a daily limit), planned for
+        the purchase day of Redis's time as this process estimates it (lua/capsvc.lua,
+        `budget_of`: a sale judged on another day is planned again). It leaves what the
+        ledger's steps leave (capsvc.domain.decisions, `budget_plan`)."""
+        rules = game.rules
+        if rules.daily_limit is None or sale.player_id is None:
+            return None
+        assert sale.first_draw is not None
+        now = self.clock.now()
+        day = game.calendar.local_day(now)
+        if rules.subscription_accounting == "purchase_day":
+            days = [(day[0], sale.draws)]
+        else:
+            days = list(collections.Counter(
+                game.calendar.local_days(sale.first_draw, sale.draws)).items())
+        return budget_call(sale.player_id, f"t/{ident_of(key)}/", rules.daily_limit,
+                           max(expire_at, now + DAY_MS) + DAY_MS, day,
+                           sale.joker_cost // sale.draws, days,
+                           [g.cost // sale.draws for g in sale.grids])
 
     def _fixed(self, game: Game, first: int, fix: bool, claim: Claim) -> None:
         """Remember the caps a sale's call fixed (or found fixed) on its draws."""

@@ -196,17 +196,22 @@ def test_a_restorer_that_stalls_still_holds_the_others() -> None:
 
 # -- 2. restore from an older file: the player is charged only the accepted cost ---------
 
-def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> None:
-    """An lnm-keno sale (daily limit: a sale in steps: claim, take the requested cost from
-    the budget, reserve, settle the budget to the accepted cost, finalize) answered
-    `partial`: grid 0 refused by the cap, grid 1 accepted (cost 2500). Redis then restarts
-    from an older AOF, one that has the budget's take but not its settlement (the AOF cut
-    right before the settle's MULTI). The restore writes the journaled decision and settles
-    the budget to it: the player's day holds 2500, not the requested 5000 ("Stakes of grids
-    rejected by the cap do not use the budget"), and the janitor's later turns change
-    nothing, the ticket being decided."""
+@pytest.mark.parametrize("sale_calls", ["one", "steps"])
+def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost(
+        sale_calls: str, tmp_path: Path) -> None:
+    """An lnm-keno sale (daily limit) answered `partial`: grid 0 refused by the cap, grid 1
+    accepted (cost 2500). Redis then restarts from an older AOF: in one call, one without
+    the sale (the AOF cut right before the MULTI of its effects); in steps (claim, take the
+    requested cost from the budget, reserve, settle the budget to the accepted cost,
+    finalize), one that has the budget's take but not its settlement (cut right before the
+    settle's MULTI). The restore writes the journaled decision and its budget: the player's
+    day holds 2500, not 0 nor the requested 5000 ("Stakes of grids rejected by the cap do
+    not use the budget"), and the janitor's later turns change nothing, the ticket being
+    decided."""
+    config = tmp_path / "capsvc.toml"
+    config.write_text(f'{CONFIG.read_text()}\n[redis]\nsale_calls = "{sale_calls}"\n')
     redis = RedisServer(extra=("--appendfsync", "always")).start()
-    svc = ServiceProcess(str(CONFIG), redis.url).start()
+    svc = ServiceProcess(str(config), redis.url).start()
     player = f"P-{_RUN}"
     full = [1, 2, 3, 4, 5, 6, 7, 8]
     other = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -232,9 +237,13 @@ def test_restore_after_older_aof_charges_the_player_only_the_accepted_cost() -> 
         redis.stop()
         aof = sorted((redis.dir / "appendonlydir").glob("*.incr.aof"))[-1]
         data = aof.read_bytes()
-        settle = data.rfind(b"-2500")  # the settle gives the refused grid's 2500 back
+        budget = f"b:{{pl:{player}}}".encode()
+        if sale_calls == "one":  # the sale's effects, its budget's among them
+            settle = data.rfind(budget)
+        else:  # the settle gives the refused grid's 2500 back
+            settle = data.rfind(b"-2500")
+            assert data.rfind(budget, 0, settle) > 0
         assert settle > 0
-        assert data.rfind(f"b:{{pl:{player}}}".encode(), 0, settle) > 0
         cut = data.rfind(b"*1\r\n$5\r\nMULTI\r\n", 0, settle)
         aof.write_bytes(data[:cut])  # an older file: the settle (and what follows) lost
         redis.start()
