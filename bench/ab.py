@@ -1,6 +1,6 @@
 """Ablation: capsvc at several commits (and the bare handler), alternating in one run.
 
-    python bench/ab.py REV [REV ...] [--workload one-grid|mix] [--batch N] [--seconds 5]
+    python bench/ab.py REV [REV ...] [--workload one-grid|mix|lnm] [--batch N] [--seconds 5]
                        [--rounds 4] [--journal on|off] [--connections 64] [--redis-arg=ARG ...]
 
 Each REV (a commit, a branch, `WORK` for the working tree as it is, or the path of a tree
@@ -154,7 +154,7 @@ def main() -> int:
         script, extra, per = WORKLOADS[args.workload], (), 1
         if args.batch > 1:
             script, per = "batch.lua", args.batch
-            extra = (str(args.batch), "mix" if args.workload == "mix" else "one-grid")
+            extra = (str(args.batch), args.workload)
         def load(t: Target) -> tuple[str, tuple[str, ...]]:
             """The bare handler answers one ticket a request, as its ratio is taken."""
             return (script, extra) if t.redis else (WORKLOADS[args.workload], ())

@@ -1,7 +1,7 @@
 -- wrk script: POST /v1/ticket-batches of N new FDJ tickets (unique ticket_id), each of one
--- capped grid (8-10 numbers, an allowed stake, one draw) or of the realistic mix (see
--- common.lua). Seeded.
--- Usage: wrk -s batch.lua <url> -- <token> <id-prefix> <seed> <mean pause ms> <N> [mix]
+-- capped grid (8-10 numbers, an allowed stake, one draw), of the realistic mix, or LNM
+-- tickets of one grid (see common.lua). Seeded.
+-- Usage: wrk -s batch.lua <url> -- <token> <id-prefix> <seed> <mean pause ms> <N> [mix|lnm]
 
 dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "common.lua")
 
@@ -16,6 +16,8 @@ function init(args)
   if args[6] == "mix" then
     make = mix_ticket
     choose_hot()
+  elseif args[6] == "lnm" then
+    make = lnm_ticket
   end
 end
 

@@ -34,6 +34,17 @@ function one_grid_ticket(id)
     id, numbers(math.random(8, 10)), stakes[math.random(1, #stakes)])
 end
 
+local lnm_stakes = {250, 500, 1000, 2500}
+
+-- A new LNM ticket (a game with player limits) of one capped grid, one draw, for one of
+-- 100,000 players (each far from the daily limit during a run).
+function lnm_ticket(id)
+  return string.format(
+    '{"ticket_id":"%s","game":"lnm-keno","player_id":"P-%d","grids":[{"numbers":[%s],"stake":%d}]}',
+    id, math.random(1, 100000), numbers(math.random(8, 10)),
+    lnm_stakes[math.random(1, #lnm_stakes)])
+end
+
 local function mix_grid()
   local nums
   if math.random() < 0.2 then

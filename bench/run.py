@@ -42,16 +42,17 @@ from tests.support.service import ServiceProcess
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-token"
-WORKLOADS = {"mix": "tickets.lua", "one-grid": "one_grid.lua"}
+WORKLOADS = {"mix": "tickets.lua", "one-grid": "one_grid.lua", "lnm": "lnm.lua"}
 WORKLOAD_TEXT = {
     "mix": "1-5 grids of 2-10 numbers, 15 % subscriptions, a hot set at the cap",
     "one-grid": "one capped grid of 8-10 numbers, one draw, an allowed stake",
+    "lnm": "LNM (player limits): one capped grid of 8-10 numbers, 100,000 players",
 }
 
 
 def config_file(journal: bool = True, redis: str = "") -> str:
-    """A configuration for the bench: fdj-keno, the bench's token, its own journal;
-    `redis`: lines of a `[redis]` section."""
+    """A configuration for the bench: fdj-keno and lnm-keno, the bench's token, its own
+    journal; `redis`: lines of a `[redis]` section."""
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
     text = f"""
 [redis]
@@ -64,10 +65,14 @@ max_in_flight = 100000
 id = "fdj-keno"
 preset = "fdj-keno-2008"
 
+[[games]]
+id = "lnm-keno"
+preset = "lnm-keno"
+
 [[channels]]
 id = "bench"
 token_sha256 = "{digest}"
-games = ["fdj-keno"]
+games = ["fdj-keno", "lnm-keno"]
 scopes = ["sell", "read"]
 """
     path = Path(tempfile.mkdtemp(prefix="capsvc-bench-")) / "bench.toml"
