@@ -1,8 +1,8 @@
 """A small, pure reference model of the sale contract (capsvc's docs/API contract).
 
 Written from the contract, not from the code: counters per (combination, draw), tickets per
-(channel, ticket id) with the decision first returned, cancellations, admin stops, and time
-(Redis TIME, in ms) deciding closes and retentions. The stateful test drives the real
+(channel, ticket id) with the decision first returned, cancellations, admin stops, players'
+daily budgets, and time (Redis TIME, in ms) deciding closes, retentions and days. The stateful test drives the real
 service and this model with the same steps and compares every answer and every counter.
 
 Where the contract leaves an outcome open because a step lands within `MARGIN_MS` of a
@@ -25,6 +25,11 @@ class Rules:
     retention_ms: int
     close_ms: Any
     """draw -> the instant its sales close (ms)."""
+    daily_limit: int | None = None
+    """A player's daily limit (every sale names its player then)."""
+    day_of: Any = None
+    """instant (ms) -> (the player's day it falls on, the instants that day starts and
+    ends)."""
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Ticket:
     expires_ms: int
     cancelled: int | None = None
     """What the cancel gave back, once cancelled."""
+    budget: tuple[str, str] | None = None
+    """(player, day of purchase) its cost was charged to, in a game with a daily limit."""
 
 
 @dataclass
@@ -55,6 +62,8 @@ class Model:
     counters: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)
     tickets: dict[tuple[str, str], Ticket] = field(default_factory=dict)
     stopped: set[int] = field(default_factory=set)
+    spent: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(player, day) -> what the player's accepted grids cost that day."""
     retired: dict[tuple[str, str], int] = field(default_factory=dict)
     """The expiry of every ticket `forget` dropped: the contract frees its id then, but its
     record may stay in Redis until the janitor's sweep reaches it."""
@@ -105,6 +114,21 @@ class Model:
             return None
         if close <= now:
             return Expected(422, "draw_closed")
+        if self.rules.daily_limit is not None:
+            day, start, end = self.rules.day_of(now)
+            if self.near(start, now) or self.near(end, now):
+                return None
+            requested = sum(g["stake"] * (2 if g.get("multiplier") else 1) * n
+                            for g in request["grids"])
+            room = self.rules.daily_limit - self.spent.get((request["player_id"], day), 0)
+            if requested > room:  # the whole ticket refused, nothing counted
+                return Expected(200, decision={
+                    "ticket_id": request["ticket_id"], "game": request["game"],
+                    "status": "rejected", "reason": "player_limit", "draws": list(draws),
+                    "grids": [{"index": i, "numbers": sorted(g["numbers"]),
+                               "status": "rejected", "reason": "player_limit"}
+                              for i, g in enumerate(request["grids"])],
+                    "total_cost": 0})
         grids, total, accepted = [], 0, 0
         planned = dict(self.counters)
         for i, g in enumerate(request["grids"]):
@@ -138,8 +162,10 @@ class Model:
         })
 
     def record_sale(self, channel: str, request: dict[str, Any], decision: dict[str, Any],
-                    raw: bytes) -> None:
-        """Apply a new ticket's decision (already checked against `sell`)."""
+                    raw: bytes, now: int) -> None:
+        """Apply a new ticket's decision (already checked against `sell` at `now`): its
+        counters, and its cost to its player's day (the grids the cap refused cost
+        nothing)."""
         first, n = request["first_draw"], request.get("draws", 1)
         taken = []
         for g, out in zip(request["grids"], decision["grids"], strict=True):
@@ -148,9 +174,13 @@ class Model:
                 taken.append((numbers, g["stake"]))
                 for d in range(first, first + n):
                     self.counters[(numbers, d)] = self.counters.get((numbers, d), 0) + g["stake"]
+        budget = None
+        if self.rules.daily_limit is not None:
+            budget = (request["player_id"], self.rules.day_of(now)[0])
+            self.spent[budget] = self.spent.get(budget, 0) + int(decision["total_cost"])
         self.tickets[(channel, request["ticket_id"])] = Ticket(
             request=request, first=first, draws=n, decision=decision, raw=raw, taken=taken,
-            expires_ms=self.expiry(first + n - 1))
+            expires_ms=self.expiry(first + n - 1), budget=budget)
 
     # -- cancel ----------------------------------------------------------------------------
 
@@ -181,4 +211,6 @@ class Model:
                 for d in range(t.first, t.first + t.draws):
                     self.counters[(numbers, d)] -= stake
             t.cancelled = int(t.decision["total_cost"])
+            if t.budget is not None:
+                self.spent[t.budget] -= t.cancelled
         return t.cancelled

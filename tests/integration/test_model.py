@@ -1,11 +1,11 @@
 """The real service against the reference model, step by step, while time runs on.
 
-A hypothesis state machine sells (alone and in batches), replays, conflicts, cancels, looks
-up, stops draws and lets time pass (a test game has a draw every 2 seconds and a 3-second
-retention, so draws close and retentions pass during a run) on a real `capsvc serve` over a
-real Redis, and
-after every step checks: every answer equals the model's, every counter equals the
-model's and none exceeds the cap, every key has a TTL, and Redis holds nothing that the
+A hypothesis state machine sells (alone and in batches, for players with a daily limit),
+replays, conflicts, cancels, looks up, stops draws and lets time pass (a test game has a
+draw every 2 seconds and a 3-second retention, so draws close and retentions pass during a
+run) on a real `capsvc serve` over a real Redis, and after every step checks: every answer
+equals the model's, every counter and every player's day equals the model's and no counter
+exceeds the cap, every key has a TTL, and Redis holds nothing that the
 contract says must be gone (no draw's counters after its retention, no ticket id after
 its ticket's retention: the id is free and a new sale under it is counted afresh).
 """
@@ -69,6 +69,7 @@ time_zone = "UTC"
 retention = "3s"
 sales_horizon = 10
 cap_limit = 2000
+daily_limit = 6000
 """ + "".join(f"""
 [[channels]]
 id = "{name}"
@@ -114,6 +115,8 @@ grids = st.lists(
                            "stake": st.sampled_from([300, 500, 1000])}),
     min_size=1, max_size=3)
 
+PLAYERS = st.sampled_from(["A", "B"])
+"""Two players: a daily limit of 6,000 that a few sales of one of them reach."""
 PICK = st.integers(0, 2**16)
 """Which known ticket or counter a step takes, modulo how many there are. The model's
 tickets and counters change with time (draws close, retentions pass), so a step never
@@ -148,7 +151,9 @@ class SaleMachine(RuleBasedStateMachine):
         self.model = Model(Rules(cap=rules.cap_limit or 0,
                                  capped_picks=frozenset(rules.capped_picks),
                                  retention_ms=rules.retention_ms,
-                                 close_ms=self.calendar.close_ms))
+                                 close_ms=self.calendar.close_ms,
+                                 daily_limit=rules.daily_limit,
+                                 day_of=self.calendar.local_day))
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -176,9 +181,10 @@ class SaleMachine(RuleBasedStateMachine):
     # -- rules -----------------------------------------------------------------------------
 
     @rule(channel=st.sampled_from(["fr", "pf"]), slot=st.integers(0, 5), grids=grids,
-          draws=st.sampled_from([1, 2]), offset=st.integers(1, 4), fresh=st.booleans())
+          draws=st.sampled_from([1, 2]), offset=st.integers(1, 4), fresh=st.booleans(),
+          player=PLAYERS)
     def sell(self, channel: str, slot: int, grids: list[dict[str, Any]], draws: int,
-             offset: int, fresh: bool) -> None:
+             offset: int, fresh: bool, player: str) -> None:
         """A sale under a free ticket id (`fresh`, when one is free) or any id of the pool
         (a conflict when it is taken, a new ticket when its retention has passed)."""
         now = self.now()
@@ -186,8 +192,8 @@ class SaleMachine(RuleBasedStateMachine):
             free = [i for i in range(6) if self.model.ticket(channel, f"M-{i}", now) is None]
             slot = free[0] if free else slot
         first = self.calendar.current(now) + offset
-        request = {"ticket_id": f"M-{slot}", "game": GAME, "first_draw": first,
-                   "draws": draws, "grids": grids}
+        request = {"ticket_id": f"M-{slot}", "game": GAME, "player_id": player,
+                   "first_draw": first, "draws": draws, "grids": grids}
         self._sell(channel, request, now)
 
     @rule(pick=PICK)
@@ -213,27 +219,30 @@ class SaleMachine(RuleBasedStateMachine):
             receipt = got.pop("receipt")
             assert (receipt is not None) == (expected.decision["total_cost"] > 0)
             assert got == expected.decision
-            self.model.record_sale(channel, request, expected.decision, resp.content)
+            self.model.record_sale(channel, request, expected.decision, resp.content, now)
 
     @rule(channel=st.sampled_from(["fr", "pf"]),
           sales=st.lists(st.tuples(st.integers(0, 5), grids, st.sampled_from([1, 2]),
-                                   st.integers(1, 4), st.booleans()), min_size=1, max_size=4),
+                                   st.integers(1, 4), st.booleans(), PLAYERS),
+                         min_size=1, max_size=4),
           replays=st.lists(PICK, max_size=2))
     def sell_batch(self, channel: str, sales: list[tuple[int, list[dict[str, Any]], int, int,
-                                                         bool]], replays: list[int]) -> None:
+                                                         bool, str]], replays: list[int]
+                   ) -> None:
         """Sales and replays in one POST /v1/ticket-batches (ticket ids distinct): each
         result is what the model answers for it alone, in order (a sale meets the counters
-        of the sales before it in the batch)."""
+        and the player's budget the sales before it in the batch left)."""
         now = self.now()
         sent: list[tuple[dict[str, Any], Expected]] = []
-        for slot, sale_grids, draws, offset, fresh in sales:
+        for slot, sale_grids, draws, offset, fresh, player in sales:
             if fresh:
                 free = [i for i in range(6)
                         if self.model.ticket(channel, f"M-{i}", now) is None]
                 slot = free[0] if free else slot
             first = self.calendar.current(now) + offset
-            self._queue(channel, {"ticket_id": f"M-{slot}", "game": GAME, "first_draw": first,
-                                  "draws": draws, "grids": sale_grids}, now, sent)
+            self._queue(channel, {"ticket_id": f"M-{slot}", "game": GAME, "player_id": player,
+                                  "first_draw": first, "draws": draws, "grids": sale_grids},
+                        now, sent)
         for pick in replays:
             known = nth(self.model.tickets, pick)
             if known is not None and known[0][0] == channel:
@@ -273,7 +282,7 @@ class SaleMachine(RuleBasedStateMachine):
         if expected is None:
             return
         if expected.decision is not None and expected.replay_of is None:
-            self.model.record_sale(channel, request, expected.decision, b"")
+            self.model.record_sale(channel, request, expected.decision, b"", now)
         sent.append((request, expected))
 
     @rule(channel=st.sampled_from(["fr", "pf"]), slot=st.integers(0, 5))
@@ -349,6 +358,18 @@ class SaleMachine(RuleBasedStateMachine):
             assert int(db.hget(key, combination.encode(numbers)) or 0) == staked
 
     @invariant()
+    def budgets_match_the_model(self) -> None:
+        """Each player's day (GET /v1/players) holds what the model's accepted grids cost."""
+        now = self.now()
+        day, start, end = self.calendar.local_day(now)
+        if self.model.near(start, now) or self.model.near(end, now):
+            return
+        for player in ("A", "B"):
+            resp = self.call("GET", f"/v1/players/{player}", "fr")
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["spent"] == self.model.spent.get((player, day), 0)
+
+    @invariant()
     def redis_holds_nothing_it_should_not(self) -> None:
         """Every key has a TTL; no key of a draw or ticket whose retention has passed; no
         counter above the cap."""
@@ -381,7 +402,8 @@ class SaleMachine(RuleBasedStateMachine):
 @pytest.mark.slow
 def test_the_service_behaves_as_the_model(world: Fixture) -> None:
     """Random runs of sales, replays, conflicts, cancels, stops and time passing: the real
-    service answers and counts exactly as the reference model, and forgets on time."""
+    service answers and counts exactly as the reference model (players' budgets
+    included), and forgets on time."""
     SaleMachine.world = world
     run_state_machine_as_test(SaleMachine, settings=settings(
         max_examples=6, stateful_step_count=50, deadline=None,
@@ -407,17 +429,18 @@ def test_a_ticket_id_used_again_after_its_retention_is_a_new_sale(world: Fixture
 
     grid = [{"numbers": list(COMBOS[0]), "stake": 500}]
     first = calendar.current(now()) + 1
-    old = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "first_draw": first,
-                               "grids": grid}, "fr")
+    old = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "player_id": "A",
+                               "first_draw": first, "grids": grid}, "fr")
     assert old.json()["status"] == "accepted"
     time.sleep((calendar.close_ms(first) + rules.retention_ms - now()) / 1000 + 0.5)
     later = calendar.current(now()) + 2
     for i in range(4):  # 4 x 500 fills the 2000 cap
         filler = post("/v1/tickets", {"ticket_id": f"FILL-{i}", "game": GAME,
-                                      "first_draw": later, "grids": grid}, "pf")
+                                      "player_id": "B", "first_draw": later, "grids": grid},
+                      "pf")
         assert filler.json()["status"] == "accepted"
-    again = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "first_draw": later,
-                                 "grids": grid}, "fr")
+    again = post("/v1/tickets", {"ticket_id": "REUSED", "game": GAME, "player_id": "A",
+                                 "first_draw": later, "grids": grid}, "fr")
     assert again.status_code == 200, again.text
     assert again.headers.get("Idempotent-Replayed") is None
     assert again.json()["status"] == "rejected"
@@ -450,7 +473,8 @@ def test_the_janitor_sweeps_a_record_its_bucket_outlives(world: Fixture) -> None
         sold = world.http.post(
             world.service.base_url + "/v1/tickets", timeout=10,
             headers={"Authorization": f"Bearer {TOKENS['fr']}"},
-            json={"ticket_id": ticket_id, "game": GAME, "first_draw": first_draw,
+            json={"ticket_id": ticket_id, "game": GAME, "player_id": "A",
+                  "first_draw": first_draw,
                   "grids": [{"numbers": list(COMBOS[3]), "stake": 300}]})
         assert sold.status_code == 200, sold.text
     expiry = calendar.close_ms(draw) + rules.retention_ms

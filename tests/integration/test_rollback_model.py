@@ -381,7 +381,7 @@ class RollbackMachine(RuleBasedStateMachine):
         assert (receipt is not None) == (expected.decision["total_cost"] > 0)
         assert got == expected.decision, (
             f"sale {tid} via process {via}: {got}, the model {expected.decision}")
-        self.model.record_sale(CHANNEL, request, expected.decision, raw)
+        self.model.record_sale(CHANNEL, request, expected.decision, raw, self.now())
         self.knows[tid] = {via}
 
     def _cancel(self, via: int, tid: str) -> None:
