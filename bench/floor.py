@@ -5,7 +5,7 @@
 1. The floor, side by side in one run (rounds alternating, on one redis-server): Redis CPU
    (the process's, from /proc) and FCALL time (`INFO commandstats`) per sale of
    - `noop`: a function that returns at once, called with the sale's keys and arguments
-     (7 keys, 17 arguments): what any one call costs;
+     (3 keys, 10 arguments): what any one call costs;
    - `commands`: the commands a one-grid sale cannot do without (TIME, the ticket's HMGET,
      the stops' HMGET, HINCRBY of the counter, HSET of the grid's record, HSET and
      PEXPIREAT of the ticket; the call's entry of the unjournaled sales is one HSET a call),
@@ -37,12 +37,10 @@ from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
 from capsvc.domain.validator import pack_sale
 from capsvc.redis.store import (
     Store,
-    aggregate_key,
     bucket_keys,
-    cap_key,
-    capped_key,
-    feed_key,
+    ident_of,
     lua_source,
+    record_bucket_of,
     stops_key,
     ticket_key,
 )
@@ -60,13 +58,13 @@ local function noop(keys, args)
 end
 local function commands(keys, args)
   local t = redis.call('TIME')
-  redis.call('HMGET', keys[1], 'st', 'fp', 'at', 'sid', 'sale', 'body', 'res', 'ca', 'rel')
-  redis.call('HMGET', keys[2], args[7])
-  redis.call('HINCRBY', keys[3], args[12], args[13])
-  redis.call('HSET', keys[3], args[6], args[13])
-  redis.call('HSET', keys[1], 'st', 'f', 'fp', args[1], 'at', t[1], 'sid', args[6],
-             'sale', args[2], 'res', '1')
-  redis.call('PEXPIREAT', keys[1], args[4])
+  redis.call('HGET', keys[1], args[1])
+  redis.call('HMGET', keys[3], args[9])
+  redis.call('HINCRBY', keys[2], args[7], args[8])
+  redis.call('HSET', keys[2], '\0' .. args[5] .. '\0', args[8])
+  redis.call('HSET', keys[1], args[1], cmsgpack.pack(args[10], 'f', args[2], t[1], args[4],
+             args[3], false, '1'))
+  redis.call('PEXPIREAT', keys[1], args[10])
   return 1
 end
 redis.register_function('floor_noop', noop)
@@ -77,11 +75,12 @@ redis.register_function('floor_commands', commands)
 # sections are timed from one mark to the next).
 SECTIONS = [
     ("  local now = now_ms()", "time"),
-    ("  local rec = ticket_read(T, now)", "ticket read (arguments sliced)"),
-    ("    batch.stops[asked] = stops", "stops HMGET"),
+    ("  local replies, halted = {}, {}", "shapes"),
+    ("  local rec = ticket_read(T, now)", "ticket read"),
+    ("    S.stops = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
-    ("  local results = zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
-    ("  ticket_new(T, tonumber(args[4])", "ticket record (HSET, bucket TTL)"),
+    ("  local results = S.zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
+    ("  ticket_new(T, S.expire_at", "ticket record (HSET, bucket TTL)"),
     ("  made[#made + 1] = T.name", "unjournaled queued"),
     ("    redis.call('HSET', keys[#keys], args[#args]", "unjournaled HSET"),
 ]
@@ -117,7 +116,7 @@ end
 def timed_library() -> str:
     """The library with marks between capsvc_sell's steps (and one empty step first)."""
     source = lua_source()
-    start = source.index("local function sell_one(keys, args, now, batch)")
+    start = source.index("local function shape_of(keys, k, args, a)")
     end = source.index("\n--[[ RESTORE", start)
     lines = source[start:end].split("\n")
     out = []
@@ -143,15 +142,14 @@ def timed_library() -> str:
 
 
 def floor_args(i: int, far: int) -> list[object]:
-    """7 keys and 17 arguments shaped like a one-grid sale's."""
+    """3 keys and 10 arguments shaped like a one-grid sale's in a batch (lua/capsvc.lua,
+    sell: what the batch's sales of one draw share is sent once a call, not counted)."""
     key = ticket_key("bench", f"F-{i}")
     combo = "\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60)
-    keys = [key, stops_key(GAME), bucket_keys(GAME, combo, DRAW, 1)[0],
-            capped_key(GAME, DRAW), feed_key(GAME), aggregate_key(key, GAME, DRAW),
-            cap_key(GAME, DRAW)]
+    keys = [record_bucket_of(key), bucket_keys(GAME, combo, DRAW, 1)[0], stops_key(GAME)]
     nonce = os.urandom(8)
-    args = [f"{i:032x}", os.urandom(50), far, far, 60_000, nonce.hex(), DRAW, 1, CAP,
-            MIN_STAKE, 1, combo, 500, far, "Europe/Paris", "", nonce]
+    args = [ident_of(key), f"{i:032x}", os.urandom(50), nonce.hex(), nonce, 1, combo, 500,
+            DRAW, far]
     return [len(keys), *keys, *args]
 
 

@@ -1241,18 +1241,15 @@ a sale judged at another instant answers {'day'} and is planned again), Joker+'s
 draw, m × (day, draws on that day), then each grid's cost a draw. What a sale takes is
 what the ledger's steps leave (`budget`, then `settle`): under the ref, on each day, the
 accepted grids' cost (and Joker+'s, when one is), or "X" when none is; "R<room>" on the first
-day for a ticket refused by the limit. Nil when the sale's game has no limit. ]]
-local function budget_of(keys, args, i, grids, sid)
+day for a ticket refused by the limit. `last`: the index of the sale's last key. ]]
+local function budget_of(keys, last, args, i, grids, sid)
   local m = tonumber(args[i])
-  if not m then
-    return nil
-  end
   local B = {ref = args[i + 1] .. sid, regulatory = tonumber(args[i + 2]),
              expire_at = tonumber(args[i + 3]), from = tonumber(args[i + 4]),
              to = tonumber(args[i + 5]), joker = tonumber(args[i + 6]),
-             limit = #keys - m, limit_key = keys[#keys - m], days = {}, names = {}, draws = {}, costs = {}}
+             limit_key = keys[last - m], days = {}, names = {}, draws = {}, costs = {}}
   for d = 1, m do
-    B.days[d] = keys[#keys - m + d]
+    B.days[d] = keys[last - m + d]
     B.names[d] = args[i + 5 + 2 * d]
     B.draws[d] = tonumber(args[i + 6 + 2 * d])
   end
@@ -1292,34 +1289,39 @@ local function budget_charge(B, per_draw, took, seen)
   end
 end
 
---[[ sell: a batch of sales, each judged as if it were a call of its own, in order:
-ARGV[1] the number of sales, then for each sale the number of its KEYS and of its ARGV and
-its tag (2 × its group + 1 when its first draw was not asked: a group is one request's
-sales, 0 none), then each sale's KEYS (in KEYS) and ARGV (in ARGV), in the same order; then
-the key of the
-unjournaled sales (see THE KEYS) and this call's field in it (any string no other call
-uses). One Redis TIME, one mark, one expiry read per key and one entry of the unjournaled
-sales serve the whole batch (a batch is judged at one instant): the names and sale ids of
-the sales it made (not the replays), at its instant, which the caller deletes once their
-decisions are journaled (else the janitor journals them). A sale whose first draw was not
-asked and is closed or stopped moves on to the next draw, which its caller sells alone:
-the later sales of its group are not judged here ({'later'}), so that the caller judges
-them after it, in order. Returns one reply per sale, in order.
+--[[ sell: a batch of sales, each judged as if it were a call of its own, in order.
 
-One sale: KEYS ticket, stops, the buckets (draw 1..n) of each capped
-grid, the sold-out
-list of each draw, the game's feed stream, the aggregate of each draw (see AGGREGATES), the
-cap key of each draw (see CAPS: fixed here, once the sale is known to stand);
-ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce, first_draw, n, the
-configured cap (and shadow cap, see CAPS),
-min_stake, G, then combo ("\0<picks>" if not capped) and stake of each of the G grids, then
-expire_at of each draw, then the game's time zone (kept with the results: the receipt's
-time is rendered in the zone of the sale, whatever the configuration says later), then
-"fix" when the caller does not know the draws' caps (the last n keys are then their cap
-keys, fixed here; the reply's last element gives the caps the sale was judged by), then
-the nonce's 8 bytes (the grids' records are keyed by them: decoding the hex here cost 4-9
-of a one-grid sale's ~65 µs of Redis CPU), then, for a game with player limits, its budget's
-(`budget_of`: the player's keys are then the sale's last).
+ARGV[1] the number of shapes (what the sales of one game on the same draws share), then
+for each shape the number of its KEYS and of its ARGV; then the number of sales, then for
+each sale the number of its KEYS and of its ARGV, its tag (2 × its group + 1 when its first
+draw was not asked: a group is one request's sales, 0 none) and its shape (1-based); then
+each shape's KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then
+the key of the unjournaled sales (see THE KEYS) and this call's field in it (any string no
+other call uses). One Redis TIME, one mark, one expiry read per key, one read of a shape's
+admin stops and one entry of the unjournaled sales serve the whole batch (a batch is judged
+at one instant): the names and sale ids of the sales it made (not the replays), at its
+instant, which the caller deletes once their decisions are journaled (else the janitor
+journals them). A sale whose first draw was not asked and is closed or stopped moves on to
+the next draw, which its caller sells alone: the later sales of its group are not judged
+here ({'later'}), so that the caller judges them after it, in order. Returns one reply per
+sale, in order.
+
+A shape: KEYS the game's stops, its feed stream, the sold-out list of each draw (1..n),
+then with "fix" the cap key of each draw (see CAPS: fixed by the first sale that stands);
+ARGV close_ms, expire_at (the tickets'), stale_after_ms, first_draw, n, the configured cap
+(and shadow cap, see CAPS), min_stake, the game's time zone (kept with the results: the
+receipt's time is rendered in the zone of the sale, whatever the configuration says
+later), "fix" when the caller does not know the draws' caps (the reply's last element then
+gives the caps the sale was judged by), then expire_at of each draw.
+
+A sale: KEYS its ticket's bucket, the buckets (draw 1..n) of each capped grid, the
+aggregate of each draw (see AGGREGATES) when a grid is not capped, then for a game with
+player limits the player's keys (`budget_of`); ARGV its field in the bucket, fingerprint,
+sale, nonce (hex), the nonce's 8 bytes (the grids' records are keyed by them: decoding the
+hex here cost 4-9 of a one-grid sale's ~65 µs of Redis CPU), G, then combo ("\0<picks>" if
+not capped) and stake of each of the G grids, then for a game with player limits its
+budget's (`budget_of`).
+
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node):
 the claim's answers for a known ticket id, else the close and the admin stops (nothing is
 written if a draw is stopped), then the player's limit (the whole ticket refused, `res`
@@ -1327,37 +1329,59 @@ written if a draw is stopped), then the player's limit (the whole ticket refused
 counted as `reserve` counts it, the combinations it brought to their cap go on the sold-out
 lists, and the ticket is written decided, its decision kept as the grids' results (`res`:
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
-";"; the body is a
-function of them, the sale, sid and at). No pending state; the sale is in its call's entry
-of the unjournaled sales until the caller has journaled its decision (see `sell`). Returns
-{'new', at, sid, res, near, sold, shadowed (grids the shadow cap would refuse)}
+";"; the body is a function of them, the sale, sid and at). No pending state; the sale is
+in its call's entry of the unjournaled sales until the caller has journaled its decision.
+Each reply is {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would
+refuse), caps}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}
 | {'day'} (judged on another day than its budget was planned for: nothing written; the
 later sales of its group are not judged either). The player's budget is charged what the
 accepted grids cost once they are judged. ]]
-local function sell_one(keys, args, now, batch)
-  local T = ticket_of(keys, args)
-  T.seen = batch.seen
+-- A shape of `sell`: what the sales of one game on the same draws share (see `sell`),
+-- from KEYS after `k` and ARGV after `a`.
+local function shape_of(keys, k, args, a)
+  local n = tonumber(args[a + 5])
+  local caps, shadow = caps_of(args[a + 6], n)
+  local S = {close = tonumber(args[a + 1]), expire_at = tonumber(args[a + 2]),
+             stale = tonumber(args[a + 3]), first = tonumber(args[a + 4]), n = n,
+             caps = caps, shadow = shadow, min_stake = tonumber(args[a + 7]),
+             zone = args[a + 8], fix = args[a + 9] == 'fix', stops_key = keys[k + 1],
+             feed = keys[k + 2], expiries = {}, lists = {}, cap_keys = {}}
+  for i = 1, n do
+    S.expiries[i] = tonumber(args[a + 9 + i])
+    S.lists[i] = keys[k + 2 + i]
+    if S.fix then
+      S.cap_keys[i] = keys[k + 2 + n + i]
+    end
+  end
+  return S
+end
+
+-- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), on shape
+-- `S`.
+local function sell_one(keys, k, nk, args, a, na, S, now, batch)
+  local bucket, field = keys[k + 1], args[a + 1]
+  local T = {bucket = bucket, field = field, seen = batch.seen,
+             name = 't:' .. string.sub(bucket, 3, string.find(bucket, '}', 3, true)) .. ':'
+                    .. field}
   local rec = ticket_read(T, now)
   if rec[1] then
-    return known_ticket(rec, args[1], now, tonumber(args[5]))
+    return known_ticket(rec, args[a + 2], now, S.stale)
   end
-  local close_ms = tonumber(args[3])
-  if now >= close_ms then
+  if now >= S.close then
     return {'closed'}
   end
-  local first, n = tonumber(args[7]), tonumber(args[8])
-  local draws = {}
-  for i = 1, n do
-    draws[i] = first + i - 1
-  end
-  local asked = keys[2] .. '\0' .. first .. ':' .. n
-  local stops = batch.stops[asked]
+  local first, n = S.first, S.n
+  local stops = S.stops
   if not stops then
-    stops = redis.call('HMGET', keys[2], unpack(draws))
-    batch.stops[asked] = stops
+    local draws = {}
+    for i = 1, n do
+      draws[i] = first + i - 1
+    end
+    stops = redis.call('HMGET', S.stops_key, unpack(draws))
+    S.stops = stops
   end
   for i = 1, n do
     if stops[i] then
@@ -1366,49 +1390,41 @@ local function sell_one(keys, args, now, batch)
   end
   -- The caller's nonce (8 random bytes, hex) is the sale id: nothing else is needed to
   -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
-  local sid = args[6]
-  local grids = tonumber(args[11])
-  -- Its 8 bytes, taken as sent: the caller makes the hex and the bytes from one nonce
-  -- (checking them here would cost what sending them saves).
-  local sid_bytes = args[14 + 2 * grids + n]
-  local zone = args[12 + 2 * grids + n]
-  local B = budget_of(keys, args, 15 + 2 * grids + n, grids, sid)
-  local top = #keys  -- the sale's keys before the player's
+  -- Its 8 bytes come too, taken as sent: the caller makes the hex and the bytes from one
+  -- nonce (checking them here would cost what sending them saves).
+  local sid, sid_bytes = args[a + 4], args[a + 5]
+  local grids = tonumber(args[a + 6])
+  local B = na > 6 + 2 * grids and budget_of(keys, k + nk, args, a + 7 + 2 * grids, grids,
+                                             sid)
   if B then
     if now < B.from or now >= B.to then
       return {'day'}
     end
-    top = B.limit - 1
     local room = budget_room(B, B.requested)
     if room then  -- the whole ticket refused, nothing counted (see PLAYER LIMITS)
       redis.call('HSET', B.days[1], B.ref, 'R' .. room)
       extend(B.days[1], B.expire_at, 0, batch.seen)
-      local results = zone .. '|P'
-      ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
+      local results = S.zone .. '|P'
+      ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
       local made = batch.sold
       made[#made + 1] = T.name
       made[#made + 1] = sid
       return {'new', now, sid, results, 0, 0, 0, false}
     end
   end
-  local caps, shadow = caps_of(args[9], n)
-  local min_stake = args[10]
-  local expiries = {}
-  for i = 1, n do
-    expiries[i] = args[11 + 2 * grids + i]
+  local caps, expiries = S.caps, S.expiries
+  local capped = false
+  for g = 1, grids do
+    if string.byte(args[a + 5 + 2 * g], 1) ~= 0 then
+      capped = true
+      break
+    end
   end
-  -- With "fix", the caller does not know the draws' caps yet: the last n keys before the
-  -- player's are the draws' cap keys.
-  local fix = args[13 + 2 * grids + n] == 'fix'
-  local fixed = fix and top - n or top  -- the cap key of draw i is keys[fixed + i]
-  local aggregates = fixed - n  -- the aggregate of draw i is keys[aggregates + i]
-  local feed = keys[aggregates]
-  local lists = aggregates - n - 1  -- the sold-out list of draw i is keys[lists + i]
-  if fix and lists > 2 then  -- keys past the ticket and the stops: capped grids' buckets
+  if S.fix and capped then
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do
-      local cap = redis.call('SET', keys[fixed + i], caps[i], 'NX', 'GET', 'PXAT',
+      local cap = redis.call('SET', S.cap_keys[i], caps[i], 'NX', 'GET', 'PXAT',
                              expiries[i])
       if cap then
         caps[i] = tonumber(cap)
@@ -1418,9 +1434,9 @@ local function sell_one(keys, args, now, batch)
   local res, near, sold, shadowed = {}, 0, 0, 0
   local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
   local charged, took = 0, false  -- a draw's cost of the accepted grids; whether any is
-  local k = 3
+  local kb = k + 1  -- before the next capped grid's buckets
   for g = 1, grids do
-    local combo, stake = args[10 + 2 * g], args[11 + 2 * g]
+    local combo, stake = args[a + 5 + 2 * g], args[a + 6 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
       res[g] = '-'
       took = true
@@ -1432,13 +1448,13 @@ local function sell_one(keys, args, now, batch)
     else
       local buckets = {}
       for i = 1, n do
-        buckets[i] = keys[k + i - 1]
+        buckets[i] = keys[kb + i]
       end
-      k = k + n
+      kb = kb + n
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting.
       local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
-                        tonumber(stake), caps, tonumber(min_stake), expiries, shadow,
+                        tonumber(stake), caps, S.min_stake, expiries, S.shadow,
                         batch.seen)
       if out[1] >= 1 then
         res[g] = '1'
@@ -1451,7 +1467,7 @@ local function sell_one(keys, args, now, batch)
           shadowed = shadowed + 1
         end
         for j = 3, #out do
-          sold_out_add({keys[lists + out[j] + 1], feed},
+          sold_out_add({S.lists[out[j] + 1], S.feed},
                        {combo, expiries[out[j] + 1], first + out[j]})
           sold = sold + 1
         end
@@ -1463,21 +1479,22 @@ local function sell_one(keys, args, now, batch)
   if B then  -- Joker+ costs the player only with a grid accepted
     budget_charge(B, charged + B.joker, took, batch.seen)
   end
-  local results = zone .. '|' .. table.concat(res, ';')
-  ticket_new(T, tonumber(args[4]), 'f', args[1], now, sid, args[2], false, results)
+  local results = S.zone .. '|' .. table.concat(res, ';')
+  ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
   -- Kept in the call's entry of the unjournaled sales until the caller has journaled the
   -- decision (else the janitor journals it).
   local made = batch.sold
   made[#made + 1] = T.name
   made[#made + 1] = sid
-  -- The capped sizes' stakes are in the counters; the others' add up here (see AGGREGATES).
-  for i = 1, n do
-    local key = keys[aggregates + i]
-    for picks, amount in pairs(accepted) do
-      redis.call('HINCRBY', key, picks, amount)
-    end
-    if next(accepted) then
-      extend(key, tonumber(expiries[i]), 0, batch.seen)
+  -- The capped sizes' stakes are in the counters; the others' add up here (see
+  -- AGGREGATES), in the draws' aggregates that follow the buckets.
+  if next(accepted) then
+    for i = 1, n do
+      local key = keys[kb + i]
+      for picks, amount in pairs(accepted) do
+        redis.call('HINCRBY', key, picks, amount)
+      end
+      extend(key, expiries[i], 0, batch.seen)
     end
   end
   return {'new', now, sid, results, near, sold, shadowed, table.concat(caps, ',')}
@@ -1486,18 +1503,27 @@ end
 
 local function sell(keys, args)
   local now = now_ms()
-  local batch = {seen = {}, stops = {}, sold = {}}
-  local sales = tonumber(args[1])
-  local k, a = 0, 1 + 3 * sales  -- before the next sale's first key and argument
+  local batch = {seen = {}, sold = {}}
+  local count_shapes = tonumber(args[1])
+  local f = 2 + 2 * count_shapes  -- ARGV[f]: the number of sales; their frames follow
+  local sales = tonumber(args[f])
+  local k, a = 0, f + 4 * sales  -- before the next shape's (then sale's) first key and arg
+  local shapes = {}
+  for s = 1, count_shapes do
+    shapes[s] = shape_of(keys, k, args, a)
+    k, a = k + tonumber(args[2 * s]), a + tonumber(args[2 * s + 1])
+  end
   local replies, halted = {}, {}
   for i = 1, sales do
-    local nk, na = tonumber(args[3 * i - 1]), tonumber(args[3 * i])
-    local tag = tonumber(args[3 * i + 1])
+    local at = f + 4 * (i - 1)
+    local nk, na = tonumber(args[at + 1]), tonumber(args[at + 2])
+    local tag = tonumber(args[at + 3])
     local group = math.floor(tag / 2)
     if group > 0 and halted[group] then
       replies[i] = {'later'}
     else
-      replies[i] = sell_one(slice(keys, k, nk), slice(args, a, na), now, batch)
+      replies[i] = sell_one(keys, k, nk, args, a, na, shapes[tonumber(args[at + 4])], now,
+                            batch)
       local kind = replies[i][1]
       if kind == 'day' or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed')) then
         halted[group] = true

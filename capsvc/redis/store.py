@@ -211,8 +211,19 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
-SaleCall = tuple[list[str], list[Any], int]
-"""One sale's KEYS, ARGV and tag in a call of capsvc_sell (`sale_call`)."""
+Shape = tuple[tuple[Any, ...], list[str], list[Any]]
+"""What the sales of one game on the same draws share in a call of capsvc_sell (`shape`):
+what identifies it, its KEYS and its ARGV."""
+
+
+@dataclass(slots=True)
+class SaleCall:
+    """One sale's part of a call of capsvc_sell (`sale_call`)."""
+
+    shape: Shape
+    keys: list[str]
+    args: list[Any]
+    tag: int
 
 
 @dataclass(slots=True)
@@ -441,52 +452,51 @@ class Store:
         return self.fcall("capsvc_ticket", keys, args, decode=ticket_of)
 
     @staticmethod
-    def sale_call(ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
-                  stale_after_ms: int, game: str, first_draw: int, draws: int,
-                  caps: str | int, min_stake: int, grids: list[tuple[str, int]],
-                  expiries: list[int], time_zone: str, fix_caps: bool,
-                  draw_keys: tuple[list[str], list[str], list[str]], group: int = 0,
-                  asked: bool = True, budget: tuple[list[str], list[Any]] | None = None
-                  ) -> SaleCall:
-        """One sale's KEYS and ARGV in a call of capsvc_sell (see lua/capsvc.lua, sell).
-        `grids`: (combo, stake) of each grid, combo "\0<picks>" when the grid is not
-        capped (a combination never holds a zero byte). `draw_keys`: the draws' sold-out
-        lists, aggregates and cap keys (`draw_keys`), built once a batch per (game, draws,
-        aggregate bucket). `group` (a request's sales, 0 none) and `asked` (its first draw
-        asked): a sale whose first draw was not asked and is closed or stopped leaves the
-        later sales of its group to its caller (lua/capsvc.lua, `sell`). `budget`: the
-        player's keys and the budget's ARGV, for a game with player limits (`budget_call`)."""
+    def shape(game: str, first_draw: int, draws: int, close_ms: int, expire_at: int,
+              stale_after_ms: int, caps: str | int, min_stake: int, time_zone: str,
+              fix_caps: bool, expiries: list[int]) -> Shape:
+        """What the one-call sales of `game` on draws first_draw..first_draw+draws-1 share
+        in a call of capsvc_sell (see lua/capsvc.lua, sell): built once a batch. `caps`:
+        the draws' caps as the caller knows them, or the configured cap with `fix_caps`
+        (the call fixes them)."""
+        drawn = range(first_draw, first_draw + draws)
+        keys = [stops_key(game), feed_key(game), *(capped_key(game, d) for d in drawn)]
+        if fix_caps:
+            keys += (cap_key(game, d) for d in drawn)
+        args = [close_ms, expire_at, stale_after_ms, first_draw, draws, caps, min_stake,
+                time_zone, "fix" if fix_caps else "", *expiries]
+        return (game, first_draw, draws, caps, fix_caps), keys, args
+
+    @staticmethod
+    def sale_call(shape: Shape, ticket: str, fingerprint: str, sale: bytes,
+                  grids: list[tuple[str, int]], group: int = 0, asked: bool = True,
+                  budget: tuple[list[str], list[Any]] | None = None) -> SaleCall:
+        """One sale's part of a call of capsvc_sell, on `shape` (its game and draws): its
+        ticket (see lua/capsvc.lua, sell). `grids`: (combo, stake) of each grid, combo
+        "\0<picks>" when the grid is not capped (a combination never holds a zero byte).
+        `group` (a request's sales, 0 none) and `asked` (its first draw asked): a sale
+        whose first draw was not asked and is closed or stopped leaves the later sales of
+        its group to its caller. `budget`: the player's keys and the budget's ARGV, for a
+        game with player limits (`budget_call`)."""
+        (game, first_draw, draws, _, _), _, _ = shape
         keys, args = record_names(ticket)
-        keys.append(stops_key(game))
+        uncapped = False
         for combo, _ in grids:
             if combo[0] != "\0":
                 keys += bucket_keys(game, combo, first_draw, draws)
-        capped, aggregates, caps_keys = draw_keys
-        keys += capped
-        keys.append(feed_key(game))
-        keys += aggregates
-        if fix_caps:
-            keys += caps_keys
+            else:
+                uncapped = True
+        if uncapped:
+            keys += (aggregate_key(ticket, game, d)
+                     for d in range(first_draw, first_draw + draws))
         sale_nonce = nonce()
-        args += (fingerprint, sale, close_ms, expire_at, stale_after_ms,
-                 sale_nonce.hex(), first_draw, draws, caps, min_stake, len(grids))
+        args += (fingerprint, sale, sale_nonce.hex(), sale_nonce, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
-        args += (*expiries, time_zone, "fix" if fix_caps else "", sale_nonce)
         if budget is not None:
             keys += budget[0]
             args += budget[1]
-        return keys, args, 2 * group + (0 if asked else 1)
-
-    @staticmethod
-    def draw_keys(ticket: str, game: str, first_draw: int, draws: int
-                  ) -> tuple[list[str], list[str], list[str]]:
-        """A sale's per-draw keys (`sale_call`): the same for every ticket of a batch on
-        those draws whose aggregate bucket is the same."""
-        drawn = range(first_draw, first_draw + draws)
-        return ([capped_key(game, d) for d in drawn],
-                [aggregate_key(ticket, game, d) for d in drawn],
-                [cap_key(game, d) for d in drawn])
+        return SaleCall(shape, keys, args, 2 * group + (0 if asked else 1))
 
     def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None
              ) -> asyncio.Future[list[Claim]]:
@@ -518,19 +528,29 @@ class Store:
         groups, self._sales, self._queued = self._sales, [], 0
         if not groups:  # sent when full, earlier in this tick
             return
+        shapes: dict[tuple[Any, ...], int] = {}
+        shape_sizes: list[Any] = []
         keys: list[str] = []
-        sizes: list[Any] = []
         args: list[Any] = []
         for group in groups:
-            for sale_keys, sale_args, tag in group.calls:
-                sizes += (len(sale_keys), len(sale_args), tag)
-                keys += sale_keys
-                args += sale_args
+            for c in group.calls:
+                if c.shape[0] not in shapes:
+                    shapes[c.shape[0]] = len(shapes) + 1
+                    _, shape_keys, shape_args = c.shape
+                    shape_sizes += (len(shape_keys), len(shape_args))
+                    keys += shape_keys
+                    args += shape_args
+        sizes: list[Any] = []
+        for group in groups:
+            for c in group.calls:
+                sizes += (len(c.keys), len(c.args), c.tag, shapes[c.shape[0]])
+                keys += c.keys
+                args += c.args
         entry = Unjournaled(nonce().hex())
         keys.append(UNJOURNALED)
         args.append(entry.field)
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
-                               [len(sizes) // 3, *sizes, *args],
+                               [len(shapes), *shape_sizes, len(sizes) // 4, *sizes, *args],
                                stamps=[s for group in groups for s in group.stamps])
         call.add_done_callback(functools.partial(_answer_sales, groups, entry))
 

@@ -92,6 +92,7 @@ from capsvc.redis.replies import (
 from capsvc.redis.store import (
     SALES_PER_CALL,
     SaleCall,
+    Shape,
     Store,
     budget_call,
     ident_of,
@@ -356,17 +357,11 @@ class Tickets:
         requests), each sold in one atomic call, all in one Redis call: the outcome of each
         sale made, or the first call's reply when a step is left to take (`_sell` takes
         it). Each request's stamp gets the call's G, and stamps its records."""
-        draw_keys: dict[tuple[str, str, int, int], tuple[list[str], list[str], list[str]]] = {}
+        shapes: dict[tuple[str, int, int, bool, str | int], Shape] = {}
         calls, fixing = [], []
         for p in group:
-            key, sale, first = p.key, p.stored, p.first
-            shared = (key[2:key.index("}")], p.game.rules.id, first, sale.draws)
-            per_draw = draw_keys.get(shared)
-            if per_draw is None:
-                per_draw = draw_keys[shared] = self.store.draw_keys(key, p.game.rules.id,
-                                                                    first, sale.draws)
-            call, fix = self._sale_call(p.game, key, sale, not p.defaulted, p.expire_at,
-                                        per_draw, p.request)
+            call, fix = self._sale_call(p.game, p.key, p.stored, not p.defaulted, p.expire_at,
+                                        shapes, p.request)
             calls.append(call)
             fixing.append(fix)
         stamps = list({id(p.stamp): p.stamp for p in group}.values())
@@ -516,33 +511,36 @@ class Tickets:
         """The sale as one atomic call (standalone Redis, no player limits), alone: a
         ticket whose first call moved it on (a draw closed or stopped)."""
         assert sale.first_draw is not None
-        call, fix = self._sale_call(game, key, sale, asked, expire_at, self.store.draw_keys(
-            key, game.rules.id, sale.first_draw, sale.draws))
+        call, fix = self._sale_call(game, key, sale, asked, expire_at, {})
         [claim] = await self.store.sell([call])
         self._fixed(game, sale.first_draw, fix, claim)
         return claim
 
     def _sale_call(self, game: Game, key: str, sale: Sale, asked: bool, expire_at: int,
-                   draw_keys: tuple[list[str], list[str], list[str]], request: int = 0
+                   shapes: dict[tuple[str, int, int, bool, str | int], Shape], request: int = 0
                    ) -> tuple[SaleCall, bool]:
         """A one-call sale's part of a call of capsvc_sell, and whether it fixes its draws'
         caps: the draws' caps when this process has seen them fixed; else the configured
         cap, which the call fixes on the draws no sale has fixed yet, once nothing refused
-        the sale, judging each draw by its own (lua/capsvc.lua, CAPS)."""
+        the sale, judging each draw by its own (lua/capsvc.lua, CAPS). What the sales of
+        its game and draws share (`shapes`) is built once a batch."""
         rules = game.rules
         first = sale.first_draw
         assert first is not None
         capped = any(g.capped for g in sale.grids)
         known = self.steps.caps.known(game, first, sale.draws) if capped else None
         fix = capped and known is None
+        caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
+        shape = shapes.get((rules.id, first, sale.draws, fix, caps))
+        if shape is None:
+            shape = shapes[(rules.id, first, sale.draws, fix, caps)] = self.store.shape(
+                rules.id, first, sale.draws, game.calendar.close_ms(first), expire_at,
+                self.stale_after_ms, caps, rules.min_stake, rules.time_zone, fix,
+                game.expiries(first, sale.draws))
         return self.store.sale_call(
-            key, sale.fingerprint, pack_sale(sale, asked), game.calendar.close_ms(first),
-            expire_at, self.stale_after_ms, rules.id, first, sale.draws,
-            caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit),
-            rules.min_stake,
+            shape, key, sale.fingerprint, pack_sale(sale, asked),
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            game.expiries(first, sale.draws), rules.time_zone, fix, draw_keys, request,
-            asked, self._budget(game, key, sale, expire_at)), fix
+            request, asked, self._budget(game, key, sale, expire_at)), fix
 
     def _budget(self, game: Game, key: str, sale: Sale, expire_at: int
                 ) -> tuple[list[str], list[Any]] | None:

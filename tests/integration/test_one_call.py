@@ -165,9 +165,9 @@ async def test_a_call_s_entry_stays_while_a_sale_of_it_is_not_journaled(
 
     def call(i: int) -> Any:
         key = ticket_key("t", f"G-{i}")
-        return store.sale_call(key, f"{i:032x}", b"sale", far, far, 60_000, "g", 7, 1, 5000,
-                               100, [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)],
-                               [far], "UTC", False, store.draw_keys(key, "g", 7, 1))
+        shape = store.shape("g", 7, 1, far, far, 60_000, 5000, 100, "UTC", False, [far])
+        return store.sale_call(shape, key, f"{i:032x}", b"sale",
+                               [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)])
 
     gone = store.sell([call(1)])
     kept = store.sell([call(2)])

@@ -16,10 +16,9 @@ def sell_alone(store: Store, ticket: str, fingerprint: str, sale: bytes, close_m
                expiries: list[int], time_zone: str, fix_caps: bool = True
                ) -> asyncio.Future[Claim]:
     """One sale queued with the tick's others; its claim."""
-    group = store.sell([store.sale_call(
-        ticket, fingerprint, sale, close_ms, expire_at, stale_after_ms, game, first_draw,
-        draws, caps, min_stake, grids, expiries, time_zone, fix_caps,
-        store.draw_keys(ticket, game, first_draw, draws))])
+    shape = store.shape(game, first_draw, draws, close_ms, expire_at, stale_after_ms, caps,
+                        min_stake, time_zone, fix_caps, expiries)
+    group = store.sell([store.sale_call(shape, ticket, fingerprint, sale, grids)])
     out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
 
     def first(done: asyncio.Future[Any]) -> None:
