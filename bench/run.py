@@ -105,15 +105,16 @@ class Result:
 
 def wrk(url: str, seconds: int, connections: int, prefix: str,
         script: str = "tickets.lua", pause_ms: float = 0.0,
-        extra: tuple[str, ...] = ()) -> Result:
+        extra: tuple[str, ...] = (), cpu: str | None = "1") -> Result:
     """wrk with one of the ticket scripts; `pause_ms`: each connection waits that long after
     an answer before its next request, on average (exponentially distributed: the load is
     paced as independent terminals would send it; latency is timed without the pause);
-    `extra`: the script's further arguments (bench/batch.lua: the batch's size, its kind)."""
-    out = subprocess.run(
-        ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
-         "-s", str(HERE / script), url, "--", TOKEN, prefix, "42", f"{pause_ms:g}", *extra],
-        capture_output=True, text=True, check=True).stdout
+    `extra`: the script's further arguments (bench/batch.lua: the batch's size, its kind);
+    `cpu`: the CPU wrk runs on (None: not pinned)."""
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(HERE / script), url,
+           "--", TOKEN, prefix, "42", f"{pause_ms:g}", *extra]
+    out = subprocess.run(pinned(cmd, cpu) if cpu else cmd, capture_output=True, text=True,
+                         check=True).stdout
 
     def number(pattern: str) -> float:
         m = re.search(pattern, out)

@@ -2,8 +2,9 @@
 
 Written from the contract, not from the code: counters per (combination, draw), tickets per
 (channel, ticket id) with the decision first returned, cancellations, admin stops, players'
-daily budgets, and time (Redis TIME, in ms) deciding closes, retentions and days. The stateful test drives the real
-service and this model with the same steps and compares every answer and every counter.
+daily budgets, and time (Redis TIME, in ms) deciding closes, retentions and days. The
+stateful test drives the real service and this model with the same steps and compares every
+answer and every counter.
 
 Where the contract leaves an outcome open because a step lands within `MARGIN_MS` of a
 close or of the end of a retention (the service and the test cannot act at the same

@@ -228,9 +228,9 @@ async def test_a_player_s_budget_is_left_the_same_by_either_protocol(
             assert (await other.sell(body, token="mt")).raw == reply.raw
         day = (await other.get(f"/v1/players/{pid}?game=lnm-keno", token="mt")).body
         ledgers = sorted(
-            sorted(v.decode()[0] if not v.decode()[0].isdigit() else v.decode()
-                   for f, v in standalone_db.hgetall(k).items() if f != b"spent")
-            + [f"spent={standalone_db.hget(k, 'spent')}"]
+            [*sorted(v.decode()[0] if not v.decode()[0].isdigit() else v.decode()
+                     for f, v in standalone_db.hgetall(k).items() if f != b"spent"),
+             f"spent={standalone_db.hget(k, 'spent')}"]
             for k in standalone_db.scan_iter(f"b:{{pl:{pid}}}:*"))
         outcomes.append([
             [(r.body["status"], r.body.get("reason"), r.body["total_cost"],
