@@ -37,7 +37,7 @@ from capsvc.domain.calendar import DrawCalendar
 from capsvc.redis.store import bucket_keys, record_bucket_of, ticket_key
 from tests.model import MARGIN_MS, Expected, Model, Rules
 from tests.records import unpack
-from tests.support.servers import RedisServer, redis_ms
+from tests.support.servers import RedisCluster, RedisServer, redis_ms
 from tests.support.service import ServiceProcess
 
 TOKENS = {"fr": "m-fr", "pf": "m-pf", "ops": "m-ops"}
@@ -85,17 +85,29 @@ COMBOS = [(3, 7, 12, 18, 25, 33, 41, 56), (1, 2, 3, 4, 5, 6, 7, 8, 9),
 
 
 class Fixture:
-    """One Redis and one service for the whole state machine."""
+    """One Redis (standalone: sales in one call; a 3-primary cluster: sales in steps) and
+    one service for the whole state machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="capsvc-model-"))
         config = self.dir / "capsvc.toml"
         config.write_text(CONFIG)
         self.settings = load_settings(config)
-        self.redis = RedisServer().start()
+        self.redis: RedisServer | RedisCluster = (
+            RedisCluster() if kind == "cluster" else RedisServer()).start()
         self.service = ServiceProcess(str(config), self.redis.url).start()
-        self.db = self.redis.client()
+        self.db: Any = self.redis.client()
         self.http = requests.Session()
+
+    def flush(self) -> None:
+        """Every key and the Lua library gone, on every node (the service reloads its
+        library: "Function not found")."""
+        servers = (self.redis.servers if isinstance(self.redis, RedisCluster)
+                   else [self.redis])
+        for server in servers:
+            node = server.client()
+            node.flushall()
+            node.function_flush()
 
     def stop(self) -> None:
         self.http.close()
@@ -103,9 +115,9 @@ class Fixture:
         self.redis.stop()
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[Fixture]:
-    fixture = Fixture()
+@pytest.fixture(scope="module", params=["standalone", "cluster"])
+def world(request: pytest.FixtureRequest) -> Iterator[Fixture]:
+    fixture = Fixture(request.param)
     yield fixture
     fixture.stop()
 
@@ -144,8 +156,7 @@ class SaleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         w = self.world
-        w.db.flushall()
-        w.db.function_flush()  # the service reloads its library ("Function not found")
+        w.flush()
         rules = w.settings.games[GAME]
         self.calendar = DrawCalendar(rules)
         self.model = Model(Rules(cap=rules.cap_limit or 0,
@@ -414,7 +425,7 @@ def test_a_ticket_id_used_again_after_its_retention_is_a_new_sale(world: Fixture
     """Sold on draw d; once d closed and its retention passed, the same ticket id is a new
     sale: on a later draw filled to the cap by another channel it is refused (counted
     afresh, not taken for the old sale), and cancelling it gives back nothing."""
-    world.db.flushall()
+    world.flush()
     rules = world.settings.games[GAME]
     calendar = DrawCalendar(rules)
     http = world.http
@@ -455,7 +466,7 @@ def test_the_janitor_sweeps_a_record_its_bucket_outlives(world: Fixture) -> None
     """Two tickets whose records share a bucket, sold on draws 4 apart: once the first one's
     retention has passed, the bucket lives on for the second (its TTL), and the janitor's
     sweep deletes the first one's record within `sweep` and a round."""
-    world.db.flushall()
+    world.flush()
     rules = world.settings.games[GAME]
     calendar = DrawCalendar(rules)
     first_id = "SWEPT"
