@@ -17,6 +17,10 @@ but for the node's count a marked function also writes on a cluster (see MARKS).
                  <call> -> msgpack [instant, {ticket name, sid, ...}]: the sales a call of
                  `sell` made, until their process has journaled them (it deletes the
                  field), else the janitor journals them and deletes it
+  halted groups  h:{sales}                        hash   (standalone: sales in one call)
+                 <group> -> 1: a request whose sales a call of `sell` stopped judging (one
+                 moved on to another draw or day), for the calls after it that carry more
+                 of that request's sales; TTL 10 s from the last one
   pending index  p:{t:NN}                         zset   ticket key -> claim instant (hint)
                  every ticket that may need the janitor: claimed, being cancelled, or
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
@@ -1296,14 +1300,16 @@ for each shape the number of its KEYS and of its ARGV; then the number of sales,
 each sale the number of its KEYS and of its ARGV, its tag (2 × its group + 1 when its first
 draw was not asked: a group is one request's sales, 0 none) and its shape (1-based); then
 each shape's KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then
-the key of the unjournaled sales (see THE KEYS) and this call's field in it (any string no
-other call uses). One Redis TIME, one mark, one expiry read per key, one read of a shape's
+the keys of the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1"
+when the call carries sales of a request an earlier call carried too (else ""), and this
+call's field in the unjournaled sales (any string no other call uses). One Redis TIME, one mark, one expiry read per key, one read of a shape's
 admin stops and one entry of the unjournaled sales serve the whole batch (a batch is judged
 at one instant): the names and sale ids of the sales it made (not the replays), at its
 instant, which the caller deletes once their decisions are journaled (else the janitor
 journals them). A sale whose first draw was not asked and is closed or stopped moves on to
 the next draw, which its caller sells alone: the later sales of its group are not judged
-here ({'later'}), so that the caller judges them after it, in order. Returns one reply per
+here nor in the calls after it ({'later'}: the group is noted in the halted groups), so
+that the caller judges them after it, in order, as a new group. Returns one reply per
 sale, in order.
 
 A shape: KEYS the game's stops, its feed stream, the sold-out list of each draw (1..n),
@@ -1501,9 +1507,18 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
 end
 
 
+local HALTS_TTL_MS = 10000
+
 local function sell(keys, args)
   local now = now_ms()
   local batch = {seen = {}, sold = {}}
+  local halts = keys[#keys]
+  local halted = {}
+  if args[#args - 1] == '1' then  -- sales of requests an earlier call carried too
+    for _, group in ipairs(redis.call('HKEYS', halts)) do
+      halted[tonumber(group)] = true
+    end
+  end
   local count_shapes = tonumber(args[1])
   local f = 2 + 2 * count_shapes  -- ARGV[f]: the number of sales; their frames follow
   local sales = tonumber(args[f])
@@ -1513,7 +1528,7 @@ local function sell(keys, args)
     shapes[s] = shape_of(keys, k, args, a)
     k, a = k + tonumber(args[2 * s]), a + tonumber(args[2 * s + 1])
   end
-  local replies, halted = {}, {}
+  local replies = {}
   for i = 1, sales do
     local at = f + 4 * (i - 1)
     local nk, na = tonumber(args[at + 1]), tonumber(args[at + 2])
@@ -1525,14 +1540,17 @@ local function sell(keys, args)
       replies[i] = sell_one(keys, k, nk, args, a, na, shapes[tonumber(args[at + 4])], now,
                             batch)
       local kind = replies[i][1]
-      if kind == 'day' or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed')) then
+      if group > 0 and (kind == 'day'
+                        or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed'))) then
         halted[group] = true
+        redis.call('HSET', halts, string.format('%d', group), 1)
+        redis.call('PEXPIRE', halts, HALTS_TTL_MS)
       end
     end
     k, a = k + nk, a + na
   end
   if #batch.sold > 0 then
-    redis.call('HSET', keys[#keys], args[#args], cmsgpack.pack({now, batch.sold}))
+    redis.call('HSET', keys[#keys - 1], args[#args], cmsgpack.pack({now, batch.sold}))
   end
   return replies
 end

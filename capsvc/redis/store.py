@@ -149,6 +149,9 @@ def aggregate_keys(game: str, draw: int) -> list[str]:
 
 UNJOURNALED = "q:{sales}"
 """The unjournaled sales of the calls of `sell` (lua/capsvc.lua, THE KEYS)."""
+HALTS = "h:{sales}"
+"""The requests a call of `sell` stopped judging, for the calls after it (lua/capsvc.lua,
+THE KEYS)."""
 
 
 def pending_key(bucket: int) -> str:
@@ -234,6 +237,8 @@ class _QueuedSales:
     calls: list[SaleCall]
     out: asyncio.Future[list[Claim]]
     stamps: Sequence[dict[str, int] | None]
+    continues: bool
+    """Some of `calls` belong to a request an earlier call carried sales of."""
 
 
 class Unjournaled:
@@ -498,13 +503,15 @@ class Store:
             args += budget[1]
         return SaleCall(shape, keys, args, 2 * group + (0 if asked else 1))
 
-    def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None
-             ) -> asyncio.Future[list[Claim]]:
+    def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None,
+             continues: bool = False) -> asyncio.Future[list[Claim]]:
         """Whole sales, each in one call (standalone Redis; see lua/capsvc.lua, sell): the
         replies, in order, of one request's sales, queued until the end of the tick and sent
         with every other request's of that tick in one call (at most SALES_PER_CALL sales
         a call: `calls` must not hold more). One future for them all. `stamps`: the
-        requests they are for (default: the current one), whose stamps get the call's G."""
+        requests they are for (default: the current one), whose stamps get the call's G.
+        `continues`: some of them belong to a request an earlier call carried sales of
+        (their call then reads the groups the calls before it stopped judging)."""
         assert len(calls) <= SALES_PER_CALL
         if not self._sales:
             assert isinstance(self.redis, Coalescer)  # a sale in one call: one node
@@ -514,7 +521,8 @@ class Store:
             # A full call leaves now: Redis works on it while the tick prepares the next
             # ones (and its answer is not timed from behind all of them).
             self._send_sales()  # the hook already registered sends the rest at the flush
-        self._sales.append(_QueuedSales(calls, out, (stamp.get(),) if stamps is None else stamps))
+        self._sales.append(_QueuedSales(calls, out, (stamp.get(),) if stamps is None else stamps,
+                                        continues))
         self._queued += len(calls)
         if self._queued >= SALES_PER_CALL:
             self._send_sales()
@@ -547,8 +555,8 @@ class Store:
                 keys += c.keys
                 args += c.args
         entry = Unjournaled(nonce().hex())
-        keys.append(UNJOURNALED)
-        args.append(entry.field)
+        keys += (UNJOURNALED, HALTS)
+        args += ("1" if any(group.continues for group in groups) else "", entry.field)
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
                                [len(shapes), *shape_sizes, len(sizes) // 4, *sizes, *args],
                                stamps=[s for group in groups for s in group.stamps])

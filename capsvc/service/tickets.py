@@ -281,8 +281,11 @@ class Tickets:
                     results[prepared.index] = outcome
                 else:
                     left.append((prepared.index, prepared, outcome))
-            if later:  # the tickets before them first, in order
+            if later:  # the tickets before them first, in order, then they as a new group
                 await self._alone(channel, left, results)
+                request = next(self._requests)
+                for p in later:
+                    p.request = request
             else:
                 alone += left
             group = later
@@ -331,7 +334,11 @@ class Tickets:
         items = [p for group, _ in joining for p in group]
         parts = [items[at:at + SALES_PER_CALL] for at in range(0, len(items), SALES_PER_CALL)]
         loop = asyncio.get_running_loop()
-        done = asyncio.gather(*[loop.create_task(self._sell_group(part)) for part in parts],
+        # A request cut over two calls: the second reads what the first stopped judging.
+        continues = [at > 0 and parts[at][0].request == parts[at - 1][-1].request
+                     for at in range(len(parts))]
+        done = asyncio.gather(*[loop.create_task(self._sell_group(part, after))
+                                for part, after in zip(parts, continues, strict=True)],
                               return_exceptions=True)
         done.add_done_callback(functools.partial(_answer_joined, joining, parts))
 
@@ -352,7 +359,8 @@ class Tickets:
                          msgspec.structs.replace(sale, first_draw=first),
                          game.expire_at(first + sale.draws - 1))
 
-    async def _sell_group(self, group: list[_Prepared]) -> list[_GroupOutcome]:
+    async def _sell_group(self, group: list[_Prepared], continues: bool = False
+                          ) -> list[_GroupOutcome]:
         """Tickets of the one-call protocol (at most SALES_PER_CALL, of one or several
         requests), each sold in one atomic call, all in one Redis call: the outcome of each
         sale made, or the first call's reply when a step is left to take (`_sell` takes
@@ -365,7 +373,7 @@ class Tickets:
             calls.append(call)
             fixing.append(fix)
         stamps = list({id(p.stamp): p.stamp for p in group}.values())
-        claims = await self.store.sell(calls, stamps)
+        claims = await self.store.sell(calls, stamps, continues)
         out: list[_GroupOutcome] = []
         records: list[SaleDecision] = []
         for p, claim, fix in zip(group, claims, fixing, strict=True):

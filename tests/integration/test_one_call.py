@@ -277,3 +277,42 @@ async def test_a_sale_judged_on_another_day_than_its_budget_was_planned_for_is_p
     days = [k.decode() for k in standalone_db.scan_iter(f"b:{{pl:{pid}}}:*")]
     assert len(days) == 1, days  # nothing written on the day before
     assert standalone_db.hget(days[0], "spent") == b"2500"
+
+
+async def test_a_request_cut_over_two_calls_is_judged_in_order_when_a_sale_moves_on(
+        pair: tuple[Client, Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of 65 tickets goes to Redis in two calls (64, then 1). Its first ticket's
+    budget is planned for the day before (forced): Redis does not judge it, nor the
+    batch's later tickets — those of the second call included, which read what the first
+    call stopped — until it has been planned again and judged. So the limit holds in the
+    batch's order: the first ticket of the player accepted, the last refused."""
+    one, _ = pair
+    real = DrawCalendar.local_day
+    stale = iter(range(1))
+
+    def local_day(calendar: DrawCalendar, now_ms: int) -> tuple[str, int, int]:
+        day, start, end = real(calendar, now_ms)
+        if next(stale, None) is None:
+            return day, start, end
+        yesterday = real(calendar, start - 1)
+        return yesterday[0], yesterday[1], start
+
+    monkeypatch.setattr(DrawCalendar, "local_day", local_day)
+    pid = f"P-cut-{time.monotonic_ns()}"
+    assert (await one.request("PUT", f"/v1/players/{pid}/limit?game=lnm-keno",
+                              {"daily": 2500}, token="mt")).status == 200
+    mine = [{"numbers": [3, 9], "stake": 2500}]
+    batch = [ticket(mine, player_id=pid, game="lnm-keno"),
+             *(ticket([{"numbers": [4, 9], "stake": 250}], player_id=f"{pid}-{i}",
+                      game="lnm-keno") for i in range(63)),
+             ticket(mine, player_id=pid, game="lnm-keno")]
+    assert SALES_PER_CALL == 64
+    reply = await one.post("/v1/ticket-batches", {"tickets": batch}, token="mt")
+    assert reply.status == 200, reply.body
+    results = reply.body["results"]
+    assert next(stale, None) is None  # the first plan was stale
+    assert [r["status"] for r in results] == [200] * 65
+    assert (results[0]["body"]["status"], results[-1]["body"]["status"]) == (
+        "accepted", "rejected")
+    assert results[-1]["body"]["reason"] == "player_limit"
+    assert {r["body"]["status"] for r in results[1:-1]} == {"accepted"}
