@@ -75,14 +75,14 @@ redis.register_function('floor_commands', commands)
 # sections are timed from one mark to the next).
 SECTIONS = [
     ("  local now = now_ms()", "time"),
-    ("  local replies, halted = {}, {}", "shapes"),
+    ("  local replies = {}", "shapes"),
     ("  local rec = ticket_read(T, now)", "ticket read"),
     ("    S.stops = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
     ("  local results = S.zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
     ("  ticket_new(T, S.expire_at", "ticket record (HSET, bucket TTL)"),
     ("  made[#made + 1] = T.name", "unjournaled queued"),
-    ("    redis.call('HSET', keys[#keys], args[#args]", "unjournaled HSET"),
+    ("    redis.call('HSET', keys[#keys - 1], args[#args]", "unjournaled HSET"),
 ]
 CLOCK = """
 local acc, times, mark_end = {}, {}, 0
