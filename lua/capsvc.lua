@@ -1342,7 +1342,7 @@ refuse), caps}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
 | {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}
-| {'day'} (judged on another day than its budget was planned for: nothing written; the
+| {'day', at} (judged on another day than its budget was planned for: nothing written; the
 later sales of its group are not judged either). The player's budget is charged what the
 accepted grids cost once they are judged. ]]
 -- A shape of `sell`: what the sales of one game on the same draws share (see `sell`),
@@ -1404,7 +1404,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
                                              sid)
   if B then
     if now < B.from or now >= B.to then
-      return {'day'}
+      return {'day', now}
     end
     local room = budget_room(B, B.requested)
     if room then  -- the whole ticket refused, nothing counted (see PLAYER LIMITS)

@@ -92,10 +92,14 @@ class StoppedAt:
 @dataclass(frozen=True, slots=True)
 class Refused:
     """Nothing claimed: `conflict` (the id holds another request), `stale` (its sale is
-    the janitor's now) or `closed` (the first draw's close has passed)."""
+    the janitor's now), `closed` (the first draw's close has passed), `later` (left to
+    the caller behind a sale of its request that moved on) or `day` (judged at `at`, on
+    another day than the player's budget was planned for)."""
 
-    LUA: ClassVar[str] = "{'conflict'} | {'stale'} | {'closed'}"
+    LUA: ClassVar[str] = ("{'conflict'} | {'stale'} | {'closed'} | {'later'} "
+                          "| {'day', at}")
     why: str
+    at: int = 0
 
 
 Claim = Claimed | Sold | Decided | Pending | StoppedAt | Refused
@@ -120,6 +124,8 @@ def claim_of(reply: list[Any], entry: object = None) -> Claim:
         return Pending(int(reply[1]), _text(reply[2]), reply[3])
     if kind == b"stopped":
         return StoppedAt(int(reply[1]))
+    if kind == b"day":
+        return Refused("day", int(reply[1]))
     return Refused(_text(kind))
 
 

@@ -425,7 +425,7 @@ class Tickets:
         again."""
         t, game, sale, key, defaulted, first = (p.ticket, p.game, p.sale, p.key,
                                                  p.defaulted, p.first)
-        first_call = self._sell_in_one_call if p.one_call else self._claim
+        judged = 0  # Redis's instant of a call that judged the sale on another day
         for _ in range(_ATTEMPTS):
             if claim is None:
                 self.draws.check_horizon(game, first)
@@ -433,10 +433,13 @@ class Tickets:
             close_ms = game.calendar.close_ms(first)
             expire_at = game.expire_at(first + sale.draws - 1)
             if claim is None:
-                claim = await first_call(game, key, stored, close_ms, expire_at,
-                                         not defaulted)
+                claim = await (
+                    self._sell_in_one_call(game, key, stored, expire_at, not defaulted, judged)
+                    if p.one_call else
+                    self._claim(game, key, stored, close_ms, expire_at, not defaulted))
             if isinstance(claim, Refused):
-                if claim.why == "day":  # judged on another day than planned: plan again
+                if claim.why == "day":  # judged on another day than planned: plan again,
+                    judged = claim.at  # for the day of Redis's instant
                     claim = None
                     continue
                 if claim.why == "conflict":
@@ -514,19 +517,20 @@ class Tickets:
                              expire_at, self.stale_after_ms)])
         return claim  # type: ignore[no-any-return]
 
-    async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, close_ms: int,
-                                expire_at: int, asked: bool) -> Claim:
-        """The sale as one atomic call (standalone Redis, no player limits), alone: a
-        ticket whose first call moved it on (a draw closed or stopped)."""
+    async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, expire_at: int,
+                                asked: bool, judged: int = 0) -> Claim:
+        """The sale as one atomic call (standalone Redis), alone: a ticket whose first call
+        moved it on (a draw closed or stopped, a day planned wrongly: `judged`, Redis's
+        instant then, which the player's budget is planned for at least)."""
         assert sale.first_draw is not None
-        call, fix = self._sale_call(game, key, sale, asked, expire_at, {})
+        call, fix = self._sale_call(game, key, sale, asked, expire_at, {}, judged=judged)
         [claim] = await self.store.sell([call])
         self._fixed(game, sale.first_draw, fix, claim)
         return claim
 
     def _sale_call(self, game: Game, key: str, sale: Sale, asked: bool, expire_at: int,
-                   shapes: dict[tuple[str, int, int, bool, str | int], Shape], request: int = 0
-                   ) -> tuple[SaleCall, bool]:
+                   shapes: dict[tuple[str, int, int, bool, str | int], Shape], request: int = 0,
+                   judged: int = 0) -> tuple[SaleCall, bool]:
         """A one-call sale's part of a call of capsvc_sell, and whether it fixes its draws'
         caps: the draws' caps when this process has seen them fixed; else the configured
         cap, which the call fixes on the draws no sale has fixed yet, once nothing refused
@@ -548,9 +552,9 @@ class Tickets:
         return self.store.sale_call(
             shape, key, sale.fingerprint, pack_sale(sale, asked),
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            request, asked, self._budget(game, key, sale, expire_at)), fix
+            request, asked, self._budget(game, key, sale, expire_at, judged)), fix
 
-    def _budget(self, game: Game, key: str, sale: Sale, expire_at: int
+    def _budget(self, game: Game, key: str, sale: Sale, expire_at: int, judged: int = 0
                 ) -> tuple[list[str], list[Any]] | None:
         """The player's budget in a one-call sale (a game with a daily limit), planned for
         the purchase day of Redis's time as this process estimates it (lua/capsvc.lua,
@@ -560,7 +564,7 @@ class Tickets:
         if rules.daily_limit is None or sale.player_id is None:
             return None
         assert sale.first_draw is not None
-        now = self.clock.now()
+        now = max(self.clock.now(), judged)
         day = game.calendar.local_day(now)
         if rules.subscription_accounting == "purchase_day":
             days = [(day[0], sale.draws)]

@@ -17,6 +17,7 @@ import redis
 
 from capsvc.config import Settings
 from capsvc.domain.calendar import DrawCalendar
+from capsvc.redis.clock import RedisClock
 from capsvc.http.server import build
 from capsvc.redis.replies import Sold
 from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
@@ -316,3 +317,32 @@ async def test_a_request_cut_over_two_calls_is_judged_in_order_when_a_sale_moves
         "accepted", "rejected")
     assert results[-1]["body"]["reason"] == "player_limit"
     assert {r["body"]["status"] for r in results[1:-1]} == {"accepted"}
+
+
+async def test_a_sale_judged_on_another_day_is_planned_again_for_redis_s_day(
+        pair: tuple[Client, Client], standalone_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process's estimate of Redis's clock lags (forced: a second behind, frozen) over
+    a day's end (forced: the day ends now): each plan it makes names the day before. The
+    call that refuses the plan says when Redis judged it, and the sale is planned again
+    for that instant's day and sold, not refused until its attempts run out."""
+    one, _ = pair
+    sec, usec = standalone_db.time()
+    midnight = int(sec) * 1000 + int(usec) // 1000
+    real = DrawCalendar.local_day
+
+    def local_day(calendar: DrawCalendar, now_ms: int) -> tuple[str, int, int]:
+        day, start, end = real(calendar, now_ms)
+        if now_ms >= midnight:
+            return day, start, end
+        yesterday = real(calendar, start - 1)
+        return yesterday[0], yesterday[1], midnight
+
+    monkeypatch.setattr(DrawCalendar, "local_day", local_day)
+    monkeypatch.setattr(RedisClock, "now", lambda self: midnight - 1000)
+    pid = f"P-lag-{time.monotonic_ns()}"
+    body = ticket([{"numbers": [3, 9], "stake": 500}], player_id=pid, game="lnm-keno")
+    reply = await one.sell(body, token="mt")
+    assert (reply.status, reply.body.get("status")) == (200, "accepted"), reply.body
+    days = [k.decode() for k in standalone_db.scan_iter(f"b:{{pl:{pid}}}:*")]
+    assert len(days) == 1 and standalone_db.hget(days[0], "spent") == b"500", days
