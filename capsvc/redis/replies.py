@@ -96,8 +96,8 @@ class Refused:
     the caller behind a sale of its request that moved on) or `day` (judged at `at`, on
     another day than the player's budget was planned for)."""
 
-    LUA: ClassVar[str] = ("{'conflict'} | {'stale'} | {'closed'} | {'later'} "
-                          "| {'day', at}")
+    LUA: ClassVar[str] = "{'conflict'} | {'stale'} | {'closed'}"
+    """(A call of `sell` also answers {'later'} and {'day', at}: see its header.)"""
     why: str
     at: int = 0
 

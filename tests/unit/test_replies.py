@@ -53,8 +53,9 @@ def test_claims_decode_by_kind() -> None:
         b"{}", 5, "s1", b"sale", None, b"c", 7, 500)
     assert r.claim_of([b"pending", 5, b"s1", b"sale"]) == r.Pending(5, "s1", b"sale")
     assert r.claim_of([b"stopped", 2]) == r.StoppedAt(2)
-    for why in ("conflict", "stale", "closed"):
+    for why in ("conflict", "stale", "closed", "later"):
         assert r.claim_of([why.encode()]) == r.Refused(why)
+    assert r.claim_of([b"day", 7]) == r.Refused("day", 7)
 
 
 def test_tickets_hand_overs_and_cancels_decode() -> None:
