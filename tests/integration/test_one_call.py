@@ -17,8 +17,8 @@ import redis
 
 from capsvc.config import Settings
 from capsvc.domain.calendar import DrawCalendar
-from capsvc.redis.clock import RedisClock
 from capsvc.http.server import build
+from capsvc.redis.clock import RedisClock
 from capsvc.redis.replies import Sold
 from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
 from capsvc.redis.transport import Coalescer
@@ -345,4 +345,5 @@ async def test_a_sale_judged_on_another_day_is_planned_again_for_redis_s_day(
     reply = await one.sell(body, token="mt")
     assert (reply.status, reply.body.get("status")) == (200, "accepted"), reply.body
     days = [k.decode() for k in standalone_db.scan_iter(f"b:{{pl:{pid}}}:*")]
-    assert len(days) == 1 and standalone_db.hget(days[0], "spent") == b"500", days
+    assert len(days) == 1, days
+    assert standalone_db.hget(days[0], "spent") == b"500"
