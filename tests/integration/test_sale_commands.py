@@ -122,3 +122,38 @@ async def test_the_single_sales_of_one_tick_are_one_call(
     assert all(isinstance(r, SaleOutcome) for (r,) in results)
     await asyncio.sleep(0.1)
     assert _calls(commands(standalone_db)) == BATCH_OF_64
+
+
+LIMITED_SALE = {
+    **ONE_GRID_SALE,
+    # and the player's limit: its self-limit read (HMGET), the day's spent read (HGET),
+    # charged (HINCRBY) under the sale's ref (HSET), the day's expiry looked at and set
+    "hmget": 3, "hget": 3, "hincrby": 2, "hset": 5, "pexpiretime": 3, "pexpireat": 3,
+}
+"""Commands by name for one sale of one 8-number grid of a game with player limits (the
+player's first of the day), in one call on a standalone Redis."""
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_one_grid_sale_with_player_limits_issues_the_pinned_commands(
+        service: Any, client: Client, standalone_db: redis.Redis) -> None:
+    """One 8-number grid of an LNM ticket sold in one call (standalone), its player's limit
+    checked and charged in the same call: exactly the pinned commands."""
+    await client.current("lnm-keno")
+    warm = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}], game="lnm-keno",
+                                    player_id="P-warm"), token="ma")
+    assert warm.status == 200, warm.body
+    await asyncio.sleep(0.1)
+    standalone_db.config_resetstat()
+    window = time.monotonic()
+    reply = await client.sell(ticket([{"numbers": TEN[1:9], "stake": 500}], game="lnm-keno",
+                                     player_id="P-pinned"), token="ma")
+    assert reply.status == 200
+    assert reply.body["status"] == "accepted"
+    await asyncio.sleep(0.1)
+    used = commands(standalone_db)
+    window = time.monotonic() - window
+    used.pop("config|resetstat", None)
+    used.pop("info", None)
+    assert used.pop("config|get", 0) <= window / POLICY_S + 1
+    assert used == LIMITED_SALE, repr(used)
