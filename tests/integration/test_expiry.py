@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import aiohttp
 import pytest
 import redis
 
+from capsvc.config import Settings
 from capsvc.domain.errors import Unavailable
-from capsvc.http.server import Service
-from tests.conftest import TEN, Client, ticket
+from capsvc.http.server import Service, build
+from tests.conftest import TEN, Client, start_service, ticket
+from tests.support.servers import RedisCluster, RedisServer
 
 
 async def test_every_key_written_has_a_ttl(
         service: tuple[Service, str], client: Client, redis_db: redis.Redis,
+        settings: Settings, redis_backend: RedisServer | RedisCluster,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """After sales, rejections, subscriptions, cancels, a stop-sale and a pending ticket,
     every key has an expiry."""
-    svc, _ = service
     draw = await client.current()
     for _ in range(6):
         await client.sell(ticket([{"numbers": TEN, "stake": 1000}], draws=2))
@@ -30,10 +35,19 @@ async def test_every_key_written_has_a_ttl(
     def down(*args: object, **kwargs: object) -> None:
         raise Unavailable("simulated")
 
-    monkeypatch.setattr(svc.store, "reserve", down)
-    # A game with player limits sells in steps: this one stays pending.
-    pending = ticket([{"numbers": TEN[:9], "stake": 250}], game="lnm-keno", player_id="P-2")
-    assert (await client.sell(pending, token="ma")).status == 503
+    # A sale in steps (a Redis Cluster's protocol, another process's here) failed between
+    # them: this one stays pending.
+    steps = build(dataclasses.replace(settings, one_call_sales=False), redis_backend.url)
+    runner, url = await start_service(steps)
+    try:
+        monkeypatch.setattr(steps.store, "reserve", down)
+        pending = ticket([{"numbers": TEN[:9], "stake": 250}], game="lnm-keno",
+                         player_id="P-2")
+        async with aiohttp.ClientSession() as session:
+            assert (await Client(session, url).sell(pending, token="ma")).status == 503
+    finally:
+        await runner.cleanup()
+        await steps.redis.aclose()
     keys = list(redis_db.scan_iter(count=1000))
     kinds = {k.split(b":")[0] for k in keys}
     # m: the marks (one hash a node or slot, 8 days past the last process's watch, not a

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,26 @@ async def test_a_cancel_decided_after_a_replay_is_indexed_with_its_decision(
     assert indexed(redis_db) == 0
 
 
+@pytest.fixture
+async def in_steps(settings: Settings, redis_backend: Any, redis_db: Any
+                   ) -> AsyncIterator[tuple[Service, Client]]:
+    """The service selling in steps (a Redis Cluster's protocol; `sale_calls = "steps"`
+    on one Redis), over the test's Redis, and its client."""
+    svc = build(dataclasses.replace(settings, one_call_sales=False), redis_backend.url)
+    runner, url = await start_service(svc)
+    async with aiohttp.ClientSession() as session:
+        yield svc, Client(session, url)
+    await runner.cleanup()
+    await svc.redis.aclose()
+
+
 async def test_the_janitor_dropping_a_gone_tickets_entry_leaves_a_new_sales_entry(
-        service: tuple[Service, str], client: Client, redis_db: Any,
+        in_steps: tuple[Service, Client], redis_db: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry whose ticket is gone (a sale in steps refused for a closed draw) is being
     dropped by the janitor while a new sale of the id is decided and not journaled: the
     new sale's entry stays, and the janitor journals it."""
-    svc, _ = service
+    svc, client = in_steps
     draw = await client.current("lnm-keno")
     late = ticket([{"numbers": TEN[:8], "stake": 250}], game="lnm-keno", player_id="P-1",
                   first_draw=draw - 1)
@@ -151,7 +165,8 @@ async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
         settings: Settings, redis_backend: Any, redis_db: Any, tmp_path: Path) -> None:
     """Host A's janitor voids an interrupted sale (journaled by A); the retry is sold by
     host B: the reconciliation posted to A finds it in Redis, sold elsewhere: balanced."""
-    variants = [dataclasses.replace(settings, journal_dir=str(tmp_path / name))
+    variants = [dataclasses.replace(settings, journal_dir=str(tmp_path / name),
+                                    one_call_sales=False)  # interrupted between steps
                 for name in ("pod-a", "pod-b")]
     started = []
     async with aiohttp.ClientSession() as session:
