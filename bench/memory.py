@@ -16,7 +16,9 @@ combination.
    pending index empty), and prints the `used_memory` delta per ticket, everything the
    sales left in Redis counted, with Redis's default hash limits and with
    deploy/redis.conf's; then MEMORY USAGE by kind of key, and one bucket of ticket records.
-   The sizing rule: bytes per ticket x tickets retained (README, "Sizing Redis").
+   The sizing rule: bytes per ticket x tickets retained (README, "Sizing Redis"). Then
+   Redis loses everything (FLUSHALL) and the service puts its journal back: the memory per
+   ticket after the restore.
 4. (`--layouts N`.) What a ticket record costs by how it is kept, everything else equal: N
    records of the mix's sizes (a packed sale of 36-90 bytes, results of 1-5 grids), each a
    key of its own with a TTL, written straight into Redis with deploy/redis.conf's hash
@@ -248,7 +250,9 @@ async def sell_mix(url: str, tickets: int, seed: int) -> int:
 def per_ticket(server: RedisServer, tickets: int) -> dict[str, Any]:
     """Redis memory per ticket of the mix sold through the service, everything it leaves in
     Redis counted (ticket records, counters and grid records, aggregates, the pending
-    index once the decisions are journaled), and what each kind of key holds."""
+    index once the decisions are journaled), and what each kind of key holds; then the
+    same once Redis lost everything and the service put its journal back (`restored`: a
+    sale made in one call comes back in the steps' form, its decision kept whole)."""
     # bench/run.py's: the token, fdj-keno.
     config = config_file()
     client = server.client()
@@ -274,7 +278,17 @@ def per_ticket(server: RedisServer, tickets: int) -> dict[str, Any]:
             usage[1] += client.memory_usage(key, samples=0) or 0
         one = next(k for k in client.scan_iter("r:*"))
         fields = client.hgetall(one)
-        return {"per_ticket": (after - before) / tickets, "kinds": kinds,
+        records = sum(client.hlen(k) for k in client.scan_iter("r:*", count=10_000))
+        # Everything lost (FLUSHALL): the service puts its journal back.
+        client.flushall()
+        empty = client.info("memory")["used_memory"]
+        while sum(client.hlen(k) for k in client.scan_iter("r:*", count=10_000)) < records:
+            assert time.monotonic() < deadline + 300, "the journal never put back"
+            time.sleep(0.5)
+        time.sleep(1)
+        restored = client.info("memory")["used_memory"]
+        return {"per_ticket": (after - before) / tickets,
+                "restored": (restored - empty) / records, "kinds": kinds,
                 "record": client.memory_usage(one, samples=0),
                 "record_encoding": client.object("encoding", one),
                 "record_fields": f"{len(fields)} records of "
@@ -317,7 +331,8 @@ def main() -> None:
             server.stop()
         print(f"redis {version}, {name}: {args.tickets} tickets "
               f"of the mix sold through capsvc, decisions journaled: used_memory "
-              f"{r['per_ticket']:.0f} bytes per ticket")
+              f"{r['per_ticket']:.0f} bytes per ticket; after FLUSHALL and the journal "
+              f"put back, {r['restored']:.0f} bytes per ticket")
         total = sum(v[1] for v in r["kinds"].values())
         for kind, (count, used) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][1]):
             print(f"  {kind + ':*':6} {count:7} keys  MEMORY USAGE {used:12,} B  "
