@@ -211,6 +211,37 @@ def _answered(result: T | BaseException) -> T | ApiError | Unavailable:
     return result
 
 
+def _chains(alone: Sequence[tuple[int, _Prepared, Claim | None]]
+            ) -> list[list[tuple[int, _Prepared, Claim | None]]]:
+    """`alone` in chains, each in the order sent: two sales that share a player (a budget)
+    or a capped combination (a counter) are in one chain, so that the later is judged after
+    the earlier, as if sent alone after it; sales of different chains cannot change how
+    another is judged."""
+    owner: dict[tuple[str, ...], int] = {}  # a budget's or a counter's chain
+    parent: list[int] = []
+
+    def root(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    for at, (_, p, _) in enumerate(alone):
+        parent.append(at)
+        keys: list[tuple[str, ...]] = [("c", p.game.rules.id, g.combo)
+                                       for g in p.sale.grids if g.capped]
+        if p.sale.player_id is not None:
+            keys.append(("p", p.sale.player_id))
+        for key in keys:
+            if key in owner:
+                parent[root(owner[key])] = root(at)
+            owner[key] = at
+    chains: dict[int, list[tuple[int, _Prepared, Claim | None]]] = {}
+    for at, sale in enumerate(alone):
+        chains.setdefault(root(at), []).append(sale)
+    return list(chains.values())
+
+
 def first_stopped(stops: list[int | None], at: int) -> int | None:
     """The offset of the first draw stopped at or before the instant `at`, or None."""
     return next((i for i, s in enumerate(stops) if s is not None and s <= at), None)
@@ -307,14 +338,20 @@ class Tickets:
                      alone: Sequence[tuple[int, _Prepared, Claim | None]],
                      results: list[SaleOutcome | ApiError | Unavailable | None]) -> None:
         """Each of `alone` sold as a sale of its own (`_sell`, from its first call's reply
-        when it has one), all at once; its result put at its place."""
+        when it has one), its result put at its place: in order where one may change how
+        the next is judged (`_chains`: the same player, a combination in common), the
+        others at once."""
         if not alone:
             return
-        finished = await asyncio.gather(*[self._sell(channel, prepared, claim)
-                                          for _, prepared, claim in alone],
-                                        return_exceptions=True)
-        for (i, _, _), result in zip(alone, finished, strict=True):
-            results[i] = _answered(result)
+
+        async def chain(sales: list[tuple[int, _Prepared, Claim | None]]) -> None:
+            for i, prepared, claim in sales:
+                try:
+                    results[i] = await self._sell(channel, prepared, claim)
+                except (ApiError, Unavailable) as e:
+                    results[i] = e
+
+        await asyncio.gather(*[chain(c) for c in _chains(alone)])
 
     def _joined(self, group: list[_Prepared]) -> asyncio.Future[list[_GroupOutcome]]:
         """The outcomes of `group` (one request's one-call tickets), sold with every other

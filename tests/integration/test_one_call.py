@@ -22,6 +22,7 @@ from capsvc.redis.clock import RedisClock
 from capsvc.redis.replies import Sold
 from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
 from capsvc.redis.transport import Coalescer
+from capsvc.service.steps import SaleSteps
 from tests.conftest import TEN, Client, services, start_service, ticket
 from tests.support.sales import sell_alone
 from tests.support.servers import RedisServer
@@ -347,3 +348,34 @@ async def test_a_sale_judged_on_another_day_is_planned_again_for_redis_s_day(
     days = [k.decode() for k in standalone_db.scan_iter(f"b:{{pl:{pid}}}:*")]
     assert len(days) == 1, days
     assert standalone_db.hget(days[0], "spent") == b"500"
+
+
+async def test_a_batch_sold_in_steps_is_judged_in_order_for_one_player(
+        pair: tuple[Client, Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """In steps (a Redis Cluster's protocol) the tickets of a batch that share a player are
+    judged one after the other, in the order sent, whichever's steps Redis would run first
+    (forced: the first ticket's budget step is held back): the first fits the limit and is
+    accepted, the second no longer fits."""
+    _, steps = pair
+    original = SaleSteps.take_budget
+    held = iter(range(1))
+
+    def take_budget(self: SaleSteps, plan: Any, *, seal: bool = False) -> Any:
+        if next(held, None) is None:
+            return original(self, plan, seal=seal)
+
+        async def later() -> Any:
+            await asyncio.sleep(0.3)
+            return await original(self, plan, seal=seal)
+        return asyncio.ensure_future(later())
+
+    monkeypatch.setattr(SaleSteps, "take_budget", take_budget)
+    pid = f"P-order-{time.monotonic_ns()}"
+    assert (await steps.request("PUT", f"/v1/players/{pid}/limit?game=lnm-keno",
+                                {"daily": 4000}, token="mt")).status == 200
+    batch = [ticket([{"numbers": [3, 9], "stake": 2500}], player_id=pid, game="lnm-keno"),
+             ticket([{"numbers": [4, 9], "stake": 2500}], player_id=pid, game="lnm-keno")]
+    reply = await steps.post("/v1/ticket-batches", {"tickets": batch}, token="mt")
+    assert reply.status == 200, reply.body
+    assert next(held, None) is None  # the first ticket's budget step was held back
+    assert [r["body"]["status"] for r in reply.body["results"]] == ["accepted", "rejected"]
