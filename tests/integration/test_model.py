@@ -101,13 +101,21 @@ class Fixture:
 
     def flush(self) -> None:
         """Every key and the Lua library gone, on every node (the service reloads its
-        library: "Function not found")."""
+        library: "Function not found"); returns once the service answers from Redis again
+        (a look-up of an unknown ticket answers 404, not 503: until it has seen the loss
+        and taken its marks again, it answers 503)."""
         servers = (self.redis.servers if isinstance(self.redis, RedisCluster)
                    else [self.redis])
         for server in servers:
             node = server.client()
             node.flushall()
             node.function_flush()
+        deadline = time.monotonic() + 30
+        while self.http.get(f"{self.service.base_url}/v1/tickets/NONE", timeout=10,
+                            headers={"Authorization": f"Bearer {TOKENS['fr']}"}
+                            ).status_code == 503:
+            assert time.monotonic() < deadline, "the service never answered again"
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self.http.close()
