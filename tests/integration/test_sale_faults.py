@@ -63,13 +63,21 @@ class Api:
     def sell(self, body: dict[str, Any]) -> requests.Response:
         return self.call("POST", "/v1/tickets", body)
 
+    def read(self, path: str) -> Any:
+        """A read's body, sent again while it answers 503: right after a fault the proxy
+        cut, the service's connection to Redis may still be coming back."""
+        deadline = time.monotonic() + 10
+        while (reply := self.call("GET", path, token="admin")).status_code == 503:
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(0.1)
+        return reply.json()
+
     def current(self) -> int:
-        return int(self.call("GET", "/v1/games/fdj-keno/draws/current", token="admin")
-                   .json()["draw"])
+        return int(self.read("/v1/games/fdj-keno/draws/current")["draw"])
 
     def staked(self, numbers: list[int], draw: int) -> int:
         path = f"/v1/games/fdj-keno/draws/{draw}/combinations/{'-'.join(map(str, numbers))}"
-        return int(self.call("GET", path, token="admin").json()["staked"])
+        return int(self.read(path)["staked"])
 
 
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
