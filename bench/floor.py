@@ -80,8 +80,8 @@ SECTIONS = [
     ("    S.stops = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
     ("  local results = S.zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
-    ("  ticket_new(T, S.expire_at", "ticket record (HSET, bucket TTL)"),
-    ("  made[#made + 1] = T.name", "unjournaled queued"),
+    ("  decided(T, S, args, a, now, sid, results, batch)",
+     "ticket record (HSET, bucket TTL), unjournaled queued"),
     ("    redis.call('HSET', keys[#keys - 1], args[#args]", "unjournaled HSET"),
 ]
 CLOCK = """

@@ -19,5 +19,5 @@ function request()
   return wrk.format("POST", "/v1/tickets", {
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
-  }, one_grid_ticket(prefix .. "-" .. counter))
+  }, (ticket_of or one_grid_ticket)(prefix .. "-" .. counter))
 end

@@ -1104,13 +1104,23 @@ local function budget_recorded(limit_rec, day_key, day, ref, regulatory)
   return {1, day_limit(limit_rec, day, regulatory) - spent}
 end
 
+-- What is left of a day's budget (`rec`: the player's self-limit, `day` its date).
+local function day_room(rec, day_key, day, regulatory)
+  return day_limit(rec, day, regulatory)
+         - tonumber(redis.call('HGET', day_key, 'spent') or '0')
+end
+
+-- Take `amount` into a day's `spent`, recorded under `ref`.
+local function charge_day(day_key, ref, amount, expire_at, seen)
+  redis.call('HINCRBY', day_key, 'spent', amount)
+  redis.call('HSET', day_key, ref, amount)
+  extend(day_key, expire_at, 0, seen)
+end
+
 -- Take each day's amount (budget's ARGV) into its `spent`, recorded under `ref`.
 local function charge(keys, args, m, ref, expire_at)
   for i = 1, m do
-    local amount = tonumber(args[4 + m + i])
-    redis.call('HINCRBY', keys[1 + i], 'spent', amount)
-    redis.call('HSET', keys[1 + i], ref, amount)
-    extend(keys[1 + i], expire_at)
+    charge_day(keys[1 + i], ref, tonumber(args[4 + m + i]), expire_at)
   end
 end
 
@@ -1140,8 +1150,7 @@ local function budget(keys, args)
   end
   local rooms = {}
   for i = 1, m do
-    local spent = tonumber(redis.call('HGET', keys[1 + i], 'spent') or '0')
-    local room = day_limit(rec, args[4 + i], regulatory) - spent
+    local room = day_room(rec, keys[1 + i], args[4 + i], regulatory)
     if tonumber(args[4 + m + i]) > room then
       redis.call('HSET', keys[2], ref, 'R' .. room)
       extend(keys[2], expire_at)
@@ -1270,8 +1279,7 @@ end
 local function budget_room(B, per_draw)
   local rec = redis.call('HMGET', B.limit_key, 'limit', 'next', 'from')
   for d = 1, #B.days do
-    local spent = tonumber(redis.call('HGET', B.days[d], 'spent') or '0')
-    local room = day_limit(rec, B.names[d], B.regulatory) - spent
+    local room = day_room(rec, B.days[d], B.names[d], B.regulatory)
     if B.draws[d] * per_draw > room then
       return room
     end
@@ -1283,13 +1291,11 @@ end
 local function budget_charge(B, per_draw, took, seen)
   for d = 1, #B.days do
     if took then
-      local amount = B.draws[d] * per_draw
-      redis.call('HINCRBY', B.days[d], 'spent', amount)
-      redis.call('HSET', B.days[d], B.ref, amount)
+      charge_day(B.days[d], B.ref, B.draws[d] * per_draw, B.expire_at, seen)
     else
       redis.call('HSET', B.days[d], B.ref, 'X')
+      extend(B.days[d], B.expire_at, 0, seen)
     end
-    extend(B.days[d], B.expire_at, 0, seen)
   end
 end
 
@@ -1365,6 +1371,16 @@ local function shape_of(keys, k, args, a)
   return S
 end
 
+-- A sale of `sell` decided (`results`): its ticket written, and kept in the call's entry of
+-- the unjournaled sales until the caller has journaled the decision (else the janitor
+-- journals it).
+local function decided(T, S, args, a, now, sid, results, batch)
+  ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
+  local made = batch.sold
+  made[#made + 1] = T.name
+  made[#made + 1] = sid
+end
+
 -- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), on shape
 -- `S`.
 local function sell_one(keys, k, nk, args, a, na, S, now, batch)
@@ -1411,10 +1427,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
       redis.call('HSET', B.days[1], B.ref, 'R' .. room)
       extend(B.days[1], B.expire_at, 0, batch.seen)
       local results = S.zone .. '|P'
-      ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
-      local made = batch.sold
-      made[#made + 1] = T.name
-      made[#made + 1] = sid
+      decided(T, S, args, a, now, sid, results, batch)
       return {'new', now, sid, results, 0, 0, 0, false}
     end
   end
@@ -1486,12 +1499,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
     budget_charge(B, charged + B.joker, took, batch.seen)
   end
   local results = S.zone .. '|' .. table.concat(res, ';')
-  ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
-  -- Kept in the call's entry of the unjournaled sales until the caller has journaled the
-  -- decision (else the janitor journals it).
-  local made = batch.sold
-  made[#made + 1] = T.name
-  made[#made + 1] = sid
+  decided(T, S, args, a, now, sid, results, batch)
   -- The capped sizes' stakes are in the counters; the others' add up here (see
   -- AGGREGATES), in the draws' aggregates that follow the buckets.
   if next(accepted) then

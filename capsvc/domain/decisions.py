@@ -86,6 +86,18 @@ class BudgetPlan:
         return None if shares == self.requested and accepted else shares
 
 
+def budget_ref(channel_id: str, ticket_id: str, sale_id: str) -> str:
+    """What names a sale's take in its player's budgets (a reused ticket id is another
+    ref); with no sale id, the prefix the sale id completes."""
+    return f"t/{channel_id}/{ticket_id}/{sale_id}"
+
+
+def budget_until(expire_last: int, at: int) -> int:
+    """When a sale's budget records may go: a day past its last draw's retention or its
+    purchase day's end, whichever is later."""
+    return max(expire_last, at + DAY_MS) + DAY_MS
+
+
 def budget_plan(channel_id: str, rules: GameRules, calendar: DrawCalendar, sale: Sale,
                 sale_id: str, at: int, expire_last: int) -> BudgetPlan | None:
     """The budget plan of a sale claimed at `at` (Redis TIME: the player's day), for games
@@ -96,8 +108,8 @@ def budget_plan(channel_id: str, rules: GameRules, calendar: DrawCalendar, sale:
     days = calendar.local_days(sale.first_draw, sale.draws)
     purchase_day = calendar.local_date(at).isoformat()
     return BudgetPlan(
-        player=sale.player_id, ref=f"t/{channel_id}/{sale.ticket_id}/{sale_id}",
-        regulatory=rules.daily_limit, until=max(expire_last, at + DAY_MS) + DAY_MS,
+        player=sale.player_id, ref=budget_ref(channel_id, sale.ticket_id, sale_id),
+        regulatory=rules.daily_limit, until=budget_until(expire_last, at),
         requested=budget_shares(days, sale, rules.subscription_accounting, purchase_day),
         days_of_draws=days, purchase_day=purchase_day, policy=rules.subscription_accounting,
     )

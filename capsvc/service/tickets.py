@@ -46,7 +46,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import msgspec
 
@@ -55,9 +55,10 @@ from capsvc.config import Channel, Settings
 from capsvc.domain.decisions import (
     ACCEPTED,
     CLOSED,
-    DAY_MS,
     RELEASED,
     SHADOWED,
+    budget_ref,
+    budget_until,
     build_decision,
     cancel_refusal,
     decision_of,
@@ -95,7 +96,7 @@ from capsvc.redis.store import (
     Shape,
     Store,
     budget_call,
-    ident_of,
+    channel_of,
     replies_of,
     retrieving,
     stop_instants,
@@ -106,7 +107,6 @@ from capsvc.service.draws import Draws
 from capsvc.service.steps import SaleSteps
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _encode = msgspec.json.encode
 _ticket_decoder = msgspec.json.Decoder(TicketOut)
 _ATTEMPTS = 4
@@ -201,14 +201,6 @@ def _answer_joined(joining: list[tuple[list[_Prepared], asyncio.Future[list[_Gro
             out.set_exception(failure)
         else:
             out.set_result([outcomes[id(p)] for p in group])
-
-
-def _answered(result: T | BaseException) -> T | ApiError | Unavailable:
-    """A gathered result as the request answers it: an error of the contract stands for the
-    ticket; any other exception is a bug, raised."""
-    if isinstance(result, BaseException) and not isinstance(result, ApiError | Unavailable):
-        raise result
-    return result
 
 
 def _chains(alone: Sequence[tuple[int, _Prepared, Claim | None]]
@@ -328,9 +320,11 @@ class Tickets:
             recorded = await asyncio.gather(*[self._recorded(channel, tickets[i])
                                               for i in refused], return_exceptions=True)
             for i, found in zip(refused, recorded, strict=True):
-                answered = _answered(found)
-                if answered is not None:
-                    results[i] = answered
+                if isinstance(found, BaseException) and not isinstance(
+                        found, ApiError | Unavailable):
+                    raise found  # a bug: only the contract's errors stand for a ticket
+                if found is not None:
+                    results[i] = found
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
@@ -608,8 +602,8 @@ class Tickets:
         else:
             days = list(collections.Counter(
                 game.calendar.local_days(sale.first_draw, sale.draws)).items())
-        return budget_call(sale.player_id, f"t/{ident_of(key)}/", rules.daily_limit,
-                           max(expire_at, now + DAY_MS) + DAY_MS, day,
+        return budget_call(sale.player_id, budget_ref(channel_of(key), sale.ticket_id, ""),
+                           rules.daily_limit, budget_until(expire_at, now), day,
                            sale.joker_cost // sale.draws, days,
                            [g.cost // sale.draws for g in sale.grids])
 

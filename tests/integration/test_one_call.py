@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -245,17 +245,11 @@ async def test_a_player_s_budget_is_left_the_same_by_either_protocol(
         ("accepted", None, 2000), ("partial", None, 250), ("rejected", "player_limit", 0)]
 
 
-async def test_a_sale_judged_on_another_day_than_its_budget_was_planned_for_is_planned_again(
-        pair: tuple[Client, Client], standalone_db: redis.Redis,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The process plans a player's budget for the purchase day of Redis's time as it
-    estimates it; Redis judges at its own instant. Forced here (the first two plans name
-    the day before): the call writes nothing for them, the first is planned again and
-    sold, and the second, behind it in the same batch, is judged after it — so the limit
-    holds in the batch's order: the first accepted, the second refused."""
-    one, _ = pair
+def stale_days(monkeypatch: pytest.MonkeyPatch, plans: int) -> Iterator[int]:
+    """The next `plans` plans of a player's budget name the day before (forced); the
+    iterator returned is spent once they have been made."""
     real = DrawCalendar.local_day
-    stale = iter(range(2))
+    stale = iter(range(plans))
 
     def local_day(calendar: DrawCalendar, now_ms: int) -> tuple[str, int, int]:
         day, start, end = real(calendar, now_ms)
@@ -265,6 +259,19 @@ async def test_a_sale_judged_on_another_day_than_its_budget_was_planned_for_is_p
         return yesterday[0], yesterday[1], start
 
     monkeypatch.setattr(DrawCalendar, "local_day", local_day)
+    return stale
+
+
+async def test_a_sale_judged_on_another_day_than_its_budget_was_planned_for_is_planned_again(
+        pair: tuple[Client, Client], standalone_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process plans a player's budget for the purchase day of Redis's time as it
+    estimates it; Redis judges at its own instant. Forced here (the first two plans name
+    the day before): the call writes nothing for them, the first is planned again and
+    sold, and the second, behind it in the same batch, is judged after it — so the limit
+    holds in the batch's order: the first accepted, the second refused."""
+    one, _ = pair
+    stale = stale_days(monkeypatch, 2)
     pid = f"P-day-{time.monotonic_ns()}"
     assert (await one.request("PUT", f"/v1/players/{pid}/limit?game=lnm-keno",
                               {"daily": 3000}, token="mt")).status == 200
@@ -289,17 +296,7 @@ async def test_a_request_cut_over_two_calls_is_judged_in_order_when_a_sale_moves
     call stopped — until it has been planned again and judged. So the limit holds in the
     batch's order: the first ticket of the player accepted, the last refused."""
     one, _ = pair
-    real = DrawCalendar.local_day
-    stale = iter(range(1))
-
-    def local_day(calendar: DrawCalendar, now_ms: int) -> tuple[str, int, int]:
-        day, start, end = real(calendar, now_ms)
-        if next(stale, None) is None:
-            return day, start, end
-        yesterday = real(calendar, start - 1)
-        return yesterday[0], yesterday[1], start
-
-    monkeypatch.setattr(DrawCalendar, "local_day", local_day)
+    stale = stale_days(monkeypatch, 1)
     pid = f"P-cut-{time.monotonic_ns()}"
     assert (await one.request("PUT", f"/v1/players/{pid}/limit?game=lnm-keno",
                               {"daily": 2500}, token="mt")).status == 200
