@@ -45,12 +45,12 @@ from ab import REPO, checkout
 from capsvc.config import load_settings
 from capsvc.domain.games import Catalog
 from capsvc.journal.reader import retained_records
-from capsvc.journal.records import Open, SaleRecord, sale_of
+from capsvc.journal.records import Open, SaleRecord, SalesRecord
 from capsvc.recovery import restore as restore_module
 from capsvc.recovery.planner import Planned, Planner
 from capsvc.recovery.restore import Restorer
 from capsvc.redis.cluster import connect
-from capsvc.redis.store import Store, bucket_keys, lua_source, record_field, ticket_key
+from capsvc.redis.store import Store, bucket_keys, lua_source, record_field
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.journals import MIXES, write_config, write_journal
@@ -212,8 +212,9 @@ NO_COMMANDS = {
   local codes, i = {}, 1
   while i <= #args do
     local op = args[i]
-    codes[#codes + 1] = op == 's' and 'w' or op == 'c' and 'k' or 'g'
-    i = i + (op == 's' and 6 + 2 * tonumber(args[i + 5]) or op == 'c' and 6 or 4)
+    local sale = op == 's' or op == 'S'
+    codes[#codes + 1] = sale and 'w' or op == 'c' and 'k' or 'g'
+    i = i + (sale and 6 + 2 * tonumber(args[i + 5]) or op == 'c' and 6 or 4)
   end
   if true then return table.concat(codes) end
 """,
@@ -240,25 +241,29 @@ def without_commands(source: str) -> str:
     return source
 
 
+def planned_sales(catalog: Catalog, records: list[Any]) -> list[Planned]:
+    """The sales of `records` as the restore plans them (each once, nothing cancelled)."""
+    chunk = Planner(catalog, 0).chunk(
+        [r for r in records if type(r) in (SaleRecord, SalesRecord)])
+    return [item for item in chunk.items if isinstance(item, Planned)]
+
+
 async def plain_writes(store: Store, catalog: Catalog, records: list[Any]) -> None:
     """What a restored sale writes (its ticket record, each accepted grid's record and
     counters, their TTLs), as plain commands pipelined 8,192 at a time."""
     submit, queued = store.redis.submit, []
-    for r in records:
-        game = catalog.get(r.game)
-        if game is None or type(r) is not SaleRecord:
-            continue
-        keys, args = store.names(ticket_key(r.channel, r.ticket))
-        queued.append(submit("HSET", keys[0], args[0], bytes(r.decision)))
-        queued.append(submit("PEXPIREAT", keys[0], r.until))
-        for g in sale_of(r).grids:
-            if g.capped:
-                buckets = bucket_keys(r.game, g.combo, r.first_draw, r.draws)
-                queued.append(submit("HSET", buckets[-1], record_field(r.sale, g.index),
-                                     g.stake))
-                for d, bucket in enumerate(buckets):
-                    queued.append(submit("HINCRBY", bucket, g.combo, g.stake))
-                    queued.append(submit("PEXPIREAT", bucket, game.expire_at(r.first_draw + d)))
+    for t in planned_sales(catalog, records):
+        game = catalog.games[t.game]
+        keys, args = t.step
+        queued.append(submit("HSET", keys[0], args[1], args[3]))
+        queued.append(submit("PEXPIREAT", keys[0], args[2]))
+        for g in (t.sale.grids[i] for i in t.counted):
+            buckets = bucket_keys(t.game, g.combo, t.first, t.draws)
+            queued.append(submit("HSET", buckets[-1], record_field(t.sale_id, g.index),
+                                 g.stake))
+            for d, bucket in enumerate(buckets):
+                queued.append(submit("HINCRBY", bucket, g.combo, g.stake))
+                queued.append(submit("PEXPIREAT", bucket, game.expire_at(t.first + d)))
         if len(queued) > 8192:
             await asyncio.gather(*queued)
             queued = []
@@ -269,7 +274,6 @@ def whole_buckets(catalog: Catalog, records: list[Any]
                   ) -> dict[str, tuple[dict[bytes | str, Any], int]]:
     """What the sales of `records` (each once, nothing cancelled) leave, bucket by bucket:
     its fields (ticket records; combinations' totals and grids' records) and expiry."""
-    planner = Planner(catalog, 0)
     out: dict[str, tuple[dict[bytes | str, Any], int]] = {}
 
     def put(key: str, field: bytes | str, value: Any, expire_at: int, add: bool = False
@@ -278,12 +282,7 @@ def whole_buckets(catalog: Catalog, records: list[Any]
         fields[field] = fields.get(field, 0) + value if add else value
         out[key] = (fields, max(expiry, expire_at))
 
-    for r in records:
-        if type(r) is not SaleRecord:
-            continue
-        item = planner.plan(r)
-        if not isinstance(item, Planned):
-            continue
+    for item in planned_sales(catalog, records):
         keys, args = item.step
         put(keys[0], args[1], args[3], args[2] + 86_400_000)
         for gkeys, gargs in item.counts:

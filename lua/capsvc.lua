@@ -1205,9 +1205,10 @@ local function settle(keys, args)
 end
 
 --[[ set_limit: KEYS limit, today's budget; ARGV value ("none": remove), today, tomorrow,
-expire_at
+expire_at, at
 Lowering takes effect at once; raising or removing from tomorrow. The record keeps `at`,
-the instant it was set (a journal's restore never puts an older state over it). Returns {limit in force
+the instant the caller set it at (the one it journals, and planned `today` for: a
+journal's restore never puts an older state over it). Returns {limit in force
 today or "none", pending value or "", pending from or "", spent today}. ]]
 local function set_limit(keys, args)
   local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
@@ -1226,7 +1227,7 @@ local function set_limit(keys, args)
       redis.call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
     end
   end
-  redis.call('HSET', keys[1], 'at', now_ms())
+  redis.call('HSET', keys[1], 'at', args[5])
   redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
   local after = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
   local in_force = self_limit(after, today)
@@ -1569,8 +1570,8 @@ function writes only what is missing, fenced by the sale id, so that restoring t
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
 
 --[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at
-("" for a decision not cancelled), released
-Writes a journaled decision: when the ticket is unknown, or this sale is still pending
+("" for a decision not cancelled), released, results (optional)
+The decision is its body, or ("" body) its results (sold in one call). Writes a journaled decision: when the ticket is unknown, or this sale is still pending
 (Redis kept the claim, lost the decision), as decided, or when the journal says it was
 cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
 ticket of this sale that the journal says was cancelled becomes cancelling too. Returns
@@ -1588,8 +1589,10 @@ local function restore_ticket(keys, args)
   end
   local has_res = rec[7] and 1 or 0
   if not st or st == 'p' or st == 'x' then
+    local body, res = args[5], args[9]
     ticket_new(T, tonumber(args[6]), cancel and 'k' or 'f', args[2], tonumber(args[3]),
-               args[1], args[4], args[5], false, cancel and args[7], cancel and args[8])
+               args[1], args[4], body ~= '' and body, res ~= '' and res, cancel and args[7],
+               cancel and args[8])
     return {cancel and 'cancelling' or 'written', has_res}
   end
   if cancel and st == 'f' then
@@ -1695,20 +1698,29 @@ local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 -- A sale's ticket as `restore_ticket` puts it back (the fields from its packed record):
 -- the reply's letter (see restore_tickets).
 local function sale_back(bucket, field, exp, record)
-  local _, _, fp, at, sid, sale, body = cmsgpack.unpack(record)
-  return RESTORED[restore_ticket({bucket}, {field, sid, fp, at, sale, body, exp, '', 0})[1]]
+  local _, _, fp, at, sid, sale, body, res = cmsgpack.unpack(record)
+  return RESTORED[restore_ticket({bucket}, {field, sid, fp, at, sale, body or '', exp, '', 0,
+                                            res or ''})[1]]
 end
 
 -- Record what a sale accepted of the sizes not capped on each of its draws (`aggregate`),
 -- or with `give_back`, remove it: `n` aggregates from KEYS[k], values and expiries from
--- ARGV[i] (value, expiry pairs; none to give back).
-local function aggregates_back(keys, k, n, args, i, sid, give_back, seen)
+-- ARGV[i] (value, expiry pairs; none to give back). `by_picks`: a sale made in one call,
+-- whose stakes add to the totals by number of picks (see AGGREGATES).
+local function aggregates_back(keys, k, n, args, i, sid, give_back, seen, by_picks)
   for j = 0, n - 1 do
     local key = keys[k + j]
     if give_back then
       redis.call('HDEL', key, sid)
     else
-      redis.call('HSET', key, sid, args[i + 2 * j])
+      local value = args[i + 2 * j]
+      if by_picks then
+        for picks, stake in string.gmatch(value, '(%d+):(%d+)') do
+          redis.call('HINCRBY', key, picks, stake)
+        end
+      else
+        redis.call('HSET', key, sid, value)
+      end
       extend(key, tonumber(args[i + 2 * j + 1]), 0, seen)
     end
   end
@@ -1717,13 +1729,16 @@ end
 --[[ restore_tickets: KEYS and ARGV of ops on ticket records (one slot on a cluster):
   s  a sale: KEYS the record's bucket (see TICKET RECORDS), its aggregates; ARGV field,
      expire_at, record, sid, n aggregates, then value, expire_at of each aggregate
+  S  a sale made in one call: as s, its record kept as results, its aggregates by number
+     of picks
   c  a cancel: KEYS the bucket, the pending index, its aggregates; ARGV field, expire_at,
      record, sid, n aggregates
   v  a void: KEYS the bucket, its aggregates; ARGV field, sid, n aggregates
 `record` is the ticket record as ticket_new packs it: expire_at, st, fp, at, sid, sale, body,
 res, ca, rel (st f for a sale; k with ca and rel for a cancel).
 A sale is `restore_ticket`'s: a ticket unknown (or of this sale and pending) is written
-decided; the aggregates of its grids not capped are written with it. A cancel: a ticket of
+decided; the aggregates of its grids not capped are written with it (only then: an S
+sale's totals by number of picks have no fence of their own). A cancel: a ticket of
 this sale (or unknown) not cancelled yet is indexed and written cancelling (the caller
 releases, then calls `cancelled`), and its aggregates are given back. A void: a ticket
 unknown or this sale's claim (pending, expired) gives its aggregates back (the caller
@@ -1741,7 +1756,7 @@ local function restore_tickets(keys, args)
   while i <= #args do
     n = n + 1
     local op, bucket = args[i], keys[k]
-    if op == 's' then
+    if op == 's' or op == 'S' then
       local aggs = tonumber(args[i + 5])
       if tonumber(args[i + 2]) > now then
         -- A record that lives: below, with the others of its bucket.
@@ -1755,7 +1770,7 @@ local function restore_tickets(keys, args)
       else
         codes[n] = sale_back(bucket, args[i + 1], tonumber(args[i + 2]), args[i + 3])
         if codes[n] == 'w' then
-          aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen)
+          aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen, op == 'S')
         end
       end
       k, i = k + 1 + aggs, i + 6 + 2 * aggs
@@ -1826,7 +1841,7 @@ local function restore_tickets(keys, args)
       codes[sale[1]] = code
       if code == 'w' then
         aggregates_back(keys, kk + 1, tonumber(args[at + 5]), args, at + 6, args[at + 4],
-                        false, seen)
+                        false, seen, args[at] == 'S')
       end
     end
     if #new > 0 then

@@ -3,11 +3,12 @@ restore's tests and bench (bench/restore.py): no service, no Redis, each decisio
 functions a sale makes it with (validation, the decision's body), against caps kept here.
 
 `one-grid`: every ticket one capped grid of 8-10 numbers, an allowed stake, one draw (the
-one-grid sale mix). `mixed`: 1-5 grids of 2-10 numbers, a hot set of combinations driven
-to their cap (partial and rejected decisions), 15 % subscriptions, the player-limited game
-(budgets, a ticket refused by the player's limit), replays, cancels (of tickets just sold),
-voids (some followed by a new sale of the same ticket id), stops, caps, self-limits and
-other games' stakes.
+one-grid sale mix), each sold in one call (a `sales` line, as on a standalone Redis).
+`mixed`: 1-5 grids of 2-10 numbers, a hot set of combinations driven to their cap (partial
+and rejected decisions), 15 % subscriptions, the player-limited game (budgets, a ticket
+refused by the player's limit), half of the sales in one call and half in steps (`sale`
+lines, as on a cluster), replays, cancels (of tickets just sold), voids (some followed by a
+new sale of the same ticket id), stops, caps, self-limits and other games' stakes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from capsvc.domain.decisions import (
     Reserved,
     budget_plan,
     build_decision,
+    decision_of,
     player_limit_decision,
 )
 from capsvc.domain.games import Catalog, Game
@@ -148,13 +150,21 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
             if capped and (rules.id, d) not in model.caps_seen:
                 model.caps_seen.add((rules.id, d))
                 yield "cap", (rules.id, d, rules.cap_limit, game.expire_at(d))
+        replies: list[Reserved | None] | None = None
         if rules.daily_limit is not None and rng.random() < 0.02:
             out = player_limit_decision(sale)
         else:
-            out = build_decision("fr-retail", rules.tz, sale, sid, at, model.judge(sale))
+            replies = model.judge(sale)
+            out = build_decision("fr-retail", rules.tz, sale, sid, at, replies)
         body = msgspec.json.encode(out)
         caps = [rules.cap_limit or 0] * sale.draws
-        yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps)
+        if mix == "mixed" and rng.random() < 0.5:  # sold in steps (a cluster's sales)
+            yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps)
+        else:  # sold in one call, as a standalone Redis sells: a `sales` line
+            results = f"{rules.tz.key}|{results_of(replies)}".encode()
+            assert msgspec.json.encode(decision_of("fr-retail", sale, sid, at, results)) == body
+            yield "sales", ([("answer", "fr-retail", sale, sid, at, body, until, caps, None,
+                              results)],)
         made += 1
         accepted = {g.index for g in out.grids if g.status == "accepted"}
         if mix != "mixed":
@@ -188,6 +198,15 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
             yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
             if rng.random() < 0.1:  # reported again (another process journals it too)
                 yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
+
+
+def results_of(replies: list[Reserved | None] | None) -> str:
+    """The results a sale made in one call keeps of its grids' replies (None: refused by the
+    player's limit), as lua/capsvc.lua's `sell` makes them."""
+    if replies is None:
+        return "P"
+    return ";".join("-" if r is None else "1" if r.accepted
+                    else f"0:{r.offset}:{r.room}" for r in replies)
 
 
 async def write_journal(directory: Path, catalog: Catalog, n: int, mix: str = "one-grid",

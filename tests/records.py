@@ -166,9 +166,9 @@ class RawPlayers(PlayerStore):
         return self.fcall("capsvc_stake", keys, [ref, regulatory, expire_at, days[0], amount])
 
     def set_limit(self, player: str, value: int | None, today: str,  # type: ignore[override]
-                  tomorrow: str, expire_at: int) -> Any:
+                  tomorrow: str, expire_at: int, at: int) -> Any:
         return self.fcall("capsvc_set_limit", [limit_key(player), budget_key(player, today)],
-                          ["none" if value is None else value, today, tomorrow, expire_at])
+                          ["none" if value is None else value, today, tomorrow, expire_at, at])
 
     def state(self, player: str, today: str) -> Any:  # type: ignore[override]
         return self.fcall("capsvc_player", [limit_key(player), budget_key(player, today)],

@@ -13,7 +13,7 @@ import msgspec
 from capsvc.client.models import TicketOut
 from capsvc.domain.decisions import ACCEPTED, accepted_grids
 from capsvc.domain.games import Catalog, Game
-from capsvc.domain.validator import pack_sale
+from capsvc.domain.validator import Sale, pack_sale
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import (
     CancelRecord,
@@ -22,6 +22,8 @@ from capsvc.journal.records import (
     Open,
     Record,
     SaleRecord,
+    SalesRecord,
+    SoldTicket,
     StakeRecord,
     StopRecord,
     VoidRecord,
@@ -29,7 +31,14 @@ from capsvc.journal.records import (
 )
 from capsvc.recovery.restore import Restored
 from capsvc.redis.replies import Budget
-from capsvc.redis.store import Store, bucket_keys, record_field, replies_of, ticket_key
+from capsvc.redis.store import (
+    Store,
+    aggregate_key,
+    bucket_keys,
+    record_field,
+    replies_of,
+    ticket_key,
+)
 from capsvc.service.caps import DrawCaps, caps_argument
 from capsvc.service.steps import SaleSteps
 
@@ -46,25 +55,67 @@ class OneByOne:
         self.steps = SaleSteps(store, self.caps, Recorder(None, lambda: 0))
         self._caps_fixed: set[tuple[str, int]] = set()
 
-    async def restore(self, records: Iterable[Open | Record]) -> Restored:
+    async def restore(self, records: Iterable[Open | Record | SalesRecord]) -> Restored:
         out = Restored()
         now = await self.store.time_ms()
         for r in records:
             if isinstance(r, Open) or r.until <= now:
                 continue
-            out.records += 1
-            kind = await self.apply(r, now, out)
-            if kind:
-                out.count(kind)
+            for one in (r.sales if isinstance(r, SalesRecord) else [r]):
+                if one.until <= now:
+                    continue
+                out.records += 1
+                if isinstance(one, SoldTicket):
+                    assert isinstance(r, SalesRecord)
+                    kind = await self._one_call(r, one, out)
+                else:
+                    kind = await self.apply(one, now, out)
+                if kind:
+                    out.count(kind)
         return out
 
     def _restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int,
                         sale: bytes, body: bytes, expire_at: int,
-                        cancelled_at: int | None = None, released: int = 0) -> Any:
+                        cancelled_at: int | None = None, released: int = 0,
+                        results: bytes = b"") -> Any:
         keys, args = self.store.names(ticket)
         return self.store.fcall("capsvc_restore_ticket", keys, [
             *args, sale_id, fingerprint, at, sale, body, expire_at,
-            "" if cancelled_at is None else cancelled_at, released])
+            "" if cancelled_at is None else cancelled_at, released, results])
+
+    async def _one_call(self, line: SalesRecord, s: SoldTicket, out: Restored) -> str | None:
+        """A sale of a `sales` line: its ticket kept as results, and, when the ticket is
+        written, its grids not capped added to its draws' totals by number of picks (plain
+        commands, one at a time)."""
+        game = self.catalog.get(line.game)
+        if game is None:
+            out.skipped += 1
+            return None
+        accepted = set() if s.res == "P" else {
+            i for i, result in enumerate(s.res.split(";")) if result in ("-", "1")}
+        record = SaleRecord(at=line.at, via=line.via, proc=line.proc, channel=line.channel,
+                            ticket=s.ticket, sale=s.sale, game=line.game,
+                            first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
+                            grids=s.grids, decision=msgspec.Raw(b""), player=s.player,
+                            joker_plus=s.joker_plus, joker_cost=s.joker_cost, caps=s.caps)
+        return await self._sale(game, record, out, accepted,
+                                f"{line.zone}|{s.res}".encode())
+
+    async def _totals(self, key: str, game: Game, sale: Sale, accepted: set[int]) -> None:
+        """A ticket sold in one call added to its draws' totals by number of picks."""
+        amounts: dict[int, int] = {}
+        for g in sale.grids:
+            if g.index in accepted and not g.capped:
+                amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
+        first = sale.first_draw
+        assert first is not None
+        submit = self.store.redis.submit
+        for d in range(first, first + sale.draws):
+            name = aggregate_key(key, game.rules.id, d)
+            for picks, amount in amounts.items():
+                await submit("HINCRBY", name, picks, amount)
+            if amounts and await submit("PEXPIRETIME", name) < game.expire_at(d):
+                await submit("PEXPIREAT", name, game.expire_at(d))
 
     def _restore_grid(self, game: str, combo: str, record: bytes, stake: int,
                       caps: str | int, min_stake: int, first_draw: int,
@@ -107,18 +158,22 @@ class OneByOne:
             return "stake" if reply == Budget(ACCEPTED, 0) else None
         return None
 
-    async def _sale(self, game: Game, r: SaleRecord, out: Restored) -> str | None:
+    async def _sale(self, game: Game, r: SaleRecord, out: Restored,
+                    accepted: set[int] | None = None, results: bytes = b"") -> str | None:
+        """A sale's decision: its body (`r.decision`), or its `results` and `accepted`
+        grids (sold in one call)."""
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
         written = await self._restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
-                                             bytes(r.decision), r.until)
+                                             bytes(r.decision), r.until, results=results)
         kind = written[0]
         if kind == b"cancelled":
             return None
         if kind == b"other":
             out.other_sale += 1
         put_back = kind == b"written"
-        accepted = accepted_grids(_decision(r.decision))
+        if accepted is None:
+            accepted = accepted_grids(_decision(r.decision))
         grids = [g for g in sale.grids if g.capped and g.index in accepted]
         caps = caps_argument(r.caps or [game.rules.cap_limit or 0], None)
         calls: list[Any] = [
@@ -136,7 +191,9 @@ class OneByOne:
             calls.append(self.steps.players.reserve(
                 plan.player, plan.ref, plan.regulatory, plan.until,
                 plan.shares(sale, accepted), restore=True))
-        if kind == b"written" and accepted:
+        if kind == b"written" and accepted and results:
+            await self._totals(key, game, sale, accepted)
+        elif kind == b"written" and accepted:
             calls += self.steps.aggregates(key, game, sale, r.sale, accepted)
         replies = await replies_of(calls)
         n = len(grids)

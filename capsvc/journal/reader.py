@@ -26,7 +26,6 @@ from capsvc.journal.records import (
     Record,
     SalesRecord,
     chain_decoder,
-    expanded,
     line_decoder,
     link_decoder,
     sale_records,
@@ -159,11 +158,12 @@ BLOCK_BYTES = 4 * 1024 * 1024
 
 
 def retained_records(directory: Path, *, modified_since: float = 0.0
-                     ) -> Iterator[Open | Record]:
+                     ) -> Iterator[Open | Record | SalesRecord]:
     """The records of the directory's files last written at or after `modified_since`
     (host clock, seconds), for a restore: each file read in blocks and each line decoded
     once, the chain not checked (a restore wants every decision: `read` yields the lines
-    that break the chain too). A torn last line and a line that is not a record are passed
+    that break the chain too), a `sales` line as it is (a restore puts its sales back as
+    their call left them). A torn last line and a line that is not a record are passed
     over, as `read` passes them."""
     decode = line_decoder.decode
     for path in journal_files(directory):
@@ -180,7 +180,7 @@ def retained_records(directory: Path, *, modified_since: float = 0.0
                 rest = lines.pop()  # a line not complete yet (at the end: a torn tail)
                 for line in lines:
                     try:
-                        yield from expanded(decode(line))
+                        yield decode(line)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
 

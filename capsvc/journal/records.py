@@ -300,7 +300,7 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
             game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
             grids=s.grids, decision=Raw(b"null"), player=s.player, joker_plus=s.joker_plus,
             joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
-        body = encode(decision_of(r.channel, sale_of(record), s.sale, r.at,
+        body = encode(decision_of(r.channel, sold_sale(r, s), s.sale, r.at,
                                   f"{r.zone}|{s.res}".encode()))
         out.append(msgspec.structs.replace(record, decision=Raw(body)))
     return out
@@ -320,14 +320,23 @@ def grids_of(sale: Sale) -> list[Grid]:
     return [Grid(list(g.numbers), g.stake, g.multiplier, g.capped) for g in sale.grids]
 
 
-def sale_of(r: SaleRecord | VoidRecord) -> Sale:
-    """The sale a record describes, as capsvc stores it in Redis."""
-    draws = r.draws
-    grids = tuple(
+def _sale_grids(grids: list[Grid], draws: int) -> tuple[SaleGrid, ...]:
+    return tuple(
         SaleGrid(i, tuple(g.numbers), combination.encode(g.numbers), g.stake, g.multiplier,
                  g.stake * (2 if g.multiplier else 1) * draws, g.capped)
-        for i, g in enumerate(r.grids))
+        for i, g in enumerate(grids))
+
+
+def sale_of(r: SaleRecord | VoidRecord) -> Sale:
+    """The sale a record describes, as capsvc stores it in Redis."""
+    grids = _sale_grids(r.grids, r.draws)
     if isinstance(r, SaleRecord):
-        return Sale(r.ticket, r.game, r.player, r.first_draw, draws, grids, r.joker_plus,
+        return Sale(r.ticket, r.game, r.player, r.first_draw, r.draws, grids, r.joker_plus,
                     r.joker_cost, r.fp)
-    return Sale(r.ticket, r.game, r.player, r.first_draw, draws, grids, False, 0, "")
+    return Sale(r.ticket, r.game, r.player, r.first_draw, r.draws, grids, False, 0, "")
+
+
+def sold_sale(line: SalesRecord, s: SoldTicket) -> Sale:
+    """The sale of one ticket of a `sales` line, as capsvc stores it in Redis."""
+    return Sale(s.ticket, line.game, s.player, s.first_draw, s.draws,
+                _sale_grids(s.grids, s.draws), s.joker_plus, s.joker_cost, s.fp)

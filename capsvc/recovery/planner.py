@@ -32,12 +32,14 @@ from capsvc.journal.records import (
     Open,
     Record,
     SaleRecord,
+    SalesRecord,
+    SoldTicket,
     StakeRecord,
     StopRecord,
     VoidRecord,
-    expanded,
     line_decoder,
     sale_of,
+    sold_sale,
 )
 from capsvc.journal.writer import journal_files
 from capsvc.redis.store import (
@@ -159,25 +161,33 @@ class Planner:
             found = self._expiries[(game.rules.id, draw)] = game.expire_at(draw)
         return found
 
-    def chunk(self, lines: Iterable[Open | Record]) -> Chunk:
-        """The records still retained of `lines`, planned."""
+    def chunk(self, lines: Iterable[Open | Record | SalesRecord]) -> Chunk:
+        """The records still retained of `lines`, planned (a `sales` line's sales each
+        a record)."""
         out = Chunk(0, 0, [])
+        now = self.now
         for r in lines:
-            if isinstance(r, Open) or r.until <= self.now:
+            if isinstance(r, Open) or r.until <= now:
+                continue
+            game = self.catalog.get(r.game)
+            if isinstance(r, SalesRecord):
+                for s in r.sales:
+                    if s.until > now:
+                        out.records += 1
+                        if game is None:
+                            out.skipped += 1
+                        else:
+                            out.items.append(self._one_call(game, r, s))
                 continue
             out.records += 1
-            item = self.plan(r)
-            if item is None:
+            if game is None:
                 out.skipped += 1
             else:
-                out.items.append(item)
+                out.items.append(self.plan(game, r))
         return out
 
-    def plan(self, r: Record) -> Item | None:
-        """What restoring `r` calls for; None for a game no longer configured."""
-        game = self.catalog.get(r.game)
-        if game is None:
-            return None
+    def plan(self, game: Game, r: Record) -> Item:
+        """What restoring `r`, of `game`, calls for."""
         if not isinstance(r, SaleRecord | VoidRecord):
             return r
         sale = sale_of(r)
@@ -186,7 +196,7 @@ class Planner:
         if isinstance(r, VoidRecord):
             return Planned("void", r.channel, r.ticket, r.sale, r.game, first, draws, key, sale,
                            (), (), restore_void(key, r.sale, self._given_back(sale, r)),
-                           budget=self._budget(game, r, sale, ()))
+                           budget=self._budget(game, r.channel, r.sale, r.at, sale, None))
         accepted = tuple(g.index for g in _outcomes(r.decision).grids
                          if g.status == "accepted")
         packed = pack_sale(sale)
@@ -196,24 +206,47 @@ class Planner:
                 r.until, b"k", r.fp, r.at, r.sale, packed, body, r.cancelled_at, r.released),
                 self._given_back(sale, r))
             return Planned("cancel", r.channel, r.ticket, r.sale, r.game, first, draws, key,
-                           sale, accepted, (), step, budget=self._budget(game, r, sale, ()))
+                           sale, accepted, (), step,
+                           budget=self._budget(game, r.channel, r.sale, r.at, sale, None))
+        return self._sale(game, r.channel, r.sale, r.at, r.until, r.caps, sale, accepted,
+                          ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
+                          one_call=False)
+
+    def _one_call(self, game: Game, line: SalesRecord, s: SoldTicket) -> Planned:
+        """A sale of a `sales` line put back as its call left it: its decision kept as
+        results, its grids not capped added to its draws' totals by number of picks."""
+        sale = sold_sale(line, s)
+        accepted = () if s.res == "P" else tuple(
+            i for i, result in enumerate(s.res.split(";")) if result in ("-", "1"))
+        record = ticket_value(s.until, b"f", s.fp, line.at, s.sale, pack_sale(sale), None,
+                              results=f"{line.zone}|{s.res}".encode())
+        return self._sale(game, line.channel, s.sale, line.at, s.until, s.caps, sale,
+                          accepted, record, one_call=True)
+
+    def _sale(self, game: Game, channel: str, sale_id: str, at: int, until: int,
+              caps: list[int] | None, sale: Sale, accepted: tuple[int, ...], record: bytes,
+              *, one_call: bool) -> Planned:
+        """A sale's decision (`record`, its ticket's value) and what its grids took."""
+        rules = game.rules
+        first, draws = sale.first_draw, sale.draws
+        assert first is not None
+        key = ticket_key(channel, sale.ticket_id)
         value = aggregate_value(sale, set(accepted)) if accepted else None
         step = restore_sale(
-            key, r.sale, r.until, ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
-            [(r.game, d, value, self.expire_at(game, d)) for d in range(first, first + draws)]
-            if value is not None else ())
-        rules = game.rules
+            key, sale_id, until, record,
+            [(rules.id, d, value, self.expire_at(game, d)) for d in range(first, first + draws)]
+            if value is not None else (), one_call=one_call)
         counted = tuple(g.index for g in sale.grids if g.capped and g.index in accepted)
         counts = []
         if counted:
-            caps = caps_argument(r.caps or [rules.cap_limit or 0], None)
+            caps_arg = caps_argument(caps or [rules.cap_limit or 0], None)
             expiries = [self.expire_at(game, d) for d in range(first, first + draws)]
-            counts = [restore_count(r.game, g.combo, record_field(r.sale, g.index), g.stake,
-                                    caps, rules.min_stake, first, expiries)
+            counts = [restore_count(rules.id, g.combo, record_field(sale_id, g.index), g.stake,
+                                    caps_arg, rules.min_stake, first, expiries)
                       for g in (sale.grids[i] for i in counted)]
-        return Planned("sale", r.channel, r.ticket, r.sale, r.game, first, draws, key, sale,
-                       accepted, tuple(r.caps or ()), step, counts, counted,
-                       self._budget(game, r, sale, accepted))
+        return Planned("sale", channel, sale.ticket_id, sale_id, rules.id, first, draws, key,
+                       sale, accepted, tuple(caps or ()), step, counts, counted,
+                       self._budget(game, channel, sale_id, at, sale, accepted))
 
     @staticmethod
     def _given_back(sale: Sale, r: SaleRecord | VoidRecord) -> list[tuple[str, int]]:
@@ -222,20 +255,21 @@ class Planner:
             return []
         return [(r.game, d) for d in range(r.first_draw, r.first_draw + r.draws)]
 
-    def _budget(self, game: Game, r: SaleRecord | VoidRecord, sale: Sale,
-                accepted: tuple[int, ...]) -> Op | None:
-        """The budget op of a sale (what its decision accepted: taken unless recorded, then
-        settled) or of a cancel or a void (`accepted` empty: all given back), as the
+    @staticmethod
+    def _budget(game: Game, channel: str, sale_id: str, at: int, sale: Sale,
+                accepted: tuple[int, ...] | None) -> Op | None:
+        """The budget op of a sale (what its decision `accepted`: taken unless recorded,
+        then settled) or of a cancel or a void (`accepted` None: all given back), as the
         ledger's steps make it."""
-        if game.rules.daily_limit is None or r.player is None:
+        if game.rules.daily_limit is None or sale.player_id is None:
             return None
-        plan = SaleSteps.plan(r.channel, game, sale, r.sale, r.at)
+        plan = SaleSteps.plan(channel, game, sale, sale_id, at)
         if plan is None:
             return None
-        held = set(accepted)
-        if isinstance(r, VoidRecord | CancelRecord):
+        if accepted is None:
             return restore_budget(plan.player, plan.ref, plan.regulatory, plan.until, None,
                                   plan.shares(sale, set()), final=True)
+        held = set(accepted)
         settle = plan.settlement(sale, held)
         take = plan.shares(sale, held) if held else None
         if take is None and settle is None:
@@ -273,11 +307,11 @@ def _plan_piece(path: str, start: int, end: int) -> bytes:
     return _chunk_encoder.encode(_planner.chunk(_decoded(lines)))
 
 
-def _decoded(lines: list[bytes]) -> Iterator[Open | Record]:
+def _decoded(lines: list[bytes]) -> Iterator[Open | Record | SalesRecord]:
     decode = line_decoder.decode
     for line in lines:
         try:
-            yield from expanded(decode(line))
+            yield decode(line)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
 

@@ -48,6 +48,7 @@ from capsvc.journal.records import (
     LimitRecord,
     Open,
     Record,
+    SalesRecord,
     StakeRecord,
     StopRecord,
 )
@@ -197,7 +198,7 @@ class Restorer:
         return await self._restore(self._planned(
             retained_records(self.dir, modified_since=since), now), now, out)
 
-    async def restore(self, records: Iterable[Open | Record]) -> Restored:
+    async def restore(self, records: Iterable[Open | Record | SalesRecord]) -> Restored:
         """Apply `records` (decoded, in journal order: one ticket's in the order they were
         written) with the semantics of the module's docstring; records of decisions no
         longer retained (by Redis TIME) and `open` lines are passed over. Returns what was
@@ -205,7 +206,7 @@ class Restorer:
         now = await self.store.time_ms()
         return await self._restore(self._planned(records, now), now, Restored())
 
-    async def _planned(self, records: Iterable[Open | Record], now: int
+    async def _planned(self, records: Iterable[Open | Record | SalesRecord], now: int
                        ) -> AsyncGenerator[Chunk, None]:
         """`records` planned here, CHUNK at a time (the event loop reads the replies of the
         window being applied in between)."""

@@ -819,10 +819,12 @@ class PlayerStore:
                           [ref, int(final), *[amount for _, amount in shares]])
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
-                  expire_at: int) -> asyncio.Future[PlayerLimits]:
+                  expire_at: int, at: int) -> asyncio.Future[PlayerLimits]:
+        """Set at `at` (the instant the caller journals)."""
         return self.fcall(
             "capsvc_set_limit", [limit_key(player), budget_key(player, today)],
-            ["none" if value is None else value, today, tomorrow, expire_at], decode=limits_of)
+            ["none" if value is None else value, today, tomorrow, expire_at, at],
+            decode=limits_of)
 
     def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
                       pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:
@@ -874,16 +876,18 @@ _NIL = b"\xc0"
 
 
 def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_id: str,
-                 sale: bytes, body: bytes, cancelled_at: int | None = None,
-                 released: int | None = None) -> bytes:
+                 sale: bytes, body: bytes | None, cancelled_at: int | None = None,
+                 released: int | None = None, results: bytes | None = None) -> bytes:
     """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
     packs it (TICKET RECORDS: the expiry, then st, fp, at, sid, sale, body, res, ca, rel;
-    `at`, `ca` and `rel` as decimal strings, nil for what is absent)."""
+    `at`, `ca` and `rel` as decimal strings, nil for what is absent). A decision is kept
+    as its `body` (sold in steps) or as its `results` (sold in one call)."""
     fp, instant, sid = fingerprint.encode(), b"%d" % at, sale_id.encode()
     head = _mp_head
     parts = [_mp_uint(expire_at), head(len(state)), state, head(len(fp)), fp,
-             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale,
-             head(len(body)), body, _NIL]
+             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale]
+    parts += (_NIL,) if body is None else (head(len(body)), body)
+    parts += (_NIL,) if results is None else (head(len(results)), results)
     if cancelled_at is None:
         parts.append(_NIL)
     else:
@@ -903,15 +907,17 @@ THE BULK RESTORE)."""
 
 
 def restore_sale(ticket: str, sale_id: str, expire_at: int, record: bytes,
-                 aggregates: Sequence[tuple[str, int, str, int]] = ()) -> Op:
+                 aggregates: Sequence[tuple[str, int, str, int]] = (), *,
+                 one_call: bool = False) -> Op:
     """A sale's decision put back (`record`: ticket_value, state f), and, written with it,
-    the aggregates (game, draw, value, expiry) of its grids not capped."""
+    the aggregates (game, draw, value, expiry) of its grids not capped: the sale's share
+    (sold in steps) or, `one_call`, added to the totals by number of picks."""
     keys, args = record_names(ticket)
     keys += [aggregate_key(ticket, game, draw) for game, draw, _, _ in aggregates]
     args += (expire_at, record, sale_id, len(aggregates))
     for _, _, value, expiry in aggregates:
         args += (value, expiry)
-    return keys, ["s", *args]
+    return keys, ["S" if one_call else "s", *args]
 
 
 def restore_cancel(ticket: str, sale_id: str, expire_at: int, record: bytes,

@@ -25,7 +25,15 @@ from capsvc.domain.games import Catalog
 from capsvc.domain.validator import Sale, pack_sale, validate_ticket
 from capsvc.journal.reader import retained_records
 from capsvc.journal.recorder import Recorder
-from capsvc.journal.records import Open, Record, SaleRecord, VoidRecord, sale_of
+from capsvc.journal.records import (
+    Open,
+    Record,
+    SaleRecord,
+    SalesRecord,
+    VoidRecord,
+    expanded,
+    sale_of,
+)
 from capsvc.journal.writer import open_journal
 from capsvc.recovery import planner
 from capsvc.recovery import restore as restore_module
@@ -69,8 +77,14 @@ def journal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Catalog]:
     return root / "journal", catalog
 
 
-def records_of(directory: Path) -> list[Open | Record]:
+def records_of(directory: Path) -> list[Open | Record | SalesRecord]:
+    """What a restore reads of a journal: a `sales` line as it is."""
     return list(retained_records(directory))
+
+
+def decisions_of(directory: Path) -> list[Open | Record]:
+    """The journal's records, a `sales` line as the `sale` records it stands for."""
+    return [one for r in retained_records(directory) for one in expanded(r)]
 
 
 def snapshot(db: Any) -> dict[bytes, Any]:
@@ -130,12 +144,13 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
     """What a Redis may hold of a journal it is restored into: some of its decisions
     (put back one at a time), some ticket ids held by another sale, and the abandoned claims
     of some voids still pending, their grids counted."""
-    sales = [r for r in records if type(r) is SaleRecord]
+    sales = [r for r in records if type(r) in (SaleRecord, SalesRecord)]
     await OneByOne(catalog, store).restore(sales[::7])
     tickets = TicketRecords(db)
     for r in sales[3::11]:
-        tickets.put(ticket_key(r.channel, r.ticket), r.until, st="f", fp="another", at=r.at,
-                    sid="0" * 16, sale=b"another sale", body=b"{}")
+        one = r.sales[0] if isinstance(r, SalesRecord) else r
+        tickets.put(ticket_key(r.channel, one.ticket), one.until, st="f", fp="another",
+                    at=r.at, sid="0" * 16, sale=b"another sale", body=b"{}")
     for v in [r for r in records if isinstance(r, VoidRecord)][::2]:
         game = catalog.games[v.game]
         sale = sale_of(v)
@@ -355,7 +370,8 @@ async def test_records_of_games_no_longer_configured_are_passed_over(
     fdj_only = Catalog({"fdj-keno": catalog.games["fdj-keno"].rules})
     records = records_of(directory)
     done = await Restorer(directory, fdj_only, store).restore(records)
-    gone = sum(1 for r in records if not isinstance(r, Open) and r.game == "lnm-keno")
+    gone = sum(len(r.sales) if isinstance(r, SalesRecord) else 1 for r in records
+               if not isinstance(r, Open) and r.game == "lnm-keno")
     assert done.skipped == gone > 0
     assert not [k for k in redis_db.scan_iter(count=1000)
                 if b"lnm-keno" in k or k.startswith((b"b:", b"l:"))]
@@ -421,7 +437,7 @@ async def check_counters(client: Client, directory: Path, draw: int) -> None:
     """Each combination's counter equals the stakes its journaled decisions still hold."""
     held: dict[tuple[int, ...], int] = {}
     standing: dict[str, tuple[SaleRecord, bool]] = {}
-    for r in records_of(directory):
+    for r in decisions_of(directory):
         if isinstance(r, SaleRecord):
             cancelled = type(r) is not SaleRecord or standing.get(r.ticket, (r, False))[1]
             standing[r.ticket] = (r, cancelled)
@@ -515,3 +531,77 @@ async def test_counts_sent_in_one_call_leave_what_the_single_functions_leave(
     assert snapshot(redis_db) == expected
     assert found == letters
     assert set(letters) == {"0", "1", "x"}
+
+
+async def test_a_restore_leaves_a_redis_as_its_sales_left_it(
+        redis_server: RedisServer, standalone_db: Any, settings: Settings) -> None:
+    """Sales made in one call (a standalone Redis: single and multi-grid tickets, numbers the
+    cap does not count, a subscription, a partial, the player-limited game, a ticket the
+    player's limit refused, a batch) and a cancel, then everything lost: the restore of the
+    journal puts back every ticket record, counter, grid record, total and budget exactly as
+    the sales left them, no bigger (the decisions kept as results, the totals by number of
+    picks, as their calls wrote them)."""
+    async with services([settings], redis_server.url) as (client,):
+        draw = await client.current() + 1
+        eight = {"numbers": TEN[:8], "stake": 1000}
+        fdj = [ticket([eight], first_draw=draw) for _ in range(3)]
+        fdj += [ticket([eight, {"numbers": [1, 2, 3], "stake": 200},
+                        {"numbers": [4, 5, 6, 7], "stake": 300, "multiplier": True}],
+                       first_draw=draw),
+                ticket([eight, {"numbers": [8, 9], "stake": 100}], first_draw=draw),
+                ticket([eight, {"numbers": [8, 9], "stake": 100}],  # at the cap: partial
+                       first_draw=draw),
+                ticket([{"numbers": TEN[1:10], "stake": 200}, {"numbers": [11, 12], "stake": 100}],
+                       first_draw=draw, draws=5)]
+        statuses = [(await client.sell(body)).body["status"] for body in fdj]
+        assert statuses == ["accepted"] * 5 + ["partial", "accepted"]
+        assert (await client.post("/v1/ticket-batches", {"tickets": [
+            ticket([{"numbers": [20 + k, 30, 40, 50, 61, 62, 63, 64], "stake": 100},
+                    {"numbers": [k + 1, 30], "stake": 100}], first_draw=draw)
+            for k in range(5)]})).status == 200
+        cancel = ticket([{"numbers": [1, 2, 3, 4, 5], "stake": 200}], first_draw=draw)
+        assert (await client.sell(cancel)).status == 200
+        assert (await client.post(f"/v1/tickets/{cancel['ticket_id']}/cancel")).status == 200
+        pid = f"P-{time.monotonic_ns()}"
+        assert (await client.request("PUT", f"/v1/players/{pid}/limit?game=lnm-keno",
+                                     {"daily": 10000}, token="mt")).status == 200
+        lnm = [ticket([{"numbers": TEN[:8], "stake": 2500}, {"numbers": [1, 2], "stake": 1000}],
+                      game="lnm-keno", player_id=pid, draws=2),
+               ticket([{"numbers": [1, 2, 3], "stake": 250}], game="lnm-keno",
+                      player_id=pid),
+               ticket([{"numbers": [1, 2, 3], "stake": 2500}], game="lnm-keno",
+                      player_id=pid, draws=2)]  # past the self-limit: refused whole
+        statuses = [(await client.sell(body, token="mt")).body["status"] for body in lnm]
+        assert statuses == ["accepted", "accepted", "rejected"]
+    sold = data(standalone_db)
+    assert any(k.startswith(b"a:") for k in sold)
+    assert any(k.startswith(b"b:") for k in sold)
+    standalone_db.flushall()
+    transport = connect(redis_server.url, timeout_s=10, library=lua_source())
+    try:
+        store = Store(transport)
+        await store.load_library()
+        done = await Restorer(Path(settings.journal_dir), Catalog(settings.games),
+                              store).run()
+    finally:
+        await transport.aclose()
+    assert done.applied["sale"] == len(fdj) + 5 + 1 + len(lnm)
+    assert done.applied["limit"] == 1
+    assert data(standalone_db) == sold
+
+
+def data(db: Any) -> dict[bytes, Any]:
+    """`snapshot` of the keys that hold decisions and what they took: not the marks, the
+    sales not journaled yet, the sold-out feed (events, put back in the order of the
+    restore) nor what a process keeps of its own turns; nor the records of what was refused
+    (a grid refused by the cap, a ticket refused by the player's limit: what a request of
+    the sale in steps would read), which a restore, putting back what was taken, does not
+    write (the ticket's decision says it)."""
+    out = {}
+    for key, (kind, value, expiry) in snapshot(db).items():
+        if key[:2] not in (b"r:", b"c:", b"a:", b"b:", b"l:", b"k:"):
+            continue
+        if key[:2] in (b"c:", b"b:"):
+            value = {f: v for f, v in value.items() if not v.startswith(b"R")}
+        out[key] = (kind, value, expiry)
+    return out

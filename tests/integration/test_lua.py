@@ -851,19 +851,19 @@ async def test_set_limit_and_player(players: PlayerStore, redis_db: redis.Redis,
     tomorrow = tomorrow_of(today)
     t = tomorrow.encode()
     assert await players.state(PLAYER, today) == [b"none", b"", b"", 0]
-    assert await players.set_limit(PLAYER, 500, today, tomorrow, exp) == [b"500", b"", b"", 0]
+    assert await players.set_limit(PLAYER, 500, today, tomorrow, exp, now) == [b"500", b"", b"", 0]
     assert redis_db.pexpiretime(limit_key(PLAYER)) == exp
     assert await players.reserve(PLAYER, "s", REGULATORY, now + DAY, [(today, 200)]) == [
         1, 300]
-    assert await players.set_limit(PLAYER, 800, today, tomorrow, exp) == [b"500", b"800", t,
+    assert await players.set_limit(PLAYER, 800, today, tomorrow, exp, now) == [b"500", b"800", t,
                                                                           200]
     assert await players.state(PLAYER, today) == [b"500", b"800", t, 200]
     assert await players.state(PLAYER, tomorrow) == [b"800", b"", b"", 0]
     assert await players.reserve(PLAYER, "s2", REGULATORY, now + DAY, [(today, 400)]) == [
         0, 300]
-    assert await players.set_limit(PLAYER, 300, today, tomorrow, exp) == [b"300", b"", b"",
+    assert await players.set_limit(PLAYER, 300, today, tomorrow, exp, now) == [b"300", b"", b"",
                                                                           200]
-    assert await players.set_limit(PLAYER, None, today, tomorrow, exp) == [b"300", b"none", t,
+    assert await players.set_limit(PLAYER, None, today, tomorrow, exp, now) == [b"300", b"none", t,
                                                                            200]
     assert await players.state(PLAYER, today) == [b"300", b"none", t, 200]
     assert await players.state(PLAYER, tomorrow) == [b"none", b"", b"", 0]
@@ -871,7 +871,7 @@ async def test_set_limit_and_player(players: PlayerStore, redis_db: redis.Redis,
         0, 100]
     assert await players.reserve(PLAYER, "s4", REGULATORY, now + DAY, [(tomorrow, 1000)]) == [
         1, 0]
-    assert await players.set_limit(PLAYER, 2000, today, tomorrow, exp) == [b"300", b"2000", t,
+    assert await players.set_limit(PLAYER, 2000, today, tomorrow, exp, now) == [b"300", b"2000", t,
                                                                            200]
     assert await players.reserve(PLAYER, "s5", REGULATORY, now + DAY,
                                  [(tomorrow_of(tomorrow), 1001)]) == [0, 1000]
