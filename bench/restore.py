@@ -143,13 +143,16 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     journal, then planning each record's ops (capsvc.recovery.planner, no Redis); then the
     restore (Restorer.run) with every record planned in the restoring process, and with one
     planning process (forced, whatever the journal's size and the CPUs): decisions a second,
-    the restoring process's CPU and Redis's CPU per decision; then the same with a library
+    the restoring process's CPU and Redis's CPU per decision (and, planned here, how much of
+    Redis's is the functions' commands and how much their own Lua); then the same with a library
     whose bulk ticket and count calls only read their ops and answer (what the calls cost
     Redis without a command); last, Redis's CPU per decision for plain pipelined commands
     that write the same ticket records, counters and TTLs with nothing compared (the floor
     of any design that writes what a sale wrote), and for every bucket's final state
     computed here beforehand and written whole, one HSET a bucket (the floor of any design
-    that writes the plan's buckets whole)."""
+    that writes the plan's buckets whole), and for every key restored from a payload made
+    beforehand (RESTORE of each key's DUMP: the floor of any design that sends Redis its
+    keys whole, as serialized values)."""
     settings = load_settings(config)
     catalog = Catalog(settings.games)
     client = redis.client()
@@ -174,12 +177,15 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
             restore_module.POOL_BYTES = -1
             restore_module.planners = lambda workers=workers: workers  # type: ignore[misc]
             client.flushall()
+            client.config_resetstat()
             cpu, mine, started = redis_cpu(client), time.process_time(), time.perf_counter()
             await Restorer(journal, catalog, store).run()
             seconds = time.perf_counter() - started
             print(f"  restore, {label}: {decisions / seconds:,.0f}/s; CPU a decision: "
                   f"restoring process {1e6 * (time.process_time() - mine) / decisions:.1f} "
                   f"µs, Redis {1e6 * (redis_cpu(client) - cpu) / decisions:.1f} µs")
+            if not workers:
+                print(f"  ... {in_functions(client, decisions)}")
         client.function_load(without_commands(lua_source()), replace=True)
         client.flushall()
         cpu, started = redis_cpu(client), time.perf_counter()
@@ -197,6 +203,12 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
         cpu, started = redis_cpu(client), time.perf_counter()
         commands = await write_whole(store, buckets)
         whole_s, whole_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
+        dumps = [(key, client.pexpiretime(key), client.dump(key))
+                 for key in client.scan_iter(count=1000)]
+        client.flushall()
+        cpu, started = redis_cpu(client), time.perf_counter()
+        await restore_whole(store, dumps)
+        payload_s, payload_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
     finally:
         await transport.aclose()
     print(f"  redis CPU a decision for plain pipelined writes, nothing compared: "
@@ -205,6 +217,23 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
           f"here beforehand (one HSET and one PEXPIREAT a bucket, {commands / decisions:.2f} "
           f"commands a decision, nothing compared or counted): "
           f"{1e6 * whole_cpu / decisions:.1f} µs ({decisions / whole_s:,.0f}/s)")
+    print(f"  redis CPU a decision for every key written whole from a payload made beforehand "
+          f"(RESTORE of its DUMP: no field inserted one by one, nothing compared): "
+          f"{1e6 * payload_cpu / decisions:.1f} µs ({decisions / payload_s:,.0f}/s)")
+
+
+def in_functions(client: Any, decisions: int) -> str:
+    """Where Redis's time went in the functions' calls (INFO commandstats since the last
+    reset): their commands, and the rest (the functions' own Lua), a decision."""
+    stats = client.info("commandstats")
+    fcall = stats.get("cmdstat_fcall", {}).get("usec", 0)
+    inner = {name.removeprefix("cmdstat_"): v for name, v in stats.items()
+             if name not in ("cmdstat_fcall", "cmdstat_config|resetstat")}
+    commands = sum(v["usec"] for v in inner.values())
+    calls = sum(v["calls"] for v in inner.values())
+    return (f"of it in FCALL {fcall / decisions:.1f} µs: its {calls / decisions:.1f} commands "
+            f"{commands / decisions:.1f} µs, the functions' own Lua (arguments, tables, "
+            f"redis.call) {(fcall - commands) / decisions:.1f} µs")
 
 
 NO_COMMANDS = {
@@ -308,6 +337,18 @@ async def write_whole(store: Store, buckets: dict[str, tuple[dict[bytes | str, A
     commands += len(queued)
     await asyncio.gather(*queued)
     return commands
+
+
+async def restore_whole(store: Store, dumps: list[tuple[bytes, int, bytes]]) -> None:
+    """Every key RESTOREd from its DUMP with its expiry, pipelined 8,192 at a time."""
+    submit, queued = store.redis.submit, []
+    for key, expire_at, payload in dumps:
+        ttl = ("0",) if expire_at < 0 else (expire_at, "ABSTTL")
+        queued.append(submit("RESTORE", key, ttl[0], payload, *ttl[1:]))
+        if len(queued) > 8192:
+            await asyncio.gather(*queued)
+            queued = []
+    await asyncio.gather(*queued)
 
 
 def main() -> int:
