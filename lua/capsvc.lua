@@ -1705,14 +1705,17 @@ end
 
 -- Record what a sale accepted of the sizes not capped on each of its draws (`aggregate`),
 -- or with `give_back`, remove it: `n` aggregates from KEYS[k], values and expiries from
--- ARGV[i] (value, expiry pairs; none to give back). `by_picks`: a sale made in one call,
--- whose stakes add to the totals by number of picks (see AGGREGATES).
-local function aggregates_back(keys, k, n, args, i, sid, give_back, seen, by_picks)
+-- ARGV[i] (value, expiry pairs; none to give back). `by_picks`: its decision kept as
+-- results, whose stakes add to the totals by number of picks (see AGGREGATES), taking the
+-- place of the share its claim wrote if it was `claimed` (sold in steps: the share goes
+-- before its decision).
+local function aggregates_back(keys, k, n, args, i, sid, give_back, seen, by_picks, claimed)
   for j = 0, n - 1 do
     local key = keys[k + j]
-    if give_back then
+    if give_back or claimed then
       redis.call('HDEL', key, sid)
-    else
+    end
+    if not give_back then
       local value = args[i + 2 * j]
       if by_picks then
         for picks, stake in string.gmatch(value, '(%d+):(%d+)') do
@@ -1770,7 +1773,8 @@ local function restore_tickets(keys, args)
       else
         codes[n] = sale_back(bucket, args[i + 1], tonumber(args[i + 2]), args[i + 3])
         if codes[n] == 'w' then
-          aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen, op == 'S')
+          aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen, op == 'S',
+                          op == 'S')
         end
       end
       k, i = k + 1 + aggs, i + 6 + 2 * aggs
@@ -1826,10 +1830,10 @@ local function restore_tickets(keys, args)
       local at, kk = sale[2], sale[3]
       local field, record = args[at + 1], args[at + 3]
       local exp = tonumber(args[at + 2])
-      local code
+      local code, claimed
       if held[j] or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
         -- A record of the ticket, live or not: compared as restore_ticket compares it.
-        code = sale_back(bucket, field, exp, record)
+        code, claimed = sale_back(bucket, field, exp, record), true
       else
         code = 'w'
         if #group > 1 then
@@ -1840,8 +1844,9 @@ local function restore_tickets(keys, args)
       end
       codes[sale[1]] = code
       if code == 'w' then
+        local by_picks = args[at] == 'S'
         aggregates_back(keys, kk + 1, tonumber(args[at + 5]), args, at + 6, args[at + 4],
-                        false, seen, args[at] == 'S')
+                        false, seen, by_picks, by_picks and claimed)
       end
     end
     if #new > 0 then

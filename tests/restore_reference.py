@@ -101,8 +101,10 @@ class OneByOne:
         return await self._sale(game, record, out, accepted,
                                 f"{line.zone}|{s.res}".encode())
 
-    async def _totals(self, key: str, game: Game, sale: Sale, accepted: set[int]) -> None:
-        """A ticket sold in one call added to its draws' totals by number of picks."""
+    async def _totals(self, key: str, game: Game, sale: Sale, sale_id: str,
+                      accepted: set[int]) -> None:
+        """A ticket whose decision is kept as results added to its draws' totals by number
+        of picks, in place of the share its claim may have written (sold in steps)."""
         amounts: dict[int, int] = {}
         for g in sale.grids:
             if g.index in accepted and not g.capped:
@@ -112,6 +114,8 @@ class OneByOne:
         submit = self.store.redis.submit
         for d in range(first, first + sale.draws):
             name = aggregate_key(key, game.rules.id, d)
+            if amounts:
+                await submit("HDEL", name, sale_id)
             for picks, amount in amounts.items():
                 await submit("HINCRBY", name, picks, amount)
             if amounts and await submit("PEXPIRETIME", name) < game.expire_at(d):
@@ -192,7 +196,7 @@ class OneByOne:
                 plan.player, plan.ref, plan.regulatory, plan.until,
                 plan.shares(sale, accepted), restore=True))
         if kind == b"written" and accepted and results:
-            await self._totals(key, game, sale, accepted)
+            await self._totals(key, game, sale, r.sale, accepted)
         elif kind == b"written" and accepted:
             calls += self.steps.aggregates(key, game, sale, r.sale, accepted)
         replies = await replies_of(calls)

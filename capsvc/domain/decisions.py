@@ -221,6 +221,18 @@ def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: byt
     return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
 
 
+def results_of(zone: str, replies: Sequence[Reserved | None] | None) -> bytes:
+    """What `decision_of` renders a sale's decision from: its time zone, then each grid's
+    reply ("-" not capped, "1" accepted, "0:<offset>:<room>" rejected), or "P" (`replies`
+    None) for a ticket the player's limit refused; `build_decision` of the same replies
+    renders the same body."""
+    if replies is None:
+        return f"{zone}|P".encode()
+    return (zone + "|" + ";".join(
+        "-" if r is None else "1" if r.accepted else f"0:{r.offset}:{r.room}"
+        for r in replies)).encode()
+
+
 def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
                  results: bytes | None) -> bytes:
     """The body of a decision stored as results: what the sale answered, byte for byte."""

@@ -37,9 +37,9 @@ from capsvc.redis.replies import PlayerLimits
 SaleDecision = tuple[Via, str, Sale, str, int, bytes, int, "list[int] | None",
                      "dict[str, int] | None", "bytes | None"]
 """A sale's decision as `Recorder.sale` takes it: via, channel, sale, sale id, instant,
-body, until, caps; its stamp (`Recorder.stamp` of the request that made it); and, for a
-sale made in one call, its results (lua/capsvc.lua, `sell`), from which the body is
-rendered again on reading."""
+body, until, caps; its stamp (`Recorder.stamp` of the request that made it); and its
+results (capsvc.domain.decisions.results_of; a sale made in one call: lua/capsvc.lua, `sell`),
+from which the body is rendered again on reading, when the caller has them."""
 
 
 class Recorder:
@@ -72,15 +72,18 @@ class Recorder:
         return done
 
     def sale(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
-             until: int, caps: list[int] | None = None) -> asyncio.Future[None]:
-        """A sale's decision (`body`: the answer, byte for byte)."""
+             until: int, caps: list[int] | None = None, results: bytes | None = None
+             ) -> asyncio.Future[None]:
+        """A sale's decision (`body`: the answer, byte for byte; `results`: what renders
+        it, when known, journaled instead of it)."""
         return self.sales([(via, channel, sale, sale_id, at, body, until, caps,
-                            self.stamp(), None)])
+                            self.stamp(), results)])
 
     def sales(self, decisions: Sequence[SaleDecision]) -> asyncio.Future[None]:
-        """Several sales' decisions, durable together: one future for them all. Those made
-        in one call (with results) are one `sales` line a channel and game (what they share
-        once, each sale's own after), the others a `sale` line each."""
+        """Several sales' decisions, durable together: one future for them all. Those with
+        results (every sale's first answer, whichever protocol made it) are one `sales` line
+        a channel and game (what they share once, each sale's own after), the others (a
+        replay, a settlement) a `sale` line each."""
         journal = self.journal
         if journal is None:
             return self._resolved()

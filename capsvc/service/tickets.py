@@ -64,6 +64,7 @@ from capsvc.domain.decisions import (
     decision_of,
     derived_body,
     player_limit_decision,
+    results_of,
     with_cancellation,
 )
 from capsvc.domain.errors import ApiError, Unavailable, not_found, rule_error, unavailable
@@ -505,7 +506,7 @@ class Tickets:
                 out = decision_of(channel.id, sale, claim.sale_id, claim.at, claim.results)
                 body = _encode(out)
                 await self.journal.sale("answer", channel.id, sale, claim.sale_id, claim.at,
-                                        body, expire_at, claim.caps)
+                                        body, expire_at, claim.caps, claim.results)
                 self.store.journaled_sale(claim)
                 return SaleOutcome(body=body, replayed=False, ticket=out,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
@@ -645,7 +646,8 @@ class Tickets:
             if not await self.store.finalize(key, sale_id, body):
                 return AGAIN
             await self._journaled(key, sale_id, b"f", self.journal.sale(
-                "answer", channel.id, sale, sale_id, at, body, until))
+                "answer", channel.id, sale, sale_id, at, body, until,
+                results=results_of(rules.time_zone, None)))
             return SaleOutcome(body=body, replayed=False, ticket=out)
         if (taken is None and any(g.capped for g in sale.grids)
                 and self.steps.caps.known(game, first, sale.draws) is None
@@ -681,7 +683,8 @@ class Tickets:
             return AGAIN
         await self._journaled(key, sale_id, b"f", self.journal.sale(
             "answer", channel.id, sale, sale_id, at, body, until,
-            self.steps.caps.known(game, first, sale.draws)))
+            self.steps.caps.known(game, first, sale.draws),
+            results_of(rules.time_zone, replies)))
         near_cap, sold_out = written
         return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
                            sold_out=sold_out,

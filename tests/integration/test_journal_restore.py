@@ -33,6 +33,7 @@ from capsvc.journal.records import (
     VoidRecord,
     expanded,
     sale_of,
+    sold_sale,
 )
 from capsvc.journal.writer import open_journal
 from capsvc.recovery import planner
@@ -49,6 +50,7 @@ from capsvc.redis.store import (
     restore_release,
     ticket_key,
 )
+from capsvc.service.steps import aggregate_value
 from tests.conftest import TEN, Client, services, ticket
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords, raw_claim
@@ -151,6 +153,23 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         one = r.sales[0] if isinstance(r, SalesRecord) else r
         tickets.put(ticket_key(r.channel, one.ticket), one.until, st="f", fp="another",
                     at=r.at, sid="0" * 16, sale=b"another sale", body=b"{}")
+    others = [r for i, r in enumerate(sales)
+              if isinstance(r, SalesRecord) and i % 7 and i % 11 != 3]
+    for line in others[::13]:
+        # A sale in steps whose decision Redis lost after its claim wrote its share of its
+        # draws' aggregates: pending, its share there.
+        s = line.sales[0]
+        game = catalog.games[line.game]
+        sale = sold_sale(line, s)
+        value = aggregate_value(sale, {g.index for g in sale.grids})
+        if value is None or s.res == "P":
+            continue
+        key = ticket_key(line.channel, s.ticket)
+        tickets.put(key, s.until, st="p", fp=s.fp, at=line.at, sid=s.sale,
+                    sale=pack_sale(sale))
+        for d in range(s.first_draw, s.first_draw + s.draws):
+            assert await store.aggregate(key, line.game, d, s.sale, value,
+                                         game.expire_at(d)) == 1
     for v in [r for r in records if isinstance(r, VoidRecord)][::2]:
         game = catalog.games[v.game]
         sale = sale_of(v)
