@@ -136,11 +136,11 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
 
 class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
                   forbid_unknown_fields=False):
-    """The decisions of sales made together in one call (a standalone Redis's `sell`), of one
-    channel and one game, answered: what they share once, then each sale's own. Each stands
-    for the `sale` record it is read as (`sale_records`): its `decision` is rendered from
-    the sale and `res` exactly as the answer was (capsvc.domain.decisions.decision_of, the
-    function that answered it)."""
+    """First answers: the decisions of sales made together in one call (a standalone Redis's
+    `sell`), of one channel and one game, or of one sale made in steps: what they share
+    once, then each sale's own. Each stands for the `sale` record it is read as
+    (`sale_records`): its `decision` is rendered from the sale and `res` exactly as the
+    answer was (capsvc.domain.decisions.decision_of)."""
 
     at: int
     via: Via
