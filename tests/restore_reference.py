@@ -91,8 +91,7 @@ class OneByOne:
         if game is None:
             out.skipped += 1
             return None
-        accepted = set() if s.res == "P" else {
-            i for i, result in enumerate(s.res.split(";")) if result in ("-", "1")}
+        accepted = set(s.accepted)
         record = SaleRecord(at=line.at, via=line.via, proc=line.proc, channel=line.channel,
                             ticket=s.ticket, sale=s.sale, game=line.game,
                             first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,

@@ -127,11 +127,19 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
     grids: list[Grid]
     res: str
     """Each grid's outcome, joined by ";": "-" not capped, "1" accepted,
-    "0:<offset>:<room>" refused by the cap at draw first_draw + offset, `room` left there."""
+    "0:<offset>:<room>" refused by the cap at draw first_draw + offset, `room` left there;
+    "P": the whole ticket refused by the player's limit."""
     caps: list[int] | None = None
     player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
+
+    @property
+    def accepted(self) -> tuple[int, ...]:
+        """The indexes of the grids the decision accepted."""
+        if self.res == "P":
+            return ()
+        return tuple(i for i, result in enumerate(self.res.split(";")) if result in ("-", "1"))
 
 
 class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,

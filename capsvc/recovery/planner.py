@@ -216,12 +216,10 @@ class Planner:
         """A sale of a `sales` line put back as its call left it: its decision kept as
         results, its grids not capped added to its draws' totals by number of picks."""
         sale = sold_sale(line, s)
-        accepted = () if s.res == "P" else tuple(
-            i for i, result in enumerate(s.res.split(";")) if result in ("-", "1"))
         record = ticket_value(s.until, b"f", s.fp, line.at, s.sale, pack_sale(sale), None,
                               results=f"{line.zone}|{s.res}".encode())
         return self._sale(game, line.channel, s.sale, line.at, s.until, s.caps, sale,
-                          accepted, record, one_call=True)
+                          s.accepted, record, one_call=True)
 
     def _sale(self, game: Game, channel: str, sale_id: str, at: int, until: int,
               caps: list[int] | None, sale: Sale, accepted: tuple[int, ...], record: bytes,
