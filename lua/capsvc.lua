@@ -1206,12 +1206,16 @@ end
 
 --[[ set_limit: KEYS limit, today's budget; ARGV value ("none": remove), today, tomorrow,
 expire_at, at
-Lowering takes effect at once; raising or removing from tomorrow. The record keeps `at`,
-the instant the caller set it at (the one it journals, and planned `today` for: a
-journal's restore never puts an older state over it). Returns {limit in force
-today or "none", pending value or "", pending from or "", spent today}. ]]
+Lowering takes effect at once; raising or removing from tomorrow. The record keeps the
+instant it was set: `at` (the caller's, for which it planned `today`), or just after the
+instant of the change before if that is not earlier, so that one player's changes have
+instants in the order Redis made them, whichever processes made them (a journal's restore
+never puts an older state over a newer one). Returns {limit in force today or "none",
+pending value or "", pending from or "", spent today, the instant}, which the caller
+journals. ]]
 local function set_limit(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from', 'at')
+  local at = math.max(tonumber(args[5]), tonumber(rec[4] or '-1') + 1)
   local today, tomorrow = args[2], args[3]
   local current = self_limit(rec, today)
   local wanted = args[1]
@@ -1227,12 +1231,12 @@ local function set_limit(keys, args)
       redis.call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
     end
   end
-  redis.call('HSET', keys[1], 'at', args[5])
+  redis.call('HSET', keys[1], 'at', string.format('%d', at))
   redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
   local after = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
   local in_force = self_limit(after, today)
   return {in_force and tostring(in_force) or 'none', after[2] or '', after[3] or '',
-          tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
+          tonumber(redis.call('HGET', keys[2], 'spent') or '0'), at}
 end
 
 --[[ player: KEYS limit, today's budget; ARGV today
@@ -1922,6 +1926,9 @@ end
      expire_at, take, settle, then the m days, the m amounts taken, the m amounts settled
 `take` 1: the amounts are taken unchecked unless `ref` is recorded (`budget`, mode
 "restore"); `settle` "" nothing, 0 or 1 (final): `settle` to the amounts settled, after.
+A final settle with no take (a cancel, a void: everything given back) seals `ref` first
+when it took nothing yet (`budget`, mode "seal"), so that the sale's take, put back later
+(another process's journal, restored after), charges nothing.
 Returns, per op in order, whether the take put the amounts back (`budget`'s {1, 0}) and
 what the settle gave back. ]]
 local function restore_budgets(keys, args)
@@ -1940,6 +1947,9 @@ local function restore_budgets(keys, args)
                            {ref, args[i + 3], args[i + 4], 'restore',
                             unpack(args, i + 7, i + 6 + 2 * m)})
       taken = (reply[1] == 1 and reply[2] == 0) and 1 or 0
+    elseif args[i + 6] == '1' then
+      budget({keys[k], unpack(days)}, {ref, args[i + 3], args[i + 4], 'seal',
+                                       unpack(args, i + 7, i + 6 + 2 * m)})
     end
     if args[i + 6] ~= '' then
       given = settle(days, {ref, args[i + 6], unpack(args, i + 7 + 2 * m, i + 6 + 3 * m)})

@@ -235,8 +235,7 @@ class OneByOne:
                                                bytes(r.decision), r.until,
                                                r.cancelled_at, r.released)
             cancelling = reply if reply[0] == b"cancelling" else None
-        given = await self.steps.give_back(
-            key, game, sale, r.sale, self.steps.plan(r.channel, game, sale, r.sale, r.at))
+        given = await self._give_back(key, game, sale, r.sale, r.channel, r.at)
         if cancelling is not None:
             one_call = self.steps.one_call_aggregates(key, game, sale) if cancelling[1] else None
             await self.store.cancelled(key, r.sale, one_call)
@@ -251,8 +250,17 @@ class OneByOne:
         state, sid = (None, None) if record is None else (record.state, record.sale_id)
         if state is not None and (sid != r.sale or state not in (b"p", b"x")):
             return None
-        given = await self.steps.give_back(
-            key, game, sale, r.sale, self.steps.plan(r.channel, game, sale, r.sale, r.at))
+        given = await self._give_back(key, game, sale, r.sale, r.channel, r.at)
         if state is not None:
             await self.store.unclaim(key, r.sale)
         return "void" if given or state is not None else None
+
+    async def _give_back(self, key: str, game: Game, sale: Sale, sale_id: str, channel: str,
+                         at: int) -> int:
+        """Everything a sale took given back, its budget sealed first if it took nothing
+        yet (its take, put back later, charges nothing)."""
+        plan = self.steps.plan(channel, game, sale, sale_id, at)
+        if plan is not None:
+            await self.steps.players.reserve(plan.player, plan.ref, plan.regulatory,
+                                             plan.until, plan.shares(sale, set()), seal=True)
+        return await self.steps.give_back(key, game, sale, sale_id, plan)

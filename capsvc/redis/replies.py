@@ -281,6 +281,11 @@ class PlayerLimits:
     spent: int
 
 
+def limit_set_of(reply: list[Any]) -> tuple[PlayerLimits, int]:
+    """A `set_limit` reply: the limits after the change, and the instant it was set at."""
+    return limits_of(reply), int(reply[4])
+
+
 def limits_of(reply: list[Any]) -> PlayerLimits:
     pending_from = reply[2].decode() if reply[2] else None
     removal = bool(pending_from) and reply[1] == b"none"

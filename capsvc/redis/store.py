@@ -50,6 +50,7 @@ from capsvc.redis.replies import (
     cancel_of,
     claim_of,
     due_of,
+    limit_set_of,
     limits_of,
     mark_state_of,
     released_of,
@@ -819,12 +820,13 @@ class PlayerStore:
                           [ref, int(final), *[amount for _, amount in shares]])
 
     def set_limit(self, player: str, value: int | None, today: str, tomorrow: str,
-                  expire_at: int, at: int) -> asyncio.Future[PlayerLimits]:
-        """Set at `at` (the instant the caller journals)."""
+                  expire_at: int, at: int) -> asyncio.Future[tuple[PlayerLimits, int]]:
+        """Set at `at`, or just after the player's change before (lua/capsvc.lua,
+        `set_limit`): the limits after it, and the instant it was set at, to journal."""
         return self.fcall(
             "capsvc_set_limit", [limit_key(player), budget_key(player, today)],
             ["none" if value is None else value, today, tomorrow, expire_at, at],
-            decode=limits_of)
+            decode=limit_set_of)
 
     def restore_limit(self, player: str, at: int, limit: int | None, pending: str | None,
                       pending_from: str | None, expire_at: int) -> asyncio.Future[Any]:

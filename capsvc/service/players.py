@@ -95,8 +95,9 @@ class Players:
                              "$.daily")
         now, today, tomorrow = self._days(game)
         until = now + SELF_LIMIT_TTL_MS
-        reply = await self.store.set_limit(player_id, body.daily, today, tomorrow, until, now)
-        await self.journal.limit(channel.id, player_id, game.rules.id, body.daily, now, until,
+        reply, at = await self.store.set_limit(player_id, body.daily, today, tomorrow, until,
+                                               now)
+        await self.journal.limit(channel.id, player_id, game.rules.id, body.daily, at, until,
                                  reply)
         return self._out(game, player_id, today, reply)
 

@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
 from capsvc.client.models import TicketIn
 from capsvc.config import Settings, load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision, results_of
 from capsvc.domain.games import Catalog
 from capsvc.domain.validator import Sale, pack_sale, validate_ticket
 from capsvc.journal.reader import retained_records
@@ -624,3 +625,69 @@ def data(db: Any) -> dict[bytes, Any]:
             value = {f: v for f, v in value.items() if not v.startswith(b"R")}
         out[key] = (kind, value, expiry)
     return out
+
+
+async def test_a_cancel_put_back_before_its_sale_leaves_the_player_charged_nothing(
+        store: Store, redis_db: Any, tmp_path: Path) -> None:
+    """A player-limited ticket sold by one process and cancelled by another: the canceller's
+    journal restored before the seller's (two restores, in that order, as two processes'
+    may run) gives back a budget the sale has not taken yet, which seals it, so that the
+    sale's take, put back after, charges the player nothing; its stakes are not counted
+    either."""
+    settings = load_settings(Path(__file__).parents[1] / "capsvc-test.toml")
+    catalog = Catalog(settings.games)
+    game = catalog.games["lnm-keno"]
+    first = game.calendar.current(int(time.time() * 1000)) + 2
+    sale = validate_ticket(game.rules, msgspec.convert(
+        {"ticket_id": "C-1", "game": "lnm-keno", "player_id": "P-C1", "first_draw": first,
+         "grids": [{"numbers": TEN[:8], "stake": 1000}, {"numbers": [1, 2], "stake": 500}]},
+        TicketIn))
+    sid, at = "ab" * 8, int(time.time() * 1000)
+    until = game.expire_at(first)
+    replies = [Reserved(ACCEPTED), None]
+    body = msgspec.json.encode(build_decision("ma-test", game.rules.tz, sale, sid, at, replies))
+    await journaled(tmp_path / "seller", [("sale", ("answer", "ma-test", sale, sid, at, body,
+                                                     until, [game.rules.cap_limit or 0],
+                                                     results_of(game.rules.time_zone,
+                                                                replies)))])
+    await journaled(tmp_path / "canceller", [("cancel", ("answer", "ma-test", sale, sid, at,
+                                                         body, until, at + 5, 1500))])
+    for directory in ("canceller", "seller"):
+        await Restorer(tmp_path / directory, catalog, store).run()
+    day = game.calendar.local_date(at).isoformat()
+    budget = redis_db.hgetall(f"b:{{pl:P-C1}}:{day}")
+    assert int(budget.get(b"spent", b"0")) == 0, budget
+    assert await asyncio.gather(*store.counters("lnm-keno", sale.grids[0].combo, first, 1)) in (
+        [None], [b"0"])
+    record = await store.ticket(ticket_key("ma-test", "C-1"))
+    assert record is not None
+    assert record.state == b"c"
+
+
+async def test_self_limits_set_in_one_millisecond_come_back_as_the_last_one_set(
+        service: tuple[Any, str], settings: Settings, redis_backend: RedisServer | RedisCluster,
+        redis_db: Any) -> None:
+    """Two self-limits of one player set at one instant of the process's clock (forced):
+    Redis sets the second just after the first, the journal says so, and a restore after
+    Redis lost everything leaves the second, as it stood, not the first."""
+    svc, url = service
+    clock = svc.usecases.players.clock
+    fixed = clock.now()
+    clock.now = lambda: fixed  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as session:
+        client = Client(session, url)
+        for daily in (30000, 20000):
+            assert (await client.request("PUT", "/v1/players/P-T1/limit?game=lnm-keno",
+                                         {"daily": daily}, token="mt")).status == 200
+        before = (await client.get("/v1/players/P-T1?game=lnm-keno", token="mt")).body
+    assert before["self_limit"] == 20000
+    limit = redis_db.hgetall("l:{pl:P-T1}")
+    redis_db.flushall()
+    transport = connect(redis_backend.url, timeout_s=10, library=lua_source())
+    try:
+        fresh = Store(transport)
+        await fresh.load_library()
+        await Restorer(Path(settings.journal_dir), Catalog(settings.games), fresh).run()
+    finally:
+        await transport.aclose()
+    assert redis_db.hgetall("l:{pl:P-T1}") == limit

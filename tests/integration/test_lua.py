@@ -846,33 +846,37 @@ async def test_stake_is_idempotent_over_three_days(players: PlayerStore,
 
 async def test_set_limit_and_player(players: PlayerStore, redis_db: redis.Redis,
                                     now: int) -> None:
-    """A self-limit lowers at once, raises or goes tomorrow; player reports it; takes obey it."""
+    """A self-limit lowers at once, raises or goes tomorrow; player reports it; takes obey it.
+    Each change is set at the caller's instant, or just after the change before (here all
+    at one instant): its instant, answered, follows the order of the changes."""
     today, exp = day_of(now), now + 30 * DAY
     tomorrow = tomorrow_of(today)
     t = tomorrow.encode()
+
+    async def set_limit(value: int | None) -> list[Any]:
+        reply: list[Any] = await players.set_limit(PLAYER, value, today, tomorrow, exp, now)
+        assert redis_db.hget(limit_key(PLAYER), "at") == b"%d" % reply[-1]
+        return reply
+
     assert await players.state(PLAYER, today) == [b"none", b"", b"", 0]
-    assert await players.set_limit(PLAYER, 500, today, tomorrow, exp, now) == [b"500", b"", b"", 0]
+    assert await set_limit(500) == [b"500", b"", b"", 0, now]
     assert redis_db.pexpiretime(limit_key(PLAYER)) == exp
     assert await players.reserve(PLAYER, "s", REGULATORY, now + DAY, [(today, 200)]) == [
         1, 300]
-    assert await players.set_limit(PLAYER, 800, today, tomorrow, exp, now) == [b"500", b"800", t,
-                                                                          200]
+    assert await set_limit(800) == [b"500", b"800", t, 200, now + 1]
     assert await players.state(PLAYER, today) == [b"500", b"800", t, 200]
     assert await players.state(PLAYER, tomorrow) == [b"800", b"", b"", 0]
     assert await players.reserve(PLAYER, "s2", REGULATORY, now + DAY, [(today, 400)]) == [
         0, 300]
-    assert await players.set_limit(PLAYER, 300, today, tomorrow, exp, now) == [b"300", b"", b"",
-                                                                          200]
-    assert await players.set_limit(PLAYER, None, today, tomorrow, exp, now) == [b"300", b"none", t,
-                                                                           200]
+    assert await set_limit(300) == [b"300", b"", b"", 200, now + 2]
+    assert await set_limit(None) == [b"300", b"none", t, 200, now + 3]
     assert await players.state(PLAYER, today) == [b"300", b"none", t, 200]
     assert await players.state(PLAYER, tomorrow) == [b"none", b"", b"", 0]
     assert await players.reserve(PLAYER, "s3", REGULATORY, now + DAY, [(today, 101)]) == [
         0, 100]
     assert await players.reserve(PLAYER, "s4", REGULATORY, now + DAY, [(tomorrow, 1000)]) == [
         1, 0]
-    assert await players.set_limit(PLAYER, 2000, today, tomorrow, exp, now) == [b"300", b"2000", t,
-                                                                           200]
+    assert await set_limit(2000) == [b"300", b"2000", t, 200, now + 4]
     assert await players.reserve(PLAYER, "s5", REGULATORY, now + DAY,
                                  [(tomorrow_of(tomorrow), 1001)]) == [0, 1000]
 
