@@ -39,6 +39,7 @@ from capsvc.journal.records import (
 from capsvc.journal.writer import open_journal
 from capsvc.recovery import planner
 from capsvc.recovery import restore as restore_module
+from capsvc.recovery.planner import Planned, Planner
 from capsvc.recovery.restore import Restored, Restorer
 from capsvc.redis.cluster import connect
 from capsvc.redis.store import (
@@ -629,11 +630,12 @@ def data(db: Any) -> dict[bytes, Any]:
 
 async def test_a_cancel_put_back_before_its_sale_leaves_the_player_charged_nothing(
         store: Store, redis_db: Any, tmp_path: Path) -> None:
-    """A player-limited ticket sold by one process and cancelled by another: the canceller's
-    journal restored before the seller's (two restores, in that order, as two processes'
-    may run) gives back a budget the sale has not taken yet, which seals it, so that the
-    sale's take, put back after, charges the player nothing; its stakes are not counted
-    either."""
+    """A player-limited ticket sold by one process and cancelled by another, both restoring
+    at once: the canceller's round that gives the budget back may run after the seller's
+    ticket round and before its budget round (the sale's ticket then already cancelled).
+    The give-back, finding nothing taken, seals the budget, so that the take put back after
+    it charges the player nothing. Here the rounds' budget calls in that order, as the
+    journal's records plan them; then both restores whole, in either order."""
     settings = load_settings(Path(__file__).parents[1] / "capsvc-test.toml")
     catalog = Catalog(settings.games)
     game = catalog.games["lnm-keno"]
@@ -652,16 +654,29 @@ async def test_a_cancel_put_back_before_its_sale_leaves_the_player_charged_nothi
                                                                 replies)))])
     await journaled(tmp_path / "canceller", [("cancel", ("answer", "ma-test", sale, sid, at,
                                                          body, until, at + 5, 1500))])
-    for directory in ("canceller", "seller"):
-        await Restorer(tmp_path / directory, catalog, store).run()
     day = game.calendar.local_date(at).isoformat()
-    budget = redis_db.hgetall(f"b:{{pl:P-C1}}:{day}")
-    assert int(budget.get(b"spent", b"0")) == 0, budget
-    assert await asyncio.gather(*store.counters("lnm-keno", sale.grids[0].combo, first, 1)) in (
-        [None], [b"0"])
-    record = await store.ticket(ticket_key("ma-test", "C-1"))
-    assert record is not None
-    assert record.state == b"c"
+    budget = f"b:{{pl:P-C1}}:{day}"
+    planner = Planner(catalog, 0)
+    cancel, sold_ = (planner.chunk(records_of(tmp_path / d)).items[0]
+                     for d in ("canceller", "seller"))
+    assert isinstance(cancel, Planned)
+    assert isinstance(sold_, Planned)
+    for op in (cancel.budget, sold_.budget):
+        assert op is not None
+        calls = store.restore_budgets()
+        calls.add(op)
+        await calls.send()
+    assert int(redis_db.hget(budget, "spent") or 0) == 0
+    for order in (("canceller", "seller"), ("seller", "canceller")):
+        redis_db.flushall()
+        for directory in order:
+            await Restorer(tmp_path / directory, catalog, store).run()
+        assert int(redis_db.hget(budget, "spent") or 0) == 0, order
+        assert await asyncio.gather(*store.counters("lnm-keno", sale.grids[0].combo, first,
+                                                    1)) in ([None], [b"0"])
+        record = await store.ticket(ticket_key("ma-test", "C-1"))
+        assert record is not None
+        assert record.state == b"c"
 
 
 async def test_self_limits_set_in_one_millisecond_come_back_as_the_last_one_set(
