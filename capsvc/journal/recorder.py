@@ -141,15 +141,16 @@ class Recorder:
 
     def ticket(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int,
                body: bytes, until: int, state: bytes | None, cancelled_at: Any,
-               released: Any) -> asyncio.Future[None]:
+               released: Any, results: bytes | None = None) -> asyncio.Future[None]:
         """A stored decision reported again (a replay, a GET): as a cancel once the ticket
-        is cancelled or being cancelled, else as a sale."""
+        is cancelled or being cancelled, else as a sale (its `results` when Redis keeps
+        them: put back in the form it is kept in)."""
         if self.journal is None:
             return self._resolved()
         if state in (b"k", b"c") and cancelled_at is not None:
             return self.cancel(via, channel, sale, sale_id, at, body, until,
                                int(cancelled_at), int(released or 0))
-        return self.sale(via, channel, sale, sale_id, at, body, until)
+        return self.sale(via, channel, sale, sale_id, at, body, until, results=results)
 
     def void(self, why: Any, channel: str, sale: Sale, sale_id: str, at: int, until: int
              ) -> asyncio.Future[None]:

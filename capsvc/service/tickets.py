@@ -751,7 +751,7 @@ class Tickets:
         until = game.expire_at(last) if game is not None else 0
         return self.journal.ticket(via, channel_id, sale, record.sale_id, record.at,
                                    bytes(body), until, record.state, record.cancelled_at,
-                                   record.released)
+                                   record.released, record.results)
 
     def _may_have_lost_counters(self, state: bytes | None, body: bytes | None
                                 ) -> bool:

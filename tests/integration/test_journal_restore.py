@@ -8,6 +8,7 @@ ticket in journal order; games no longer configured; a restore while sales go on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -561,8 +562,10 @@ async def test_a_restore_leaves_a_redis_as_its_sales_left_it(
     player's limit refused, a batch) and a cancel, then everything lost: the restore of the
     journal puts back every ticket record, counter, grid record, total and budget exactly as
     the sales left them, no bigger (the decisions kept as results, the totals by number of
-    picks, as their calls wrote them)."""
-    async with services([settings], redis_server.url) as (client,):
+    picks, as their calls wrote them) — also when another process, which looked every
+    ticket up, has its journal restored first."""
+    other = dataclasses.replace(settings, journal_dir=settings.journal_dir + "-other")
+    async with services([settings, other], redis_server.url) as (client, looker):
         draw = await client.current() + 1
         eight = {"numbers": TEN[:8], "stake": 1000}
         fdj = [ticket([eight], first_draw=draw) for _ in range(3)]
@@ -594,6 +597,11 @@ async def test_a_restore_leaves_a_redis_as_its_sales_left_it(
                       player_id=pid, draws=2)]  # past the self-limit: refused whole
         statuses = [(await client.sell(body, token="mt")).body["status"] for body in lnm]
         assert statuses == ["accepted", "accepted", "rejected"]
+        for body in fdj:
+            assert (await looker.get(f"/v1/tickets/{body['ticket_id']}")).status == 200
+        for body in lnm:
+            assert (await looker.get(f"/v1/tickets/{body['ticket_id']}",
+                                     token="mt")).status == 200
     sold = data(standalone_db)
     assert any(k.startswith(b"a:") for k in sold)
     assert any(k.startswith(b"b:") for k in sold)
@@ -602,11 +610,13 @@ async def test_a_restore_leaves_a_redis_as_its_sales_left_it(
     try:
         store = Store(transport)
         await store.load_library()
+        looked = await Restorer(Path(other.journal_dir), Catalog(settings.games),
+                                store).run()
         done = await Restorer(Path(settings.journal_dir), Catalog(settings.games),
                               store).run()
     finally:
         await transport.aclose()
-    assert done.applied["sale"] == len(fdj) + 5 + 1 + len(lnm)
+    assert looked.applied["sale"] == len(fdj) + len(lnm)
     assert done.applied["limit"] == 1
     assert data(standalone_db) == sold
 
@@ -614,16 +624,18 @@ async def test_a_restore_leaves_a_redis_as_its_sales_left_it(
 def data(db: Any) -> dict[bytes, Any]:
     """`snapshot` of the keys that hold decisions and what they took: not the marks, the
     sales not journaled yet, the sold-out feed (events, put back in the order of the
-    restore) nor what a process keeps of its own turns; nor the records of what was refused
-    (a grid refused by the cap, a ticket refused by the player's limit: what a request of
-    the sale in steps would read), which a restore, putting back what was taken, does not
-    write (the ticket's decision says it)."""
+    restore) nor what a process keeps of its own turns; nor the records of what holds
+    nothing: a grid refused by the cap (what a request of the sale in steps would read),
+    which a restore, putting back what was taken, does not write, and a budget's ref that
+    took nothing ("R": refused by the limit when sold; "X": sealed by a restore, which
+    gives back everything a sale that took nothing does not hold)."""
     out = {}
     for key, (kind, value, expiry) in snapshot(db).items():
         if key[:2] not in (b"r:", b"c:", b"a:", b"b:", b"l:", b"k:"):
             continue
         if key[:2] in (b"c:", b"b:"):
-            value = {f: v for f, v in value.items() if not v.startswith(b"R")}
+            value = {f: v for f, v in value.items()
+                     if not v.startswith(b"R") and not (key[:2] == b"b:" and v == b"X")}
         out[key] = (kind, value, expiry)
     return out
 
