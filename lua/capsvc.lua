@@ -1925,10 +1925,10 @@ end
   b  KEYS the player's self-limit, the budget of each of m days; ARGV m, ref, regulatory,
      expire_at, take, settle, then the m days, the m amounts taken, the m amounts settled
 `take` 1: the amounts are taken unchecked unless `ref` is recorded (`budget`, mode
-"restore"); `settle` "" nothing, 0 or 1 (final): `settle` to the amounts settled, after.
-A final settle with no take (a cancel, a void: everything given back) seals `ref` first
-when it took nothing yet (`budget`, mode "seal"), so that the sale's take, put back later
-(another process's journal, restored after), charges nothing.
+"restore"); s (a cancel, a void: everything given back): `ref` sealed first when it took
+nothing yet (`budget`, mode "seal"), so that the sale's take, put back later (another
+process's journal, restored after), charges nothing; 0 neither. `settle` "" nothing, 0 or
+1 (final): `settle` to the amounts settled, after.
 Returns, per op in order, whether the take put the amounts back (`budget`'s {1, 0}) and
 what the settle gave back. ]]
 local function restore_budgets(keys, args)
@@ -1947,7 +1947,7 @@ local function restore_budgets(keys, args)
                            {ref, args[i + 3], args[i + 4], 'restore',
                             unpack(args, i + 7, i + 6 + 2 * m)})
       taken = (reply[1] == 1 and reply[2] == 0) and 1 or 0
-    elseif args[i + 6] == '1' then
+    elseif args[i + 5] == 's' then
       budget({keys[k], unpack(days)}, {ref, args[i + 3], args[i + 4], 'seal',
                                        unpack(args, i + 7, i + 6 + 2 * m)})
     end

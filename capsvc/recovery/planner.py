@@ -266,7 +266,7 @@ class Planner:
             return None
         if accepted is None:
             return restore_budget(plan.player, plan.ref, plan.regulatory, plan.until, None,
-                                  plan.shares(sale, set()), final=True)
+                                  plan.shares(sale, set()), final=True, given_back=True)
         held = set(accepted)
         settle = plan.settlement(sale, held)
         take = plan.shares(sale, held) if held else None

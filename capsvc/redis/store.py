@@ -956,13 +956,14 @@ def restore_release(game: str, combo: str, record: bytes, caps: str | int, min_s
 
 def restore_budget(player: str, ref: str, regulatory: int, expire_at: int,
                    take: list[tuple[str, int]] | None, settle: list[tuple[str, int]] | None,
-                   final: bool = False) -> Op:
+                   final: bool = False, given_back: bool = False) -> Op:
     """`take` (day, amount) unchecked unless `ref` is recorded, then `settle` to the amounts
-    given (`final`: sealed); the same days for both."""
+    given (`final`: sealed); the same days for both. `given_back` (a cancel, a void): `ref`
+    sealed first if it took nothing yet."""
     days = [day for day, _ in (take or settle or [])]
     keys = [limit_key(player), *[budget_key(player, day) for day in days]]
     args: list[Any] = ["b", len(days), ref, regulatory, expire_at,
-                       "1" if take is not None else "0",
+                       "1" if take is not None else "s" if given_back else "0",
                        "" if settle is None else "1" if final else "0", *days]
     args += [amount for _, amount in take] if take is not None else [0] * len(days)
     args += [amount for _, amount in settle] if settle is not None else [0] * len(days)
