@@ -54,6 +54,7 @@ from capsvc.journal.records import (
     CapRecord,
     Line,
     SaleRecord,
+    SalesRecord,
     VoidRecord,
 )
 from capsvc.journal.writer import journal_files
@@ -284,8 +285,7 @@ class Finding:
     at: int
 
     def describe(self, cap: int, currency: str, differing: int) -> str:
-        r = _record_at(self.file, self.line)
-        ticket = "?" if r is None else f"{r.ticket} of {r.channel} (sale {r.sale})"
+        ticket = _ticket_at(self.file, self.line, self.grid, self.numbers) or "?"
         numbers = "-".join(map(str, self.numbers))
         if self.accepted:
             why = (f"was accepted live, but {amount(self.counted, currency)} was already "
@@ -300,14 +300,22 @@ class Finding:
                 f"{self.grid} ({numbers}) {why} ({self.file.name}:{self.line})")
 
 
-def _record_at(path: Path, line: int) -> SaleRecord | None:
+def _ticket_at(path: Path, line: int, grid: int, numbers: list[int]) -> str | None:
+    """"<ticket> of <channel> (sale <id>)" of the sale at `line` of `path` (of a `sales`
+    line, the first whose grid `grid` has `numbers`), None when there is none."""
     for n, raw, _ in lines_of(path):
-        if n == line:
-            try:
-                record = msgspec.json.decode(raw, type=SaleRecord | CancelRecord)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return None
-            return record
+        if n != line:
+            continue
+        try:
+            record = msgspec.json.decode(raw, type=SaleRecord | CancelRecord | SalesRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if isinstance(record, SalesRecord):
+            for s in record.sales:
+                if grid < len(s.grids) and sorted(s.grids[grid].numbers) == numbers:
+                    return f"{s.ticket} of {record.channel} (sale {s.sale})"
+            return None
+        return f"{record.ticket} of {record.channel} (sale {record.sale})"
     return None
 
 

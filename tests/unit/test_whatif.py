@@ -32,6 +32,7 @@ from capsvc.domain.decisions import (
     Reserved,
     build_decision,
     player_limit_decision,
+    results_of,
 )
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
@@ -426,19 +427,21 @@ def capsvc(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_the_command_names_an_altered_grid_and_refuses_a_broken_chain(tmp_path: Path
-                                                                     ) -> None:
-    """One line and exit 1: a grid journaled refused though its combination had room; a
-    line edited by hand (its chain broken) unless --ignore-chain, which replays it and
-    says so."""
+@pytest.mark.parametrize("form", ["sale", "results"])
+def test_the_command_names_an_altered_grid_and_refuses_a_broken_chain(tmp_path: Path,
+                                                                     form: str) -> None:
+    """One line and exit 1: a grid journaled refused though its combination had room (its
+    decision journaled whole or as results: the ticket named either way); a line edited by
+    hand (its chain broken) unless --ignore-chain, which replays it and says so."""
     combo = COMBOS[0]
     draw = Draw(1000, 1)
     for k, (stake, reply) in enumerate([(500, ACCEPTED), (300, REJECTED), (500, ACCEPTED)]):
         s = ticket(f"T{k}", [(combo, stake)], DRAW, 1)
-        body = build_decision("fr-retail", TZ, s, f"{k:016x}", NOW + k,
-                              [Reserved(reply, room=500)])
+        replies = [Reserved(reply, room=500)]
+        body = build_decision("fr-retail", TZ, s, f"{k:016x}", NOW + k, replies)
         draw.write(0, "sale", "answer", "fr-retail", s, f"{k:016x}", NOW + k,
-                   msgspec.json.encode(body), GAME.expire_at(DRAW), [1000])
+                   msgspec.json.encode(body), GAME.expire_at(DRAW), [1000],
+                   results_of(GAME.rules.time_zone, replies) if form == "results" else None)
     (directory,) = write(draw, tmp_path / "altered")
     common = ("--config", str(CONFIG), "--game", "fdj-keno", "--draw", str(DRAW),
               "--dir", str(directory), "--cap", "1000")
