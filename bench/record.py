@@ -67,7 +67,7 @@ async def round_of(store: Store, batch: list[Sale], encode: Callable[[Sale], byt
     far = int(time.time() * 1000) + 86_400_000
     for start in range(0, len(batch), 200):
         await asyncio.gather(*[
-            sell_alone(store, ticket_key("bench", s.ticket_id), s.fingerprint, encode(s), far, far,
+            sell_alone(store, ticket_key("bench", s.ticket_id), encode(s), far, far,
                        60_000, GAME, DRAW, 1, CAP, MIN_STAKE,
                        [(g.combo, g.stake) for g in s.grids], [far], "Europe/Paris",
                        fix_caps=False)

@@ -11,7 +11,7 @@ but for the node's count a marked function also writes on a cluster (see MARKS).
   ticket record  a field of a bucket r:{t:NN}:<m> (see TICKET RECORDS); the ticket's name,
                  what the pending index and the callers know it by, is
                  t:{t:NN}:<channel>/<ticket id>
-                 fields st, fp, at, sid, sale, body | res, ca, rel
+                 fields st, at, sid, sale, body | res, ca, rel
                  kept until: close of the ticket's last draw + retention.
   unjournaled    q:{sales}                        hash   (standalone: sales in one call)
                  <call> -> msgpack [instant, {ticket name, sid, ...}]: the sales a call of
@@ -368,14 +368,15 @@ end
 
 --[[ TICKET RECORDS. r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records
 of many tickets (m: the ticket's second hash, see capsvc/redis/store.py). The value is MessagePack:
-expiry, then st, fp, at, sid, sale, body, res, ca, rel (nil when absent). A record past its
+expiry, then st, at, sid, sale, body, res, ca, rel (nil when absent). No fingerprint: the
+sale's own, recomputed from `sale` by the caller that compares a request with it. A record past its
 expiry (by Redis TIME) is absent to every reader, as an expired key is; the janitor's
 `sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
 day at most: BUCKET_SLACK_MS). ~210 bytes a ticket in a listpack bucket at 100,000 tickets,
 against ~280 for a key, its expiry entry and a hash of its own (bench/memory.py).
 A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below), and
 ARGV[1], its field, before the call's own ARGV. ]]
-local FIELD = {st = 1, fp = 2, at = 3, sid = 4, sale = 5, body = 6, res = 7, ca = 8, rel = 9}
+local FIELD = {st = 1, at = 2, sid = 3, sale = 4, body = 5, res = 6, ca = 7, rel = 8}
 
 -- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place,
 -- so that the call's own ARGV come first.
@@ -398,19 +399,19 @@ local function live_value(T, now)
   end
 end
 
--- The record as st, fp, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false
+-- The record as st, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false
 -- for no ticket), read at `now`.
 local function ticket_read(T, now)
   T.now = now
   local v, exp = live_value(T, now)
   if v then
-    local _, a, b, c, d, e, f, g, h, i = cmsgpack.unpack(v)
+    local _, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
     T.exp = exp
     T.rec = {a or false, b or false, c or false, d or false, e or false, f or false,
-             g or false, h or false, i or false}
+             g or false, h or false}
     return T.rec
   end
-  T.rec = {false, false, false, false, false, false, false, false, false}
+  T.rec = {false, false, false, false, false, false, false, false}
   return T.rec
 end
 
@@ -419,7 +420,7 @@ end
 local function ticket_state(T, now)
   local v = live_value(T, now)
   if v then
-    local _, _, st, _, _, sid = cmsgpack.unpack_limit(v, 5)
+    local _, _, st, _, sid = cmsgpack.unpack_limit(v, 4)
     return st, sid
   end
   return false, false
@@ -435,8 +436,7 @@ local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
-               r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil,
-               r[9] or nil))
+               r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
     extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
   else
     redis.call('HDEL', T.bucket, T.field)
@@ -456,11 +456,11 @@ local function ticket_set(T, ...)
   ticket_store(T)
 end
 
--- A new record (none was read), kept until `expire_at`: st, fp, at (ms), sid, sale, then
+-- A new record (none was read), kept until `expire_at`: st, at (ms), sid, sale, then
 -- body, res, ca, rel or false (none). Positional: a sale's hot path builds no other table.
-local function ticket_new(T, expire_at, st, fp, at, sid, sale, body, res, ca, rel)
+local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel)
   at = string.format('%d', at)
-  T.rec = {st, fp, at, sid, sale, body or false, res or false, ca or false, rel or false}
+  T.rec = {st, at, sid, sale, body or false, res or false, ca or false, rel or false}
   T.exp = expire_at
   ticket_store(T)
 end
@@ -480,28 +480,26 @@ local function index(keys, args)
   return 1
 end
 
---[[ claim: KEYS ticket; ARGV fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce
+--[[ claim: KEYS ticket; ARGV sale, close_ms, expire_at, stale_after_ms, nonce
 Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st,
 cancelled at or false, released or false} (a decision of `sell` has results, not a body;
 st: f, k or c) | {'pending', at, sid, sale}
-| {'conflict'}
-| {'stale'} | {'closed'} (the first draw's close has passed: nothing claimed). A decided
-ticket replays at any time. Admin stops live in another slot: the caller reads them with
-its first step after the claim and voids a sale claimed once a draw of it was stopped. ]]
+| {'stale', sale} | {'closed'} (the first draw's close has passed: nothing claimed). The
+sale of a ticket id already recorded comes back with the answer: the caller compares its
+request with it (another request's: a conflict, nothing done). A decided ticket replays at
+any time. Admin stops live in another slot: the caller reads them with its first step
+after the claim and voids a sale claimed once a draw of it was stopped. ]]
 -- The answer of a claim (or a sale) for a ticket id already recorded: `rec` is its
--- st, fp, at, sid, sale, body, res, ca, rel.
-local function known_ticket(rec, fingerprint, now, stale_after_ms)
+-- st, at, sid, sale, body, res, ca, rel.
+local function known_ticket(rec, now, stale_after_ms)
   local st = rec[1]
-  if rec[2] ~= fingerprint then
-    return {'conflict'}
-  end
   if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[6], tonumber(rec[3]), rec[4], rec[5], rec[7], st, rec[8], rec[9]}
+    return {'final', rec[5], tonumber(rec[2]), rec[3], rec[4], rec[6], st, rec[7], rec[8]}
   end
-  if st == 'p' and now - tonumber(rec[3]) < stale_after_ms then
-    return {'pending', tonumber(rec[3]), rec[4], rec[5]}
+  if st == 'p' and now - tonumber(rec[2]) < stale_after_ms then
+    return {'pending', tonumber(rec[2]), rec[3], rec[4]}
   end
-  return {'stale'}
+  return {'stale', rec[4]}
 end
 
 local function claim(keys, args)
@@ -511,25 +509,25 @@ local function claim(keys, args)
   local rec = ticket_read(T, now)
   local st = rec[1]
   if not st then
-    if now >= tonumber(args[3]) then
+    if now >= tonumber(args[2]) then
       return {'closed'}
     end
     -- The caller's random nonce keeps the id new even if TIME repeats (a clock stepped
     -- back after an unclaim): a sale never meets another sale's records.
     local sid = string.sub(redis.sha1hex(T.name .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
-                                         .. args[6]), 1, 16)
-    ticket_new(T, tonumber(args[4]), 'p', args[1], now, sid, args[2])
+                                         .. args[5]), 1, 16)
+    ticket_new(T, tonumber(args[3]), 'p', now, sid, args[1])
     return {'new', now, sid}
   end
-  return known_ticket(rec, args[1], now, tonumber(args[5]))
+  return known_ticket(rec, now, tonumber(args[4]))
 end
 
 --[[ ticket: KEYS ticket (see TICKET RECORDS) (read only)
-Returns the record's st, body, sale, sid, at, ca, rel, res, fp (false when absent). ]]
+Returns the record's st, body, sale, sid, at, ca, rel, res (false when absent). ]]
 local function ticket(keys, args)
   local T = ticket_of(keys, args)
   local r = ticket_read(T, now_ms())
-  return {r[1], r[6], r[5], r[4], r[3], r[8], r[9], r[7], r[2]}
+  return {r[1], r[5], r[4], r[3], r[2], r[7], r[8], r[6]}
 end
 
 --[[ sweep: KEYS bucket; ARGV cursor, count
@@ -574,7 +572,7 @@ local function aggregate(keys, args)
     return 1
   end
   local rec = ticket_read({bucket = keys[2], field = args[4]}, now_ms())
-  if rec[4] ~= args[1] or rec[1] == 'k' or rec[1] == 'c' then
+  if rec[3] ~= args[1] or rec[1] == 'k' or rec[1] == 'c' then
     return 0
   end
   redis.call('HSET', keys[1], args[1], args[2])
@@ -611,7 +609,7 @@ the decision first (and counts it); the others find it written (0) and replay it
 local function finalize(keys, args)
   local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
-  if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
+  if (rec[1] == 'p' or rec[1] == 'x') and rec[3] == args[1] then
     ticket_set(T, 'st', 'f', 'body', args[2])
     return 1
   end
@@ -657,7 +655,7 @@ first). Returns 1 if forgotten. ]]
 local function unclaim(keys, args)
   local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
-  if (rec[1] == 'p' or rec[1] == 'x') and rec[4] == args[1] then
+  if (rec[1] == 'p' or rec[1] == 'x') and rec[3] == args[1] then
     ticket_delete(T)
     return 1
   end
@@ -678,20 +676,20 @@ local function expire(keys, args)
   local rec = ticket_read(T, now)
   local st = rec[1]
   if st == 'p' then
-    if now - tonumber(rec[3]) < deadline then
+    if now - tonumber(rec[2]) < deadline then
       return {'wait'}
     end
     ticket_set(T, 'st', 'x')
     st = 'x'
   end
   if st == 'x' then
-    return {'x', rec[3], rec[4], rec[5]}
+    return {'x', rec[2], rec[3], rec[4]}
   end
   if st == 'k' or st == 'c' or st == 'f' then
-    if now - tonumber(st == 'f' and rec[3] or rec[8]) < deadline then
+    if now - tonumber(st == 'f' and rec[2] or rec[7]) < deadline then
       return {'wait'}
     end
-    return {st, rec[3], rec[4], rec[5], rec[6], rec[8], rec[9], rec[7]}
+    return {st, rec[2], rec[3], rec[4], rec[5], rec[7], rec[8], rec[6]}
   end
   return {}
 end
@@ -713,12 +711,12 @@ local function cancel(keys, args)
     return {'missing'}
   end
   if st == 'c' then
-    return {'c', tonumber(rec[8]), tonumber(rec[9])}
+    return {'c', tonumber(rec[7]), tonumber(rec[8])}
   end
   if st == 'k' then
     redis.call('ZADD', keys[3], 'NX', now, T.name)
     extend(keys[3], tonumber(args[4]))
-    return {'k', tonumber(rec[8]), tonumber(rec[9]), rec[4]}
+    return {'k', tonumber(rec[7]), tonumber(rec[8]), rec[3]}
   end
   if st ~= 'f' then
     return {'undecided'}
@@ -731,7 +729,7 @@ local function cancel(keys, args)
   -- entry could follow): the janitor finishes the cancel if its request dies.
   redis.call('ZADD', keys[3], 'NX', now, T.name)
   extend(keys[3], tonumber(args[4]))
-  return {'k', now, tonumber(args[3]), rec[4]}
+  return {'k', now, tonumber(args[3]), rec[3]}
 end
 
 --[[ cancelled: KEYS ticket, then (a ticket sold in one call, on one node) the aggregates
@@ -741,7 +739,7 @@ one call out of its draws' aggregates (see AGGREGATES). ]]
 local function cancelled(keys, args)
   local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
-  if rec[1] == 'k' and rec[4] == args[1] then
+  if rec[1] == 'k' and rec[3] == args[1] then
     ticket_set(T, 'st', 'c')
     for k = 2, #keys do
       for j = 2, #args, 2 do
@@ -1333,8 +1331,8 @@ gives the caps the sale was judged by), then expire_at of each draw.
 
 A sale: KEYS its ticket's bucket, the buckets (draw 1..n) of each capped grid, the
 aggregate of each draw (see AGGREGATES) when a grid is not capped, then for a game with
-player limits the player's keys (`budget_of`); ARGV its field in the bucket, fingerprint,
-sale, nonce (hex), the nonce's 8 bytes (the grids' records are keyed by them: decoding the
+player limits the player's keys (`budget_of`); ARGV its field in the bucket, sale, nonce
+(hex), the nonce's 8 bytes (the grids' records are keyed by them: decoding the
 hex here cost 4-9 of a one-grid sale's ~65 µs of Redis CPU), G, then combo ("\0<picks>" if
 not capped) and stake of each of the G grids, then for a game with player limits its
 budget's (`budget_of`).
@@ -1352,7 +1350,7 @@ Each reply is {'new', at, sid, res, near, sold, shadowed (grids the shadow cap w
 refuse), caps}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
-| {'pending', at, sid, sale} | {'conflict'} | {'stale'} | {'closed'} | {'stopped', offset}
+| {'pending', at, sid, sale} | {'stale', sale} | {'closed'} | {'stopped', offset}
 | {'day', at} (judged on another day than its budget was planned for: nothing written; the
 later sales of its group are not judged either). The player's budget is charged what the
 accepted grids cost once they are judged. ]]
@@ -1380,7 +1378,7 @@ end
 -- the unjournaled sales until the caller has journaled the decision (else the janitor
 -- journals it).
 local function decided(T, S, args, a, now, sid, results, batch)
-  ticket_new(T, S.expire_at, 'f', args[a + 2], now, sid, args[a + 3], false, results)
+  ticket_new(T, S.expire_at, 'f', now, sid, args[a + 2], false, results)
   local made = batch.sold
   made[#made + 1] = T.name
   made[#made + 1] = sid
@@ -1395,7 +1393,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
                     .. field}
   local rec = ticket_read(T, now)
   if rec[1] then
-    return known_ticket(rec, args[a + 2], now, S.stale)
+    return known_ticket(rec, now, S.stale)
   end
   if now >= S.close then
     return {'closed'}
@@ -1419,9 +1417,9 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
   -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
   -- Its 8 bytes come too, taken as sent: the caller makes the hex and the bytes from one
   -- nonce (checking them here would cost what sending them saves).
-  local sid, sid_bytes = args[a + 4], args[a + 5]
-  local grids = tonumber(args[a + 6])
-  local B = na > 6 + 2 * grids and budget_of(keys, k + nk, args, a + 7 + 2 * grids, grids,
+  local sid, sid_bytes = args[a + 3], args[a + 4]
+  local grids = tonumber(args[a + 5])
+  local B = na > 5 + 2 * grids and budget_of(keys, k + nk, args, a + 6 + 2 * grids, grids,
                                              sid)
   if B then
     if now < B.from or now >= B.to then
@@ -1439,7 +1437,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
   local caps, expiries = S.caps, S.expiries
   local capped = false
   for g = 1, grids do
-    if string.byte(args[a + 5 + 2 * g], 1) ~= 0 then
+    if string.byte(args[a + 4 + 2 * g], 1) ~= 0 then
       capped = true
       break
     end
@@ -1460,7 +1458,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
   local charged, took = 0, false  -- a draw's cost of the accepted grids; whether any is
   local kb = k + 1  -- before the next capped grid's buckets
   for g = 1, grids do
-    local combo, stake = args[a + 5 + 2 * g], args[a + 6 + 2 * g]
+    local combo, stake = args[a + 4 + 2 * g], args[a + 5 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
       res[g] = '-'
       took = true
@@ -1573,8 +1571,8 @@ lost (a failover, a restart from an older file, a restored backup) is put back. 
 function writes only what is missing, fenced by the sale id, so that restoring twice
 changes nothing; nothing is judged against the cap: the decision was answered. ]]
 
---[[ restore_ticket: KEYS ticket; ARGV sid, fp, at, sale, body, expire_at, cancelled at
-("" for a decision not cancelled), released, results (optional)
+--[[ restore_ticket: KEYS ticket; ARGV sid, at, sale, body, expire_at, cancelled at ("" for
+a decision not cancelled), released, results (optional)
 The decision is its body, or ("" body) its results (sold in one call). Writes a journaled decision: when the ticket is unknown, or this sale is still pending
 (Redis kept the claim, lost the decision), as decided, or when the journal says it was
 cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
@@ -1587,20 +1585,20 @@ local function restore_ticket(keys, args)
   local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())
   local st = rec[1]
-  local cancel = args[7] ~= ''
-  if st and rec[4] ~= args[1] then
+  local cancel = args[6] ~= ''
+  if st and rec[3] ~= args[1] then
     return {'other'}
   end
-  local has_res = rec[7] and 1 or 0
+  local has_res = rec[6] and 1 or 0
   if not st or st == 'p' or st == 'x' then
-    local body, res = args[5], args[9]
-    ticket_new(T, tonumber(args[6]), cancel and 'k' or 'f', args[2], tonumber(args[3]),
-               args[1], args[4], body ~= '' and body, res ~= '' and res, cancel and args[7],
-               cancel and args[8])
+    local body, res = args[4], args[8]
+    ticket_new(T, tonumber(args[5]), cancel and 'k' or 'f', tonumber(args[2]), args[1],
+               args[3], body ~= '' and body, res ~= '' and res, cancel and args[6],
+               cancel and args[7])
     return {cancel and 'cancelling' or 'written', has_res}
   end
   if cancel and st == 'f' then
-    ticket_set(T, 'st', 'k', 'ca', args[7], 'rel', args[8])
+    ticket_set(T, 'st', 'k', 'ca', args[6], 'rel', args[7])
     return {'cancelling', has_res}
   end
   if cancel and st == 'k' then
@@ -1702,8 +1700,8 @@ local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 -- A sale's ticket as `restore_ticket` puts it back (the fields from its packed record):
 -- the reply's letter (see restore_tickets).
 local function sale_back(bucket, field, exp, record)
-  local _, _, fp, at, sid, sale, body, res = cmsgpack.unpack(record)
-  return RESTORED[restore_ticket({bucket}, {field, sid, fp, at, sale, body or '', exp, '', 0,
+  local _, _, at, sid, sale, body, res = cmsgpack.unpack(record)
+  return RESTORED[restore_ticket({bucket}, {field, sid, at, sale, body or '', exp, '', 0,
                                             res or ''})[1]]
 end
 
@@ -1741,7 +1739,7 @@ end
   c  a cancel: KEYS the bucket, the pending index, its aggregates; ARGV field, expire_at,
      record, sid, n aggregates
   v  a void: KEYS the bucket, its aggregates; ARGV field, sid, n aggregates
-`record` is the ticket record as ticket_new packs it: expire_at, st, fp, at, sid, sale, body,
+`record` is the ticket record as ticket_new packs it: expire_at, st, at, sid, sale, body,
 res, ca, rel (st f for a sale; k with ca and rel for a cancel).
 A sale is `restore_ticket`'s: a ticket unknown (or of this sale and pending) is written
 decided; the aggregates of its grids not capped are written with it (only then: an S
@@ -1791,8 +1789,8 @@ local function restore_tickets(keys, args)
           local index, exp = keys[k + 1], tonumber(args[i + 2])
           redis.call('ZADD', index, 'NX', now, T.name)
           extend(index, exp, 0, seen)
-          local _, _, fp, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
-          local reply = restore_ticket({bucket}, {args[i + 1], sid, fp, at, sale, body, exp,
+          local _, _, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
+          local reply = restore_ticket({bucket}, {args[i + 1], sid, at, sale, body, exp,
                                                   ca, rel})
           codes[n] = reply[2] == 1 and 'K' or 'k'
         else

@@ -20,7 +20,7 @@ from capsvc.redis.store import (
     stop_copy_of,
 )
 
-NAMES = ("st", "fp", "at", "sid", "sale", "body", "res", "ca", "rel")
+NAMES = ("st", "at", "sid", "sale", "body", "res", "ca", "rel")
 
 
 def unpack(raw: bytes) -> list[Any]:
@@ -123,10 +123,10 @@ def held(db: redis.Redis, ticket: str, name: str) -> bytes | None:
 # -- the Lua functions' raw replies (lua/capsvc.lua), for the tests of the Lua itself; the
 # store decodes them (capsvc.redis.replies) -----------------------------------------------
 
-def raw_claim(store: Store, key: str, fingerprint: str, sale: bytes, close_ms: int,
-              expire_at: int, stale_after_ms: int) -> Any:
+def raw_claim(store: Store, key: str, sale: bytes, close_ms: int, expire_at: int,
+              stale_after_ms: int) -> Any:
     keys, args = store.names(key)
-    return store.fcall("capsvc_claim", keys, [*args, fingerprint, sale, close_ms, expire_at,
+    return store.fcall("capsvc_claim", keys, [*args, sale, close_ms, expire_at,
                                               stale_after_ms, os.urandom(8).hex()])
 
 

@@ -74,13 +74,13 @@ class OneByOne:
                     out.count(kind)
         return out
 
-    def _restore_ticket(self, ticket: str, sale_id: str, fingerprint: str, at: int,
+    def _restore_ticket(self, ticket: str, sale_id: str, at: int,
                         sale: bytes, body: bytes, expire_at: int,
                         cancelled_at: int | None = None, released: int = 0,
                         results: bytes = b"") -> Any:
         keys, args = self.store.names(ticket)
         return self.store.fcall("capsvc_restore_ticket", keys, [
-            *args, sale_id, fingerprint, at, sale, body, expire_at,
+            *args, sale_id, at, sale, body, expire_at,
             "" if cancelled_at is None else cancelled_at, released, results])
 
     async def _one_call(self, line: SalesRecord, s: SoldTicket, out: Restored) -> str | None:
@@ -167,7 +167,7 @@ class OneByOne:
         grids (sold in one call)."""
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
-        written = await self._restore_ticket(key, r.sale, r.fp, r.at, pack_sale(sale),
+        written = await self._restore_ticket(key, r.sale, r.at, pack_sale(sale),
                                              bytes(r.decision), r.until, results=results)
         kind = written[0]
         if kind == b"cancelled":
@@ -230,7 +230,7 @@ class OneByOne:
         cancelling: list[Any] | None = None
         if ours and state != b"c":
             await self.store.index(key, r.until)
-            reply = await self._restore_ticket(key, r.sale, r.fp, r.at,
+            reply = await self._restore_ticket(key, r.sale, r.at,
                                                pack_sale(sale),
                                                bytes(r.decision), r.until,
                                                r.cancelled_at, r.released)

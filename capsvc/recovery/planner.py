@@ -203,20 +203,20 @@ class Planner:
         body = bytes(r.decision)
         if isinstance(r, CancelRecord):
             step = restore_cancel(key, r.sale, r.until, ticket_value(
-                r.until, b"k", r.fp, r.at, r.sale, packed, body, r.cancelled_at, r.released),
+                r.until, b"k", r.at, r.sale, packed, body, r.cancelled_at, r.released),
                 self._given_back(sale, r))
             return Planned("cancel", r.channel, r.ticket, r.sale, r.game, first, draws, key,
                            sale, accepted, (), step,
                            budget=self._budget(game, r.channel, r.sale, r.at, sale, None))
         return self._sale(game, r.channel, r.sale, r.at, r.until, r.caps, sale, accepted,
-                          ticket_value(r.until, b"f", r.fp, r.at, r.sale, packed, body),
+                          ticket_value(r.until, b"f", r.at, r.sale, packed, body),
                           one_call=False)
 
     def _one_call(self, game: Game, line: SalesRecord, s: SoldTicket) -> Planned:
         """A sale of a `sales` line put back as its call left it: its decision kept as
         results, its grids not capped added to its draws' totals by number of picks."""
         sale = sold_sale(line, s)
-        record = ticket_value(s.until, b"f", s.fp, line.at, s.sale, pack_sale(sale), None,
+        record = ticket_value(s.until, b"f", line.at, s.sale, pack_sale(sale), None,
                               results=f"{line.zone}|{s.res}".encode())
         return self._sale(game, line.channel, s.sale, line.at, s.until, s.caps, sale,
                           s.accepted, record, one_call=True)

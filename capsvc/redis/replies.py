@@ -91,15 +91,16 @@ class StoppedAt:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """Nothing claimed: `conflict` (the id holds another request), `stale` (its sale is
-    the janitor's now), `closed` (the first draw's close has passed), `later` (left to
-    the caller behind a sale of its request that moved on) or `day` (judged at `at`, on
-    another day than the player's budget was planned for)."""
+    """Nothing claimed: `stale` (the id holds a sale that is the janitor's now: `sale`),
+    `closed` (the first draw's close has passed), `later` (left to the caller behind a sale
+    of its request that moved on) or `day` (judged at `at`, on another day than the
+    player's budget was planned for)."""
 
-    LUA: ClassVar[str] = "{'conflict'} | {'stale'} | {'closed'}"
+    LUA: ClassVar[str] = "{'stale', sale} | {'closed'}"
     """(A call of `sell` also answers {'later'} and {'day', at}: see its header.)"""
     why: str
     at: int = 0
+    sale: bytes | None = None
 
 
 Claim = Claimed | Sold | Decided | Pending | StoppedAt | Refused
@@ -126,6 +127,8 @@ def claim_of(reply: list[Any], entry: object = None) -> Claim:
         return StoppedAt(int(reply[1]))
     if kind == b"day":
         return Refused("day", int(reply[1]))
+    if kind == b"stale":
+        return Refused("stale", sale=reply[1])
     return Refused(_text(kind))
 
 
@@ -135,7 +138,7 @@ def claim_of(reply: list[Any], entry: object = None) -> Claim:
 class TicketRecord:
     """A ticket id's record as it stands (`ticket`)."""
 
-    LUA: ClassVar[str] = "st, body, sale, sid, at, ca, rel, res, fp"
+    LUA: ClassVar[str] = "st, body, sale, sid, at, ca, rel, res"
     state: bytes
     """b"p" pending, b"x" expired, b"f" decided, b"k" being cancelled, b"c" cancelled."""
     body: bytes | None
@@ -145,7 +148,6 @@ class TicketRecord:
     cancelled_at: int | None
     released: int | None
     results: bytes | None
-    fingerprint: bytes | None
 
     @property
     def decided(self) -> bool:
@@ -157,7 +159,7 @@ def ticket_of(reply: list[Any]) -> TicketRecord | None:
     if reply[0] is None:
         return None
     return TicketRecord(reply[0], reply[1], reply[2], _text(reply[3]), int(reply[4]),
-                        _int(reply[5]), _int(reply[6]), reply[7], reply[8])
+                        _int(reply[5]), _int(reply[6]), reply[7])
 
 
 # -- the janitor's hand-over ---------------------------------------------------------------

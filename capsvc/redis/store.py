@@ -372,12 +372,11 @@ class Store:
         """Register a ticket for the janitor before claiming it, at Redis TIME."""
         return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
 
-    def claim(self, ticket: str, fingerprint: str, sale: bytes, close_ms: int, expire_at: int,
+    def claim(self, ticket: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Claim]:
         keys, args = self.names(ticket)
         return self.fcall("capsvc_claim", keys, [
-            *args, fingerprint, sale, close_ms, expire_at, stale_after_ms, nonce().hex()],
-            decode=claim_of)
+            *args, sale, close_ms, expire_at, stale_after_ms, nonce().hex()], decode=claim_of)
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:
         """Write the decision of a sale. False when the ticket is no longer that sale's
@@ -474,7 +473,7 @@ class Store:
         return (game, first_draw, draws, caps, fix_caps), keys, args
 
     @staticmethod
-    def sale_call(shape: Shape, ticket: str, fingerprint: str, sale: bytes,
+    def sale_call(shape: Shape, ticket: str, sale: bytes,
                   grids: list[tuple[str, int]], group: int = 0, asked: bool = True,
                   budget: tuple[list[str], list[Any]] | None = None) -> SaleCall:
         """One sale's part of a call of capsvc_sell, on `shape` (its game and draws): its
@@ -496,7 +495,7 @@ class Store:
             keys += (aggregate_key(ticket, game, d)
                      for d in range(first_draw, first_draw + draws))
         sale_nonce = nonce()
-        args += (fingerprint, sale, sale_nonce.hex(), sale_nonce, len(grids))
+        args += (sale, sale_nonce.hex(), sale_nonce, len(grids))
         for combo, stake in grids:
             args += (combo, stake)
         if budget is not None:
@@ -877,17 +876,17 @@ def _mp_uint(n: int) -> bytes:
 _NIL = b"\xc0"
 
 
-def ticket_value(expire_at: int, state: bytes, fingerprint: str, at: int, sale_id: str,
-                 sale: bytes, body: bytes | None, cancelled_at: int | None = None,
+def ticket_value(expire_at: int, state: bytes, at: int, sale_id: str, sale: bytes,
+                 body: bytes | None, cancelled_at: int | None = None,
                  released: int | None = None, results: bytes | None = None) -> bytes:
     """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
-    packs it (TICKET RECORDS: the expiry, then st, fp, at, sid, sale, body, res, ca, rel;
+    packs it (TICKET RECORDS: the expiry, then st, at, sid, sale, body, res, ca, rel;
     `at`, `ca` and `rel` as decimal strings, nil for what is absent). A decision is kept
     as its `body` (sold in steps) or as its `results` (sold in one call)."""
-    fp, instant, sid = fingerprint.encode(), b"%d" % at, sale_id.encode()
+    instant, sid = b"%d" % at, sale_id.encode()
     head = _mp_head
-    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(fp)), fp,
-             head(len(instant)), instant, head(len(sid)), sid, head(len(sale)), sale]
+    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(instant)), instant,
+             head(len(sid)), sid, head(len(sale)), sale]
     parts += (_NIL,) if body is None else (head(len(body)), body)
     parts += (_NIL,) if results is None else (head(len(results)), results)
     if cancelled_at is None:

@@ -438,8 +438,7 @@ class Tickets:
         record = await self.store.ticket(ticket_key(channel.id, t.ticket_id))
         if record is None:
             return None
-        if (record.fingerprint is None
-                or record.fingerprint.decode() != request_fingerprint(t)):
+        if unpack_sale(record.sale).fingerprint != request_fingerprint(t):
             raise _conflict(t.ticket_id)
         if record.decided:
             body = record.body or derived_body(channel.id, record.sale, record.sale_id,
@@ -469,13 +468,13 @@ class Tickets:
                     self._sell_in_one_call(game, key, stored, expire_at, not defaulted, judged)
                     if p.one_call else
                     self._claim(game, key, stored, close_ms, expire_at, not defaulted))
+            if _another_request(claim, sale):
+                raise _conflict(t.ticket_id)
             if isinstance(claim, Refused):
                 if claim.why == "day":  # judged on another day than planned: plan again,
                     judged = claim.at  # for the day of Redis's instant
                     claim = None
                     continue
-                if claim.why == "conflict":
-                    raise _conflict(t.ticket_id)
                 if claim.why == "stale":
                     raise unavailable(f"ticket {t.ticket_id} is being settled after an "
                                       "interrupted sale; retry shortly",
@@ -519,7 +518,7 @@ class Tickets:
                                                    claim.at, claim.results)
                 record = TicketRecord(claim.state, claim.body, claim.sale, claim.sale_id,
                                       claim.at, claim.cancelled_at, claim.released,
-                                      claim.results, None)
+                                      claim.results)
                 await self._journaled(key, claim.sale_id, claim.state,
                                       self._journal_stored("replay", channel.id, record, body))
                 return SaleOutcome(body=body, replayed=True)
@@ -545,8 +544,8 @@ class Tickets:
         made. Awaited together: when Redis fails, both fail, and both are retrieved."""
         _, claim = await replies_of([
             self.store.index(key, expire_at),
-            self.store.claim(key, sale.fingerprint, pack_sale(sale, asked), close_ms,
-                             expire_at, self.stale_after_ms)])
+            self.store.claim(key, pack_sale(sale, asked), close_ms, expire_at,
+                             self.stale_after_ms)])
         return claim  # type: ignore[no-any-return]
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, expire_at: int,
@@ -582,7 +581,7 @@ class Tickets:
                 self.stale_after_ms, caps, rules.min_stake, rules.time_zone, fix,
                 game.expiries(first, sale.draws))
         return self.store.sale_call(
-            shape, key, sale.fingerprint, pack_sale(sale, asked),
+            shape, key, pack_sale(sale, asked),
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             request, asked, self._budget(game, key, sale, expire_at, judged)), fix
 
@@ -864,6 +863,13 @@ class Tickets:
 
 def _not_cancellable(message: str) -> ApiError:
     return ApiError("conflict", "not_cancellable", message)
+
+
+def _another_request(claim: Claim, sale: Sale) -> bool:
+    """Whether the ticket id holds another request than `sale`'s (the record keeps no
+    fingerprint: its sale's own, recomputed, is compared)."""
+    held = (claim.sale if isinstance(claim, Decided | Pending | Refused) else None)
+    return held is not None and unpack_sale(held).fingerprint != sale.fingerprint
 
 
 def _conflict(ticket_id: str) -> ApiError:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
+import msgspec
+
+from capsvc.client.models import TicketIn
 from capsvc.config import GameRules, Settings
+from capsvc.domain.validator import pack_sale, validate_ticket
+from capsvc.redis.store import ticket_key
 from tests.conftest import TEN, Client, services, ticket
+from tests.records import TicketRecords
 from tests.support.servers import RedisCluster, RedisServer
 
 
@@ -134,3 +141,26 @@ async def test_a_retry_finds_its_decision_after_the_configuration_changed(
         assert (new.status, new.body["error"]["code"]) == (422, "stake_not_allowed")
         assert (await client.sell(ticket([{"numbers": TEN[:8], "stake": 100}]),
                                   token="pf")).status == 403
+
+
+async def test_an_id_held_by_another_request_s_unfinished_sale_is_a_conflict(
+        client: Client, redis_db: Any, settings: Settings) -> None:
+    """A ticket id whose sale (of another request) was claimed and not decided — still
+    running, or left to the janitor — answers 409 to a different request (the record keeps
+    the sale, whose fingerprint is compared), and 503 to the same request while it is
+    settled."""
+    rules = settings.games["fdj-keno"]
+    records = TicketRecords(redis_db)
+    draw = await client.current() + 1
+    for age, same in ((0, False), (3_600_000, False), (3_600_000, True)):
+        body = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=draw)
+        held = body if same else dict(body, grids=[{"numbers": TEN[:8], "stake": 1000}])
+        sale = validate_ticket(rules, msgspec.convert(held, TicketIn))
+        now = int(time.time() * 1000)
+        records.put(ticket_key("fr-retail", body["ticket_id"]), now + 86_400_000, st="p",
+                    at=str(now - age).encode(), sid=b"0" * 16, sale=pack_sale(sale, True))
+        reply = await client.sell(body)
+        assert reply.status == (503 if same else 409), (age, same, reply.body)
+        if not same:
+            assert reply.body["error"]["code"] == "idempotency_conflict"
+    assert await client.staked(TEN[:8], draw) == 0

@@ -154,7 +154,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
     tickets = TicketRecords(db)
     for r in sales[3::11]:
         one = r.sales[0] if isinstance(r, SalesRecord) else r
-        tickets.put(ticket_key(r.channel, one.ticket), one.until, st="f", fp="another",
+        tickets.put(ticket_key(r.channel, one.ticket), one.until, st="f",
                     at=r.at, sid="0" * 16, sale=b"another sale", body=b"{}")
     others = [r for i, r in enumerate(sales)
               if isinstance(r, SalesRecord) and i % 7 and i % 11 != 3]
@@ -168,7 +168,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         if value is None or s.res == "P":
             continue
         key = ticket_key(line.channel, s.ticket)
-        tickets.put(key, s.until, st="p", fp=s.fp, at=line.at, sid=s.sale,
+        tickets.put(key, s.until, st="p", at=line.at, sid=s.sale,
                     sale=pack_sale(sale))
         for d in range(s.first_draw, s.first_draw + s.draws):
             assert await store.aggregate(key, line.game, d, s.sale, value,
@@ -176,7 +176,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
     for v in [r for r in records if isinstance(r, VoidRecord)][::2]:
         game = catalog.games[v.game]
         sale = sale_of(v)
-        tickets.put(ticket_key(v.channel, v.ticket), v.until, st="p", fp="fp", at=v.at,
+        tickets.put(ticket_key(v.channel, v.ticket), v.until, st="p", at=v.at,
                     sid=v.sale, sale=pack_sale(sale))
         for g in sale.grids:
             if g.capped:
@@ -342,7 +342,7 @@ async def test_a_ticket_id_held_by_another_sale_keeps_it_and_counts_the_journale
     now = int(time.time() * 1000)
     s = fdj_sale("T1", first, TEN[:8])
     key = ticket_key("fr-retail", "T1")
-    claimed = await raw_claim(store, key, "another fingerprint", b"sale", game.calendar.close_ms(
+    claimed = await raw_claim(store, key, b"sale", game.calendar.close_ms(
         first), until, 60_000)
     assert claimed[0] == b"new"
     before = TicketRecords(redis_db).fields(key)

@@ -217,12 +217,12 @@ async def test_other_sale_of_the_same_ticket_and_grid_counts_separately(
         store: Store, combos: Combos, now: int) -> None:
     """Records are fenced by sale id: a new sale of the same ticket and grid counts on its own."""
     key = ticket_key("ch", "T-fence")
-    first = await raw_claim(store, key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    first = await raw_claim(store, key, b"s", now + HOUR, now + DAY, 60_000)
     sale_a = first[2].decode()
     assert await combos.reserve(sale_a, 500) == [1, 0]
     assert await combos.release(sale_a) == [500]
     assert await call(store, "capsvc_unclaim", key, [sale_a]) == 1
-    second = await raw_claim(store, key, "fp", b"s", now + HOUR, now + DAY, 60_000)
+    second = await raw_claim(store, key, b"s", now + HOUR, now + DAY, 60_000)
     sale_b = second[2].decode()
     assert second[0] == b"new"
     assert sale_b != sale_a
@@ -481,9 +481,9 @@ async def test_a_subscription_record_outlives_its_first_draw(combos: Combos,
 # -- tickets -------------------------------------------------------------------------------
 
 
-async def claim(store: Store, key: str, now: int, fp: str = "fp", sale: bytes = b"sale",
+async def claim(store: Store, key: str, now: int, sale: bytes = b"sale",
                 close: int | None = None, stale_after: int = 60_000) -> Any:
-    return await raw_claim(store, key, fp, sale, now + HOUR if close is None else close, now + DAY,
+    return await raw_claim(store, key, sale, now + HOUR if close is None else close, now + DAY,
                              stale_after)
 
 
@@ -509,25 +509,25 @@ async def test_claim_new_mints_a_sale_id_at_redis_time(store: Store, redis_db: r
     assert isinstance(at, int)
     assert t0 <= at <= t1
     assert re.fullmatch("[0-9a-f]{16}", sid)
-    assert records.fields(key) == {b"st": b"p", b"fp": b"fp", b"at": str(at).encode(),
+    assert records.fields(key) == {b"st": b"p", b"at": str(at).encode(),
                                      b"sid": sid.encode(), b"sale": b"sale-1"}
     assert records.expiry(key) == now + DAY
     other = await claim(store, ticket_key("ch", "T-new2"), now)
     assert other[2].decode() != sid
 
 
-async def test_claim_replays_pending_conflict_stale_and_final(store: Store,
-                                                              now: int) -> None:
-    """A claim replays {pending}, {conflict}, {stale}, and {final, body} even after the close."""
+async def test_claim_replays_pending_stale_and_final(store: Store, now: int) -> None:
+    """A claim replays {pending}, {stale} and {final, body} even after the close, each with
+    the sale the ticket id holds (the caller compares its request with it)."""
     key = ticket_key("ch", "T-replay")
     at, sid = await claimed(store, key, now)
     assert await claim(store, key, now, sale=b"other") == [b"pending", at, sid.encode(),
                                                             b"sale"]
-    assert await claim(store, key, now, fp="fp2") == [b"conflict"]
-    assert await claim(store, key, now, stale_after=0) == [b"stale"]
+    assert await claim(store, key, now, stale_after=0) == [b"stale", b"sale"]
     assert await finalize(store, key, sid) == 1
-    assert (await claim(store, key, now, close=now - 1))[:2] == [b"final", b"body"]
-    assert await claim(store, key, now, fp="fp2") == [b"conflict"]
+    final = await claim(store, key, now, close=now - 1)
+    assert final[:2] == [b"final", b"body"]
+    assert final[4] == b"sale"
 
 
 async def test_claim_refuses_after_the_close(store: Store, redis_db: redis.Redis,
@@ -543,7 +543,7 @@ async def test_an_expired_claim_is_stale(store: Store, now: int) -> None:
     key = ticket_key("ch", "T-x")
     await claimed(store, key, now)
     assert (await raw_expire(store, key, 0))[0] == b"x"
-    assert await claim(store, key, now) == [b"stale"]
+    assert await claim(store, key, now) == [b"stale", b"sale"]
 
 
 async def test_finalize_only_for_its_sale_while_p_or_x(store: Store, redis_db: redis.Redis,
@@ -957,8 +957,8 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     # "\0" "4": four numbers, not capped; HASH starts with 35, "#": capped all the same.
     grids = [(COMBO, 300), ("\0" "4", 500), (OTHER, CAP), (HASH, 200)]
 
-    def sell(fingerprint: str = "fp") -> Any:
-        return sell_alone(one_node, key, fingerprint, b"{}", close, expire, 60_000, GAME,
+    def sell() -> Any:
+        return sell_alone(one_node, key, b"{}", close, expire, 60_000, GAME,
                           FIRST, 2, CAP, MIN, grids, [expire, expire], "Europe/Paris")
 
     new = await sell()
@@ -991,7 +991,7 @@ async def test_sell_counts_decides_and_replays_in_one_call(
     assert isinstance(again, Decided), again
     assert again.body is None
     assert [again.at, again.sale_id, (again.results or b"").decode()] == [at, sid, results]
-    assert await sell("other") == Refused("conflict")
+    assert again.sale == b"{}"  # the caller compares its request with the sale held
     # In its call's entry of the unjournaled sales until the caller journals the decision
     # (the janitor does it otherwise); no pending-index entry.
     [(_, entry_at, sold)] = await one_node.unjournaled()
@@ -1006,7 +1006,7 @@ async def test_sell_keys_the_grid_records_by_the_sale_ids_bytes(
     release and a cancel look for."""
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
-    new = await sell_alone(one_node, key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
+    new = await sell_alone(one_node, key, b"{}", now + HOUR, now + DAY, 60_000, GAME, FIRST,
                               1, CAP, MIN, [(OTHER, 300), (COMBO, 200)], [now + DAY], "UTC")
     assert isinstance(new, Sold), new
     sid = new.sale_id
@@ -1028,12 +1028,12 @@ async def test_sell_writes_nothing_when_closed_or_stopped(
     db, now = standalone_db, redis_ms(standalone_db)
     key = ticket_key("ch", secrets.token_hex(4))
     before = set(db.scan_iter())
-    closed = await sell_alone(one_node, key, "fp", b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
+    closed = await sell_alone(one_node, key, b"{}", now - 1, now + DAY, 60_000, GAME, FIRST,
                                  1, CAP, MIN, [(COMBO, 100)], [now + DAY], "UTC")
     assert closed == Refused("closed")
     await one_node.stop(GAME, FIRST + 1, now + DAY)
     before = set(db.scan_iter())
-    stopped = await sell_alone(one_node, key, "fp", b"{}", now + HOUR, now + DAY, 60_000, GAME,
+    stopped = await sell_alone(one_node, key, b"{}", now + HOUR, now + DAY, 60_000, GAME,
                                   FIRST, 2, CAP, MIN, [(COMBO, 100)], [now + DAY, now + DAY],
                                   "UTC")
     assert stopped == StoppedAt(1)
@@ -1051,8 +1051,8 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     other = next(k for k in (ticket_key("ch", f"T-1-{i}") for i in range(100_000))
                  if k[k.index("{") + 1: k.index("}")] == slot)  # the same aggregate
     a, b = new_sale(), new_sale()
-    records.put(key, now + DAY, st="p", fp="fp", at=now, sid=a, sale=b"sale")
-    records.put(other, now + DAY, st="p", fp="fp", at=now, sid=b, sale=b"sale")
+    records.put(key, now + DAY, st="p", at=now, sid=a, sale=b"sale")
+    records.put(other, now + DAY, st="p", at=now, sid=b, sale=b"sale")
     assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 1
     assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 1  # again
     assert await store.aggregate(other, GAME, FIRST, b, "8:1000", now + HOUR) == 1
@@ -1066,7 +1066,7 @@ async def test_aggregates_hold_each_sale_once_and_sum_by_size(
     await store.aggregate(key, GAME, FIRST, a, "", 0)
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}
-    records.put(key, now + DAY, st="c", fp="fp", at=now, sid=a, sale=b"sale")
+    records.put(key, now + DAY, st="c", at=now, sid=a, sale=b"sale")
     assert await store.aggregate(key, GAME, FIRST, a, "3:200,8:500", now + DAY) == 0
     sums = await store.fcall("capsvc_aggregate_sum", [aggregate], [])
     assert dict(zip(sums[::2], sums[1::2], strict=True)) == {b"8": 1000}

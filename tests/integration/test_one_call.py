@@ -120,7 +120,7 @@ async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
     replies = []
     for i in range(SALES_PER_CALL + 3):
         replies.append(sell_alone(store,
-            ticket_key("t", f"F-{i}"), f"{i:032x}", b"sale", far, far, 60_000, "g", 7, 1,
+            ticket_key("t", f"F-{i}"), b"sale", far, far, 60_000, "g", 7, 1,
             5000, 100, [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i % 60), 100)], [far],
             "UTC", fix_caps=False))
         assert sent.count("capsvc_sell") == (1 if i + 1 >= SALES_PER_CALL else 0)
@@ -141,7 +141,7 @@ async def test_a_sale_run_in_the_millisecond_of_a_close_just_before_it_is_before
     await store.load_library()
     far = int(time.time() * 1000) + 86_400_000
     for draw in range(1, 31):
-        sold = sell_alone(store, ticket_key("t", f"S-{draw}"), f"{draw:032x}", b"sale", far, far,
+        sold = sell_alone(store, ticket_key("t", f"S-{draw}"), b"sale", far, far,
                           60_000, "g", draw, 1, 5000, 100,
                           [("\x01\x02\x03\x04\x05\x06\x07\x08", 100)], [far], "UTC",
                           fix_caps=False)
@@ -168,7 +168,7 @@ async def test_a_call_s_entry_stays_while_a_sale_of_it_is_not_journaled(
     def call(i: int) -> Any:
         key = ticket_key("t", f"G-{i}")
         shape = store.shape("g", 7, 1, far, far, 60_000, 5000, 100, "UTC", False, [far])
-        return store.sale_call(shape, key, f"{i:032x}", b"sale",
+        return store.sale_call(shape, key, b"sale",
                                [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)])
 
     gone = store.sell([call(1)])

@@ -55,7 +55,7 @@ def same_bucket(key: str, count: int) -> list[str]:
 
 async def sold(store: Store, key: str, now: int, expire_at: int | None = None) -> str:
     """A ticket claimed and decided through `store`; its sale id."""
-    reply = await raw_claim(store, key, "fp", b"sale", now + HOUR,
+    reply = await raw_claim(store, key, b"sale", now + HOUR,
                               now + DAY if expire_at is None else expire_at, 60_000)
     assert reply[0] == b"new"
     sid: str = reply[2].decode()
@@ -109,10 +109,10 @@ async def test_a_record_past_its_expiry_is_gone_for_every_reader(
     await asyncio.sleep(max(0, now + 1600 - redis_ms(redis_db)) / 1000)
     now = redis_ms(redis_db)
     assert records.exists(key) == 1  # still there, but past its expiry
-    assert await raw_ticket(store, key) == [None] * 9
+    assert await raw_ticket(store, key) == [None] * 8
     assert await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY) == [b"missing"]
     assert await raw_expire(store, key, 0) == []
-    again = await raw_claim(store, key, "other fp", b"sale", now + HOUR, now + DAY, 60_000)
+    again = await raw_claim(store, key, b"sale", now + HOUR, now + DAY, 60_000)
     assert again[0] == b"new"
     assert again[2].decode() != sid
     assert records.expiry(key) == now + DAY
@@ -166,7 +166,7 @@ async def test_a_sale_of_thousands_of_keys_is_one_call(redis_server: RedisServer
         grids = [(bytes(sorted(range(1 + g, 9 + g))).decode(), 100) for g in range(20)]
         expiries = [now + DAY + d for d in range(draws)]
         key = ticket_key("ch", "LONG-1")
-        reply = await sell_alone(store, key, "fp", b"sale", now + HOUR, expiries[-1], 60_000, "g",
+        reply = await sell_alone(store, key, b"sale", now + HOUR, expiries[-1], 60_000, "g",
                                  1000, draws, 5000, 100, grids, expiries, "UTC")
         assert isinstance(reply, Sold), reply
         assert (await raw_ticket(store, key))[0] == b"f"

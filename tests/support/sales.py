@@ -10,7 +10,7 @@ from capsvc.redis.replies import Claim
 from capsvc.redis.store import Store
 
 
-def sell_alone(store: Store, ticket: str, fingerprint: str, sale: bytes, close_ms: int,
+def sell_alone(store: Store, ticket: str, sale: bytes, close_ms: int,
                expire_at: int, stale_after_ms: int, game: str, first_draw: int, draws: int,
                caps: str | int, min_stake: int, grids: list[tuple[str, int]],
                expiries: list[int], time_zone: str, fix_caps: bool = True
@@ -18,7 +18,7 @@ def sell_alone(store: Store, ticket: str, fingerprint: str, sale: bytes, close_m
     """One sale queued with the tick's others; its claim."""
     shape = store.shape(game, first_draw, draws, close_ms, expire_at, stale_after_ms, caps,
                         min_stake, time_zone, fix_caps, expiries)
-    group = store.sell([store.sale_call(shape, ticket, fingerprint, sale, grids)])
+    group = store.sell([store.sale_call(shape, ticket, sale, grids)])
     out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
 
     def first(done: asyncio.Future[Any]) -> None:

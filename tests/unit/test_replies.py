@@ -53,15 +53,16 @@ def test_claims_decode_by_kind() -> None:
         b"{}", 5, "s1", b"sale", None, b"c", 7, 500)
     assert r.claim_of([b"pending", 5, b"s1", b"sale"]) == r.Pending(5, "s1", b"sale")
     assert r.claim_of([b"stopped", 2]) == r.StoppedAt(2)
-    for why in ("conflict", "stale", "closed", "later"):
+    for why in ("closed", "later"):
         assert r.claim_of([why.encode()]) == r.Refused(why)
+    assert r.claim_of([b"stale", b"sale"]) == r.Refused("stale", sale=b"sale")
     assert r.claim_of([b"day", 7]) == r.Refused("day", 7)
 
 
 def test_tickets_hand_overs_and_cancels_decode() -> None:
-    assert r.ticket_of([None] * 9) is None
-    record = r.ticket_of([b"f", b"{}", b"sale", b"s1", b"5", None, None, None, b"fp"])
-    assert record == r.TicketRecord(b"f", b"{}", b"sale", "s1", 5, None, None, None, b"fp")
+    assert r.ticket_of([None] * 8) is None
+    record = r.ticket_of([b"f", b"{}", b"sale", b"s1", b"5", None, None, None])
+    assert record == r.TicketRecord(b"f", b"{}", b"sale", "s1", 5, None, None, None)
     assert record.decided
     assert r.due_of([]) is None
     assert r.due_of([b"wait"]) is False
