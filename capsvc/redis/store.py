@@ -63,10 +63,10 @@ T = TypeVar("T")
 
 LIBRARY = "capsvc"
 RECORD_VALUE_BYTES = 256
-"""The `hash-max-listpack-value` under which a bucket of ticket records (records of ~130
-to ~230 bytes) stays a listpack: ~345 bytes of Redis memory a ticket, everything a sale
-leaves, against ~460 with Redis's default of 64, under which every bucket is a hash table
-(bench/memory.py)."""
+"""The `hash-max-listpack-value` under which a bucket of ticket records (records of ~100
+to ~180 bytes) stays a listpack: ~310 bytes of Redis memory a ticket at 100,000, everything
+a sale leaves, against ~360 with Redis's default of 64, under which every bucket is a hash
+table (bench/memory.py)."""
 SALES_PER_CALL = 64
 """Sales judged by one call of capsvc_sell at most: Redis runs nothing else meanwhile
 (~1 ms for 64 one-grid sales)."""
@@ -318,7 +318,7 @@ class Store:
     async def record_limits(self) -> str | None:
         """Why ticket records will not be kept compact on this Redis (its hash limits, or
         that they cannot be read), in plain words; None when they will."""
-        need = (f"ticket records stay compact (~345 bytes of Redis memory a ticket, ~460 "
+        need = (f"ticket records stay compact (~310 bytes of Redis memory a ticket, ~360 "
                 f"otherwise) when hash-max-listpack-value is at least {RECORD_VALUE_BYTES}, "
                 "as in deploy/redis.conf")
         try:
@@ -328,7 +328,7 @@ class Store:
         values = [int(r[1]) for r in replies if r]
         if values and min(values) < RECORD_VALUE_BYTES:
             return (f"Redis has hash-max-listpack-value {min(values)}: {need}; size Redis "
-                    "for ~460 bytes a ticket retained, or raise the setting")
+                    "for ~360 bytes a ticket retained, or raise the setting")
         return None
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:
