@@ -77,7 +77,7 @@ def neighbour(ticket_id: str, n: int = 1) -> str:
 
 async def claim(store: Store, ticket_id: str) -> Any:
     now = await store.time_ms()
-    return await store.claim(ticket_key("fr", ticket_id), "fp", b"sale", now + DAY,
+    return await store.claim(ticket_key("fr", ticket_id), b"sale", now + DAY,
                              now + DAY, 60_000)
 
 
