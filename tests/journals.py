@@ -163,8 +163,7 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
         else:  # sold in one call, as a standalone Redis sells: a `sales` line
             results = f"{rules.tz.key}|{results_of(replies)}".encode()
             assert msgspec.json.encode(decision_of("fr-retail", sale, sid, at, results)) == body
-            yield "sales", ([("answer", "fr-retail", sale, sid, at, body, until, caps, None,
-                              results)],)
+            yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps, results)
         made += 1
         accepted = {g.index for g in out.grids if g.status == "accepted"}
         if mix != "mixed":

@@ -92,7 +92,7 @@ class OneByOne:
             out.skipped += 1
             return None
         accepted = set(s.accepted)
-        record = SaleRecord(at=line.at, via=line.via, proc=line.proc, channel=line.channel,
+        record = SaleRecord(at=line.at_of(s), via=line.via, proc=line.proc, channel=line.channel,
                             ticket=s.ticket, sale=s.sale, game=line.game,
                             first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
                             grids=s.grids, decision=msgspec.Raw(b""), player=s.player,

@@ -52,6 +52,8 @@ class Recorder:
         self.proc = journal.proc if journal is not None else ""
         self._done: asyncio.Future[None] | None = None
         self._checkpointed: dict[str, int] = {}
+        self._tick: tuple[list[SaleDecision], asyncio.Future[None]] | None = None
+        """First answers given to `sale` in this event-loop tick, and their future."""
         self.marks: Marks | None = None
         """The process's marks (capsvc.redis.marks), set by the service: what a record made
         outside a request is stamped with."""
@@ -75,21 +77,54 @@ class Recorder:
              until: int, caps: list[int] | None = None, results: bytes | None = None
              ) -> asyncio.Future[None]:
         """A sale's decision (`body`: the answer, byte for byte; `results`: what renders
-        it, when known, journaled instead of it)."""
-        return self.sales([(via, channel, sale, sale_id, at, body, until, caps,
-                            self.stamp(), results)])
+        it, when known, journaled instead of it, in one `sales` line with the others given
+        in the same event-loop tick: sales decided apart, in steps, share a line too)."""
+        decision: SaleDecision = (via, channel, sale, sale_id, at, body, until, caps,
+                                  self.stamp(), results)
+        if self.journal is None or results is None:
+            return self.sales([decision])
+        if self._tick is None:
+            loop = asyncio.get_running_loop()
+            self._tick = ([], loop.create_future())
+            loop.call_soon(self._append_tick)
+        self._tick[0].append(decision)
+        return self._tick[1]
+
+    def _append_tick(self) -> None:
+        """Journal the tick's first answers together; their future follows the append's."""
+        assert self._tick is not None
+        decisions, out = self._tick
+        self._tick = None
+        try:
+            appended = self.sales(decisions)
+        except Exception as e:  # the journal refused them (its disk not keeping up)
+            out.set_exception(e)
+            return
+
+        def settle(done: asyncio.Future[None]) -> None:
+            if out.done():
+                return
+            if done.cancelled():
+                out.cancel()
+            elif (error := done.exception()) is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(None)
+        appended.add_done_callback(settle)
 
     def sales(self, decisions: Sequence[SaleDecision]) -> asyncio.Future[None]:
         """Several sales' decisions, durable together: one future for them all. Those with
-        results (every sale's first answer, whichever protocol made it) are one `sales` line
-        a channel and game (what they share once, each sale's own after), the others (a
-        replay, a settlement) a `sale` line each."""
+        results (every sale's first answer, whichever protocol made it; a replay or a
+        look-up of one kept as results) are one `sales` line a channel, game and way they
+        were reported (what they share once, each sale's own after: its instant too when it
+        is not the line's), the others (a settlement, a decision kept as its body) a
+        `sale` line each."""
         journal = self.journal
         if journal is None:
             return self._resolved()
         records: list[Record | SalesRecord] = []
-        lines: dict[tuple[Via, str, str, int, str], list[SoldTicket]] = {}
-        stamps: dict[tuple[Via, str, str, int, str], dict[str, int]] = {}
+        lines: dict[tuple[Via, str, str, str], tuple[int, list[SoldTicket]]] = {}
+        stamps: dict[tuple[Via, str, str, str], dict[str, int]] = {}
         for via, channel, sale, sale_id, at, body, until, caps, marks, results in decisions:
             capped = caps if caps is not None and any(g.capped for g in sale.grids) else None
             if results is None:
@@ -99,22 +134,23 @@ class Recorder:
                 continue
             assert sale.first_draw is not None
             zone, _, res = results.decode().partition("|")
-            key = (via, channel, sale.game, at, zone)
-            lines.setdefault(key, []).append(SoldTicket(
+            key = (via, channel, sale.game, zone)
+            line_at, sold = lines.setdefault(key, (at, []))
+            sold.append(SoldTicket(
                 sale.ticket_id, sale_id, sale.first_draw, sale.draws, sale.fingerprint, until,
                 grids_of(sale), res, capped, sale.player_id, sale.joker_plus,
-                sale.joker_cost))
+                sale.joker_cost, None if at == line_at else at))
             stamp = stamps.setdefault(key, {})
             for mark, g in ((self.stamp() if marks is None else marks) or {}).items():
                 if g > stamp.get(mark, 0):
                     stamp[mark] = g
-        for (via, channel, game, at, zone), sold in lines.items():
+        for (via, channel, game, zone), (at, sold) in lines.items():
             first = min(s.first_draw for s in sold)
             records.append(SalesRecord(
                 at=at, via=via, proc=self.proc, channel=channel, game=game, first_draw=first,
                 draws=max(s.first_draw + s.draws for s in sold) - first,
                 until=max(s.until for s in sold), zone=zone, sales=sold,
-                marks=stamps[(via, channel, game, at, zone)] or None))
+                marks=stamps[(via, channel, game, zone)] or None))
         return journal.append_many(records)
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,

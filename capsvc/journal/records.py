@@ -133,6 +133,9 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
     player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
+    at: int | None = None
+    """The sale's instant when it is not its line's (sales decided apart, journaled in one
+    line)."""
 
     @property
     def accepted(self) -> tuple[int, ...]:
@@ -151,6 +154,7 @@ class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
     answer was (capsvc.domain.decisions.decision_of)."""
 
     at: int
+    """Its sales' instant (Redis TIME, ms), but a sale's own `at`."""
     via: Via
     proc: str
     channel: str
@@ -165,6 +169,10 @@ class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
     """The game's time zone at the sale (the receipts' instants are rendered in it)."""
     sales: list[SoldTicket]
     marks: dict[str, int] | None = None
+
+    def at_of(self, s: SoldTicket) -> int:
+        """The instant of its sale `s`."""
+        return self.at if s.at is None else s.at
 
 
 VoidWhy = Literal["abandoned", "stopped", "closed"]
@@ -303,12 +311,13 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
     """The `sale` records a `sales` line stands for, in its order."""
     out = []
     for s in r.sales:
+        at = r.at_of(s)
         record = SaleRecord(
-            at=r.at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
+            at=at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
             game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
             grids=s.grids, decision=Raw(b"null"), player=s.player, joker_plus=s.joker_plus,
             joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
-        body = encode(decision_of(r.channel, sold_sale(r, s), s.sale, r.at,
+        body = encode(decision_of(r.channel, sold_sale(r, s), s.sale, at,
                                   f"{r.zone}|{s.res}".encode()))
         out.append(msgspec.structs.replace(record, decision=Raw(body)))
     return out

@@ -215,10 +215,10 @@ class Planner:
     def _one_call(self, game: Game, line: SalesRecord, s: SoldTicket) -> Planned:
         """A sale of a `sales` line put back as its call left it: its decision kept as
         results, its grids not capped added to its draws' totals by number of picks."""
-        sale = sold_sale(line, s)
-        record = ticket_value(s.until, b"f", line.at, s.sale, pack_sale(sale), None,
+        sale, at = sold_sale(line, s), line.at_of(s)
+        record = ticket_value(s.until, b"f", at, s.sale, pack_sale(sale), None,
                               results=f"{line.zone}|{s.res}".encode())
-        return self._sale(game, line.channel, s.sale, line.at, s.until, s.caps, sale,
+        return self._sale(game, line.channel, s.sale, at, s.until, s.caps, sale,
                           s.accepted, record, one_call=True)
 
     def _sale(self, game: Game, channel: str, sale_id: str, at: int, until: int,

@@ -168,7 +168,7 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         if value is None or s.res == "P":
             continue
         key = ticket_key(line.channel, s.ticket)
-        tickets.put(key, s.until, st="p", at=line.at, sid=s.sale,
+        tickets.put(key, s.until, st="p", at=line.at_of(s), sid=s.sale,
                     sale=pack_sale(sale))
         for d in range(s.first_draw, s.first_draw + s.draws):
             assert await store.aggregate(key, line.game, d, s.sale, value,

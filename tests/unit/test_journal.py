@@ -17,11 +17,13 @@ import pytest
 
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision, results_of
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal import writer as writer_module
 from capsvc.journal.reader import records
 from capsvc.journal.recorder import Recorder
+from capsvc.journal.records import SaleRecord
 from capsvc.journal.verify import verify
 from capsvc.journal.writer import Journal, journal_files, open_journal
 
@@ -395,3 +397,37 @@ async def test_a_line_of_an_unknown_type_is_chained_and_skipped_by_readers(
     path.write_bytes(path.read_bytes().replace(b'"an"', b'"a"'))
     assert any(f"{path}: line 5: does not follow line 4" in b
                for b in verify([tmp_path]).breaks)
+
+
+async def test_first_answers_of_one_tick_share_a_line_each_with_its_own_instant(
+        tmp_path: Path) -> None:
+    """First answers journaled as results in one event-loop tick (sales decided apart, at
+    other instants, through other calls: a cluster's steps) are one `sales` line a channel,
+    game and way: their stamp and what they share once, each sale's instant its own; read
+    back, each is the `sale` record it stands for, its body as answered."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    rec = Recorder(journal, lambda: 1)
+    sold = spread("S", 30)
+    bodies = {}
+    waits = []
+    for i, s in enumerate(sold):
+        at = 1_000 + 7 * i
+        replies = [Reserved(ACCEPTED if i % 3 else REJECTED, room=100)]
+        body = msgspec.json.encode(build_decision("fr-retail", RULES.tz, s, f"{i:016x}", at,
+                                                  replies))
+        bodies[s.ticket_id] = (at, body)
+        waits.append(rec.sale("answer", "fr-retail", s, f"{i:016x}", at, body, 10**13,
+                              [5000], results_of(RULES.time_zone, replies)))
+    waits.append(rec.sale("replay", "fr-retail", sold[0], f"{0:016x}", bodies["S0"][0],
+                          bodies["S0"][1], 10**13, None,
+                          results_of(RULES.time_zone, [Reserved(REJECTED, room=100)])))
+    await asyncio.gather(*waits)
+    await journal.aclose()
+    (path,) = journal_files(tmp_path)
+    assert [json.loads(line)["type"] for line in lines(path)] == ["open", "sales", "sales"]
+    read = [r for _, _, r in records(tmp_path) if isinstance(r, SaleRecord)]
+    assert [(r.via, r.ticket) for r in read] == [("answer", s.ticket_id) for s in sold] + [
+        ("replay", "S0")]
+    for r in read:
+        assert (r.at, bytes(r.decision)) == bodies[r.ticket]
+    assert verify([tmp_path]).ok
