@@ -285,7 +285,7 @@ class Finding:
     at: int
 
     def describe(self, cap: int, currency: str, differing: int) -> str:
-        ticket = _ticket_at(self.file, self.line, self.grid, self.numbers) or "?"
+        ticket = _ticket_at(self.file, self.line, self.grid, self.numbers, self.at) or "?"
         numbers = "-".join(map(str, self.numbers))
         if self.accepted:
             why = (f"was accepted live, but {amount(self.counted, currency)} was already "
@@ -300,9 +300,10 @@ class Finding:
                 f"{self.grid} ({numbers}) {why} ({self.file.name}:{self.line})")
 
 
-def _ticket_at(path: Path, line: int, grid: int, numbers: list[int]) -> str | None:
+def _ticket_at(path: Path, line: int, grid: int, numbers: list[int], at: int) -> str | None:
     """"<ticket> of <channel> (sale <id>)" of the sale at `line` of `path` (of a `sales`
-    line, the first whose grid `grid` has `numbers`), None when there is none."""
+    line, the first of instant `at` whose grid `grid` has `numbers`), None when there is
+    none."""
     for n, raw, _ in lines_of(path):
         if n != line:
             continue
@@ -312,7 +313,8 @@ def _ticket_at(path: Path, line: int, grid: int, numbers: list[int]) -> str | No
             return None
         if isinstance(record, SalesRecord):
             for s in record.sales:
-                if grid < len(s.grids) and sorted(s.grids[grid].numbers) == numbers:
+                if (record.at_of(s) == at and grid < len(s.grids)
+                        and sorted(s.grids[grid].numbers) == numbers):
                     return f"{s.ticket} of {record.channel} (sale {s.sale})"
             return None
         return f"{record.ticket} of {record.channel} (sale {record.sale})"
