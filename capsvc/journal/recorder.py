@@ -97,8 +97,8 @@ class Recorder:
         self._tick = None
         try:
             appended = self.sales(decisions)
-        except Exception as e:  # the journal refused them (its disk not keeping up)
-            out.set_exception(e)
+        except Exception as e:  # refused (its disk not keeping up): every caller is told,
+            out.set_exception(e)  # none is left waiting
             return
 
         def settle(done: asyncio.Future[None]) -> None:
