@@ -1128,7 +1128,9 @@ mode "take": all or nothing over the m days. Returns {1, room left on day 1} | {
 the day that refused}; a re-run returns the recorded outcome; {-2} when the janitor sealed
 `ref`. mode "seal" (the janitor): when `ref` took nothing yet, records "X" so that a late
 take cannot charge, and returns {-2}. mode "restore" (a journal's restore): when `ref` is not
-recorded, takes the amounts without checking the limit (they were sold) and returns {1, 0}. ]]
+recorded, takes the amounts without checking the limit (they were sold) and returns {1, 0,
+1} (the third element: taken by this call, which a recorded take at no room left, {1, 0},
+is not). ]]
 local function budget(keys, args)
   local ref, regulatory, expire_at = args[1], tonumber(args[2]), tonumber(args[3])
   local m = #keys - 1
@@ -1144,7 +1146,7 @@ local function budget(keys, args)
   end
   if args[4] == 'restore' then
     charge(keys, args, m, ref, expire_at)
-    return {1, 0}
+    return {1, 0, 1}
   end
   local rooms = {}
   for i = 1, m do
@@ -1944,7 +1946,7 @@ local function restore_budgets(keys, args)
       local reply = budget({keys[k], unpack(days)},
                            {ref, args[i + 3], args[i + 4], 'restore',
                             unpack(args, i + 7, i + 6 + 2 * m)})
-      taken = (reply[1] == 1 and reply[2] == 0) and 1 or 0
+      taken = reply[3] or 0
     elseif args[i + 5] == 's' then
       budget({keys[k], unpack(days)}, {ref, args[i + 3], args[i + 4], 'seal',
                                        unpack(args, i + 7, i + 6 + 2 * m)})

@@ -30,7 +30,6 @@ from capsvc.journal.records import (
     sale_of,
 )
 from capsvc.recovery.restore import Restored
-from capsvc.redis.replies import Budget
 from capsvc.redis.store import (
     Store,
     aggregate_key,
@@ -158,7 +157,7 @@ class OneByOne:
             reply = await self.steps.players.reserve(
                 r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
                 [(r.day, r.amount)], restore=True)
-            return "stake" if reply == Budget(ACCEPTED, 0) else None
+            return "stake" if reply.restored else None
         return None
 
     async def _sale(self, game: Game, r: SaleRecord, out: Restored,
@@ -202,7 +201,7 @@ class OneByOne:
         n = len(grids)
         put_back = put_back or any(f is None for f in replies[n:n + len(fixing)])
         if taking:
-            put_back = put_back or replies[n + len(fixing)] == Budget(ACCEPTED, 0)
+            put_back = put_back or replies[n + len(fixing)].restored
         if plan is not None:
             settled = self.steps.settle_budget(plan, sale, accepted)
             if settled is not None and int(await settled):

@@ -38,7 +38,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from capsvc.domain.decisions import ACCEPTED
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.games import Catalog, Game
 from capsvc.journal.reader import retained_records
@@ -64,7 +63,6 @@ from capsvc.recovery.planner import (
     planners,
 )
 from capsvc.redis.gate import Gate, identity
-from capsvc.redis.replies import Budget
 from capsvc.redis.store import (
     CountRestores,
     Store,
@@ -480,7 +478,7 @@ class Restorer:
             reply = await self.steps.players.reserve(
                 r.player, f"x/{r.channel}/{r.ref}", game.rules.daily_limit or 0, r.until,
                 [(r.day, r.amount)], restore=True)
-            return "stake" if reply == Budget(ACCEPTED, 0) else None
+            return "stake" if reply.restored else None
         return None
 
 

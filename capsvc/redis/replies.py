@@ -261,10 +261,12 @@ class Budget:
     nothing can be taken any more)."""
     room: int = 0
     """The room left on the first day (taken), or on the day that refused."""
+    restored: bool = False
+    """Taken by this call of a restore (not recorded before): `budget`'s {1, 0, 1}."""
 
 
 def budget_of(reply: list[Any]) -> Budget:
-    return Budget(int(reply[0]), int(reply[1]) if len(reply) > 1 else 0)
+    return Budget(int(reply[0]), int(reply[1]) if len(reply) > 1 else 0, len(reply) > 2)
 
 
 @dataclass(frozen=True, slots=True)

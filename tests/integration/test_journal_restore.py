@@ -43,6 +43,7 @@ from capsvc.recovery import restore as restore_module
 from capsvc.recovery.planner import Planned, Planner
 from capsvc.recovery.restore import Restored, Restorer
 from capsvc.redis.cluster import connect
+from capsvc.redis.replies import PlayerLimits
 from capsvc.redis.store import (
     Store,
     bucket_keys,
@@ -718,3 +719,31 @@ async def test_self_limits_set_in_one_millisecond_come_back_as_the_last_one_set(
     finally:
         await transport.aclose()
     assert redis_db.hgetall("l:{pl:P-T1}") == limit
+
+
+async def test_a_player_at_the_limit_restored_again_is_not_reported_put_back(
+        store: Store, redis_db: Any, tmp_path: Path) -> None:
+    """A ticket that spent its player's whole self-limit: restored into an empty Redis it is
+    put back; restored again, Redis has it (its take recorded, no room left), and nothing
+    is reported put back."""
+    settings = load_settings(Path(__file__).parents[1] / "capsvc-test.toml")
+    catalog = Catalog(settings.games)
+    game = catalog.games["lnm-keno"]
+    now = int(time.time() * 1000)
+    first = game.calendar.current(now) + 2
+    sale = validate_ticket(game.rules, msgspec.convert(
+        {"ticket_id": "L-1", "game": "lnm-keno", "player_id": "P-L1", "first_draw": first,
+         "grids": [{"numbers": [1, 2, 3], "stake": 2500}]}, TicketIn))
+    replies: list[Reserved | None] = [None]
+    body = msgspec.json.encode(build_decision("ma-test", game.rules.tz, sale, "cd" * 8, now,
+                                              replies))
+    await journaled(tmp_path / "j", [
+        ("limit", ("ma-test", "P-L1", "lnm-keno", 2500, now - 10, now + 86_400_000,
+                   PlayerLimits(2500, None, False, None, 0))),
+        ("sale", ("answer", "ma-test", sale, "cd" * 8, now, body, game.expire_at(first),
+                  None, results_of(game.rules.time_zone, replies)))])
+    first_run = await Restorer(tmp_path / "j", catalog, store).run()
+    assert first_run.applied == {"sale": 1, "limit": 1}
+    day = game.calendar.local_date(now).isoformat()
+    assert redis_db.hget(f"b:{{pl:P-L1}}:{day}", "spent") == b"2500"
+    assert (await Restorer(tmp_path / "j", catalog, store).run()).applied == {}

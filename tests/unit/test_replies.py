@@ -86,6 +86,8 @@ def test_grids_decode_by_kind() -> None:
 
 def test_budgets_and_limits_decode() -> None:
     assert r.budget_of([1, 700]) == r.Budget(ACCEPTED, 700)
+    assert r.budget_of([1, 0]) == r.Budget(ACCEPTED, 0)  # recorded, no room left
+    assert r.budget_of([1, 0, 1]) == r.Budget(ACCEPTED, 0, restored=True)
     assert r.budget_of([-2]) == r.Budget(-2)
     assert r.limits_of([b"none", b"", b"", 0]) == r.PlayerLimits(None, None, False, None, 0)
     assert r.limits_of([b"500", b"none", b"2026-12-04", 100]) == r.PlayerLimits(
