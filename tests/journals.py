@@ -32,6 +32,7 @@ from capsvc.domain.decisions import (
     build_decision,
     decision_of,
     player_limit_decision,
+    results_of,
 )
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.validator import Sale, validate_ticket
@@ -161,7 +162,7 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
         if mix == "mixed" and rng.random() < 0.5:  # sold in steps (a cluster's sales)
             yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps)
         else:  # sold in one call, as a standalone Redis sells: a `sales` line
-            results = f"{rules.tz.key}|{results_of(replies)}".encode()
+            results = results_of(rules.time_zone, replies)
             assert msgspec.json.encode(decision_of("fr-retail", sale, sid, at, results)) == body
             yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps, results)
         made += 1
@@ -197,15 +198,6 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
             yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
             if rng.random() < 0.1:  # reported again (another process journals it too)
                 yield "stop", ("fr-retail", rules.id, d, at, game.expire_at(d))
-
-
-def results_of(replies: list[Reserved | None] | None) -> str:
-    """The results a sale made in one call keeps of its grids' replies (None: refused by the
-    player's limit), as lua/capsvc.lua's `sell` makes them."""
-    if replies is None:
-        return "P"
-    return ";".join("-" if r is None else "1" if r.accepted
-                    else f"0:{r.offset}:{r.room}" for r in replies)
 
 
 async def write_journal(directory: Path, catalog: Catalog, n: int, mix: str = "one-grid",

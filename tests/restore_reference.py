@@ -32,7 +32,6 @@ from capsvc.journal.records import (
 from capsvc.recovery.restore import Restored
 from capsvc.redis.store import (
     Store,
-    aggregate_key,
     bucket_keys,
     record_field,
     replies_of,
@@ -99,24 +98,22 @@ class OneByOne:
         return await self._sale(game, record, out, accepted,
                                 f"{line.zone}|{s.res}".encode())
 
-    async def _totals(self, key: str, game: Game, sale: Sale, sale_id: str,
-                      accepted: set[int]) -> None:
+    async def _totals(self, key: str, game: Game, sale: Sale, sale_id: str) -> None:
         """A ticket whose decision is kept as results added to its draws' totals by number
-        of picks, in place of the share its claim may have written (sold in steps)."""
-        amounts: dict[int, int] = {}
-        for g in sale.grids:
-            if g.index in accepted and not g.capped:
-                amounts[len(g.numbers)] = amounts.get(len(g.numbers), 0) + g.stake
+        of picks (SaleSteps.one_call_aggregates: every grid not capped is accepted), in
+        place of the share its claim may have written (sold in steps)."""
+        totals = self.steps.one_call_aggregates(key, game, sale)
+        if totals is None:
+            return
+        names, pairs = totals
+        submit = self.store.redis.submit
         first = sale.first_draw
         assert first is not None
-        submit = self.store.redis.submit
-        for d in range(first, first + sale.draws):
-            name = aggregate_key(key, game.rules.id, d)
-            if amounts:
-                await submit("HDEL", name, sale_id)
-            for picks, amount in amounts.items():
-                await submit("HINCRBY", name, picks, amount)
-            if amounts and await submit("PEXPIRETIME", name) < game.expire_at(d):
+        for d, name in enumerate(names, first):
+            await submit("HDEL", name, sale_id)
+            for i in range(0, len(pairs), 2):
+                await submit("HINCRBY", name, pairs[i], pairs[i + 1])
+            if await submit("PEXPIRETIME", name) < game.expire_at(d):
                 await submit("PEXPIREAT", name, game.expire_at(d))
 
     def _restore_grid(self, game: str, combo: str, record: bytes, stake: int,
@@ -194,7 +191,7 @@ class OneByOne:
                 plan.player, plan.ref, plan.regulatory, plan.until,
                 plan.shares(sale, accepted), restore=True))
         if kind == b"written" and accepted and results:
-            await self._totals(key, game, sale, r.sale, accepted)
+            await self._totals(key, game, sale, r.sale)
         elif kind == b"written" and accepted:
             calls += self.steps.aggregates(key, game, sale, r.sale, accepted)
         replies = await replies_of(calls)

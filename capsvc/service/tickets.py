@@ -438,7 +438,7 @@ class Tickets:
         record = await self.store.ticket(ticket_key(channel.id, t.ticket_id))
         if record is None:
             return None
-        if unpack_sale(record.sale).fingerprint != request_fingerprint(t):
+        if _another_request(record.sale, request_fingerprint(t)):
             raise _conflict(t.ticket_id)
         if record.decided:
             body = record.body or derived_body(channel.id, record.sale, record.sale_id,
@@ -468,7 +468,8 @@ class Tickets:
                     self._sell_in_one_call(game, key, stored, expire_at, not defaulted, judged)
                     if p.one_call else
                     self._claim(game, key, stored, close_ms, expire_at, not defaulted))
-            if _another_request(claim, sale):
+            held = claim.sale if isinstance(claim, Decided | Pending | Refused) else None
+            if held is not None and _another_request(held, sale.fingerprint):
                 raise _conflict(t.ticket_id)
             if isinstance(claim, Refused):
                 if claim.why == "day":  # judged on another day than planned: plan again,
@@ -865,11 +866,11 @@ def _not_cancellable(message: str) -> ApiError:
     return ApiError("conflict", "not_cancellable", message)
 
 
-def _another_request(claim: Claim, sale: Sale) -> bool:
-    """Whether the ticket id holds another request than `sale`'s (the record keeps no
-    fingerprint: its sale's own, recomputed, is compared)."""
-    held = (claim.sale if isinstance(claim, Decided | Pending | Refused) else None)
-    return held is not None and unpack_sale(held).fingerprint != sale.fingerprint
+def _another_request(held: bytes, fingerprint: str | None) -> bool:
+    """Whether the sale a ticket id holds (packed, as its record keeps it) is another
+    request's than the one of `fingerprint` (the record keeps no fingerprint: its sale's
+    own, recomputed, is compared)."""
+    return unpack_sale(held).fingerprint != fingerprint
 
 
 def _conflict(ticket_id: str) -> ApiError:
