@@ -44,13 +44,23 @@ from ab import REPO, checkout
 
 from capsvc.config import load_settings
 from capsvc.domain.games import Catalog
+from capsvc.domain.validator import pack_sale
 from capsvc.journal.reader import retained_records
-from capsvc.journal.records import Open, SaleRecord, SalesRecord
+from capsvc.journal.records import Open, SaleRecord, SalesRecord, sold_sale
 from capsvc.recovery import restore as restore_module
 from capsvc.recovery.planner import Planned, Planner
 from capsvc.recovery.restore import Restorer
 from capsvc.redis.cluster import connect
-from capsvc.redis.store import Store, bucket_keys, lua_source, record_field
+from capsvc.redis.store import (
+    Store,
+    bucket_keys,
+    ident_of,
+    lua_source,
+    record_bucket_of,
+    record_field,
+    ticket_key,
+    ticket_value,
+)
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
 from tests.journals import MIXES, write_config, write_journal
@@ -161,7 +171,7 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     lines = list(retained_records(journal))
     decode = time.process_time() - started
     records = [r for r in lines if not isinstance(r, Open)]
-    print(f"  python, decoding the journal: {1e6 * decode / len(lines):.2f} µs a record "
+    print(f"  python, decoding the journal: {1e6 * decode / decisions:.2f} µs a decision "
           f"({len(lines)} lines)")
     transport = connect(redis.url, timeout_s=30, library=lua_source())
     store = Store(transport)
@@ -170,8 +180,8 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
         started = time.process_time()
         Planner(catalog, 0).chunk(records)
         plan = time.process_time() - started
-        print(f"  python, planning each record's ops (no Redis): "
-              f"{1e6 * plan / len(records):.2f} µs a record")
+        print(f"  python, planning each decision's ops (no Redis): "
+              f"{1e6 * plan / decisions:.2f} µs a decision")
         for label, workers in (("planned in the restoring process", 0),
                                ("one planning process", 1)):
             restore_module.POOL_BYTES = -1
@@ -220,6 +230,17 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     print(f"  redis CPU a decision for every key written whole from a payload made beforehand "
           f"(RESTORE of its DUMP: no field inserted one by one, nothing compared): "
           f"{1e6 * payload_cpu / decisions:.1f} µs ({decisions / payload_s:,.0f}/s)")
+    gc.disable()
+    started = time.process_time()
+    least_fields(records)
+    least = time.process_time() - started
+    print(f"  python, the least a restore computes from the decoded journal (each one-call "
+          f"sale's ticket record and its grids' counter and record fields, by bucket; nothing "
+          f"compared, sent or serialized): {1e6 * least / decisions:.2f} µs a decision")
+    floor = (decode + least + payload_cpu) / decisions
+    print(f"  ceiling on {len(os.sched_getaffinity(0))} CPUs of any restore that decodes this "
+          f"journal in Python and sends Redis its keys whole (the three floors above, every "
+          f"CPU busy, nothing else spent): {len(os.sched_getaffinity(0)) / floor:,.0f}/s")
 
 
 def in_functions(client: Any, decisions: int) -> str:
@@ -318,6 +339,32 @@ def whole_buckets(catalog: Catalog, records: list[Any]
             for d, key in enumerate(gkeys):
                 put(key, gargs[3], gargs[4], gargs[7 + d], add=True)
             put(gkeys[-1], gargs[2], gargs[4], gargs[6 + len(gkeys)])
+    return out
+
+
+def least_fields(records: list[Any]) -> dict[str, dict[bytes | str, Any]]:
+    """What the one-call sales of `records` leave in Redis, bucket by bucket, computed with
+    the product's own encoders and nothing else: each ticket record (ticket_value of its
+    packed sale and results), each capped grid's counter on each draw and its record."""
+    out: dict[str, dict[bytes | str, Any]] = {}
+    for line in records:
+        if type(line) is not SalesRecord:
+            continue
+        zone = line.zone
+        for s in line.sales:
+            sale = sold_sale(line, s)
+            key = ticket_key(line.channel, s.ticket)
+            out.setdefault(record_bucket_of(key), {})[ident_of(key)] = ticket_value(
+                s.until, b"f", line.at_of(s), s.sale, pack_sale(sale), None,
+                results=f"{zone}|{s.res}".encode())
+            assert sale.first_draw is not None
+            for g in sale.grids:
+                if g.capped and g.index in s.accepted:
+                    buckets = bucket_keys(line.game, g.combo, sale.first_draw, sale.draws)
+                    for bucket in buckets:
+                        fields = out.setdefault(bucket, {})
+                        fields[g.combo] = fields.get(g.combo, 0) + g.stake
+                    out[buckets[-1]][record_field(s.sale, g.index)] = g.stake
     return out
 
 
