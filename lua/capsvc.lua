@@ -66,7 +66,9 @@ of the layout: changing it while a draw is on sale would split that draw's count
 two, so it is a constant, not a setting.
 
 SALES. The claim mints a sale id (`sid`, 8 bytes of the SHA-1 of the ticket key, the
-claim instant and a random nonce from the caller; hex in the ticket record). Every grid record is keyed by sale id and
+claim instant and a random nonce from the caller; a sale in one call takes the caller's
+nonce). Callers and replies name it in hex, the ticket record keeps its 8 bytes (see TICKET
+RECORDS). Every grid record is keyed by sale id and
 grid index, so a ticket id used again after its retention is a new sale with new records,
 and every step that acts for a sale (reserve, release, finalize, unclaim, settle, cancel)
 names it and does nothing to another sale.
@@ -367,9 +369,10 @@ local function mark_keep(keys, args)
 end
 
 --[[ TICKET RECORDS. r:{t:NN}:<m>  field <channel>/<ticket id>: a hash shared by the records
-of many tickets (m: the ticket's second hash, see capsvc/redis/store.py). The value is MessagePack:
-expiry, then st, at, sid, sale, body, res, ca, rel (nil when absent). No fingerprint: the
-sale's own, recomputed from `sale` by the caller that compares a request with it. A record past its
+of many tickets (m: the ticket's second hash, see capsvc/redis/store.py). The value is
+MessagePack: expiry, then st, at (an integer), sid (its 8 bytes; hex to every reader of
+ticket_read), sale, body, res, ca, rel (nil when absent). No fingerprint: the sale's own,
+recomputed from `sale` by the caller that compares a request with it. A record past its
 expiry (by Redis TIME) is absent to every reader, as an expired key is; the janitor's
 `sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
 day at most: BUCKET_SLACK_MS). ~210 bytes a ticket in a listpack bucket at 100,000 tickets,
@@ -377,6 +380,17 @@ against ~280 for a key, its expiry entry and a hash of its own (bench/memory.py)
 A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below), and
 ARGV[1], its field, before the call's own ARGV. ]]
 local FIELD = {st = 1, at = 2, sid = 3, sale = 4, body = 5, res = 6, ca = 7, rel = 8}
+
+-- A sale id's 8 bytes, from its hex.
+local function raw_sid(sid)
+  return struct.pack('>I4I4', tonumber(string.sub(sid, 1, 8), 16),
+                     tonumber(string.sub(sid, 9, 16), 16))
+end
+
+-- A sale id's hex, from its 8 bytes.
+local function sid_hex(raw)
+  return string.format('%02x%02x%02x%02x%02x%02x%02x%02x', string.byte(raw, 1, 8))
+end
 
 -- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place,
 -- so that the call's own ARGV come first.
@@ -407,7 +421,8 @@ local function ticket_read(T, now)
   if v then
     local _, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
     T.exp = exp
-    T.rec = {a or false, b or false, c or false, d or false, e or false, f or false,
+    T.sid, T.sid_raw = c and sid_hex(c), c
+    T.rec = {a or false, b or false, T.sid or false, d or false, e or false, f or false,
              g or false, h or false}
     return T.rec
   end
@@ -421,7 +436,7 @@ local function ticket_state(T, now)
   local v = live_value(T, now)
   if v then
     local _, _, st, _, sid = cmsgpack.unpack_limit(v, 4)
-    return st, sid
+    return st, sid and sid_hex(sid)
   end
   return false, false
 end
@@ -435,8 +450,9 @@ local BUCKET_SLACK_MS = 86400000
 local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
+    local sid = r[3] and (r[3] == T.sid and T.sid_raw or raw_sid(r[3]))
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
-               r[3] or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
+               sid or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
     extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
   else
     redis.call('HDEL', T.bucket, T.field)
@@ -456,11 +472,12 @@ local function ticket_set(T, ...)
   ticket_store(T)
 end
 
--- A new record (none was read), kept until `expire_at`: st, at (ms), sid, sale, then
--- body, res, ca, rel or false (none). Positional: a sale's hot path builds no other table.
-local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel)
-  at = string.format('%d', at)
+-- A new record (none was read), kept until `expire_at`: st, at (ms), sid (hex; `raw`, its
+-- bytes, when the caller has them), sale, then body, res, ca, rel or false (none).
+-- Positional: a sale's hot path builds no other table.
+local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel, raw)
   T.rec = {st, at, sid, sale, body or false, res or false, ca or false, rel or false}
+  T.sid, T.sid_raw = sid, raw or raw_sid(sid)
   T.exp = expire_at
   ticket_store(T)
 end
@@ -1380,7 +1397,8 @@ end
 -- the unjournaled sales until the caller has journaled the decision (else the janitor
 -- journals it).
 local function decided(T, S, args, a, now, sid, results, batch)
-  ticket_new(T, S.expire_at, 'f', now, sid, args[a + 2], false, results)
+  ticket_new(T, S.expire_at, 'f', now, sid, args[a + 2], false, results, false, false,
+             args[a + 4])
   local made = batch.sold
   made[#made + 1] = T.name
   made[#made + 1] = sid
@@ -1703,8 +1721,8 @@ local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 -- the reply's letter (see restore_tickets).
 local function sale_back(bucket, field, exp, record)
   local _, _, at, sid, sale, body, res = cmsgpack.unpack(record)
-  return RESTORED[restore_ticket({bucket}, {field, sid, at, sale, body or '', exp, '', 0,
-                                            res or ''})[1]]
+  return RESTORED[restore_ticket({bucket}, {field, sid_hex(sid), at, sale, body or '', exp,
+                                            '', 0, res or ''})[1]]
 end
 
 -- Record what a sale accepted of the sizes not capped on each of its draws (`aggregate`),

@@ -86,6 +86,7 @@ class TicketRecords:
         if raw is None:
             return None
         expiry, *values = unpack(raw)
+        values[2] = values[2].hex().encode()  # the sale id, kept as its 8 bytes
         return expiry, {n.encode(): _bytes(v) for n, v in zip(NAMES, values, strict=True)
                         if v is not None}
 
@@ -110,7 +111,11 @@ class TicketRecords:
 
     def put(self, ticket: str, expire_at: int, **fields: Any) -> None:
         """Write a record (for states no call leads to)."""
-        packed = pack([expire_at, *[fields.get(n) for n in NAMES]])
+        values = [fields.get(n) for n in NAMES]
+        if values[2] is not None:  # the sale id, kept as its 8 bytes
+            values[2] = bytes.fromhex(values[2] if isinstance(values[2], str)
+                                      else values[2].decode())
+        packed = pack([expire_at, *values])
         self.db.hset(record_bucket_of(ticket), ident_of(ticket), packed)
 
 

@@ -874,6 +874,7 @@ def _mp_uint(n: int) -> bytes:
 
 
 _NIL = b"\xc0"
+_SID_HEAD = _mp_head(8)
 
 
 def ticket_value(expire_at: int, state: bytes, at: int, sale_id: str, sale: bytes,
@@ -881,12 +882,12 @@ def ticket_value(expire_at: int, state: bytes, at: int, sale_id: str, sale: byte
                  released: int | None = None, results: bytes | None = None) -> bytes:
     """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
     packs it (TICKET RECORDS: the expiry, then st, at, sid, sale, body, res, ca, rel;
-    `at`, `ca` and `rel` as decimal strings, nil for what is absent). A decision is kept
+    `at` an integer, `sid` its 8 bytes, `ca` and `rel` decimal strings, nil for what is
+    absent). A decision is kept
     as its `body` (sold in steps) or as its `results` (sold in one call)."""
-    instant, sid = b"%d" % at, sale_id.encode()
     head = _mp_head
-    parts = [_mp_uint(expire_at), head(len(state)), state, head(len(instant)), instant,
-             head(len(sid)), sid, head(len(sale)), sale]
+    parts = [_mp_uint(expire_at), head(len(state)), state, _mp_uint(at), _SID_HEAD,
+             bytes.fromhex(sale_id), head(len(sale)), sale]
     parts += (_NIL,) if body is None else (head(len(body)), body)
     parts += (_NIL,) if results is None else (head(len(results)), results)
     if cancelled_at is None:

@@ -601,17 +601,17 @@ async def test_expire_hands_due_tickets_to_the_janitor(store: Store, now: int) -
     at, sid = await claimed(store, key, now)
     assert await raw_expire(store, key, HOUR) == [b"wait"]
     assert await claim(store, key, now) == [b"pending", at, sid.encode(), b"sale"]
-    due = [b"x", str(at).encode(), sid.encode(), b"sale"]
+    due = [b"x", at, sid.encode(), b"sale"]
     assert await raw_expire(store, key, 0) == due
     assert await raw_expire(store, key, HOUR) == due  # an expired ticket stays the janitor's
     assert await finalize(store, key, sid) == 1
     assert await raw_expire(store, key, HOUR) == [b"wait"]
-    assert await raw_expire(store, key, 0) == [b"f", str(at).encode(), sid.encode(), b"sale",
+    assert await raw_expire(store, key, 0) == [b"f", at, sid.encode(), b"sale",
                                           b"body", None, None, None]
     k = await raw_cancel(store, key, now + HOUR, "g", 100, 500, now + DAY)
     assert k[0] == b"k"
     assert await raw_expire(store, key, HOUR) == [b"wait"]
-    assert await raw_expire(store, key, 0) == [b"k", str(at).encode(), sid.encode(), b"sale",
+    assert await raw_expire(store, key, 0) == [b"k", at, sid.encode(), b"sale",
                                           b"body", str(k[1]).encode(), b"500", None]
     assert await call(store, "capsvc_cancelled", key, [sid]) == 1
     assert await raw_expire(store, key, HOUR) == [b"wait"]
@@ -1089,8 +1089,9 @@ async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
             break
     groups = [v[:5] for v in keys.values() if len(v) >= 5][:2]
     for group in groups:
-        held = [(b"f", "a1"), (b"c", "b1"), None, (b"f", "c1"), (b"f", "e1")]
-        asked = [(b"f", "a1"), (b"f", "b1"), (b"f", "x1"), (b"f", "d1"), (b"f", "e1")]
+        held = [(b"f", "a1" * 8), (b"c", "b1" * 8), None, (b"f", "c1" * 8), (b"f", "e1" * 8)]
+        asked = [(b"f", "a1" * 8), (b"f", "b1" * 8), (b"f", "f1" * 8), (b"f", "d1" * 8),
+                 (b"f", "e1" * 8)]
         for key, h in zip(group, held, strict=True):
             redis_db.zadd(pending_key_of(key), {key: now})
             if h is not None:
