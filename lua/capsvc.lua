@@ -421,9 +421,9 @@ local function ticket_read(T, now)
   if v then
     local _, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
     T.exp = exp
-    T.sid, T.sid_raw = c and sid_hex(c), c
-    T.rec = {a or false, b or false, T.sid or false, d or false, e or false, f or false,
-             g or false, h or false}
+    T.sid_raw = c
+    T.rec = {a or false, b or false, c and sid_hex(c) or false, d or false, e or false,
+             f or false, g or false, h or false}
     return T.rec
   end
   T.rec = {false, false, false, false, false, false, false, false}
@@ -450,7 +450,7 @@ local BUCKET_SLACK_MS = 86400000
 local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
-    local sid = r[3] and (r[3] == T.sid and T.sid_raw or raw_sid(r[3]))
+    local sid = r[3] and (T.sid_raw or raw_sid(r[3]))  -- no ticket_set changes a sid
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
                sid or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
     extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
@@ -477,7 +477,7 @@ end
 -- Positional: a sale's hot path builds no other table.
 local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel, raw)
   T.rec = {st, at, sid, sale, body or false, res or false, ca or false, rel or false}
-  T.sid, T.sid_raw = sid, raw or raw_sid(sid)
+  T.sid_raw = raw or raw_sid(sid)
   T.exp = expire_at
   ticket_store(T)
 end
