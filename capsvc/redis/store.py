@@ -318,7 +318,7 @@ class Store:
     async def record_limits(self) -> str | None:
         """Why ticket records will not be kept compact on this Redis (its hash limits, or
         that they cannot be read), in plain words; None when they will."""
-        need = (f"ticket records stay compact (~310 bytes of Redis memory a ticket, ~360 "
+        need = (f"ticket records stay compact (~300 bytes of Redis memory a ticket, ~345 "
                 f"otherwise) when hash-max-listpack-value is at least {RECORD_VALUE_BYTES}, "
                 "as in deploy/redis.conf")
         try:
@@ -328,7 +328,7 @@ class Store:
         values = [int(r[1]) for r in replies if r]
         if values and min(values) < RECORD_VALUE_BYTES:
             return (f"Redis has hash-max-listpack-value {min(values)}: {need}; size Redis "
-                    "for ~360 bytes a ticket retained, or raise the setting")
+                    "for ~345 bytes a ticket retained, or raise the setting")
         return None
 
     def names(self, ticket: str) -> tuple[list[str], list[Any]]:

@@ -29,7 +29,7 @@ async def test_hash_limits_that_spread_ticket_records_are_named_at_start(
         assert len(said) == 1
         assert "hash-max-listpack-value 64" in said[0]
         assert f"at least {RECORD_VALUE_BYTES}" in said[0]
-        assert "~360 bytes a ticket" in said[0]
+        assert "~345 bytes a ticket" in said[0]
         caplog.clear()
         standalone_db.config_set("hash-max-listpack-value", RECORD_VALUE_BYTES)
         with caplog.at_level(logging.WARNING, logger="capsvc"):
