@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
@@ -22,9 +23,17 @@ from capsvc.redis.store import (
     record_bucket,
     record_bucket_of,
     ticket_key,
+    ticket_value,
 )
 from tests.conftest import TEN, Client, ticket
-from tests.records import TicketRecords, raw_cancel, raw_claim, raw_expire, raw_ticket
+from tests.records import (
+    TicketRecords,
+    raw_cancel,
+    raw_claim,
+    raw_expire,
+    raw_ticket,
+    unpack,
+)
 from tests.support.sales import sell_alone
 from tests.support.servers import RedisCluster, RedisServer, redis_ms
 
@@ -91,6 +100,31 @@ async def test_a_sold_ticket_s_record_keeps_its_sale_packed(client: Client,
     sale = records.get(key, "sale")
     assert sale[:1] != b"["
     assert unpack_sale(sale).ticket_id == body["ticket_id"]
+
+
+async def test_a_record_keeps_the_sale_id_and_instant_in_binary(
+        service: Any, client: Client, redis_db: redis.Redis) -> None:
+    """A sold ticket's record keeps its sale id as its 8 bytes and its instant as an
+    integer, byte for byte as the restore builds it (capsvc.redis.store.ticket_value); the
+    functions that read it give the sale id in hex, and a replay answers the same body."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 100}], first_draw=draw)
+    sold = await client.sell(body)
+    assert sold.status == 200
+    key = ticket_key("fr-retail", body["ticket_id"])
+    raw = redis_db.hget(record_bucket_of(key), ident_of(key))
+    assert raw is not None
+    expiry, st, at, sid, sale, decision, results, ca, rel = unpack(raw)
+    assert isinstance(at, int)
+    assert len(sid) == 8
+    assert (st, ca, rel) == (b"f", None, None)
+    assert ticket_value(expiry, st, at, sid.hex(), sale, decision, results=results) == raw
+    record = await svc.store.ticket(key)
+    assert (record.sale_id, record.at) == (sid.hex(), at)
+    replay = await client.sell(body)
+    assert replay.status == 200
+    assert replay.raw == sold.raw
 
 
 async def test_a_record_past_its_expiry_is_gone_for_every_reader(
