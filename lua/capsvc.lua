@@ -486,19 +486,12 @@ local function ticket_delete(T)
   redis.call('HDEL', T.bucket, T.field)
 end
 
---[[ index: KEYS pending; ARGV ticket key, expire_at
-Registers a ticket that may need the janitor (before it is claimed, so that no claimed
-ticket is ever missing from the index), at Redis TIME: a draw's report waits for the
-entries made before its close, judged by the clock that judged the close (a caller's
-estimate of it could put a claim made just before the close after it). ]]
-local function index(keys, args)
-  redis.call('ZADD', keys[1], 'NX', now_ms(), args[1])
-  extend(keys[1], tonumber(args[2]))
-  return 1
-end
-
---[[ claim: KEYS ticket; ARGV sale, close_ms, expire_at, stale_after_ms, nonce
-Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st,
+--[[ claim: KEYS ticket, pending index; ARGV sale, close_ms, expire_at, stale_after_ms, nonce
+First registers the ticket in its slot's pending index for the janitor (at Redis TIME, if
+it is not there yet; the index kept until `expire_at` at least), in the same atomic call as
+the claim, so that no claimed ticket is ever missing from the index. At Redis TIME: a
+draw's report waits for the entries made before its close, judged by the clock that judged
+the close. Returns {'new', at, sid} | {'final', body or false, at, sid, sale, res or false, st,
 cancelled at or false, released or false} (a decision of `sell` has results, not a body;
 st: f, k or c) | {'pending', at, sid, sale}
 | {'stale', sale} | {'closed'} (the first draw's close has passed: nothing claimed). The
@@ -523,6 +516,8 @@ local function claim(keys, args)
   local T = ticket_of(keys, args)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', keys[2], 'NX', now, T.name)
+  extend(keys[2], tonumber(args[3]))
   local rec = ticket_read(T, now)
   local st = rec[1]
   if not st then
@@ -2000,7 +1995,6 @@ local function register_marked(name, fn)
                           flags = {'allow-cross-slot-keys'}}
 end
 
-redis.register_function('capsvc_index', index)
 register_marked('capsvc_claim', claim)
 register_marked('capsvc_ticket', ticket)
 redis.register_function('capsvc_sweep', sweep)

@@ -131,8 +131,8 @@ def held(db: redis.Redis, ticket: str, name: str) -> bytes | None:
 def raw_claim(store: Store, key: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> Any:
     keys, args = store.names(key)
-    return store.fcall("capsvc_claim", keys, [*args, sale, close_ms, expire_at,
-                                              stale_after_ms, os.urandom(8).hex()])
+    return store.fcall("capsvc_claim", [*keys, pending_key_of(key)], [
+        *args, sale, close_ms, expire_at, stale_after_ms, os.urandom(8).hex()])
 
 
 def raw_ticket(store: Store, key: str) -> Any:

@@ -33,6 +33,7 @@ from capsvc.recovery.restore import Restored
 from capsvc.redis.store import (
     Store,
     bucket_keys,
+    pending_key_of,
     record_field,
     replies_of,
     ticket_key,
@@ -217,6 +218,14 @@ class OneByOne:
             await replies_of(marks)
         return "sale" if put_back else None
 
+    async def _index(self, key: str, until: int) -> None:
+        """The ticket in its pending index at Redis TIME unless it is there, the index kept
+        until `until` at least (as a claim indexes it)."""
+        pending, redis = pending_key_of(key), self.store.redis
+        await redis.call("ZADD", pending, "NX", await self.store.time_ms(), key)
+        if await redis.call("PEXPIRETIME", pending) < until:
+            await redis.call("PEXPIREAT", pending, until)
+
     async def _cancel(self, game: Game, r: CancelRecord, now: int) -> str | None:
         sale = sale_of(r)
         key = ticket_key(r.channel, r.ticket)
@@ -225,7 +234,7 @@ class OneByOne:
         ours = state is None or sid == r.sale
         cancelling: list[Any] | None = None
         if ours and state != b"c":
-            await self.store.index(key, r.until)
+            await self._index(key, r.until)
             reply = await self._restore_ticket(key, r.sale, r.at,
                                                pack_sale(sale),
                                                bytes(r.decision), r.until,

@@ -368,14 +368,12 @@ class Store:
 
     # -- tickets ---------------------------------------------------------------------------
 
-    def index(self, ticket: str, expire_at: int) -> asyncio.Future[Any]:
-        """Register a ticket for the janitor before claiming it, at Redis TIME."""
-        return self.fcall("capsvc_index", [pending_key_of(ticket)], [ticket, expire_at])
-
     def claim(self, ticket: str, sale: bytes, close_ms: int, expire_at: int,
               stale_after_ms: int) -> asyncio.Future[Claim]:
+        """The steps' first call: the ticket indexed for the janitor and claimed, in one
+        atomic call (lua/capsvc.lua, claim)."""
         keys, args = self.names(ticket)
-        return self.fcall("capsvc_claim", keys, [
+        return self.fcall("capsvc_claim", [*keys, pending_key_of(ticket)], [
             *args, sale, close_ms, expire_at, stale_after_ms, nonce().hex()], decode=claim_of)
 
     async def finalize(self, ticket: str, sale_id: str, body: bytes) -> bool:

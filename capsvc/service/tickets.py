@@ -98,7 +98,6 @@ from capsvc.redis.store import (
     Store,
     budget_call,
     channel_of,
-    replies_of,
     retrieving,
     stop_instants,
     ticket_key,
@@ -540,14 +539,11 @@ class Tickets:
 
     async def _claim(self, game: Game, key: str, sale: Sale, close_ms: int, expire_at: int,
                      asked: bool) -> Claim:
-        """The steps' first call, one round trip: index the ticket for the janitor, claim.
-        The claim is the only write that decides; admin stops are checked once it has been
-        made. Awaited together: when Redis fails, both fail, and both are retrieved."""
-        _, claim = await replies_of([
-            self.store.index(key, expire_at),
-            self.store.claim(key, pack_sale(sale, asked), close_ms, expire_at,
-                             self.stale_after_ms)])
-        return claim  # type: ignore[no-any-return]
+        """The steps' first call: the ticket indexed for the janitor and claimed, in one
+        atomic call. The claim is the only write that decides; admin stops are checked once
+        it has been made."""
+        return await self.store.claim(key, pack_sale(sale, asked), close_ms, expire_at,
+                                      self.stale_after_ms)
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, expire_at: int,
                                 asked: bool, judged: int = 0) -> Claim:

@@ -629,6 +629,8 @@ async def test_cancel_decides_once(store: Store, redis_db: redis.Redis, now: int
     _, sid = await claimed(store, key, now)
     assert await raw_cancel(store, key, now + HOUR, "g", 100, 10, now + DAY) == [b"undecided"]
     assert await finalize(store, key, sid) == 1
+    await store.journaled(key, sid, b"f")  # the claim's index entry let go, once journaled
+    assert redis_db.zscore(pending_key_of(key), key) is None
     assert await raw_cancel(store, key, now - 1, "g", 100, 10, now + DAY) == [b"closed"]
     assert await store.stop("g", 99, now + DAY) > 0  # copied into every ticket slot
     assert await raw_cancel(store, key, now + HOUR, "g", 99, 10, now + DAY) == [b"closed"]
@@ -670,24 +672,24 @@ async def test_cancelled_only_for_its_sale_while_k(store: Store, redis_db: redis
     assert records.exists(missing) == 0
 
 
-async def test_index_adds_the_ticket_to_the_pending_zset_with_a_ttl(
+async def test_a_claim_indexes_its_ticket_in_the_pending_zset_with_a_ttl(
         store: Store, redis_db: redis.Redis, now: int) -> None:
-    """index adds the ticket to its slot's pending zset at Redis TIME (the first instant
-    kept), with a TTL."""
+    """A claim first adds its ticket to its slot's pending zset at Redis TIME (the first
+    instant kept), with a TTL, in the same call: whatever the claim answers."""
     key = ticket_key("ch", "T-index")
     pending = pending_key_of(key)
     assert key_slot(pending.encode()) == key_slot(key.encode())
     t0 = redis_ms(redis_db)
-    assert await store.index(key, now + DAY) == 1
+    assert (await raw_claim(store, key, b"s", now + HOUR, now + DAY, 60_000))[0] == b"new"
     ((member, first),) = redis_db.zrange(pending, 0, -1, withscores=True)
     assert member == key.encode()
     assert t0 <= first <= redis_ms(redis_db)  # Redis TIME
     assert redis_db.pexpiretime(pending) == now + DAY
-    assert await store.index(key, now + HOUR) == 1
+    assert (await raw_claim(store, key, b"s", now + HOUR, now + HOUR, 60_000))[0] == b"pending"
     assert redis_db.zscore(pending, key) == first
     assert redis_db.pexpiretime(pending) == now + DAY
     other = key.replace("T-index", "T-index-2")  # same hash tag, same zset
-    assert await store.index(other, now + 2 * DAY) == 1
+    assert (await raw_claim(store, other, b"s", now, now + 2 * DAY, 60_000))[0] == b"closed"
     assert redis_db.zcard(pending) == 2
     assert redis_db.pexpiretime(pending) == now + 2 * DAY
 
