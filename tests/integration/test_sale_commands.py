@@ -16,6 +16,7 @@ import redis
 
 from capsvc.client.models import TicketIn
 from capsvc.redis.gate import POLICY_S
+from capsvc.redis.store import pending_key_of, ticket_key
 from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, ticket
 from tests.support.servers import RedisServer
@@ -156,3 +157,56 @@ async def test_a_one_grid_sale_with_player_limits_issues_the_pinned_commands(
     used = await sale_commands(client, standalone_db, ticket(
         [{"numbers": TEN[1:9], "stake": 500}], game="lnm-keno", player_id="P-pinned"), "ma")
     assert used == LIMITED_SALE, repr(used)
+
+
+STEPS = ("capsvc_claim", "capsvc_reserve", "capsvc_finalize", "capsvc_journaled_many")
+"""The calls of a sale in steps (a Redis Cluster's): the claim (the ticket indexed for the
+janitor in the same call), the grids' reserves, the decision written, and, once journaled,
+the release of its index entry (one call a pending index and tick)."""
+
+WATCH = ("capsvc_marks", "capsvc_mark_keep")
+"""The watch's calls (capsvc.recovery.reconciler), whatever the sales."""
+
+
+@pytest.mark.parametrize("redis_backend", ["cluster"], indirect=True)
+async def test_a_cluster_sells_each_ticket_in_its_own_steps(
+        service: Any, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Redis Cluster a one-grid ticket costs one call of each step, pinned (a count of
+    the calls the process sends, by function and by node: the watch's reads of the marks
+    are not the sale's). A batch of 64 is 64 calls of each step spread over the nodes that
+    hold the tickets' and the grids' slots, the releases one a pending index: the steps of
+    a batch are not grouped into one call per node."""
+    svc, _ = service
+    store = svc.store
+    await client.current()
+    warm = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]))
+    assert warm.status == 200
+    await asyncio.sleep(0.2)
+    calls: list[tuple[str, str]] = []
+    fcall = store.fcall
+
+    def counted(name: str, keys: list[str], args: list[Any], **decode: Any) -> Any:
+        if name not in WATCH:
+            calls.append((name, store.marks.node_of(keys[0]) or ""))
+        return fcall(name, keys, args, **decode)
+
+    monkeypatch.setattr(store, "fcall", counted)
+    alone = await client.sell(ticket([{"numbers": TEN[1:9], "stake": 500}]))
+    assert alone.status == 200
+    await asyncio.sleep(0.2)
+    assert sorted(name for name, _ in calls) == sorted(STEPS)
+    calls.clear()
+    numbers = [sorted({(i * 7 + k * 11) % 70 + 1 for k in range(8)}) for i in range(200)]
+    grids = [n for n in numbers if len(n) == 8][:64]
+    tickets = [ticket([{"numbers": g, "stake": 200}]) for g in grids]
+    reply = await client.post("/v1/ticket-batches", {"tickets": tickets})
+    assert [r["status"] for r in reply.body["results"]] == [200] * 64
+    await asyncio.sleep(0.2)
+    by_name = {name: sum(1 for n, _ in calls if n == name) for name in STEPS}
+    assert {name for name, _ in calls} == set(STEPS)
+    released = by_name.pop("capsvc_journaled_many")
+    assert by_name == {"capsvc_claim": 64, "capsvc_reserve": 64, "capsvc_finalize": 64}
+    # A release a pending index and tick: at least one an index the batch's tickets are in.
+    indexes = {pending_key_of(ticket_key("fr-retail", t["ticket_id"])) for t in tickets}
+    assert len(indexes) <= released <= 64
+    assert len({node for _, node in calls}) == 3  # every primary takes some of the calls
