@@ -58,9 +58,9 @@ from capsvc.service.steps import SaleSteps, aggregate_value
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """How much of a journal file a planning process reads, decodes and plans at a time."""
-POOL_BYTES = 8 * 1024 * 1024
-"""Files to read larger than this (about 30,000 decisions, a second of restore) are planned
-in processes of their own (`planners`): below it, starting one costs more than it saves."""
+POOL_BYTES = 64 * 1024 * 1024
+"""Files to read larger than this (about 100,000 decisions) are planned in a process of
+their own (`planners`)."""
 
 
 class _Outcome(msgspec.Struct, gc=False):
@@ -316,14 +316,15 @@ def _decoded(lines: list[bytes]) -> Iterator[Open | Record | SalesRecord]:
 
 def planners() -> int:
     """How many planning processes a large restore starts: one a CPU this process may use
-    beyond its own, and one on a single CPU. Each takes the next piece of the files as it
-    is free; the restoring process takes their plans in journal order
-    (`capsvc.recovery.restore` applies one ticket's, one key's records in that order). A
-    plan handed over costs its planner about what planning it here costs (it is encoded,
-    then decoded here), but the planner works while the restoring process waits on Redis:
-    on two CPUs, with Redis on one of them, one planner restored ~10 % more decisions a
-    second than planning in the restoring process (bench/restore.py --ablation)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    beyond two (one for the restoring process, one for a Redis on the same host), so none on
+    two CPUs. Each takes the next piece of the files as it is free; the restoring process
+    takes their plans in journal order (`capsvc.recovery.restore` applies one ticket's, one
+    key's records in that order). A plan handed over costs its planner about what planning
+    it here costs (it is encoded, then decoded here), and the restoring process still spends
+    ~22 µs a one-grid decision on what is left (windows, calls, replies), so more planners
+    than the restoring process can take wait; on two CPUs, one of which Redis takes, a
+    planner slows the restore down (bench/restore.py --ablation)."""
+    return max(0, len(os.sched_getaffinity(0)) - 2)
 
 
 class PlanningFailed(Exception):
