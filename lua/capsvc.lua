@@ -880,31 +880,49 @@ local function slice(list, from, n)
   return out
 end
 
+-- Take back `stake` from `combo` on the first `n` of `buckets`: a counter back at zero goes
+-- (its bucket with it when that was its only field: its TTL is looked at again by the next
+-- write of the call, `seen`), as if never counted.
+local function uncount(buckets, n, combo, stake, seen)
+  for i = 1, n do
+    if redis.call('HINCRBY', buckets[i], combo, -stake) == 0 then
+      redis.call('HDEL', buckets[i], combo)
+      if seen then
+        seen[buckets[i]] = nil
+      end
+    end
+  end
+end
+
 -- Count `stake` for a grid with no record yet on every draw (`buckets`, `expiries`), or
 -- none: record what it took, or why it was refused, in the last draw's bucket. The reply
--- is `reserve`'s. A TTL is written only when it grows (`extend`: a read is not propagated
--- to the AOF and the replicas, a write is).
+-- is `reserve`'s. Each counter is increased first and taken back if that passed its cap
+-- (with the draws before it): one command a draw for a grid accepted, the usual case, the
+-- call being atomic. A TTL is written only when it grows (`extend`: a read is not
+-- propagated to the AOF and the replicas, a write is).
 local function count(buckets, field, combo, stake, caps, min_stake, expiries, shadow, seen)
   local n = #buckets
   local last = buckets[n]
   local shadowed = false
+  local totals = {}
   for i = 1, n do
-    local total = tonumber(redis.call('HGET', buckets[i], combo) or '0')
-    local room = caps[i] - total
-    if stake > room then
+    local total = redis.call('HINCRBY', buckets[i], combo, stake)
+    if total > caps[i] then
+      uncount(buckets, i, combo, stake, seen)
+      local room = caps[i] - (total - stake)
       redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
       extend(last, tonumber(expiries[n]), 0, seen)
       return {0, i - 1, room}
     end
-    if shadow and stake > shadow - total then
+    if shadow and total > shadow then
       shadowed = true
     end
+    totals[i] = total
   end
   local out = {shadowed and 2 or 1, 0}
   for i = 1, n do
-    local cap = caps[i]
+    local cap, total = caps[i], totals[i]
     local near = cap * 0.8
-    local total = redis.call('HINCRBY', buckets[i], combo, stake)
     extend(buckets[i], tonumber(expiries[i]), 0, seen)
     if total >= near and total - stake < near then
       out[2] = out[2] + 1

@@ -22,12 +22,13 @@ from tests.conftest import TEN, Client, ticket
 from tests.support.servers import RedisServer
 
 ONE_GRID_SALE = {
-    # capsvc_sell, reading Redis TIME once: the ticket's record, the grid's counter bucket
-    # and record, the expiries of the bucket and of the record's bucket looked at and
-    # pushed on, the stops, the call's entry of the unjournaled sales (an HSET; its HDEL
-    # once the decision is journaled, a plain command); and the mark (lua/capsvc.lua,
-    # MARKS): one HMGET and one HSET of the call
-    "fcall": 1, "time": 1, "hget": 2, "hset": 4, "hmget": 2, "pexpiretime": 2,
+    # capsvc_sell, reading Redis TIME once: the ticket's record (read, written), the grid's
+    # counter increased (and taken back only past the cap) and its record, the expiries of
+    # the bucket and of the record's bucket looked at and pushed on, the stops, the call's
+    # entry of the unjournaled sales (an HSET; its HDEL once the decision is journaled, a
+    # plain command); and the mark (lua/capsvc.lua, MARKS): one HMGET and one HSET of the
+    # call
+    "fcall": 1, "time": 1, "hget": 1, "hset": 4, "hmget": 2, "pexpiretime": 2,
     "pexpireat": 2, "hincrby": 1, "hdel": 1,
 }
 """Commands by name for one sale of one 8-number grid on a standalone Redis, the release of
@@ -138,7 +139,7 @@ LIMITED_SALE = {
     **ONE_GRID_SALE,
     # and the player's limit: its self-limit read (HMGET), the day's spent read (HGET),
     # charged (HINCRBY) under the sale's ref (HSET), the day's expiry looked at and set
-    "hmget": 3, "hget": 3, "hincrby": 2, "hset": 5, "pexpiretime": 3, "pexpireat": 3,
+    "hmget": 3, "hget": 2, "hincrby": 2, "hset": 5, "pexpiretime": 3, "pexpireat": 3,
 }
 """Commands by name for one sale of one 8-number grid of a game with player limits (the
 player's first of the day), in one call on a standalone Redis."""
