@@ -26,7 +26,8 @@ but for the node's count a marked function also writes on a cluster (see MARKS).
                  decided (sold, cancelled, voided) and not known to be journaled yet; the
                  process that journals the decision removes the entry (`journaled_many`:
                  only if the ticket is still in that state), else the janitor journals it
-  aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes (see AGGREGATES)
+  aggregates     a:{t:NN}:<game>:<draw>            hash   sale id -> accepted stakes
+                 (see AGGREGATES)
   counters       c:{<game>:<bucket>}:<draw>        hash   one bucket of one draw:
                    <combination>             -> cumulative stake (minor units)
                    "\0" <sale id> <grid>     -> that grid's record (see RECORDS)
@@ -157,12 +158,12 @@ write answered, or fewer of its writes than it sent before this call and did not
 them on the connection would otherwise write their G again over a rollback that lost them);
 or when the node's N is lower than the N it saw.
 A write then counts itself (G + 1, its field set to it, its count + 1; N + 1) and answers
-{G, N, reply} — a look-up
-too: a decision reported is a write of the reporter's, so that losing the decision loses
-the write, and the reporter sees it. The mark is written by the same call as the data it covers, so replication
-and the AOF keep them together: it can never be ahead of that data, and whatever Redis
-keeps of a node's history is a prefix of it. A journal record carries the G of the calls
-that made it: Redis holds it exactly when the mark of its process's life is not below. ]]
+{G, N, reply} — a look-up too: a decision reported is a write of the reporter's, so that
+losing the decision loses the write, and the reporter sees it. The mark is written by the
+same call as the data it covers, so replication and the AOF keep them together: it can never
+be ahead of that data, and whatever Redis keeps of a node's history is a prefix of it. A
+journal record carries the G of the calls that made it: Redis holds it exactly when the mark
+of its process's life is not below. ]]
 local MARK_TTL_MS = 8 * 86400000
 
 local function restoring(h)
@@ -333,9 +334,9 @@ end
 --[[ mark_keep: KEYS mark; ARGV life (each process's watch, once in a while)
 The mark's TTL renewed, an announcement past its end removed, the counts of restores no
 longer under way ("%<token>" without its "^<restorer>" token) removed, the caller's
-lifetime noted alive ("@<life>" -> now), and the fields of lifetimes not alive for MARK_TTL_MS removed:
-their records are past their retention by then (a lifetime without its field has all of
-its records restored, which is never wrong). ]]
+lifetime noted alive ("@<life>" -> now), and the fields of lifetimes not alive for
+MARK_TTL_MS removed: their records are past their retention by then (a lifetime without its
+field has all of its records restored, which is never wrong). ]]
 local function mark_keep(keys, args)
   local mark, now = keys[1], now_ms()
   if redis.call('EXISTS', mark) == 0 then
@@ -1343,9 +1344,9 @@ draw was not asked: a group is one request's sales, 0 none) and its shape (1-bas
 each shape's KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then
 the keys of the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1"
 when the call carries sales of a request an earlier call carried too (else ""), and this
-call's field in the unjournaled sales (any string no other call uses). One Redis TIME, one mark, one expiry read per key, one read of a shape's
-admin stops and one entry of the unjournaled sales serve the whole batch (a batch is judged
-at one instant): the names and sale ids of the sales it made (not the replays), at its
+call's field in the unjournaled sales (any string no other call uses). One Redis TIME,
+one mark, one expiry read per key, one read of a shape's admin stops and one entry of the
+unjournaled sales serve the whole batch (a batch is judged at one instant): the names and sale ids of the sales it made (not the replays), at its
 instant, which the caller deletes once their decisions are journaled (else the janitor
 journals them). A sale whose first draw was not asked and is closed or stopped moves on to
 the next draw, which its caller sells alone: the later sales of its group are not judged
@@ -1606,8 +1607,9 @@ changes nothing; nothing is judged against the cap: the decision was answered. ]
 
 --[[ restore_ticket: KEYS ticket; ARGV sid, at, sale, body, expire_at, cancelled at ("" for
 a decision not cancelled), released, results (optional)
-The decision is its body, or ("" body) its results (sold in one call). Writes a journaled decision: when the ticket is unknown, or this sale is still pending
-(Redis kept the claim, lost the decision), as decided, or when the journal says it was
+The decision is its body, or ("" body) its results (sold in one call). Writes a journaled
+decision: when the ticket is unknown, or this sale is still pending (Redis kept the claim,
+lost the decision), as decided, or when the journal says it was
 cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
 ticket of this sale that the journal says was cancelled becomes cancelling too. Returns
 {'written', has res} | {'cancelling', has res} | {'present'} (decided, nothing to do)
