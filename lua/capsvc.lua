@@ -1347,8 +1347,8 @@ when the call carries sales of a request an earlier call carried too (else ""), 
 call's field in the unjournaled sales (any string no other call uses). One Redis TIME,
 one mark, one expiry read per key, one read of a shape's admin stops and one entry of the
 unjournaled sales serve the whole batch (a batch is judged at one instant): the names and
-sale ids of the sales it made (not the replays), at its instant, which the caller deletes once their decisions are journaled (else the janitor
-journals them). A sale whose first draw was not asked and is closed or stopped moves on to
+sale ids of the sales it made (not the replays), at its instant, which the caller deletes
+once their decisions are journaled (else the janitor journals them). A sale whose first draw was not asked and is closed or stopped moves on to
 the next draw, which its caller sells alone: the later sales of its group are not judged
 here nor in the calls after it ({'later'}: the group is noted in the halted groups), so
 that the caller judges them after it, in order, as a new group. Returns one reply per
