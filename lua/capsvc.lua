@@ -1344,15 +1344,15 @@ draw was not asked: a group is one request's sales, 0 none) and its shape (1-bas
 each shape's KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then
 the keys of the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1"
 when the call carries sales of a request an earlier call carried too (else ""), and this
-call's field in the unjournaled sales (any string no other call uses). One Redis TIME,
-one mark, one expiry read per key, one read of a shape's admin stops and one entry of the
+call's field in the unjournaled sales (any string no other call uses). One Redis TIME, one
+mark, one expiry read per key, one read of a shape's admin stops and one entry of the
 unjournaled sales serve the whole batch (a batch is judged at one instant): the names and
 sale ids of the sales it made (not the replays), at its instant, which the caller deletes
-once their decisions are journaled (else the janitor journals them). A sale whose first draw was not asked and is closed or stopped moves on to
-the next draw, which its caller sells alone: the later sales of its group are not judged
-here nor in the calls after it ({'later'}: the group is noted in the halted groups), so
-that the caller judges them after it, in order, as a new group. Returns one reply per
-sale, in order.
+once their decisions are journaled (else the janitor journals them). A sale whose first
+draw was not asked and is closed or stopped moves on to the next draw, which its caller
+sells alone: the later sales of its group are not judged here nor in the calls after it
+({'later'}: the group is noted in the halted groups), so that the caller judges them after
+it, in order, as a new group. Returns one reply per sale, in order.
 
 A shape: KEYS the game's stops, its feed stream, the sold-out list of each draw (1..n),
 then with "fix" the cap key of each draw (see CAPS: fixed by the first sale that stands);
