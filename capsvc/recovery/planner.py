@@ -323,7 +323,8 @@ def planners() -> int:
     it here costs (it is encoded, then decoded here), and the restoring process still spends
     ~22 µs a one-grid decision on what is left (windows, calls, replies), so more planners
     than the restoring process can take wait; on two CPUs, one of which Redis takes, a
-    planner slows the restore down (bench/restore.py --ablation)."""
+    planner gains nothing (bench/restore.py with the real command: one-grid 21,457 against
+    20,258 decisions a second with one, mixed 11,611 against 11,762)."""
     return max(0, len(os.sched_getaffinity(0)) - 2)
 
 
