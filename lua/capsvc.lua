@@ -66,13 +66,13 @@ atomic call; the draw is in the key name, so what a draw stored expires with it.
 of the layout: changing it while a draw is on sale would split that draw's counters in
 two, so it is a constant, not a setting.
 
-SALES. The claim mints a sale id (`sid`, 8 bytes of the SHA-1 of the ticket key, the
-claim instant and a random nonce from the caller; a sale in one call takes the caller's
-nonce). Callers and replies name it in hex, the ticket record keeps its 8 bytes (see TICKET
-RECORDS). Every grid record is keyed by sale id and
-grid index, so a ticket id used again after its retention is a new sale with new records,
-and every step that acts for a sale (reserve, release, finalize, unclaim, settle, cancel)
-names it and does nothing to another sale.
+SALES. The claim mints a sale id (`sid`, 8 bytes of the SHA-1 of the ticket key, the claim
+instant and a random nonce from the caller; a sale in one call takes the caller's nonce).
+Callers and replies name it in hex, the ticket record keeps its 8 bytes (see TICKET
+RECORDS). Every grid record is keyed by sale id and grid index, so a ticket id used again
+after its retention is a new sale with new records, and every step that acts for a sale
+(reserve, release, finalize, unclaim, settle, cancel) names it and does nothing to another
+sale.
 
 Ticket states (field st): p = pending (claimed, decision not written), x = expired (the
 janitor is settling it), f = final (body holds the decision; or `res` the grids' results, from
@@ -1609,13 +1609,13 @@ changes nothing; nothing is judged against the cap: the decision was answered. ]
 a decision not cancelled), released, results (optional)
 The decision is its body, or ("" body) its results (sold in one call). Writes a journaled
 decision: when the ticket is unknown, or this sale is still pending (Redis kept the claim,
-lost the decision), as decided, or when the journal says it was
-cancelled, as cancelling (`k`: the caller releases, then calls `cancelled`). A decided
-ticket of this sale that the journal says was cancelled becomes cancelling too. Returns
-{'written', has res} | {'cancelling', has res} | {'present'} (decided, nothing to do)
-| {'cancelled'} (a decision whose ticket Redis has cancelled since: nothing to do)
-| {'other'} (the ticket id holds another sale: nothing written). `has res`: 1 when the decision is
-kept as results (sold in one call: its aggregates are by number of picks). ]]
+lost the decision), as decided, or when the journal says it was cancelled, as cancelling
+(`k`: the caller releases, then calls `cancelled`). A decided ticket of this sale that the
+journal says was cancelled becomes cancelling too. Returns {'written', has res} |
+{'cancelling', has res} | {'present'} (decided, nothing to do) | {'cancelled'} (a decision
+whose ticket Redis has cancelled since: nothing to do) | {'other'} (the ticket id holds
+another sale: nothing written). `has res`: 1 when the decision is kept as results (sold in
+one call: its aggregates are by number of picks). ]]
 local function restore_ticket(keys, args)
   local T = ticket_of(keys, args)
   local rec = ticket_read(T, now_ms())

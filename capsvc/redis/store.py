@@ -881,8 +881,8 @@ def ticket_value(expire_at: int, state: bytes, at: int, sale_id: str, sale: byte
     """A bucketed ticket record's value, byte for byte as lua/capsvc.lua's `ticket_new`
     packs it (TICKET RECORDS: the expiry, then st, at, sid, sale, body, res, ca, rel;
     `at` an integer, `sid` its 8 bytes, `ca` and `rel` decimal strings, nil for what is
-    absent). A decision is kept
-    as its `body` (sold in steps) or as its `results` (sold in one call)."""
+    absent). A decision is kept as its `body` (sold in steps) or as its `results` (sold in
+    one call)."""
     head = _mp_head
     parts = [_mp_uint(expire_at), head(len(state)), state, _mp_uint(at), _SID_HEAD,
              bytes.fromhex(sale_id), head(len(sale)), sale]
