@@ -436,10 +436,10 @@ async def lookup(store: Store, keys: list[tuple[str, str]], game: str, draw: int
         for (channel, ticket), record in zip(chunk, replies, strict=True):
             if record is None or (record.body is None and record.results is None):
                 continue  # unknown, or no decision yet
-            body = record.body or derived_body(channel, record.sale, record.sale_id,
-                                               record.at, record.results)
-            decision = msgspec.json.decode(body)
             sale = unpack_sale(record.sale)
+            body = record.body or derived_body(channel, sale, record.sale_id, record.at,
+                                               record.results)
+            decision = msgspec.json.decode(body)
             assert sale.first_draw is not None
             same_game = sale.game == game
             out[channel, ticket] = Known(

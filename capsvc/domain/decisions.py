@@ -21,7 +21,7 @@ from capsvc.client.models import Cancellation, GridOut, Receipt, TicketOut, Tick
 from capsvc.config import GameRules
 from capsvc.domain.calendar import DrawCalendar, instant
 from capsvc.domain.errors import rule_error
-from capsvc.domain.validator import Sale, budget_shares, unpack_sale
+from capsvc.domain.validator import Sale, budget_shares
 
 DAY_MS = 86_400_000
 
@@ -233,9 +233,9 @@ def results_of(zone: str, replies: Sequence[Reserved | None] | None) -> bytes:
         for r in replies)).encode()
 
 
-def derived_body(channel_id: str, raw_sale: bytes, sale_id: str, at: int,
+def derived_body(channel_id: str, sale: Sale, sale_id: str, at: int,
                  results: bytes | None) -> bytes:
-    """The body of a decision stored as results: what the sale answered, byte for byte."""
+    """The body of a decision stored as results (`sale`: its record's, unpacked): what the
+    sale answered, byte for byte."""
     assert results is not None, "a decision is kept as a body or as results"
-    return msgspec.json.encode(decision_of(channel_id, unpack_sale(raw_sale), sale_id, at,
-                                           results))
+    return msgspec.json.encode(decision_of(channel_id, sale, sale_id, at, results))

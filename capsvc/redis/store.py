@@ -63,9 +63,9 @@ T = TypeVar("T")
 
 LIBRARY = "capsvc"
 RECORD_VALUE_BYTES = 256
-"""The `hash-max-listpack-value` under which a bucket of ticket records (records of ~100
-to ~180 bytes) stays a listpack: ~310 bytes of Redis memory a ticket at 100,000, everything
-a sale leaves, against ~360 with Redis's default of 64, under which every bucket is a hash
+"""The `hash-max-listpack-value` under which a bucket of ticket records (records of ~90 to
+~170 bytes) stays a listpack: ~300 bytes of Redis memory a ticket at 100,000, everything a
+sale leaves, against ~345 with Redis's default of 64, under which every bucket is a hash
 table (bench/memory.py)."""
 SALES_PER_CALL = 64
 """Sales judged by one call of capsvc_sell at most: Redis runs nothing else meanwhile

@@ -147,22 +147,21 @@ class Janitor:
                 log.error("janitor: ticket of a game no longer configured: configure %s again "
                           "to journal it", sale.game, extra={"ticket_key": key})
                 return journaled
-            await self._journal_sold(key, game, sale, record.sale, sale_id, record.at,
-                                     record.body, record.results)
+            await self._journal_sold(key, game, sale, sale_id, record.at, record.body,
+                                     record.results)
             journaled += 1
         await self.store.forget_unjournaled(field)
         return journaled
 
-    async def _journal_sold(self, key: str, game: Game, sale: Sale, raw_sale: bytes,
-                            sale_id: str, at: int, body: bytes | None, results: bytes | None
-                            ) -> None:
+    async def _journal_sold(self, key: str, game: Game, sale: Sale, sale_id: str, at: int,
+                            body: bytes | None, results: bytes | None) -> None:
         """Journal a sold ticket's decision that its request may have died before
         journaling (its body, or rendered from its results)."""
         assert sale.first_draw is not None
         channel_id = channel_of(key)
         await self.tickets.journal.sale(
             "janitor", channel_id, sale, sale_id, at,
-            body or derived_body(channel_id, raw_sale, sale_id, at, results),
+            body or derived_body(channel_id, sale, sale_id, at, results),
             game.expire_at(sale.first_draw + sale.draws - 1),
             self.steps.caps.known(game, sale.first_draw, sale.draws))
         log.info("janitor journaled a sale whose request ended before its answer",
@@ -194,11 +193,10 @@ class Janitor:
                 await self.tickets.finish_cancel(channel_id, game, key, sale, sale_id, at)
                 log.info("janitor finished an interrupted cancel", extra={"ticket_key": key})
             if state == b"f":  # decided, maybe never journaled: its request died
-                await self._journal_sold(key, game, sale, due.sale, sale_id, at, due.body,
+                await self._journal_sold(key, game, sale, sale_id, at, due.body,
                                          due.results)
             else:
-                body = due.body or derived_body(channel_id, due.sale, sale_id, at,
-                                                due.results)
+                body = due.body or derived_body(channel_id, sale, sale_id, at, due.results)
                 await journal.cancel("janitor", channel_id, sale, sale_id, at, body, until,
                                      due.cancelled_at or 0, due.released or 0)
             # Unless the ticket moved on meanwhile (a cancel decided): the next round's.

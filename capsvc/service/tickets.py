@@ -437,12 +437,13 @@ class Tickets:
         record = await self.store.ticket(ticket_key(channel.id, t.ticket_id))
         if record is None:
             return None
-        if _another_request(record.sale, request_fingerprint(t)):
+        held = unpack_sale(record.sale)
+        if _another_request(held, request_fingerprint(t)):
             raise _conflict(t.ticket_id)
         if record.decided:
-            body = record.body or derived_body(channel.id, record.sale, record.sale_id,
-                                               record.at, record.results)
-            await self._journal_stored("replay", channel.id, record, body)
+            body = record.body or derived_body(channel.id, held, record.sale_id, record.at,
+                                               record.results)
+            await self._journal_stored("replay", channel.id, record, held, body)
             return SaleOutcome(body=body, replayed=True)
         raise unavailable(f"ticket {t.ticket_id} is being settled after an interrupted sale; "
                           "retry shortly", self.settings.retry_after_s)
@@ -467,7 +468,8 @@ class Tickets:
                     self._sell_in_one_call(game, key, stored, expire_at, not defaulted, judged)
                     if p.one_call else
                     self._claim(game, key, stored, close_ms, expire_at, not defaulted))
-            held = claim.sale if isinstance(claim, Decided | Pending | Refused) else None
+            raw = claim.sale if isinstance(claim, Decided | Pending | Refused) else None
+            held = None if raw is None else unpack_sale(raw)  # the sale the id holds
             if held is not None and _another_request(held, sale.fingerprint):
                 raise _conflict(t.ticket_id)
             if isinstance(claim, Refused):
@@ -484,7 +486,7 @@ class Tickets:
                 first = max(first + 1, game.calendar.current(self.clock.now()))
                 claim = None
                 continue
-            step = await self._after(channel, game, key, stored, expire_at, claim)
+            step = await self._after(channel, game, key, stored, expire_at, claim, held)
             claim = None
             if isinstance(step, SaleOutcome):
                 return step
@@ -498,8 +500,10 @@ class Tickets:
                           self.settings.retry_after_s)
 
     async def _after(self, channel: Channel, game: Game, key: str, sale: Sale, expire_at: int,
-                     claim: Sold | Decided | Claimed | Pending | StoppedAt) -> Step:
-        """What a first call's reply leads to: the answer, or a step to take again."""
+                     claim: Sold | Decided | Claimed | Pending | StoppedAt, held: Sale | None
+                     ) -> Step:
+        """What a first call's reply leads to: the answer, or a step to take again. `held`:
+        the sale a known ticket id holds (a Decided's or a Pending's, unpacked)."""
         match claim:
             case Sold():  # decided in that same call
                 out = decision_of(channel.id, sale, claim.sale_id, claim.at, claim.results)
@@ -511,16 +515,18 @@ class Tickets:
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed)
             case Decided():
+                assert held is not None
                 if self._may_have_lost_counters(claim.state, claim.body):
                     assert claim.body is not None
-                    await self._still_counted(game, claim.sale, claim.sale_id, claim.body)
-                body = claim.body or derived_body(channel.id, claim.sale, claim.sale_id,
-                                                   claim.at, claim.results)
+                    await self._still_counted(game, held, claim.sale_id, claim.body)
+                body = claim.body or derived_body(channel.id, held, claim.sale_id, claim.at,
+                                                   claim.results)
                 record = TicketRecord(claim.state, claim.body, claim.sale, claim.sale_id,
                                       claim.at, claim.cancelled_at, claim.released,
                                       claim.results)
                 await self._journaled(key, claim.sale_id, claim.state,
-                                      self._journal_stored("replay", channel.id, record, body))
+                                      self._journal_stored("replay", channel.id, record, held,
+                                                           body))
                 return SaleOutcome(body=body, replayed=True)
             case Claimed():
                 return await self._decide(channel, game, key, sale, claim.sale_id, claim.at,
@@ -530,10 +536,10 @@ class Tickets:
                 # they recorded. Whichever request of the sale writes the decision answers
                 # it first (the claim's own request or not); the others find it written
                 # and answer it as a replay.
-                resumed = unpack_sale(claim.sale)
-                assert resumed.first_draw is not None
-                return await self._decide(channel, game, key, resumed, claim.sale_id,
-                                          claim.at, game.calendar.close_ms(resumed.first_draw))
+                assert held is not None
+                assert held.first_draw is not None
+                return await self._decide(channel, game, key, held, claim.sale_id, claim.at,
+                                          game.calendar.close_ms(held.first_draw))
             case StoppedAt():
                 return Stop(claim.offset)
 
@@ -697,7 +703,7 @@ class Tickets:
         await self.steps.conclude_or_void(channel_id, game, key, sale, sale_id, at, "stopped")
         return Stop(stopped)
 
-    async def _still_counted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
+    async def _still_counted(self, game: Game, sale: Sale, sale_id: str, body: bytes
                              ) -> None:
         """Before a replay on Redis Cluster: every grid the decision accepted still has its
         record. A shard can lose writes the others keep (its primary and the replica that
@@ -705,7 +711,7 @@ class Tickets:
         the retry must not answer "accepted" for a stake no counter holds. The missing
         grids are counted again, under the same sale, against the cap; if one no longer
         fits, the decision cannot be answered (503, an error logged for the operator)."""
-        decision, sale, missing = await self._uncounted(game, raw_sale, sale_id, body)
+        decision, missing = await self._uncounted(game, sale, sale_id, body)
         if not missing:
             return
         assert sale.first_draw is not None
@@ -735,12 +741,12 @@ class Tickets:
         if state in (b"f", b"c"):
             self.store.journaled_later(key, sale_id, state)
 
-    def _journal_stored(self, via: Via, channel_id: str, record: TicketRecord, body: bytes
-                        ) -> asyncio.Future[None]:
-        """Journal a stored decision this process reports (a replay, a GET)."""
+    def _journal_stored(self, via: Via, channel_id: str, record: TicketRecord, sale: Sale,
+                        body: bytes) -> asyncio.Future[None]:
+        """Journal a stored decision this process reports (a replay, a GET; `sale`: the
+        record's, unpacked)."""
         if not self.journal.enabled:
             return self.journal.nothing()
-        sale = unpack_sale(record.sale)
         game = self.catalog.get(sale.game)
         assert sale.first_draw is not None
         last = sale.first_draw + sale.draws - 1
@@ -756,13 +762,12 @@ class Tickets:
         standing (not being cancelled or cancelled)."""
         return body is not None and state == b"f" and not self.store.single_node
 
-    async def _uncounted(self, game: Game, raw_sale: bytes, sale_id: str, body: bytes
-                         ) -> tuple[TicketOut, Sale, set[int]]:
-        """A decision, its sale, and the grids it accepted whose record is gone."""
+    async def _uncounted(self, game: Game, sale: Sale, sale_id: str, body: bytes
+                         ) -> tuple[TicketOut, set[int]]:
+        """A decision of `sale`, and the grids it accepted whose record is gone."""
         decision = _ticket_decoder.decode(body)
-        sale = unpack_sale(raw_sale)
         accepted = {g.index for g in decision.grids if g.status == "accepted"}
-        return decision, sale, await self.steps.uncounted(game, sale, sale_id, accepted)
+        return decision, await self.steps.uncounted(game, sale, sale_id, accepted)
 
     # -- look up ---------------------------------------------------------------------------
 
@@ -772,23 +777,23 @@ class Tickets:
         record = await self.store.ticket(ticket_key(channel.id, ticket_id))
         if record is None:
             raise not_found(f"ticket {ticket_id!r}")
-        game = self.catalog.get(unpack_sale(record.sale).game)
+        sale = unpack_sale(record.sale)
+        game = self.catalog.get(sale.game)
         body = record.body
         lost = False
         if game is not None and body is not None and self._may_have_lost_counters(
                 record.state, body):
             # A decision whose counters a shard lost is no decision to show: the POST sent
             # again counts them again (see _still_counted).
-            _, _, missing = await self._uncounted(game, record.sale, record.sale_id, body)
+            _, missing = await self._uncounted(game, sale, record.sale_id, body)
             lost = bool(missing)
         if body is None and record.results is not None:
-            body = derived_body(channel.id, record.sale, record.sale_id, record.at,
-                                record.results)
+            body = derived_body(channel.id, sale, record.sale_id, record.at, record.results)
         if lost or body is None:
             raise ApiError("conflict", "ticket_pending",
                            f"ticket {ticket_id} has no decision yet: retry the POST with the "
                            "same body to complete it")
-        await self._journal_stored("lookup", channel.id, record, body)
+        await self._journal_stored("lookup", channel.id, record, sale, body)
         if record.cancelled_at is None:
             return bytes(body)
         tz = game.rules.tz if game is not None else UTC
@@ -862,11 +867,11 @@ def _not_cancellable(message: str) -> ApiError:
     return ApiError("conflict", "not_cancellable", message)
 
 
-def _another_request(held: bytes, fingerprint: str | None) -> bool:
-    """Whether the sale a ticket id holds (packed, as its record keeps it) is another
-    request's than the one of `fingerprint` (the record keeps no fingerprint: its sale's
-    own, recomputed, is compared)."""
-    return unpack_sale(held).fingerprint != fingerprint
+def _another_request(held: Sale, fingerprint: str | None) -> bool:
+    """Whether the sale a ticket id holds (its record's, unpacked) is another request's than
+    the one of `fingerprint` (the record keeps no fingerprint: its sale's own, recomputed
+    when unpacked, is compared)."""
+    return held.fingerprint != fingerprint
 
 
 def _conflict(ticket_id: str) -> ApiError:
