@@ -11,6 +11,7 @@ import redis
 from capsvc.config import Settings
 from capsvc.domain.errors import Unavailable
 from capsvc.http.server import Service
+from capsvc.redis.store import pending_key_of, ticket_key
 from tests.conftest import TEN, Client, past_deadline, ticket
 
 
@@ -158,3 +159,21 @@ async def test_a_draws_stakes_count_a_settled_sale_once_and_an_abandoned_one_nev
     monkeypatch.setattr(exposure, "CACHE_S", 0.0)
     assert await past_deadline(svc.usecases.janitor).run_once() == 1
     assert await stakes() == [{"picks": 3, "stake": 200}, {"picks": 10, "stake": 500}]
+
+
+async def test_a_claim_refused_by_the_close_leaves_an_index_entry_the_janitor_lets_go(
+        service: tuple[Service, str], client: Client, redis_db: redis.Redis) -> None:
+    """The claim indexes its ticket in the same call whatever it answers: a claim refused by
+    the close (nothing claimed) leaves an entry with no ticket behind it, which the janitor
+    lets go, settling nothing and answering nothing."""
+    svc, _ = service
+    draw = await client.current()
+    body = ticket([{"numbers": TEN, "stake": 500}], first_draw=draw - 1)
+    refused = await client.sell(body)
+    assert (refused.status, refused.body["error"]["code"]) == (422, "draw_closed")
+    key = ticket_key("fr-retail", body["ticket_id"])
+    assert redis_db.zscore(pending_key_of(key), key) is not None
+    assert await past_deadline(svc.usecases.janitor).run_once() == 0
+    assert redis_db.zscore(pending_key_of(key), key) is None
+    assert (await client.get(f"/v1/tickets/{body['ticket_id']}")).status == 404
+    assert await client.staked(TEN, draw - 1) == 0
