@@ -182,6 +182,24 @@ async def test_reserve_is_all_or_nothing_across_draws(combos: Combos,
     assert combos.record(late, draws=3, combo=OTHER) == b"R2:200"
 
 
+async def test_a_refused_grid_takes_a_zero_counter_away_read_as_zero(
+        combos: Combos, redis_db: redis.Redis) -> None:
+    """A counter held as "0" (its bucket's only field), under a subscription grid refused on
+    a later draw: counted and taken back, it goes, and its bucket with it; every reader
+    reads zero, and nothing is left without a TTL."""
+    full = new_sale()
+    redis_db.hset(combos.bucket(FIRST), COMBO, 0)
+    redis_db.pexpireat(combos.bucket(FIRST), combos.expires[0])
+    assert await combos.reserve(full, 5000, first=FIRST + 1) == [1, 1, 0]
+    late = new_sale()
+    assert await combos.reserve(late, 500, draws=2) == [0, 1, 0]
+    assert combos.counters(2) == [0, 5000]
+    assert redis_db.exists(combos.bucket(FIRST)) == 0
+    assert all(redis_db.pexpiretime(k) > 0 for k in redis_db.scan_iter("c:*"))
+    assert await combos.reserve(new_sale(), 500) == [1, 0]  # the draw sells on from zero
+    assert combos.counters(1) == [500]
+
+
 async def test_rerun_of_an_accepted_grid_returns_it_and_counts_once(combos: Combos) -> None:
     """A re-run by the same sale answers its acceptance (sold-out offsets now), counts once."""
     sale = new_sale()
