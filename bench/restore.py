@@ -34,9 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,7 +55,14 @@ from capsvc.recovery.planner import Planned, Planner
 from capsvc.recovery.restore import Restorer
 from capsvc.redis.cluster import connect
 from capsvc.redis.store import (
+    _NIL,
+    _SID_HEAD,
+    COUNTER_BUCKETS,
+    RECORD_BUCKETS,
+    TICKET_BUCKETS,
     Store,
+    _mp_head,
+    _mp_uint,
     bucket_keys,
     ident_of,
     lua_source,
@@ -162,7 +172,10 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     computed here beforehand and written whole, one HSET a bucket (the floor of any design
     that writes the plan's buckets whole), and for every key restored from a payload made
     beforehand (RESTORE of each key's DUMP: the floor of any design that sends Redis its
-    keys whole, as serialized values)."""
+    keys whole, as serialized values); last, the least a restore computes from the decoded
+    journal, with the product's encoders and written as lean as CPython allows
+    (`leanest`), serialized as RESTORE payloads and loaded, and the ceilings those floors
+    put on any restore of this journal on this machine's CPUs."""
     settings = load_settings(config)
     catalog = Catalog(settings.games)
     client = redis.client()
@@ -215,6 +228,7 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
         whole_s, whole_cpu = time.perf_counter() - started, redis_cpu(client) - cpu
         dumps = [(key, client.pexpiretime(key), client.dump(key))
                  for key in client.scan_iter(count=1000)]
+        version = dumps[0][2][-10:-8]  # the RDB version of this server's payloads
         client.flushall()
         cpu, started = redis_cpu(client), time.perf_counter()
         await restore_whole(store, dumps)
@@ -232,15 +246,46 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
           f"{1e6 * payload_cpu / decisions:.1f} µs ({decisions / payload_s:,.0f}/s)")
     gc.disable()
     started = time.process_time()
-    least_fields(records)
+    wanted = least_fields(records)
     least = time.process_time() - started
     print(f"  python, the least a restore computes from the decoded journal (each one-call "
           f"sale's ticket record and its grids' counter and record fields, by bucket; nothing "
           f"compared, sent or serialized): {1e6 * least / decisions:.2f} µs a decision")
+    cpus = len(os.sched_getaffinity(0))
     floor = (decode + least + payload_cpu) / decisions
-    print(f"  ceiling on {len(os.sched_getaffinity(0))} CPUs of any restore that decodes this "
-          f"journal in Python and sends Redis its keys whole (the three floors above, every "
-          f"CPU busy, nothing else spent): {len(os.sched_getaffinity(0)) / floor:,.0f}/s")
+    print(f"  ceiling on {cpus} CPUs of any restore that decodes this journal in Python and "
+          f"sends Redis its keys whole (the three floors above, every CPU busy, nothing else "
+          f"spent): {cpus / floor:,.0f}/s")
+    asked = [first_asked(line, s) for line in records if type(line) is SalesRecord
+             for s in line.sales]
+    started = time.process_time()
+    lean = leanest(records, asked)
+    lean_s = time.process_time() - started
+    assert lean == wanted, "the lean computation must make what the product's encoders make"
+    started = time.process_time()
+    payloads = restore_payloads(lean, version)
+    serialize = time.process_time() - started
+    client.flushall()
+    transport = connect(redis.url, timeout_s=30, library=lua_source())
+    try:
+        cpu = redis_cpu(client)
+        await restore_whole(Store(transport), [(key.encode(), -1, payload)
+                                               for key, payload in payloads])
+        loaded = redis_cpu(client) - cpu
+    finally:
+        await transport.aclose()
+    sample = next(iter(lean))
+    assert {k if isinstance(k, bytes) else k.encode(): str(v).encode() if isinstance(v, int)
+            else v for k, v in lean[sample].items()} == client.hgetall(sample)
+    print(f"  python, the same written lean (no sale object built, the journal telling "
+          f"whether the first draw was asked: no fingerprint recomputed): "
+          f"{1e6 * lean_s / decisions:.2f} µs a decision; each bucket serialized as a RESTORE "
+          f"payload ({crc_source}): {1e6 * serialize / decisions:.2f} µs; Redis RESTOREing "
+          f"those (no TTL): {1e6 * loaded / decisions:.2f} µs")
+    floor = (decode + lean_s + serialize + loaded) / decisions
+    print(f"  ceiling on {cpus} CPUs of the leanest restore of this journal (decoded, "
+          f"computed lean, serialized, RESTOREd; every CPU busy, nothing compared, no TTL, "
+          f"nothing else spent): {cpus / floor:,.0f}/s")
 
 
 def in_functions(client: Any, decisions: int) -> str:
@@ -366,6 +411,113 @@ def least_fields(records: list[Any]) -> dict[str, dict[bytes | str, Any]]:
                         fields[g.combo] = fields.get(g.combo, 0) + g.stake
                     out[buckets[-1]][record_field(s.sale, g.index)] = g.stake
     return out
+
+
+def first_asked(line: SalesRecord, s: Any) -> bool:
+    """Whether the request of sale `s` named its first draw (what its packed sale says)."""
+    return bool(msgspec.msgpack.decode(pack_sale(sold_sale(line, s)))[3] > 0)
+
+
+def leanest(records: list[Any], asked: list[bool]) -> dict[str, dict[bytes | str, Any]]:
+    """What `least_fields` computes, written lean: no sale object built, the ticket record
+    packed in place, whether each sale's first draw was asked given (`asked`, in order, as
+    a journal saying so would: no fingerprint recomputed). The floor of CPython computing
+    the keys a restore writes from this journal."""
+    out: dict[str, dict[bytes | str, Any]] = {}
+    pack, crc32, fromhex = msgspec.msgpack.encode, zlib.crc32, bytes.fromhex
+    n = 0
+    for line in records:
+        if type(line) is not SalesRecord:
+            continue
+        game, channel, zone = line.game, line.channel, line.zone
+        for s in line.sales:
+            first, draws = s.first_draw, s.draws
+            grids = [[bytes(g.numbers), g.stake, (1 if g.multiplier else 0)
+                      | (2 if g.capped else 0)] for g in s.grids]
+            sale = pack([s.ticket, game, s.player, first if asked[n] else -first, draws,
+                         s.joker_plus, s.joker_cost, grids])
+            n += 1
+            ident = f"{channel}/{s.ticket}"
+            h = crc32(ident.encode())
+            bucket = f"r:{{t:{h % TICKET_BUCKETS}}}:{(h // TICKET_BUCKETS) % RECORD_BUCKETS}"
+            res = f"{zone}|{s.res}".encode()
+            sid = fromhex(s.sale)
+            fields = out.get(bucket)
+            if fields is None:
+                fields = out[bucket] = {}
+            fields[ident] = b"".join((
+                _mp_uint(s.until), b"\xa1f", _mp_uint(line.at if s.at is None else s.at),
+                _SID_HEAD, sid, _mp_head(len(sale)), sale, _NIL, _mp_head(len(res)), res,
+                _NIL, _NIL))
+            results = s.res.split(";")
+            for i, g in enumerate(s.grids):
+                if g.capped and results[i] == "1":
+                    combo = "".join(map(chr, g.numbers))
+                    prefix = f"c:{{{game}:{crc32(combo.encode()) % COUNTER_BUCKETS}}}:"
+                    for d in range(first, first + draws):
+                        key = prefix + str(d)
+                        f = out.get(key)
+                        if f is None:
+                            f = out[key] = {}
+                        f[combo] = f.get(combo, 0) + g.stake
+                    f[b"\0" + sid + bytes((i,))] = g.stake
+    return out
+
+
+def _rdb_length(n: int) -> bytes:
+    """An RDB length: 6, 14 or 32 bits."""
+    if n < 0x40:
+        return bytes((n,))
+    if n < 0x4000:
+        return bytes((0x40 | n >> 8, n & 0xFF))
+    return b"\x80" + n.to_bytes(4, "big")
+
+
+def restore_payloads(buckets: dict[str, dict[bytes | str, Any]], version: bytes
+                     ) -> list[tuple[str, bytes]]:
+    """Each bucket as a RESTORE payload: an RDB hash (type 4: its fields and values as
+    length-prefixed strings; Redis makes it a listpack when small), the RDB version, the
+    CRC-64 of Redis (`crc_source`)."""
+    out = []
+    length = _rdb_length
+    for key, fields in buckets.items():
+        parts = [b"\x04", length(len(fields))]
+        for field_, value in fields.items():
+            f = field_.encode() if isinstance(field_, str) else field_
+            v = b"%d" % value if isinstance(value, int) else value
+            parts += (length(len(f)), f, length(len(v)), v)
+        body = b"".join(parts) + version
+        out.append((key, body + crc64(body).to_bytes(8, "little")))
+    return out
+
+
+def _crc64_python(data: bytes) -> int:
+    """CRC-64 of Redis (Jones polynomial, reflected), a byte at a time."""
+    crc = 0
+    for byte in data:
+        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for n in range(256):
+        crc = n
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x95AC9329AC4BC9B5 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC_TABLE = _crc_table()
+try:  # a CRC-64 in C when installed (pip install anycrc); else Python's, byte by byte
+    import anycrc
+
+    crc64 = anycrc.Model("CRC64-REDIS").calc
+    crc_source = "CRC-64 by anycrc, in C"
+except ImportError:
+    crc64 = _crc64_python
+    crc_source = "CRC-64 in Python, byte by byte: pip install anycrc for one in C"
 
 
 async def write_whole(store: Store, buckets: dict[str, tuple[dict[bytes | str, Any], int]]
