@@ -30,8 +30,8 @@ from capsvc.domain.decisions import (
     Reserved,
     budget_plan,
     build_decision,
-    decision_of,
     player_limit_decision,
+    render,
     results_of,
 )
 from capsvc.domain.games import Catalog, Game
@@ -163,7 +163,7 @@ def decisions(catalog: Catalog, n: int, mix: str, seed: int, now_ms: int
             yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps)
         else:  # sold in one call, as a standalone Redis sells: a `sales` line
             results = results_of(rules.time_zone, replies)
-            assert msgspec.json.encode(decision_of("fr-retail", sale, sid, at, results)) == body
+            assert render("fr-retail", sale, sid, at, results)[0] == body
             yield "sale", ("answer", "fr-retail", sale, sid, at, body, until, caps, results)
         made += 1
         accepted = {g.index for g in out.grids if g.status == "accepted"}

@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo
 
 import msgspec
 
-from capsvc.client.models import Cancellation, GridOut, Receipt, TicketOut, TicketStatus
+from capsvc.client.models import Cancellation, TicketOut, TicketStatus
 from capsvc.config import GameRules
 from capsvc.domain.calendar import DrawCalendar, instant
 from capsvc.domain.errors import rule_error
@@ -126,57 +126,115 @@ def receipt_id(channel_id: str, ticket_id: str, sale_id: str) -> str:
                            digest_size=10).hexdigest()
 
 
-def build_decision(channel_id: str, tz: tzinfo, sale: Sale, sale_id: str, at: int,
-                   replies: Sequence[Reserved | None]) -> TicketOut:
-    """The ticket's decision from its sale and the reserve replies (None: uncapped grid),
-    every one of them accepted or rejected; a draw that closed while the sale ran is a 422.
-    """
-    assert sale.first_draw is not None
+class Verdict(msgspec.Struct, frozen=True, gc=False):
+    """What the metrics tally of a decision (`render`)."""
+
+    game: str
+    status: TicketStatus
+    total_cost: int
+    accepted: int
+    """Grids accepted."""
+    capped: tuple[int, ...]
+    """The number of picks of each grid refused by the cap."""
+    limit: bool
+    """The whole ticket refused by the player's limit (every grid)."""
+    grids: int
+
+
+_encode = msgspec.json.encode
+_ticket_decoder = msgspec.json.Decoder(TicketOut)
+_zones: dict[str, ZoneInfo] = {}
+_games: dict[str, bytes] = {}
+_draws: dict[tuple[int, int], bytes] = {}
+_issued: tuple[int, str, bytes] = (-1, "", b"")
+"""The last instant rendered, in its time zone (a batch's sales share theirs)."""
+
+
+def _zone(name: str) -> ZoneInfo:
+    found = _zones.get(name)
+    if found is None:
+        found = _zones[name] = ZoneInfo(name)
+    return found
+
+
+def _draws_of(first: int, n: int) -> bytes:
+    """`"draws":[first, …]` and the member before it, as JSON (remembered: a batch's sales
+    share their draws)."""
+    found = _draws.get((first, n))
+    if found is None:
+        if len(_draws) > 4096:
+            _draws.clear()
+        found = _draws[(first, n)] = (b'","draws":'
+                                      + _encode(list(range(first, first + n))))
+    return found
+
+
+def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
+           ) -> tuple[bytes, Verdict]:
+    """A sale's decision: its body (JSON, byte for byte msgspec's encoding of the
+    TicketOut it describes) and what the metrics tally of it, from what the sale stored —
+    its results (`results_of`: the time zone of the sale, then each grid's "-" not capped,
+    "1" accepted, "0:<offset>:<room>" refused by the cap on draw first + offset with `room`
+    left; or "P", the whole ticket refused by the player's limit), its sale id and instant.
+    Nothing of the configuration of the day is used, so the body is the one first answered,
+    byte for byte, for as long as it is kept. Built from byte pieces, those a batch's sales
+    share (the game, the draws, the instant) made once: the one way every decision's body
+    is made."""
+    zone, _, outcomes = results.decode().partition("|")
     first = sale.first_draw
-    grids = []
-    total = 0
-    accepted = 0
-    for g, reply in zip(sale.grids, replies, strict=True):
-        if reply is None or reply.accepted:
-            grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="accepted",
-                                 cost=g.cost))
+    assert first is not None
+    game = _games.get(sale.game)
+    if game is None:
+        game = _games[sale.game] = b',"game":' + _encode(sale.game) + b',"status":"'
+    head = b'{"ticket_id":' + _encode(sale.ticket_id) + game
+    draws = _draws_of(first, sale.draws)
+    if outcomes == "P":  # refused by the player's limit
+        grids = b",".join([b'{"index":%d,"numbers":%b,"status":"rejected",'
+                           b'"reason":"player_limit"}' % (g.index, _encode(g.numbers))
+                           for g in sale.grids])
+        return (head + b"rejected" + draws + b',"grids":[' + grids
+                + b'],"total_cost":0,"receipt":null,"reason":"player_limit"}',
+                Verdict(sale.game, "rejected", 0, 0, (), True, len(sale.grids)))
+    parts, total, accepted, capped = [], 0, 0, []
+    for g, outcome in zip(sale.grids, outcomes.split(";"), strict=True):
+        if outcome == "-" or outcome == "1":
+            parts.append(b'{"index":%d,"numbers":%b,"status":"accepted","cost":%d}'
+                         % (g.index, _encode(g.numbers), g.cost))
             total += g.cost
             accepted += 1
-        elif reply.kind == REJECTED:
-            grids.append(GridOut(index=g.index, numbers=list(g.numbers), status="rejected",
-                                 reason="combination_capped", draw=first + reply.offset,
-                                 remaining=reply.room))
         else:
-            raise rule_error("draw_closed", f"draw {first} closed while the sale was running",
-                             "$.first_draw")
+            _, offset, room = outcome.split(":")
+            parts.append(b'{"index":%d,"numbers":%b,"status":"rejected","reason":'
+                         b'"combination_capped","draw":%d,"remaining":%s}'
+                         % (g.index, _encode(g.numbers), first + int(offset), room.encode()))
+            capped.append(len(g.numbers))
+    status: TicketStatus = ("accepted" if accepted == len(parts)
+                            else "partial" if accepted else "rejected")
     if accepted:
         total += sale.joker_cost
-    status: TicketStatus = (
-        "accepted" if accepted == len(grids) else ("partial" if accepted else "rejected")
-    )
-    receipt = None
-    if accepted:
-        receipt = Receipt(
-            receipt_id=receipt_id(channel_id, sale.ticket_id, sale_id),
-            issued_at=instant(at, tz),
-        )
-    return TicketOut(
-        ticket_id=sale.ticket_id, game=sale.game, status=status,
-        draws=list(range(first, first + sale.draws)), grids=grids, total_cost=total,
-        receipt=receipt,
-    )
+        global _issued
+        if _issued[0] != at or _issued[1] != zone:
+            _issued = (at, zone, b'","issued_at":' + _encode(instant(at, _zone(zone))) + b"}")
+        receipt = (b'{"receipt_id":"' + receipt_id(channel_id, sale.ticket_id,
+                                                   sale_id).encode() + _issued[2])
+    else:
+        receipt = b"null"
+    return (b"".join((head, status.encode(), draws, b',"grids":[', b",".join(parts),
+                      b'],"total_cost":%d,"receipt":' % total, receipt, b"}")),
+            Verdict(sale.game, status, total, accepted, tuple(capped), False, len(parts)))
+
+
+def build_decision(channel_id: str, tz: ZoneInfo, sale: Sale, sale_id: str, at: int,
+                   replies: Sequence[Reserved | None] | None) -> TicketOut:
+    """The decision `render` makes of a sale's reserve replies (None: a grid not capped;
+    `replies` None: the whole ticket refused by the player's limit), as a TicketOut."""
+    results = results_of(tz.key, replies)
+    return _ticket_decoder.decode(render(channel_id, sale, sale_id, at, results)[0])
 
 
 def player_limit_decision(sale: Sale) -> TicketOut:
     """The whole ticket refused: it does not fit in the player's daily budget."""
-    assert sale.first_draw is not None
-    return TicketOut(
-        ticket_id=sale.ticket_id, game=sale.game, status="rejected", reason="player_limit",
-        draws=list(range(sale.first_draw, sale.first_draw + sale.draws)),
-        grids=[GridOut(index=g.index, numbers=list(g.numbers), status="rejected",
-                       reason="player_limit") for g in sale.grids],
-        total_cost=0, receipt=None,
-    )
+    return build_decision("", ZoneInfo("UTC"), sale, "", 0, None)
 
 
 def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | None:
@@ -199,38 +257,25 @@ def with_cancellation(body: bytes, tz: tzinfo, at: int, released: int) -> bytes:
     return body[:-1] + b',"state":"cancelled","cancelled":' + member + b"}"
 
 
-def decision_of(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
-                ) -> TicketOut:
-    """The decision of a sale made in one call, from what it stored: the time zone of the
-    sale, then the grids' results ("-" not capped, "1" accepted, "0:<offset>:<room>"
-    rejected), or "P" for a ticket the player's limit refused (see lua/capsvc.lua, sell).
-    Nothing of the configuration of the day is used, so the body is the one first answered,
-    byte for byte, for as long as it is kept."""
-    zone, _, grids = results.decode().partition("|")
-    if grids == "P":  # refused by the player's limit
-        return player_limit_decision(sale)
-    replies: list[Reserved | None] = []
-    for r in grids.split(";"):
-        if r == "-":
-            replies.append(None)
-        elif r == "1":
-            replies.append(Reserved(ACCEPTED))
-        else:
-            _, offset, room = r.split(":")
-            replies.append(Reserved(REJECTED, offset=int(offset), room=int(room)))
-    return build_decision(channel_id, ZoneInfo(zone), sale, sale_id, at, replies)
-
-
 def results_of(zone: str, replies: Sequence[Reserved | None] | None) -> bytes:
-    """What `decision_of` renders a sale's decision from: its time zone, then each grid's
-    reply ("-" not capped, "1" accepted, "0:<offset>:<room>" rejected), or "P" (`replies`
-    None) for a ticket the player's limit refused; `build_decision` of the same replies
-    renders the same body."""
+    """What `render` makes a sale's decision from: its time zone, then each grid's reply
+    ("-" not capped, "1" accepted, "0:<offset>:<room>" rejected), or "P" (`replies` None)
+    for a ticket the player's limit refused. A grid neither accepted nor rejected (its
+    draw closed, its record released) has no decision: a 422 `draw_closed`."""
     if replies is None:
         return f"{zone}|P".encode()
-    return (zone + "|" + ";".join(
-        "-" if r is None else "1" if r.accepted else f"0:{r.offset}:{r.room}"
-        for r in replies)).encode()
+    out = []
+    for r in replies:
+        if r is None:
+            out.append("-")
+        elif r.accepted:
+            out.append("1")
+        elif r.kind == REJECTED:
+            out.append(f"0:{r.offset}:{r.room}")
+        else:
+            raise rule_error("draw_closed", "a draw of the sale closed while it was running",
+                             "$.first_draw")
+    return (zone + "|" + ";".join(out)).encode()
 
 
 def derived_body(channel_id: str, sale: Sale, sale_id: str, at: int,
@@ -238,4 +283,4 @@ def derived_body(channel_id: str, sale: Sale, sale_id: str, at: int,
     """The body of a decision stored as results (`sale`: its record's, unpacked): what the
     sale answered, byte for byte."""
     assert results is not None, "a decision is kept as a body or as results"
-    return msgspec.json.encode(decision_of(channel_id, sale, sale_id, at, results))
+    return render(channel_id, sale, sale_id, at, results)[0]

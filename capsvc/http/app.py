@@ -272,8 +272,8 @@ class Api:
         [outcome] = await self.tickets.sell(channel, [ticket])
         if not isinstance(outcome, SaleOutcome):
             raise outcome
-        if outcome.ticket is not None and not outcome.replayed:
-            self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
+        if outcome.verdict is not None and not outcome.replayed:
+            self.metrics.decision(outcome.verdict, outcome.near_cap, outcome.sold_out,
                                   outcome.shadowed)
         if outcome.replayed:
             return Answer(outcome.body, headers=_REPLAYED)
@@ -319,8 +319,8 @@ class Api:
     def _result(self, outcome: SaleOutcome | ApiError | Unavailable) -> TicketResult:
         """One ticket's result in a batch: what `post_ticket` would have answered."""
         if isinstance(outcome, SaleOutcome):
-            if outcome.ticket is not None and not outcome.replayed:
-                self.metrics.decision(outcome.ticket, outcome.near_cap, outcome.sold_out,
+            if outcome.verdict is not None and not outcome.replayed:
+                self.metrics.decision(outcome.verdict, outcome.near_cap, outcome.sold_out,
                                       outcome.shadowed)
             return TicketResult(200, msgspec.Raw(outcome.body), outcome.replayed)
         if isinstance(outcome, Unavailable):

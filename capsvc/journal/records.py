@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Raw, Struct
 
 from capsvc.domain import combination
-from capsvc.domain.decisions import decision_of
+from capsvc.domain.decisions import render
 from capsvc.domain.validator import Sale, SaleGrid
 
 VERSION = 1
@@ -151,7 +151,7 @@ class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
     `sell`), of one channel and one game, or of one sale made in steps: what they share
     once, then each sale's own. Each stands for the `sale` record it is read as
     (`sale_records`): its `decision` is rendered from the sale and `res` exactly as the
-    answer was (capsvc.domain.decisions.decision_of)."""
+    answer was (capsvc.domain.decisions.render)."""
 
     at: int
     """Its sales' instant (Redis TIME, ms), but a sale's own `at`."""
@@ -317,8 +317,7 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
             game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
             grids=s.grids, decision=Raw(b"null"), player=s.player, joker_plus=s.joker_plus,
             joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
-        body = encode(decision_of(r.channel, sold_sale(r, s), s.sale, at,
-                                  f"{r.zone}|{s.res}".encode()))
+        body, _ = render(r.channel, sold_sale(r, s), s.sale, at, f"{r.zone}|{s.res}".encode())
         out.append(msgspec.structs.replace(record, decision=Raw(body)))
     return out
 

@@ -29,8 +29,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from capsvc import __version__
-from capsvc.client.models import TicketOut
 from capsvc.config import GameRules
+from capsvc.domain.decisions import Verdict
 
 ERROR_KINDS = ("timeout", "connection", "reply", "readonly", "oom")
 """What `capsvc_redis_errors_total` counts (the transport's failure kinds)."""
@@ -276,19 +276,21 @@ class Metrics:
         counts[0] += seconds
         counts[bisect_left(_LATENCY_BUCKETS, seconds) + 1] += 1
 
-    def decision(self, t: TicketOut, near_cap: int = 0, sold_out: int = 0,
+    def decision(self, v: Verdict, near_cap: int = 0, sold_out: int = 0,
                  shadowed: int = 0) -> None:
         """Tally a ticket's decision (applied to the counters by `flush`)."""
-        tally, game = self._tally, t.game
-        tally["t", game, t.status] += 1
-        for g in t.grids:
-            tally["g", game, g.status, g.reason or ""] += 1
-            if g.reason == "combination_capped":
-                tally["r", game, str(len(g.numbers))] += 1
-        if t.reason == "player_limit":
+        tally, game = self._tally, v.game
+        tally["t", game, v.status] += 1
+        if v.accepted:
+            tally["g", game, "accepted", ""] += v.accepted
+        if v.limit:
+            tally["g", game, "rejected", "player_limit"] += v.grids
             tally["l", game] += 1
-        if t.total_cost:
-            tally["s", game] += t.total_cost
+        for picks in v.capped:
+            tally["g", game, "rejected", "combination_capped"] += 1
+            tally["r", game, str(picks)] += 1
+        if v.total_cost:
+            tally["s", game] += v.total_cost
         if near_cap:
             tally["n", game] += near_cap
         if sold_out:

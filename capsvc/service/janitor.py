@@ -35,8 +35,6 @@ import logging
 import math
 import random
 
-import msgspec
-
 from capsvc.config import Settings
 from capsvc.domain.decisions import derived_body
 from capsvc.domain.errors import ApiError, Unavailable
@@ -208,7 +206,7 @@ class Janitor:
         out = await self.steps.conclude_or_void(channel_id, game, key, sale, sale_id, at, why)
         if out is not None:
             await journal.sale("janitor", channel_id, sale, sale_id, at,
-                               msgspec.json.encode(out.decision), until,
+                               out.body, until,
                                self.steps.caps.known(game, sale.first_draw, sale.draws))
             await self.store.journaled(key, sale_id, b"f")
             log.info("janitor finalized an interrupted sale", extra={"ticket_key": key})

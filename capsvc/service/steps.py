@@ -12,18 +12,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from capsvc.client.models import TicketOut
 from capsvc.domain.decisions import (
     ACCEPTED,
     REJECTED,
     BudgetPlan,
     Reserved,
-    accepted_grids,
+    Verdict,
     budget_plan,
-    build_decision,
-    player_limit_decision,
+    render,
+    results_of,
 )
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale
@@ -44,7 +41,8 @@ from capsvc.service.caps import DrawCaps
 class Concluded:
     """A sale concluded with a decision (`SaleSteps.conclude`)."""
 
-    decision: TicketOut
+    body: bytes
+    verdict: Verdict
     written: bool
     """Whether this call wrote the decision; False: another actor of the sale had (a
     request answers it then as a replay)."""
@@ -146,7 +144,6 @@ class SaleSteps:
 
     async def write_decision(self, game: Game, key: str, sale: Sale, sale_id: str,
                              plan: BudgetPlan | None, replies: list[Reserved | None],
-                             out: TicketOut,
                              body: bytes) -> tuple[int, int] | None:
         """Write a decision built from `replies`: first the budget's settlement and the
         draws' sold-out lists (once the decision is written, a replay answers it and nothing
@@ -162,7 +159,8 @@ class SaleSteps:
                 marks += [self.store.mark_sold_out(game.rules.id, first + offset, g.combo,
                                                    game.expire_at(first + offset))
                           for offset in reply.sold_out]
-        accepted = accepted_grids(out)
+        accepted = {g.index for g, reply in zip(sale.grids, replies, strict=True)
+                    if reply is None or reply.accepted}
         settled = self.settle_budget(plan, sale, accepted)
         aggregates = self.aggregates(key, game, sale, sale_id, accepted)
         if marks or settled is not None or aggregates:
@@ -212,17 +210,18 @@ class SaleSteps:
         if plan is not None:
             taken = await self.take_budget(plan, seal=True)
             if taken.kind == REJECTED and not void:  # refused by the limit: the decision
-                out = player_limit_decision(sale)
-                return Concluded(out, await self.store.finalize(key, sale_id,
-                                                                msgspec.json.encode(out)))
+                body, verdict = render(channel_id, sale, sale_id, at,
+                                       results_of(game.rules.time_zone, None))
+                return Concluded(body, verdict,
+                                 await self.store.finalize(key, sale_id, body))
             held = taken.kind == ACCEPTED
         replies = await self.reserve_all(game, sale, sale_id, 0)
         if not void and held and all(r is None or r.accepted or r.kind == REJECTED
                                      for r in replies):
-            out = build_decision(channel_id, game.rules.tz, sale, sale_id, at, replies)
-            written = await self.write_decision(game, key, sale, sale_id, plan, replies, out,
-                                                msgspec.json.encode(out))
-            return Concluded(out, written is not None)
+            body, verdict = render(channel_id, sale, sale_id, at,
+                                   results_of(game.rules.time_zone, replies))
+            written = await self.write_decision(game, key, sale, sale_id, plan, replies, body)
+            return Concluded(body, verdict, written is not None)
         await self.give_back(key, game, sale, sale_id, plan)
         return None
 

@@ -57,13 +57,12 @@ from capsvc.domain.decisions import (
     CLOSED,
     RELEASED,
     SHADOWED,
+    Verdict,
     budget_ref,
     budget_until,
-    build_decision,
     cancel_refusal,
-    decision_of,
     derived_body,
-    player_limit_decision,
+    render,
     results_of,
     with_cancellation,
 )
@@ -120,7 +119,7 @@ class SaleOutcome:
 
     body: bytes
     replayed: bool
-    ticket: TicketOut | None = None
+    verdict: Verdict | None = None
     """The decision, when it was made by this call (for metrics); None on a stored replay."""
     near_cap: int = 0
     """Counters this sale brought to 80 % of their cap."""
@@ -412,13 +411,12 @@ class Tickets:
                 out.append(claim)
                 continue
             self._fixed(p.game, p.first, fix, claim)
-            decision = decision_of(p.channel.id, p.stored, claim.sale_id, claim.at,
+            body, verdict = render(p.channel.id, p.stored, claim.sale_id, claim.at,
                                    claim.results)
-            body = _encode(decision)
             records.append(("answer", p.channel.id, p.stored, claim.sale_id, claim.at, body,
                             p.expire_at, claim.caps,
                             None if p.stamp is None else dict(p.stamp), claim.results))
-            out.append(SaleOutcome(body=body, replayed=False, ticket=decision,
+            out.append(SaleOutcome(body=body, replayed=False, verdict=verdict,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed))
         if records:
@@ -506,12 +504,12 @@ class Tickets:
         the sale a known ticket id holds (a Decided's or a Pending's, unpacked)."""
         match claim:
             case Sold():  # decided in that same call
-                out = decision_of(channel.id, sale, claim.sale_id, claim.at, claim.results)
-                body = _encode(out)
+                body, verdict = render(channel.id, sale, claim.sale_id, claim.at,
+                                       claim.results)
                 await self.journal.sale("answer", channel.id, sale, claim.sale_id, claim.at,
                                         body, expire_at, claim.caps, claim.results)
                 self.store.journaled_sale(claim)
-                return SaleOutcome(body=body, replayed=False, ticket=out,
+                return SaleOutcome(body=body, replayed=False, verdict=verdict,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed)
             case Decided():
@@ -643,14 +641,13 @@ class Tickets:
                                                                sale_id, at, stops)):
             return stop
         if taken is not None and taken.kind != ACCEPTED:
-            out = player_limit_decision(sale)
-            body = _encode(out)
+            results = results_of(rules.time_zone, None)
+            body, verdict = render(channel.id, sale, sale_id, at, results)
             if not await self.store.finalize(key, sale_id, body):
                 return AGAIN
             await self._journaled(key, sale_id, b"f", self.journal.sale(
-                "answer", channel.id, sale, sale_id, at, body, until,
-                results=results_of(rules.time_zone, None)))
-            return SaleOutcome(body=body, replayed=False, ticket=out)
+                "answer", channel.id, sale, sale_id, at, body, until, results=results))
+            return SaleOutcome(body=body, replayed=False, verdict=verdict)
         if (taken is None and any(g.capped for g in sale.grids)
                 and self.steps.caps.known(game, first, sale.draws) is None
                 and (stop := await self._stopped(channel.id, game, key, sale, sale_id, at,
@@ -670,25 +667,23 @@ class Tickets:
                                                           sale_id, at, "closed")
             if concluded is None:  # given back, its void journaled: nothing was answered
                 raise _closed(first)
-            out = concluded.decision
-            body = _encode(out)
+            body = concluded.body
             await self._journaled(key, sale_id, b"f", self.journal.sale(
                 "answer" if concluded.written else "replay", channel.id, sale, sale_id, at,
                 body, until, self.steps.caps.known(game, first, sale.draws)))
             return SaleOutcome(body=body, replayed=not concluded.written,
-                               ticket=out if concluded.written else None)
-        out = build_decision(channel.id, rules.tz, sale, sale_id, at, replies)
-        body = _encode(out)
+                               verdict=concluded.verdict if concluded.written else None)
+        results = results_of(rules.time_zone, replies)
+        body, verdict = render(channel.id, sale, sale_id, at, results)
         written = await self.steps.write_decision(game, key, sale, sale_id, plan, replies,
-                                                  out, body)
+                                                  body)
         if written is None:  # decided (or forgotten) by another actor meanwhile: ask again
             return AGAIN
         await self._journaled(key, sale_id, b"f", self.journal.sale(
             "answer", channel.id, sale, sale_id, at, body, until,
-            self.steps.caps.known(game, first, sale.draws),
-            results_of(rules.time_zone, replies)))
+            self.steps.caps.known(game, first, sale.draws), results))
         near_cap, sold_out = written
-        return SaleOutcome(body=body, replayed=False, ticket=out, near_cap=near_cap,
+        return SaleOutcome(body=body, replayed=False, verdict=verdict, near_cap=near_cap,
                            sold_out=sold_out,
                            shadowed=sum(1 for r in replies
                                         if r is not None and r.kind == SHADOWED))
@@ -822,9 +817,9 @@ class Tickets:
         game = self.catalog.get(sale.game)
         if game is None:
             raise _not_cancellable(f"game {sale.game} is no longer served")
-        decision = (_ticket_decoder.decode(record.body) if record.body is not None
-                    else decision_of(channel.id, sale, record.sale_id, record.at,
-                                     record.results or b""))
+        body = record.body or derived_body(channel.id, sale, record.sale_id, record.at,
+                                           record.results)
+        decision = _ticket_decoder.decode(body)
         assert sale.first_draw is not None
         refusal = cancel_refusal(game.rules, sale, decision)
         if refusal and record.state == b"f":
@@ -842,7 +837,6 @@ class Tickets:
         if reply.state == b"k":
             await self.finish_cancel(channel.id, game, key, sale, record.sale_id, record.at,
                                      record.results is not None)
-        body = record.body or _encode(decision)
         await self._journaled(key, record.sale_id, b"c", self.journal.cancel(
             "answer" if reply.state == b"k" else "replay", channel.id, sale, record.sale_id,
             record.at, bytes(body), game.expire_at(sale.first_draw + sale.draws - 1),
