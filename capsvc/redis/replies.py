@@ -8,8 +8,9 @@ the store indexes a reply by position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
+
+import msgspec
 
 from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved
 
@@ -24,8 +25,7 @@ def _text(value: bytes) -> str:
 
 # -- a sale's first call: claim (steps) or sell (one call) ---------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
+class Claimed(msgspec.Struct, frozen=True):
     """The ticket id is this sale's now (steps): its grids are still to be decided."""
 
     LUA: ClassVar[str] = "{'new', at, sid}"
@@ -33,8 +33,7 @@ class Claimed:
     sale_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Sold:
+class Sold(msgspec.Struct, frozen=True):
     """The sale made and decided in that same call (one call)."""
 
     LUA: ClassVar[str] = "{'new', at, sid, res, near, sold, shadowed"
@@ -53,8 +52,7 @@ class Sold:
     """Its call's entry of the unjournaled sales (capsvc.redis.store.Unjournaled)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decided:
+class Decided(msgspec.Struct, frozen=True):
     """The ticket id already holds a decision of this request: a replay."""
 
     LUA: ClassVar[str] = ("{'final', body or false, at, sid, sale, res or false, st, "
@@ -71,8 +69,7 @@ class Decided:
     released: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
+class Pending(msgspec.Struct, frozen=True):
     """The ticket id holds this request's sale, not decided yet: resume it."""
 
     LUA: ClassVar[str] = "{'pending', at, sid, sale}"
@@ -81,16 +78,14 @@ class Pending:
     sale: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class StoppedAt:
+class StoppedAt(msgspec.Struct, frozen=True):
     """An admin stopped the draw at `offset`: nothing was written (one call)."""
 
     LUA: ClassVar[str] = "{'stopped', offset}"
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
+class Refused(msgspec.Struct, frozen=True):
     """Nothing claimed: `stale` (the id holds a sale that is the janitor's now: `sale`),
     `closed` (the first draw's close has passed), `later` (left to the caller behind a sale
     of its request that moved on) or `day` (judged at `at`, on another day than the
@@ -134,8 +129,7 @@ def claim_of(reply: list[Any], entry: object = None) -> Claim:
 
 # -- a ticket's record -------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class TicketRecord:
+class TicketRecord(msgspec.Struct, frozen=True):
     """A ticket id's record as it stands (`ticket`)."""
 
     LUA: ClassVar[str] = "st, body, sale, sid, at, ca, rel, res"
@@ -164,8 +158,7 @@ def ticket_of(reply: list[Any]) -> TicketRecord | None:
 
 # -- the janitor's hand-over ---------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Due:
+class Due(msgspec.Struct, frozen=True):
     """A ticket handed to the janitor (`expire`): a sale left pending (b"x"), a cancel left
     unfinished (b"k") or a decision maybe never journaled (b"f", b"c")."""
 
@@ -196,8 +189,7 @@ def due_of(reply: list[Any]) -> Due | Literal[False] | None:
 
 # -- a cancel ----------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Cancelling:
+class Cancelling(msgspec.Struct, frozen=True):
     """The cancel is decided (b"k": what the sale took is to be given back now; b"c":
     given back already, a replay)."""
 
@@ -208,8 +200,7 @@ class Cancelling:
     released: int
 
 
-@dataclass(frozen=True, slots=True)
-class NotCancelled:
+class NotCancelled(msgspec.Struct, frozen=True):
     """Nothing decided: `closed` (the first draw is closed or stopped), `missing`,
     `undecided`."""
 
@@ -234,8 +225,7 @@ def reserved_of(reply: list[Any]) -> Reserved:
     return Reserved(kind)
 
 
-@dataclass(frozen=True, slots=True)
-class Released:
+class Released(msgspec.Struct, frozen=True):
     """A grid given back (`release`)."""
 
     LUA: ClassVar[str] = "{released stake, offsets that left the sold-out state…}"
@@ -251,8 +241,7 @@ def released_of(reply: list[Any]) -> Released:
 
 # -- a player's budget -------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Budget:
+class Budget(msgspec.Struct, frozen=True):
     """What a sale took from its player's budgets (`budget`)."""
 
     LUA: ClassVar[str] = "{1, room left on day 1} | {0, room on the day that refused}"
@@ -269,8 +258,7 @@ def budget_of(reply: list[Any]) -> Budget:
     return Budget(int(reply[0]), int(reply[1]) if len(reply) > 1 else 0, len(reply) > 2)
 
 
-@dataclass(frozen=True, slots=True)
-class PlayerLimits:
+class PlayerLimits(msgspec.Struct, frozen=True):
     """A player's self-limit and spending today (`player`; `set_limit` answers the same)."""
 
     LUA: ClassVar[str] = ('{self-limit in force today or "none", pending value or "", from '
@@ -300,8 +288,7 @@ def limits_of(reply: list[Any]) -> PlayerLimits:
 
 # -- the marks -------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class MarkState:
+class MarkState(msgspec.Struct, frozen=True):
     """A mark as it stands (`marks`)."""
 
     LUA: ClassVar[str] = ("{G, announced until (or false), the G of each life (false when "
