@@ -400,7 +400,7 @@ def least_fields(records: list[Any]) -> dict[str, dict[bytes | str, Any]]:
             sale = sold_sale(line, s)
             key = ticket_key(line.channel, s.ticket)
             out.setdefault(record_bucket_of(key), {})[ident_of(key)] = ticket_value(
-                s.until, b"f", line.at_of(s), s.sale, pack_sale(sale), None,
+                line.until_of(s), b"f", line.at_of(s), s.sale, pack_sale(sale), None,
                 results=f"{zone}|{s.res}".encode())
             assert sale.first_draw is not None
             for g in sale.grids:
@@ -431,7 +431,7 @@ def leanest(records: list[Any], asked: list[bool]) -> dict[str, dict[bytes | str
             continue
         game, channel, zone = line.game, line.channel, line.zone
         for s in line.sales:
-            first, draws = s.first_draw, s.draws
+            first, draws = s.first_draw or line.first_draw, s.draws
             grids = [[bytes(g.numbers), g.stake, (1 if g.multiplier else 0)
                       | (2 if g.capped else 0)] for g in s.grids]
             sale = pack([s.ticket, game, s.player, first if asked[n] else -first, draws,
@@ -446,7 +446,8 @@ def leanest(records: list[Any], asked: list[bool]) -> dict[str, dict[bytes | str
             if fields is None:
                 fields = out[bucket] = {}
             fields[ident] = b"".join((
-                _mp_uint(s.until), b"\xa1f", _mp_uint(line.at if s.at is None else s.at),
+                _mp_uint(s.until or line.until), b"\xa1f",
+                _mp_uint(line.at if s.at is None else s.at),
                 _SID_HEAD, sid, _mp_head(len(sale)), sale, _NIL, _mp_head(len(res)), res,
                 _NIL, _NIL))
             results = s.res.split(";")

@@ -61,7 +61,7 @@ class OneByOne:
             if isinstance(r, Open) or r.until <= now:
                 continue
             for one in (r.sales if isinstance(r, SalesRecord) else [r]):
-                if one.until <= now:
+                if (r.until_of(one) if isinstance(one, SoldTicket) else one.until) <= now:
                     continue
                 out.records += 1
                 if isinstance(one, SoldTicket):
@@ -93,9 +93,10 @@ class OneByOne:
         accepted = set(s.accepted)
         record = SaleRecord(at=line.at_of(s), via=line.via, proc=line.proc, channel=line.channel,
                             ticket=s.ticket, sale=s.sale, game=line.game,
-                            first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
-                            grids=s.grids, decision=msgspec.Raw(b""), player=s.player,
-                            joker_plus=s.joker_plus, joker_cost=s.joker_cost, caps=s.caps)
+                            first_draw=line.first_of(s), draws=s.draws, fp=s.fp,
+                            until=line.until_of(s), grids=s.grids, decision=msgspec.Raw(b""),
+                            player=s.player, joker_plus=s.joker_plus, joker_cost=s.joker_cost,
+                            caps=line.caps_of(s))
         return await self._sale(game, record, out, accepted,
                                 f"{line.zone}|{s.res}".encode())
 

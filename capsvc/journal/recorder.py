@@ -118,40 +118,71 @@ class Recorder:
         look-up of one kept as results) are one `sales` line a channel, game and way they
         were reported (what they share once, each sale's own after: its instant too when it
         is not the line's), the others (a settlement, a decision kept as its body) a
-        `sale` line each."""
+        `sale` line each. A sale of a `sales` line leaves out what it shares with the line
+        (SoldTicket): the line's first draw and `until`, one draw, its draws' caps when all
+        are the line's `cap`."""
         journal = self.journal
         if journal is None:
             return self._resolved()
         records: list[Record | SalesRecord] = []
-        lines: dict[tuple[Via, str, str, str], tuple[int, list[SoldTicket]]] = {}
+        lines: dict[tuple[Via, str, str, str], list[SaleDecision]] = {}
         stamps: dict[tuple[Via, str, str, str], dict[str, int]] = {}
-        for via, channel, sale, sale_id, at, body, until, caps, marks, results in decisions:
-            capped = caps if caps is not None and any(g.capped for g in sale.grids) else None
+        for d in decisions:
+            via, channel, sale, sale_id, at, body, until, caps, marks, results = d
             if results is None:
+                capped = caps if caps is not None and any(g.capped for g in sale.grids) else None
                 records.append(SaleRecord(
                     **self._ticket(via, channel, sale, sale_id, at, body, until, marks),
                     caps=capped))
                 continue
-            assert sale.first_draw is not None
-            zone, _, res = results.decode().partition("|")
-            key = (via, channel, sale.game, zone)
-            line_at, sold = lines.setdefault(key, (at, []))
-            sold.append(SoldTicket(
-                sale.ticket_id, sale_id, sale.first_draw, sale.draws, sale.fingerprint, until,
-                grids_of(sale), res, capped, sale.player_id, sale.joker_plus,
-                sale.joker_cost, None if at == line_at else at))
+            key = (via, channel, sale.game, results[:results.index(b"|")].decode())
+            lines.setdefault(key, []).append(d)
             stamp = stamps.setdefault(key, {})
             for mark, g in ((self.stamp() if marks is None else marks) or {}).items():
                 if g > stamp.get(mark, 0):
                     stamp[mark] = g
-        for (via, channel, game, zone), (at, sold) in lines.items():
-            first = min(s.first_draw for s in sold)
-            records.append(SalesRecord(
-                at=at, via=via, proc=self.proc, channel=channel, game=game, first_draw=first,
-                draws=max(s.first_draw + s.draws for s in sold) - first,
-                until=max(s.until for s in sold), zone=zone, sales=sold,
-                marks=stamps[(via, channel, game, zone)] or None))
+        for key, made in lines.items():
+            records.append(self._line(key, made, stamps[key] or None))
         return journal.append_many(records)
+
+    def _line(self, key: tuple[Via, str, str, str], made: list[SaleDecision],
+              marks: dict[str, int] | None) -> SalesRecord:
+        """The `sales` line of sales `made` (of one way, channel, game and time zone)."""
+        via, channel, game, zone = key
+        line_at = made[0][4]
+        first = last = until = cap = 0
+        ends: dict[int, int] = {}  # a last draw: the until of the first sale ending there
+        for _, _, sale, _, _, _, until_, caps, _, _ in made:
+            assert sale.first_draw is not None
+            first = min(first, sale.first_draw) if first else sale.first_draw
+            last = max(last, sale.first_draw + sale.draws)
+            until = max(until, until_)
+            ends.setdefault(sale.first_draw + sale.draws - 1, until_)
+            if not cap and caps:
+                cap = caps[0]
+        untils = ([ends.get(d) for d in range(first, last)]
+                  if len(set(ends.values())) > 1 else None)
+        sold = []
+        for _, _, sale, sale_id, at, _, until_, caps, _, results in made:
+            assert sale.first_draw is not None
+            assert results is not None
+            own_caps = None
+            if any(g.capped for g in sale.grids):
+                if not caps:
+                    own_caps = []
+                elif any(c != cap for c in caps):
+                    own_caps = caps
+            sold.append(SoldTicket(
+                sale.ticket_id, sale_id, sale.fingerprint, grids_of(sale),
+                results[results.index(b"|") + 1:].decode(),
+                0 if sale.first_draw == first else sale.first_draw, sale.draws,
+                0 if until_ == (until if untils is None else
+                                untils[sale.first_draw + sale.draws - 1 - first])
+                else until_, own_caps, sale.player_id,
+                sale.joker_plus, sale.joker_cost, None if at == line_at else at))
+        return SalesRecord(at=line_at, via=via, proc=self.proc, channel=channel, game=game,
+                           first_draw=first, draws=last - first, until=until, zone=zone,
+                           sales=sold, cap=cap or None, untils=untils, marks=marks)
 
     def cancel(self, via: Via, channel: str, sale: Sale, sale_id: str, at: int, body: bytes,
                until: int, cancelled_at: int, released: int) -> asyncio.Future[None]:

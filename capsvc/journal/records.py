@@ -116,20 +116,26 @@ class CancelRecord(SaleRecord, tag="cancel", omit_defaults=True,
 
 
 class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False, gc=False):
-    """One sale of a `sales` line: what is its own (see SalesRecord)."""
+    """One sale of a `sales` line: what is its own (see SalesRecord); what it shares with
+    its line is left out, and read through the line (`SalesRecord.first_of`, `until_of`,
+    `caps_of`)."""
 
     ticket: str
     sale: str
-    first_draw: int
-    draws: int
     fp: str
-    until: int
     grids: list[Grid]
     res: str
     """Each grid's outcome, joined by ";": "-" not capped, "1" accepted,
     "0:<offset>:<room>" refused by the cap at draw first_draw + offset, `room` left there;
     "P": the whole ticket refused by the player's limit."""
+    first_draw: int = 0
+    """0 (absent): the line's `first_draw`."""
+    draws: int = 1
+    until: int = 0
+    """0 (absent): the line's `until` for its last draw (`SalesRecord.until_of`)."""
     caps: list[int] | None = None
+    """The cap on each draw, when a grid is capped; None (absent): the line's `cap` on
+    every draw; [] when none was recorded."""
     player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
@@ -168,11 +174,40 @@ class SalesRecord(Struct, tag="sales", tag_field="type", omit_defaults=True,
     zone: str
     """The game's time zone at the sale (the receipts' instants are rendered in it)."""
     sales: list[SoldTicket]
+    cap: int | None = None
+    """The cap on every draw of its sales that have a capped grid, but those that say
+    otherwise (`caps`)."""
+    untils: list[int | None] | None = None
+    """When its sales end on different draws: at i, the `until` of its sales whose last
+    draw is first_draw + i (None where none ends)."""
     marks: dict[str, int] | None = None
 
     def at_of(self, s: SoldTicket) -> int:
         """The instant of its sale `s`."""
         return self.at if s.at is None else s.at
+
+    def first_of(self, s: SoldTicket) -> int:
+        """The first draw of its sale `s`."""
+        return s.first_draw or self.first_draw
+
+    def until_of(self, s: SoldTicket) -> int:
+        """When Redis forgets its sale `s`."""
+        if s.until:
+            return s.until
+        if self.untils is None:
+            return self.until
+        until = self.untils[self.first_of(s) + s.draws - 1 - self.first_draw]
+        assert until is not None, "a sale without its own until ends where the line says"
+        return until
+
+    def caps_of(self, s: SoldTicket) -> list[int] | None:
+        """The cap on each draw of its sale `s`, when a grid of it is capped (None when
+        none is, or none was recorded)."""
+        if s.caps is not None:
+            return s.caps or None
+        if self.cap is None or not any(g.capped for g in s.grids):
+            return None
+        return [self.cap] * s.draws
 
 
 VoidWhy = Literal["abandoned", "stopped", "closed"]
@@ -314,9 +349,10 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
         at = r.at_of(s)
         record = SaleRecord(
             at=at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
-            game=r.game, first_draw=s.first_draw, draws=s.draws, fp=s.fp, until=s.until,
-            grids=s.grids, decision=Raw(b"null"), player=s.player, joker_plus=s.joker_plus,
-            joker_cost=s.joker_cost, caps=s.caps, marks=r.marks)
+            game=r.game, first_draw=r.first_of(s), draws=s.draws, fp=s.fp,
+            until=r.until_of(s), grids=s.grids, decision=Raw(b"null"), player=s.player,
+            joker_plus=s.joker_plus, joker_cost=s.joker_cost, caps=r.caps_of(s),
+            marks=r.marks)
         body, _ = render(r.channel, sold_sale(r, s), s.sale, at, f"{r.zone}|{s.res}".encode())
         out.append(msgspec.structs.replace(record, decision=Raw(body)))
     return out
@@ -354,5 +390,5 @@ def sale_of(r: SaleRecord | VoidRecord) -> Sale:
 
 def sold_sale(line: SalesRecord, s: SoldTicket) -> Sale:
     """The sale of one ticket of a `sales` line, as capsvc stores it in Redis."""
-    return Sale(s.ticket, line.game, s.player, s.first_draw, s.draws,
+    return Sale(s.ticket, line.game, s.player, line.first_of(s), s.draws,
                 _sale_grids(s.grids, s.draws), s.joker_plus, s.joker_cost, s.fp)

@@ -172,7 +172,7 @@ class Planner:
             game = self.catalog.get(r.game)
             if isinstance(r, SalesRecord):
                 for s in r.sales:
-                    if s.until > now:
+                    if r.until_of(s) > now:
                         out.records += 1
                         if game is None:
                             out.skipped += 1
@@ -216,9 +216,10 @@ class Planner:
         """A sale of a `sales` line put back as its call left it: its decision kept as
         results, its grids not capped added to its draws' totals by number of picks."""
         sale, at = sold_sale(line, s), line.at_of(s)
-        record = ticket_value(s.until, b"f", at, s.sale, pack_sale(sale), None,
+        until = line.until_of(s)
+        record = ticket_value(until, b"f", at, s.sale, pack_sale(sale), None,
                               results=f"{line.zone}|{s.res}".encode())
-        return self._sale(game, line.channel, s.sale, at, s.until, s.caps, sale,
+        return self._sale(game, line.channel, s.sale, at, until, line.caps_of(s), sale,
                           s.accepted, record, one_call=True)
 
     def _sale(self, game: Game, channel: str, sale_id: str, at: int, until: int,

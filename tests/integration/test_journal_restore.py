@@ -155,7 +155,8 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
     tickets = TicketRecords(db)
     for r in sales[3::11]:
         one = r.sales[0] if isinstance(r, SalesRecord) else r
-        tickets.put(ticket_key(r.channel, one.ticket), one.until, st="f",
+        until = r.until_of(one) if isinstance(r, SalesRecord) else one.until
+        tickets.put(ticket_key(r.channel, one.ticket), until, st="f",
                     at=r.at, sid="0" * 16, sale=b"another sale", body=b"{}")
     others = [r for i, r in enumerate(sales)
               if isinstance(r, SalesRecord) and i % 7 and i % 11 != 3]
@@ -169,9 +170,10 @@ async def seed(store: Store, db: Any, catalog: Catalog, records: list[Open | Rec
         if value is None or s.res == "P":
             continue
         key = ticket_key(line.channel, s.ticket)
-        tickets.put(key, s.until, st="p", at=line.at_of(s), sid=s.sale,
+        tickets.put(key, line.until_of(s), st="p", at=line.at_of(s), sid=s.sale,
                     sale=pack_sale(sale))
-        for d in range(s.first_draw, s.first_draw + s.draws):
+        first = line.first_of(s)
+        for d in range(first, first + s.draws):
             assert await store.aggregate(key, line.game, d, s.sale, value,
                                          game.expire_at(d)) == 1
     for v in [r for r in records if isinstance(r, VoidRecord)][::2]:

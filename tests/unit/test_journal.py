@@ -431,3 +431,58 @@ async def test_first_answers_of_one_tick_share_a_line_each_with_its_own_instant(
     for r in read:
         assert (r.at, bytes(r.decision)) == bodies[r.ticket]
     assert verify([tmp_path]).ok
+
+
+async def test_a_sales_line_says_once_what_its_sales_share(tmp_path: Path) -> None:
+    """A `sales` line says once what its sales share — the first draw, `until` (of each
+    draw its sales end on), the cap of every draw — and each sale only what is its own (a
+    draw played once, the default, is not said either); read back, every sale is the
+    `sale` record it stands for, whatever it shared: another first draw, a subscription,
+    another `until`, a draw at another cap, no cap recorded, no capped grid."""
+    journal = open_journal(tmp_path, max_file_bytes=1 << 20, keep_ms=86_400_000)
+    rec = Recorder(journal, lambda: 1)
+    small = msgspec.convert({"ticket_id": "U", "game": "fdj-keno", "first_draw": 100,
+                             "grids": [{"numbers": [1, 2, 3], "stake": 500}]}, TicketIn)
+    top = 10**13 + 2
+    cases: list[tuple[Sale, int, list[int] | None]] = [
+        (sale("A"), top, [5000]),
+        (sale("B", numbers=[*range(2, 10)]), top, [5000]),
+        (msgspec.structs.replace(sale("C", numbers=[*range(3, 11)]), first_draw=101),
+         top, [5000]),
+        (sale("D", numbers=[*range(4, 12)], draws=2), top - 1, [5000, 5000]),
+        (sale("E", numbers=[*range(5, 13)], draws=2), top - 1, [5000, 4000]),
+        (sale("F", numbers=[*range(6, 14)]), top - 2, [4000]),
+        (sale("G", numbers=[*range(7, 15)]), top, None),
+        (validate_ticket(RULES, small), top, [5000]),
+    ]
+    wanted, decisions = {}, []
+    for i, (s, until, caps) in enumerate(cases):
+        assert s.first_draw is not None
+        replies = [None if not g.capped else Reserved(ACCEPTED) for g in s.grids]
+        wanted[s.ticket_id] = (s.first_draw, s.draws, until,
+                               caps if any(g.capped for g in s.grids) else None)
+        decisions.append(("answer", "fr-retail", s, f"{i:016x}", 1_000, b"", until, caps, None,
+                          results_of(RULES.time_zone, replies)))
+    # Another channel's line: sales ending on two draws, each draw's until said once.
+    for i, (s, until) in enumerate([(sale("X"), 10**12), (sale("Y", draws=2), 10**12 + 7),
+                                    (sale("Z", numbers=[*range(9, 17)]), 10**12)]):
+        wanted[s.ticket_id] = (100, s.draws, until, [5000] * s.draws)
+        decisions.append(("answer", "other", s, f"{i + 50:016x}", 1_000, b"", until,
+                          [5000] * s.draws, None, results_of(RULES.time_zone, [None])))
+    await rec.sales(decisions)
+    await journal.aclose()
+    (path,) = journal_files(tmp_path)
+    line, other = [json.loads(x) for x in lines(path) if b'"sales"' in x]
+    assert (other["until"], other["untils"]) == (10**12 + 7, [10**12, 10**12 + 7])
+    assert [set(s) - {"ticket", "sale", "fp", "grids", "res"} for s in other["sales"]] == [
+        set(), {"draws"}, set()]
+    assert (line["first_draw"], line["draws"], line["until"], line["cap"]) == (
+        100, 2, top, 5000)
+    own = {s["ticket"]: set(s) - {"ticket", "sale", "fp", "grids", "res"}
+           for s in line["sales"]}
+    assert own == {"A": set(), "B": set(), "C": {"first_draw"}, "D": {"draws", "until"},
+                   "E": {"draws", "until", "caps"}, "F": {"until", "caps"}, "G": {"caps"},
+                   "U": set()}
+    read = [r for _, _, r in records(tmp_path) if isinstance(r, SaleRecord)]
+    assert {r.ticket: (r.first_draw, r.draws, r.until, r.caps) for r in read} == wanted
+    assert verify([tmp_path]).ok
