@@ -127,6 +127,9 @@ class Recorder:
         records: list[Record | SalesRecord] = []
         lines: dict[tuple[Via, str, str, str], list[SaleDecision]] = {}
         stamps: dict[tuple[Via, str, str, str], dict[str, int]] = {}
+        # Each stamp merged once a line (a request's tickets share theirs); held here, so
+        # that no id is another stamp's.
+        merged: dict[tuple[tuple[Via, str, str, str], int], dict[str, int]] = {}
         for d in decisions:
             via, channel, sale, sale_id, at, body, until, caps, marks, results = d
             if results is None:
@@ -138,9 +141,13 @@ class Recorder:
             key = (via, channel, sale.game, results[:results.index(b"|")].decode())
             lines.setdefault(key, []).append(d)
             stamp = stamps.setdefault(key, {})
-            for mark, g in ((self.stamp() if marks is None else marks) or {}).items():
-                if g > stamp.get(mark, 0):
-                    stamp[mark] = g
+            if marks is None:
+                marks = self.stamp()
+            if marks and (key, id(marks)) not in merged:
+                merged[key, id(marks)] = marks
+                for mark, g in marks.items():
+                    if g > stamp.get(mark, 0):
+                        stamp[mark] = g
         for key, made in lines.items():
             records.append(self._line(key, made, stamps[key] or None))
         return journal.append_many(records)

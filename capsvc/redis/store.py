@@ -220,8 +220,7 @@ Shape = tuple[tuple[Any, ...], list[str], list[Any]]
 what identifies it, its KEYS and its ARGV."""
 
 
-@dataclass(slots=True)
-class SaleCall:
+class SaleCall(msgspec.Struct):
     """One sale's part of a call of capsvc_sell (`sale_call`)."""
 
     shape: Shape

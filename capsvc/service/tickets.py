@@ -113,8 +113,7 @@ _ATTEMPTS = 4
 took over is claimed again."""
 
 
-@dataclass(slots=True)
-class SaleOutcome:
+class SaleOutcome(msgspec.Struct):
     """What the HTTP layer answers for a sale."""
 
     body: bytes
@@ -146,8 +145,7 @@ class Stop:
 Step = SaleOutcome | _Again | Stop
 """What deciding a claimed sale comes to."""
 
-@dataclass(slots=True)
-class _Prepared:
+class _Prepared(msgspec.Struct):
     """A ticket of a batch that passed every check that does not need Redis."""
 
     index: int
@@ -414,8 +412,7 @@ class Tickets:
             body, verdict = render(p.channel.id, p.stored, claim.sale_id, claim.at,
                                    claim.results)
             records.append(("answer", p.channel.id, p.stored, claim.sale_id, claim.at, body,
-                            p.expire_at, claim.caps,
-                            None if p.stamp is None else dict(p.stamp), claim.results))
+                            p.expire_at, claim.caps, p.stamp, claim.results))
             out.append(SaleOutcome(body=body, replayed=False, verdict=verdict,
                                    near_cap=claim.near_cap, sold_out=claim.sold_out,
                                    shadowed=claim.shadowed))
