@@ -175,10 +175,15 @@ _GroupOutcome = SaleOutcome | ApiError | Unavailable | Claim
 """A one-call ticket's outcome, or its first call's reply when a step is left to take."""
 
 
-def _answer_joined(joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]],
-                   parts: list[list[_Prepared]], done: asyncio.Future[list[Any]]) -> None:
-    """Each request of a tick its tickets' outcomes: a call that failed as unavailable
-    fails its tickets so (outcome unknown); any other failure, every request."""
+_Joining = tuple[list["_Prepared"], asyncio.Future[list[_GroupOutcome]]]
+"""A request's one-call tickets in this tick, and the future of their outcomes."""
+
+
+def _answer_joined(joining: list[_Joining], parts: list[list[_Prepared]],
+                   done: asyncio.Future[list[Any]]) -> None:
+    """Each of `joining` (requests whose tickets `parts`, calls of a tick, carry) its
+    tickets' outcomes: a call that failed as unavailable fails its tickets so (outcome
+    unknown); any other failure, every one of those requests."""
     outcomes: dict[int, _GroupOutcome] = {}
     failure: BaseException | None = None
     if done.cancelled():
@@ -254,7 +259,7 @@ class Tickets:
                           for game in catalog.games.values()}
         """Whether each game's sales are one atomic call (else steps), fixed at wiring."""
         self._requests = itertools.count(1)
-        self._joining: list[tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]] = []
+        self._joining: list[_Joining] = []
         """The one-call tickets of this tick's requests, sold together at its end."""
 
     # -- sell ------------------------------------------------------------------------------
@@ -357,7 +362,8 @@ class Tickets:
 
     def _sell_joined(self) -> None:
         """The tick's one-call tickets, every request's, sold in calls of SALES_PER_CALL
-        (one task a call), each request then answered its own."""
+        (one task a call), each request answered its own as soon as the calls that carry
+        its tickets are done (not after the tick's last call)."""
         joining, self._joining = self._joining, []
         items = [p for group, _ in joining for p in group]
         parts = [items[at:at + SALES_PER_CALL] for at in range(0, len(items), SALES_PER_CALL)]
@@ -365,10 +371,18 @@ class Tickets:
         # A request cut over two calls: the second reads what the first stopped judging.
         continues = [at > 0 and parts[at][0].request == parts[at - 1][-1].request
                      for at in range(len(parts))]
-        done = asyncio.gather(*[loop.create_task(self._sell_group(part, after))
-                                for part, after in zip(parts, continues, strict=True)],
-                              return_exceptions=True)
-        done.add_done_callback(functools.partial(_answer_joined, joining, parts))
+        tasks = [loop.create_task(self._sell_group(part, after))
+                 for part, after in zip(parts, continues, strict=True)]
+        spans: dict[tuple[int, int], list[_Joining]] = {}  # the calls of requests
+        at = 0
+        for joined in joining:
+            span = (at // SALES_PER_CALL, (at + len(joined[0]) - 1) // SALES_PER_CALL)
+            spans.setdefault(span, []).append(joined)
+            at += len(joined[0])
+        for (first, last), requests in spans.items():
+            done = asyncio.gather(*tasks[first:last + 1], return_exceptions=True)
+            done.add_done_callback(functools.partial(_answer_joined, requests,
+                                                     parts[first:last + 1]))
 
     def _prepare(self, channel: Channel, t: TicketIn, index: int, request: int) -> _Prepared:
         """A ticket checked against every rule that does not need Redis, its first draw

@@ -4,6 +4,7 @@ as usual. On a standalone Redis (one call per ticket) and a cluster (the steps).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from capsvc.client.models import TicketIn
 from capsvc.http.server import Service
 from capsvc.journal.reader import records
 from capsvc.journal.records import SaleRecord
-from capsvc.service.tickets import SaleOutcome
+from capsvc.service.tickets import SaleOutcome, Tickets
 from tests.conftest import TEN, Client, ticket
 
 BATCHES = "/v1/ticket-batches"
@@ -182,3 +183,39 @@ async def test_a_ticket_that_moves_on_is_judged_before_the_batch_s_later_tickets
     bodies = [r["body"] for r in reply.body["results"]]
     assert [(b["draws"], b["status"]) for b in bodies] == [
         ([draw + 1], "accepted"), ([draw + 1], "rejected")]
+
+
+@pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
+async def test_a_request_is_answered_once_its_own_calls_are_done(
+        service: tuple[Service, str], client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two batches of 64 reaching a worker in one event-loop tick are sold in two calls;
+    the first is answered as soon as its call is done, while the second's is still held
+    (the tick's last call does not hold every request of the tick back)."""
+    svc, _ = service
+    channel = next(c for c in svc.settings.channels if c.id == "fr-retail")
+    draw = await client.current()
+    release = asyncio.Event()
+    calls: list[str] = []
+    sell_group = Tickets._sell_group
+
+    async def held(self: Tickets, group: list[Any], continues: bool = False) -> Any:
+        calls.append(group[0].ticket.ticket_id)
+        if group[0].ticket.ticket_id.startswith("L-"):
+            await release.wait()
+        return await sell_group(self, group, continues)
+
+    monkeypatch.setattr(Tickets, "_sell_group", held)
+
+    def batch(prefix: str) -> list[TicketIn]:
+        return [msgspec.convert(ticket([{"numbers": [*range(1, 8), 8 + i % 60], "stake": 100}],
+                                       ticket_id=f"{prefix}-{i}", first_draw=draw + i // 60),
+                                TicketIn) for i in range(64)]
+
+    early = asyncio.ensure_future(svc.usecases.tickets.sell(channel, batch("E")))
+    late = asyncio.ensure_future(svc.usecases.tickets.sell(channel, batch("L")))
+    answered = await asyncio.wait_for(early, 10)
+    assert calls == ["E-0", "L-0"]  # one tick, two calls
+    assert all(isinstance(o, SaleOutcome) for o in answered)
+    assert not late.done()
+    release.set()
+    assert all(isinstance(o, SaleOutcome) for o in await asyncio.wait_for(late, 10))
