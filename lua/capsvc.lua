@@ -235,6 +235,21 @@ local function marks(keys, args)
   return m
 end
 
+--[[ marks_of: KEYS a mark; ARGV n, n lives, then more marks of the same node (read only).
+Each mark as `marks` returns it, in order (KEYS[1]'s first): what a process's watch reads of
+every slot's mark on a cluster, one call a node rather than one a mark. The other marks are
+not declared (the cluster refuses declared keys of several slots): a mark the node does not
+serve fails the call ("non local key"), and the caller reads that node's marks one by one. ]]
+local function marks_of(keys, args)
+  local n = tonumber(args[1])
+  local lives = {unpack(args, 2, n + 1)}
+  local out = {marks(keys, lives)}
+  for i = n + 2, #args do
+    out[#out + 1] = marks({args[i]}, lives)
+  end
+  return out
+end
+
 --[[ mark_restored: KEYS mark; ARGV restorer, token, counter, writes, (life, G of its newest
 write)...
 After a restore put lifetimes' records back: their fields and G raised to at least those G
@@ -2046,6 +2061,8 @@ redis.register_function('capsvc_restore_grid', restore_grid)
 redis.register_function('capsvc_restore_limit', restore_limit)
 redis.register_function{function_name = 'capsvc_marks', callback = marks,
                         flags = {'no-writes'}}
+redis.register_function{function_name = 'capsvc_marks_of', callback = marks_of,
+                        flags = {'no-writes', 'allow-cross-slot-keys'}}
 redis.register_function('capsvc_mark_restored', mark_restored)
 redis.register_function('capsvc_announce', announce)
 redis.register_function('capsvc_announce_end', announce_end)

@@ -217,13 +217,14 @@ class Reconciler:
         # (whose replies may be read before this coroutine resumes).
         seen, made = dict(self.marks.seen), dict(self.marks.made)
         node_seen = dict(self.marks.node_seen)
-        states = await asyncio.gather(*[store.mark_state(node, []) for node in nodes],
-                                      *[store.mark_state(mark, lives) for mark in marks])
-        for node, state in zip(nodes, states, strict=False):
+        node_reads = [store.mark_state(node, []) for node in nodes]
+        mark_reads = store.mark_states(marks, lives)
+        node_states, states = await asyncio.gather(asyncio.gather(*node_reads), mark_reads)
+        for node, state in zip(nodes, node_states, strict=True):
             if state.g < node_seen.get(node, 0):
                 return f"redis went back in time on {node} ({state.g} < {node_seen[node]})"
             self.marks.saw_node(node, state.g)
-        for mark, state in zip(marks, states[len(nodes):], strict=True):
+        for mark, state in zip(marks, states, strict=True):
             g, fields = state.g, state.lives
             if g < seen.get(mark, 0):
                 return f"redis went back in time on {mark} ({g} < {seen[mark]})"
@@ -425,14 +426,15 @@ class Reconciler:
         than it was read before: other processes' writes and restores raise them, never
         lower them)."""
         gs = {}
-        states = await asyncio.gather(*[store.mark_state(node, []) for node in nodes],
-                                      *[store.mark_state(mark, names) for mark in marks])
-        for node, state in zip(nodes, states, strict=False):
+        node_reads = [store.mark_state(node, []) for node in nodes]
+        mark_reads = store.mark_states(marks, names)
+        node_states, states = await asyncio.gather(asyncio.gather(*node_reads), mark_reads)
+        for node, state in zip(nodes, node_states, strict=True):
             if state.g < floor[node]:
                 raise WentBack(f"redis went back in time again on {node} while the journal "
                                "was put back")
             gs[node] = floor[node] = state.g
-        for mark, state in zip(marks, states[len(nodes):], strict=True):
+        for mark, state in zip(marks, states, strict=True):
             if state.g < floor[mark] or any(state.lives[i] < made[life].get(mark, 0)
                                             for i, life in enumerate(names)):
                 raise WentBack(f"redis went back in time again on {mark} while the journal "

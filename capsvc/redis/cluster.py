@@ -159,6 +159,14 @@ class ClusterCoalescer:
             self._refresh_soon()
         return count
 
+    def by_node(self, keys: list[str]) -> list[list[str]]:
+        """`keys` grouped by the primary that serves them, as far as this process's slot map
+        says (keys of a slot it knows no node of: a group of their own)."""
+        groups: dict[Node | None, list[str]] = {}
+        for key in keys:
+            groups.setdefault(self._slots[slot_of(key)], []).append(key)
+        return list(groups.values())
+
     async def nodes(self) -> list[str]:
         """Every primary's count key."""
         await self._ensure_map()

@@ -34,7 +34,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
 from capsvc.redis.cluster import ClusterCoalescer
-from capsvc.redis.marks import MARKED, NODE_MARK, Marks, one_node, stamp
+from capsvc.redis.marks import MARKED, NODE_MARK, MarkElsewhere, Marks, one_node, stamp
 from capsvc.redis.replies import (
     Budget,
     Cancelling,
@@ -348,6 +348,30 @@ class Store:
     def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
         """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
         return decoded(self.mark_call("capsvc_marks", mark, lives), mark_state_of)
+
+    def mark_states(self, marks: list[str], lives: list[str]
+                    ) -> asyncio.Future[list[MarkState]]:
+        """`mark_state` of each of `marks`, in order: one read a node (capsvc_marks_of), sent
+        at once; the marks of a node whose read fails (its slots moved) read one by one."""
+        groups = (self.redis.by_node(marks) if isinstance(self.redis, ClusterCoalescer)
+                  else [marks])
+        reads = [(group, self.redis.submit("FCALL", "capsvc_marks_of", 1, group[0],
+                                           len(lives), *lives, *group[1:]))
+                 for group in groups if group]
+        return asyncio.ensure_future(self._mark_states(marks, lives, reads))
+
+    async def _mark_states(self, marks: list[str], lives: list[str],
+                           reads: list[tuple[list[str], asyncio.Future[Any]]]
+                           ) -> list[MarkState]:
+        found: dict[str, MarkState] = {}
+        for group, read in reads:
+            try:
+                replies = await read
+            except (MarkElsewhere, ResponseError):  # a mark the node does not serve: each alone
+                replies = await asyncio.gather(*[self.mark_call("capsvc_marks", mark, lives)
+                                                 for mark in group])
+            found.update(zip(group, map(mark_state_of, replies), strict=True))
+        return [found[mark] for mark in marks]
 
     async def nodes(self) -> list[str]:
         """What counts every node's marked calls: the standalone Redis's mark, or each

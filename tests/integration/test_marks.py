@@ -24,7 +24,7 @@ from capsvc.domain.errors import Unavailable
 from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
-from capsvc.redis.cluster import connect
+from capsvc.redis.cluster import ClusterCoalescer, connect
 from capsvc.redis.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.redis.replies import Claimed, Pending
 from capsvc.redis.store import Store, lua_source, ticket_key
@@ -454,3 +454,32 @@ async def test_a_record_made_outside_a_request_is_stamped_with_all_the_process_w
     await journal.aclose()
     life = lives_of(tmp_path)[journal.life]
     assert [r.marks for r in lacking(life, {}, 0)] == [{NODE_MARK: 41}, {"x": 3}]
+
+
+async def test_the_watch_reads_every_slots_mark_in_one_call_a_node(
+        recorded: Recorded, redis_backend: RedisServer | RedisCluster,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's watch reads the mark of every slot it wrote through: one read a node
+    (`capsvc_marks_of`), not one a mark, each mark as the one-mark read gives it; a mark of
+    a slot the node does not serve (a slot map out of date) fails that node's read, and its
+    marks are read one by one."""
+    store = recorded.store
+    tickets = [f"W-{i}" for i in range(200)]
+    for t in tickets:
+        assert isinstance(await claim(store, t), Claimed)
+    marks = sorted({mark_of(store, ticket_key("fr", t)) for t in tickets})
+    lives = ["life-a", "life-b"]
+    one_by_one = await asyncio.gather(*[store.mark_state(m, lives) for m in marks])
+    primaries = redis_backend.servers if isinstance(redis_backend, RedisCluster) else [
+        redis_backend]
+    clients = [p.client() for p in primaries]
+    for c in clients:
+        c.config_resetstat()
+    assert await store.mark_states(marks, lives) == one_by_one
+    calls = [c.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
+             for c in clients]
+    assert sum(calls) == len(primaries), calls
+    assert all(n == 1 for n in calls)
+    if isinstance(store.redis, ClusterCoalescer):  # a map out of date: one group, all marks
+        monkeypatch.setattr(store.redis, "by_node", lambda keys: [list(keys)])
+        assert await store.mark_states(marks, lives) == one_by_one
