@@ -147,7 +147,8 @@ _zones: dict[str, ZoneInfo] = {}
 _games: dict[str, bytes] = {}
 _draws: dict[tuple[int, int], bytes] = {}
 _issued: tuple[int, str, bytes] = (-1, "", b"")
-"""The last instant rendered, in its time zone (a batch's sales share theirs)."""
+"""The last instant rendered, in its time zone (a batch's sales share theirs): replaced
+whole, read once a render (the event loop and a report's thread both render)."""
 
 
 def _zone(name: str) -> ZoneInfo:
@@ -213,10 +214,12 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
     if accepted:
         total += sale.joker_cost
         global _issued
-        if _issued[0] != at or _issued[1] != zone:
-            _issued = (at, zone, b'","issued_at":' + _encode(instant(at, _zone(zone))) + b"}")
+        issued = _issued  # read once: a thread (a report's) may render meanwhile
+        if issued[0] != at or issued[1] != zone:
+            issued = _issued = (at, zone, b'","issued_at":'
+                                + _encode(instant(at, _zone(zone))) + b"}")
         receipt = (b'{"receipt_id":"' + receipt_id(channel_id, sale.ticket_id,
-                                                   sale_id).encode() + _issued[2])
+                                                   sale_id).encode() + issued[2])
     else:
         receipt = b"null"
     return (b"".join((head, status.encode(), draws, b',"grids":[', b",".join(parts),

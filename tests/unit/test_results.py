@@ -15,6 +15,7 @@ import pytest
 
 from capsvc.client.models import GridOut, Receipt, TicketIn, TicketOut
 from capsvc.config import load_settings
+from capsvc.domain import decisions
 from capsvc.domain.decisions import (
     ACCEPTED,
     CLOSED,
@@ -121,3 +122,35 @@ def test_a_grid_neither_accepted_nor_rejected_has_no_decision(kind: int) -> None
     with pytest.raises(ApiError) as e:
         results_of("UTC", [Reserved(ACCEPTED), Reserved(kind)])
     assert e.value.code == "draw_closed"
+
+
+def test_a_render_keeps_its_own_instant_whatever_renders_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another render in the middle of one (a report's thread renders the journal's
+    decisions while the event loop answers sales), at another instant in another zone:
+    each body has its own instant, as rendered alone."""
+    game = GAMES["fdj-keno"]
+    sale = validate_ticket(game, msgspec.convert(
+        {"ticket_id": "T-1", "game": "fdj-keno", "first_draw": 7,
+         "grids": [{"numbers": [*range(1, 9)], "stake": game.stakes[0]}]}, TicketIn))
+    results = b"Europe/Paris|1"
+    alone = {at: render("fr-retail", sale, "ab" * 8, at, results)[0]
+             for at in (1_796_000_000_123, 1_796_000_999_456)}
+    real = decisions.receipt_id
+    inner: list[bytes] = []
+    armed = [False]
+
+    def meanwhile(channel: str, ticket: str, sale_id: str) -> str:
+        if armed[0]:  # the other render, between this one's instant and its receipt
+            armed[0] = False
+            inner.append(render("fr-retail", sale, "ab" * 8, 1_796_000_999_456,
+                                b"Pacific/Tahiti|1")[0])
+        return real(channel, ticket, sale_id)
+
+    monkeypatch.setattr(decisions, "receipt_id", meanwhile)
+    render("fr-retail", sale, "ab" * 8, 1_796_000_999_456, results)  # the cache's instant
+    armed[0] = True
+    assert render("fr-retail", sale, "ab" * 8, 1_796_000_000_123, results)[0] == \
+        alone[1_796_000_000_123]
+    assert inner
+    assert b"-10:00" in inner[0]
