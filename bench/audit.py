@@ -34,7 +34,7 @@ from capsvc.audit.reconcile import read_export, reconcile
 from capsvc.audit.report import build, to_csv
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, build_decision
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, render, results_of
 from capsvc.domain.games import Game
 from capsvc.domain.validator import validate_ticket
 from capsvc.journal.recorder import Recorder
@@ -58,10 +58,10 @@ async def write_journal(directory: Path, game: Game, first: int, draws: int, tic
         t = msgspec.convert({"ticket_id": f"B-{i}", "game": game.rules.id,
                              "first_draw": draw, "grids": grids}, TicketIn)
         sale = msgspec.structs.replace(validate_ticket(game.rules, t), first_draw=draw)
-        replies = [None if not g.capped else [ACCEPTED] if rng.random() < 0.9
-                   else [REJECTED, 0, 100] for g in sale.grids]
+        replies = [None if not g.capped else Reserved(ACCEPTED) if rng.random() < 0.9
+                   else Reserved(REJECTED, room=100) for g in sale.grids]
         sid = f"{i:016x}"
-        body = msgspec.json.encode(build_decision("fr-retail", TZ, sale, sid, now, replies))
+        body, _ = render("fr-retail", sale, sid, now, results_of(TZ.key, replies))
         until = game.expire_at(draw)
         batch.append(rec.sale("answer", "fr-retail", sale, sid, now, body, until, [5000]))
         if i % 10 == 0:

@@ -37,7 +37,7 @@ import msgspec
 
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
-from capsvc.domain.decisions import build_decision
+from capsvc.domain.decisions import render, results_of
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
@@ -115,8 +115,7 @@ async def write(dirs: list[Path], game: Game, tickets: int, seed: int) -> dict[s
             counts["records"] += 1
             await flush()
             continue
-        body = msgspec.json.encode(build_decision("fr-retail", TZ, sale, sid, at,
-                                                  live.judge(sale)))
+        body, _ = render("fr-retail", sale, sid, at, results_of(TZ.key, live.judge(sale)))
         caps = [cap] * draws
         waiting.append(rec.sale("answer", "fr-retail", sale, sid, at, body, until, caps))
         counts["records"] += 1

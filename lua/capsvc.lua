@@ -228,7 +228,7 @@ local function marked(fn)
   end
 end
 
---[[ marks: KEYS mark; ARGV lives... (read only)
+--[[ marks: KEYS mark; ARGV lives... (read only; each mark of `marks_of`)
 Returns {G, announced until (or false), the G of each life (false when none)}. ]]
 local function marks(keys, args)
   local m = redis.call('HMGET', keys[1], '*', '!', unpack(args))
@@ -236,10 +236,10 @@ local function marks(keys, args)
 end
 
 --[[ marks_of: KEYS a mark; ARGV n, n lives, then more marks of the same node (read only).
-Each mark as `marks` returns it, in order (KEYS[1]'s first): what a process's watch reads of
-every slot's mark on a cluster, one call a node rather than one a mark. The other marks are
-not declared (the cluster refuses declared keys of several slots): a mark the node does not
-serve fails the call ("non local key"), and the caller reads that node's marks one by one. ]]
+Returns each mark as `marks` reads it, in order (KEYS[1]'s first): what a process's watch
+reads of every slot's mark on a cluster, one call a node rather than one a mark. The other marks are not declared (the
+cluster refuses declared keys of several slots): a mark the node does not serve fails the
+call ("non local key"), and the caller reads that node's marks one by one. ]]
 local function marks_of(keys, args)
   local n = tonumber(args[1])
   local lives = {unpack(args, 2, n + 1)}
@@ -2059,8 +2059,6 @@ register_marked('capsvc_sell', sell)
 redis.register_function('capsvc_restore_ticket', restore_ticket)
 redis.register_function('capsvc_restore_grid', restore_grid)
 redis.register_function('capsvc_restore_limit', restore_limit)
-redis.register_function{function_name = 'capsvc_marks', callback = marks,
-                        flags = {'no-writes'}}
 redis.register_function{function_name = 'capsvc_marks_of', callback = marks_of,
                         flags = {'no-writes', 'allow-cross-slot-keys'}}
 redis.register_function('capsvc_mark_restored', mark_restored)

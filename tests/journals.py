@@ -24,21 +24,13 @@ import msgspec
 
 from capsvc.client.models import TicketIn
 from capsvc.config import GameRules
-from capsvc.domain.decisions import (
-    ACCEPTED,
-    REJECTED,
-    Reserved,
-    budget_plan,
-    build_decision,
-    player_limit_decision,
-    render,
-    results_of,
-)
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, budget_plan, render, results_of
 from capsvc.domain.games import Catalog, Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import open_journal
 from capsvc.redis.replies import PlayerLimits
+from tests.decisions import build_decision, player_limit_decision
 
 CONFIG = """
 [[games]]

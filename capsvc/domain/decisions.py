@@ -142,7 +142,6 @@ class Verdict(msgspec.Struct, frozen=True, gc=False):
 
 
 _encode = msgspec.json.encode
-_ticket_decoder = msgspec.json.Decoder(TicketOut)
 _zones: dict[str, ZoneInfo] = {}
 _games: dict[str, bytes] = {}
 _draws: dict[tuple[int, int], bytes] = {}
@@ -225,19 +224,6 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
     return (b"".join((head, status.encode(), draws, b',"grids":[', b",".join(parts),
                       b'],"total_cost":%d,"receipt":' % total, receipt, b"}")),
             Verdict(sale.game, status, total, accepted, tuple(capped), False, len(parts)))
-
-
-def build_decision(channel_id: str, tz: ZoneInfo, sale: Sale, sale_id: str, at: int,
-                   replies: Sequence[Reserved | None] | None) -> TicketOut:
-    """The decision `render` makes of a sale's reserve replies (None: a grid not capped;
-    `replies` None: the whole ticket refused by the player's limit), as a TicketOut."""
-    results = results_of(tz.key, replies)
-    return _ticket_decoder.decode(render(channel_id, sale, sale_id, at, results)[0])
-
-
-def player_limit_decision(sale: Sale) -> TicketOut:
-    """The whole ticket refused: it does not fit in the player's daily budget."""
-    return build_decision("", ZoneInfo("UTC"), sale, "", 0, None)
 
 
 def cancel_refusal(rules: GameRules, sale: Sale, decision: TicketOut) -> str | None:

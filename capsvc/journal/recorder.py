@@ -125,7 +125,7 @@ class Recorder:
         if journal is None:
             return self._resolved()
         records: list[Record | SalesRecord] = []
-        lines: dict[tuple[Via, str, str, str], list[SaleDecision]] = {}
+        lines: dict[tuple[Via, str, str, str], list[tuple[SaleDecision, str]]] = {}
         stamps: dict[tuple[Via, str, str, str], dict[str, int]] = {}
         # Each stamp merged once a line (a request's tickets share theirs); held here, so
         # that no id is another stamp's.
@@ -138,8 +138,9 @@ class Recorder:
                     **self._ticket(via, channel, sale, sale_id, at, body, until, marks),
                     caps=capped))
                 continue
-            key = (via, channel, sale.game, results[:results.index(b"|")].decode())
-            lines.setdefault(key, []).append(d)
+            zone, _, res = results.decode().partition("|")
+            key = (via, channel, sale.game, zone)
+            lines.setdefault(key, []).append((d, res))
             stamp = stamps.setdefault(key, {})
             if marks is None:
                 marks = self.stamp()
@@ -152,14 +153,15 @@ class Recorder:
             records.append(self._line(key, made, stamps[key] or None))
         return journal.append_many(records)
 
-    def _line(self, key: tuple[Via, str, str, str], made: list[SaleDecision],
+    def _line(self, key: tuple[Via, str, str, str], made: list[tuple[SaleDecision, str]],
               marks: dict[str, int] | None) -> SalesRecord:
-        """The `sales` line of sales `made` (of one way, channel, game and time zone)."""
+        """The `sales` line of sales `made` (of one way, channel, game and time zone; each
+        with its grids' results)."""
         via, channel, game, zone = key
-        line_at = made[0][4]
+        line_at = made[0][0][4]
         first = last = until = cap = 0
         ends: dict[int, int] = {}  # a last draw: the until of the first sale ending there
-        for _, _, sale, _, _, _, until_, caps, _, _ in made:
+        for (_, _, sale, _, _, _, until_, caps, _, _), _ in made:
             assert sale.first_draw is not None
             first = min(first, sale.first_draw) if first else sale.first_draw
             last = max(last, sale.first_draw + sale.draws)
@@ -170,9 +172,8 @@ class Recorder:
         untils = ([ends.get(d) for d in range(first, last)]
                   if len(set(ends.values())) > 1 else None)
         sold = []
-        for _, _, sale, sale_id, at, _, until_, caps, _, results in made:
+        for (_, _, sale, sale_id, at, _, until_, caps, _, _), res in made:
             assert sale.first_draw is not None
-            assert results is not None
             own_caps = None
             if any(g.capped for g in sale.grids):
                 if not caps:
@@ -180,8 +181,7 @@ class Recorder:
                 elif any(c != cap for c in caps):
                     own_caps = caps
             sold.append(SoldTicket(
-                sale.ticket_id, sale_id, sale.fingerprint, grids_of(sale),
-                results[results.index(b"|") + 1:].decode(),
+                sale.ticket_id, sale_id, sale.fingerprint, grids_of(sale), res,
                 0 if sale.first_draw == first else sale.first_draw, sale.draws,
                 0 if until_ == (until if untils is None else
                                 untils[sale.first_draw + sale.draws - 1 - first])

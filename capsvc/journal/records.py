@@ -347,14 +347,13 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
     out = []
     for s in r.sales:
         at = r.at_of(s)
-        record = SaleRecord(
+        body, _ = render(r.channel, sold_sale(r, s), s.sale, at, f"{r.zone}|{s.res}".encode())
+        out.append(SaleRecord(
             at=at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
             game=r.game, first_draw=r.first_of(s), draws=s.draws, fp=s.fp,
-            until=r.until_of(s), grids=s.grids, decision=Raw(b"null"), player=s.player,
+            until=r.until_of(s), grids=s.grids, decision=Raw(body), player=s.player,
             joker_plus=s.joker_plus, joker_cost=s.joker_cost, caps=r.caps_of(s),
-            marks=r.marks)
-        body, _ = render(r.channel, sold_sale(r, s), s.sale, at, f"{r.zone}|{s.res}".encode())
-        out.append(msgspec.structs.replace(record, decision=Raw(body)))
+            marks=r.marks))
     return out
 
 

@@ -286,9 +286,10 @@ class Metrics:
         if v.limit:
             tally["g", game, "rejected", "player_limit"] += v.grids
             tally["l", game] += 1
-        for picks in v.capped:
-            tally["g", game, "rejected", "combination_capped"] += 1
-            tally["r", game, str(picks)] += 1
+        if v.capped:
+            tally["g", game, "rejected", "combination_capped"] += len(v.capped)
+            for picks in v.capped:
+                tally["r", game, str(picks)] += 1
         if v.total_cost:
             tally["s", game] += v.total_cost
         if near_cap:

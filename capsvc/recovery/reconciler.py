@@ -66,6 +66,7 @@ from capsvc.recovery.restore import RESTORE_TIMEOUT_S, Restored, Restorer, ident
 from capsvc.redis.cluster import connect
 from capsvc.redis.gate import Gate
 from capsvc.redis.marks import NODE_MARK, Marks
+from capsvc.redis.replies import MarkState
 from capsvc.redis.store import Store, lua_source
 
 log = logging.getLogger(__name__)
@@ -217,9 +218,7 @@ class Reconciler:
         # (whose replies may be read before this coroutine resumes).
         seen, made = dict(self.marks.seen), dict(self.marks.made)
         node_seen = dict(self.marks.node_seen)
-        node_reads = [store.mark_state(node, []) for node in nodes]
-        mark_reads = store.mark_states(marks, lives)
-        node_states, states = await asyncio.gather(asyncio.gather(*node_reads), mark_reads)
+        node_states, states = await _read_marks(store, nodes, marks, lives)
         for node, state in zip(nodes, node_states, strict=True):
             if state.g < node_seen.get(node, 0):
                 return f"redis went back in time on {node} ({state.g} < {node_seen[node]})"
@@ -426,9 +425,7 @@ class Reconciler:
         than it was read before: other processes' writes and restores raise them, never
         lower them)."""
         gs = {}
-        node_reads = [store.mark_state(node, []) for node in nodes]
-        mark_reads = store.mark_states(marks, names)
-        node_states, states = await asyncio.gather(asyncio.gather(*node_reads), mark_reads)
+        node_states, states = await _read_marks(store, nodes, marks, names)
         for node, state in zip(nodes, node_states, strict=True):
             if state.g < floor[node]:
                 raise WentBack(f"redis went back in time again on {node} while the journal "
@@ -568,3 +565,11 @@ class _Announcer:
 
 def _g(value: Any) -> int:
     return int(value) if value else 0
+
+
+def _read_marks(store: Store, nodes: list[str], marks: list[str], lives: list[str]
+                ) -> Awaitable[tuple[list[MarkState], list[MarkState]]]:
+    """Every primary's count of `nodes` and each of `marks` with the G of `lives`, the reads
+    sent at once (behind every call sent before, ahead of every call sent after)."""
+    return asyncio.gather(asyncio.gather(*[store.mark_state(node, []) for node in nodes]),
+                          store.mark_states(marks, lives))

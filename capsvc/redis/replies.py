@@ -289,7 +289,7 @@ def limits_of(reply: list[Any]) -> PlayerLimits:
 # -- the marks -------------------------------------------------------------------------------
 
 class MarkState(msgspec.Struct, frozen=True):
-    """A mark as it stands (`marks`)."""
+    """A mark as it stands (`marks`, each mark `marks_of` reads)."""
 
     LUA: ClassVar[str] = ("{G, announced until (or false), the G of each life (false when "
                           "none)}")

@@ -346,8 +346,10 @@ class Store:
         return call if decode is None else decoded(call, decode)
 
     def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
-        """`mark` as it stands, with the G of each of `lives` (capsvc_marks, read only)."""
-        return decoded(self.mark_call("capsvc_marks", mark, lives), mark_state_of)
+        """`mark` as it stands, with the G of each of `lives` (capsvc_marks_of, read
+        only)."""
+        return decoded(self.mark_call("capsvc_marks_of", mark, [len(lives), *lives]),
+                       lambda reply: mark_state_of(reply[0]))
 
     def mark_states(self, marks: list[str], lives: list[str]
                     ) -> asyncio.Future[list[MarkState]]:
@@ -366,11 +368,10 @@ class Store:
         found: dict[str, MarkState] = {}
         for group, read in reads:
             try:
-                replies = await read
+                states = list(map(mark_state_of, await read))
             except (MarkElsewhere, ResponseError):  # a mark the node does not serve: each alone
-                replies = await asyncio.gather(*[self.mark_call("capsvc_marks", mark, lives)
-                                                 for mark in group])
-            found.update(zip(group, map(mark_state_of, replies), strict=True))
+                states = await asyncio.gather(*[self.mark_state(mark, lives) for mark in group])
+            found.update(zip(group, states, strict=True))
         return [found[mark] for mark in marks]
 
     async def nodes(self) -> list[str]:

@@ -175,7 +175,7 @@ _GroupOutcome = SaleOutcome | ApiError | Unavailable | Claim
 """A one-call ticket's outcome, or its first call's reply when a step is left to take."""
 
 
-_Joining = tuple[list["_Prepared"], asyncio.Future[list[_GroupOutcome]]]
+_Joining = tuple[list[_Prepared], asyncio.Future[list[_GroupOutcome]]]
 """A request's one-call tickets in this tick, and the future of their outcomes."""
 
 

@@ -12,7 +12,7 @@ every answered decision as answered.
 
 The condition the promise needs is forced, not waited for: the rollback happens only once
 the process that will judge has read the node's mark since A's last sale (its watch's
-`capsvc_marks`, seen on the node's MONITOR from one of that process's connections).
+`capsvc_marks_of`, seen on the node's MONITOR from one of that process's connections).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _local_ports(pid: int, port: int) -> set[int]:
 
 
 def _watched(node: RedisServer, pids: Sequence[int], timeout_s: float = 60) -> None:
-    """Return once every process of `pids` has read `node`'s mark (capsvc_marks: its watch)
+    """Return once every process of `pids` has read `node`'s mark (capsvc_marks_of: its watch)
     after this call began."""
     waiting = set(pids)
     deadline = time.monotonic() + timeout_s

@@ -22,7 +22,7 @@ import pytest
 
 from capsvc.client.models import TicketIn
 from capsvc.config import Settings, load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision, results_of
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, results_of
 from capsvc.domain.games import Catalog
 from capsvc.domain.validator import Sale, pack_sale, validate_ticket
 from capsvc.journal.reader import retained_records
@@ -56,6 +56,7 @@ from capsvc.redis.store import (
 )
 from capsvc.service.steps import aggregate_value
 from tests.conftest import TEN, Client, services, ticket
+from tests.decisions import build_decision
 from tests.journals import write_config, write_journal
 from tests.records import TicketRecords, raw_claim
 from tests.restore_reference import OneByOne

@@ -165,7 +165,7 @@ STEPS = ("capsvc_claim", "capsvc_reserve", "capsvc_finalize", "capsvc_journaled_
 janitor in the same call), the grids' reserves, the decision written, and, once journaled,
 the release of its index entry (one call a pending index and tick)."""
 
-WATCH = ("capsvc_marks", "capsvc_mark_keep")
+WATCH = ("capsvc_marks_of", "capsvc_mark_keep")
 """The watch's calls (capsvc.recovery.reconciler), whatever the sales."""
 
 

@@ -20,11 +20,12 @@ from capsvc.audit.reconcile import ExportError, Known, read_export, reconcile
 from capsvc.audit.report import NO_ACTIVITY, build, to_csv, to_json
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import Journal, journal_files, open_journal
+from tests.decisions import build_decision
 
 CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
 GAME = Game(load_settings(CONFIG).games["fdj-keno"])

@@ -17,7 +17,7 @@ import pytest
 
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
-from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, build_decision, results_of
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, results_of
 from capsvc.domain.errors import Unavailable
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal import writer as writer_module
@@ -26,6 +26,7 @@ from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import SaleRecord
 from capsvc.journal.verify import verify
 from capsvc.journal.writer import Journal, journal_files, open_journal
+from tests.decisions import build_decision
 
 CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
 RULES = load_settings(CONFIG).games["fdj-keno"]

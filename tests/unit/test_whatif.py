@@ -26,18 +26,12 @@ from capsvc.audit.whatif import Scenario, WhatIf, read_demand, replay, to_csv, t
 from capsvc.client.models import TicketIn
 from capsvc.config import load_settings
 from capsvc.domain import combination
-from capsvc.domain.decisions import (
-    ACCEPTED,
-    REJECTED,
-    Reserved,
-    build_decision,
-    player_limit_decision,
-    results_of,
-)
+from capsvc.domain.decisions import ACCEPTED, REJECTED, Reserved, results_of
 from capsvc.domain.games import Game
 from capsvc.domain.validator import Sale, validate_ticket
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import journal_files, open_journal
+from tests.decisions import build_decision, player_limit_decision
 from tests.journals import LiveCaps
 
 CONFIG = Path(__file__).parent.parent / "capsvc-test.toml"
