@@ -219,10 +219,19 @@ class Reconciler:
         seen, made = dict(self.marks.seen), dict(self.marks.made)
         node_seen = dict(self.marks.node_seen)
         node_states, states = await _read_marks(store, nodes, marks, lives)
+        # A node that does not answer hides nothing of the others: every read that came
+        # back is judged, and only then is the failure raised (the watch looks again).
+        failed = next((s for s in node_states if isinstance(s, BaseException)), None)
         for node, state in zip(nodes, node_states, strict=True):
+            if isinstance(state, BaseException):
+                continue
             if state.g < node_seen.get(node, 0):
                 return f"redis went back in time on {node} ({state.g} < {node_seen[node]})"
             self.marks.saw_node(node, state.g)
+        if isinstance(states, BaseException):
+            raise states
+        if failed is not None:
+            raise failed
         for mark, state in zip(marks, states, strict=True):
             g, fields = state.g, state.lives
             if g < seen.get(mark, 0):
@@ -426,11 +435,16 @@ class Reconciler:
         lower them)."""
         gs = {}
         node_states, states = await _read_marks(store, nodes, marks, names)
+        for state in (*node_states, states):
+            if isinstance(state, BaseException):
+                raise state
         for node, state in zip(nodes, node_states, strict=True):
+            assert not isinstance(state, BaseException)
             if state.g < floor[node]:
                 raise WentBack(f"redis went back in time again on {node} while the journal "
                                "was put back")
             gs[node] = floor[node] = state.g
+        assert not isinstance(states, BaseException)
         for mark, state in zip(marks, states, strict=True):
             if state.g < floor[mark] or any(state.lives[i] < made[life].get(mark, 0)
                                             for i, life in enumerate(names)):
@@ -567,9 +581,15 @@ def _g(value: Any) -> int:
     return int(value) if value else 0
 
 
-def _read_marks(store: Store, nodes: list[str], marks: list[str], lives: list[str]
-                ) -> Awaitable[tuple[list[MarkState], list[MarkState]]]:
-    """Every primary's count of `nodes` and each of `marks` with the G of `lives`, the reads
+async def _read_marks(store: Store, nodes: list[str], marks: list[str], lives: list[str]
+                      ) -> tuple[list[MarkState | BaseException],
+                                 list[MarkState] | BaseException]:
+    """Every primary's count of `nodes` (each its own state, or why it could not be read)
+    and each of `marks` with the G of `lives` (or why they could not all be read), the reads
     sent at once (behind every call sent before, ahead of every call sent after)."""
-    return asyncio.gather(asyncio.gather(*[store.mark_state(node, []) for node in nodes]),
-                          store.mark_states(marks, lives))
+    node_reads = asyncio.gather(*[store.mark_state(node, []) for node in nodes],
+                                return_exceptions=True)
+    mark_reads = store.mark_states(marks, lives)
+    (counts, states) = await asyncio.gather(node_reads, mark_reads, return_exceptions=True)
+    assert not isinstance(counts, BaseException)  # its own failures are its items
+    return counts, states

@@ -24,6 +24,7 @@ from capsvc.domain.errors import Unavailable
 from capsvc.journal.lives import lacking, lives_of, made_by
 from capsvc.journal.recorder import Recorder
 from capsvc.journal.writer import alive, open_journal
+from capsvc.recovery.reconciler import Reconciler
 from capsvc.redis.cluster import ClusterCoalescer, connect
 from capsvc.redis.marks import NODE_MARK, Behind, Marks, mark_of_slot, stamp
 from capsvc.redis.replies import Claimed, Pending
@@ -483,3 +484,37 @@ async def test_the_watch_reads_every_slots_mark_in_one_call_a_node(
     if isinstance(store.redis, ClusterCoalescer):  # a map out of date: one group, all marks
         monkeypatch.setattr(store.redis, "by_node", lambda keys: [list(keys)])
         assert await store.mark_states(marks, lives) == one_by_one
+
+
+@pytest.mark.parametrize("redis_backend", ["cluster"], indirect=True)
+async def test_a_primary_that_does_not_answer_hides_no_other_primarys_loss(
+        service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch reads every primary's count at once: one that cannot be read (down, timing
+    out) does not keep it from judging the others — a primary behind what the process saw
+    is named; with none behind, the failure is raised, and the watch looks again."""
+    svc, _ = service
+    store = svc.store
+    on_unknown = svc.reconciler.gate.on_unknown
+    # A reconciler of its own (another lifetime), not the service's: its watch is not run.
+    reconciler = Reconciler(svc.settings, svc.reconciler.url, svc.reconciler.gate,
+                            svc.usecases.catalog, svc.metrics,
+                            Marks("life-w", single_node=False, node_of=store.node_of),
+                            svc.usecases.journal)
+    svc.reconciler.gate.on_unknown = on_unknown  # the service's, as it was
+    down, behind, _ = await store.nodes()
+    read = store.mark_state
+
+    def mark_state(mark: str, lives: list[str]) -> asyncio.Future[Any]:
+        if mark == down:
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(Unavailable(f"{down} does not answer"))
+            return failed
+        return read(mark, lives)
+
+    monkeypatch.setattr(store, "mark_state", mark_state)
+    with pytest.raises(Unavailable):  # nothing behind: no conclusion, looked at again
+        await reconciler._look(store, slots=False)
+    reconciler.marks.saw_node(behind, 10**12)  # this process saw it far ahead: it went back
+    problem = await reconciler._look(store, slots=False)
+    assert problem is not None
+    assert behind in problem
