@@ -261,6 +261,9 @@ class Coalescer:
         self._on_primary = on_primary
         self._library = library
         """Lua library source to reload when Redis answers "Function not found"."""
+        self._loading: asyncio.Future[Any] | None = None
+        """The reply of the FUNCTION LOAD in flight, if any: the calls that find the library
+        missing meanwhile are sent again after it, without a load of their own."""
         self._library_there = False
         """The library answered (an FCALL) or was loaded (FUNCTION LOAD) through this
         transport: a later "Function not found" is a loss, the first one before that only
@@ -814,7 +817,11 @@ class Coalescer:
                 log.info("redis at %s has no Lua library yet: loading it",
                          self._target.address)
             p.retried = True
-            self._enqueue(_Pending(("FUNCTION", "LOAD", "REPLACE", self._library), None))
+            if self._loading is None:
+                self._loading = (self._loop or self._bind()).create_future()
+                self._loading.add_done_callback(self._loaded)
+                self._enqueue(_Pending(("FUNCTION", "LOAD", "REPLACE", self._library),
+                                       self._loading))
             self._enqueue(p)
             return
         if str(reply).startswith(_OOM):
@@ -831,6 +838,12 @@ class Coalescer:
             log.warning("redis error reply to a background command %s: %s", p.args[0], reply)
         elif not p.fut.done():
             p.fut.set_exception(reply)
+
+    def _loaded(self, fut: asyncio.Future[Any]) -> None:
+        self._loading = None
+        error = None if fut.cancelled() else fut.exception()
+        if isinstance(error, ResponseError):
+            log.warning("redis refused the Lua library: %s", error)
 
     def _out_of_memory(self, p: _Pending, reply: ResponseError) -> None:
         """Redis refused a command at maxmemory (noeviction). It refuses before running

@@ -914,6 +914,29 @@ async def test_library_reloaded_after_function_flush(store: Store, combos: Combo
     assert await store.library_loaded()
 
 
+async def test_calls_that_find_the_library_gone_load_it_once(
+        store: Store, combos: Combos, redis_db: redis.Redis,
+        redis_backend: RedisServer | RedisCluster) -> None:
+    """Calls in flight together when the library is gone: each is sent again after one
+    FUNCTION LOAD a connection, not a load each (a load compiles the whole library: one a
+    call kept a node busy past the timeout, and sales after a FUNCTION FLUSH got 503)."""
+    for n in range(1, 31):  # a connection to every primary of a cluster
+        assert await combos.reserve(new_sale(), 500, combo=encode([n])) == [1, 0]
+    redis_db.function_flush()
+    primaries = redis_backend.servers if isinstance(redis_backend, RedisCluster) else [
+        redis_backend]
+    clients = [p.client() for p in primaries]
+    for c in clients:
+        c.config_resetstat()
+    assert await asyncio.gather(*[combos.reserve(new_sale(), 500, combo=encode([n]))
+                                  for n in range(1, 31)]) == [[1, 0]] * 30
+    loads = [c.info("commandstats").get("cmdstat_function|load", {}).get("calls", 0)
+             for c in clients]
+    assert loads == [1] * len(primaries)
+    for c in clients:
+        c.close()
+
+
 async def test_a_first_load_is_not_a_loss(redis_backend: RedisServer | RedisCluster,
                                          redis_db: redis.Redis, now: int,
                                          caplog: pytest.LogCaptureFixture) -> None:

@@ -101,9 +101,10 @@ class Fixture:
 
     def flush(self) -> None:
         """Every key and the Lua library gone, on every node (the service reloads its
-        library: "Function not found"); returns once the service answers from Redis again
-        (a look-up of an unknown ticket answers 404, not 503: until it has seen the loss
-        and taken its marks again, it answers 503)."""
+        library: "Function not found"); returns once the service answers from every node
+        again (a look-up of an unknown ticket whose record lies there answers 404, not 503:
+        until it has reloaded the library there, seen the loss and taken its marks again,
+        it answers 503)."""
         servers = (self.redis.servers if isinstance(self.redis, RedisCluster)
                    else [self.redis])
         for server in servers:
@@ -111,11 +112,26 @@ class Fixture:
             node.flushall()
             node.function_flush()
         deadline = time.monotonic() + 30
-        while self.http.get(f"{self.service.base_url}/v1/tickets/NONE", timeout=10,
-                            headers={"Authorization": f"Bearer {TOKENS['fr']}"}
-                            ).status_code == 503:
-            assert time.monotonic() < deadline, "the service never answered again"
-            time.sleep(0.1)
+        for ticket_id in self._unknown_on_every_node():
+            while self.http.get(f"{self.service.base_url}/v1/tickets/{ticket_id}",
+                                timeout=10,
+                                headers={"Authorization": f"Bearer {TOKENS['fr']}"}
+                                ).status_code == 503:
+                assert time.monotonic() < deadline, "the service never answered again"
+                time.sleep(0.1)
+
+    def _unknown_on_every_node(self) -> list[str]:
+        """Ticket ids never sold whose records would lie on each primary, one a primary."""
+        if not isinstance(self.redis, RedisCluster):
+            return ["NONE"]
+        by_node: dict[str, str] = {}
+        n = 0
+        while len(by_node) < len(self.redis.servers):
+            ticket_id = f"NONE-{n}"
+            node = self.db.get_node_from_key(record_bucket_of(ticket_key("fr", ticket_id)))
+            by_node.setdefault(node.name, ticket_id)
+            n += 1
+        return list(by_node.values())
 
     def stop(self) -> None:
         self.http.close()
