@@ -644,23 +644,26 @@ local function finalize(keys, args)
   return 0
 end
 
---[[ journaled_many: KEYS index 1, ticket 1, …, index n, ticket n; ARGV field 1, sid 1,
-state 1, …, field n, sid n, state n
+--[[ journaled_many: KEYS the first ticket's index; ARGV index 1, bucket 1, field 1, sid 1,
+state 1, …, index n, bucket n, field n, sid n, state n
 The decisions of sales `sid` in states `state` (f: sold, c: cancelled; '': voided, the
 ticket forgotten) are journaled (a batch of the journal, made durable together): each
 ticket's index entry goes, unless the ticket has moved on since (a cancel decided
 meanwhile, another sale of the id): the janitor then journals what it holds now. One call,
-and one ZREM per index; on a cluster the caller sends one call per index (a call's keys
-share a slot). Returns how many entries went. ]]
+and one ZREM per index. On a cluster, one call a node: the tickets' names are not declared
+(the cluster refuses declared keys of several slots, and the function is registered
+`allow-cross-slot-keys`), only the first index, which routes the call; a name the node
+does not serve fails the call before anything is removed ("non local key": every name is
+read before the first ZREM), and the caller sends each index's entries on their own.
+Returns how many entries went. ]]
 local function journaled_many(keys, args)
   local gone, order = {}, {}
   local now = now_ms()
-  local i, j = 1, 1  -- the next ticket's index in KEYS, its field in ARGV
-  while i <= #keys do
-    local T = ticket_of({keys[i + 1]}, {args[j]})
+  for j = 1, #args, 5 do
+    local T = ticket_of({args[j + 1]}, {args[j + 2]})
     local st, sid = ticket_state(T, now)
-    if not st or (st == args[j + 2] and sid == args[j + 1]) then
-      local index = keys[i]
+    if not st or (st == args[j + 4] and sid == args[j + 3]) then
+      local index = args[j]
       if not gone[index] then
         gone[index] = {}
         order[#order + 1] = index
@@ -668,7 +671,6 @@ local function journaled_many(keys, args)
       local members = gone[index]
       members[#members + 1] = T.name
     end
-    i, j = i + 2, j + 3
   end
   local removed = 0
   for _, index in ipairs(order) do
@@ -2035,7 +2037,8 @@ register_marked('capsvc_ticket', ticket)
 redis.register_function('capsvc_sweep', sweep)
 register_marked('capsvc_finalize', finalize)
 register_marked('capsvc_unclaim', unclaim)
-redis.register_function('capsvc_journaled_many', journaled_many)
+redis.register_function{function_name = 'capsvc_journaled_many', callback = journaled_many,
+                        flags = {'allow-cross-slot-keys'}}
 register_marked('capsvc_expire', expire)
 register_marked('capsvc_cancel', cancel)
 register_marked('capsvc_cancelled', cancelled)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from redis.crc import key_slot
@@ -63,6 +63,7 @@ _REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 _NON_LOCAL = "non local key"
 """Redis's refusal of a script that reached a key another node serves: a marked call whose
 node's count was named from an outdated slot map."""
+T = TypeVar("T")
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -159,12 +160,14 @@ class ClusterCoalescer:
             self._refresh_soon()
         return count
 
-    def by_node(self, keys: list[str]) -> list[list[str]]:
-        """`keys` grouped by the primary that serves them, as far as this process's slot map
-        says (keys of a slot it knows no node of: a group of their own)."""
-        groups: dict[Node | None, list[str]] = {}
-        for key in keys:
-            groups.setdefault(self._slots[slot_of(key)], []).append(key)
+    def by_node(self, items: list[T], key: Callable[[T], str] = str) -> list[list[T]]:
+        """`items` (keys, or what `key` gives the key of) grouped by the primary that serves
+        their keys, as far as this process's slot map says (those of a slot it knows no
+        node of: a group of their own), in order within a group."""
+        groups: dict[Node | None, list[T]] = {}
+        slots = self._slots
+        for item in items:
+            groups.setdefault(slots[slot_of(key(item))], []).append(item)
         return list(groups.values())
 
     async def nodes(self) -> list[str]:

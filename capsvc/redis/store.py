@@ -297,8 +297,8 @@ class Store:
         """Sales to send at the end of this tick, in one call (`sell`)."""
         self._queued = 0
         """How many sales `_sales` holds."""
-        self._journaled: dict[str, list[tuple[str, str, bytes]]] = {}
-        """Index entries to let go at the end of this tick, by index (`journaled_later`)."""
+        self._journaled: list[tuple[str, str, bytes]] = []
+        """Index entries to let go at the end of this tick (`journaled_later`)."""
         self.node_of = redis.node_of if isinstance(redis, ClusterCoalescer) else one_node
         """The count key of the cluster primary that serves a key (capsvc.redis.marks)."""
         self.marks = Marks.tool(self.single_node)
@@ -413,32 +413,52 @@ class Store:
         ticket has moved on since (the janitor journals a decision whose entry is still
         there past the deadline). A request need not wait for it: an entry left by a
         failure only makes the janitor journal the decision again."""
-        keys, args = self.names(ticket)
-        return self.fcall("capsvc_journaled_many", [pending_key_of(ticket), *keys],
-                          [*args, sale_id, state])
+        return self._release([(ticket, sale_id, state)])
 
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
         """`journaled`, sent with the others of this tick: the decisions of one batch of
-        the journal become durable together, and their entries go in one call
-        (capsvc_journaled_many; on a cluster one per index, a call's keys sharing a slot)
-        rather than one each. Nobody waits for it (see `journaled`)."""
+        the journal become durable together, and their entries go in one call a node
+        (capsvc_journaled_many) rather than one each. Nobody waits for it (see
+        `journaled`)."""
         batch = self._journaled
         if not batch:
             asyncio.get_running_loop().call_soon(self._send_journaled)
-        index = "" if self.single_node else pending_key_of(ticket)
-        batch.setdefault(index, []).append((ticket, sale_id, state))
+        batch.append((ticket, sale_id, state))
 
     def _send_journaled(self) -> None:
-        batch, self._journaled = self._journaled, {}
-        for entries in batch.values():
-            for i in range(0, len(entries), JOURNALED_PER_CALL):
-                keys: list[str] = []
-                args: list[Any] = []
-                for ticket, sale_id, state in entries[i:i + JOURNALED_PER_CALL]:
-                    record_keys, record_args = self.names(ticket)
-                    keys += (pending_key_of(ticket), *record_keys)
-                    args += (*record_args, sale_id, state)
-                retrieving(self.fcall("capsvc_journaled_many", keys, args))
+        entries, self._journaled = self._journaled, []
+        if isinstance(self.redis, ClusterCoalescer):
+            groups = self.redis.by_node(entries, lambda entry: pending_key_of(entry[0]))
+        else:
+            groups = [entries]
+        for group in groups:
+            for i in range(0, len(group), JOURNALED_PER_CALL):
+                part = group[i:i + JOURNALED_PER_CALL]
+                self._release(part).add_done_callback(
+                    functools.partial(self._release_apart, part))
+
+    def _release(self, entries: list[tuple[str, str, bytes]]) -> asyncio.Future[Any]:
+        """One capsvc_journaled_many of `entries` (tickets of one node), routed by the
+        first one's index."""
+        args: list[Any] = []
+        for ticket, sale_id, state in entries:
+            args += (pending_key_of(ticket), record_bucket_of(ticket), ident_of(ticket),
+                     sale_id, state)
+        return self.fcall("capsvc_journaled_many", [pending_key_of(entries[0][0])], args)
+
+    def _release_apart(self, entries: list[tuple[str, str, bytes]],
+                       call: asyncio.Future[Any]) -> None:
+        """A node's release refused (a slot of it moved: "non local key", nothing removed):
+        each index's entries on their own, routed to its slot's node. Whatever fails then
+        is left to the janitor, which journals the decisions again."""
+        if call.cancelled() or call.exception() is None:
+            return
+        indexes: dict[str, list[tuple[str, str, bytes]]] = {}
+        for entry in entries:
+            indexes.setdefault(pending_key_of(entry[0]), []).append(entry)
+        if len(indexes) > 1:
+            for part in indexes.values():
+                retrieving(self._release(part))
 
     async def unclaim(self, ticket: str, sale_id: str) -> None:
         """Forget the pending claim of `sale_id` (what it took given back, its void

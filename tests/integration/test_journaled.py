@@ -125,7 +125,8 @@ async def test_a_library_without_the_batched_release_is_replaced_and_entries_sti
     svc, _ = service
     source = lua_source()
     older = source.replace(
-        "redis.register_function('capsvc_journaled_many', journaled_many)\n", "")
+        "redis.register_function{function_name = 'capsvc_journaled_many', callback = "
+        "journaled_many,\n                        flags = {'allow-cross-slot-keys'}}\n", "")
     assert older != source
     await svc.store.redis.broadcast("FUNCTION", "LOAD", "REPLACE", older)
     draw = await client.current()
