@@ -450,8 +450,9 @@ class Store:
                        call: asyncio.Future[Any]) -> None:
         """A node's release refused (a slot of it moved: "non local key", nothing removed):
         each index's entries on their own, routed to its slot's node. Whatever fails then
-        is left to the janitor, which journals the decisions again."""
-        if call.cancelled() or call.exception() is None:
+        is left to the janitor, which journals the decisions again (a call whose outcome
+        is unknown, a node down or slow, too)."""
+        if call.cancelled() or not isinstance(call.exception(), MarkElsewhere | ResponseError):
             return
         indexes: dict[str, list[tuple[str, str, bytes]]] = {}
         for entry in entries:
