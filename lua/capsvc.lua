@@ -2027,40 +2027,9 @@ local function counted(fn)
   end
 end
 
-local MERGEABLE = {}  -- name -> the marked function, for `many`
-
 local function register_marked(name, fn)
-  local callback = marked(fn)
-  MERGEABLE[name] = callback
-  redis.register_function{function_name = name, callback = callback,
+  redis.register_function{function_name = name, callback = marked(fn),
                           flags = {'allow-cross-slot-keys'}}
-end
-
---[[ many: KEYS the first call's first key (which routes the call); ARGV n, then each
-call's function name, number of keys, number of args, keys, args.
-Calls of marked functions, run one after the other in one atomic call, as if sent one after
-the other on one connection: what the transport sends for the marked calls queued together
-for one node (capsvc/redis/transport.py, MERGED). Each answers its own reply, or its own
-error without stopping the others: a refusal (BEHIND, RESTORING), or a key this node does
-not serve ("non local key": raised by the call's first access, its mark, before it wrote
-anything; the caller sends it again). The keys after the first are not declared (the
-cluster refuses declared keys of several slots): the function is registered
-`allow-cross-slot-keys`. ]]
-local function many(keys, args)
-  local out = {}
-  local a = 2
-  for c = 1, tonumber(args[1]) do
-    local fn = MERGEABLE[args[a]]
-    local nk, na = tonumber(args[a + 1]), tonumber(args[a + 2])
-    local call_keys, call_args = slice(args, a + 2, nk), slice(args, a + 2 + nk, na)
-    a = a + 3 + nk + na
-    local ok, reply = pcall(fn, call_keys, call_args)
-    if not ok then
-      reply = type(reply) == 'table' and reply.err and reply or {err = tostring(reply)}
-    end
-    out[c] = reply
-  end
-  return out
 end
 
 register_marked('capsvc_claim', claim)
@@ -2090,8 +2059,6 @@ register_marked('capsvc_settle', settle)
 register_marked('capsvc_set_limit', set_limit)
 register_marked('capsvc_player', player)
 register_marked('capsvc_sell', sell)
-redis.register_function{function_name = 'capsvc_many', callback = many,
-                        flags = {'allow-cross-slot-keys'}}
 redis.register_function('capsvc_restore_ticket', restore_ticket)
 redis.register_function('capsvc_restore_grid', restore_grid)
 redis.register_function('capsvc_restore_limit', restore_limit)

@@ -70,7 +70,6 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.gate import POLICY_S, Evicting, Gate, identity, info_field
-from capsvc.redis.marks import MARKED
 from capsvc.redis.sentinel import Sentinels
 from capsvc.urls import Address, is_sentinel_url, parse_sentinel_url
 
@@ -94,16 +93,6 @@ OOM_LOG_S = 10.0
 is counted in `capsvc_redis_errors_total{kind="oom"}`)."""
 _NOT_NOW = ("LOADING", "MASTERDOWN", "BUSY ")
 """Error replies that mean "not now": nothing ran."""
-
-MERGED = MARKED - {"capsvc_sell"}
-"""The functions whose calls queued one after the other for a node go as one call
-(lua/capsvc.lua, `many`): on a cluster, the steps of a batch's tickets (claims, reserves,
-decisions) one call a node rather than one a ticket. A sale in one call is a batch of its
-own already."""
-
-MERGE_EVERY = 64
-"""Calls of MERGED after which a batch is written without waiting for the end of the tick
-(they go as one call: see FLUSH_EVERY for the other commands)."""
 
 FLUSH_EVERY = 8
 """Commands after which a batch is written without waiting for the end of the tick. With
@@ -324,12 +313,8 @@ class Coalescer:
         self._failure: Unavailable | None = None
         """The error the last failure gave its commands."""
         self._reader = hiredis.Reader(replyError=ResponseError)
-        self._buffer: list[bytes | None] = []
-        """Each queued command encoded, None for one of MERGED (encoded at the flush, alone
-        or in one call with its neighbours)."""
+        self._buffer: list[bytes] = []
         self._queued: list[_Pending] = []
-        self._mergeable = 0
-        """How many of `_queued` are calls of MERGED."""
         self._inflight: deque[_Pending] = deque()
         self._batches: deque[list[float]] = deque()
         """[commands left, started (perf_counter), size, deadline (loop time)]"""
@@ -435,15 +420,9 @@ class Coalescer:
     # -- batching --------------------------------------------------------------------------
 
     def _enqueue(self, p: _Pending) -> None:
-        args = p.args
-        if args[0] == "FCALL" and args[1] in MERGED and self._library is not None:
-            self._buffer.append(None)
-            self._mergeable += 1
-        else:
-            self._buffer.append(encode_command(args))
+        self._buffer.append(encode_command(p.args))
         self._queued.append(p)
-        if ((len(self._queued) - self._mergeable >= FLUSH_EVERY
-             or self._mergeable >= MERGE_EVERY) and self._transport is not None
+        if (len(self._queued) >= FLUSH_EVERY and self._transport is not None
                 and not self._waits and not self._handshaking):
             self._flush()  # Redis starts on these while the loop prepares the next ones
         elif not self._scheduled:
@@ -473,62 +452,8 @@ class Coalescer:
                 return
         hold = self._queue_waits() if self._waits else 0.0
         if self._queued:
-            self._write(*self._merged(), hold)
+            self._write(self._buffer, self._queued, hold)
             self._buffer, self._queued = [], []
-
-    def _merged(self) -> tuple[list[bytes], list[_Pending]]:
-        """The queue as it goes on the wire: each run of calls of MERGED one call of
-        capsvc_many (a call alone as it is), in the order queued."""
-        buffer, queued = self._buffer, self._queued
-        if not self._mergeable:
-            return cast(list[bytes], buffer), queued
-        self._mergeable = 0
-        wire: list[bytes] = []
-        pending: list[_Pending] = []
-        i, n = 0, len(queued)
-        while i < n:
-            data = buffer[i]
-            if data is not None:
-                wire.append(data)
-                pending.append(queued[i])
-                i += 1
-                continue
-            j = i + 1
-            while j < n and buffer[j] is None:
-                j += 1
-            p = queued[i] if j - i == 1 else self._many(queued[i:j])
-            wire.append(encode_command(p.args))
-            pending.append(p)
-            i = j
-        return wire, pending
-
-    def _many(self, calls: list[_Pending]) -> _Pending:
-        """One call of capsvc_many for `calls`, routed by the first one's first key; its
-        reply answers each of them its own."""
-        args: list[Any] = ["FCALL", "capsvc_many", 1, calls[0].args[3], len(calls)]
-        for c in calls:
-            numkeys = c.args[2]
-            args += (c.args[1], numkeys, len(c.args) - 3 - numkeys, *c.args[3:])
-        fut: asyncio.Future[Any] = (self._loop or self._bind()).create_future()
-        fut.add_done_callback(functools.partial(self._answer_many, calls))
-        return _Pending(tuple(args), fut)
-
-    def _answer_many(self, calls: list[_Pending], fut: asyncio.Future[Any]) -> None:
-        error = None if fut.cancelled() else fut.exception()
-        for i, c in enumerate(calls):
-            if c.fut is None or c.fut.done():
-                continue
-            if fut.cancelled():
-                c.fut.cancel()
-            elif error is not None:
-                c.fut.set_exception(error)
-            else:
-                reply = fut.result()[i]
-                if isinstance(reply, ResponseError):
-                    self._on_error("reply")
-                    c.fut.set_exception(reply)
-                else:
-                    c.fut.set_result(reply)
 
     def _write(self, buffer: list[bytes], queued: list[_Pending], hold: float = 0.0) -> None:
         """Put a batch on the wire, its replies awaited in order, under one deadline."""
@@ -589,7 +514,6 @@ class Coalescer:
         """Fail what is queued in this tick (its WAITs too), nothing of it sent."""
         failed = [*self._queued, *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
         self._queued, self._buffer, self._waits = [], [], {}
-        self._mergeable = 0
         for p in failed:
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(error)
@@ -631,7 +555,6 @@ class Coalescer:
             self._gate.policy(self._node, _policy_of(fut.result(), self._policy_by_info))
 
     def _enqueue_now(self, p: _Pending) -> None:
-        """Queue a command that is never merged (a fence, a WAIT), behind the others."""
         self._buffer.append(encode_command(p.args))
         self._queued.append(p)
 
@@ -833,7 +756,6 @@ class Coalescer:
                   *(_Pending(("WAIT",), fut) for fut in self._waits.values())]
         self._inflight.clear()
         self._queued, self._buffer, self._waits = [], [], {}
-        self._mergeable = 0
         self._batches.clear()
         self._blocked_until = 0.0
         for p in failed:
