@@ -644,18 +644,21 @@ local function finalize(keys, args)
   return 0
 end
 
---[[ journaled_many: KEYS the first ticket's index; ARGV index 1, bucket 1, field 1, sid 1,
-state 1, …, index n, bucket n, field n, sid n, state n
+--[[ journaled_many: KEYS the first ticket's index (and, when every ticket is in its index,
+their buckets); ARGV index 1, bucket 1, field 1, sid 1, state 1, …, index n, bucket n,
+field n, sid n, state n
 The decisions of sales `sid` in states `state` (f: sold, c: cancelled; '': voided, the
 ticket forgotten) are journaled (a batch of the journal, made durable together): each
 ticket's index entry goes, unless the ticket has moved on since (a cancel decided
 meanwhile, another sale of the id): the janitor then journals what it holds now. One call,
-and one ZREM per index. On a cluster, one call a node: the tickets' names are not declared
-(the cluster refuses declared keys of several slots, and the function is registered
-`allow-cross-slot-keys`), only the first index, which routes the call; a name the node
-does not serve fails the call before anything is removed ("non local key": every name is
-read before the first ZREM), and the caller sends each index's entries on their own.
-Returns how many entries went. ]]
+and one ZREM per index. On a cluster, one call a node: the tickets of several indexes are
+not declared (the cluster refuses declared keys of several slots; the function is
+registered `allow-cross-slot-keys`), only the first index, which routes the call. A name
+the node does not serve fails the call ("non local key"; every name is read before the
+first ZREM, and an index's entries are removed only after its tickets were read), and the
+caller sends each index's entries on their own, declaring them. Such a call is never sent
+with ASKING (capsvc/redis/cluster.py): on the node importing a slot, a ticket of it not
+moved yet would read as absent, as if forgotten. Returns how many entries went. ]]
 local function journaled_many(keys, args)
   local gone, order = {}, {}
   local now = now_ms()

@@ -64,6 +64,16 @@ _NON_LOCAL = "non local key"
 """Redis's refusal of a script that reached a key another node serves: a marked call whose
 node's count was named from an outdated slot map."""
 T = TypeVar("T")
+_PARTLY_DECLARED = frozenset({"capsvc_journaled_many"})
+"""Functions whose call declaring one key may name others of its node in ARGV (several
+slots: the cluster refuses declared keys of several slots)."""
+
+
+def _undeclared(args: tuple[Any, ...]) -> bool:
+    """Whether a command may reach keys it does not declare."""
+    return args[0] == "FCALL" and args[1] in _PARTLY_DECLARED and int(args[2]) == 1
+
+
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -241,6 +251,13 @@ class ClusterCoalescer:
         if isinstance(error, ResponseError) and hops < _MAX_REDIRECTS:
             text = str(error)
             kind = text.split(" ", 1)[0]
+            if kind == "ASK" and _undeclared(args):
+                # Asked to the node importing the slot: there a call reads each key of the
+                # slot not moved yet as absent, and only declared keys are checked first.
+                # Not followed: the caller sends the call's parts, each declaring its keys.
+                fut.set_exception(MarkElsewhere(f"redis cluster: {text} (names keys it "
+                                                "does not declare: not followed)"))
+                return
             if kind in ("MOVED", "ASK"):
                 _, slot, where = text.split(" ")
                 host, _, port = where.rpartition(":")

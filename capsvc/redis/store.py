@@ -440,13 +440,23 @@ class Store:
                     functools.partial(self._release_apart, part))
 
     def _release(self, entries: list[tuple[str, str, bytes]]) -> asyncio.Future[Any]:
-        """One capsvc_journaled_many of `entries` (tickets of one node), routed by the
-        first one's index."""
+        """One capsvc_journaled_many of `entries` (tickets of one node). Those of one
+        pending index (one slot) declare every key they name, so that Redis checks them
+        all while their slot moves (TRYAGAIN until it has); those of several are routed by
+        the first one's index and declare only it (a cluster's node asking for it to be
+        sent to the node importing that slot is not followed: capsvc.redis.cluster)."""
         args: list[Any] = []
+        indexes: set[str] = set()
+        buckets: list[str] = []
         for ticket, sale_id, state in entries:
-            args += (pending_key_of(ticket), record_bucket_of(ticket), ident_of(ticket),
-                     sale_id, state)
-        return self.fcall("capsvc_journaled_many", [pending_key_of(entries[0][0])], args)
+            index, bucket = pending_key_of(ticket), record_bucket_of(ticket)
+            args += (index, bucket, ident_of(ticket), sale_id, state)
+            indexes.add(index)
+            buckets.append(bucket)
+        keys = [pending_key_of(entries[0][0])]
+        if len(indexes) == 1:
+            keys += buckets
+        return self.fcall("capsvc_journaled_many", keys, args)
 
     def _release_apart(self, entries: list[tuple[str, str, bytes]],
                        call: asyncio.Future[Any]) -> None:

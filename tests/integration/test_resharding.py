@@ -15,9 +15,11 @@ from capsvc.config import Settings
 from capsvc.domain import combination
 from capsvc.http.server import build
 from capsvc.redis.cluster import slot_of
-from capsvc.redis.store import bucket_keys, ticket_key
+from capsvc.redis.store import bucket_keys, pending_key_of, ticket_key
 from tests.conftest import TEN, Client, start_service, ticket
-from tests.support.servers import RedisCluster, cli_binary
+from tests.integration.test_lua import store_on
+from tests.records import TicketRecords
+from tests.support.servers import RedisCluster, cli_binary, redis_ms
 
 
 @pytest.fixture
@@ -143,3 +145,60 @@ def slot_owner(client: Any, slot: int) -> str:
         if start <= slot <= end:
             return str(primary[2].decode())
     raise AssertionError(f"slot {slot} has no owner")
+
+
+async def test_a_release_never_reads_a_ticket_not_moved_yet_as_forgotten(
+        cluster: RedisCluster) -> None:
+    """A journal batch's release of two tickets of one node, the first one's slot half
+    moved — its pending index already on the importing node, its record still on the
+    other, a cancel decided on it since its sale was journaled: that entry stays (the
+    janitor journals the cancel), the other ticket's goes. Followed to the importing node
+    with ASKING, the call read the record there as absent, as if forgotten, and removed
+    the entry: the cancel was never journaled."""
+    db = cluster.client()
+    records = TicketRecords(db)
+    now = redis_ms(db)
+    async for store in store_on(cluster.url):
+        await store.redis.nodes()
+        # Two tickets of one node, in two slots, the moving one first (it routes the call).
+        tickets: list[str] = []
+        for i in range(100_000):
+            key = ticket_key("ch", f"ASK-{i}")
+            if not tickets or (store.node_of(key) == store.node_of(tickets[0])
+                               and slot_of(key) != slot_of(tickets[0])):
+                tickets.append(key)
+            if len(tickets) == 2:
+                break
+        moving, staying = tickets
+        records.put(moving, now + 86_400_000, st="c", sid="a1" * 8, sale=b"sale")
+        records.put(staying, now + 86_400_000, st="f", sid="b1" * 8, sale=b"sale")
+        for key in tickets:
+            db.zadd(pending_key_of(key), {key: now})
+        slot = slot_of(moving)
+        clients = [s.client() for s in cluster.servers]
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+        owner = next(i for i, c in enumerate(clients) if slot_owner(c, slot) == ids[i])
+        target = (owner + 1) % len(clients)
+        clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+        clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
+                                       pending_key_of(moving), 0, 5000)
+        store.journaled_later(moving, "a1" * 8, b"f")  # its sale, journaled: not its cancel
+        store.journaled_later(staying, "b1" * 8, b"f")
+        # The node's release refused (not followed to the importing node), each index's
+        # part sent on its own: the other ticket's goes; this one's is retried (TRYAGAIN)
+        # until the slot has moved, whenever that is.
+        deadline = asyncio.get_running_loop().time() + 30
+        while db.zscore(pending_key_of(staying), staying) is not None:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        keys = clients[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if keys:
+            clients[owner].execute_command("MIGRATE", "127.0.0.1",
+                                           cluster.servers[target].port, "", 0, 5000,
+                                           "KEYS", *keys)
+        for c in clients:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+        await asyncio.sleep(0.5)  # a retry of its part after the move, if one was left
+        assert db.zscore(pending_key_of(moving), moving) is not None
+        assert records.get(moving, "st") == b"c"
