@@ -298,8 +298,6 @@ class Store:
         self._queued = 0
         """How many sales `_sales` holds."""
         self._journaled: list[tuple[str, str, bytes]] = []
-        self._stops: dict[tuple[str, int, int], asyncio.Future[Any]] = {}
-        """The stops read in this tick, by game and draws (`stops`)."""
         """Index entries to let go at the end of this tick (`journaled_later`)."""
         self.node_of = redis.node_of if isinstance(redis, ClusterCoalescer) else one_node
         """The count key of the cluster primary that serves a key (capsvc.redis.marks)."""
@@ -778,18 +776,9 @@ class Store:
     # -- draws -----------------------------------------------------------------------------
 
     def stops(self, game: str, first_draw: int, draws: int) -> asyncio.Future[Any]:
-        """HMGET of the stops of each draw (decode with `stop_instants`): one read a tick
-        for the callers that ask for the same draws, each its own future (a request that
-        gives up cancels only its own). Every caller asked once its claim was answered, so
-        the read shared is after each one's claim, as its own would be."""
-        key = (game, first_draw, draws)
-        read = self._stops.get(key)
-        if read is None:
-            if not self._stops:
-                asyncio.get_running_loop().call_soon(self._stops.clear)
-            read = self._stops[key] = self.redis.submit(
-                "HMGET", stops_key(game), *range(first_draw, first_draw + draws))
-        return decoded(read, _as_is)
+        """HMGET of the stops of each draw (decode with `stop_instants`)."""
+        return self.redis.submit("HMGET", stops_key(game),
+                                 *range(first_draw, first_draw + draws))
 
     async def stop(self, game: str, draw: int, expire_at: int, instant: int | None = None
                    ) -> int:
@@ -1189,10 +1178,6 @@ def decoded(call: asyncio.Future[Any], decode: Callable[[Any], T]) -> asyncio.Fu
 
     call.add_done_callback(done)
     return out
-
-
-def _as_is(reply: Any) -> Any:
-    return reply
 
 
 def retrieving(call: asyncio.Future[Any]) -> asyncio.Future[Any]:
