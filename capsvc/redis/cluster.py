@@ -64,16 +64,6 @@ _NON_LOCAL = "non local key"
 """Redis's refusal of a script that reached a key another node serves: a marked call whose
 node's count was named from an outdated slot map."""
 T = TypeVar("T")
-_PARTLY_DECLARED = frozenset({"capsvc_journaled_many"})
-"""Functions whose call declaring one key may name others of its node in ARGV (several
-slots: the cluster refuses declared keys of several slots)."""
-
-
-def _undeclared(args: tuple[Any, ...]) -> bool:
-    """Whether a command may reach keys it does not declare."""
-    return args[0] == "FCALL" and args[1] in _PARTLY_DECLARED and int(args[2]) == 1
-
-
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
 migration gets TRYAGAIN until the slot has moved: retried with a growing pause (20 ms, 40 ms,
@@ -148,6 +138,16 @@ class ClusterCoalescer:
         self._route(args, fut, 0)
         return fut
 
+    def submit_partly_declared(self, *args: Any) -> asyncio.Future[Any]:
+        """`submit` of a command that reaches keys it does not declare (an FCALL of an
+        `allow-cross-slot-keys` function naming keys of several slots of a node in ARGV),
+        never sent with ASKING: on the node importing a slot, a key of it not moved yet
+        reads as absent, and Redis checks only the declared keys first. An ASK fails it
+        (MarkElsewhere): its caller sends its parts, each declaring its keys."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._route(args, fut, 0, declared=False)
+        return fut
+
     def send(self, *args: Any) -> None:
         fut = self.submit(*args)
         fut.add_done_callback(self._log_background)
@@ -219,21 +219,24 @@ class ClusterCoalescer:
     # -- routing ---------------------------------------------------------------------------
 
     def _route(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int,
-               node: Node | None = None, asking: bool = False) -> None:
+               node: Node | None = None, asking: bool = False, declared: bool = True
+               ) -> None:
+        """`declared`: the command declares every key it reaches (else
+        `submit_partly_declared`)."""
         if node is None:
             key = key_of(args)
             node = self._slots[slot_of(key)] if key is not None else self._any_node()
             if node is None:  # no slot map yet (or a hole in it): learn it first
-                self._later(self._route_after_refresh(args, fut, hops))
+                self._later(self._route_after_refresh(args, fut, hops, declared))
                 return
         coalescer = self._node(node)
         if asking:
             coalescer.send("ASKING")
         inner = coalescer.submit(*args)
-        inner.add_done_callback(lambda done: self._settle(done, args, fut, hops))
+        inner.add_done_callback(lambda done: self._settle(done, args, fut, hops, declared))
 
     def _settle(self, done: asyncio.Future[Any], args: tuple[Any, ...],
-                fut: asyncio.Future[Any], hops: int) -> None:
+                fut: asyncio.Future[Any], hops: int, declared: bool) -> None:
         # The node's failure is retrieved even when the caller's future is done already
         # (cancelled: its request timed out): else, once collected, asyncio logs it as
         # "Future exception was never retrieved".
@@ -251,10 +254,7 @@ class ClusterCoalescer:
         if isinstance(error, ResponseError) and hops < _MAX_REDIRECTS:
             text = str(error)
             kind = text.split(" ", 1)[0]
-            if kind == "ASK" and _undeclared(args):
-                # Asked to the node importing the slot: there a call reads each key of the
-                # slot not moved yet as absent, and only declared keys are checked first.
-                # Not followed: the caller sends the call's parts, each declaring its keys.
+            if kind == "ASK" and not declared:  # see submit_partly_declared
                 fut.set_exception(MarkElsewhere(f"redis cluster: {text} (names keys it "
                                                 "does not declare: not followed)"))
                 return
@@ -266,10 +266,11 @@ class ClusterCoalescer:
                     self._slots[int(slot)] = target
                     self._refresh_soon()
                     self._node(target).retry_now()  # it serves the slot: no backoff
-                self._route(args, fut, hops + 1, target, asking=kind == "ASK")
+                self._route(args, fut, hops + 1, target, asking=kind == "ASK",
+                            declared=declared)
                 return
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
-                self._later(self._retry(args, fut, hops + 1))
+                self._later(self._retry(args, fut, hops + 1, declared))
                 return
         if isinstance(error, ResponseError) and _NON_LOCAL in str(error):
             # A node's count named from an outdated map, or a slot being moved: nothing
@@ -282,12 +283,13 @@ class ClusterCoalescer:
             error = Unavailable(f"redis cluster: {error}")
         fut.set_exception(error)
 
-    async def _retry(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int) -> None:
+    async def _retry(self, args: tuple[Any, ...], fut: asyncio.Future[Any], hops: int,
+                     declared: bool) -> None:
         await asyncio.sleep(min(0.02 * hops, 0.1))
-        self._route(args, fut, hops)
+        self._route(args, fut, hops, declared=declared)
 
     async def _route_after_refresh(self, args: tuple[Any, ...], fut: asyncio.Future[Any],
-                                   hops: int) -> None:
+                                   hops: int, declared: bool) -> None:
         try:
             await self._ensure_map()
         except Unavailable as e:
@@ -300,7 +302,7 @@ class ClusterCoalescer:
             if not fut.done():
                 fut.set_exception(Unavailable("no Redis Cluster node serves this slot"))
             return
-        self._route(args, fut, hops, node)
+        self._route(args, fut, hops, node, declared=declared)
 
     def _any_node(self) -> Node | None:
         return next((n for n in self._slots if n is not None), None)

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from operator import itemgetter
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -241,6 +242,11 @@ class _QueuedSales:
     """Some of `calls` belong to a request an earlier call carried sales of."""
 
 
+_Entry = tuple[str, str, str, bytes]
+"""A ticket's entry in its pending index to let go: the index, the ticket, the sale id and
+the state journaled (`Store.journaled`)."""
+
+
 class Unjournaled:
     """A call's entry of the unjournaled sales (lua/capsvc.lua, `sell`): deleted once
     each of the sales it made has been journaled (`Store.journaled_sale`)."""
@@ -297,7 +303,7 @@ class Store:
         """Sales to send at the end of this tick, in one call (`sell`)."""
         self._queued = 0
         """How many sales `_sales` holds."""
-        self._journaled: list[tuple[str, str, bytes]] = []
+        self._journaled: list[_Entry] = []
         """Index entries to let go at the end of this tick (`journaled_later`)."""
         self.node_of = redis.node_of if isinstance(redis, ClusterCoalescer) else one_node
         """The count key of the cluster primary that serves a key (capsvc.redis.marks)."""
@@ -336,13 +342,17 @@ class Store:
         return record_names(ticket)
 
     def fcall(self, name: str, keys: list[str], args: list[Any],
-              decode: Callable[[Any], Any] | None = None) -> asyncio.Future[Any]:
+              decode: Callable[[Any], Any] | None = None, declared: bool = True
+              ) -> asyncio.Future[Any]:
         """Queue one FCALL (the transport reloads the library if Redis lost it); a function
         that judges or reports a decision carries its mark (capsvc.redis.marks). `decode`:
-        the reply's type (capsvc.redis.replies), applied where the reply is read."""
+        the reply's type (capsvc.redis.replies), applied where the reply is read.
+        `declared` False: the call names in ARGV keys it does not declare
+        (`Transport.submit_partly_declared`)."""
         if name in MARKED:
             return self.marks.call(self.redis.submit, name, keys, args, decode)
-        call = self.redis.submit("FCALL", name, len(keys), *keys, *args)
+        submit = self.redis.submit if declared else self.redis.submit_partly_declared
+        call = submit("FCALL", name, len(keys), *keys, *args)
         return call if decode is None else decoded(call, decode)
 
     def mark_state(self, mark: str, lives: list[str]) -> asyncio.Future[MarkState]:
@@ -357,8 +367,8 @@ class Store:
         at once; the marks of a node whose read fails (its slots moved) read one by one."""
         groups = (self.redis.by_node(marks) if isinstance(self.redis, ClusterCoalescer)
                   else [marks])
-        reads = [(group, self.redis.submit("FCALL", "capsvc_marks_of", 1, group[0],
-                                           len(lives), *lives, *group[1:]))
+        reads = [(group, self.mark_call("capsvc_marks_of", group[0],
+                                        [len(lives), *lives, *group[1:]]))
                  for group in groups if group]
         return asyncio.ensure_future(self._mark_states(marks, lives, reads))
 
@@ -413,7 +423,7 @@ class Store:
         ticket has moved on since (the janitor journals a decision whose entry is still
         there past the deadline). A request need not wait for it: an entry left by a
         failure only makes the janitor journal the decision again."""
-        return self._release([(ticket, sale_id, state)])
+        return self._release([(pending_key_of(ticket), ticket, sale_id, state)])
 
     def journaled_later(self, ticket: str, sale_id: str, state: bytes) -> None:
         """`journaled`, sent with the others of this tick: the decisions of one batch of
@@ -423,12 +433,12 @@ class Store:
         batch = self._journaled
         if not batch:
             asyncio.get_running_loop().call_soon(self._send_journaled)
-        batch.append((ticket, sale_id, state))
+        batch.append((pending_key_of(ticket), ticket, sale_id, state))
 
     def _send_journaled(self) -> None:
         entries, self._journaled = self._journaled, []
         if isinstance(self.redis, ClusterCoalescer):
-            groups = self.redis.by_node(entries, lambda entry: pending_key_of(entry[0]))
+            groups = self.redis.by_node(entries, itemgetter(0))
         else:
             groups = [entries]
         for group in groups:
@@ -437,36 +447,34 @@ class Store:
                 self._release(part).add_done_callback(
                     functools.partial(self._release_apart, part))
 
-    def _release(self, entries: list[tuple[str, str, bytes]]) -> asyncio.Future[Any]:
+    def _release(self, entries: list[_Entry]) -> asyncio.Future[Any]:
         """One capsvc_journaled_many of `entries` (tickets of one node). Those of one
         pending index (one slot) declare every key they name, so that Redis checks them
         all while their slot moves (TRYAGAIN until it has); those of several are routed by
-        the first one's index and declare only it (a cluster's node asking for it to be
-        sent to the node importing that slot is not followed: capsvc.redis.cluster)."""
+        the first one's index and declare only it (`submit_partly_declared`)."""
         args: list[Any] = []
-        indexes: set[str] = set()
         buckets: list[str] = []
-        for ticket, sale_id, state in entries:
-            index, bucket = pending_key_of(ticket), record_bucket_of(ticket)
+        first = entries[0][0]
+        one_index = True
+        for index, ticket, sale_id, state in entries:
+            bucket = record_bucket_of(ticket)
             args += (index, bucket, ident_of(ticket), sale_id, state)
-            indexes.add(index)
             buckets.append(bucket)
-        keys = [pending_key_of(entries[0][0])]
-        if len(indexes) == 1:
-            keys += buckets
-        return self.fcall("capsvc_journaled_many", keys, args)
+            one_index = one_index and index == first
+        if one_index:
+            return self.fcall("capsvc_journaled_many", [first, *buckets], args)
+        return self.fcall("capsvc_journaled_many", [first], args, declared=False)
 
-    def _release_apart(self, entries: list[tuple[str, str, bytes]],
-                       call: asyncio.Future[Any]) -> None:
+    def _release_apart(self, entries: list[_Entry], call: asyncio.Future[Any]) -> None:
         """A node's release refused (a slot of it moved: "non local key", nothing removed):
         each index's entries on their own, routed to its slot's node. Whatever fails then
         is left to the janitor, which journals the decisions again (a call whose outcome
         is unknown, a node down or slow, too)."""
         if call.cancelled() or not isinstance(call.exception(), MarkElsewhere | ResponseError):
             return
-        indexes: dict[str, list[tuple[str, str, bytes]]] = {}
+        indexes: dict[str, list[_Entry]] = {}
         for entry in entries:
-            indexes.setdefault(pending_key_of(entry[0]), []).append(entry)
+            indexes.setdefault(entry[0], []).append(entry)
         if len(indexes) > 1:
             for part in indexes.values():
                 retrieving(self._release(part))

@@ -137,6 +137,11 @@ class Transport(Protocol):
 
     def submit(self, *args: Any) -> asyncio.Future[Any]: ...
 
+    def submit_partly_declared(self, *args: Any) -> asyncio.Future[Any]:
+        """`submit` of a command that reaches keys it does not declare (a cluster never
+        sends it with ASKING: capsvc.redis.cluster)."""
+        ...
+
     def send(self, *args: Any) -> None: ...
 
     async def call(self, *args: Any) -> Any: ...
@@ -337,6 +342,10 @@ class Coalescer:
         fut: asyncio.Future[Any] = (self._loop or self._bind()).create_future()
         self._enqueue(_Pending(args, fut))
         return fut
+
+    def submit_partly_declared(self, *args: Any) -> asyncio.Future[Any]:
+        """One Redis: every key is its own, no slot moves."""
+        return self.submit(*args)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         """A coalescer serves the event loop it is first used on (asyncio's own lookup

@@ -1154,9 +1154,9 @@ async def test_journaled_many_lets_go_of_the_entries_still_so_in_one_call(
     calls: list[str] = []
     fcall = store.fcall
 
-    def counted(name: str, keys: list[str], args: list[Any]) -> Any:
+    def counted(name: str, keys: list[str], args: list[Any], **options: Any) -> Any:
         calls.append(name)
-        return fcall(name, keys, args)
+        return fcall(name, keys, args, **options)
 
     monkeypatch.setattr(store, "fcall", counted)
     if map_out_of_date and isinstance(store.redis, ClusterCoalescer):

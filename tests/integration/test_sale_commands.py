@@ -187,18 +187,17 @@ async def test_a_cluster_sells_each_ticket_in_its_own_steps(
     calls: list[tuple[str, str]] = []
     fcall = store.fcall
 
-    def counted(name: str, keys: list[str], args: list[Any], **decode: Any) -> Any:
+    def counted(name: str, keys: list[str], args: list[Any], **options: Any) -> Any:
         if name not in WATCH:
             calls.append((name, store.marks.node_of(keys[0]) or ""))
-        return fcall(name, keys, args, **decode)
+        return fcall(name, keys, args, **options)
 
     monkeypatch.setattr(store, "fcall", counted)
     ticks: list[int] = []  # the nodes of each tick's releases
     send_journaled = store._send_journaled
 
     def tick() -> None:
-        ticks.append(len({store.node_of(pending_key_of(ticket))
-                          for ticket, _, _ in store._journaled}))
+        ticks.append(len({store.node_of(index) for index, *_ in store._journaled}))
         send_journaled()
 
     monkeypatch.setattr(store, "_send_journaled", tick)
