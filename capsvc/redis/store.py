@@ -364,11 +364,14 @@ class Store:
     def mark_states(self, marks: list[str], lives: list[str]
                     ) -> asyncio.Future[list[MarkState]]:
         """`mark_state` of each of `marks`, in order: one read a node (capsvc_marks_of), sent
-        at once; the marks of a node whose read fails (its slots moved) read one by one."""
+        at once, the marks after the first undeclared (never sent with ASKING: on a node
+        importing two slots, the other's mark not moved yet would read as absent, a mark
+        gone back); the marks of a node whose read fails (its slots moved) read one by
+        one."""
         groups = (self.redis.by_node(marks) if isinstance(self.redis, ClusterCoalescer)
                   else [marks])
-        reads = [(group, self.mark_call("capsvc_marks_of", group[0],
-                                        [len(lives), *lives, *group[1:]]))
+        reads = [(group, self.redis.submit_partly_declared(
+                     "FCALL", "capsvc_marks_of", 1, group[0], len(lives), *lives, *group[1:]))
                  for group in groups if group]
         return asyncio.ensure_future(self._mark_states(marks, lives, reads))
 

@@ -15,6 +15,7 @@ from capsvc.config import Settings
 from capsvc.domain import combination
 from capsvc.http.server import build
 from capsvc.redis.cluster import slot_of
+from capsvc.redis.marks import mark_of_slot
 from capsvc.redis.store import bucket_keys, pending_key_of, ticket_key
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.integration.test_lua import store_on
@@ -202,3 +203,36 @@ async def test_a_release_never_reads_a_ticket_not_moved_yet_as_forgotten(
         await asyncio.sleep(0.5)  # a retry of its part after the move, if one was left
         assert db.zscore(pending_key_of(moving), moving) is not None
         assert records.get(moving, "st") == b"c"
+
+
+async def test_the_watch_never_reads_a_mark_not_moved_yet_as_absent(
+        cluster: RedisCluster) -> None:
+    """Two slots of one primary move to another at once, the first's mark already there,
+    the second's not yet: the marks read in one call a node are each as they stand. Followed
+    to the importing node with ASKING, the call read the second mark there as absent: a
+    mark gone back to nothing, a loss that never happened."""
+    db = cluster.client()
+    async for store in store_on(cluster.url):
+        await store.redis.nodes()
+        clients = [s.client() for s in cluster.servers]
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+        owner = 0
+        slots = [s for s in range(16384) if slot_owner(clients[owner], s) == ids[owner]][:2]
+        marks = [mark_of_slot(s) for s in slots]
+        for g, mark in enumerate(marks, 1):
+            db.hset(mark, mapping={"*": 10 * g, "life": g})
+        before = [await store.mark_state(m, ["life"]) for m in marks]
+        target = 1
+        for slot in slots:
+            clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+            clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
+                                       marks[0], 0, 5000)
+        try:
+            assert await store.mark_states(marks, ["life"]) == before
+        finally:
+            clients[owner].execute_command("MIGRATE", "127.0.0.1",
+                                           cluster.servers[target].port, marks[1], 0, 5000)
+            for slot in slots:
+                for c in clients:
+                    c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
