@@ -152,11 +152,15 @@ Every marked function takes the mark as its LAST key and, as its last three ARGV
 "<G seen>:<G of its own newest write answered>:<its writes sent before this one>:<N seen>"
 (life "": a tool, neither checked nor counted). The call is
 refused with BEHIND (nothing run) when the mark is behind what the caller knows: G lower
-than the G it last saw (any process's writes lost), its own field lower than its newest
-write answered, or fewer of its writes than it sent before this call and did not see fail
-(its own writes lost, also those whose answer it has not read yet: a call queued behind
-them on the connection would otherwise write their G again over a rollback that lost them);
-or when the node's N is lower than the N it saw.
+than the G it last saw (any process's writes lost), or its own field lower than its newest
+write answered; or when the node's N is lower than the N it saw. It is refused with
+UNSETTLED (nothing run) when the mark counts fewer of the caller's writes than it sent
+before this call and did not see fail: writes whose answer it has not read yet, which have
+not run here yet (a cluster's slot moving reorders a process's calls: one sent back with
+TRYAGAIN runs after one sent on with ASK), or ran and were lost (a rollback in place). The
+caller sends the call again once those answers are read: a write lost then reads as its own
+field lower than its newest write answered (BEHIND), and the call never writes the lost
+write's G again over the rollback, which would hide the loss.
 A write then counts itself (G + 1, its field set to it, its count + 1; N + 1) and answers
 {G, N, reply} — a look-up too: a decision reported is a write of the reporter's, so that
 losing the decision loses the write, and the reporter sees it. The mark is written by the
@@ -187,9 +191,11 @@ local function mark_refusal(mark, node, life, seen)
     return redis.error_reply('BEHIND node ' .. ng)
   end
   if g < tonumber(string.sub(seen, 1, c1 - 1))
-      or own < tonumber(string.sub(seen, c1 + 1, c2 - 1))
-      or sent < tonumber(string.sub(seen, c2 + 1, c3 - 1)) then
+      or own < tonumber(string.sub(seen, c1 + 1, c2 - 1)) then
     return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. sent)
+  end
+  if sent < tonumber(string.sub(seen, c2 + 1, c3 - 1)) then
+    return redis.error_reply('UNSETTLED ' .. sent)
   end
   return nil, g, count, sent, ng
 end

@@ -13,7 +13,10 @@ lifetime.
 
 A call refused because the mark or its node is behind (`BEHIND`) fails with `Behind` (a
 503: nothing ran) and tells `on_behind`, which starts the restore; a call refused while a
-process announces a restore (`RESTORING`) fails with `Unavailable`.
+process announces a restore (`RESTORING`) fails with `Unavailable`. A call that reached its
+mark before writes of this process sent ahead of it (`UNSETTLED`: a slot's move reordered
+them, or a rollback in place lost them before their answers were read) is sent again,
+marked anew, once their answers are in: a write lost then reads as BEHIND.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class Behind(Unavailable):
     Nothing of the call ran."""
 
 
+class Unsettled(Unavailable):
+    """Redis refused a call: its mark counts fewer writes of this process than were sent
+    ahead of it and not seen to fail. Nothing ran."""
+
+
 class MarkElsewhere(Unavailable):
     """Redis refused a call: its node's count is on another node than the call's keys (a
     cluster whose slot map changed: a slot moving, a node's highest slot moved). Nothing
@@ -59,8 +67,8 @@ class MarkElsewhere(Unavailable):
 
 
 MOVE_TRIES = 16
-"""How many times a call refused with MarkElsewhere is sent again, after 20 ms, 40 ms, … up
-to 100 ms (~1.3 s in all: a slot's move, or the slot map learnt again)."""
+"""How many times a call refused with MarkElsewhere or Unsettled is sent again, after 20 ms,
+40 ms, … up to 100 ms (~1.3 s in all: a slot's move, or the slot map learnt again)."""
 
 
 class _Call:
@@ -136,8 +144,9 @@ class Marks:
         """Per mark, the G of this process's newest write there."""
         self.sent: dict[str, int] = {}
         """Per mark, how many of this process's writes were sent there and not seen to
-        fail (answered, or not yet): Redis's count of them ("#<life>") is never lower
-        unless it lost some."""
+        fail (answered, or not yet): Redis's count of them ("#<life>") is lower only when
+        some have not run there yet (a slot moving reorders calls) or were lost before
+        their answers were read (UNSETTLED: the call is sent again once they are)."""
         self.node_seen: dict[str, int] = {}
         """Per node (a cluster primary's count key), the highest N this process has seen."""
         self.on_behind = on_behind or (lambda mark, found: None)
@@ -176,7 +185,8 @@ class Marks:
         (capsvc.redis.replies). `stamps`: the requests the call acts for (default: the
         current one), whose stamps get its G. A call that reached a node its node's count
         is not on (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again,
-        marked anew, for as long as a slot's move takes (MOVE_TRIES)."""
+        marked anew, for as long as a slot's move takes (MOVE_TRIES), and so is one that
+        reached its mark ahead of writes sent before it (`Unsettled`)."""
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._send(_Call(submit, name, keys, args, decode,
                          (stamp.get(),) if stamps is None else stamps, out), 0)
@@ -222,7 +232,11 @@ class Marks:
             # run. One that ran leaves Redis's count higher, which no check minds.
             if self.life:
                 self.sent[mark] -= 1
-            if isinstance(error, MarkElsewhere):
+            if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
+                error = Unsettled("calls of this process sent before this one have not run "
+                                  "in Redis yet (a slot moving, a connection stalled): "
+                                  "nothing ran")
+            if isinstance(error, MarkElsewhere | Unsettled):
                 self._again(c, tries, error)
             elif not out.done():
                 out.set_exception(self._refusal(mark, node, error))
