@@ -122,7 +122,8 @@ older file, a backup put back, a rollback in place, FLUSHALL).
            "*"      -> G, the count of marked writes this node (standalone) or slot
                        (cluster: one mark per slot, its tag chosen to hash to it) has run
            <life>   -> the G of the newest write of process lifetime <life>
-           "#<life>" -> how many writes lifetime <life> has made
+           "#<life>" -> the number of lifetime <life>'s newest write through this mark (its
+                       process numbers its writes through a mark 1, 2, 3, … as it sends them)
            "!"      -> an announcement: until when (Redis TIME, ms) a process is putting its
                        journal back into this Redis; every marked call refuses meanwhile
            "!<life>" -> that lifetime's own announcement, which it ends at once when its
@@ -149,19 +150,26 @@ ran, the caller's slot map is out of date, capsvc/redis/marks.py sends it again)
 
 Every marked function takes the mark as its LAST key and, as its last three ARGV, the node
 ("" on one Redis: its one mark is the node's), the caller's life and what it knows,
-"<G seen>:<G of its own newest write answered>:<its writes sent before this one>:<N seen>"
-(life "": a tool, neither checked nor counted). The call is
-refused with BEHIND (nothing run) when the mark is behind what the caller knows: G lower
-than the G it last saw (any process's writes lost), or its own field lower than its newest
-write answered; or when the node's N is lower than the N it saw. It is refused with
-UNSETTLED (nothing run) when the mark counts fewer of the caller's writes than it sent
-before this call and did not see fail: writes whose answer it has not read yet, which have
-not run here yet (a cluster's slot moving reorders a process's calls: one sent back with
-TRYAGAIN runs after one sent on with ASK), or ran and were lost (a rollback in place). The
-caller sends the call again once those answers are read: a write lost then reads as its own
-field lower than its newest write answered (BEHIND), and the call never writes the lost
-write's G again over the rollback, which would hide the loss.
-A write then counts itself (G + 1, its field set to it, its count + 1; N + 1) and answers
+"<G seen>:<G of its own newest write answered>:<lo>:<q>:<N seen>" (life "": a tool, neither
+checked nor counted): q is the call's number among the caller's writes through this mark
+(1, 2, 3, … as they are sent: a call sent again takes a new one), lo the number of the
+newest of those sent before it that the caller expects to have run (answered, or still on
+its way; 0: none) — not those that failed, nor those whose outcome is unknown (a timeout, a
+lost connection: they may have run or not). The call is refused with BEHIND (nothing run)
+when the mark is behind what the caller knows: G lower than the G it last saw (any
+process's writes lost), or its own field lower than its newest write answered; or when the
+node's N is lower than the N it saw. It is refused with UNSETTLED (nothing run) when the
+number of the caller's newest write that ran here ("#<life>") is below lo, or not below q:
+a write it expects has not run here yet (a cluster's slot moving reorders a process's calls:
+one sent back with TRYAGAIN runs after one sent behind it), or ran and was lost (a rollback
+in place) before its answer was read; or one sent after it ran first. The caller sends it
+again (a new q) once those answers are read: a write lost then reads as its own field lower
+than its newest write answered (BEHIND), and the call never writes the lost write's G again
+over the rollback, which would hide the loss. Numbers, not a count: a write whose outcome
+the caller does not know that ran adds to any count, and a count then passes over a lost
+write it expects; a number at least lo can only have been written by a call that itself
+found lo there, so every write the caller expects ran before it, and is still there.
+A write then counts itself (G + 1, its field set to it, "#<life>" to q; N + 1) and answers
 {G, N, reply} — a look-up too: a decision reported is a write of the reporter's, so that
 losing the decision loses the write, and the reporter sees it. The mark is written by the
 same call as the data it covers, so replication and the AOF keep them together: it can never
@@ -176,8 +184,8 @@ end
 
 -- nil when the caller may go on; else the error reply that refuses the call.
 local function mark_refusal(mark, node, life, seen)
-  local count = '#' .. life
-  local m = redis.call('HMGET', mark, '*', '!', life, count)
+  local last = '#' .. life
+  local m = redis.call('HMGET', mark, '*', '!', life, last)
   local n = node ~= '' and redis.call('HMGET', node, '*', '!') or {0, false}
   if restoring(m[2]) or restoring(n[2]) then
     return redis.error_reply('RESTORING a process is putting its journal back into Redis')
@@ -185,19 +193,21 @@ local function mark_refusal(mark, node, life, seen)
   local c1 = string.find(seen, ':', 1, true)
   local c2 = string.find(seen, ':', c1 + 1, true)
   local c3 = string.find(seen, ':', c2 + 1, true)
-  local g, own, sent = tonumber(m[1]) or 0, tonumber(m[3]) or 0, tonumber(m[4]) or 0
+  local c4 = string.find(seen, ':', c3 + 1, true)
+  local g, own, ran = tonumber(m[1]) or 0, tonumber(m[3]) or 0, tonumber(m[4]) or 0
   local ng = tonumber(n[1]) or 0
-  if ng < tonumber(string.sub(seen, c3 + 1)) then
+  if ng < tonumber(string.sub(seen, c4 + 1)) then
     return redis.error_reply('BEHIND node ' .. ng)
   end
   if g < tonumber(string.sub(seen, 1, c1 - 1))
       or own < tonumber(string.sub(seen, c1 + 1, c2 - 1)) then
-    return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. sent)
+    return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. ran)
   end
-  if sent < tonumber(string.sub(seen, c2 + 1, c3 - 1)) then
-    return redis.error_reply('UNSETTLED ' .. sent)
+  local q = tonumber(string.sub(seen, c3 + 1, c4 - 1))
+  if ran < tonumber(string.sub(seen, c2 + 1, c3 - 1)) or ran >= q then
+    return redis.error_reply('UNSETTLED ' .. ran)
   end
-  return nil, g, count, sent, ng
+  return nil, g, last, q, ng
 end
 
 local function marked(fn)
@@ -214,13 +224,13 @@ local function marked(fn)
       redis.call('HINCRBY', mark, life, 1)
       return {0, 0, reply}
     end
-    local refused, g, count, sent, ng = mark_refusal(mark, node, life, seen)
+    local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)
     if refused then
       return refused
     end
     local reply = fn(keys, args)
     g = g + 1
-    redis.call('HSET', mark, '*', g, life, g, count, sent + 1)
+    redis.call('HSET', mark, '*', g, life, g, last, q)
     if g == 1 then
       redis.call('PEXPIRE', mark, MARK_TTL_MS)
     end
@@ -259,7 +269,8 @@ end
 --[[ mark_restored: KEYS mark; ARGV restorer, token, counter, writes, (life, G of its newest
 write)...
 After a restore put lifetimes' records back: their fields and G raised to at least those G
-(never lowered; a field "#<life>", a count of writes, raises only itself), the mark's TTL
+(never lowered; a field "#<life>", the number of a lifetime's newest write, raises only
+itself), the mark's TTL
 renewed. Only if the restore's token (`announce`) is still there (token "": a mark it wrote
 through without announcing there, its count alone is checked), and the count of the
 restore's writes through this mark (field `counter`, "%<token>", counted by each of them:

@@ -143,10 +143,16 @@ class Marks:
         self.made: dict[str, int] = {}
         """Per mark, the G of this process's newest write there."""
         self.sent: dict[str, int] = {}
-        """Per mark, how many of this process's writes were sent there and not seen to
-        fail (answered, or not yet): Redis's count of them ("#<life>") is lower only when
-        some have not run there yet (a slot moving reorders calls) or were lost before
-        their answers were read (UNSETTLED: the call is sent again once they are)."""
+        """Per mark, the number of this process's newest write sent there (its writes
+        through a mark are numbered 1, 2, 3, … as they are sent; a restore's: how many
+        were sent and not seen to fail, which its end checks Redis holds)."""
+        self.expected: dict[str, dict[int, None]] = {}
+        """Per mark, the numbers of this process's writes sent there whose answer has not
+        been read yet, in the order sent (the newest last)."""
+        self.answered: dict[str, int] = {}
+        """Per mark, the number of this process's newest write answered there. The newest
+        of these and of `expected` is what a call sent next expects to have run before it
+        (lua/capsvc.lua, MARKS: UNSETTLED); a write that failed, run or not, is not."""
         self.node_seen: dict[str, int] = {}
         """Per node (a cluster primary's count key), the highest N this process has seen."""
         self.on_behind = on_behind or (lambda mark, found: None)
@@ -200,14 +206,17 @@ class Marks:
             self._again(c, tries, Unavailable("the Redis Cluster's slot map is not known yet"))
             return
         mark = self.mark_of(c.keys[0])
-        sent = self.sent.get(mark, 0)
-        seen = (f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{sent}:"
+        q = self.sent.get(mark, 0) + 1
+        expected = self.expected.setdefault(mark, {})
+        lo = max(self.answered.get(mark, 0), next(reversed(expected), 0))
+        seen = (f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{lo}:{q}:"
                 f"{self.node_seen.get(node, 0)}")
         reply = c.submit("FCALL", c.name, len(c.keys) + 1, *c.keys, mark, *c.args, node,
                          self.life, seen)
         if self.life:
-            self.sent[mark] = sent + 1
-        reply.add_done_callback(functools.partial(self._unwrap, mark, node, c, tries))
+            self.sent[mark] = q
+            expected[q] = None
+        reply.add_done_callback(functools.partial(self._unwrap, mark, node, q, c, tries))
 
     def _again(self, c: _Call, tries: int, error: BaseException) -> None:
         """`c` sent again shortly (the slot map is being learnt), or failed with `error`."""
@@ -218,19 +227,22 @@ class Marks:
         asyncio.get_running_loop().call_later(min(0.02 * (tries + 1), 0.1), self._send, c,
                                               tries + 1)
 
-    def _unwrap(self, mark: str, node: str, c: _Call, tries: int,
+    def _unwrap(self, mark: str, node: str, q: int, c: _Call, tries: int,
                 reply: asyncio.Future[Any]) -> None:
         out = c.out
+        self.expected[mark].pop(q, None)
+        restore = self.life.startswith("%")
         if reply.cancelled():
-            if self.life:
+            if restore:
                 self.sent[mark] -= 1
             out.cancel()
             return
         error = reply.exception()  # retrieved even when nobody waits for `out` any more
         if error is not None:
-            # Refused, or its fate unknown (a lost connection, a timeout): counted as not
-            # run. One that ran leaves Redis's count higher, which no check minds.
-            if self.life:
+            # Refused, or its fate unknown (a lost connection, a timeout): no later call
+            # expects it (one that ran left its number in Redis, which no check minds: a
+            # number above lo was written by a call that found lo there).
+            if restore:
                 self.sent[mark] -= 1
             if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
                 error = Unsettled("calls of this process sent before this one have not run "
@@ -241,6 +253,8 @@ class Marks:
             elif not out.done():
                 out.set_exception(self._refusal(mark, node, error))
             return
+        if q > self.answered.get(mark, 0):
+            self.answered[mark] = q
         g, n, *rest = reply.result()
         if n and n > self.node_seen.get(node, 0):
             self.node_seen[node] = n
