@@ -454,6 +454,7 @@ local function ticket_read(T, now)
   if v then
     local _, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
     T.exp = exp
+    T.held = exp
     T.sid_raw = c
     T.rec = {a or false, b or false, c and sid_hex(c) or false, d or false, e or false,
              f or false, g or false, h or false}
@@ -480,13 +481,20 @@ end
 -- bucket that nobody sweeps (every process stopped) linger a day at most.
 local BUCKET_SLACK_MS = 86400000
 
+-- The record written back (or deleted, past its expiry). Its bucket's TTL is looked at only
+-- when the record's expiry is not the one it was read with (`T.held`): a bucket lives past
+-- the expiry of every record it holds (each write pushes it there, nothing shortens it), so
+-- a record read live keeps its bucket to its expiry; a decision, a cancel, the janitor's
+-- expiry rewrite the record without a read of the bucket's TTL.
 local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
     local sid = r[3] and (T.sid_raw or raw_sid(r[3]))  -- no ticket_set changes a sid
     redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
                sid or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
-    extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
+    if T.exp ~= T.held then
+      extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
+    end
   else
     redis.call('HDEL', T.bucket, T.field)
     if T.seen then

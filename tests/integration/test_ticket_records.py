@@ -86,6 +86,31 @@ async def test_a_record_is_a_field_of_its_bucket(store: Store, redis_db: redis.R
     assert (await raw_ticket(store, key))[0:2] == [b"f", b"body"]
 
 
+async def test_a_record_rewritten_at_its_expiry_reads_no_ttl_and_its_bucket_outlives_it(
+        store: Store, redis_backend: RedisServer | RedisCluster, redis_db: redis.Redis
+        ) -> None:
+    """A decision rewrites its ticket's record without reading its bucket's TTL when the
+    record's expiry does not change: the bucket outlives every record it holds (each write
+    of a record pushed it past that record's expiry, nothing shortens it). A record written
+    with a later expiry in the same bucket pushes it."""
+    now = redis_ms(redis_db)
+    key = ticket_key("ch", "TTL-1")
+    reply = await raw_claim(store, key, b"sale", now + HOUR, now + DAY, 60_000)
+    servers = (redis_backend.servers if isinstance(redis_backend, RedisCluster)
+               else [redis_backend])
+    clients = [s.client() for s in servers]
+    for c in clients:
+        c.config_resetstat()
+    assert await store.finalize(key, reply[2].decode(), b"body")
+    reads = [c.info("commandstats").get("cmdstat_pexpiretime", {}).get("calls", 0)
+             for c in clients]
+    assert reads == [0] * len(clients)
+    bucket = record_bucket_of(key)
+    assert redis_db.pexpiretime(bucket) >= now + DAY
+    await sold(store, same_bucket(key, 1)[0], now, now + 3 * DAY)
+    assert redis_db.pexpiretime(bucket) >= now + 3 * DAY
+
+
 async def test_a_sold_ticket_s_record_keeps_its_sale_packed(client: Client,
                                                             redis_db: redis.Redis) -> None:
     """A ticket sold through the service: its record is a field of its bucket (no key of its
