@@ -33,8 +33,8 @@ local function plain(keys, args)
   return {1, 2, 3}
 end
 """
-READ = "local refused, g, count, sent, ng = mark_refusal(mark, node, life, seen)"
-WRITE = "redis.call('HSET', mark, '*', g, life, g, count, sent + 1)"
+READ = "local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)"
+WRITE = "redis.call('HSET', mark, '*', g, life, g, last, q)"
 
 
 def library() -> str:
@@ -45,7 +45,7 @@ def library() -> str:
                      source.index("--[[ marks: KEYS mark")]
     if READ not in section or WRITE not in section:
         raise SystemExit("lua/capsvc.lua's MARKS section changed: update bench/mark_parts.py")
-    unread = "local refused, g, count, sent, ng = nil, 0, '#x', 0, 0"
+    unread = "local refused, g, last, q, ng = nil, 0, '#x', 0, 0"
     variants = {
         "marked": section,
         "no_read": section.replace(READ, unread),
@@ -88,7 +88,7 @@ def main() -> int:
                             pipe.fcall("plain", 1, "h", field, value)
                         else:
                             pipe.fcall(name, 2, "h", "m:{marks}", field, value, "",
-                                       "life1234abcd5678", "0:0:0:0")
+                                       "life1234abcd5678", f"0:0:0:{i + 1}:0")
                     pipe.execute()
                 cpu = (cpu_seconds(pid) - before) / args.calls * 1e6
                 fcall = client.info("commandstats")["cmdstat_fcall"]["usec_per_call"]

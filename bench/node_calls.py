@@ -63,13 +63,13 @@ local function bench_many(keys, args)
   local out = {}
   for i, step in ipairs(steps_of(args)) do
     local mark = table.remove(step.keys)
-    local refused, g, count, sent = mark_refusal(mark, '', life, step.seen)
+    local refused, g, last, q = mark_refusal(mark, '', life, step.seen)
     if refused then
       out[i] = refused
     else
       local reply = reserve(step.keys, step.args)
       g = g + 1
-      redis.call('HSET', mark, '*', g, life, g, count, sent + 1)
+      redis.call('HSET', mark, '*', g, life, g, last, q)
       out[i] = {g, reply}
     end
   end
@@ -143,12 +143,12 @@ def main() -> int:
                         for _ in range(k):
                             keys, argv = step()
                             pipe.fcall("capsvc_reserve", len(keys), *keys, *argv, node,
-                                       "life", "0:0:0:0")
+                                       "life", f"0:0:0:{made}:0")
                     else:
                         flat: list[Any] = []
                         for _ in range(k):
                             keys, argv = step()
-                            flat += [len(keys), len(argv), "0:0:0:0", *keys, *argv]
+                            flat += [len(keys), len(argv), f"0:0:0:{made}:0", *keys, *argv]
                         pipe.fcall(function, 1, flat[3], node, "life", k, *flat)
                     for reply in pipe.execute(raise_on_error=False):
                         if isinstance(reply, Exception):

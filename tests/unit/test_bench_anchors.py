@@ -17,3 +17,16 @@ def test_bench_floor_still_finds_the_sale_s_steps(monkeypatch: pytest.MonkeyPatc
     for _, step in floor.SECTIONS:
         assert f"  mark('{step}')" in timed
     assert "redis.register_function('capsvc_sections', sections)" in timed
+
+
+def test_bench_mark_parts_still_finds_the_mark_s_read_and_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/mark_parts.py takes the mark's read and write out of lua/capsvc.lua's MARKS by
+    their lines (it exits saying so when one is gone): both found."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import mark_parts  # type: ignore[import-not-found]
+
+    library = mark_parts.library()  # SystemExit when the read or the write is not found
+    assert all(f"marked_{name}(plain)" in library
+               for name in ("marked", "no_read", "no_write", "wrap_only"))
+
