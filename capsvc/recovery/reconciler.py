@@ -370,7 +370,7 @@ class Reconciler:
                     for life in lacking_lives:
                         if made[life].get(mark):
                             args += [life, made[life][mark]]
-                    if self.marks.sent.get(mark):  # its count of writes, as they were sent
+                    if self.marks.sent.get(mark):  # the number of its newest write sent there
                         args += [f"#{self.life}", self.marks.sent[mark]]
                     restored[mark] = args
                 gs = await asyncio.gather(*[self._mark_restored(store, mark, args)
