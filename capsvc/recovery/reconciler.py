@@ -360,7 +360,7 @@ class Reconciler:
                         life_of = lives.get(life, Life(life, []))
                         done.merge(await restorer.restore(lacking(life_of, fields[life],
                                                                   now)))
-                counter, written = store.marks.counter, store.marks.sent
+                counter, written = store.marks.counter, store.marks.written
                 restored: dict[str, list[Any]] = {
                     mark: [self.life, "", counter, written[mark]]
                     for mark in sorted(set(written) - set(marks))}  # not announced there

@@ -135,6 +135,11 @@ class Marks:
         self.life = life
         """The process lifetime (capsvc.journal.writer's `Journal.life`); "" for a tool,
         whose calls are neither checked nor counted."""
+        self.counter = life if life.startswith("%") else ""
+        """The field a restore's writes count themselves in ("" for other marks)."""
+        self.checked = bool(life) and not self.counter
+        """Whether Redis checks this process's calls against its mark (a tool's and a
+        restore's it does not: their writes are not numbered)."""
         self.single_node = single_node
         self.node_of = node_of
         """The node's count a call carries too (the cluster transport's `node_of`)."""
@@ -144,8 +149,10 @@ class Marks:
         """Per mark, the G of this process's newest write there."""
         self.sent: dict[str, int] = {}
         """Per mark, the number of this process's newest write sent there (its writes
-        through a mark are numbered 1, 2, 3, … as they are sent; a restore's: how many
-        were sent and not seen to fail, which its end checks Redis holds)."""
+        through a mark are numbered 1, 2, 3, … as they are sent)."""
+        self.written: dict[str, int] = {}
+        """A restore's: per mark, how many of its writes were sent there and not seen to
+        fail, which its end checks Redis holds (capsvc.recovery.reconciler)."""
         self.expected: dict[str, dict[int, None]] = {}
         """Per mark, the numbers of this process's writes sent there whose answer has not
         been read yet, in the order sent (the newest last)."""
@@ -167,14 +174,9 @@ class Marks:
     def restoring(cls, token: str, single_node: bool) -> Marks:
         """Marks for a process's restore (capsvc.recovery.reconciler): its calls go
         unchecked, and each counts itself in its mark's field `counter` (lua/capsvc.lua,
-        MARKS), its bulk calls too (capsvc.redis.store); `sent` has how many went through
+        MARKS), its bulk calls too (capsvc.redis.store); `written` has how many went through
         each mark, which the restore's end checks Redis holds, every one."""
         return cls(restore_counter(token), single_node=single_node)
-
-    @property
-    def counter(self) -> str:
-        """The field a restore's writes count themselves in ("" for other marks)."""
-        return self.life if self.life.startswith("%") else ""
 
     def mark_of(self, key: str) -> str:
         """The mark a call whose first key is `key` carries (in that key's slot)."""
@@ -213,9 +215,11 @@ class Marks:
                 f"{self.node_seen.get(node, 0)}")
         reply = c.submit("FCALL", c.name, len(c.keys) + 1, *c.keys, mark, *c.args, node,
                          self.life, seen)
-        if self.life:
+        if self.checked:
             self.sent[mark] = q
             expected[q] = None
+        elif self.counter:
+            self.written[mark] = self.written.get(mark, 0) + 1
         reply.add_done_callback(functools.partial(self._unwrap, mark, node, q, c, tries))
 
     def _again(self, c: _Call, tries: int, error: BaseException) -> None:
@@ -231,10 +235,9 @@ class Marks:
                 reply: asyncio.Future[Any]) -> None:
         out = c.out
         self.expected[mark].pop(q, None)
-        restore = self.life.startswith("%")
         if reply.cancelled():
-            if restore:
-                self.sent[mark] -= 1
+            if self.counter:
+                self.written[mark] -= 1
             out.cancel()
             return
         error = reply.exception()  # retrieved even when nobody waits for `out` any more
@@ -242,8 +245,8 @@ class Marks:
             # Refused, or its fate unknown (a lost connection, a timeout): no later call
             # expects it (one that ran left its number in Redis, which no check minds: a
             # number above lo was written by a call that found lo there).
-            if restore:
-                self.sent[mark] -= 1
+            if self.counter:
+                self.written[mark] -= 1
             if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
                 error = Unsettled("calls of this process sent before this one have not run "
                                   "in Redis yet (a slot moving, a connection stalled): "

@@ -1100,7 +1100,7 @@ class _Bulk:
                 # The call counts itself in its slot's mark (a restore's: see Marks.restoring).
                 mark = marks.mark_of(keys[0])
                 if counter:
-                    marks.sent[mark] = marks.sent.get(mark, 0) + 1
+                    marks.written[mark] = marks.written.get(mark, 0) + 1
                 sent.append((tag, placed, retrieving(fcall(function, [*keys, mark],
                                                            [*args, counter]))))
                 in_flight += len(placed)
