@@ -32,7 +32,7 @@ import msgspec
 from run import with_fixed_hash_seed
 
 from capsvc.domain import combination
-from capsvc.domain.validator import Sale, SaleGrid, fingerprint_of, pack_sale
+from capsvc.domain.validator import Sale, SaleGrid, pack_sale
 from capsvc.redis.store import Store, lua_source, ticket_key
 from capsvc.redis.transport import Coalescer
 
@@ -57,9 +57,7 @@ def sales(prefix: str, count: int, grids: int, seed: int) -> list[Sale]:
                                True))
         out.append(Sale(ticket_id=f"{prefix}-{i:07d}", game=GAME, player_id=None,
                         first_draw=DRAW, draws=1, grids=tuple(gs), joker_plus=False,
-                        joker_cost=0, fingerprint=fingerprint_of(
-                            GAME, None, DRAW, 1, False,
-                            [(g.combo, g.stake, g.multiplier) for g in gs])))
+                        joker_cost=0, asked=True))
     return out
 
 

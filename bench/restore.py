@@ -256,10 +256,8 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     print(f"  ceiling on {cpus} CPUs of any restore that decodes this journal in Python and "
           f"sends Redis its keys whole (the three floors above, every CPU busy, nothing else "
           f"spent): {cpus / floor:,.0f}/s")
-    asked = [first_asked(line, s) for line in records if type(line) is SalesRecord
-             for s in line.sales]
     started = time.process_time()
-    lean = leanest(records, asked)
+    lean = leanest(records)
     lean_s = time.process_time() - started
     assert lean == wanted, "the lean computation must make what the product's encoders make"
     started = time.process_time()
@@ -278,7 +276,7 @@ async def ablation(redis: RedisServer, config: Path, journal: Path, decisions: i
     assert {k if isinstance(k, bytes) else k.encode(): str(v).encode() if isinstance(v, int)
             else v for k, v in lean[sample].items()} == client.hgetall(sample)
     print(f"  python, the same written lean (no sale object built, the journal telling "
-          f"whether the first draw was asked: no fingerprint recomputed): "
+          f"whether the first draw was asked): "
           f"{1e6 * lean_s / decisions:.2f} µs a decision; each bucket serialized as a RESTORE "
           f"payload ({crc_source}): {1e6 * serialize / decisions:.2f} µs; Redis RESTOREing "
           f"those (no TTL): {1e6 * loaded / decisions:.2f} µs")
@@ -413,19 +411,12 @@ def least_fields(records: list[Any]) -> dict[str, dict[bytes | str, Any]]:
     return out
 
 
-def first_asked(line: SalesRecord, s: Any) -> bool:
-    """Whether the request of sale `s` named its first draw (what its packed sale says)."""
-    return bool(msgspec.msgpack.decode(pack_sale(sold_sale(line, s)))[3] > 0)
-
-
-def leanest(records: list[Any], asked: list[bool]) -> dict[str, dict[bytes | str, Any]]:
+def leanest(records: list[Any]) -> dict[str, dict[bytes | str, Any]]:
     """What `least_fields` computes, written lean: no sale object built, the ticket record
-    packed in place, whether each sale's first draw was asked given (`asked`, in order, as
-    a journal saying so would: no fingerprint recomputed). The floor of CPython computing
-    the keys a restore writes from this journal."""
+    packed in place. The floor of CPython computing the keys a restore writes from this
+    journal."""
     out: dict[str, dict[bytes | str, Any]] = {}
     pack, crc32, fromhex = msgspec.msgpack.encode, zlib.crc32, bytes.fromhex
-    n = 0
     for line in records:
         if type(line) is not SalesRecord:
             continue
@@ -434,9 +425,8 @@ def leanest(records: list[Any], asked: list[bool]) -> dict[str, dict[bytes | str
             first, draws = s.first_draw or line.first_draw, s.draws
             grids = [[bytes(g.numbers), g.stake, (1 if g.multiplier else 0)
                       | (2 if g.capped else 0)] for g in s.grids]
-            sale = pack([s.ticket, game, s.player, first if asked[n] else -first, draws,
+            sale = pack([s.ticket, game, s.player, first if s.asked else -first, draws,
                          s.joker_plus, s.joker_cost, grids])
-            n += 1
             ident = f"{channel}/{s.ticket}"
             h = crc32(ident.encode())
             bucket = f"r:{{t:{h % TICKET_BUCKETS}}}:{(h // TICKET_BUCKETS) % RECORD_BUCKETS}"

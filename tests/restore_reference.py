@@ -93,7 +93,7 @@ class OneByOne:
         accepted = set(s.accepted)
         record = SaleRecord(at=line.at_of(s), via=line.via, proc=line.proc, channel=line.channel,
                             ticket=s.ticket, sale=s.sale, game=line.game,
-                            first_draw=line.first_of(s), draws=s.draws, fp=s.fp,
+                            first_draw=line.first_of(s), draws=s.draws, asked=s.asked,
                             until=line.until_of(s), grids=s.grids, decision=msgspec.Raw(b""),
                             player=s.player, joker_plus=s.joker_plus, joker_cost=s.joker_cost,
                             caps=line.caps_of(s))

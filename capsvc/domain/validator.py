@@ -50,8 +50,9 @@ class Sale(Struct, frozen=True, array_like=True, gc=False):
     grids: tuple[SaleGrid, ...]
     joker_plus: bool
     joker_cost: int
-    fingerprint: str
-    """Identifies the request by its meaning (number order and defaults do not matter)."""
+    asked: bool
+    """Whether the request named its first draw (else the service chose it): part of what
+    the request asks (`sale_fingerprint`)."""
 
     @property
     def requested_cost(self) -> int:
@@ -113,6 +114,14 @@ def _grid_error(rules: GameRules, numbers: list[int], stake: int, multiplier: bo
                          f"{path}.multiplier")
 
 
+def sale_fingerprint(sale: Sale) -> str:
+    """The fingerprint of the request `sale` was made from (`fingerprint_of`): worked out
+    only when a ticket id already holds a sale, never on a new sale's path."""
+    return fingerprint_of(sale.game, sale.player_id, sale.first_draw if sale.asked else None,
+                          sale.draws, sale.joker_plus,
+                          [(g.combo, g.stake, g.multiplier) for g in sale.grids])
+
+
 def _fingerprint(t: TicketIn, combos: list[str]) -> str:
     """The request's identity for idempotency: what it asks, with each grid's numbers as a
     set (3-7-12 is 12-3-7)."""
@@ -124,7 +133,7 @@ def _fingerprint(t: TicketIn, combos: list[str]) -> str:
 def fingerprint_of(game: str, player_id: str | None, first_draw: int | None, draws: int,
                     joker_plus: bool, grids: list[tuple[str, int, bool]]) -> str:
     """The fingerprint of a request from what it asks (grids: combination, stake,
-    multiplier, in its order); also how a packed sale's is recomputed."""
+    multiplier, in its order): a retry with another meaning is refused against it."""
     canonical = _encode((game, player_id, first_draw, draws, joker_plus, grids))
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
@@ -136,42 +145,25 @@ _unpack = msgspec.msgpack.Decoder(list[Any]).decode
 _MULTIPLIER, _CAPPED = 1, 2
 
 
-def pack_sale(sale: Sale, asked: bool | None = None) -> bytes:
+def pack_sale(sale: Sale) -> bytes:
     """The sale as the ticket record keeps it (`sale`), compact so that the record stays a
     small listpack in Redis (values of at most 64 bytes for tickets of one or two grids):
     MessagePack `[ticket_id, game, player_id, first_draw, draws, joker_plus, joker_cost,
-    [[numbers (bytes), stake, flags], ...]]`. What can be derived is not kept: each grid's
-    index (its place), combination (its numbers), cost (stake x multiplier x draws), and
-    the fingerprint, recomputed from the rest; `first_draw` is negative when the request
-    left it to the service (the fingerprint has None there). A fingerprint that cannot be
-    recomputed so (another algorithm's) is kept, ninth. Read by `unpack_sale`.
-
-    `asked`: whether the request named its first draw, when the caller knows (a sale being
-    made: its fingerprint is then this code's, nothing to recompute); None: found out by
-    recomputing the fingerprint (a sale from the journal)."""
+    [[numbers (bytes), stake, flags], ...]]`, `first_draw` negative when the request left
+    it to the service (`asked` false). What can be derived is not kept: each grid's index
+    (its place), combination (its numbers) and cost (stake x multiplier x draws). Read by
+    `unpack_sale`."""
     assert sale.first_draw is not None
     grids = [[bytes(g.numbers), g.stake, (_MULTIPLIER if g.multiplier else 0)
               | (_CAPPED if g.capped else 0)] for g in sale.grids]
-    packed: list[Any] = [sale.ticket_id, sale.game, sale.player_id, sale.first_draw,
-                         sale.draws, sale.joker_plus, sale.joker_cost, grids]
-    if asked is not None:
-        if not asked:
-            packed[3] = -sale.first_draw
-        return _pack(packed)
-    request = [(g.combo, g.stake, g.multiplier) for g in sale.grids]
-    if fingerprint_of(sale.game, sale.player_id, sale.first_draw, sale.draws,
-                       sale.joker_plus, request) != sale.fingerprint:
-        packed[3] = -sale.first_draw
-        if fingerprint_of(sale.game, sale.player_id, None, sale.draws, sale.joker_plus,
-                           request) != sale.fingerprint:
-            packed[3] = sale.first_draw
-            packed.append(sale.fingerprint)
-    return _pack(packed)
+    return _pack([sale.ticket_id, sale.game, sale.player_id,
+                  sale.first_draw if sale.asked else -sale.first_draw, sale.draws,
+                  sale.joker_plus, sale.joker_cost, grids])
 
 
 def unpack_sale(raw: bytes) -> Sale:
     """The sale of a ticket record, packed by `pack_sale`."""
-    tid, game, player, first, draws, joker, joker_cost, packed, *kept = _unpack(raw)
+    tid, game, player, first, draws, joker, joker_cost, packed = _unpack(raw)
     grids = []
     for i, (numbers, stake, flags) in enumerate(packed):
         ordered = tuple(numbers)
@@ -179,18 +171,16 @@ def unpack_sale(raw: bytes) -> Sale:
         grids.append(SaleGrid(i, ordered, combination.encode(ordered), stake, multiplier,
                               stake * (2 if multiplier else 1) * draws,
                               bool(flags & _CAPPED)))
-    asked = [(g.combo, g.stake, g.multiplier) for g in grids]
-    fingerprint = kept[0] if kept else fingerprint_of(
-        game, player, first if first > 0 else None, draws, joker, asked)
     return Sale(ticket_id=tid, game=game, player_id=player, first_draw=abs(first),
                 draws=draws, grids=tuple(grids), joker_plus=joker, joker_cost=joker_cost,
-                fingerprint=fingerprint)
+                asked=first > 0)
 
 
 def request_fingerprint(t: TicketIn) -> str | None:
-    """The fingerprint `validate_ticket` gives a ticket, without any game's rules (a retry
-    must find its recorded decision even once the configuration would refuse it); None
-    when its numbers could never have made a valid grid."""
+    """The fingerprint of the sale `validate_ticket` makes of a ticket (`sale_fingerprint`),
+    without any game's rules (a retry must find its recorded decision even once the
+    configuration would refuse it); None when its numbers could never have made a valid
+    grid."""
     combos = []
     for g in t.grids:
         numbers = sorted(g.numbers)
@@ -231,7 +221,6 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
         grids.append(SaleGrid(i, ordered, combination.encode(ordered), g.stake, g.multiplier,
                               g.stake * (2 if g.multiplier else 1) * draws, n in capped_sizes))
     joker_cost = (rules.joker_plus_price or 0) * draws if t.joker_plus else 0
-    fingerprint = _fingerprint(t, [g.combo for g in grids])
     return Sale(
         ticket_id=t.ticket_id,
         game=t.game,
@@ -241,7 +230,7 @@ def validate_ticket(rules: GameRules, t: TicketIn) -> Sale:
         grids=tuple(grids),
         joker_plus=t.joker_plus,
         joker_cost=joker_cost,
-        fingerprint=fingerprint,
+        asked=t.first_draw is not None,
     )
 
 

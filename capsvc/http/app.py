@@ -116,9 +116,32 @@ def decode_body(body: bytes | msgspec.Raw, kind: type[T]) -> T:
 
 
 class _TicketsSent(msgspec.Struct, forbid_unknown_fields=True):
-    """A batch as sent: each ticket decoded on its own (TicketsIn is its schema)."""
+    """A batch as sent, each ticket to decode on its own (TicketsIn is its schema)."""
 
     tickets: list[msgspec.Raw]
+
+
+class _Tickets(msgspec.Struct, forbid_unknown_fields=True):
+    """A batch whose every ticket decodes: the usual one, decoded as one array."""
+
+    tickets: list[TicketIn]
+
+
+def _tickets_sent(body: bytes) -> list[TicketIn | tuple[ApiError, str | None]]:
+    """A batch's tickets, each decoded, or what it alone would have been answered with the
+    ticket id it names (if any). One decode of the whole array when every ticket is valid;
+    else each on its own, so that one bad ticket refuses only itself."""
+    try:
+        return list(_decoder(_Tickets).decode(body).tickets)
+    except msgspec.MsgspecError:
+        pass
+    items: list[TicketIn | tuple[ApiError, str | None]] = []
+    for raw in decode_body(body, _TicketsSent).tickets:
+        try:
+            items.append(decode_body(raw, TicketIn))
+        except ApiError as e:
+            items.append((e, _ticket_id_of(raw)))
+    return items
 
 
 def _ticket_id_of(raw: msgspec.Raw) -> str | None:
@@ -289,19 +312,13 @@ class Api:
         usual."""
         channel = self.auth.channel(request)
         require_scope(channel, "sell")  # the token's, not a ticket's: the whole request
-        sent = decode_body(await request.read(), _TicketsSent).tickets
-        if not 1 <= len(sent) <= self.settings.max_batch:
+        items = _tickets_sent(await request.read())
+        if not 1 <= len(items) <= self.settings.max_batch:
             raise ApiError("invalid", "invalid_request", f"a batch holds 1 to "
-                           f"{self.settings.max_batch} tickets, not {len(sent)}", "$.tickets")
-        items: list[TicketIn | ApiError] = []
+                           f"{self.settings.max_batch} tickets, not {len(items)}", "$.tickets")
         first_at: dict[str, int] = {}
-        for i, raw in enumerate(sent):
-            try:
-                item: TicketIn | ApiError = decode_body(raw, TicketIn)
-            except ApiError as e:  # what this ticket alone would have been answered
-                item = e
-            items.append(item)
-            tid = item.ticket_id if isinstance(item, TicketIn) else _ticket_id_of(raw)
+        for i, item in enumerate(items):
+            tid = item.ticket_id if isinstance(item, TicketIn) else item[1]
             if tid is None:
                 continue
             if tid in first_at:
@@ -311,7 +328,7 @@ class Api:
             first_at[tid] = i
         outcomes = iter(await self.tickets.sell(
             channel, [t for t in items if isinstance(t, TicketIn)]))
-        results = [self._result(item if isinstance(item, ApiError) else next(outcomes))
+        results = [self._result(next(outcomes) if isinstance(item, TicketIn) else item[0])
                    for item in items]
         self.metrics.ticket_batch.observe(len(items))
         return Answer(_encode(TicketsOut(results)))

@@ -181,12 +181,12 @@ class Recorder:
                 elif any(c != cap for c in caps):
                     own_caps = caps
             sold.append(SoldTicket(
-                sale.ticket_id, sale_id, sale.fingerprint, grids_of(sale), res,
+                sale.ticket_id, sale_id, grids_of(sale), res,
                 0 if sale.first_draw == first else sale.first_draw, sale.draws,
                 0 if until_ == (until if untils is None else
                                 untils[sale.first_draw + sale.draws - 1 - first])
                 else until_, own_caps, sale.player_id,
-                sale.joker_plus, sale.joker_cost, None if at == line_at else at))
+                sale.joker_plus, sale.joker_cost, sale.asked, None if at == line_at else at))
         return SalesRecord(at=line_at, via=via, proc=self.proc, channel=channel, game=game,
                            first_draw=first, draws=last - first, until=until, zone=zone,
                            sales=sold, cap=cap or None, untils=untils, marks=marks)
@@ -207,7 +207,7 @@ class Recorder:
         assert sale.first_draw is not None
         return {"at": at, "via": via, "proc": self.proc, "channel": channel,
                 "ticket": sale.ticket_id, "sale": sale_id, "game": sale.game,
-                "first_draw": sale.first_draw, "draws": sale.draws, "fp": sale.fingerprint,
+                "first_draw": sale.first_draw, "draws": sale.draws, "asked": sale.asked,
                 "until": until, "grids": grids_of(sale), "decision": msgspec.Raw(body),
                 "player": sale.player_id, "joker_plus": sale.joker_plus,
                 "joker_cost": sale.joker_cost,

@@ -7,9 +7,10 @@ the hot path encodes a record once and never hashes.
 
 Every decision record carries what is needed to put the decision back into a Redis that
 lost it, without the request: the channel, the ticket id, the sale id the claim minted, the
-request's meaning (game, player, draws, grids with numbers, stake, multiplier, whether the
-cap counts them), its fingerprint, the decision exactly as answered (`decision`, the
-response body), the cap in force on each draw, and when it expires from Redis (`until`).
+request's meaning (game, player, draws, whether the first draw was named, grids with
+numbers, stake, multiplier, whether the cap counts them), the decision exactly as
+answered (`decision`, the response body), the cap in force on each draw, and when it
+expires from Redis (`until`).
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
     game: str
     first_draw: int
     draws: int
-    fp: str
-    """The request's fingerprint (a retry with another body is refused against it)."""
     until: int
     """When Redis forgets the ticket (ms): the close of its last draw plus retention."""
     grids: list[Grid]
@@ -97,6 +96,9 @@ class SaleRecord(Struct, tag="sale", tag_field="type", omit_defaults=True,
     player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
+    asked: bool = False
+    """Whether the request named its first draw (else the service chose it): with the rest,
+    what a retry with another meaning is refused against (its fingerprint, worked out)."""
     caps: list[int] | None = None
     """The cap in force on each draw of the ticket, when a grid is capped."""
     marks: dict[str, int] | None = None
@@ -122,7 +124,6 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
 
     ticket: str
     sale: str
-    fp: str
     grids: list[Grid]
     res: str
     """Each grid's outcome, joined by ";": "-" not capped, "1" accepted,
@@ -139,6 +140,9 @@ class SoldTicket(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=
     player: str | None = None
     joker_plus: bool = False
     joker_cost: int = 0
+    asked: bool = False
+    """Whether the request named its first draw (else the service chose it): with the rest,
+    what a retry with another meaning is refused against (its fingerprint, worked out)."""
     at: int | None = None
     """The sale's instant when it is not its line's (sales decided apart, journaled in one
     line)."""
@@ -350,7 +354,7 @@ def sale_records(r: SalesRecord) -> list[SaleRecord]:
         body, _ = render(r.channel, sold_sale(r, s), s.sale, at, f"{r.zone}|{s.res}".encode())
         out.append(SaleRecord(
             at=at, via=r.via, proc=r.proc, channel=r.channel, ticket=s.ticket, sale=s.sale,
-            game=r.game, first_draw=r.first_of(s), draws=s.draws, fp=s.fp,
+            game=r.game, first_draw=r.first_of(s), draws=s.draws, asked=s.asked,
             until=r.until_of(s), grids=s.grids, decision=Raw(body), player=s.player,
             joker_plus=s.joker_plus, joker_cost=s.joker_cost, caps=r.caps_of(s),
             marks=r.marks))
@@ -383,11 +387,11 @@ def sale_of(r: SaleRecord | VoidRecord) -> Sale:
     grids = _sale_grids(r.grids, r.draws)
     if isinstance(r, SaleRecord):
         return Sale(r.ticket, r.game, r.player, r.first_draw, r.draws, grids, r.joker_plus,
-                    r.joker_cost, r.fp)
-    return Sale(r.ticket, r.game, r.player, r.first_draw, r.draws, grids, False, 0, "")
+                    r.joker_cost, r.asked)
+    return Sale(r.ticket, r.game, r.player, r.first_draw, r.draws, grids, False, 0, True)
 
 
 def sold_sale(line: SalesRecord, s: SoldTicket) -> Sale:
     """The sale of one ticket of a `sales` line, as capsvc stores it in Redis."""
     return Sale(s.ticket, line.game, s.player, line.first_of(s), s.draws,
-                _sale_grids(s.grids, s.draws), s.joker_plus, s.joker_cost, s.fp)
+                _sale_grids(s.grids, s.draws), s.joker_plus, s.joker_cost, s.asked)

@@ -72,6 +72,7 @@ from capsvc.domain.validator import (
     Sale,
     pack_sale,
     request_fingerprint,
+    sale_fingerprint,
     unpack_sale,
     validate_ticket,
 )
@@ -407,10 +408,10 @@ class Tickets:
         requests), each sold in one atomic call, all in one Redis call: the outcome of each
         sale made, or the first call's reply when a step is left to take (`_sell` takes
         it). Each request's stamp gets the call's G, and stamps its records."""
-        shapes: dict[tuple[str, int, int, bool, str | int], Shape] = {}
+        shapes: dict[tuple[str, int, int, bool], tuple[Shape, bool]] = {}
         calls, fixing = [], []
         for p in group:
-            call, fix = self._sale_call(p.game, p.key, p.stored, not p.defaulted, p.expire_at,
+            call, fix = self._sale_call(p.game, p.key, p.stored, p.expire_at,
                                         shapes, p.request)
             calls.append(call)
             fixing.append(fix)
@@ -474,12 +475,12 @@ class Tickets:
             expire_at = game.expire_at(first + sale.draws - 1)
             if claim is None:
                 claim = await (
-                    self._sell_in_one_call(game, key, stored, expire_at, not defaulted, judged)
+                    self._sell_in_one_call(game, key, stored, expire_at, judged)
                     if p.one_call else
-                    self._claim(game, key, stored, close_ms, expire_at, not defaulted))
+                    self._claim(game, key, stored, close_ms, expire_at))
             raw = claim.sale if isinstance(claim, Decided | Pending | Refused) else None
             held = None if raw is None else unpack_sale(raw)  # the sale the id holds
-            if held is not None and _another_request(held, sale.fingerprint):
+            if held is not None and _another_request(held, sale_fingerprint(sale)):
                 raise _conflict(t.ticket_id)
             if isinstance(claim, Refused):
                 if claim.why == "day":  # judged on another day than planned: plan again,
@@ -552,27 +553,27 @@ class Tickets:
             case StoppedAt():
                 return Stop(claim.offset)
 
-    async def _claim(self, game: Game, key: str, sale: Sale, close_ms: int, expire_at: int,
-                     asked: bool) -> Claim:
+    async def _claim(self, game: Game, key: str, sale: Sale, close_ms: int, expire_at: int
+                     ) -> Claim:
         """The steps' first call: the ticket indexed for the janitor and claimed, in one
         atomic call. The claim is the only write that decides; admin stops are checked once
         it has been made."""
-        return await self.store.claim(key, pack_sale(sale, asked), close_ms, expire_at,
+        return await self.store.claim(key, pack_sale(sale), close_ms, expire_at,
                                       self.stale_after_ms)
 
     async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, expire_at: int,
-                                asked: bool, judged: int = 0) -> Claim:
+                                judged: int = 0) -> Claim:
         """The sale as one atomic call (standalone Redis), alone: a ticket whose first call
         moved it on (a draw closed or stopped, a day planned wrongly: `judged`, Redis's
         instant then, which the player's budget is planned for at least)."""
         assert sale.first_draw is not None
-        call, fix = self._sale_call(game, key, sale, asked, expire_at, {}, judged=judged)
+        call, fix = self._sale_call(game, key, sale, expire_at, {}, judged=judged)
         [claim] = await self.store.sell([call])
         self._fixed(game, sale.first_draw, fix, claim)
         return claim
 
-    def _sale_call(self, game: Game, key: str, sale: Sale, asked: bool, expire_at: int,
-                   shapes: dict[tuple[str, int, int, bool, str | int], Shape], request: int = 0,
+    def _sale_call(self, game: Game, key: str, sale: Sale, expire_at: int,
+                   shapes: dict[tuple[str, int, int, bool], tuple[Shape, bool]], request: int = 0,
                    judged: int = 0) -> tuple[SaleCall, bool]:
         """A one-call sale's part of a call of capsvc_sell, and whether it fixes its draws'
         caps: the draws' caps when this process has seen them fixed; else the configured
@@ -583,19 +584,20 @@ class Tickets:
         first = sale.first_draw
         assert first is not None
         capped = any(g.capped for g in sale.grids)
-        known = self.steps.caps.known(game, first, sale.draws) if capped else None
-        fix = capped and known is None
-        caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
-        shape = shapes.get((rules.id, first, sale.draws, fix, caps))
-        if shape is None:
-            shape = shapes[(rules.id, first, sale.draws, fix, caps)] = self.store.shape(
+        made = shapes.get((rules.id, first, sale.draws, capped))
+        if made is None:
+            known = self.steps.caps.known(game, first, sale.draws) if capped else None
+            fix = capped and known is None
+            caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
+            made = shapes[(rules.id, first, sale.draws, capped)] = (self.store.shape(
                 rules.id, first, sale.draws, game.calendar.close_ms(first), expire_at,
                 self.stale_after_ms, caps, rules.min_stake, rules.time_zone, fix,
-                game.expiries(first, sale.draws))
+                game.expiries(first, sale.draws)), fix)
+        shape, fix = made
         return self.store.sale_call(
-            shape, key, pack_sale(sale, asked),
+            shape, key, pack_sale(sale),
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
-            request, asked, self._budget(game, key, sale, expire_at, judged)), fix
+            request, sale.asked, self._budget(game, key, sale, expire_at, judged)), fix
 
     def _budget(self, game: Game, key: str, sale: Sale, expire_at: int, judged: int = 0
                 ) -> tuple[list[str], list[Any]] | None:
@@ -874,9 +876,9 @@ def _not_cancellable(message: str) -> ApiError:
 
 def _another_request(held: Sale, fingerprint: str | None) -> bool:
     """Whether the sale a ticket id holds (its record's, unpacked) is another request's than
-    the one of `fingerprint` (the record keeps no fingerprint: its sale's own, recomputed
-    when unpacked, is compared)."""
-    return held.fingerprint != fingerprint
+    the one of `fingerprint` (the record keeps no fingerprint: its sale's is worked out from
+    what it keeps)."""
+    return sale_fingerprint(held) != fingerprint
 
 
 def _conflict(ticket_id: str) -> ApiError:

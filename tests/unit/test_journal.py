@@ -475,11 +475,11 @@ async def test_a_sales_line_says_once_what_its_sales_share(tmp_path: Path) -> No
     (path,) = journal_files(tmp_path)
     line, other = [json.loads(x) for x in lines(path) if b'"sales"' in x]
     assert (other["until"], other["untils"]) == (10**12 + 7, [10**12, 10**12 + 7])
-    assert [set(s) - {"ticket", "sale", "fp", "grids", "res"} for s in other["sales"]] == [
+    assert [set(s) - {"ticket", "sale", "asked", "grids", "res"} for s in other["sales"]] == [
         set(), {"draws"}, set()]
     assert (line["first_draw"], line["draws"], line["until"], line["cap"]) == (
         100, 2, top, 5000)
-    own = {s["ticket"]: set(s) - {"ticket", "sale", "fp", "grids", "res"}
+    own = {s["ticket"]: set(s) - {"ticket", "sale", "asked", "grids", "res"}
            for s in line["sales"]}
     assert own == {"A": set(), "B": set(), "C": {"first_draw"}, "D": {"draws", "until"},
                    "E": {"draws", "until", "caps"}, "F": {"until", "caps"}, "G": {"caps"},
