@@ -145,7 +145,7 @@ _encode = msgspec.json.encode
 _zones: dict[str, ZoneInfo] = {}
 _games: dict[str, bytes] = {}
 _draws: dict[tuple[int, int], bytes] = {}
-_issued: tuple[int, str, bytes] = (-1, "", b"")
+_issued: tuple[int, bytes, bytes] = (-1, b"", b"")
 """The last instant rendered, in its time zone (a batch's sales share theirs): replaced
 whole, read once a render (the event loop and a report's thread both render)."""
 
@@ -180,7 +180,7 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
     byte for byte, for as long as it is kept. Built from byte pieces, those a batch's sales
     share (the game, the draws, the instant) made once: the one way every decision's body
     is made."""
-    zone, _, outcomes = results.decode().partition("|")
+    zone, _, outcomes = results.partition(b"|")
     first = sale.first_draw
     assert first is not None
     game = _games.get(sale.game)
@@ -188,7 +188,7 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
         game = _games[sale.game] = b',"game":' + _encode(sale.game) + b',"status":"'
     head = b'{"ticket_id":' + _encode(sale.ticket_id) + game
     draws = _draws_of(first, sale.draws)
-    if outcomes == "P":  # refused by the player's limit
+    if outcomes == b"P":  # refused by the player's limit
         grids = b",".join([b'{"index":%d,"numbers":%b,"status":"rejected",'
                            b'"reason":"player_limit"}' % (g.index, _encode(g.numbers))
                            for g in sale.grids])
@@ -196,17 +196,17 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
                 + b'],"total_cost":0,"receipt":null,"reason":"player_limit"}',
                 Verdict(sale.game, "rejected", 0, 0, (), True, len(sale.grids)))
     parts, total, accepted, capped = [], 0, 0, []
-    for g, outcome in zip(sale.grids, outcomes.split(";"), strict=True):
-        if outcome == "-" or outcome == "1":
+    for g, outcome in zip(sale.grids, outcomes.split(b";"), strict=True):
+        if outcome == b"-" or outcome == b"1":
             parts.append(b'{"index":%d,"numbers":%b,"status":"accepted","cost":%d}'
                          % (g.index, _encode(g.numbers), g.cost))
             total += g.cost
             accepted += 1
         else:
-            _, offset, room = outcome.split(":")
+            _, offset, room = outcome.split(b":")
             parts.append(b'{"index":%d,"numbers":%b,"status":"rejected","reason":'
-                         b'"combination_capped","draw":%d,"remaining":%s}'
-                         % (g.index, _encode(g.numbers), first + int(offset), room.encode()))
+                         b'"combination_capped","draw":%d,"remaining":%b}'
+                         % (g.index, _encode(g.numbers), first + int(offset), room))
             capped.append(len(g.numbers))
     status: TicketStatus = ("accepted" if accepted == len(parts)
                             else "partial" if accepted else "rejected")
@@ -216,7 +216,7 @@ def render(channel_id: str, sale: Sale, sale_id: str, at: int, results: bytes
         issued = _issued  # read once: a thread (a report's) may render meanwhile
         if issued[0] != at or issued[1] != zone:
             issued = _issued = (at, zone, b'","issued_at":'
-                                + _encode(instant(at, _zone(zone))) + b"}")
+                                + _encode(instant(at, _zone(zone.decode()))) + b"}")
         receipt = (b'{"receipt_id":"' + receipt_id(channel_id, sale.ticket_id,
                                                    sale_id).encode() + issued[2])
     else:

@@ -81,7 +81,7 @@ COUNTER_BUCKETS = 4096
 the layout, never to be changed while a draw is on sale or retained)."""
 
 
-_random = bytearray()
+_random: list[bytes] = []
 os.register_at_fork(after_in_child=_random.clear)  # a worker never reuses its parent's
 
 
@@ -89,10 +89,9 @@ def nonce() -> bytes:
     """8 random bytes for a claim or a sale (lua/capsvc.lua, SALES), taken from a buffer
     filled from os.urandom 4 KiB at a time: a getrandom() call per sale cost ~5 µs."""
     if not _random:
-        _random.extend(os.urandom(4096))
-    out = bytes(_random[-8:])
-    del _random[-8:]
-    return out
+        data = os.urandom(4096)
+        _random.extend(data[at:at + 8] for at in range(0, 4096, 8))
+    return _random.pop()
 
 
 def lua_source() -> str:

@@ -27,9 +27,11 @@ class Draws:
         self.caps = caps
         self.journal = journal
 
-    def check_horizon(self, game: Game, first: int) -> None:
-        """`first` is not beyond the sales horizon, or a 422."""
-        current = game.calendar.current(self.clock.now())
+    def check_horizon(self, game: Game, first: int, current: int | None = None) -> None:
+        """`first` is not beyond the sales horizon, or a 422. `current`: the calendar's
+        current draw, when the caller has it."""
+        if current is None:
+            current = game.calendar.current(self.clock.now())
         if first > current + game.rules.sales_horizon:
             raise rule_error(
                 "draw_not_on_sale",

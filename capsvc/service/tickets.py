@@ -287,9 +287,10 @@ class Tickets:
         request = next(self._requests)
         group: list[_Prepared] = []
         alone: list[tuple[int, _Prepared, Claim | None]] = []
+        seen: dict[Any, Any] = {}
         for i, t in enumerate(tickets):
             try:
-                prepared = self._prepare(channel, t, i, request)
+                prepared = self._prepare(channel, t, i, request, seen)
             except ApiError as e:
                 results[i] = e
                 continue
@@ -385,22 +386,32 @@ class Tickets:
             done.add_done_callback(functools.partial(_answer_joined, requests,
                                                      parts[first:last + 1]))
 
-    def _prepare(self, channel: Channel, t: TicketIn, index: int, request: int) -> _Prepared:
+    def _prepare(self, channel: Channel, t: TicketIn, index: int, request: int,
+                 seen: dict[Any, Any]) -> _Prepared:
         """A ticket checked against every rule that does not need Redis, its first draw
-        resolved (the calendar's current one when not asked), as its first call sends it."""
-        game = self.catalog.game(t.game, channel, "sell")
+        resolved (the calendar's current one when not asked), as its first call sends it.
+        `seen`: what the batch's tickets share (a game and its current draw, an expiry),
+        worked out once a batch."""
+        found = seen.get(t.game)
+        if found is None:
+            game = self.catalog.game(t.game, channel, "sell")
+            found = seen[t.game] = (game, game.calendar.current(self.clock.now()))
+        game, current = found
         sale = validate_ticket(game.rules, t)
         defaulted = sale.first_draw is None
-        first = game.calendar.current(self.clock.now()) if defaulted else sale.first_draw
+        first = current if defaulted else sale.first_draw
         assert first is not None
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
-        self.draws.check_horizon(game, first)
+        self.draws.check_horizon(game, first, current)
+        last = (t.game, first + sale.draws - 1)
+        expire_at = seen.get(last)
+        if expire_at is None:
+            expire_at = seen[last] = game.expire_at(last[1])
         return _Prepared(index, request, t, channel, stamp.get(), game, sale,
                          ticket_key(channel.id, t.ticket_id), defaulted, first,
                          self._one_call[game.rules.id],
-                         msgspec.structs.replace(sale, first_draw=first),
-                         game.expire_at(first + sale.draws - 1))
+                         msgspec.structs.replace(sale, first_draw=first), expire_at)
 
     async def _sell_group(self, group: list[_Prepared], continues: bool = False
                           ) -> list[_GroupOutcome]:
