@@ -1,0 +1,146 @@
+"""The worker's instructions a ticket, side by side: a measure that does not drift with the
+machine.
+
+    python bench/instructions.py TARGET [TARGET ...] [--batch 64] [--batches 20]
+
+A TARGET is a tree, as for bench/ab.py: a commit, a branch, `WORK` for the working tree.
+Each is checked out in a worktree of its own, given a Redis of its own, and its sale is
+driven in process, as `capsvc serve` wires it (`capsvc.http.server.build`: the store, the
+marks, the journal): `Tickets.sell` of batches of `--batch` one-grid tickets, one after
+the other. Everything of the sale is counted — validation, the call's keys and arguments,
+the transport, the replies, the decisions and their bodies, the journal's records and its
+writer thread — but not HTTP (the same aiohttp code under every tree) nor Redis.
+
+The process runs under valgrind's callgrind twice, once selling 3 batches and once 3 +
+`--batches`: the difference of the instructions it executed (`Ir`), divided by the tickets
+of the extra batches, is what a ticket costs, start-up and imports left out. The count is
+the same from run to run (within ~0.1 %), whatever else the machine does, where a time per
+ticket on this VM moves by ±15 % from one minute to the next: a lever is decided by the
+instructions it saves, then confirmed by bench/ab.py. Instructions are not time (a cache
+miss costs more than an addition), so the two are quoted together.
+
+Needs `apt-get install -y valgrind redis-server`. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ab import REPO, checkout
+from run import config_file
+
+sys.path.append(str(REPO))  # the repository: tests.support
+from tests.support.servers import RedisServer
+
+FIRST = 3
+"""Batches the shorter run sells (and the longer one before its extra batches): the first
+sales of a process warm its caches (a draw's caps, its shapes)."""
+
+
+async def drive(url: str, config: str, batches: int, batch: int, tag: str) -> None:
+    """In the tree under measure: sell `batches` batches of `batch` one-grid tickets."""
+    import msgspec
+
+    from capsvc.client.models import TicketIn
+    from capsvc.config import load_settings
+    from capsvc.http.server import build, prepare
+    from capsvc.redis.marks import Marks
+
+    settings = load_settings(config)
+    svc = build(settings, url)
+    await prepare(svc)  # as `capsvc serve` does before serving (the journal's restore)
+    channel = settings.channels[0]
+    rng = random.Random(1)
+    decode = msgspec.json.Decoder(list[TicketIn]).decode
+    bodies = [msgspec.json.encode([
+        {"ticket_id": f"{tag}-{b}-{i}", "game": "fdj-keno",
+         "grids": [{"numbers": sorted(rng.sample(range(1, 71), rng.randint(8, 10))),
+                    "stake": rng.choice([100, 200, 500, 1000])}]}
+        for i in range(batch)]) for b in range(batches)]
+    gc.freeze()  # as `capsvc serve` does once started
+    gc.set_threshold(50_000, 20, 20)
+    for body in bodies:
+        Marks.begin()
+        results = await svc.usecases.tickets.sell(channel, decode(body))
+        assert all(type(r).__name__ == "SaleOutcome" for r in results), results[:1]
+    if svc.reconciler is not None and svc.reconciler.task is not None:
+        svc.reconciler.task.cancel()
+    if svc.journal is not None:
+        await svc.journal.aclose()
+    await svc.store.redis.aclose()
+
+
+def instructions(tree: Path, url: str, config: str, batches: int, batch: int,
+                 tag: str) -> int:
+    """The instructions a process of `tree` executes selling `batches` batches."""
+    out = Path(tempfile.mkdtemp(prefix="capsvc-callgrind-"))
+    try:
+        run = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.out",
+             sys.executable, __file__, "--drive", url, config, str(batches), str(batch),
+             tag],
+            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"},
+            capture_output=True, text=True, check=False)
+        found = re.search(r"Collected : (\d+)", run.stderr)
+        if run.returncode != 0 or found is None:
+            raise SystemExit(f"{tree}: the sale failed under callgrind:\n{run.stderr[-3000:]}")
+        return int(found.group(1))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--drive"]:
+        url, config, batches, batch, tag = sys.argv[2:7]
+        asyncio.run(drive(url, config, int(batches), int(batch), tag))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("targets", nargs="+", metavar="TARGET")
+    parser.add_argument("--batch", type=int, default=64, help="tickets a call of sell")
+    parser.add_argument("--batches", type=int, default=20,
+                        help="batches the longer run sells beyond the shorter one's")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        print("needs valgrind: apt-get install -y valgrind", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="capsvc-instructions-"))
+    rows = []
+    try:
+        for n, rev in enumerate(args.targets):
+            tree = checkout(rev, root)
+            redis = RedisServer().start()
+            try:
+                config = config_file(redis=f'url = "{redis.url}"')
+                short = instructions(tree, redis.url, config, FIRST, args.batch, f"s{n}")
+                long = instructions(tree, redis.url, config, FIRST + args.batches, args.batch,
+                                    f"l{n}")
+            finally:
+                redis.stop()
+            rows.append((rev, (long - short) / (args.batches * args.batch)))
+    finally:
+        for tree in root.iterdir():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                           capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"one-grid tickets, batches of {args.batch} in process (no HTTP), journal on; "
+          f"{args.batches} batches beyond {FIRST}, instructions (callgrind Ir)")
+    print(f"{'target':24s} {'instr/ticket':>14s} {'/ first':>8s}")
+    for rev, per in rows:
+        print(f"{rev:24s} {per:14,.0f} {per / rows[0][1]:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
