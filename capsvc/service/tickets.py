@@ -162,8 +162,6 @@ class _Prepared(msgspec.Struct):
     sale: Sale
     key: str
     """Its record's name (capsvc.redis.store.ticket_key)."""
-    defaulted: bool
-    """No first draw asked: the calendar's current one, moving on when it closes."""
     first: int
     one_call: bool
     """Sold in one atomic call (else in steps)."""
@@ -398,8 +396,7 @@ class Tickets:
             found = seen[t.game] = (game, game.calendar.current(self.clock.now()))
         game, current = found
         sale = validate_ticket(game.rules, t)
-        defaulted = sale.first_draw is None
-        first = current if defaulted else sale.first_draw
+        first = sale.first_draw if sale.asked else current
         assert first is not None
         if first < 1:  # before the calendar's first draw: closed long ago
             raise _closed(first)
@@ -409,7 +406,7 @@ class Tickets:
         if expire_at is None:
             expire_at = seen[last] = game.expire_at(last[1])
         return _Prepared(index, request, t, channel, stamp.get(), game, sale,
-                         ticket_key(channel.id, t.ticket_id), defaulted, first,
+                         ticket_key(channel.id, t.ticket_id), first,
                          self._one_call[game.rules.id],
                          msgspec.structs.replace(sale, first_draw=first), expire_at)
 
@@ -475,8 +472,8 @@ class Tickets:
         made it) to its answer, claiming again while a step sends it back: a defaulted
         first draw that just closed moves on, a sale the janitor took over is claimed
         again."""
-        t, game, sale, key, defaulted, first = (p.ticket, p.game, p.sale, p.key,
-                                                 p.defaulted, p.first)
+        t, game, sale, key, first = p.ticket, p.game, p.sale, p.key, p.first
+        defaulted = not sale.asked  # the calendar's current draw, moving on when it closes
         judged = 0  # Redis's instant of a call that judged the sale on another day
         for _ in range(_ATTEMPTS):
             if claim is None:
