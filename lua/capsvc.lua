@@ -446,18 +446,22 @@ local function live_value(T, now)
   end
 end
 
+-- A record's value as st, at, sid, sale, body, res, ca, rel (false when absent), and its
+-- expiry and sid's bytes.
+local function ticket_decode(v)
+  local exp, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
+  return {a or false, b or false, c and sid_hex(c) or false, d or false, e or false,
+          f or false, g or false, h or false}, exp, c
+end
+
 -- The record as st, at, sid, sale, body, res, ca, rel (false when absent: rec[1] false
 -- for no ticket), read at `now`.
 local function ticket_read(T, now)
   T.now = now
   local v, exp = live_value(T, now)
   if v then
-    local _, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
-    T.exp = exp
+    T.rec, T.exp, T.sid_raw = ticket_decode(v)
     T.held = exp
-    T.sid_raw = c
-    T.rec = {a or false, b or false, c and sid_hex(c) or false, d or false, e or false,
-             f or false, g or false, h or false}
     return T.rec
   end
   T.rec = {false, false, false, false, false, false, false, false}
@@ -480,6 +484,23 @@ end
 -- rather than one a sale. The sweep deletes every record on time; this only lets an empty
 -- bucket that nobody sweeps (every process stopped) linger a day at most.
 local BUCKET_SLACK_MS = 86400000
+
+-- A sale's record bucket made to live to `at` at least. `known`: its "!" (read with the
+-- record), the instant the bucket is known to live to: a lower bound of its expiry, set
+-- only to what a write of it made sure of, and nothing shortens a bucket's TTL (a bucket
+-- that is deleted or expires takes its "!" with it). So a sale reads no TTL when "!" says
+-- enough; else the TTL is read (pushed a day past `at` when short) and "!" set to it.
+local function bucket_lives(bucket, at, known)
+  if known and tonumber(known) >= at then
+    return
+  end
+  local cur = redis.call('PEXPIRETIME', bucket)
+  if cur == -1 or cur < at then
+    cur = at + BUCKET_SLACK_MS
+    redis.call('PEXPIREAT', bucket, cur)
+  end
+  redis.call('HSET', bucket, '!', string.format('%d', cur))
+end
 
 -- The record written back (or deleted, past its expiry). Its bucket's TTL is looked at only
 -- when the record's expiry is not the one it was read with (`T.held`): a bucket lives past
@@ -591,9 +612,11 @@ local function sweep(keys, args)
   local page = redis.call('HSCAN', keys[1], args[1], 'COUNT', tonumber(args[2]))
   local fields, gone = page[2], {}
   for i = 1, #fields, 2 do
-    local _, exp = cmsgpack.unpack_one(fields[i + 1])
-    if exp <= now then
-      gone[#gone + 1] = fields[i]
+    if fields[i] ~= '!' then  -- the bucket's known expiry (TICKET RECORDS), not a record
+      local _, exp = cmsgpack.unpack_one(fields[i + 1])
+      if exp <= now then
+        gone[#gone + 1] = fields[i]
+      end
     end
   end
   if #gone > 0 then
@@ -1383,37 +1406,39 @@ end
 --[[ sell: a batch of sales, each judged as if it were a call of its own, in order.
 
 ARGV[1] the number of shapes (what the sales of one game on the same draws share), then
-for each shape the number of its KEYS and of its ARGV; then the number of sales, then for
-each sale the number of its KEYS and of its ARGV, its tag (2 × its group + 1 when its first
-draw was not asked: a group is one request's sales, 0 none) and its shape (1-based); then
-each shape's KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then
-the keys of the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1"
-when the call carries sales of a request an earlier call carried too (else ""), and this
-call's field in the unjournaled sales (any string no other call uses). One Redis TIME, one
-mark, one expiry read per key, one read of a shape's admin stops and one entry of the
-unjournaled sales serve the whole batch (a batch is judged at one instant): the names and
-sale ids of the sales it made (not the replays), at its instant, which the caller deletes
-once their decisions are journaled (else the janitor journals them). A sale whose first
-draw was not asked and is closed or stopped moves on to the next draw, which its caller
-sells alone: the later sales of its group are not judged here nor in the calls after it
-({'later'}: the group is noted in the halted groups), so that the caller judges them after
-it, in order, as a new group. Returns one reply per sale, in order.
+for each shape the number of its KEYS and of its ARGV; then the number of sales, then their
+frames, one string: for each sale (struct '>HHHHd', 16 bytes) the number of its KEYS and
+of its ARGV, its number of grids, its shape (1-based) and its tag (2 × its group + 1 when
+its first draw was not asked: a group is one request's sales, 0 none); then each shape's
+KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then the keys of
+the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1" when the
+call carries sales of a request an earlier call carried too (else ""), and this call's
+field in the unjournaled sales (any string no other call uses). One Redis TIME, one mark,
+one expiry read per key, one read of a shape's admin stops and one entry of the
+unjournaled sales serve the whole batch (a batch is judged at one instant): the record
+buckets, fields and sale ids (8 bytes) of the sales it made (not the replays), at its
+instant, which the caller deletes once their decisions are journaled (else the janitor
+journals them). A sale whose first draw was not asked and is closed or stopped moves on to
+the next draw, which its caller sells alone: the later sales of its group are not judged
+here nor in the calls after it ({'later'}: the group is noted in the halted groups), so
+that the caller judges them after it, in order, as a new group. Returns the call's
+instant, then one reply per sale, in order.
 
 A shape: KEYS the game's stops, its feed stream, the sold-out list of each draw (1..n),
 then with "fix" the cap key of each draw (see CAPS: fixed by the first sale that stands);
 ARGV close_ms, expire_at (the tickets'), stale_after_ms, first_draw, n, the configured cap
 (and shadow cap, see CAPS), min_stake, the game's time zone (kept with the results: the
 receipt's time is rendered in the zone of the sale, whatever the configuration says
-later), "fix" when the caller does not know the draws' caps (the reply's last element then
-gives the caps the sale was judged by), then expire_at of each draw.
+later), "fix" when the caller does not know the draws' caps (the reply then gives the caps
+the sale was judged by), then expire_at of each draw.
 
 A sale: KEYS its ticket's bucket, the buckets (draw 1..n) of each capped grid, the
 aggregate of each draw (see AGGREGATES) when a grid is not capped, then for a game with
-player limits the player's keys (`budget_of`); ARGV its field in the bucket, sale, nonce
-(hex), the nonce's 8 bytes (the grids' records are keyed by them: decoding the
-hex here cost 4-9 of a one-grid sale's ~65 µs of Redis CPU), G, then combo ("\0<picks>" if
-not capped) and stake of each of the G grids, then for a game with player limits its
-budget's (`budget_of`).
+player limits the player's keys (`budget_of`); ARGV its field in the bucket, its sale id
+and sale as its record packs them (MessagePack: the id's 8 bytes, then the sale: the
+caller's nonce is the sale id, nothing else is needed to keep it new; its bytes key the
+grids' records), then combo ("\0<picks>" if not capped) and stake of each grid, then for a
+game with player limits its budget's (`budget_of`).
 
 The whole sale in one atomic call, on a standalone Redis (whose keys are all on one node):
 the claim's answers for a known ticket id, else the close and the admin stops (nothing is
@@ -1424,8 +1449,10 @@ lists, and the ticket is written decided, its decision kept as the grids' result
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a function of them, the sale, sid and at). No pending state; the sale is
 in its call's entry of the unjournaled sales until the caller has journaled its decision.
-Each reply is {'new', at, sid, res, near, sold, shadowed (grids the shadow cap would
-refuse), caps}
+Each reply is res (a sale made, at the call's instant, with the caller's sale id: no
+counter reached 80 % of its cap or its cap, the shadow cap refused nothing, and its
+shape's caps were known)
+| {'new', res, near, sold, shadowed (grids the shadow cap would refuse), caps or false}
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
 | {'pending', at, sid, sale} | {'stale', sale} | {'closed'} | {'stopped', offset}
@@ -1440,8 +1467,9 @@ local function shape_of(keys, k, args, a)
   local S = {close = tonumber(args[a + 1]), expire_at = tonumber(args[a + 2]),
              stale = tonumber(args[a + 3]), first = tonumber(args[a + 4]), n = n,
              caps = caps, shadow = shadow, min_stake = tonumber(args[a + 7]),
-             zone = args[a + 8], fix = args[a + 9] == 'fix', stops_key = keys[k + 1],
+             zone = args[a + 8] .. '|', fix = args[a + 9] == 'fix', stops_key = keys[k + 1],
              feed = keys[k + 2], expiries = {}, lists = {}, cap_keys = {}}
+  S.head = cmsgpack.pack(S.expire_at, 'f')  -- a decided record's first two values
   for i = 1, n do
     S.expiries[i] = tonumber(args[a + 9 + i])
     S.lists[i] = keys[k + 2 + i]
@@ -1452,27 +1480,32 @@ local function shape_of(keys, k, args, a)
   return S
 end
 
--- A sale of `sell` decided (`results`): its ticket written, and kept in the call's entry of
--- the unjournaled sales until the caller has journaled the decision (else the janitor
--- journals it).
-local function decided(T, S, args, a, now, sid, results, batch)
-  ticket_new(T, S.expire_at, 'f', now, sid, args[a + 2], false, results, false, false,
-             args[a + 4])
+-- A sale of `sell` decided (`results`): its ticket written (in its bucket, kept to the
+-- shape's expiry: `known`, the bucket's "!" read with the record), and kept in the call's
+-- entry of the unjournaled sales until the caller has journaled the decision (else the
+-- janitor journals it). The record is packed as `ticket_new` packs it, from the pieces
+-- the call and the caller packed once.
+local function decided(S, bucket, field, known, packed, results, batch)
+  redis.call('HSET', bucket, field, S.head .. batch.at .. packed .. '\192'
+             .. cmsgpack.pack(results) .. '\192\192')
+  bucket_lives(bucket, S.expire_at, known)
   local made = batch.sold
-  made[#made + 1] = T.name
-  made[#made + 1] = sid
+  made[#made + 1] = bucket
+  made[#made + 1] = field
+  made[#made + 1] = string.sub(packed, 2, 9)
 end
 
--- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), on shape
--- `S`.
-local function sell_one(keys, k, nk, args, a, na, S, now, batch)
+-- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), its
+-- `grids`, on shape `S`.
+local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   local bucket, field = keys[k + 1], args[a + 1]
-  local T = {bucket = bucket, field = field, seen = batch.seen,
-             name = 't:' .. string.sub(bucket, 3, string.find(bucket, '}', 3, true)) .. ':'
-                    .. field}
-  local rec = ticket_read(T, now)
-  if rec[1] then
-    return known_ticket(rec, now, S.stale)
+  local found = redis.call('HMGET', bucket, field, '!')
+  local v = found[1]
+  if v then
+    local _, exp = cmsgpack.unpack_one(v)
+    if exp > now then
+      return known_ticket(ticket_decode(v), now, S.stale)
+    end
   end
   if now >= S.close then
     return {'closed'}
@@ -1492,14 +1525,10 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
       return {'stopped', i - 1}
     end
   end
-  -- The caller's nonce (8 random bytes, hex) is the sale id: nothing else is needed to
-  -- keep it new, and a hash here costs more than the rest of an uncapped sale's claim.
-  -- Its 8 bytes come too, taken as sent: the caller makes the hex and the bytes from one
-  -- nonce (checking them here would cost what sending them saves).
-  local sid, sid_bytes = args[a + 3], args[a + 4]
-  local grids = tonumber(args[a + 5])
-  local B = na > 5 + 2 * grids and budget_of(keys, k + nk, args, a + 6 + 2 * grids, grids,
-                                             sid)
+  local packed = args[a + 2]
+  local sid_bytes = string.sub(packed, 2, 9)
+  local B = na > 2 + 2 * grids and budget_of(keys, k + nk, args, a + 3 + 2 * grids, grids,
+                                             sid_hex(sid_bytes))
   if B then
     if now < B.from or now >= B.to then
       return {'day', now}
@@ -1508,20 +1537,21 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
     if room then  -- the whole ticket refused, nothing counted (see PLAYER LIMITS)
       redis.call('HSET', B.days[1], B.ref, 'R' .. room)
       extend(B.days[1], B.expire_at, 0, batch.seen)
-      local results = S.zone .. '|P'
-      decided(T, S, args, a, now, sid, results, batch)
-      return {'new', now, sid, results, 0, 0, 0, false}
+      local results = S.zone .. 'P'
+      decided(S, bucket, field, found[2], packed, results, batch)
+      return results
     end
   end
   local caps, expiries = S.caps, S.expiries
   local capped = false
   for g = 1, grids do
-    if string.byte(args[a + 4 + 2 * g], 1) ~= 0 then
+    if string.byte(args[a + 1 + 2 * g], 1) ~= 0 then
       capped = true
       break
     end
   end
-  if S.fix and capped then
+  local fixing = S.fix and capped
+  if fixing then
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do
@@ -1533,11 +1563,11 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
     end
   end
   local res, near, sold, shadowed = {}, 0, 0, 0
-  local accepted = {}  -- picks -> base stake of the grids not capped (always accepted)
+  local accepted  -- picks -> base stake of the grids not capped (always accepted)
   local charged, took = 0, false  -- a draw's cost of the accepted grids; whether any is
   local kb = k + 1  -- before the next capped grid's buckets
   for g = 1, grids do
-    local combo, stake = args[a + 4 + 2 * g], args[a + 5 + 2 * g]
+    local combo, stake = args[a + 1 + 2 * g], args[a + 2 + 2 * g]
     if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
       res[g] = '-'
       took = true
@@ -1545,6 +1575,7 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
         charged = charged + B.costs[g]
       end
       local picks = tonumber(string.sub(combo, 2))
+      accepted = accepted or {}
       accepted[picks] = (accepted[picks] or 0) + tonumber(stake)
     else
       local buckets = {}
@@ -1553,10 +1584,9 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
       end
       kb = kb + n
       -- No record can exist for a sale claimed in this call, and the close was checked:
-      -- straight to counting.
-      local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo,
-                        tonumber(stake), caps, S.min_stake, expiries, S.shadow,
-                        batch.seen)
+      -- straight to counting (the stake as sent: a number only where a sum needs it).
+      local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo, stake,
+                        caps, S.min_stake, expiries, S.shadow, batch.seen)
       if out[1] >= 1 then
         res[g] = '1'
         took = true
@@ -1580,11 +1610,11 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
   if B then  -- Joker+ costs the player only with a grid accepted
     budget_charge(B, charged + B.joker, took, batch.seen)
   end
-  local results = S.zone .. '|' .. table.concat(res, ';')
-  decided(T, S, args, a, now, sid, results, batch)
+  local results = S.zone .. (grids == 1 and res[1] or table.concat(res, ';'))
+  decided(S, bucket, field, found[2], packed, results, batch)
   -- The capped sizes' stakes are in the counters; the others' add up here (see
   -- AGGREGATES), in the draws' aggregates that follow the buckets.
-  if next(accepted) then
+  if accepted then
     for i = 1, n do
       local key = keys[kb + i]
       for picks, amount in pairs(accepted) do
@@ -1593,7 +1623,10 @@ local function sell_one(keys, k, nk, args, a, na, S, now, batch)
       extend(key, expiries[i], 0, batch.seen)
     end
   end
-  return {'new', now, sid, results, near, sold, shadowed, table.concat(caps, ',')}
+  if near == 0 and sold == 0 and shadowed == 0 and not fixing then
+    return results
+  end
+  return {'new', results, near, sold, shadowed, fixing and table.concat(caps, ',')}
 end
 
 
@@ -1601,7 +1634,7 @@ local HALTS_TTL_MS = 10000
 
 local function sell(keys, args)
   local now = now_ms()
-  local batch = {seen = {}, sold = {}}
+  local batch = {seen = {}, sold = {}, at = cmsgpack.pack(now)}
   local halts = keys[#keys]
   local halted = {}
   if args[#args - 1] == '1' then  -- sales of requests an earlier call carried too
@@ -1610,26 +1643,26 @@ local function sell(keys, args)
     end
   end
   local count_shapes = tonumber(args[1])
-  local f = 2 + 2 * count_shapes  -- ARGV[f]: the number of sales; their frames follow
-  local sales = tonumber(args[f])
-  local k, a = 0, f + 4 * sales  -- before the next shape's (then sale's) first key and arg
+  local f = 2 + 2 * count_shapes  -- ARGV[f]: the number of sales, ARGV[f + 1] their frames
+  local sales, frames = tonumber(args[f]), args[f + 1]
+  local k, a = 0, f + 1  -- before the next shape's (then sale's) first key and arg
   local shapes = {}
   for s = 1, count_shapes do
     shapes[s] = shape_of(keys, k, args, a)
     k, a = k + tonumber(args[2 * s]), a + tonumber(args[2 * s + 1])
   end
-  local replies = {}
+  local replies = {now}
+  local at = 1
   for i = 1, sales do
-    local at = f + 4 * (i - 1)
-    local nk, na = tonumber(args[at + 1]), tonumber(args[at + 2])
-    local tag = tonumber(args[at + 3])
+    local nk, na, grids, shape, tag
+    nk, na, grids, shape, tag, at = struct.unpack('>HHHHd', frames, at)
     local group = math.floor(tag / 2)
+    local reply
     if group > 0 and halted[group] then
-      replies[i] = {'later'}
+      reply = {'later'}
     else
-      replies[i] = sell_one(keys, k, nk, args, a, na, shapes[tonumber(args[at + 4])], now,
-                            batch)
-      local kind = replies[i][1]
+      reply = sell_one(keys, k, nk, args, a, na, grids, shapes[shape], now, batch)
+      local kind = type(reply) == 'table' and reply[1]
       if group > 0 and (kind == 'day'
                         or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed'))) then
         halted[group] = true
@@ -1637,6 +1670,7 @@ local function sell(keys, args)
         redis.call('PEXPIRE', halts, HALTS_TTL_MS)
       end
     end
+    replies[i + 1] = reply
     k, a = k + nk, a + na
   end
   if #batch.sold > 0 then

@@ -34,9 +34,10 @@ class Claimed(msgspec.Struct, frozen=True):
 
 
 class Sold(msgspec.Struct, frozen=True):
-    """The sale made and decided in that same call (one call)."""
+    """The sale made and decided in that same call (one call), at the call's instant, with
+    the sale id its caller chose."""
 
-    LUA: ClassVar[str] = "{'new', at, sid, res, near, sold, shadowed"
+    LUA: ClassVar[str] = "{'new', res, near, sold, shadowed"
     at: int
     sale_id: str
     results: bytes
@@ -101,17 +102,11 @@ class Refused(msgspec.Struct, frozen=True):
 Claim = Claimed | Sold | Decided | Pending | StoppedAt | Refused
 
 
-def claim_of(reply: list[Any], entry: object = None) -> Claim:
-    """A claim's or a one-call sale's reply; `entry`: a sale's call's entry of the
-    unjournaled sales."""
+def claim_of(reply: list[Any]) -> Claim:
+    """A claim's reply, or a one-call sale's that made no sale (`sale_of`)."""
     kind = reply[0]
     if kind == b"new":
-        if len(reply) == 3:
-            return Claimed(int(reply[1]), _text(reply[2]))
-        caps = reply[7] if len(reply) > 7 else None
-        return Sold(int(reply[1]), _text(reply[2]), reply[3], int(reply[4]), int(reply[5]),
-                    int(reply[6]), [int(c) for c in caps.split(b",")] if caps else None,
-                    entry)
+        return Claimed(int(reply[1]), _text(reply[2]))
     if kind == b"final":
         return Decided(reply[1], int(reply[2]), _text(reply[3]), reply[4], reply[5],
                        reply[6], _int(reply[7] if len(reply) > 7 else None),
@@ -125,6 +120,19 @@ def claim_of(reply: list[Any], entry: object = None) -> Claim:
     if kind == b"stale":
         return Refused("stale", sale=reply[1])
     return Refused(_text(kind))
+
+
+def sale_of(reply: Any, at: int, sale_id: str, entry: object = None) -> Claim:
+    """A reply of a one-call sale (lua/capsvc.lua, `sell`), made at `at` with `sale_id`
+    (its call's instant, its caller's nonce); `entry`: its call's entry of the unjournaled
+    sales. A sale made with nothing to report beside its results is its results alone."""
+    if type(reply) is bytes:
+        return Sold(at, sale_id, reply, 0, 0, 0, None, entry)
+    if reply[0] == b"new":
+        caps = reply[5]
+        return Sold(at, sale_id, reply[1], int(reply[2]), int(reply[3]), int(reply[4]),
+                    [int(c) for c in caps.split(b",")] if caps else None, entry)
+    return claim_of(reply)
 
 
 # -- a ticket's record -------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import struct
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ from capsvc.redis.replies import (
     budget_of,
     cancel_of,
     claim_of,
+    sale_of,
     due_of,
     limit_set_of,
     limits_of,
@@ -110,6 +112,49 @@ def record_bucket_of(ticket: str) -> str:
     ident = ticket[end + 1:]
     bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
     return f"r:{ticket[2:end]}:{bucket}"
+
+
+def ticket_in(bucket: str, field: str) -> str:
+    """The name of the ticket whose record is `field` of record bucket `bucket`."""
+    return f"t:{bucket[2:bucket.index('}') + 1]}:{field}"
+
+
+_MP_INT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_MP_STR = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+_MP_ARRAY = {0xDC: 2, 0xDD: 4}
+
+
+def _mp_length(value: bytes, at: int, fixed: int, sizes: dict[int, int]) -> tuple[int, int]:
+    """The length the MessagePack array or str header at `at` gives (`fixed`: its fix
+    form, 0x90 or 0xA0), and where what follows it starts."""
+    head, mask = value[at], 0x0F if fixed == 0x90 else 0x1F
+    if head & ~mask == fixed:
+        return head & mask, at + 1
+    size = sizes[head]
+    return int.from_bytes(value[at + 1:at + 1 + size], "big"), at + 1 + size
+
+
+def unjournaled_entry(value: bytes) -> tuple[int, list[bytes]]:
+    """An entry of the unjournaled sales as lua/capsvc.lua's `sell` packs it, {instant,
+    {bucket, field, sale id's 8 bytes, …}}: its instant and its strings, as bytes (Redis's
+    cmsgpack packs every string as a MessagePack str, and a sale id's bytes are not UTF-8,
+    which a MessagePack library refuses in a str)."""
+    n, at = _mp_length(value, 0, 0x90, _MP_ARRAY)
+    if n != 2:
+        raise ValueError(f"not an entry of the unjournaled sales: {value[:32]!r}")
+    head = value[at]
+    if head <= 0x7F:
+        instant, at = head, at + 1
+    else:
+        size = _MP_INT[head]
+        instant, at = int.from_bytes(value[at + 1:at + 1 + size], "big"), at + 1 + size
+    n, at = _mp_length(value, at, 0x90, _MP_ARRAY)
+    strings = []
+    for _ in range(n):
+        size, at = _mp_length(value, at, 0xA0, _MP_STR)
+        strings.append(value[at:at + size])
+        at += size
+    return instant, strings
 
 
 def record_bucket(slot: int, bucket: int) -> str:
@@ -226,7 +271,9 @@ class SaleCall(msgspec.Struct):
     shape: Shape
     keys: list[str]
     args: list[Any]
+    grids: int
     tag: int
+    sale_id: str
 
 
 @dataclass(slots=True)
@@ -266,6 +313,8 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
             group.out.cancel()
         return
     error = call.exception()
+    if error is None:
+        now, *replies = call.result()
     at = 0
     for group in groups:
         n = len(group.calls)
@@ -275,7 +324,8 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
                 out.set_exception(error)
             continue
         try:
-            claims = [claim_of(r, entry) for r in call.result()[at:at + n]]
+            claims = [sale_of(r, now, c.sale_id, entry)
+                      for r, c in zip(replies[at:at + n], group.calls, strict=True)]
         except Exception as e:  # a reply of another layout: the library is not this one
             entry.left += n  # none reported journaled: the entry stays for the janitor
             if not out.done():
@@ -558,13 +608,15 @@ class Store:
             keys += (aggregate_key(ticket, game, d)
                      for d in range(first_draw, first_draw + draws))
         sale_nonce = nonce()
-        args += (sale, sale_nonce.hex(), sale_nonce, len(grids))
+        # The sale id and the sale as the ticket's record packs them (`ticket_value`).
+        args.append(b"".join((_SID_HEAD, sale_nonce, _mp_head(len(sale)), sale)))
         for combo, stake in grids:
             args += (combo, stake)
         if budget is not None:
             keys += budget[0]
             args += budget[1]
-        return SaleCall(shape, keys, args, 2 * group + (0 if asked else 1))
+        return SaleCall(shape, keys, args, len(grids), 2 * group + (0 if asked else 1),
+                        sale_nonce.hex())
 
     def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None,
              continues: bool = False) -> asyncio.Future[list[Claim]]:
@@ -611,17 +663,20 @@ class Store:
                     shape_sizes += (len(shape_keys), len(shape_args))
                     keys += shape_keys
                     args += shape_args
-        sizes: list[Any] = []
+        frames: list[bytes] = []
+        frame = _FRAME.pack
         for group in groups:
             for c in group.calls:
-                sizes += (len(c.keys), len(c.args), c.tag, shapes[c.shape[0]])
+                frames.append(frame(len(c.keys), len(c.args), c.grids, shapes[c.shape[0]],
+                                    c.tag))
                 keys += c.keys
                 args += c.args
         entry = Unjournaled(nonce().hex())
         keys += (UNJOURNALED, HALTS)
         args += ("1" if any(group.continues for group in groups) else "", entry.field)
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
-                               [len(shapes), *shape_sizes, len(sizes) // 4, *sizes, *args],
+                               [len(shapes), *shape_sizes, len(frames), b"".join(frames),
+                                *args],
                                stamps=[s for group in groups for s in group.stamps])
         call.add_done_callback(functools.partial(_answer_sales, groups, entry))
 
@@ -644,10 +699,11 @@ class Store:
                                                               strict=True)
         out = []
         for field, value in items:
-            at, sold = msgspec.msgpack.decode(value)
-            names = [n.decode() if isinstance(n, bytes) else n for n in sold]
-            out.append((field.decode() if isinstance(field, bytes) else field, int(at),
-                        list(zip(names[::2], names[1::2], strict=True))))
+            at, sold = unjournaled_entry(value)
+            out.append((field.decode() if isinstance(field, bytes) else field, at,
+                        [(ticket_in(b.decode(), f.decode()), sid.hex())
+                         for b, f, sid in zip(sold[::3], sold[1::3], sold[2::3],
+                                              strict=True)]))
         return out
 
     def forget_unjournaled(self, field: str) -> asyncio.Future[Any]:
@@ -938,6 +994,8 @@ def _mp_uint(n: int) -> bytes:
 
 _NIL = b"\xc0"
 _SID_HEAD = _mp_head(8)
+_FRAME = struct.Struct(">HHHHd")
+"""A sale's frame in a call of capsvc_sell: its KEYS, ARGV and grids, its shape and tag."""
 
 
 def ticket_value(expire_at: int, state: bytes, at: int, sale_id: str, sale: bytes,

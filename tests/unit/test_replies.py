@@ -45,10 +45,6 @@ def test_each_reply_type_is_the_layout_its_function_documents(
 
 def test_claims_decode_by_kind() -> None:
     assert r.claim_of([b"new", 5, b"s1"]) == r.Claimed(5, "s1")
-    sold = r.claim_of([b"new", 5, b"s1", b"Europe/Paris|1", 1, 0, 0, b"5000,5000"])
-    assert sold == r.Sold(5, "s1", b"Europe/Paris|1", 1, 0, 0, [5000, 5000])
-    assert r.claim_of([b"new", 5, b"s1", b"res", 0, 0, 0]) == r.Sold(5, "s1", b"res", 0, 0,
-                                                                     0, None)
     assert r.claim_of([b"final", b"{}", 5, b"s1", b"sale", None, b"c", 7, 500]) == r.Decided(
         b"{}", 5, "s1", b"sale", None, b"c", 7, 500)
     assert r.claim_of([b"pending", 5, b"s1", b"sale"]) == r.Pending(5, "s1", b"sale")
@@ -57,6 +53,20 @@ def test_claims_decode_by_kind() -> None:
         assert r.claim_of([why.encode()]) == r.Refused(why)
     assert r.claim_of([b"stale", b"sale"]) == r.Refused("stale", sale=b"sale")
     assert r.claim_of([b"day", 7]) == r.Refused("day", 7)
+
+
+def test_one_call_sales_decode_at_their_call_s_instant_with_their_caller_s_id() -> None:
+    """A sale made is its results alone, or {'new', …} with what it has to report; the
+    call's instant and the caller's sale id complete it; other kinds decode as claims."""
+    assert r.sale_of(b"Europe/Paris|1", 5, "s1", "E") == r.Sold(
+        5, "s1", b"Europe/Paris|1", 0, 0, 0, None, "E")
+    sold = r.sale_of([b"new", b"Europe/Paris|1", 1, 2, 3, b"5000,4000"], 5, "s1")
+    assert sold == r.Sold(5, "s1", b"Europe/Paris|1", 1, 2, 3, [5000, 4000])
+    assert r.sale_of([b"new", b"res", 1, 0, 0, None], 5, "s1") == r.Sold(
+        5, "s1", b"res", 1, 0, 0, None)
+    assert r.sale_of([b"stopped", 2], 5, "s1") == r.StoppedAt(2)
+    assert r.sale_of([b"final", b"{}", 4, b"s0", b"sale", None, b"f"], 5, "s1") == r.Decided(
+        b"{}", 4, "s0", b"sale", None, b"f", None, None)
 
 
 def test_tickets_hand_overs_and_cancels_decode() -> None:
