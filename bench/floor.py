@@ -75,12 +75,12 @@ redis.register_function('floor_commands', commands)
 # sections are timed from one mark to the next).
 SECTIONS = [
     ("  local now = now_ms()", "time"),
-    ("  local replies = {}", "shapes"),
-    ("  local rec = ticket_read(T, now)", "ticket read"),
+    ("  local replies = {now}", "shapes"),
+    ("  local found = redis.call('HMGET', bucket, field, '!')", "ticket read"),
     ("    S.stops = stops", "stops HMGET"),
     ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
-    ("  local results = S.zone .. '|' .. table.concat(res, ';')", "grids (count, record)"),
-    ("  decided(T, S, args, a, now, sid, results, batch)",
+    ("  local results = S.zone .. (grids == 1", "grids (count, record)"),
+    ("  decided(S, bucket, field, found[2], packed, results, batch)",
      "ticket record (HSET, bucket TTL), unjournaled queued"),
     ("    redis.call('HSET', keys[#keys - 1], args[#args]", "unjournaled HSET"),
 ]

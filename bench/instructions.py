@@ -136,10 +136,11 @@ def instructions(tree: Path, url: str, config: str, batches: int, batch: int,
         shutil.rmtree(out, ignore_errors=True)
 
 
-def redis_instructions(tree: Path, server: str, batches: int, batch: int, tag: str
-                       ) -> tuple[int, dict[str, int]]:
+def redis_instructions(tree: Path, server: str, batches: int, batch: int, tag: str,
+                       keep: Path | None = None) -> tuple[int, dict[str, int]]:
     """The instructions a Redis server executes while a process of `tree` sells `batches`
-    batches in steady state (`drive`'s `cover`), and its commands by name."""
+    batches in steady state (`drive`'s `cover`), and its commands by name. `keep`: where
+    to leave callgrind's file (for callgrind_annotate)."""
     out = Path(tempfile.mkdtemp(prefix="capsvc-callgrind-"))
     port = free_port()
     proc = subprocess.Popen(
@@ -171,6 +172,8 @@ def redis_instructions(tree: Path, server: str, batches: int, batch: int, tag: s
         with contextlib.suppress(redis.ConnectionError):
             db.shutdown(nosave=True)
         err = proc.communicate(timeout=600)[1]
+        if keep is not None:
+            shutil.copy(out / "cg.out", keep)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -197,6 +200,9 @@ def main() -> int:
                         help="count Redis's instructions (and commands) a ticket instead")
     parser.add_argument("--server", default=None,
                         help="the Redis server binary for --redis (default: as the tests)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="--redis: leave callgrind's file of each target's longer run "
+                             "in DIR (for callgrind_annotate)")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("needs valgrind: apt-get install -y valgrind", file=sys.stderr)
@@ -209,8 +215,9 @@ def main() -> int:
             if args.redis:
                 server = args.server or server_binary()
                 short, before = redis_instructions(tree, server, FIRST, args.batch, f"s{n}")
-                long, after = redis_instructions(tree, server, FIRST + args.batches,
-                                                 args.batch, f"l{n}")
+                long, after = redis_instructions(
+                    tree, server, FIRST + args.batches, args.batch, f"l{n}",
+                    args.keep and args.keep / f"callgrind.{n}.{rev.replace('/', '_')}")
                 tickets = args.batches * args.batch
                 used = {name: (calls - before.get(name, 0)) / tickets
                         for name, calls in after.items()}

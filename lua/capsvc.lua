@@ -408,7 +408,9 @@ ticket_read), sale, body, res, ca, rel (nil when absent). No fingerprint: the sa
 recomputed from `sale` by the caller that compares a request with it. A record past its
 expiry (by Redis TIME) is absent to every reader, as an expired key is; the janitor's
 `sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
-day at most: BUCKET_SLACK_MS). ~165 bytes a ticket in a listpack bucket at 100,000 tickets,
+day at most: BUCKET_SLACK_MS). Its field "!" (no ticket's: a ticket's field has a "/") is
+the instant a sale last made sure the bucket lives to, which the sale after it reads with
+its record instead of the bucket's TTL (`bucket_lives`). ~165 bytes a ticket in a listpack bucket at 100,000 tickets,
 against ~280 for a key, its expiry entry and a hash of its own (bench/memory.py).
 A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below), and
 ARGV[1], its field, before the call's own ARGV. ]]

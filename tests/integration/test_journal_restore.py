@@ -632,11 +632,14 @@ def data(db: Any) -> dict[bytes, Any]:
     nothing: a grid refused by the cap (what a request of the sale in steps would read),
     which a restore, putting back what was taken, does not write, and a budget's ref that
     took nothing ("R": refused by the limit when sold; "X": sealed by a restore, which
-    gives back everything a sale that took nothing does not hold)."""
+    gives back everything a sale that took nothing does not hold); nor a record bucket's
+    "!", what a sale knew of the bucket's expiry (the expiry itself is compared)."""
     out = {}
     for key, (kind, value, expiry) in snapshot(db).items():
         if key[:2] not in (b"r:", b"c:", b"a:", b"b:", b"l:", b"k:"):
             continue
+        if key[:2] == b"r:":
+            value = {f: v for f, v in value.items() if f != b"!"}
         if key[:2] in (b"c:", b"b:"):
             value = {f: v for f, v in value.items()
                      if not v.startswith(b"R") and not (key[:2] == b"b:" and v == b"X")}
