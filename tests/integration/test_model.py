@@ -459,6 +459,10 @@ class SaleMachine(RuleBasedStateMachine):
                         assert int(value) <= cap, (key, name, value)
             if kind == b"r":  # ticket records: the janitor sweeps them past their expiry
                 for ident, value in db.hgetall(key).items():
+                    if ident == b"!":  # what a sale knew of the bucket's expiry: no more
+                        expiry = db.pexpiretime(key)
+                        assert expiry == -2 or int(value) <= expiry, (key, value, expiry)
+                        continue
                     channel, tid = ident.decode().split("/")
                     t = self.model.tickets.get((channel, tid))
                     expires = t.expires_ms if t else self.model.retired.get((channel, tid))
