@@ -51,13 +51,13 @@ from capsvc.redis.replies import (
     budget_of,
     cancel_of,
     claim_of,
-    sale_of,
     due_of,
     limit_set_of,
     limits_of,
     mark_state_of,
     released_of,
     reserved_of,
+    sale_of,
     ticket_of,
 )
 from capsvc.redis.transport import Coalescer, Transport
