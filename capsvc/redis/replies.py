@@ -48,7 +48,7 @@ class Sold(msgspec.Struct, frozen=True):
     shadowed: int
     """Grids accepted that the shadow cap would have refused."""
     caps: list[int] | None
-    """The draws' caps the sale was judged by, when the call fixed them."""
+    """The draws' caps the sale was judged by (those the call fixed, when it did)."""
     entry: object = None
     """Its call's entry of the unjournaled sales (capsvc.redis.store.Unjournaled)."""
 
@@ -122,16 +122,18 @@ def claim_of(reply: list[Any]) -> Claim:
     return Refused(_text(kind))
 
 
-def sale_of(reply: Any, at: int, sale_id: str, entry: object = None) -> Claim:
+def sale_of(reply: Any, at: int, sale_id: str, caps: list[int], entry: object = None
+            ) -> Claim:
     """A reply of a one-call sale (lua/capsvc.lua, `sell`), made at `at` with `sale_id`
-    (its call's instant, its caller's nonce); `entry`: its call's entry of the unjournaled
+    (its call's instant, its caller's nonce), judged by `caps` unless the call fixed its
+    draws' caps (its reply then says them); `entry`: its call's entry of the unjournaled
     sales. A sale made with nothing to report beside its results is its results alone."""
     if type(reply) is bytes:
-        return Sold(at, sale_id, reply, 0, 0, 0, None, entry)
+        return Sold(at, sale_id, reply, 0, 0, 0, caps, entry)
     if reply[0] == b"new":
-        caps = reply[5]
+        fixed = reply[5]
         return Sold(at, sale_id, reply[1], int(reply[2]), int(reply[3]), int(reply[4]),
-                    [int(c) for c in caps.split(b",")] if caps else None, entry)
+                    [int(c) for c in fixed.split(b",")] if fixed else caps, entry)
     return claim_of(reply)
 
 

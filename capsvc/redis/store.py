@@ -260,9 +260,10 @@ def stop_instants(replies: list[Any]) -> list[int | None]:
     return [None if r is None else int(r.split(b":", 1)[0]) for r in replies]
 
 
-Shape = tuple[tuple[Any, ...], list[str], list[Any]]
+Shape = tuple[tuple[Any, ...], list[str], list[Any], list[int]]
 """What the sales of one game on the same draws share in a call of capsvc_sell (`shape`):
-what identifies it, its KEYS and its ARGV."""
+what identifies it, its KEYS and its ARGV, and the caps of its draws that a sale is judged
+by when the call does not fix them."""
 
 
 class SaleCall(msgspec.Struct):
@@ -324,7 +325,7 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
                 out.set_exception(error)
             continue
         try:
-            claims = [sale_of(r, now, c.sale_id, entry)
+            claims = [sale_of(r, now, c.sale_id, c.shape[3], entry)
                       for r, c in zip(replies[at:at + n], group.calls, strict=True)]
         except Exception as e:  # a reply of another layout: the library is not this one
             entry.left += n  # none reported journaled: the entry stays for the janitor
@@ -583,7 +584,9 @@ class Store:
             keys += (cap_key(game, d) for d in drawn)
         args = [close_ms, expire_at, stale_after_ms, first_draw, draws, caps, min_stake,
                 time_zone, "fix" if fix_caps else "", *expiries]
-        return (game, first_draw, draws, caps, fix_caps), keys, args
+        judged = [int(c) for c in str(caps).split("/")[0].split(",")]  # see CAPS
+        judged += judged[-1:] * (draws - len(judged))
+        return (game, first_draw, draws, caps, fix_caps), keys, args, judged
 
     @staticmethod
     def sale_call(shape: Shape, ticket: str, sale: bytes,
@@ -596,7 +599,7 @@ class Store:
         whose first draw was not asked and is closed or stopped leaves the later sales of
         its group to its caller. `budget`: the player's keys and the budget's ARGV, for a
         game with player limits (`budget_call`)."""
-        (game, first_draw, draws, _, _), _, _ = shape
+        (game, first_draw, draws, _, _), _, _, _ = shape
         keys, args = record_names(ticket)
         uncapped = False
         for combo, _ in grids:
@@ -659,7 +662,7 @@ class Store:
             for c in group.calls:
                 if c.shape[0] not in shapes:
                     shapes[c.shape[0]] = len(shapes) + 1
-                    _, shape_keys, shape_args = c.shape
+                    _, shape_keys, shape_args, _ = c.shape
                     shape_sizes += (len(shape_keys), len(shape_args))
                     keys += shape_keys
                     args += shape_args

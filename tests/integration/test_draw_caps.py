@@ -232,3 +232,29 @@ async def test_a_refused_request_fixes_no_cap(
     # The first real sale of d+2 is the 30 € process's: its 4th 10 € grid is refused.
     first = await low.sell(ticket([{"numbers": TEN[1:9], "stake": 1000}] * 4, first_draw=d + 2))
     assert [g["status"] for g in first.body["grids"]] == ["accepted"] * 3 + ["rejected"]
+
+
+async def test_every_sale_journals_the_caps_it_was_judged_by(
+        service: Any, client: Client) -> None:
+    """The first sale of a draw fixes its cap and the sales after it are judged by the cap
+    the process knows: each sale's journal record carries the caps of its draws (a
+    subscription's every draw), in batches and alone, whichever protocol sold it."""
+    from capsvc.journal.reader import records
+    from capsvc.journal.records import SaleRecord
+
+    svc, _ = service
+    d = await client.current() + 2
+    first = ticket([{"numbers": TEN[:8], "stake": 500}], first_draw=d)
+    assert (await client.sell(first)).status == 200
+    later = [ticket([{"numbers": TEN[1:9], "stake": 500}], first_draw=d),
+             ticket([{"numbers": TEN[2:10], "stake": 500}], first_draw=d, draws=2)]
+    batch = await client.post("/v1/ticket-batches", {"tickets": later})
+    assert [r["status"] for r in batch.body["results"]] == [200, 200]
+    alone = ticket([{"numbers": TEN[:8], "stake": 200}], first_draw=d)
+    assert (await client.sell(alone)).status == 200
+    cap = (await draw_of(client, d))["cap"]
+    await asyncio.sleep(0.2)
+    caps = {r.ticket: r.caps for _, _, r in records(Path(svc.settings.journal_dir))
+            if isinstance(r, SaleRecord)}
+    assert caps == {first["ticket_id"]: [cap], later[0]["ticket_id"]: [cap],
+                    later[1]["ticket_id"]: [cap, cap], alone["ticket_id"]: [cap]}

@@ -58,15 +58,15 @@ def test_claims_decode_by_kind() -> None:
 def test_one_call_sales_decode_at_their_call_s_instant_with_their_caller_s_id() -> None:
     """A sale made is its results alone, or {'new', …} with what it has to report; the
     call's instant and the caller's sale id complete it; other kinds decode as claims."""
-    assert r.sale_of(b"Europe/Paris|1", 5, "s1", "E") == r.Sold(
-        5, "s1", b"Europe/Paris|1", 0, 0, 0, None, "E")
-    sold = r.sale_of([b"new", b"Europe/Paris|1", 1, 2, 3, b"5000,4000"], 5, "s1")
+    assert r.sale_of(b"Europe/Paris|1", 5, "s1", [5000], "E") == r.Sold(
+        5, "s1", b"Europe/Paris|1", 0, 0, 0, [5000], "E")
+    sold = r.sale_of([b"new", b"Europe/Paris|1", 1, 2, 3, b"5000,4000"], 5, "s1", [9, 9])
     assert sold == r.Sold(5, "s1", b"Europe/Paris|1", 1, 2, 3, [5000, 4000])
-    assert r.sale_of([b"new", b"res", 1, 0, 0, None], 5, "s1") == r.Sold(
-        5, "s1", b"res", 1, 0, 0, None)
-    assert r.sale_of([b"stopped", 2], 5, "s1") == r.StoppedAt(2)
-    assert r.sale_of([b"final", b"{}", 4, b"s0", b"sale", None, b"f"], 5, "s1") == r.Decided(
-        b"{}", 4, "s0", b"sale", None, b"f", None, None)
+    assert r.sale_of([b"new", b"res", 1, 0, 0, None], 5, "s1", [9]) == r.Sold(
+        5, "s1", b"res", 1, 0, 0, [9])
+    assert r.sale_of([b"stopped", 2], 5, "s1", [9]) == r.StoppedAt(2)
+    assert r.sale_of([b"final", b"{}", 4, b"s0", b"sale", None, b"f"], 5, "s1",
+                     [9]) == r.Decided(b"{}", 4, "s0", b"sale", None, b"f", None, None)
 
 
 def test_tickets_hand_overs_and_cancels_decode() -> None:
