@@ -82,7 +82,7 @@ SECTIONS = [
     ("  local results = S.zone .. (grids == 1", "grids (count, record)"),
     ("  decided(S, bucket, field, found[2], packed, results, batch)",
      "ticket record (HSET, bucket TTL), unjournaled queued"),
-    ("    redis.call('HSET', keys[#keys - 1], args[#args]", "unjournaled HSET"),
+    ("    redis.call('HSET', keys[#keys - 1], args[#args - 1]", "unjournaled HSET"),
 ]
 CLOCK = """
 local acc, times, mark_end = {}, {}, 0

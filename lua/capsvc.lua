@@ -14,9 +14,11 @@ but for the node's count a marked function also writes on a cluster (see MARKS).
                  fields st, at, sid, sale, body | res, ca, rel
                  kept until: close of the ticket's last draw + retention.
   unjournaled    q:{sales}                        hash   (standalone: sales in one call)
-                 <call> -> msgpack [instant, {ticket name, sid, ...}]: the sales a call of
-                 `sell` made, until their process has journaled them (it deletes the
-                 field), else the janitor journals them and deletes it
+                 <call> -> msgpack {instant, {{bucket, field, sid (8 bytes)}, ...}}: the
+                 sales of a call of `sell` that made any (its caller's list of them all,
+                 made or not: a sale not made has no record of its sale id), until their
+                 process has journaled them (it deletes the field), else the janitor
+                 journals those made and deletes it
   halted groups  h:{sales}                        hash   (standalone: sales in one call)
                  <group> -> 1: a request whose sales a call of `sell` stopped judging (one
                  moved on to another draw or day), for the calls after it that carry more
@@ -492,8 +494,9 @@ local BUCKET_SLACK_MS = 86400000
 -- only to what a write of it made sure of, and nothing shortens a bucket's TTL (a bucket
 -- that is deleted or expires takes its "!" with it). So a sale reads no TTL when "!" says
 -- enough; else the TTL is read (pushed a day past `at` when short) and "!" set to it.
-local function bucket_lives(bucket, at, known)
-  if known and tonumber(known) >= at then
+local function bucket_lives(bucket, at, at_text, known)
+  -- Instants as decimal text of one length (13 digits until 2286) compare as numbers.
+  if known and #known == #at_text and known >= at_text then
     return
   end
   local cur = redis.call('PEXPIRETIME', bucket)
@@ -1414,13 +1417,14 @@ of its ARGV, its number of grids, its shape (1-based) and its tag (2 × its grou
 its first draw was not asked: a group is one request's sales, 0 none); then each shape's
 KEYS (in KEYS) and ARGV (in ARGV), then each sale's, in the same order; then the keys of
 the unjournaled sales and of the halted groups (see THE KEYS), and in ARGV "1" when the
-call carries sales of a request an earlier call carried too (else ""), and this call's
-field in the unjournaled sales (any string no other call uses). One Redis TIME, one mark,
-one expiry read per key, one read of a shape's admin stops and one entry of the
-unjournaled sales serve the whole batch (a batch is judged at one instant): the record
-buckets, fields and sale ids (8 bytes) of the sales it made (not the replays), at its
-instant, which the caller deletes once their decisions are journaled (else the janitor
-journals them). A sale whose first draw was not asked and is closed or stopped moves on to
+call carries sales of a request an earlier call carried too (else ""), this call's field
+in the unjournaled sales (any string no other call uses) and its value's list (MessagePack:
+the record bucket, field and sale id of each of its sales). One Redis TIME, one mark, one
+expiry read per key, one read of a shape's admin stops and one entry of the unjournaled
+sales serve the whole batch (a batch is judged at one instant): the call's instant and the
+list, written when the call made a sale, which the caller deletes once their decisions are
+journaled (else the janitor journals those made: a sale not made, a replay, has no record
+of its sale id). A sale whose first draw was not asked and is closed or stopped moves on to
 the next draw, which its caller sells alone: the later sales of its group are not judged
 here nor in the calls after it ({'later'}: the group is noted in the halted groups), so
 that the caller judges them after it, in order, as a new group. Returns the call's
@@ -1472,6 +1476,7 @@ local function shape_of(keys, k, args, a)
              zone = args[a + 8] .. '|', fix = args[a + 9] == 'fix', stops_key = keys[k + 1],
              feed = keys[k + 2], expiries = {}, lists = {}, cap_keys = {}}
   S.head = cmsgpack.pack(S.expire_at, 'f')  -- a decided record's first two values
+  S.expire_text = string.format('%d', S.expire_at)
   for i = 1, n do
     S.expiries[i] = tonumber(args[a + 9 + i])
     S.lists[i] = keys[k + 2 + i]
@@ -1490,11 +1495,8 @@ end
 local function decided(S, bucket, field, known, packed, results, batch)
   redis.call('HSET', bucket, field, S.head .. batch.at .. packed .. '\192'
              .. cmsgpack.pack(results) .. '\192\192')
-  bucket_lives(bucket, S.expire_at, known)
-  local made = batch.sold
-  made[#made + 1] = bucket
-  made[#made + 1] = field
-  made[#made + 1] = string.sub(packed, 2, 9)
+  bucket_lives(bucket, S.expire_at, S.expire_text, known)
+  batch.made = true
 end
 
 -- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), its
@@ -1636,10 +1638,10 @@ local HALTS_TTL_MS = 10000
 
 local function sell(keys, args)
   local now = now_ms()
-  local batch = {seen = {}, sold = {}, at = cmsgpack.pack(now)}
+  local batch = {seen = {}, made = false, at = cmsgpack.pack(now)}
   local halts = keys[#keys]
   local halted = {}
-  if args[#args - 1] == '1' then  -- sales of requests an earlier call carried too
+  if args[#args - 2] == '1' then  -- sales of requests an earlier call carried too
     for _, group in ipairs(redis.call('HKEYS', halts)) do
       halted[tonumber(group)] = true
     end
@@ -1675,8 +1677,8 @@ local function sell(keys, args)
     replies[i + 1] = reply
     k, a = k + nk, a + na
   end
-  if #batch.sold > 0 then
-    redis.call('HSET', keys[#keys - 1], args[#args], cmsgpack.pack({now, batch.sold}))
+  if batch.made then
+    redis.call('HSET', keys[#keys - 1], args[#args - 1], '\146' .. batch.at .. args[#args])
   end
   return replies
 end

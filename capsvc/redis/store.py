@@ -119,42 +119,10 @@ def ticket_in(bucket: str, field: str) -> str:
     return f"t:{bucket[2:bucket.index('}') + 1]}:{field}"
 
 
-_MP_INT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-_MP_STR = {0xD9: 1, 0xDA: 2, 0xDB: 4}
-_MP_ARRAY = {0xDC: 2, 0xDD: 4}
-
-
-def _mp_length(value: bytes, at: int, fixed: int, sizes: dict[int, int]) -> tuple[int, int]:
-    """The length the MessagePack array or str header at `at` gives (`fixed`: its fix
-    form, 0x90 or 0xA0), and where what follows it starts."""
-    head, mask = value[at], 0x0F if fixed == 0x90 else 0x1F
-    if head & ~mask == fixed:
-        return head & mask, at + 1
-    size = sizes[head]
-    return int.from_bytes(value[at + 1:at + 1 + size], "big"), at + 1 + size
-
-
-def unjournaled_entry(value: bytes) -> tuple[int, list[bytes]]:
-    """An entry of the unjournaled sales as lua/capsvc.lua's `sell` packs it, {instant,
-    {bucket, field, sale id's 8 bytes, …}}: its instant and its strings, as bytes (Redis's
-    cmsgpack packs every string as a MessagePack str, and a sale id's bytes are not UTF-8,
-    which a MessagePack library refuses in a str)."""
-    n, at = _mp_length(value, 0, 0x90, _MP_ARRAY)
-    if n != 2:
-        raise ValueError(f"not an entry of the unjournaled sales: {value[:32]!r}")
-    head = value[at]
-    if head <= 0x7F:
-        instant, at = head, at + 1
-    else:
-        size = _MP_INT[head]
-        instant, at = int.from_bytes(value[at + 1:at + 1 + size], "big"), at + 1 + size
-    n, at = _mp_length(value, at, 0x90, _MP_ARRAY)
-    strings = []
-    for _ in range(n):
-        size, at = _mp_length(value, at, 0xA0, _MP_STR)
-        strings.append(value[at:at + size])
-        at += size
-    return instant, strings
+_encode = msgspec.msgpack.Encoder().encode
+_decode_entry = msgspec.msgpack.Decoder(tuple[int, list[tuple[str, str, bytes]]]).decode
+"""An entry of the unjournaled sales (lua/capsvc.lua, THE KEYS): its call's instant, and the
+record bucket, field and sale id's bytes of each of its sales."""
 
 
 def record_bucket(slot: int, bucket: int) -> str:
@@ -275,6 +243,9 @@ class SaleCall(msgspec.Struct):
     grids: int
     tag: int
     sale_id: str
+    names: tuple[str, str, bytes]
+    """Its record's bucket and field, its sale id's bytes: its part of its call's entry of
+    the unjournaled sales."""
 
 
 @dataclass(slots=True)
@@ -619,7 +590,7 @@ class Store:
             keys += budget[0]
             args += budget[1]
         return SaleCall(shape, keys, args, len(grids), 2 * group + (0 if asked else 1),
-                        sale_nonce.hex())
+                        sale_nonce.hex(), (keys[0], args[0], sale_nonce))
 
     def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None,
              continues: bool = False) -> asyncio.Future[list[Claim]]:
@@ -676,7 +647,8 @@ class Store:
                 args += c.args
         entry = Unjournaled(nonce().hex())
         keys += (UNJOURNALED, HALTS)
-        args += ("1" if any(group.continues for group in groups) else "", entry.field)
+        args += ("1" if any(group.continues for group in groups) else "", entry.field,
+                 _encode([c.names for group in groups for c in group.calls]))
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
                                [len(shapes), *shape_sizes, len(frames), b"".join(frames),
                                 *args],
@@ -702,11 +674,9 @@ class Store:
                                                               strict=True)
         out = []
         for field, value in items:
-            at, sold = unjournaled_entry(value)
+            at, sold = _decode_entry(value)
             out.append((field.decode() if isinstance(field, bytes) else field, at,
-                        [(ticket_in(b.decode(), f.decode()), sid.hex())
-                         for b, f, sid in zip(sold[::3], sold[1::3], sold[2::3],
-                                              strict=True)]))
+                        [(ticket_in(b, f), sid.hex()) for b, f, sid in sold]))
         return out
 
     def forget_unjournaled(self, field: str) -> asyncio.Future[Any]:
