@@ -285,8 +285,12 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
             group.out.cancel()
         return
     error = call.exception()
+    now, replies = 0, []
     if error is None:
-        now, *replies = call.result()
+        try:
+            now, *replies = call.result()
+        except (TypeError, ValueError) as e:  # a reply of another layout: another library
+            error = e  # its sales, if any, stay in its entry for the janitor
     at = 0
     for group in groups:
         n = len(group.calls)

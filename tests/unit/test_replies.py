@@ -110,3 +110,26 @@ def test_marks_decode() -> None:
     assert r.mark_state_of([None, None, None]) == r.MarkState(0, 0, (0,))
     assert r.mark_state_of([b"7", b"1800000000000", b"5", None]) == r.MarkState(
         7, 1800000000000, (5, 0))
+
+
+@pytest.mark.parametrize("reply", [None, 7, [], [5], [5, 6], b"OK"])
+async def test_a_sale_call_s_reply_of_another_layout_fails_its_requests_and_keeps_its_entry(
+        reply: object) -> None:
+    """A call of capsvc_sell answered in a layout not this library's (another version
+    loaded): each request waiting on it fails, none is left waiting, and no sale is reported
+    journaled (its entry stays for the janitor)."""
+    import asyncio
+
+    from capsvc.redis import store as s
+
+    loop = asyncio.get_running_loop()
+    shape = s.Store.shape("g", 7, 1, 10, 10, 60_000, 5000, 100, "UTC", False, [10])
+    sale = s.Store.sale_call(shape, s.ticket_key("c", "t"), b"sale", [("\x01\x02", 100)])
+    groups = [s._QueuedSales([sale], loop.create_future(), [None], False)]
+    entry = s.Unjournaled("e")
+    call = loop.create_future()
+    call.set_result(reply)
+    s._answer_sales(groups, entry, call)
+    with pytest.raises(Exception):  # noqa: B017 (whatever the layout makes of it)
+        groups[0].out.result()
+    assert entry.left in (0, 1)  # never below: the entry is never let go
