@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from capsvc.client.models import TicketIn
-from capsvc.redis.gate import POLICY_S
 from capsvc.domain.combination import encode
+from capsvc.redis.gate import POLICY_S
 from capsvc.redis.store import bucket_keys, pending_key_of, record_bucket_of, ticket_key
 from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, new_id, ticket
@@ -131,12 +131,14 @@ async def test_a_batch_of_64_is_one_call(
     assert len(grids) == 64
     ids = [new_id() for _ in grids]
     warm = await client.post("/v1/ticket-batches", {"tickets": [
-        ticket([{"numbers": g, "stake": 200}], ticket_id=i) for g, i in zip(grids, ids)]})
+        ticket([{"numbers": g, "stake": 200}], ticket_id=i)
+        for g, i in zip(grids, ids, strict=True)]})
     assert [r["status"] for r in warm.body["results"]] == [200] * 64
     await asyncio.sleep(0.1)
     standalone_db.config_resetstat()
     reply = await client.post("/v1/ticket-batches", {"tickets": [
-        ticket([{"numbers": g, "stake": 200}], ticket_id=neighbour(i)) for g, i in zip(grids, ids)]})
+        ticket([{"numbers": g, "stake": 200}], ticket_id=neighbour(i))
+        for g, i in zip(grids, ids, strict=True)]})
     assert reply.status == 200
     assert [r["status"] for r in reply.body["results"]] == [200] * 64
     await asyncio.sleep(0.1)
