@@ -1455,10 +1455,13 @@ lists, and the ticket is written decided, its decision kept as the grids' result
 "<time zone>|" then "-" not capped, "1" accepted, "0:<offset>:<room>" rejected, joined by
 ";"; the body is a function of them, the sale, sid and at). No pending state; the sale is
 in its call's entry of the unjournaled sales until the caller has journaled its decision.
-Each reply is res (a sale made, at the call's instant, with the caller's sale id: no
-counter reached 80 % of its cap or its cap, the shadow cap refused nothing, and its
-shape's caps were known)
+Each reply is res (a sale made, at the call's instant, with the caller's sale id, judged
+by its shape's caps as sent: no counter reached 80 % of its cap or its cap, the shadow cap
+refused nothing, and the caps were known)
 | {'new', res, near, sold, shadowed (grids the shadow cap would refuse), caps or false}
+(caps: the draws' caps it was judged by, fixed or found fixed by it when it was to fix
+them; false when it was judged by no cap, refused by the player's limit before any grid was
+judged)
 | {'final', body or false, at, sid, sale, res or false, st, cancelled at or false,
   released or false}
 | {'pending', at, sid, sale} | {'stale', sale} | {'closed'} | {'stopped', offset}
@@ -1543,7 +1546,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
       extend(B.days[1], B.expire_at, 0, batch.seen)
       local results = S.zone .. 'P'
       decided(S, bucket, field, found[2], packed, results, batch)
-      return results
+      return {'new', results, 0, 0, 0, false}  -- judged by no cap: none fixed, none given
     end
   end
   local caps, expiries = S.caps, S.expiries
@@ -1630,7 +1633,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   if near == 0 and sold == 0 and shadowed == 0 and not fixing then
     return results
   end
-  return {'new', results, near, sold, shadowed, fixing and table.concat(caps, ',')}
+  return {'new', results, near, sold, shadowed, table.concat(caps, ',')}
 end
 
 

@@ -48,7 +48,8 @@ class Sold(msgspec.Struct, frozen=True):
     shadowed: int
     """Grids accepted that the shadow cap would have refused."""
     caps: list[int] | None
-    """The draws' caps the sale was judged by (those the call fixed, when it did)."""
+    """The draws' caps the sale was judged by (those the call fixed or found fixed, when it
+    was to fix them); None when it was judged by none (refused by the player's limit)."""
     entry: object = None
     """Its call's entry of the unjournaled sales (capsvc.redis.store.Unjournaled)."""
 
@@ -125,15 +126,17 @@ def claim_of(reply: list[Any]) -> Claim:
 def sale_of(reply: Any, at: int, sale_id: str, caps: list[int], entry: object = None
             ) -> Claim:
     """A reply of a one-call sale (lua/capsvc.lua, `sell`), made at `at` with `sale_id`
-    (its call's instant, its caller's nonce), judged by `caps` unless the call fixed its
-    draws' caps (its reply then says them); `entry`: its call's entry of the unjournaled
-    sales. A sale made with nothing to report beside its results is its results alone."""
+    (its call's instant, its caller's nonce); `entry`: its call's entry of the unjournaled
+    sales. A sale made with nothing to report beside its results is its results alone,
+    judged by `caps` (its shape's, as sent); else its reply says the caps it was judged by
+    (fixed or found fixed by it when it was to fix them), or none (refused by the player's
+    limit before any grid was judged)."""
     if type(reply) is bytes:
         return Sold(at, sale_id, reply, 0, 0, 0, caps, entry)
     if reply[0] == b"new":
         fixed = reply[5]
         return Sold(at, sale_id, reply[1], int(reply[2]), int(reply[3]), int(reply[4]),
-                    [int(c) for c in fixed.split(b",")] if fixed else caps, entry)
+                    [int(c) for c in fixed.split(b",")] if fixed else None, entry)
     return claim_of(reply)
 
 

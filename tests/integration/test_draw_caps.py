@@ -252,9 +252,48 @@ async def test_every_sale_journals_the_caps_it_was_judged_by(
     assert [r["status"] for r in batch.body["results"]] == [200, 200]
     alone = ticket([{"numbers": TEN[:8], "stake": 200}], first_draw=d)
     assert (await client.sell(alone)).status == 200
+    # To 80 % of the cap and to the cap: sales with something to report beside results.
+    full = [ticket([{"numbers": TEN[:8], "stake": stake}], first_draw=d)
+            for stake in (1000, 1000, 1000, 1000, 300)]
+    for body in full:
+        assert (await client.sell(body)).status == 200
+    assert await client.staked(TEN[:8], d) == 5000
     cap = (await draw_of(client, d))["cap"]
     await asyncio.sleep(0.2)
     caps = {r.ticket: r.caps for _, _, r in records(Path(svc.settings.journal_dir))
             if isinstance(r, SaleRecord)}
     assert caps == {first["ticket_id"]: [cap], later[0]["ticket_id"]: [cap],
-                    later[1]["ticket_id"]: [cap, cap], alone["ticket_id"]: [cap]}
+                    later[1]["ticket_id"]: [cap, cap], alone["ticket_id"]: [cap],
+                    **{body["ticket_id"]: [cap] for body in full}}
+
+
+async def test_a_player_limit_refusal_fixes_no_cap_and_teaches_its_process_none(
+        settings: Settings, redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """The first sale a process makes on a draw is refused by the player's daily limit
+    (judged by no cap: it fixes none). Another process, configured with a lower cap, then
+    fixes the draw's cap; the first judges its later sales by that cap, not by its own
+    configured one, and journals the caps they were judged by."""
+    def lnm(cap: int) -> Settings:
+        games = dict(settings.games)
+        games["lnm-keno"] = dataclasses.replace(games["lnm-keno"], cap_limit=cap,
+                                                daily_limit=1000)
+        return dataclasses.replace(settings, games=games)
+
+    async with services([lnm(50000), lnm(1000)], redis_backend.url) as (high, low):
+        d = await high.current("lnm-keno") + 2
+        numbers = TEN[:8]
+
+        def lnm_ticket(stake: int, player: str) -> dict[str, Any]:
+            return ticket([{"numbers": numbers, "stake": stake}], game="lnm-keno",
+                          first_draw=d, player_id=player)
+
+        refused = await high.sell(lnm_ticket(2500, "P-over"), token="ma")
+        assert refused.body["status"] == "rejected", refused.body
+        assert (await low.sell(lnm_ticket(1000, "P-low"), token="ma")).body[
+            "status"] == "accepted"
+        later = await high.sell(lnm_ticket(1000, "P-high"), token="ma")
+        assert later.body["status"] == "rejected", later.body
+        assert later.body["grids"][0]["remaining"] == 0
+        assert await high.staked(numbers, d, "lnm-keno") == 1000
+        shown = await high.read(f"/v1/games/lnm-keno/draws/{d}")
+        assert (shown.body["cap"], shown.body["cap_fixed"]) == (1000, True)

@@ -62,8 +62,8 @@ def test_one_call_sales_decode_at_their_call_s_instant_with_their_caller_s_id() 
         5, "s1", b"Europe/Paris|1", 0, 0, 0, [5000], "E")
     sold = r.sale_of([b"new", b"Europe/Paris|1", 1, 2, 3, b"5000,4000"], 5, "s1", [9, 9])
     assert sold == r.Sold(5, "s1", b"Europe/Paris|1", 1, 2, 3, [5000, 4000])
-    assert r.sale_of([b"new", b"res", 1, 0, 0, None], 5, "s1", [9]) == r.Sold(
-        5, "s1", b"res", 1, 0, 0, [9])
+    assert r.sale_of([b"new", b"res|P", 0, 0, 0, None], 5, "s1", [9]) == r.Sold(
+        5, "s1", b"res|P", 0, 0, 0, None)
     assert r.sale_of([b"stopped", 2], 5, "s1", [9]) == r.StoppedAt(2)
     assert r.sale_of([b"final", b"{}", 4, b"s0", b"sale", None, b"f"], 5, "s1",
                      [9]) == r.Decided(b"{}", 4, "s0", b"sale", None, b"f", None, None)
