@@ -99,21 +99,24 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Push a key's expiry to `at` (and `slack` ms beyond) unless it already lives to `at`.
--- `seen` (optional): key -> the instant its TTL is known to reach in this call, so that a
--- call naming a key many times (a batch of sales, a restore) reads its expiry once.
+-- Push a key's expiry to `at` (and `slack` ms beyond) unless it already lives to `at`;
+-- returns the instant it is known to live to. `seen` (optional): key -> the instant its
+-- TTL is known to reach in this call, so that a call naming a key many times (a batch of
+-- sales, a restore) reads its expiry once.
 local function extend(key, at, slack, seen)
   if seen then
     local known = seen[key]
     if known and known >= at then
-      return
+      return known
     end
     seen[key] = at
   end
   local cur = redis.call('PEXPIRETIME', key)
   if cur == -1 or cur < at then
-    redis.call('PEXPIREAT', key, at + (slack or 0))
+    cur = at + (slack or 0)
+    redis.call('PEXPIREAT', key, cur)
   end
+  return cur
 end
 
 --[[ MARKS. What lets a process know, in the very call that judges or reports a decision,
@@ -438,16 +441,20 @@ local function ticket_of(keys, args)
                  .. field}
 end
 
--- The bucket's value of the record and its expiry, if it is live at `now` (past its expiry,
--- a record is absent, as an expired key is); nil otherwise.
-local function live_value(T, now)
-  local v = redis.call('HGET', T.bucket, T.field)
+-- A record's value `v` (or nil) and its expiry, if it is live at `now` (past its expiry, a
+-- record is absent, as an expired key is); nil otherwise.
+local function live(v, now)
   if v then
     local _, exp = cmsgpack.unpack_one(v)
     if exp > now then
       return v, exp
     end
   end
+end
+
+-- The bucket's value of the record and its expiry, if it is live at `now`.
+local function live_value(T, now)
+  return live(redis.call('HGET', T.bucket, T.field), now)
 end
 
 -- A record's value as st, at, sid, sale, body, res, ca, rel (false when absent), and its
@@ -499,12 +506,7 @@ local function bucket_lives(bucket, at, at_text, known)
   if known and #known == #at_text and known >= at_text then
     return
   end
-  local cur = redis.call('PEXPIRETIME', bucket)
-  if cur == -1 or cur < at then
-    cur = at + BUCKET_SLACK_MS
-    redis.call('PEXPIREAT', bucket, cur)
-  end
-  redis.call('HSET', bucket, '!', string.format('%d', cur))
+  redis.call('HSET', bucket, '!', string.format('%d', extend(bucket, at, BUCKET_SLACK_MS)))
 end
 
 -- The record written back (or deleted, past its expiry). Its bucket's TTL is looked at only
@@ -539,12 +541,11 @@ local function ticket_set(T, ...)
   ticket_store(T)
 end
 
--- A new record (none was read), kept until `expire_at`: st, at (ms), sid (hex; `raw`, its
--- bytes, when the caller has them), sale, then body, res, ca, rel or false (none).
--- Positional: a sale's hot path builds no other table.
-local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel, raw)
+-- A new record (none was read), kept until `expire_at`: st, at (ms), sid (hex), sale, then
+-- body, res, ca, rel or false (none).
+local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel)
   T.rec = {st, at, sid, sale, body or false, res or false, ca or false, rel or false}
-  T.sid_raw = raw or raw_sid(sid)
+  T.sid_raw = raw_sid(sid)
   T.exp = expire_at
   ticket_store(T)
 end
@@ -1507,12 +1508,8 @@ end
 local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   local bucket, field = keys[k + 1], args[a + 1]
   local found = redis.call('HMGET', bucket, field, '!')
-  local v = found[1]
-  if v then
-    local _, exp = cmsgpack.unpack_one(v)
-    if exp > now then
-      return known_ticket(ticket_decode(v), now, S.stale)
-    end
+  if live(found[1], now) then
+    return known_ticket(ticket_decode(found[1]), now, S.stale)
   end
   if now >= S.close then
     return {'closed'}

@@ -100,18 +100,30 @@ def lua_source() -> str:
     return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
 
 
-def ticket_key(channel: str, ticket_id: str) -> str:
+def ticket_names(channel: str, ticket_id: str) -> tuple[str, tuple[str, str]]:
+    """A ticket's name, and its record's bucket and field there (`record_of`), from one
+    hash of `<channel>/<ticket id>`: its slot, then its bucket in the slot."""
     ident = f"{channel}/{ticket_id}"
-    return f"t:{{t:{zlib.crc32(ident.encode()) % TICKET_BUCKETS}}}:{ident}"
+    h = zlib.crc32(ident.encode())
+    tag = f"{{t:{h % TICKET_BUCKETS}}}"
+    return f"t:{tag}:{ident}", (f"r:{tag}:{(h // TICKET_BUCKETS) % RECORD_BUCKETS}", ident)
 
 
-def record_bucket_of(ticket: str) -> str:
-    """The hash that holds ticket `ticket`'s record: in its slot, chosen by the next bits of
-    the hash that chose the slot."""
+def ticket_key(channel: str, ticket_id: str) -> str:
+    return ticket_names(channel, ticket_id)[0]
+
+
+def record_of(ticket: str) -> tuple[str, str]:
+    """The hash that holds ticket `ticket`'s record, and its field there (`ticket_names`)."""
     end = ticket.index("}") + 1
     ident = ticket[end + 1:]
     bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
-    return f"r:{ticket[2:end]}:{bucket}"
+    return f"r:{ticket[2:end]}:{bucket}", ident
+
+
+def record_bucket_of(ticket: str) -> str:
+    """The hash that holds ticket `ticket`'s record (`record_of`)."""
+    return record_of(ticket)[0]
 
 
 def ticket_in(bucket: str, field: str) -> str:
@@ -220,7 +232,8 @@ def record_names(ticket: str) -> tuple[list[str], list[Any]]:
     """The KEYS and ARGV that name ticket `ticket`'s record in a call of one of its
     functions, before the call's own: its bucket, and its field in it (lua/capsvc.lua,
     TICKET RECORDS)."""
-    return [record_bucket_of(ticket)], [ident_of(ticket)]
+    bucket, field = record_of(ticket)
+    return [bucket], [field]
 
 
 def stop_instants(replies: list[Any]) -> list[int | None]:
@@ -242,10 +255,8 @@ class SaleCall(msgspec.Struct):
     args: list[Any]
     grids: int
     tag: int
-    sale_id: str
-    names: tuple[str, str, bytes]
-    """Its record's bucket and field, its sale id's bytes: its part of its call's entry of
-    the unjournaled sales."""
+    nonce: bytes
+    """Its sale id's bytes."""
 
 
 @dataclass(slots=True)
@@ -300,7 +311,7 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
                 out.set_exception(error)
             continue
         try:
-            claims = [sale_of(r, now, c.sale_id, c.shape[3], entry)
+            claims = [sale_of(r, now, c.nonce.hex(), c.shape[3], entry)
                       for r, c in zip(replies[at:at + n], group.calls, strict=True)]
         except Exception as e:  # a reply of another layout: the library is not this one
             entry.left += n  # none reported journaled: the entry stays for the janitor
@@ -564,18 +575,20 @@ class Store:
         return (game, first_draw, draws, caps, fix_caps), keys, args, judged
 
     @staticmethod
-    def sale_call(shape: Shape, ticket: str, sale: bytes,
+    def sale_call(shape: Shape, ticket: str, record: tuple[str, str], sale: bytes,
                   grids: list[tuple[str, int]], group: int = 0, asked: bool = True,
                   budget: tuple[list[str], list[Any]] | None = None) -> SaleCall:
         """One sale's part of a call of capsvc_sell, on `shape` (its game and draws): its
-        ticket (see lua/capsvc.lua, sell). `grids`: (combo, stake) of each grid, combo
+        ticket and its record's bucket and field (`ticket_names`; see lua/capsvc.lua,
+        sell). `grids`: (combo, stake) of each grid, combo
         "\0<picks>" when the grid is not capped (a combination never holds a zero byte).
         `group` (a request's sales, 0 none) and `asked` (its first draw asked): a sale
         whose first draw was not asked and is closed or stopped leaves the later sales of
         its group to its caller. `budget`: the player's keys and the budget's ARGV, for a
         game with player limits (`budget_call`)."""
         (game, first_draw, draws, _, _), _, _, _ = shape
-        keys, args = record_names(ticket)
+        keys: list[str] = [record[0]]
+        args: list[Any] = [record[1]]
         uncapped = False
         for combo, _ in grids:
             if combo[0] != "\0":
@@ -594,7 +607,7 @@ class Store:
             keys += budget[0]
             args += budget[1]
         return SaleCall(shape, keys, args, len(grids), 2 * group + (0 if asked else 1),
-                        sale_nonce.hex(), (keys[0], args[0], sale_nonce))
+                        sale_nonce)
 
     def sell(self, calls: list[SaleCall], stamps: Sequence[dict[str, int] | None] | None = None,
              continues: bool = False) -> asyncio.Future[list[Claim]]:
@@ -652,7 +665,8 @@ class Store:
         entry = Unjournaled(nonce().hex())
         keys += (UNJOURNALED, HALTS)
         args += ("1" if any(group.continues for group in groups) else "", entry.field,
-                 _encode([c.names for group in groups for c in group.calls]))
+                 _encode([(c.keys[0], c.args[0], c.nonce)
+                          for group in groups for c in group.calls]))
         call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
                                [len(shapes), *shape_sizes, len(frames), b"".join(frames),
                                 *args],

@@ -101,6 +101,7 @@ from capsvc.redis.store import (
     retrieving,
     stop_instants,
     ticket_key,
+    ticket_names,
 )
 from capsvc.service.caps import caps_argument
 from capsvc.service.draws import Draws
@@ -162,6 +163,8 @@ class _Prepared(msgspec.Struct):
     sale: Sale
     key: str
     """Its record's name (capsvc.redis.store.ticket_key)."""
+    record: tuple[str, str]
+    """Its record's bucket and field (capsvc.redis.store.ticket_names)."""
     first: int
     one_call: bool
     """Sold in one atomic call (else in steps)."""
@@ -405,8 +408,8 @@ class Tickets:
         expire_at = seen.get(last)
         if expire_at is None:
             expire_at = seen[last] = game.expire_at(last[1])
-        return _Prepared(index, request, t, channel, stamp.get(), game, sale,
-                         ticket_key(channel.id, t.ticket_id), first,
+        key, record = ticket_names(channel.id, t.ticket_id)
+        return _Prepared(index, request, t, channel, stamp.get(), game, sale, key, record, first,
                          self._one_call[game.rules.id],
                          msgspec.structs.replace(sale, first_draw=first), expire_at)
 
@@ -419,7 +422,7 @@ class Tickets:
         shapes: dict[tuple[str, int, int, bool], tuple[Shape, bool]] = {}
         calls, fixing = [], []
         for p in group:
-            call, fix = self._sale_call(p.game, p.key, p.stored, p.expire_at,
+            call, fix = self._sale_call(p.game, p.key, p.record, p.stored, p.expire_at,
                                         shapes, p.request)
             calls.append(call)
             fixing.append(fix)
@@ -483,7 +486,7 @@ class Tickets:
             expire_at = game.expire_at(first + sale.draws - 1)
             if claim is None:
                 claim = await (
-                    self._sell_in_one_call(game, key, stored, expire_at, judged)
+                    self._sell_in_one_call(game, key, p.record, stored, expire_at, judged)
                     if p.one_call else
                     self._claim(game, key, stored, close_ms, expire_at))
             raw = claim.sale if isinstance(claim, Decided | Pending | Refused) else None
@@ -569,20 +572,20 @@ class Tickets:
         return await self.store.claim(key, pack_sale(sale), close_ms, expire_at,
                                       self.stale_after_ms)
 
-    async def _sell_in_one_call(self, game: Game, key: str, sale: Sale, expire_at: int,
-                                judged: int = 0) -> Claim:
+    async def _sell_in_one_call(self, game: Game, key: str, record: tuple[str, str],
+                                sale: Sale, expire_at: int, judged: int = 0) -> Claim:
         """The sale as one atomic call (standalone Redis), alone: a ticket whose first call
         moved it on (a draw closed or stopped, a day planned wrongly: `judged`, Redis's
         instant then, which the player's budget is planned for at least)."""
         assert sale.first_draw is not None
-        call, fix = self._sale_call(game, key, sale, expire_at, {}, judged=judged)
+        call, fix = self._sale_call(game, key, record, sale, expire_at, {}, judged=judged)
         [claim] = await self.store.sell([call])
         self._fixed(game, sale.first_draw, fix, claim)
         return claim
 
-    def _sale_call(self, game: Game, key: str, sale: Sale, expire_at: int,
-                   shapes: dict[tuple[str, int, int, bool], tuple[Shape, bool]], request: int = 0,
-                   judged: int = 0) -> tuple[SaleCall, bool]:
+    def _sale_call(self, game: Game, key: str, record: tuple[str, str], sale: Sale,
+                   expire_at: int, shapes: dict[tuple[str, int, int, bool], tuple[Shape, bool]],
+                   request: int = 0, judged: int = 0) -> tuple[SaleCall, bool]:
         """A one-call sale's part of a call of capsvc_sell, and whether it fixes its draws'
         caps: the draws' caps when this process has seen them fixed; else the configured
         cap, which the call fixes on the draws no sale has fixed yet, once nothing refused
@@ -603,7 +606,7 @@ class Tickets:
                 game.expiries(first, sale.draws)), fix)
         shape, fix = made
         return self.store.sale_call(
-            shape, key, pack_sale(sale),
+            shape, key, record, pack_sale(sale),
             [(g.combo if g.capped else f"\0{len(g.numbers)}", g.stake) for g in sale.grids],
             request, sale.asked, self._budget(game, key, sale, expire_at, judged)), fix
 

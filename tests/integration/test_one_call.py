@@ -20,7 +20,14 @@ from capsvc.domain.calendar import DrawCalendar
 from capsvc.http.server import build
 from capsvc.redis.clock import RedisClock
 from capsvc.redis.replies import Sold
-from capsvc.redis.store import SALES_PER_CALL, Store, lua_source, stops_key, ticket_key
+from capsvc.redis.store import (
+    SALES_PER_CALL,
+    Store,
+    lua_source,
+    stops_key,
+    ticket_key,
+    ticket_names,
+)
 from capsvc.redis.transport import Coalescer
 from capsvc.service.steps import SaleSteps
 from tests.conftest import TEN, Client, services, start_service, ticket
@@ -166,9 +173,8 @@ async def test_a_call_s_entry_stays_while_a_sale_of_it_is_not_journaled(
     far = int(time.time() * 1000) + 86_400_000
 
     def call(i: int) -> Any:
-        key = ticket_key("t", f"G-{i}")
         shape = store.shape("g", 7, 1, far, far, 60_000, 5000, 100, "UTC", False, [far])
-        return store.sale_call(shape, key, b"sale",
+        return store.sale_call(shape, *ticket_names("t", f"G-{i}"), b"sale",
                                [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)])
 
     gone = store.sell([call(1)])

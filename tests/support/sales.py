@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from capsvc.redis.replies import Claim
-from capsvc.redis.store import Store
+from capsvc.redis.store import Store, record_of
 
 
 def sell_alone(store: Store, ticket: str, sale: bytes, close_ms: int,
@@ -18,7 +18,7 @@ def sell_alone(store: Store, ticket: str, sale: bytes, close_ms: int,
     """One sale queued with the tick's others; its claim."""
     shape = store.shape(game, first_draw, draws, close_ms, expire_at, stale_after_ms, caps,
                         min_stake, time_zone, fix_caps, expiries)
-    group = store.sell([store.sale_call(shape, ticket, sale, grids)])
+    group = store.sell([store.sale_call(shape, ticket, record_of(ticket), sale, grids)])
     out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
 
     def first(done: asyncio.Future[Any]) -> None:
