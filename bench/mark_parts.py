@@ -34,14 +34,14 @@ local function plain(keys, args)
 end
 """
 READ = "local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)"
-WRITE = "redis.call('HSET', mark, '*', g, life, g, last, q)"
+WRITE = "call('HSET', mark, '*', g, life, g, last, q)"
 
 
 def library() -> str:
     """The test library: the MARKS section (and what it needs), the plain function, and a
     function per variant."""
     source = LUA.read_text()
-    section = source[source.index("local function now_ms()"):
+    section = source[source.index("local call, "):
                      source.index("--[[ marks: KEYS mark")]
     if READ not in section or WRITE not in section:
         raise SystemExit("lua/capsvc.lua's MARKS section changed: update bench/mark_parts.py")
@@ -56,7 +56,9 @@ def library() -> str:
     parts = ["#!lua name=markparts", PLAIN, "redis.register_function('plain', plain)"]
     for name, text in variants.items():
         body = text.replace("local function marked(fn)", f"local function marked_{name}(fn)")
-        parts += [f"do\n{body}\nredis.register_function('{name}', marked_{name}(plain))\nend"]
+        parts += [f"do\n{body}\nlocal f = marked_{name}(plain)\n"
+                  f"redis.register_function('{name}', function(keys, args)\n"
+                  f"  if not call then bind() end\n  return f(keys, args)\nend)\nend"]
     return "\n".join(parts)
 
 

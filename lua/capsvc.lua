@@ -94,9 +94,29 @@ Instants are milliseconds since the Unix epoch; "now" is always Redis TIME, so c
 admin stops, pending deadlines and cancel deadlines are judged by one clock.
 ]]
 
+-- The library's globals, bound to locals at the first call (a library's code sees none of
+-- them while it loads): a local is an upvalue read, a global two table lookups.
+local call, sub, byte, char, format, find, match, gmatch, mpack, munpack, munpack_one
+local munpack_limit, sunpack, spack, concat, insert, remove, floor, max, min, tonum
+local function bind()
+  call, sub, byte, char = redis.call, string.sub, string.byte, string.char
+  format = string.format
+  find, match, gmatch = string.find, string.match, string.gmatch
+  mpack, munpack, munpack_one = cmsgpack.pack, cmsgpack.unpack, cmsgpack.unpack_one
+  munpack_limit, sunpack, spack = cmsgpack.unpack_limit, struct.unpack, struct.pack
+  concat, insert, remove = table.concat, table.insert, table.remove
+  floor, max, min, tonum = math.floor, math.max, math.min, tonumber
+end
+
+-- Decimal text known to be a number, as one: `+ 0` converts it once, where tonumber checks
+-- it, then converts it (two strtod: what the calls' per-call numbers cost most).
+local function num(text)
+  return text + 0
+end
+
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local t = call('TIME')
+  return num(t[1]) * 1000 + floor(num(t[2]) / 1000)
 end
 
 -- Push a key's expiry to `at` (and `slack` ms beyond) unless it already lives to `at`;
@@ -111,10 +131,10 @@ local function extend(key, at, slack, seen)
     end
     seen[key] = at
   end
-  local cur = redis.call('PEXPIRETIME', key)
+  local cur = call('PEXPIRETIME', key)
   if cur == -1 or cur < at then
     cur = at + (slack or 0)
-    redis.call('PEXPIREAT', key, cur)
+    call('PEXPIREAT', key, cur)
   end
   return cur
 end
@@ -184,32 +204,31 @@ of its process's life is not below. ]]
 local MARK_TTL_MS = 8 * 86400000
 
 local function restoring(h)
-  return h and tonumber(h) > now_ms()
+  return h and tonum(h) > now_ms()
 end
 
 -- nil when the caller may go on; else the error reply that refuses the call.
 local function mark_refusal(mark, node, life, seen)
   local last = '#' .. life
-  local m = redis.call('HMGET', mark, '*', '!', life, last)
-  local n = node ~= '' and redis.call('HMGET', node, '*', '!') or {0, false}
+  local m = call('HMGET', mark, '*', '!', life, last)
+  local n = node ~= '' and call('HMGET', node, '*', '!') or {0, false}
   if restoring(m[2]) or restoring(n[2]) then
     return redis.error_reply('RESTORING a process is putting its journal back into Redis')
   end
-  local c1 = string.find(seen, ':', 1, true)
-  local c2 = string.find(seen, ':', c1 + 1, true)
-  local c3 = string.find(seen, ':', c2 + 1, true)
-  local c4 = string.find(seen, ':', c3 + 1, true)
-  local g, own, ran = tonumber(m[1]) or 0, tonumber(m[3]) or 0, tonumber(m[4]) or 0
-  local ng = tonumber(n[1]) or 0
-  if ng < tonumber(string.sub(seen, c4 + 1)) then
+  local c1 = find(seen, ':', 1, true)
+  local c2 = find(seen, ':', c1 + 1, true)
+  local c3 = find(seen, ':', c2 + 1, true)
+  local c4 = find(seen, ':', c3 + 1, true)
+  local g, own, ran = tonum(m[1]) or 0, tonum(m[3]) or 0, tonum(m[4]) or 0
+  local ng = tonum(n[1]) or 0
+  if ng < num(sub(seen, c4 + 1)) then
     return redis.error_reply('BEHIND node ' .. ng)
   end
-  if g < tonumber(string.sub(seen, 1, c1 - 1))
-      or own < tonumber(string.sub(seen, c1 + 1, c2 - 1)) then
+  if g < num(sub(seen, 1, c1 - 1)) or own < num(sub(seen, c1 + 1, c2 - 1)) then
     return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. ran)
   end
-  local q = tonumber(string.sub(seen, c3 + 1, c4 - 1))
-  if ran < tonumber(string.sub(seen, c2 + 1, c3 - 1)) or ran >= q then
+  local q = num(sub(seen, c3 + 1, c4 - 1))
+  if ran < num(sub(seen, c2 + 1, c3 - 1)) or ran >= q then
     return redis.error_reply('UNSETTLED ' .. ran)
   end
   return nil, g, last, q, ng
@@ -217,16 +236,16 @@ end
 
 local function marked(fn)
   return function(keys, args)
-    local mark = table.remove(keys)
-    local seen = table.remove(args)
-    local life = table.remove(args)
-    local node = table.remove(args)
+    local mark = remove(keys)
+    local seen = remove(args)
+    local life = remove(args)
+    local node = remove(args)
     if life == '' then
       return {0, 0, fn(keys, args)}
     end
-    if string.sub(life, 1, 1) == '%' then  -- a restore's write: counted, not checked
+    if sub(life, 1, 1) == '%' then  -- a restore's write: counted, not checked
       local reply = fn(keys, args)
-      redis.call('HINCRBY', mark, life, 1)
+      call('HINCRBY', mark, life, 1)
       return {0, 0, reply}
     end
     local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)
@@ -235,14 +254,14 @@ local function marked(fn)
     end
     local reply = fn(keys, args)
     g = g + 1
-    redis.call('HSET', mark, '*', g, life, g, last, q)
+    call('HSET', mark, '*', g, life, g, last, q)
     if g == 1 then
-      redis.call('PEXPIRE', mark, MARK_TTL_MS)
+      call('PEXPIRE', mark, MARK_TTL_MS)
     end
     if node ~= '' then
-      ng = redis.call('HINCRBY', node, '*', 1)
+      ng = call('HINCRBY', node, '*', 1)
       if ng == 1 then
-        redis.call('PEXPIRE', node, MARK_TTL_MS)
+        call('PEXPIRE', node, MARK_TTL_MS)
       end
     end
     return {g, ng, reply}
@@ -252,7 +271,7 @@ end
 --[[ marks: KEYS mark; ARGV lives... (read only; each mark of `marks_of`)
 Returns {G, announced until (or false), the G of each life (false when none)}. ]]
 local function marks(keys, args)
-  local m = redis.call('HMGET', keys[1], '*', '!', unpack(args))
+  local m = call('HMGET', keys[1], '*', '!', unpack(args))
   return m
 end
 
@@ -262,7 +281,7 @@ reads of every slot's mark on a cluster, one call a node rather than one a mark.
 cluster refuses declared keys of several slots): a mark the node does not serve fails the
 call ("non local key"), and the caller reads that node's marks one by one. ]]
 local function marks_of(keys, args)
-  local n = tonumber(args[1])
+  local n = tonum(args[1])
   local lives = {unpack(args, 2, n + 1)}
   local out = {marks(keys, lives)}
   for i = n + 2, #args do
@@ -286,28 +305,28 @@ it put back may be gone with it: error LOST, nothing written (the restore runs a
 Returns the mark's G. ]]
 local function mark_restored(keys, args)
   local mark = keys[1]
-  if args[2] ~= '' and redis.call('HGET', mark, '^' .. args[1]) ~= args[2] then
+  if args[2] ~= '' and call('HGET', mark, '^' .. args[1]) ~= args[2] then
     return redis.error_reply('LOST the restore\'s token is gone: Redis went back in time')
   end
   local counter = args[3]
-  if (tonumber(redis.call('HGET', mark, counter)) or 0) ~= tonumber(args[4]) then
+  if (tonum(call('HGET', mark, counter)) or 0) ~= tonum(args[4]) then
     return redis.error_reply('LOST the restore\'s writes are not all there: Redis went back '
                              .. 'in time')
   end
-  redis.call('HDEL', mark, counter)
-  local g = tonumber(redis.call('HGET', mark, '*')) or 0
+  call('HDEL', mark, counter)
+  local g = tonum(call('HGET', mark, '*')) or 0
   for i = 5, #args, 2 do
-    local made = tonumber(args[i + 1])
-    if (tonumber(redis.call('HGET', mark, args[i])) or 0) < made then
-      redis.call('HSET', mark, args[i], made)
+    local made = tonum(args[i + 1])
+    if (tonum(call('HGET', mark, args[i])) or 0) < made then
+      call('HSET', mark, args[i], made)
     end
-    if g < made and string.sub(args[i], 1, 1) ~= '#' then
+    if g < made and sub(args[i], 1, 1) ~= '#' then
       g = made
     end
   end
-  redis.call('HSET', mark, '*', g)
-  redis.call('HDEL', mark, '^' .. args[1])
-  redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  call('HSET', mark, '*', g)
+  call('HDEL', mark, '^' .. args[1])
+  call('PEXPIRE', mark, MARK_TTL_MS)
   return g
 end
 
@@ -319,19 +338,19 @@ restore's token ("^<restorer>"), for mark_restored to find. Returns the announce
 end. ]]
 local function announce(keys, args)
   local mark = keys[1]
-  local till = now_ms() + tonumber(args[1])
-  redis.call('HSET', mark, '!' .. args[2], till)
-  local cur = tonumber(redis.call('HGET', mark, '!')) or 0
+  local till = now_ms() + tonum(args[1])
+  call('HSET', mark, '!' .. args[2], till)
+  local cur = tonum(call('HGET', mark, '!')) or 0
   if cur < till then
-    redis.call('HSET', mark, '!', till)
+    call('HSET', mark, '!', till)
   else
     till = cur
   end
   if args[3] then
-    redis.call('HSET', mark, '^' .. args[2], args[3])
+    call('HSET', mark, '^' .. args[2], args[3])
   end
-  if redis.call('PTTL', mark) < 0 then
-    redis.call('PEXPIRE', mark, MARK_TTL_MS)
+  if call('PTTL', mark) < 0 then
+    call('PEXPIRE', mark, MARK_TTL_MS)
   end
   return till
 end
@@ -343,28 +362,28 @@ restorer's own field reaches is left as it is (it ends by itself). Returns "!" a
 (0: none). ]]
 local function announce_end(keys, args)
   local mark, now = keys[1], now_ms()
-  local own = tonumber(redis.call('HGET', mark, '!' .. args[1]))
-  redis.call('HDEL', mark, '!' .. args[1])
-  local cur = tonumber(redis.call('HGET', mark, '!'))
+  local own = tonum(call('HGET', mark, '!' .. args[1]))
+  call('HDEL', mark, '!' .. args[1])
+  local cur = tonum(call('HGET', mark, '!'))
   if not own or not cur or cur > own then
     return cur or 0
   end
   local latest = 0
-  local fields = redis.call('HGETALL', mark)
+  local fields = call('HGETALL', mark)
   for i = 1, #fields, 2 do
     local f = fields[i]
-    if #f > 1 and string.sub(f, 1, 1) == '!' then
-      local till = tonumber(fields[i + 1])
+    if #f > 1 and sub(f, 1, 1) == '!' then
+      local till = tonum(fields[i + 1])
       if till > latest then
         latest = till
       end
     end
   end
   if latest > now then
-    redis.call('HSET', mark, '!', latest)
+    call('HSET', mark, '!', latest)
     return latest
   end
-  redis.call('HDEL', mark, '!')
+  call('HDEL', mark, '!')
   return 0
 end
 
@@ -376,31 +395,31 @@ MARK_TTL_MS removed: their records are past their retention by then (a lifetime 
 field has all of its records restored, which is never wrong). ]]
 local function mark_keep(keys, args)
   local mark, now = keys[1], now_ms()
-  if redis.call('EXISTS', mark) == 0 then
+  if call('EXISTS', mark) == 0 then
     return 0
   end
-  redis.call('PEXPIRE', mark, MARK_TTL_MS)
-  redis.call('HSET', mark, '@' .. args[1], now)
-  local till = redis.call('HGET', mark, '!')
-  if till and tonumber(till) <= now then
-    redis.call('HDEL', mark, '!')
+  call('PEXPIRE', mark, MARK_TTL_MS)
+  call('HSET', mark, '@' .. args[1], now)
+  local till = call('HGET', mark, '!')
+  if till and tonum(till) <= now then
+    call('HDEL', mark, '!')
   end
-  local fields = redis.call('HGETALL', mark)
+  local fields = call('HGETALL', mark)
   local gone, tokens = 0, {}
   for i = 1, #fields, 2 do
-    if string.sub(fields[i], 1, 1) == '^' then
+    if sub(fields[i], 1, 1) == '^' then
       tokens[fields[i + 1]] = true
     end
   end
   for i = 1, #fields, 2 do
     local f = fields[i]
-    if string.sub(f, 1, 1) == '%' and not tokens[string.sub(f, 2)] then
-      redis.call('HDEL', mark, f)  -- the count of a restore that ended or failed
-    elseif string.sub(f, 1, 1) == '@' and tonumber(fields[i + 1]) < now - MARK_TTL_MS then
-      redis.call('HDEL', mark, f, string.sub(f, 2), '#' .. string.sub(f, 2))
+    if sub(f, 1, 1) == '%' and not tokens[sub(f, 2)] then
+      call('HDEL', mark, f)  -- the count of a restore that ended or failed
+    elseif sub(f, 1, 1) == '@' and tonum(fields[i + 1]) < now - MARK_TTL_MS then
+      call('HDEL', mark, f, sub(f, 2), '#' .. sub(f, 2))
       gone = gone + 1
-    elseif #f > 1 and string.sub(f, 1, 1) == '!' and tonumber(fields[i + 1]) <= now then
-      redis.call('HDEL', mark, f)
+    elseif #f > 1 and sub(f, 1, 1) == '!' and tonum(fields[i + 1]) <= now then
+      call('HDEL', mark, f)
     end
   end
   return gone
@@ -423,21 +442,20 @@ local FIELD = {st = 1, at = 2, sid = 3, sale = 4, body = 5, res = 6, ca = 7, rel
 
 -- A sale id's 8 bytes, from its hex.
 local function raw_sid(sid)
-  return struct.pack('>I4I4', tonumber(string.sub(sid, 1, 8), 16),
-                     tonumber(string.sub(sid, 9, 16), 16))
+  return spack('>I4I4', tonum(sub(sid, 1, 8), 16), tonum(sub(sid, 9, 16), 16))
 end
 
 -- A sale id's hex, from its 8 bytes.
 local function sid_hex(raw)
-  return string.format('%02x%02x%02x%02x%02x%02x%02x%02x', string.byte(raw, 1, 8))
+  return format('%02x%02x%02x%02x%02x%02x%02x%02x', byte(raw, 1, 8))
 end
 
 -- The ticket a call is about (KEYS[1] its bucket); its field is taken out of ARGV, in place,
 -- so that the call's own ARGV come first.
 local function ticket_of(keys, args)
-  local bucket, field = keys[1], table.remove(args, 1)
+  local bucket, field = keys[1], remove(args, 1)
   return {bucket = bucket, field = field,
-          name = 't:' .. string.sub(bucket, 3, string.find(bucket, '}', 3, true)) .. ':'
+          name = 't:' .. sub(bucket, 3, find(bucket, '}', 3, true)) .. ':'
                  .. field}
 end
 
@@ -445,7 +463,7 @@ end
 -- record is absent, as an expired key is); nil otherwise.
 local function live(v, now)
   if v then
-    local _, exp = cmsgpack.unpack_one(v)
+    local _, exp = munpack_one(v)
     if exp > now then
       return v, exp
     end
@@ -454,13 +472,13 @@ end
 
 -- The bucket's value of the record and its expiry, if it is live at `now`.
 local function live_value(T, now)
-  return live(redis.call('HGET', T.bucket, T.field), now)
+  return live(call('HGET', T.bucket, T.field), now)
 end
 
 -- A record's value as st, at, sid, sale, body, res, ca, rel (false when absent), and its
 -- expiry and sid's bytes.
 local function ticket_decode(v)
-  local exp, a, b, c, d, e, f, g, h = cmsgpack.unpack(v)
+  local exp, a, b, c, d, e, f, g, h = munpack(v)
   return {a or false, b or false, c and sid_hex(c) or false, d or false, e or false,
           f or false, g or false, h or false}, exp, c
 end
@@ -484,7 +502,7 @@ end
 local function ticket_state(T, now)
   local v = live_value(T, now)
   if v then
-    local _, _, st, _, sid = cmsgpack.unpack_limit(v, 4)
+    local _, _, st, _, sid = munpack_limit(v, 4)
     return st, sid and sid_hex(sid)
   end
   return false, false
@@ -506,7 +524,7 @@ local function bucket_lives(bucket, at, at_text, known)
   if known and #known == #at_text and known >= at_text then
     return
   end
-  redis.call('HSET', bucket, '!', string.format('%d', extend(bucket, at, BUCKET_SLACK_MS)))
+  call('HSET', bucket, '!', format('%d', extend(bucket, at, BUCKET_SLACK_MS)))
 end
 
 -- The record written back (or deleted, past its expiry). Its bucket's TTL is looked at only
@@ -518,13 +536,13 @@ local function ticket_store(T)
   local r = T.rec
   if T.exp > T.now then
     local sid = r[3] and (T.sid_raw or raw_sid(r[3]))  -- no ticket_set changes a sid
-    redis.call('HSET', T.bucket, T.field, cmsgpack.pack(T.exp, r[1] or nil, r[2] or nil,
-               sid or nil, r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
+    call('HSET', T.bucket, T.field, mpack(T.exp, r[1] or nil, r[2] or nil, sid or nil,
+         r[4] or nil, r[5] or nil, r[6] or nil, r[7] or nil, r[8] or nil))
     if T.exp ~= T.held then
       extend(T.bucket, T.exp, BUCKET_SLACK_MS, T.seen)
     end
   else
-    redis.call('HDEL', T.bucket, T.field)
+    call('HDEL', T.bucket, T.field)
     if T.seen then
       T.seen[T.bucket] = nil  -- the bucket may be gone: its TTL is set again when it is not
     end
@@ -536,7 +554,7 @@ local function ticket_set(T, ...)
   local set = {...}
   for i = 1, #set, 2 do
     local v = set[i + 1]
-    T.rec[FIELD[set[i]]] = type(v) == 'number' and string.format('%d', v) or v
+    T.rec[FIELD[set[i]]] = type(v) == 'number' and format('%d', v) or v
   end
   ticket_store(T)
 end
@@ -551,7 +569,7 @@ local function ticket_new(T, expire_at, st, at, sid, sale, body, res, ca, rel)
 end
 
 local function ticket_delete(T)
-  redis.call('HDEL', T.bucket, T.field)
+  call('HDEL', T.bucket, T.field)
 end
 
 --[[ claim: KEYS ticket, pending index; ARGV sale, close_ms, expire_at, stale_after_ms, nonce
@@ -572,34 +590,34 @@ after the claim and voids a sale claimed once a draw of it was stopped. ]]
 local function known_ticket(rec, now, stale_after_ms)
   local st = rec[1]
   if st == 'f' or st == 'k' or st == 'c' then
-    return {'final', rec[5], tonumber(rec[2]), rec[3], rec[4], rec[6], st, rec[7], rec[8]}
+    return {'final', rec[5], tonum(rec[2]), rec[3], rec[4], rec[6], st, rec[7], rec[8]}
   end
-  if st == 'p' and now - tonumber(rec[2]) < stale_after_ms then
-    return {'pending', tonumber(rec[2]), rec[3], rec[4]}
+  if st == 'p' and now - tonum(rec[2]) < stale_after_ms then
+    return {'pending', tonum(rec[2]), rec[3], rec[4]}
   end
   return {'stale', rec[4]}
 end
 
 local function claim(keys, args)
   local T = ticket_of(keys, args)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZADD', keys[2], 'NX', now, T.name)
-  extend(keys[2], tonumber(args[3]))
+  local t = call('TIME')
+  local now = tonum(t[1]) * 1000 + floor(tonum(t[2]) / 1000)
+  call('ZADD', keys[2], 'NX', now, T.name)
+  extend(keys[2], tonum(args[3]))
   local rec = ticket_read(T, now)
   local st = rec[1]
   if not st then
-    if now >= tonumber(args[2]) then
+    if now >= tonum(args[2]) then
       return {'closed'}
     end
     -- The caller's random nonce keeps the id new even if TIME repeats (a clock stepped
     -- back after an unclaim): a sale never meets another sale's records.
-    local sid = string.sub(redis.sha1hex(T.name .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
-                                         .. args[5]), 1, 16)
-    ticket_new(T, tonumber(args[3]), 'p', now, sid, args[1])
+    local sid = sub(redis.sha1hex(T.name .. '\n' .. t[1] .. '.' .. t[2] .. '\n'
+                                  .. args[5]), 1, 16)
+    ticket_new(T, tonum(args[3]), 'p', now, sid, args[1])
     return {'new', now, sid}
   end
-  return known_ticket(rec, now, tonumber(args[4]))
+  return known_ticket(rec, now, tonum(args[4]))
 end
 
 --[[ ticket: KEYS ticket (see TICKET RECORDS) (read only)
@@ -615,18 +633,18 @@ For the janitor: deletes the records of one bucket past their expiry, HSCAN from
 by `count`. Returns {next cursor ("0": the bucket is done), records deleted}. ]]
 local function sweep(keys, args)
   local now = now_ms()
-  local page = redis.call('HSCAN', keys[1], args[1], 'COUNT', tonumber(args[2]))
+  local page = call('HSCAN', keys[1], args[1], 'COUNT', tonum(args[2]))
   local fields, gone = page[2], {}
   for i = 1, #fields, 2 do
     if fields[i] ~= '!' then  -- the bucket's known expiry (TICKET RECORDS), not a record
-      local _, exp = cmsgpack.unpack_one(fields[i + 1])
+      local _, exp = munpack_one(fields[i + 1])
       if exp <= now then
         gone[#gone + 1] = fields[i]
       end
     end
   end
   if #gone > 0 then
-    redis.call('HDEL', keys[1], unpack(gone))
+    call('HDEL', keys[1], unpack(gone))
   end
   return {page[1], #gone}
 end
@@ -650,15 +668,15 @@ still running after a cancel must not put the cancelled stake back. Returns 1 if
 (or removed), 0 if not. ]]
 local function aggregate(keys, args)
   if args[2] == '' then
-    redis.call('HDEL', keys[1], args[1])
+    call('HDEL', keys[1], args[1])
     return 1
   end
   local rec = ticket_read({bucket = keys[2], field = args[4]}, now_ms())
   if rec[3] ~= args[1] or rec[1] == 'k' or rec[1] == 'c' then
     return 0
   end
-  redis.call('HSET', keys[1], args[1], args[2])
-  extend(keys[1], tonumber(args[3]))
+  call('HSET', keys[1], args[1], args[2])
+  extend(keys[1], tonum(args[3]))
   return 1
 end
 
@@ -666,13 +684,13 @@ end
 and its sales' shares added up. ]]
 local function aggregate_sum(keys, args)
   local sums = {}
-  local all = redis.call('HGETALL', keys[1])
+  local all = call('HGETALL', keys[1])
   for i = 1, #all, 2 do
     if #all[i] <= 2 then  -- a total by number of picks
-      sums[all[i]] = (sums[all[i]] or 0) + tonumber(all[i + 1])
+      sums[all[i]] = (sums[all[i]] or 0) + tonum(all[i + 1])
     else
-      for picks, stake in string.gmatch(all[i + 1], '(%d+):(%-?%d+)') do
-        sums[picks] = (sums[picks] or 0) + tonumber(stake)
+      for picks, stake in gmatch(all[i + 1], '(%d+):(%-?%d+)') do
+        sums[picks] = (sums[picks] or 0) + tonum(stake)
       end
     end
   end
@@ -731,7 +749,7 @@ local function journaled_many(keys, args)
   end
   local removed = 0
   for _, index in ipairs(order) do
-    removed = removed + redis.call('ZREM', index, unpack(gone[index]))
+    removed = removed + call('ZREM', index, unpack(gone[index]))
   end
   return removed
 end
@@ -759,11 +777,11 @@ res} | {'f', at, sid, sale, body, false, false, res} to settle, {'wait'} when th
 not due yet, {} when the janitor has nothing to do with it (drop the entry). ]]
 local function expire(keys, args)
   local T = ticket_of(keys, args)
-  local now, deadline = now_ms(), tonumber(args[1])
+  local now, deadline = now_ms(), tonum(args[1])
   local rec = ticket_read(T, now)
   local st = rec[1]
   if st == 'p' then
-    if now - tonumber(rec[2]) < deadline then
+    if now - tonum(rec[2]) < deadline then
       return {'wait'}
     end
     ticket_set(T, 'st', 'x')
@@ -773,7 +791,7 @@ local function expire(keys, args)
     return {'x', rec[2], rec[3], rec[4]}
   end
   if st == 'k' or st == 'c' or st == 'f' then
-    if now - tonumber(st == 'f' and rec[2] or rec[7]) < deadline then
+    if now - tonum(st == 'f' and rec[2] or rec[7]) < deadline then
       return {'wait'}
     end
     return {st, rec[2], rec[3], rec[4], rec[5], rec[7], rec[8], rec[6]}
@@ -798,25 +816,25 @@ local function cancel(keys, args)
     return {'missing'}
   end
   if st == 'c' then
-    return {'c', tonumber(rec[7]), tonumber(rec[8])}
+    return {'c', tonum(rec[7]), tonum(rec[8])}
   end
   if st == 'k' then
-    redis.call('ZADD', keys[3], 'NX', now, T.name)
-    extend(keys[3], tonumber(args[4]))
-    return {'k', tonumber(rec[7]), tonumber(rec[8]), rec[3]}
+    call('ZADD', keys[3], 'NX', now, T.name)
+    extend(keys[3], tonum(args[4]))
+    return {'k', tonum(rec[7]), tonum(rec[8]), rec[3]}
   end
   if st ~= 'f' then
     return {'undecided'}
   end
-  if now >= tonumber(args[1]) or redis.call('HEXISTS', keys[2], args[2]) == 1 then
+  if now >= tonum(args[1]) or call('HEXISTS', keys[2], args[2]) == 1 then
     return {'closed'}
   end
   ticket_set(T, 'st', 'k', 'ca', now, 'rel', args[3])
   -- Indexed with the decision (not in a call before it, which a removal of the sale's
   -- entry could follow): the janitor finishes the cancel if its request dies.
-  redis.call('ZADD', keys[3], 'NX', now, T.name)
-  extend(keys[3], tonumber(args[4]))
-  return {'k', now, tonumber(args[3]), rec[3]}
+  call('ZADD', keys[3], 'NX', now, T.name)
+  extend(keys[3], tonum(args[4]))
+  return {'k', now, tonum(args[3]), rec[3]}
 end
 
 --[[ cancelled: KEYS ticket, then (a ticket sold in one call, on one node) the aggregates
@@ -830,7 +848,7 @@ local function cancelled(keys, args)
     ticket_set(T, 'st', 'c')
     for k = 2, #keys do
       for j = 2, #args, 2 do
-        redis.call('HINCRBY', keys[k], args[j], -tonumber(args[j + 1]))
+        call('HINCRBY', keys[k], args[j], -tonum(args[j + 1]))
       end
     end
     return 1
@@ -845,15 +863,15 @@ picks, picks, combinations played, at their cap, at 80 % of it or more, their st
 top the 20 largest counters above `floor`, combo, total, largest first (the caller passes
 the 20th largest it already has, so that replies stay small). ]]
 local function exposure(keys, args)
-  local cap, min_stake, floor = tonumber(args[1]), tonumber(args[2]), tonumber(args[3])
+  local cap, min_stake, floor = tonum(args[1]), tonum(args[2]), tonum(args[3])
   local near = cap * 0.8
   local stats, top = {}, {}
   for k = 1, #keys do
-    local all = redis.call('HGETALL', keys[k])
+    local all = call('HGETALL', keys[k])
     for i = 1, #all, 2 do
       local field = all[i]
-      if string.byte(field, 1) ~= 0 then
-        local total = tonumber(all[i + 1])
+      if byte(field, 1) ~= 0 then
+        local total = tonum(all[i + 1])
         if total > 0 then
           local s = stats[#field]
           if not s then
@@ -882,7 +900,7 @@ local function exposure(keys, args)
       flat_stats[#flat_stats + 1] = v
     end
   end
-  for i = 1, math.min(20, #top) do
+  for i = 1, min(20, #top) do
     flat_top[#flat_top + 1] = top[i][1]
     flat_top[#flat_top + 1] = top[i][2]
   end
@@ -895,7 +913,7 @@ draws of one subscription may have different caps. The caller passes them
 as one argument: "<cap>" for every draw, or "<cap 1>,<cap 2>,…" one per draw, optionally
 followed by "/<shadow cap>": a lower cap evaluated on every grid and never enforced. ]]
 local function caps_of(arg, n)
-  local single = tonumber(arg)
+  local single = tonum(arg)
   local caps = {}
   if single then
     for i = 1, n do
@@ -903,21 +921,21 @@ local function caps_of(arg, n)
     end
     return caps, nil
   end
-  local list, shadow = string.match(arg, '^([%d,]+)/?(%d*)$')
-  for c in string.gmatch(list, '%d+') do
-    caps[#caps + 1] = tonumber(c)
+  local list, shadow = match(arg, '^([%d,]+)/?(%d*)$')
+  for c in gmatch(list, '%d+') do
+    caps[#caps + 1] = tonum(c)
   end
   for i = #caps + 1, n do
     caps[i] = caps[#caps]
   end
-  return caps, tonumber(shadow)
+  return caps, tonum(shadow)
 end
 
 -- Offsets of the draws whose room for `combo` is now below the smallest stake.
 local function sold_out(buckets, combo, caps, min_stake)
   local out = {}
   for i = 1, #buckets do
-    local total = tonumber(redis.call('HGET', buckets[i], combo) or '0')
+    local total = tonum(call('HGET', buckets[i], combo) or '0')
     if caps[i] - total < min_stake then
       out[#out + 1] = i - 1
     end
@@ -927,17 +945,17 @@ end
 
 -- The reply for an existing record of a grid.
 local function recorded(buckets, combo, rec, caps, min_stake)
-  local kind = string.sub(rec, 1, 1)
+  local kind = sub(rec, 1, 1)
   if kind == 'X' then
     return {-2}
   end
   if kind == 'R' then
-    local off, room = string.match(rec, '^R(%d+):(%-?%d+)$')
-    return {0, tonumber(off), tonumber(room)}
+    local off, room = match(rec, '^R(%d+):(%-?%d+)$')
+    return {0, tonum(off), tonum(room)}
   end
   local out = sold_out(buckets, combo, caps, min_stake)
-  table.insert(out, 1, 0)
-  table.insert(out, 1, 1)
+  insert(out, 1, 0)
+  insert(out, 1, 1)
   return out
 end
 
@@ -955,59 +973,67 @@ local function slice(list, from, n)
   return out
 end
 
--- Take back `stake` from `combo` on the first `n` of `buckets`: a counter back at zero goes
--- (its bucket with it when that was its only field: its TTL is looked at again by the next
--- write of the call, `seen`), as if never counted.
-local function uncount(buckets, n, combo, stake, seen)
-  for i = 1, n do
-    if redis.call('HINCRBY', buckets[i], combo, -stake) == 0 then
-      redis.call('HDEL', buckets[i], combo)
+-- Take back `stake` from `combo` on the first `n` buckets after `kb` in `keys`: a counter
+-- back at zero goes (its bucket with it when that was its only field: its TTL is looked at
+-- again by the next write of the call, `seen`), as if never counted.
+local function uncount(keys, kb, n, combo, stake, seen)
+  for i = kb + 1, kb + n do
+    if call('HINCRBY', keys[i], combo, -stake) == 0 then
+      call('HDEL', keys[i], combo)
       if seen then
-        seen[buckets[i]] = nil
+        seen[keys[i]] = nil
       end
     end
   end
 end
 
--- Count `stake` for a grid with no record yet on every draw (`buckets`, `expiries`), or
--- none: record what it took, or why it was refused, in the last draw's bucket. The reply
--- is `reserve`'s. Each counter is increased first and taken back if that passed its cap
--- (with the draws before it): one command a draw for a grid accepted, the usual case, the
--- call being atomic. A TTL is written only when it grows (`extend`: a read is not
--- propagated to the AOF and the replicas, a write is).
-local function count(buckets, field, combo, stake, caps, min_stake, expiries, shadow, seen)
-  local n = #buckets
-  local last = buckets[n]
+-- Count `stake` for a grid with no record yet on every draw (the `n` buckets after `kb` in
+-- `keys`, `expiries`), or none: record what it took, or why it was refused, in the last
+-- draw's bucket. Returns 1 (2: the shadow cap would have refused it), the counters it
+-- brought to 80 % of their cap and the offsets of the draws it brought to their cap (a list,
+-- or nil: none) when counted; 0, the offset of the draw that would overflow and its room
+-- when refused (`reserve`'s reply, as values: no table a grid). Each counter is increased first and taken back
+-- if that passed its cap (with the draws before it): one command a draw for a grid
+-- accepted, the usual case, the call being atomic. A TTL is written only when it grows
+-- (`extend`: a read is not propagated to the AOF and the replicas, a write is).
+local function count(keys, kb, n, field, combo, stake, caps, min_stake, expiries, shadow,
+                     seen)
+  local last = keys[kb + n]
   local shadowed = false
-  local totals = {}
+  local totals = n > 1 and {}  -- a grid of one draw: its total is `total`
+  local total
   for i = 1, n do
-    local total = redis.call('HINCRBY', buckets[i], combo, stake)
+    total = call('HINCRBY', keys[kb + i], combo, stake)
     if total > caps[i] then
-      uncount(buckets, i, combo, stake, seen)
+      uncount(keys, kb, i, combo, stake, seen)
       local room = caps[i] - (total - stake)
-      redis.call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
-      extend(last, tonumber(expiries[n]), 0, seen)
-      return {0, i - 1, room}
+      call('HSET', last, field, 'R' .. (i - 1) .. ':' .. room)
+      extend(last, tonum(expiries[n]), 0, seen)
+      return 0, i - 1, room
     end
     if shadow and total > shadow then
       shadowed = true
     end
-    totals[i] = total
+    if totals then
+      totals[i] = total
+    end
   end
-  local out = {shadowed and 2 or 1, 0}
+  local brought, sold = 0, nil
   for i = 1, n do
-    local cap, total = caps[i], totals[i]
+    local cap = caps[i]
+    total = totals and totals[i] or total
     local near = cap * 0.8
-    extend(buckets[i], tonumber(expiries[i]), 0, seen)
+    extend(keys[kb + i], tonum(expiries[i]), 0, seen)
     if total >= near and total - stake < near then
-      out[2] = out[2] + 1
+      brought = brought + 1
     end
     if cap - total < min_stake then
-      out[#out + 1] = i - 1
+      sold = sold or {}
+      sold[#sold + 1] = i - 1
     end
   end
-  redis.call('HSET', last, field, stake)
-  return out
+  call('HSET', last, field, stake)
+  return shadowed and 2 or 1, brought, sold
 end
 
 --[[ reserve: KEYS bucket(draw 1), …, bucket(draw n);
@@ -1024,23 +1050,35 @@ All or nothing over the n draws of one grid of one sale. Returns
 With close_ms = 0 it seals instead (the janitor): a grid with no record gets "X" and {-2}. ]]
 local function reserve(keys, args)
   local last, field, combo = keys[#keys], args[1], args[2]
-  local stake, min_stake = tonumber(args[3]), tonumber(args[6])
+  local stake, min_stake = tonum(args[3]), tonum(args[6])
   local caps, shadow = caps_of(args[4], #keys)
-  local close_ms = tonumber(args[5])
-  local last_expiry = tonumber(args[6 + #keys])
-  local rec = redis.call('HGET', last, field)
+  local close_ms = tonum(args[5])
+  local last_expiry = tonum(args[6 + #keys])
+  local rec = call('HGET', last, field)
   if rec then
     return recorded(keys, combo, rec, caps, min_stake)
   end
   if close_ms == 0 then
-    redis.call('HSET', last, field, 'X')
-    redis.call('PEXPIREAT', last, last_expiry)
+    call('HSET', last, field, 'X')
+    call('PEXPIREAT', last, last_expiry)
     return {-2}
   end
   if now_ms() >= close_ms then
     return {-1}
   end
-  return count(keys, field, combo, stake, caps, min_stake, slice(args, 6), shadow)
+  local status, x, y = count(keys, 0, #keys, field, combo, stake, caps, min_stake,
+                             slice(args, 6), shadow)
+  local out = {status, x}
+  if status == 0 then
+    out[3] = y
+  else
+    if y then
+      for _, offset in ipairs(y) do
+        out[#out + 1] = offset
+      end
+    end
+  end
+  return out
 end
 
 --[[ release: KEYS bucket(draw 1), …, bucket(draw n);
@@ -1050,26 +1088,26 @@ same sale cannot count it again (a grid never reserved is sealed the same way). 
 {released stake, offsets that left the sold-out state…}; {0} when nothing is given back. ]]
 local function release(keys, args)
   local last, field, combo = keys[#keys], args[1], args[2]
-  local caps, min_stake = caps_of(args[3], #keys), tonumber(args[4])
-  local rec = redis.call('HGET', last, field)
+  local caps, min_stake = caps_of(args[3], #keys), tonum(args[4])
+  local rec = call('HGET', last, field)
   if not rec then
-    redis.call('HSET', last, field, 'X')
-    redis.call('PEXPIREAT', last, tonumber(args[5]))
+    call('HSET', last, field, 'X')
+    call('PEXPIREAT', last, tonum(args[5]))
     return {0}
   end
-  local kind = string.sub(rec, 1, 1)
+  local kind = sub(rec, 1, 1)
   if kind == 'X' or kind == 'R' then
     return {0}
   end
-  local stake = tonumber(rec)
-  redis.call('HSET', last, field, 'X')
+  local stake = tonum(rec)
+  call('HSET', last, field, 'X')
   local out = {stake}
   for i = 1, #keys do
     -- The counter exists while its draw is retained (it holds at least this stake).
-    if redis.call('HEXISTS', keys[i], combo) == 1 then
-      local total = redis.call('HINCRBY', keys[i], combo, -stake)
+    if call('HEXISTS', keys[i], combo) == 1 then
+      local total = call('HINCRBY', keys[i], combo, -stake)
       if total <= 0 then
-        redis.call('HDEL', keys[i], combo)
+        call('HDEL', keys[i], combo)
       end
       if caps[i] - total >= min_stake and caps[i] - (total + stake) < min_stake then
         out[#out + 1] = i - 1
@@ -1087,21 +1125,21 @@ never lost; trimmed to ~100,000 entries, and the stream expires with the last dr
 reported. ]]
 local function feed_add(stream, kind, draw, combo, expire_at)
   if combo then
-    redis.call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw,
-               'combo', combo, 'at', now_ms())
+    call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw,
+         'combo', combo, 'at', now_ms())
   else
-    redis.call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw,
-               'at', now_ms())
+    call('XADD', stream, 'MAXLEN', '~', 100000, '*', 'type', kind, 'draw', draw, 'at',
+         now_ms())
   end
-  extend(stream, tonumber(expire_at))
+  extend(stream, tonum(expire_at))
 end
 
 --[[ sold_out: KEYS sold-out list, feed stream (optional); ARGV combo, expire_at, draw
 Adds a combination to a draw's sold-out list with the draw's expiry, in one step (a list
 without its TTL would outlive its draw), and its `capped` event to the game's feed. ]]
 local function sold_out_add(keys, args)
-  redis.call('SADD', keys[1], args[1])
-  redis.call('PEXPIREAT', keys[1], tonumber(args[2]))
+  call('SADD', keys[1], args[1])
+  call('PEXPIREAT', keys[1], tonum(args[2]))
   if keys[2] then
     feed_add(keys[2], 'capped', args[3], args[1], args[2])
   end
@@ -1120,16 +1158,16 @@ calendar's closes; an admin's stop calls it too). Entries whose expiry passed ar
 Returns 1 when this call announced it. ]]
 local function feed_closed(keys, args)
   local now = now_ms()
-  if redis.call('HSETNX', keys[2], args[1], args[2]) == 0 then
+  if call('HSETNX', keys[2], args[1], args[2]) == 0 then
     return 0
   end
-  local all = redis.call('HGETALL', keys[2])
+  local all = call('HGETALL', keys[2])
   for i = 1, #all, 2 do
-    if tonumber(all[i + 1]) <= now then
-      redis.call('HDEL', keys[2], all[i])
+    if tonum(all[i + 1]) <= now then
+      call('HDEL', keys[2], all[i])
     end
   end
-  extend(keys[2], tonumber(args[2]))
+  extend(keys[2], tonum(args[2]))
   feed_add(keys[1], 'closed', args[1], nil, args[2])
   return 1
 end
@@ -1146,20 +1184,20 @@ cancel function checks atomically. Stops of draws whose retention has passed are
 here, so a hash holds only draws still retained. Returns the instant sales stopped. ]]
 local function stop(keys, args)
   local now = now_ms()
-  local existing = redis.call('HGET', keys[1], args[1])
+  local existing = call('HGET', keys[1], args[1])
   if existing then
-    return tonumber(string.match(existing, '^(%d+)'))
+    return tonum(match(existing, '^(%d+)'))
   end
-  local all = redis.call('HGETALL', keys[1])
+  local all = call('HGETALL', keys[1])
   for i = 1, #all, 2 do
-    local expiry = tonumber(string.match(all[i + 1], ':(%d+)$'))
+    local expiry = tonum(match(all[i + 1], ':(%d+)$'))
     if expiry <= now then
-      redis.call('HDEL', keys[1], all[i])
+      call('HDEL', keys[1], all[i])
     end
   end
-  local instant = tonumber(args[3]) or now + 1
-  redis.call('HSET', keys[1], args[1], instant .. ':' .. args[2])
-  extend(keys[1], tonumber(args[2]))
+  local instant = tonum(args[3]) or now + 1
+  call('HSET', keys[1], args[1], instant .. ':' .. args[2])
+  extend(keys[1], tonum(args[2]))
   return instant
 end
 
@@ -1179,7 +1217,7 @@ local function self_limit(rec, day)
   if value == nil or value == false or value == 'none' then
     return nil
   end
-  return tonumber(value)
+  return tonum(value)
 end
 
 local function day_limit(rec, day, regulatory)
@@ -1192,38 +1230,38 @@ end
 
 -- The reply for what `ref` already holds in a day's hash (nil when nothing).
 local function budget_recorded(limit_rec, day_key, day, ref, regulatory)
-  local prev = redis.call('HGET', day_key, ref)
+  local prev = call('HGET', day_key, ref)
   if not prev then
     return nil
   end
-  local kind = string.sub(prev, 1, 1)
+  local kind = sub(prev, 1, 1)
   if kind == 'X' then
     return {-2}
   end
   if kind == 'R' then
-    return {0, tonumber(string.sub(prev, 2))}
+    return {0, tonum(sub(prev, 2))}
   end
-  local spent = tonumber(redis.call('HGET', day_key, 'spent') or '0')
+  local spent = tonum(call('HGET', day_key, 'spent') or '0')
   return {1, day_limit(limit_rec, day, regulatory) - spent}
 end
 
 -- What is left of a day's budget (`rec`: the player's self-limit, `day` its date).
 local function day_room(rec, day_key, day, regulatory)
   return day_limit(rec, day, regulatory)
-         - tonumber(redis.call('HGET', day_key, 'spent') or '0')
+         - tonum(call('HGET', day_key, 'spent') or '0')
 end
 
 -- Take `amount` into a day's `spent`, recorded under `ref`.
 local function charge_day(day_key, ref, amount, expire_at, seen)
-  redis.call('HINCRBY', day_key, 'spent', amount)
-  redis.call('HSET', day_key, ref, amount)
+  call('HINCRBY', day_key, 'spent', amount)
+  call('HSET', day_key, ref, amount)
   extend(day_key, expire_at, 0, seen)
 end
 
 -- Take each day's amount (budget's ARGV) into its `spent`, recorded under `ref`.
 local function charge(keys, args, m, ref, expire_at)
   for i = 1, m do
-    charge_day(keys[1 + i], ref, tonumber(args[4 + m + i]), expire_at)
+    charge_day(keys[1 + i], ref, tonum(args[4 + m + i]), expire_at)
   end
 end
 
@@ -1237,15 +1275,15 @@ recorded, takes the amounts without checking the limit (they were sold) and retu
 1} (the third element: taken by this call, which a recorded take at no room left, {1, 0},
 is not). ]]
 local function budget(keys, args)
-  local ref, regulatory, expire_at = args[1], tonumber(args[2]), tonumber(args[3])
+  local ref, regulatory, expire_at = args[1], tonum(args[2]), tonum(args[3])
   local m = #keys - 1
-  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local rec = call('HMGET', keys[1], 'limit', 'next', 'from')
   local prev = budget_recorded(rec, keys[2], args[5], ref, regulatory)
   if prev then
     return prev
   end
   if args[4] == 'seal' then
-    redis.call('HSET', keys[2], ref, 'X')
+    call('HSET', keys[2], ref, 'X')
     extend(keys[2], expire_at)
     return {-2}
   end
@@ -1256,15 +1294,15 @@ local function budget(keys, args)
   local rooms = {}
   for i = 1, m do
     local room = day_room(rec, keys[1 + i], args[4 + i], regulatory)
-    if tonumber(args[4 + m + i]) > room then
-      redis.call('HSET', keys[2], ref, 'R' .. room)
+    if tonum(args[4 + m + i]) > room then
+      call('HSET', keys[2], ref, 'R' .. room)
       extend(keys[2], expire_at)
       return {0, room}
     end
     rooms[i] = room
   end
   charge(keys, args, m, ref, expire_at)
-  return {1, rooms[1] - tonumber(args[5 + m])}
+  return {1, rooms[1] - tonum(args[5 + m])}
 end
 
 --[[ stake: KEYS limit, today, yesterday, the day before; ARGV ref, regulatory, expire_at,
@@ -1272,13 +1310,13 @@ today, amount
 A stake played on another game, idempotent by `ref` for at least 48 hours across
 midnight: a ref recorded on one of the two days before answers as recorded. ]]
 local function stake(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local rec = call('HMGET', keys[1], 'limit', 'next', 'from')
   for i = 3, 4 do
-    local prev = budget_recorded(rec, keys[i], args[4], args[1], tonumber(args[2]))
+    local prev = budget_recorded(rec, keys[i], args[4], args[1], tonum(args[2]))
     if prev then
       if prev[1] == 1 then  -- the room is today's
-        local spent = tonumber(redis.call('HGET', keys[2], 'spent') or '0')
-        return {1, day_limit(rec, args[4], tonumber(args[2])) - spent}
+        local spent = tonum(call('HGET', keys[2], 'spent') or '0')
+        return {1, day_limit(rec, args[4], tonum(args[2])) - spent}
       end
       return prev
     end
@@ -1295,15 +1333,15 @@ local function settle(keys, args)
   local ref, final = args[1], args[2] == '1'
   local given = 0
   for i = 1, #keys do
-    local prev = redis.call('HGET', keys[i], ref)
-    local kind = prev and string.sub(prev, 1, 1)
+    local prev = call('HGET', keys[i], ref)
+    local kind = prev and sub(prev, 1, 1)
     if prev and kind ~= 'R' and kind ~= 'X' then
-      local diff = tonumber(args[2 + i]) - tonumber(prev)
+      local diff = tonum(args[2 + i]) - tonum(prev)
       if diff ~= 0 then
-        redis.call('HINCRBY', keys[i], 'spent', diff)
+        call('HINCRBY', keys[i], 'spent', diff)
         given = given - diff
       end
-      redis.call('HSET', keys[i], ref, final and 'X' or args[2 + i])
+      call('HSET', keys[i], ref, final and 'X' or args[2 + i])
     end
   end
   return given
@@ -1319,42 +1357,42 @@ never puts an older state over a newer one). Returns {limit in force today or "n
 pending value or "", pending from or "", spent today, the instant}, which the caller
 journals. ]]
 local function set_limit(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from', 'at')
-  local at = math.max(tonumber(args[5]), tonumber(rec[4] or '-1') + 1)
+  local rec = call('HMGET', keys[1], 'limit', 'next', 'from', 'at')
+  local at = max(tonum(args[5]), tonum(rec[4] or '-1') + 1)
   local today, tomorrow = args[2], args[3]
   local current = self_limit(rec, today)
   local wanted = args[1]
-  if wanted ~= 'none' and (current == nil or tonumber(wanted) <= current) then
-    redis.call('DEL', keys[1])
-    redis.call('HSET', keys[1], 'limit', wanted)
+  if wanted ~= 'none' and (current == nil or tonum(wanted) <= current) then
+    call('DEL', keys[1])
+    call('HSET', keys[1], 'limit', wanted)
   else
-    redis.call('DEL', keys[1])
+    call('DEL', keys[1])
     if current then
-      redis.call('HSET', keys[1], 'limit', current)
+      call('HSET', keys[1], 'limit', current)
     end
     if wanted ~= 'none' or current then
-      redis.call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
+      call('HSET', keys[1], 'next', wanted, 'from', tomorrow)
     end
   end
-  redis.call('HSET', keys[1], 'at', string.format('%d', at))
-  redis.call('PEXPIREAT', keys[1], tonumber(args[4]))
-  local after = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  call('HSET', keys[1], 'at', format('%d', at))
+  call('PEXPIREAT', keys[1], tonum(args[4]))
+  local after = call('HMGET', keys[1], 'limit', 'next', 'from')
   local in_force = self_limit(after, today)
   return {in_force and tostring(in_force) or 'none', after[2] or '', after[3] or '',
-          tonumber(redis.call('HGET', keys[2], 'spent') or '0'), at}
+          tonum(call('HGET', keys[2], 'spent') or '0'), at}
 end
 
 --[[ player: KEYS limit, today's budget; ARGV today
 Returns {self-limit in force today or "none", pending value or "", from or "", spent}. ]]
 local function player(keys, args)
-  local rec = redis.call('HMGET', keys[1], 'limit', 'next', 'from')
+  local rec = call('HMGET', keys[1], 'limit', 'next', 'from')
   local in_force = self_limit(rec, args[1])
   local pending, from = '', ''
   if rec[3] and args[1] < rec[3] then
     pending, from = rec[2], rec[3]
   end
   return {in_force and tostring(in_force) or 'none', pending, from,
-          tonumber(redis.call('HGET', keys[2], 'spent') or '0')}
+          tonum(call('HGET', keys[2], 'spent') or '0')}
 end
 
 --[[ A sale's player budget in its one call (see `sell`): KEYS (the sale's last) the player's
@@ -1366,19 +1404,19 @@ what the ledger's steps leave (`budget`, then `settle`): under the ref, on each 
 accepted grids' cost (and Joker+'s, when one is), or "X" when none is; "R<room>" on the first
 day for a ticket refused by the limit. `last`: the index of the sale's last key. ]]
 local function budget_of(keys, last, args, i, grids, sid)
-  local m = tonumber(args[i])
-  local B = {ref = args[i + 1] .. sid, regulatory = tonumber(args[i + 2]),
-             expire_at = tonumber(args[i + 3]), from = tonumber(args[i + 4]),
-             to = tonumber(args[i + 5]), joker = tonumber(args[i + 6]),
+  local m = tonum(args[i])
+  local B = {ref = args[i + 1] .. sid, regulatory = tonum(args[i + 2]),
+             expire_at = tonum(args[i + 3]), from = tonum(args[i + 4]),
+             to = tonum(args[i + 5]), joker = tonum(args[i + 6]),
              limit_key = keys[last - m], days = {}, names = {}, draws = {}, costs = {}}
   for d = 1, m do
     B.days[d] = keys[last - m + d]
     B.names[d] = args[i + 5 + 2 * d]
-    B.draws[d] = tonumber(args[i + 6 + 2 * d])
+    B.draws[d] = tonum(args[i + 6 + 2 * d])
   end
   local requested = B.joker
   for g = 1, grids do
-    B.costs[g] = tonumber(args[i + 6 + 2 * m + g])
+    B.costs[g] = tonum(args[i + 6 + 2 * m + g])
     requested = requested + B.costs[g]
   end
   B.requested = requested
@@ -1387,7 +1425,7 @@ end
 
 -- The room on the first day that cannot take `per_draw` a draw, or nil when every day can.
 local function budget_room(B, per_draw)
-  local rec = redis.call('HMGET', B.limit_key, 'limit', 'next', 'from')
+  local rec = call('HMGET', B.limit_key, 'limit', 'next', 'from')
   for d = 1, #B.days do
     local room = day_room(rec, B.days[d], B.names[d], B.regulatory)
     if B.draws[d] * per_draw > room then
@@ -1403,7 +1441,7 @@ local function budget_charge(B, per_draw, took, seen)
     if took then
       charge_day(B.days[d], B.ref, B.draws[d] * per_draw, B.expire_at, seen)
     else
-      redis.call('HSET', B.days[d], B.ref, 'X')
+      call('HSET', B.days[d], B.ref, 'X')
       extend(B.days[d], B.expire_at, 0, seen)
     end
   end
@@ -1472,17 +1510,18 @@ accepted grids cost once they are judged. ]]
 -- A shape of `sell`: what the sales of one game on the same draws share (see `sell`),
 -- from KEYS after `k` and ARGV after `a`.
 local function shape_of(keys, k, args, a)
-  local n = tonumber(args[a + 5])
+  local n = num(args[a + 5])
   local caps, shadow = caps_of(args[a + 6], n)
-  local S = {close = tonumber(args[a + 1]), expire_at = tonumber(args[a + 2]),
-             stale = tonumber(args[a + 3]), first = tonumber(args[a + 4]), n = n,
-             caps = caps, shadow = shadow, min_stake = tonumber(args[a + 7]),
+  local S = {close = num(args[a + 1]), expire_at = num(args[a + 2]),
+             stale = num(args[a + 3]), first = num(args[a + 4]), n = n,
+             caps = caps, shadow = shadow, min_stake = num(args[a + 7]),
              zone = args[a + 8] .. '|', fix = args[a + 9] == 'fix', stops_key = keys[k + 1],
              feed = keys[k + 2], expiries = {}, lists = {}, cap_keys = {}}
-  S.head = cmsgpack.pack(S.expire_at, 'f')  -- a decided record's first two values
-  S.expire_text = string.format('%d', S.expire_at)
+  S.head = mpack(S.expire_at, 'f')  -- a decided record's first two values
+  S.tails = {}  -- results -> a decided record's last values, packed (see `decided`)
+  S.expire_text = format('%d', S.expire_at)
   for i = 1, n do
-    S.expiries[i] = tonumber(args[a + 9 + i])
+    S.expiries[i] = num(args[a + 9 + i])
     S.lists[i] = keys[k + 2 + i]
     if S.fix then
       S.cap_keys[i] = keys[k + 2 + n + i]
@@ -1497,17 +1536,23 @@ end
 -- janitor journals it). The record is packed as `ticket_new` packs it, from the pieces
 -- the call and the caller packed once.
 local function decided(S, bucket, field, known, packed, results, batch)
-  redis.call('HSET', bucket, field, S.head .. batch.at .. packed .. '\192'
-             .. cmsgpack.pack(results) .. '\192\192')
+  local tail = S.tails[results]  -- the same few results a shape: packed once
+  if not tail then
+    tail = '\192' .. mpack(results) .. '\192\192'
+    S.tails[results] = tail
+  end
+  call('HSET', bucket, field, S.head .. batch.at .. packed .. tail)
   bucket_lives(bucket, S.expire_at, S.expire_text, known)
   batch.made = true
 end
 
 -- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), its
 -- `grids`, on shape `S`.
+local NONE = {}  -- an empty list, never written
+
 local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   local bucket, field = keys[k + 1], args[a + 1]
-  local found = redis.call('HMGET', bucket, field, '!')
+  local found = call('HMGET', bucket, field, '!')
   if live(found[1], now) then
     return known_ticket(ticket_decode(found[1]), now, S.stale)
   end
@@ -1521,7 +1566,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
     for i = 1, n do
       draws[i] = first + i - 1
     end
-    stops = redis.call('HMGET', S.stops_key, unpack(draws))
+    stops = call('HMGET', S.stops_key, unpack(draws))
     S.stops = stops
   end
   for i = 1, n do
@@ -1530,7 +1575,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
     end
   end
   local packed = args[a + 2]
-  local sid_bytes = string.sub(packed, 2, 9)
+  local sid_bytes = sub(packed, 2, 9)
   local B = na > 2 + 2 * grids and budget_of(keys, k + nk, args, a + 3 + 2 * grids, grids,
                                              sid_hex(sid_bytes))
   if B then
@@ -1539,7 +1584,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
     end
     local room = budget_room(B, B.requested)
     if room then  -- the whole ticket refused, nothing counted (see PLAYER LIMITS)
-      redis.call('HSET', B.days[1], B.ref, 'R' .. room)
+      call('HSET', B.days[1], B.ref, 'R' .. room)
       extend(B.days[1], B.expire_at, 0, batch.seen)
       local results = S.zone .. 'P'
       decided(S, bucket, field, found[2], packed, results, batch)
@@ -1549,7 +1594,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   local caps, expiries = S.caps, S.expiries
   local capped = false
   for g = 1, grids do
-    if string.byte(args[a + 1 + 2 * g], 1) ~= 0 then
+    if byte(args[a + 1 + 2 * g], 1) ~= 0 then
       capped = true
       break
     end
@@ -1559,62 +1604,61 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
     -- Capped grids, and nothing refused the sale: its draws' caps are fixed by it if no
     -- sale fixed them before (see CAPS); a draw is judged by its own.
     for i = 1, n do
-      local cap = redis.call('SET', S.cap_keys[i], caps[i], 'NX', 'GET', 'PXAT',
-                             expiries[i])
+      local cap = call('SET', S.cap_keys[i], caps[i], 'NX', 'GET', 'PXAT', expiries[i])
       if cap then
-        caps[i] = tonumber(cap)
+        caps[i] = tonum(cap)
       end
     end
   end
-  local res, near, sold, shadowed = {}, 0, 0, 0
+  local res = grids > 1 and {}  -- the grids' results (one grid: `result`)
+  local result, near, sold, shadowed = nil, 0, 0, 0
   local accepted  -- picks -> base stake of the grids not capped (always accepted)
   local charged, took = 0, false  -- a draw's cost of the accepted grids; whether any is
   local kb = k + 1  -- before the next capped grid's buckets
   for g = 1, grids do
     local combo, stake = args[a + 1 + 2 * g], args[a + 2 + 2 * g]
-    if string.byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
-      res[g] = '-'
+    if byte(combo, 1) == 0 then  -- not capped: "\0<picks>" (a combo has no zero byte)
+      result = '-'
       took = true
       if B then
         charged = charged + B.costs[g]
       end
-      local picks = tonumber(string.sub(combo, 2))
+      local picks = tonum(sub(combo, 2))
       accepted = accepted or {}
-      accepted[picks] = (accepted[picks] or 0) + tonumber(stake)
+      accepted[picks] = (accepted[picks] or 0) + tonum(stake)
     else
-      local buckets = {}
-      for i = 1, n do
-        buckets[i] = keys[kb + i]
-      end
-      kb = kb + n
       -- No record can exist for a sale claimed in this call, and the close was checked:
       -- straight to counting (the stake as sent: a number only where a sum needs it).
-      local out = count(buckets, '\0' .. sid_bytes .. string.char(g - 1), combo, stake,
-                        caps, S.min_stake, expiries, S.shadow, batch.seen)
-      if out[1] >= 1 then
-        res[g] = '1'
+      local status, x, y = count(keys, kb, n, '\0' .. sid_bytes .. char(g - 1), combo,
+                                 stake, caps, S.min_stake, expiries, S.shadow, batch.seen)
+      kb = kb + n
+      if status >= 1 then
+        result = '1'
         took = true
         if B then
           charged = charged + B.costs[g]
         end
-        near = near + out[2]
-        if out[1] == 2 then
+        near = near + x
+        if status == 2 then
           shadowed = shadowed + 1
         end
-        for j = 3, #out do
-          sold_out_add({S.lists[out[j] + 1], S.feed},
-                       {combo, expiries[out[j] + 1], first + out[j]})
+        for _, offset in ipairs(y or NONE) do
+          sold_out_add({S.lists[offset + 1], S.feed}, {combo, expiries[offset + 1],
+                                                      first + offset})
           sold = sold + 1
         end
       else
-        res[g] = '0:' .. out[2] .. ':' .. out[3]
+        result = '0:' .. x .. ':' .. y
       end
+    end
+    if res then
+      res[g] = result
     end
   end
   if B then  -- Joker+ costs the player only with a grid accepted
     budget_charge(B, charged + B.joker, took, batch.seen)
   end
-  local results = S.zone .. (grids == 1 and res[1] or table.concat(res, ';'))
+  local results = S.zone .. (res and concat(res, ';') or result)
   decided(S, bucket, field, found[2], packed, results, batch)
   -- The capped sizes' stakes are in the counters; the others' add up here (see
   -- AGGREGATES), in the draws' aggregates that follow the buckets.
@@ -1622,7 +1666,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
     for i = 1, n do
       local key = keys[kb + i]
       for picks, amount in pairs(accepted) do
-        redis.call('HINCRBY', key, picks, amount)
+        call('HINCRBY', key, picks, amount)
       end
       extend(key, expiries[i], 0, batch.seen)
     end
@@ -1630,7 +1674,7 @@ local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   if near == 0 and sold == 0 and shadowed == 0 and not fixing then
     return results
   end
-  return {'new', results, near, sold, shadowed, table.concat(caps, ',')}
+  return {'new', results, near, sold, shadowed, concat(caps, ',')}
 end
 
 
@@ -1638,29 +1682,29 @@ local HALTS_TTL_MS = 10000
 
 local function sell(keys, args)
   local now = now_ms()
-  local batch = {seen = {}, made = false, at = cmsgpack.pack(now)}
+  local batch = {seen = {}, made = false, at = mpack(now)}
   local halts = keys[#keys]
   local halted = {}
   if args[#args - 2] == '1' then  -- sales of requests an earlier call carried too
-    for _, group in ipairs(redis.call('HKEYS', halts)) do
-      halted[tonumber(group)] = true
+    for _, group in ipairs(call('HKEYS', halts)) do
+      halted[tonum(group)] = true
     end
   end
-  local count_shapes = tonumber(args[1])
+  local count_shapes = num(args[1])
   local f = 2 + 2 * count_shapes  -- ARGV[f]: the number of sales, ARGV[f + 1] their frames
-  local sales, frames = tonumber(args[f]), args[f + 1]
+  local sales, frames = num(args[f]), args[f + 1]
   local k, a = 0, f + 1  -- before the next shape's (then sale's) first key and arg
   local shapes = {}
   for s = 1, count_shapes do
     shapes[s] = shape_of(keys, k, args, a)
-    k, a = k + tonumber(args[2 * s]), a + tonumber(args[2 * s + 1])
+    k, a = k + num(args[2 * s]), a + num(args[2 * s + 1])
   end
   local replies = {now}
   local at = 1
   for i = 1, sales do
     local nk, na, grids, shape, tag
-    nk, na, grids, shape, tag, at = struct.unpack('>HHHHd', frames, at)
-    local group = math.floor(tag / 2)
+    nk, na, grids, shape, tag, at = sunpack('>HHHHd', frames, at)
+    local group = floor(tag / 2)
     local reply
     if group > 0 and halted[group] then
       reply = {'later'}
@@ -1670,15 +1714,15 @@ local function sell(keys, args)
       if group > 0 and (kind == 'day'
                         or (tag % 2 == 1 and (kind == 'stopped' or kind == 'closed'))) then
         halted[group] = true
-        redis.call('HSET', halts, string.format('%d', group), 1)
-        redis.call('PEXPIRE', halts, HALTS_TTL_MS)
+        call('HSET', halts, format('%d', group), 1)
+        call('PEXPIRE', halts, HALTS_TTL_MS)
       end
     end
     replies[i + 1] = reply
     k, a = k + nk, a + na
   end
   if batch.made then
-    redis.call('HSET', keys[#keys - 1], args[#args - 1], '\146' .. batch.at .. args[#args])
+    call('HSET', keys[#keys - 1], args[#args - 1], '\146' .. batch.at .. args[#args])
   end
   return replies
 end
@@ -1710,7 +1754,7 @@ local function restore_ticket(keys, args)
   local has_res = rec[6] and 1 or 0
   if not st or st == 'p' or st == 'x' then
     local body, res = args[4], args[8]
-    ticket_new(T, tonumber(args[5]), cancel and 'k' or 'f', tonumber(args[2]), args[1],
+    ticket_new(T, tonum(args[5]), cancel and 'k' or 'f', tonum(args[2]), args[1],
                args[3], body ~= '' and body, res ~= '' and res, cancel and args[6],
                cancel and args[7])
     return {cancel and 'cancelling' or 'written', has_res}
@@ -1742,7 +1786,7 @@ local function count_back(buckets, field, combo, stake, caps, min_stake, expirie
   local n = #buckets
   -- The record is the fence; the last draw's counter is read with it and written with it
   -- (one write for both: a write costs Redis more than a read).
-  local last = redis.call('HMGET', buckets[n], field, combo)
+  local last = call('HMGET', buckets[n], field, combo)
   if last[1] then
     return nil
   end
@@ -1750,12 +1794,12 @@ local function count_back(buckets, field, combo, stake, caps, min_stake, expirie
   for i = 1, n do
     local total
     if i < n then
-      total = redis.call('HINCRBY', buckets[i], combo, stake)
+      total = call('HINCRBY', buckets[i], combo, stake)
     else
-      total = (tonumber(last[2]) or 0) + stake
-      redis.call('HSET', buckets[n], field, stake, combo, total)
+      total = (tonum(last[2]) or 0) + stake
+      call('HSET', buckets[n], field, stake, combo, total)
     end
-    extend(buckets[i], tonumber(expiries[i]), 0, seen)
+    extend(buckets[i], tonum(expiries[i]), 0, seen)
     if total > caps[i] then
       over = over + 1
     end
@@ -1768,8 +1812,8 @@ local function count_back(buckets, field, combo, stake, caps, min_stake, expirie
 end
 
 local function restore_grid(keys, args)
-  local over, sold = count_back(keys, args[1], args[2], tonumber(args[3]),
-                                caps_of(args[4], #keys), tonumber(args[5]),
+  local over, sold = count_back(keys, args[1], args[2], tonum(args[3]),
+                                caps_of(args[4], #keys), tonum(args[5]),
                                 slice(args, 5), {})
   if not over then
     return {0}
@@ -1785,19 +1829,19 @@ end
 A player's self-limit as journaled when it was set at `at`, unless Redis holds one set at
 that instant or later. Returns 1 when written. ]]
 local function restore_limit(keys, args)
-  local at = tonumber(redis.call('HGET', keys[1], 'at') or '-1')
-  if at >= tonumber(args[1]) then
+  local at = tonum(call('HGET', keys[1], 'at') or '-1')
+  if at >= tonum(args[1]) then
     return 0
   end
-  redis.call('DEL', keys[1])
-  redis.call('HSET', keys[1], 'at', args[1])
+  call('DEL', keys[1])
+  call('HSET', keys[1], 'at', args[1])
   if args[2] ~= '' then
-    redis.call('HSET', keys[1], 'limit', args[2])
+    call('HSET', keys[1], 'limit', args[2])
   end
   if args[3] ~= '' then
-    redis.call('HSET', keys[1], 'next', args[3], 'from', args[4])
+    call('HSET', keys[1], 'next', args[3], 'from', args[4])
   end
-  redis.call('PEXPIREAT', keys[1], tonumber(args[5]))
+  call('PEXPIREAT', keys[1], tonum(args[5]))
   return 1
 end
 
@@ -1818,7 +1862,7 @@ local RESTORED = {written = 'w', present = 'p', other = 'o', cancelled = 'c'}
 -- A sale's ticket as `restore_ticket` puts it back (the fields from its packed record):
 -- the reply's letter (see restore_tickets).
 local function sale_back(bucket, field, exp, record)
-  local _, _, at, sid, sale, body, res = cmsgpack.unpack(record)
+  local _, _, at, sid, sale, body, res = munpack(record)
   return RESTORED[restore_ticket({bucket}, {field, sid_hex(sid), at, sale, body or '', exp,
                                             '', 0, res or ''})[1]]
 end
@@ -1833,18 +1877,18 @@ local function aggregates_back(keys, k, n, args, i, sid, give_back, seen, by_pic
   for j = 0, n - 1 do
     local key = keys[k + j]
     if give_back or claimed then
-      redis.call('HDEL', key, sid)
+      call('HDEL', key, sid)
     end
     if not give_back then
       local value = args[i + 2 * j]
       if by_picks then
-        for picks, stake in string.gmatch(value, '(%d+):(%d+)') do
-          redis.call('HINCRBY', key, picks, stake)
+        for picks, stake in gmatch(value, '(%d+):(%d+)') do
+          call('HINCRBY', key, picks, stake)
         end
       else
-        redis.call('HSET', key, sid, value)
+        call('HSET', key, sid, value)
       end
-      extend(key, tonumber(args[i + 2 * j + 1]), 0, seen)
+      extend(key, tonum(args[i + 2 * j + 1]), 0, seen)
     end
   end
 end
@@ -1880,8 +1924,8 @@ local function restore_tickets(keys, args)
     n = n + 1
     local op, bucket = args[i], keys[k]
     if op == 's' or op == 'S' then
-      local aggs = tonumber(args[i + 5])
-      if tonumber(args[i + 2]) > now then
+      local aggs = tonum(args[i + 5])
+      if tonum(args[i + 2]) > now then
         -- A record that lives: below, with the others of its bucket.
         local group = fresh[bucket]
         if not group then
@@ -1891,7 +1935,7 @@ local function restore_tickets(keys, args)
         end
         group[#group + 1] = {n, i, k}
       else
-        codes[n] = sale_back(bucket, args[i + 1], tonumber(args[i + 2]), args[i + 3])
+        codes[n] = sale_back(bucket, args[i + 1], tonum(args[i + 2]), args[i + 3])
         if codes[n] == 'w' then
           aggregates_back(keys, k + 1, aggs, args, i + 6, args[i + 4], false, seen, op == 'S',
                           op == 'S')
@@ -1899,15 +1943,15 @@ local function restore_tickets(keys, args)
       end
       k, i = k + 1 + aggs, i + 6 + 2 * aggs
     elseif op == 'c' then
-      local aggs, sid = tonumber(args[i + 5]), args[i + 4]
+      local aggs, sid = tonum(args[i + 5]), args[i + 4]
       local T = ticket_of({bucket}, {args[i + 1]})
       local st, held = ticket_state(T, now)
       if not st or held == sid then
         if st ~= 'c' then
-          local index, exp = keys[k + 1], tonumber(args[i + 2])
-          redis.call('ZADD', index, 'NX', now, T.name)
+          local index, exp = keys[k + 1], tonum(args[i + 2])
+          call('ZADD', index, 'NX', now, T.name)
           extend(index, exp, 0, seen)
-          local _, _, at, _, sale, body, _, ca, rel = cmsgpack.unpack(args[i + 3])
+          local _, _, at, _, sale, body, _, ca, rel = munpack(args[i + 3])
           local reply = restore_ticket({bucket}, {args[i + 1], sid, at, sale, body, exp,
                                                   ca, rel})
           codes[n] = reply[2] == 1 and 'K' or 'k'
@@ -1920,7 +1964,7 @@ local function restore_tickets(keys, args)
       aggregates_back(keys, k + 2, aggs, args, i, sid, true, seen)
       k, i = k + 2 + aggs, i + 6
     elseif op == 'v' then
-      local aggs, sid = tonumber(args[i + 3]), args[i + 2]
+      local aggs, sid = tonum(args[i + 3]), args[i + 2]
       local st, held = ticket_state(ticket_of({bucket}, {args[i + 1]}), now)
       if st and (held ~= sid or (st ~= 'p' and st ~= 'x')) then
         codes[n] = 'n'
@@ -1943,15 +1987,15 @@ local function restore_tickets(keys, args)
       for j, sale in ipairs(group) do
         fields[j] = args[sale[2] + 1]
       end
-      held = redis.call('HMGET', bucket, unpack(fields))
+      held = call('HMGET', bucket, unpack(fields))
     end
     local new, latest = {}, 0
     for j, sale in ipairs(group) do
       local at, kk = sale[2], sale[3]
       local field, record = args[at + 1], args[at + 3]
-      local exp = tonumber(args[at + 2])
+      local exp = tonum(args[at + 2])
       local code, claimed
-      if held[j] or (#group == 1 and redis.call('HSETNX', bucket, field, record) == 0) then
+      if held[j] or (#group == 1 and call('HSETNX', bucket, field, record) == 0) then
         -- A record of the ticket, live or not: compared as restore_ticket compares it.
         code, claimed = sale_back(bucket, field, exp, record), true
       else
@@ -1960,23 +2004,23 @@ local function restore_tickets(keys, args)
           new[#new + 1] = field
           new[#new + 1] = record
         end
-        latest = math.max(latest, exp)
+        latest = max(latest, exp)
       end
       codes[sale[1]] = code
       if code == 'w' then
         local by_picks = args[at] == 'S'
-        aggregates_back(keys, kk + 1, tonumber(args[at + 5]), args, at + 6, args[at + 4],
+        aggregates_back(keys, kk + 1, tonum(args[at + 5]), args, at + 6, args[at + 4],
                         false, seen, by_picks, by_picks and claimed)
       end
     end
     if #new > 0 then
-      redis.call('HSET', bucket, unpack(new))
+      call('HSET', bucket, unpack(new))
     end
     if latest > 0 then
       extend(bucket, latest, BUCKET_SLACK_MS, seen)
     end
   end
-  return table.concat(codes)
+  return concat(codes)
 end
 
 --[[ restore_counts: KEYS and ARGV of ops on counter buckets (one slot on a cluster):
@@ -1993,15 +2037,15 @@ local function restore_counts(keys, args)
   local codes, details, seen = {}, {}, {}
   local i, k = 1, 1
   while i <= #args do
-    local op, n = args[i], tonumber(args[i + 1])
+    local op, n = args[i], tonum(args[i + 1])
     local buckets = {}
     for j = 1, n do
       buckets[j] = keys[k + j - 1]
     end
     local found, offsets
     if op == 'g' then
-      local over, sold = count_back(buckets, args[i + 2], args[i + 3], tonumber(args[i + 4]),
-                                    caps_of(args[i + 5], n), tonumber(args[i + 6]),
+      local over, sold = count_back(buckets, args[i + 2], args[i + 3], tonum(args[i + 4]),
+                                    caps_of(args[i + 5], n), tonum(args[i + 6]),
                                     {unpack(args, i + 7, i + 6 + n)}, seen)
       if not over then
         found = '0'
@@ -2034,7 +2078,7 @@ local function restore_counts(keys, args)
     end
     k = k + n
   end
-  return {table.concat(codes), details}
+  return {concat(codes), details}
 end
 
 --[[ restore_budgets: KEYS and ARGV of ops on player budgets (one slot on a cluster):
@@ -2051,7 +2095,7 @@ local function restore_budgets(keys, args)
   local out = {}
   local i, k = 1, 1
   while i <= #args do
-    local m = tonumber(args[i + 1])
+    local m = tonum(args[i + 1])
     local ref = args[i + 2]
     local days = {}
     for j = 1, m do
@@ -2083,57 +2127,65 @@ end
 -- tool's restore, not counted) as its last ARGV.
 local function counted(fn)
   return function(keys, args)
-    local mark = table.remove(keys)
-    local counter = table.remove(args)
+    local mark = remove(keys)
+    local counter = remove(args)
     local reply = fn(keys, args)
     if counter ~= '' then
-      redis.call('HINCRBY', mark, counter, 1)
+      call('HINCRBY', mark, counter, 1)
     end
     return reply
   end
 end
 
+-- Every function binds the library's locals first (see `bind`).
+local function register(name, fn, flags)
+  redis.register_function{function_name = name, flags = flags, callback = function(keys, args)
+    if not call then
+      bind()
+    end
+    return fn(keys, args)
+  end}
+end
+
+local CROSS_SLOT = {'allow-cross-slot-keys'}
+local READ_ONLY = {'no-writes'}
+
 local function register_marked(name, fn)
-  redis.register_function{function_name = name, callback = marked(fn),
-                          flags = {'allow-cross-slot-keys'}}
+  register(name, marked(fn), CROSS_SLOT)
 end
 
 register_marked('capsvc_claim', claim)
 register_marked('capsvc_ticket', ticket)
-redis.register_function('capsvc_sweep', sweep)
+register('capsvc_sweep', sweep)
 register_marked('capsvc_finalize', finalize)
 register_marked('capsvc_unclaim', unclaim)
-redis.register_function{function_name = 'capsvc_journaled_many', callback = journaled_many,
-                        flags = {'allow-cross-slot-keys'}}
+register('capsvc_journaled_many', journaled_many, CROSS_SLOT)
 register_marked('capsvc_expire', expire)
 register_marked('capsvc_cancel', cancel)
 register_marked('capsvc_cancelled', cancelled)
 register_marked('capsvc_reserve', reserve)
 register_marked('capsvc_release', release)
 register_marked('capsvc_stop', stop)
-redis.register_function('capsvc_sold_out', sold_out_add)
-redis.register_function('capsvc_feed_event', feed_event)
-redis.register_function('capsvc_feed_closed', feed_closed)
-redis.register_function{function_name = 'capsvc_exposure', callback = exposure,
-                        flags = {'no-writes'}}
-redis.register_function('capsvc_aggregate', aggregate)
-redis.register_function{function_name = 'capsvc_aggregate_sum', callback = aggregate_sum,
-                        flags = {'no-writes'}}
+register('capsvc_sold_out', sold_out_add)
+register('capsvc_feed_event', feed_event)
+register('capsvc_feed_closed', feed_closed)
+register('capsvc_exposure', exposure, READ_ONLY)
+register('capsvc_aggregate', aggregate)
+register('capsvc_aggregate_sum', aggregate_sum, READ_ONLY)
 register_marked('capsvc_budget', budget)
 register_marked('capsvc_stake', stake)
 register_marked('capsvc_settle', settle)
 register_marked('capsvc_set_limit', set_limit)
 register_marked('capsvc_player', player)
 register_marked('capsvc_sell', sell)
-redis.register_function('capsvc_restore_ticket', restore_ticket)
-redis.register_function('capsvc_restore_grid', restore_grid)
-redis.register_function('capsvc_restore_limit', restore_limit)
-redis.register_function{function_name = 'capsvc_marks_of', callback = marks_of,
-                        flags = {'no-writes', 'allow-cross-slot-keys'}}
-redis.register_function('capsvc_mark_restored', mark_restored)
-redis.register_function('capsvc_announce', announce)
-redis.register_function('capsvc_announce_end', announce_end)
-redis.register_function('capsvc_mark_keep', mark_keep)
-redis.register_function('capsvc_restore_tickets', counted(restore_tickets))
-redis.register_function('capsvc_restore_counts', counted(restore_counts))
-redis.register_function('capsvc_restore_budgets', counted(restore_budgets))
+register('capsvc_restore_ticket', restore_ticket)
+register('capsvc_restore_grid', restore_grid)
+register('capsvc_restore_limit', restore_limit)
+register('capsvc_marks_of', marks_of, {'no-writes', 'allow-cross-slot-keys'})
+register('capsvc_mark_restored', mark_restored)
+register('capsvc_announce', announce)
+register('capsvc_announce_end', announce_end)
+register('capsvc_mark_keep', mark_keep)
+register('capsvc_restore_tickets', counted(restore_tickets))
+register('capsvc_restore_counts', counted(restore_counts))
+register('capsvc_restore_budgets', counted(restore_budgets))

@@ -125,8 +125,7 @@ async def test_a_library_without_the_batched_release_is_replaced_and_entries_sti
     svc, _ = service
     source = lua_source()
     older = source.replace(
-        "redis.register_function{function_name = 'capsvc_journaled_many', callback = "
-        "journaled_many,\n                        flags = {'allow-cross-slot-keys'}}\n", "")
+        "register('capsvc_journaled_many', journaled_many, CROSS_SLOT)\n", "")
     assert older != source
     await svc.store.redis.broadcast("FUNCTION", "LOAD", "REPLACE", older)
     draw = await client.current()
