@@ -592,6 +592,7 @@ class Coalescer:
                 self._wake = None
         self._last_attempt = loop.time()
         self._next_attempt = self._last_attempt + RECONNECT_S
+        reported = self._failure  # `_fail` reports a failure once: a new one replaces it
         try:
             if t.sentinels is not None:
                 if self._watcher is None:
@@ -612,7 +613,10 @@ class Coalescer:
             self._handshaking = False
             self._failed_attempts += 1
             self._next_attempt = max(self._next_attempt, loop.time() + self._pause())
-            if e is not self._failure:  # else the connection's own failure, counted already
+            # Unless this attempt's failure was reported already (`_fail`: a handshake's
+            # command past its deadline, the connection lost), which the connect's own
+            # timeout may follow in the same turn of the loop.
+            if self._failure is reported:
                 kind = "timeout" if isinstance(e, TimeoutError) else "connection"
                 reason = (e if isinstance(e, Unavailable)
                           else f"cannot connect to redis at {t.address}: {e}")

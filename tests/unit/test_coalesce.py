@@ -117,6 +117,27 @@ async def test_silent_redis_times_out() -> None:
     server.close()
 
 
+async def test_a_connect_timeout_after_its_handshake_s_deadline_is_one_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake's command fails past its deadline, then the connect's own timeout
+    fires before the handshake resumes (both timers due in one turn of a busy loop): one
+    failure reported, not two."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    errors: list[str] = []
+    c = Coalescer(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, on_error=errors.append)
+
+    async def late_handshake() -> None:
+        c._fail("timeout", Unavailable("redis did not answer within 0.2s"))
+        raise TimeoutError
+
+    monkeypatch.setattr(c, "_handshake", late_handshake)
+    with pytest.raises(Unavailable):
+        await c.call("PING")
+    assert errors == ["timeout"]
+    server.close()
+
+
 
 Script = Callable[[list[bytes], int], bytes]
 """What a scripted server answers to a command, given its own port."""
