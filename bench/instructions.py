@@ -69,8 +69,6 @@ async def drive(url: str, config: str, batches: int, batch: int, tag: str,
     `cover`: a Redis server's pid under callgrind: first sell a ticket into every record
     bucket (a grid into nearly every counter bucket of the draw), then turn its
     instrumentation on."""
-    import zlib
-
     import msgspec
 
     from capsvc.client.models import TicketIn
@@ -90,12 +88,17 @@ async def drive(url: str, config: str, batches: int, batch: int, tag: str,
                     "stake": rng.choice([100, 200, 500, 1000])}]}
         for i in range(batch)]) for b in range(batches)]
     if cover:
-        from capsvc.redis.store import RECORD_BUCKETS, TICKET_BUCKETS
+        from capsvc.redis.store import (
+            RECORD_BUCKETS,
+            TICKET_BUCKETS,
+            record_bucket_of,
+            ticket_key,
+        )
 
         wanted, names, n = TICKET_BUCKETS * RECORD_BUCKETS, {}, 0
-        while len(names) < wanted:
-            ident = f"{channel.id}/cover-{tag}-{n}"
-            names.setdefault(zlib.crc32(ident.encode()) % wanted, ident.split("/", 1)[1])
+        while len(names) < wanted:  # a ticket id for every record bucket
+            tid = f"cover-{tag}-{n}"
+            names.setdefault(record_bucket_of(ticket_key(channel.id, tid)), tid)
             n += 1
         ids = list(names.values())
         for at in range(0, len(ids), batch):

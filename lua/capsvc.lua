@@ -434,8 +434,9 @@ expiry (by Redis TIME) is absent to every reader, as an expired key is; the jani
 `sweep` deletes it, and the bucket itself has a TTL past its newest record's expiry (by a
 day at most: BUCKET_SLACK_MS). Its field "!" (no ticket's: a ticket's field has a "/") is
 the instant a sale last made sure the bucket lives to, which the sale after it reads with
-its record instead of the bucket's TTL (`bucket_lives`). ~165 bytes a ticket in a listpack bucket at 100,000 tickets,
-against ~280 for a key, its expiry entry and a hash of its own (bench/memory.py).
+its record instead of the bucket's TTL (`bucket_lives`). ~165 bytes a ticket in a listpack
+bucket at 100,000 tickets, against ~280 for a key, its expiry entry and a hash of its own
+(bench/memory.py).
 A ticket's functions name its record by KEYS[1], its bucket (`KEYS ticket` below), and
 ARGV[1], its field, before the call's own ARGV. ]]
 local FIELD = {st = 1, at = 2, sid = 3, sale = 4, body = 5, res = 6, ca = 7, rel = 8}
@@ -987,15 +988,18 @@ local function uncount(keys, kb, n, combo, stake, seen)
   end
 end
 
+local NONE = {}  -- an empty list, never written
+
 -- Count `stake` for a grid with no record yet on every draw (the `n` buckets after `kb` in
 -- `keys`, `expiries`), or none: record what it took, or why it was refused, in the last
 -- draw's bucket. Returns 1 (2: the shadow cap would have refused it), the counters it
--- brought to 80 % of their cap and the offsets of the draws it brought to their cap (a list,
--- or nil: none) when counted; 0, the offset of the draw that would overflow and its room
--- when refused (`reserve`'s reply, as values: no table a grid). Each counter is increased first and taken back
--- if that passed its cap (with the draws before it): one command a draw for a grid
--- accepted, the usual case, the call being atomic. A TTL is written only when it grows
--- (`extend`: a read is not propagated to the AOF and the replicas, a write is).
+-- brought to 80 % of their cap and the offsets of the draws it brought to their cap (a
+-- list, or nil: none) when counted; 0, the offset of the draw that would overflow and its
+-- room when refused (`reserve`'s reply, as values: no table a grid). Each counter is
+-- increased first and taken back if that passed its cap (with the draws before it): one
+-- command a draw for a grid accepted, the usual case, the call being atomic. A TTL is
+-- written only when it grows (`extend`: a read is not propagated to the AOF and the
+-- replicas, a write is).
 local function count(keys, kb, n, field, combo, stake, caps, min_stake, expiries, shadow,
                      seen)
   local last = keys[kb + n]
@@ -1068,15 +1072,12 @@ local function reserve(keys, args)
   end
   local status, x, y = count(keys, 0, #keys, field, combo, stake, caps, min_stake,
                              slice(args, 6), shadow)
-  local out = {status, x}
   if status == 0 then
-    out[3] = y
-  else
-    if y then
-      for _, offset in ipairs(y) do
-        out[#out + 1] = offset
-      end
-    end
+    return {0, x, y}
+  end
+  local out = {status, x}
+  for _, offset in ipairs(y or NONE) do
+    out[#out + 1] = offset
   end
   return out
 end
@@ -1519,7 +1520,7 @@ local function shape_of(keys, k, args, a)
              feed = keys[k + 2], expiries = {}, lists = {}, cap_keys = {}}
   S.head = mpack(S.expire_at, 'f')  -- a decided record's first two values
   S.tails = {}  -- results -> a decided record's last values, packed (see `decided`)
-  S.expire_text = format('%d', S.expire_at)
+  S.expire_text = args[a + 2]  -- as `bucket_lives` compares it: the caller's decimal text
   for i = 1, n do
     S.expiries[i] = num(args[a + 9 + i])
     S.lists[i] = keys[k + 2 + i]
@@ -1548,8 +1549,6 @@ end
 
 -- One sale of `sell`: its KEYS after `k` (`nk` of them) and ARGV after `a` (`na`), its
 -- `grids`, on shape `S`.
-local NONE = {}  -- an empty list, never written
-
 local function sell_one(keys, k, nk, args, a, na, grids, S, now, batch)
   local bucket, field = keys[k + 1], args[a + 1]
   local found = call('HMGET', bucket, field, '!')

@@ -100,13 +100,19 @@ def lua_source() -> str:
     return resources.files("capsvc.lua").joinpath("capsvc.lua").read_text("utf-8")
 
 
+def _record_bucket(tag: str, h: int) -> str:
+    """The record bucket, in slot `tag`, of the ticket whose `<channel>/<ticket id>` hashes
+    to `h`: chosen by the bits of the hash after those that chose the slot."""
+    return f"r:{tag}:{(h // TICKET_BUCKETS) % RECORD_BUCKETS}"
+
+
 def ticket_names(channel: str, ticket_id: str) -> tuple[str, tuple[str, str]]:
     """A ticket's name, and its record's bucket and field there (`record_of`), from one
     hash of `<channel>/<ticket id>`: its slot, then its bucket in the slot."""
     ident = f"{channel}/{ticket_id}"
     h = zlib.crc32(ident.encode())
     tag = f"{{t:{h % TICKET_BUCKETS}}}"
-    return f"t:{tag}:{ident}", (f"r:{tag}:{(h // TICKET_BUCKETS) % RECORD_BUCKETS}", ident)
+    return f"t:{tag}:{ident}", (_record_bucket(tag, h), ident)
 
 
 def ticket_key(channel: str, ticket_id: str) -> str:
@@ -114,11 +120,11 @@ def ticket_key(channel: str, ticket_id: str) -> str:
 
 
 def record_of(ticket: str) -> tuple[str, str]:
-    """The hash that holds ticket `ticket`'s record, and its field there (`ticket_names`)."""
+    """The hash that holds ticket `ticket`'s record, in the ticket's slot, and its field
+    there (`ticket_names`)."""
     end = ticket.index("}") + 1
     ident = ticket[end + 1:]
-    bucket = (zlib.crc32(ident.encode()) // TICKET_BUCKETS) % RECORD_BUCKETS
-    return f"r:{ticket[2:end]}:{bucket}", ident
+    return _record_bucket(ticket[2:end], zlib.crc32(ident.encode())), ident
 
 
 def record_bucket_of(ticket: str) -> str:
@@ -558,21 +564,21 @@ class Store:
 
     @staticmethod
     def shape(game: str, first_draw: int, draws: int, close_ms: int, expire_at: int,
-              stale_after_ms: int, caps: str | int, min_stake: int, time_zone: str,
-              fix_caps: bool, expiries: list[int]) -> Shape:
+              stale_after_ms: int, caps: str | int, judged: list[int], min_stake: int,
+              time_zone: str, fix_caps: bool, expiries: list[int]) -> Shape:
         """What the one-call sales of `game` on draws first_draw..first_draw+draws-1 share
         in a call of capsvc_sell (see lua/capsvc.lua, sell): built once a batch. `caps`:
         the draws' caps as the caller knows them, or the configured cap with `fix_caps`
-        (the call fixes them)."""
+        (the call fixes them), as the call takes them (with the shadow cap); `judged`: the
+        same caps as a list (one for every draw, or the last for the draws after it)."""
         drawn = range(first_draw, first_draw + draws)
         keys = [stops_key(game), feed_key(game), *(capped_key(game, d) for d in drawn)]
         if fix_caps:
             keys += (cap_key(game, d) for d in drawn)
         args = [close_ms, expire_at, stale_after_ms, first_draw, draws, caps, min_stake,
                 time_zone, "fix" if fix_caps else "", *expiries]
-        judged = [int(c) for c in str(caps).split("/")[0].split(",")]  # see CAPS
-        judged += judged[-1:] * (draws - len(judged))
-        return (game, first_draw, draws, caps, fix_caps), keys, args, judged
+        return ((game, first_draw, draws, caps, fix_caps), keys, args,
+                judged + judged[-1:] * (draws - len(judged)))
 
     @staticmethod
     def sale_call(shape: Shape, ticket: str, record: tuple[str, str], sale: bytes,

@@ -599,11 +599,11 @@ class Tickets:
         if made is None:
             known = self.steps.caps.known(game, first, sale.draws) if capped else None
             fix = capped and known is None
-            caps = caps_argument(known or [rules.cap_limit or 0], rules.shadow_cap_limit)
+            caps = known or [rules.cap_limit or 0]
             made = shapes[(rules.id, first, sale.draws, capped)] = (self.store.shape(
                 rules.id, first, sale.draws, game.calendar.close_ms(first), expire_at,
-                self.stale_after_ms, caps, rules.min_stake, rules.time_zone, fix,
-                game.expiries(first, sale.draws)), fix)
+                self.stale_after_ms, caps_argument(caps, rules.shadow_cap_limit), caps,
+                rules.min_stake, rules.time_zone, fix, game.expiries(first, sale.draws)), fix)
         shape, fix = made
         return self.store.sale_call(
             shape, key, record, pack_sale(sale),

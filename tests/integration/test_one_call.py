@@ -173,7 +173,7 @@ async def test_a_call_s_entry_stays_while_a_sale_of_it_is_not_journaled(
     far = int(time.time() * 1000) + 86_400_000
 
     def call(i: int) -> Any:
-        shape = store.shape("g", 7, 1, far, far, 60_000, 5000, 100, "UTC", False, [far])
+        shape = store.shape("g", 7, 1, far, far, 60_000, 5000, [5000], 100, "UTC", False, [far])
         return store.sale_call(shape, *ticket_names("t", f"G-{i}"), b"sale",
                                [("\x01\x02\x03\x04\x05\x06\x07" + chr(8 + i), 100)])
 

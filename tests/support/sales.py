@@ -16,8 +16,9 @@ def sell_alone(store: Store, ticket: str, sale: bytes, close_ms: int,
                expiries: list[int], time_zone: str, fix_caps: bool = True
                ) -> asyncio.Future[Claim]:
     """One sale queued with the tick's others; its claim."""
+    judged = [int(c) for c in str(caps).split("/")[0].split(",")]  # the caps, as a list
     shape = store.shape(game, first_draw, draws, close_ms, expire_at, stale_after_ms, caps,
-                        min_stake, time_zone, fix_caps, expiries)
+                        judged, min_stake, time_zone, fix_caps, expiries)
     group = store.sell([store.sale_call(shape, ticket, record_of(ticket), sale, grids)])
     out: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
 

@@ -123,7 +123,7 @@ async def test_a_sale_call_s_reply_of_another_layout_fails_its_requests_and_keep
     from capsvc.redis import store as s
 
     loop = asyncio.get_running_loop()
-    shape = s.Store.shape("g", 7, 1, 10, 10, 60_000, 5000, 100, "UTC", False, [10])
+    shape = s.Store.shape("g", 7, 1, 10, 10, 60_000, 5000, [5000], 100, "UTC", False, [10])
     sale = s.Store.sale_call(shape, *s.ticket_names("c", "t"), b"sale", [("\x01\x02", 100)])
     groups = [s._QueuedSales([sale], loop.create_future(), [None], False)]
     entry = s.Unjournaled("e")
