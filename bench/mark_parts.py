@@ -4,8 +4,8 @@
 
 On one redis-server (AOF on), a library of test functions built from lua/capsvc.lua's
 MARKS section: a plain function (an HSET, an HINCRBY and a TIME: a write as a sale makes
-several) registered as is and wrapped by `marked`, and variants of the wrapper with one part
-taken out: the read (the HMGET of G, the announcement, the caller's field and count), the
+several) registered as is and run as a marked call of one through `calls`, and variants of
+`calls` with one part of the mark taken out: the read (the HMGET of G, the announcement, the caller's field and count), the
 write (the HSET of G, the field and the count), both (the wrapping alone). FCALLs are
 pipelined, rounds alternate the variants; prints per variant the median Redis CPU (from
 /proc) and FCALL time (INFO commandstats) per call, and what it adds over the plain
@@ -33,7 +33,7 @@ local function plain(keys, args)
   return {1, 2, 3}
 end
 """
-READ = "local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)"
+READ = "local refused, g, last, q = mark_refusal(mark, life, seen)"
 WRITE = "call('HSET', mark, '*', g, life, g, last, q)"
 
 
@@ -45,7 +45,7 @@ def library() -> str:
                      source.index("--[[ marks: KEYS mark")]
     if READ not in section or WRITE not in section:
         raise SystemExit("lua/capsvc.lua's MARKS section changed: update bench/mark_parts.py")
-    unread = "local refused, g, last, q, ng = nil, 0, '#x', 0, 0"
+    unread = "local refused, g, last, q = nil, 0, '#x', 0"
     variants = {
         "marked": section,
         "no_read": section.replace(READ, unread),
@@ -55,10 +55,9 @@ def library() -> str:
     }
     parts = ["#!lua name=markparts", PLAIN, "redis.register_function('plain', plain)"]
     for name, text in variants.items():
-        body = text.replace("local function marked(fn)", f"local function marked_{name}(fn)")
-        parts += [f"do\n{body}\nlocal f = marked_{name}(plain)\n"
+        parts += [f"do\n{text}\nMARKED.plain = plain\n"
                   f"redis.register_function('{name}', function(keys, args)\n"
-                  f"  if not call then bind() end\n  return f(keys, args)\nend)\nend"]
+                  f"  if not call then bind() end\n  return calls(keys, args)\nend)\nend"]
     return "\n".join(parts)
 
 
@@ -89,8 +88,9 @@ def main() -> int:
                         if name == "plain":
                             pipe.fcall("plain", 1, "h", field, value)
                         else:
-                            pipe.fcall(name, 2, "h", "m:{marks}", field, value, "",
-                                       "life1234abcd5678", f"0:0:0:{i + 1}:0")
+                            pipe.fcall(name, 1, "h", "", "life1234abcd5678", 0, "plain",
+                                       2, "h", "m:{marks}", 2, field, value,
+                                       f"0:0:0:{i + 1}")
                     pipe.execute()
                 cpu = (cpu_seconds(pid) - before) / args.calls * 1e6
                 fcall = client.info("commandstats")["cmdstat_fcall"]["usec_per_call"]

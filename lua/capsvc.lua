@@ -114,6 +114,20 @@ local function num(text)
   return text + 0
 end
 
+-- list[from + 1 .. from + n] (n: to the end) as a new table: unpack for the usual few, a
+-- loop past what Lua's stack takes (a sale of many grids and draws names thousands of keys).
+local function slice(list, from, n)
+  n = n or #list - from
+  if n <= 4000 then
+    return {unpack(list, from + 1, from + n)}
+  end
+  local out = {}
+  for i = 1, n do
+    out[i] = list[from + i]
+  end
+  return out
+end
+
 local function now_ms()
   local t = call('TIME')
   return num(t[1]) * 1000 + floor(num(t[2]) / 1000)
@@ -158,7 +172,8 @@ older file, a backup put back, a rollback in place, FLUSHALL).
                        counts itself): what it checks at its end (mark_restored)
   node   n:{<tag>}   hash, TTL MARK_TTL_MS; on a cluster only, one per primary, in the
                      highest slot it serves (capsvc/redis/cluster.py)
-           "*"      -> N, the count of marked writes the primary has run, whatever their slot
+           "*"      -> N, the count of the marked writes' calls the primary has run (`calls`),
+                       whatever their slots
            "!"      -> an announcement, as in a mark
 
 A slot's mark moves with the slot's data (a reshard), so it covers exactly what the slot
@@ -167,16 +182,20 @@ process judges on a slot it never used against nothing it saw there; so on a clu
 call also checks and counts in its PRIMARY's count N, which the process saw through its
 calls on any slot of that primary and its watch (which reads every primary's): a primary
 that goes back in time goes back as a whole, and refuses every process that saw it ahead,
-whatever the slots that process used. The node's key is in another slot than the call's:
-the marked functions are registered `allow-cross-slot-keys` and name it in ARGV (the
-cluster refuses declared keys of several slots); Redis lets a script reach an undeclared key
-of another slot of its own node, and refuses one of another node ("non local key": nothing
-ran, the caller's slot map is out of date, capsvc/redis/marks.py sends it again).
+whatever the slots that process used.
 
-Every marked function takes the mark as its LAST key and, as its last three ARGV, the node
-("" on one Redis: its one mark is the node's), the caller's life and what it knows,
-"<G seen>:<G of its own newest write answered>:<lo>:<q>:<N seen>" (life "": a tool, neither
-checked nor counted): q is the call's number among the caller's writes through this mark
+The marked functions run only through `calls`: the marked calls a process sends a node in
+one turn of its event loop go as one FCALL (one a node and a turn, on a cluster as on one
+Redis), which checks the node's N once and counts it once. `calls` is registered
+`allow-cross-slot-keys` and names every call's keys and the node's key in ARGV (the cluster
+refuses declared keys of several slots); Redis lets a script reach an undeclared key of
+another slot of its own node, and refuses one of another node ("non local key": that call
+ran nothing, the caller's slot map is out of date, capsvc/redis/marks.py sends it again).
+
+Every marked call names the mark as its LAST key, and what the caller knows of it,
+"<G seen>:<G of its own newest write answered>:<lo>:<q>"; `calls` names the node ("" on one
+Redis: its one mark is the node's), the caller's life and the N it saw (life "": a tool,
+neither checked nor counted): q is the call's number among the caller's writes through this mark
 (1, 2, 3, … as they are sent: a call sent again takes a new one), lo the number of the
 newest of those sent before it that the caller expects to have run (answered, or still on
 its way; 0: none) — not those that failed, nor those whose outcome is unknown (a timeout, a
@@ -194,8 +213,8 @@ over the rollback, which would hide the loss. Numbers, not a count: a write whos
 the caller does not know that ran adds to any count, and a count then passes over a lost
 write it expects; a number at least lo can only have been written by a call that itself
 found lo there, so every write the caller expects ran before it, and is still there.
-A write then counts itself (G + 1, its field set to it, "#<life>" to q; N + 1) and answers
-{G, N, reply} — a look-up too: a decision reported is a write of the reporter's, so that
+A write then counts itself (G + 1, its field set to it, "#<life>" to q; N + 1 once a
+`calls`) and answers {G, reply}, the call {N, …} — a look-up too: a decision reported is a write of the reporter's, so that
 losing the decision loses the write, and the reporter sees it. The mark is written by the
 same call as the data it covers, so replication and the AOF keep them together: it can never
 be ahead of that data, and whatever Redis keeps of a node's history is a prefix of it. A
@@ -208,64 +227,101 @@ local function restoring(h)
 end
 
 -- nil when the caller may go on; else the error reply that refuses the call.
-local function mark_refusal(mark, node, life, seen)
+local function mark_refusal(mark, life, seen)
   local last = '#' .. life
   local m = call('HMGET', mark, '*', '!', life, last)
-  local n = node ~= '' and call('HMGET', node, '*', '!') or {0, false}
-  if restoring(m[2]) or restoring(n[2]) then
+  if restoring(m[2]) then
     return redis.error_reply('RESTORING a process is putting its journal back into Redis')
   end
   local c1 = find(seen, ':', 1, true)
   local c2 = find(seen, ':', c1 + 1, true)
   local c3 = find(seen, ':', c2 + 1, true)
-  local c4 = find(seen, ':', c3 + 1, true)
   local g, own, ran = tonum(m[1]) or 0, tonum(m[3]) or 0, tonum(m[4]) or 0
-  local ng = tonum(n[1]) or 0
-  if ng < num(sub(seen, c4 + 1)) then
-    return redis.error_reply('BEHIND node ' .. ng)
-  end
   if g < num(sub(seen, 1, c1 - 1)) or own < num(sub(seen, c1 + 1, c2 - 1)) then
     return redis.error_reply('BEHIND ' .. g .. ':' .. own .. ':' .. ran)
   end
-  local q = num(sub(seen, c3 + 1, c4 - 1))
+  local q = num(sub(seen, c3 + 1))
   if ran < num(sub(seen, c2 + 1, c3 - 1)) or ran >= q then
     return redis.error_reply('UNSETTLED ' .. ran)
   end
-  return nil, g, last, q, ng
+  return nil, g, last, q
 end
 
-local function marked(fn)
-  return function(keys, args)
-    local mark = remove(keys)
-    local seen = remove(args)
-    local life = remove(args)
-    local node = remove(args)
-    if life == '' then
-      return {0, 0, fn(keys, args)}
-    end
-    if sub(life, 1, 1) == '%' then  -- a restore's write: counted, not checked
-      local reply = fn(keys, args)
-      call('HINCRBY', mark, life, 1)
-      return {0, 0, reply}
-    end
-    local refused, g, last, q, ng = mark_refusal(mark, node, life, seen)
-    if refused then
-      return refused
-    end
-    local reply = fn(keys, args)
-    g = g + 1
-    call('HSET', mark, '*', g, life, g, last, q)
-    if g == 1 then
-      call('PEXPIRE', mark, MARK_TTL_MS)
-    end
-    if node ~= '' then
-      ng = call('HINCRBY', node, '*', 1)
-      if ng == 1 then
-        call('PEXPIRE', node, MARK_TTL_MS)
-      end
-    end
-    return {g, ng, reply}
+-- The functions that judge or report a decision, by name: each runs through `calls`.
+local MARKED = {}
+
+-- One call of `calls`: its reply {G, function's reply} and whether it counted itself, or
+-- the error reply that refused it (nothing ran).
+local function run_marked(fn, keys, args, life, seen)
+  local mark = remove(keys)
+  if life == '' then
+    return {0, fn(keys, args)}, false
   end
+  if sub(life, 1, 1) == '%' then  -- a restore's write: counted, not checked
+    local reply = fn(keys, args)
+    call('HINCRBY', mark, life, 1)
+    return {0, reply}, false
+  end
+  local refused, g, last, q = mark_refusal(mark, life, seen)
+  if refused then
+    return refused, false
+  end
+  local reply = fn(keys, args)
+  g = g + 1
+  call('HSET', mark, '*', g, life, g, last, q)
+  if g == 1 then
+    call('PEXPIRE', mark, MARK_TTL_MS)
+  end
+  return {g, reply}, true
+end
+
+--[[ calls: KEYS the first call's first key (it routes the call); ARGV node, life, N seen,
+then each call: function, #keys, its keys (its mark last), #args, its args, seen
+"<G seen>:<G of its own newest write answered>:<lo>:<q>".
+The marked calls a process sends one node in one turn of its event loop, as one FCALL, in
+order; each judged and counted in its mark as if sent alone (MARKS), the node's N checked
+once and counted once for them all. Refused as a whole, nothing run, when the node's count
+is behind what the caller saw, or a restore is announced on it. A call that fails (a key
+another node serves: "non local key"; a refusal) fails alone; those before it stay run.
+Returns {N, each call's {G, reply} or its error}. ]]
+local function calls(keys, args)
+  local node, life = args[1], args[2]
+  local checked = life ~= '' and sub(life, 1, 1) ~= '%'
+  local ng = 0
+  if node ~= '' and checked then
+    local n = call('HMGET', node, '*', '!')
+    if restoring(n[2]) then
+      return redis.error_reply('RESTORING a process is putting its journal back into Redis')
+    end
+    ng = tonum(n[1]) or 0
+    if ng < num(args[3]) then
+      return redis.error_reply('BEHIND node ' .. ng)
+    end
+  end
+  local out, wrote = {0}, false
+  local i, na = 4, #args
+  while i <= na do
+    local fn, nk = MARKED[args[i]], num(args[i + 1])
+    local ck = slice(args, i + 1, nk)
+    i = i + 2 + nk
+    local nc = num(args[i])
+    local ca = slice(args, i, nc)
+    local ok, reply, counted = pcall(run_marked, fn, ck, ca, life, args[i + nc + 1])
+    i = i + nc + 2
+    if not ok then
+      reply = redis.error_reply(type(reply) == 'table' and reply.err or tostring(reply))
+    end
+    wrote = wrote or counted
+    out[#out + 1] = reply
+  end
+  if wrote and node ~= '' then
+    ng = call('HINCRBY', node, '*', 1)
+    if ng == 1 then
+      call('PEXPIRE', node, MARK_TTL_MS)
+    end
+  end
+  out[1] = ng
+  return out
 end
 
 --[[ marks: KEYS mark; ARGV lives... (read only; each mark of `marks_of`)
@@ -957,20 +1013,6 @@ local function recorded(buckets, combo, rec, caps, min_stake)
   local out = sold_out(buckets, combo, caps, min_stake)
   insert(out, 1, 0)
   insert(out, 1, 1)
-  return out
-end
-
--- list[from + 1 .. from + n] (n: to the end) as a new table: unpack for the usual few, a
--- loop past what Lua's stack takes (a sale of many grids and draws names thousands of keys).
-local function slice(list, from, n)
-  n = n or #list - from
-  if n <= 4000 then
-    return {unpack(list, from + 1, from + n)}
-  end
-  local out = {}
-  for i = 1, n do
-    out[i] = list[from + i]
-  end
   return out
 end
 
@@ -2150,7 +2192,7 @@ local CROSS_SLOT = {'allow-cross-slot-keys'}
 local READ_ONLY = {'no-writes'}
 
 local function register_marked(name, fn)
-  register(name, marked(fn), CROSS_SLOT)
+  MARKED[name] = fn
 end
 
 register_marked('capsvc_claim', claim)
@@ -2177,6 +2219,7 @@ register_marked('capsvc_settle', settle)
 register_marked('capsvc_set_limit', set_limit)
 register_marked('capsvc_player', player)
 register_marked('capsvc_sell', sell)
+register('capsvc_calls', calls, CROSS_SLOT)
 register('capsvc_restore_ticket', restore_ticket)
 register('capsvc_restore_grid', restore_grid)
 register('capsvc_restore_limit', restore_limit)

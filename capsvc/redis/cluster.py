@@ -43,7 +43,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.gate import Evicting, Gate
-from capsvc.redis.marks import MarkElsewhere, node_of_slot
+from capsvc.redis.marks import NON_LOCAL, MarkElsewhere, node_of_slot
 from capsvc.redis.transport import (
     BatchObserver,
     Coalescer,
@@ -60,9 +60,6 @@ log = logging.getLogger(__name__)
 SLOTS = 16384
 _KEYLESS = frozenset({"FUNCTION", "PING", "TIME", "INFO", "CLUSTER"})
 _REDIRECTED = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
-_NON_LOCAL = "non local key"
-"""Redis's refusal of a script that reached a key another node serves: a marked call whose
-node's count was named from an outdated slot map."""
 T = TypeVar("T")
 _MAX_REDIRECTS = 16
 """Redirections and retries per command. A multi-key call whose keys are split by a slot
@@ -129,6 +126,8 @@ class ClusterCoalescer:
         lowest slots first, and a count whose slot moves away reads as a primary gone
         back (every process restores once)."""
         self._refreshing: asyncio.Task[None] | None = None
+        self._hooks: list[Callable[[], None]] = []
+        """Run at the end of this turn of the event loop (`before_flush`)."""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- public ----------------------------------------------------------------------------
@@ -147,6 +146,18 @@ class ClusterCoalescer:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._route(args, fut, 0, declared=False)
         return fut
+
+    def before_flush(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once at the end of this turn of the event loop: what it submits goes
+        out with each node's next batch."""
+        if not self._hooks:
+            asyncio.get_running_loop().call_soon(self._run_hooks)
+        self._hooks.append(hook)
+
+    def _run_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
 
     def send(self, *args: Any) -> None:
         fut = self.submit(*args)
@@ -247,7 +258,11 @@ class ClusterCoalescer:
             fut.cancel()
             return
         if error is None:
-            fut.set_result(done.result())
+            result = done.result()
+            if not declared and isinstance(result, list) and any(
+                    isinstance(r, ResponseError) and NON_LOCAL in str(r) for r in result):
+                self._refresh_soon()  # parts of it reached keys another node serves
+            fut.set_result(result)
             return
         if isinstance(error, Unavailable) and not isinstance(error, Evicting | OutOfMemory):
             self._refresh_soon()  # the node may be gone (not merely refusing: it answered)
@@ -272,7 +287,7 @@ class ClusterCoalescer:
             if kind in ("TRYAGAIN", "CLUSTERDOWN"):
                 self._later(self._retry(args, fut, hops + 1, declared))
                 return
-        if isinstance(error, ResponseError) and _NON_LOCAL in str(error):
+        if isinstance(error, ResponseError) and NON_LOCAL in str(error):
             # A node's count named from an outdated map, or a slot being moved: nothing
             # ran; the caller marks it anew (capsvc.redis.marks).
             self._refresh_soon()

@@ -25,7 +25,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
@@ -60,6 +60,11 @@ class Unsettled(Unavailable):
     ahead of it and not seen to fail. Nothing ran."""
 
 
+NON_LOCAL = "non local key"
+"""Redis's refusal of a script that reached a key another node serves: a marked call whose
+node's count was named from an outdated slot map."""
+
+
 class MarkElsewhere(Unavailable):
     """Redis refused a call: its node's count is on another node than the call's keys (a
     cluster whose slot map changed: a slot moving, a node's highest slot moved). Nothing
@@ -71,21 +76,31 @@ MOVE_TRIES = 16
 40 ms, … up to 100 ms (~1.3 s in all: a slot's move, or the slot map learnt again)."""
 
 
+class Joining(Protocol):
+    """What the marks send their calls through (capsvc.redis.transport's `Transport`)."""
+
+    def submit_partly_declared(self, *args: Any) -> asyncio.Future[Any]: ...
+
+    def before_flush(self, hook: Callable[[], None]) -> None: ...
+
+
 class _Call:
     """A marked call and what its answer is for, kept until it has been answered."""
 
-    __slots__ = ("args", "decode", "keys", "name", "out", "stamps", "submit")
+    __slots__ = ("args", "decode", "keys", "name", "out", "redis", "stamps", "tries")
 
-    def __init__(self, submit: Callable[..., asyncio.Future[Any]], name: str,
-                 keys: list[str], args: list[Any], decode: Callable[[Any], Any] | None,
+    def __init__(self, redis: Joining, name: str, keys: list[str], args: list[Any],
+                 decode: Callable[[Any], Any] | None,
                  stamps: Sequence[dict[str, int] | None], out: asyncio.Future[Any]) -> None:
-        self.submit = submit
+        self.redis = redis
         self.name = name
         self.keys = keys
         self.args = args
         self.decode = decode
         self.stamps = stamps
         self.out = out
+        self.tries = 0
+        """How many times it was sent again (MOVE_TRIES)."""
 
 
 class Restoring(Unavailable):
@@ -163,6 +178,8 @@ class Marks:
         self.node_seen: dict[str, int] = {}
         """Per node (a cluster primary's count key), the highest N this process has seen."""
         self.on_behind = on_behind or (lambda mark, found: None)
+        self._joining: dict[Joining, dict[str, list[_Call]]] = {}
+        """The marked calls queued in this turn of the event loop, by transport and node."""
 
     @classmethod
     def tool(cls, single_node: bool) -> Marks:
@@ -184,83 +201,124 @@ class Marks:
             return NODE_MARK
         return mark_of_slot(key_slot(key.encode()))
 
-    def call(self, submit: Callable[..., asyncio.Future[Any]], name: str, keys: list[str],
-             args: list[Any], decode: Callable[[Any], Any] | None = None,
-             stamps: Sequence[dict[str, int] | None] | None = None) -> asyncio.Future[Any]:
-        """Queue a marked FCALL through `submit`: the mark as the last key, the node's
-        count, this process's life and what it saw of them as the last ARGV. The future
-        answers the function's own reply, decoded by `decode` if given
-        (capsvc.redis.replies). `stamps`: the requests the call acts for (default: the
-        current one), whose stamps get its G. A call that reached a node its node's count
-        is not on (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again,
-        marked anew, for as long as a slot's move takes (MOVE_TRIES), and so is one that
-        reached its mark ahead of writes sent before it (`Unsettled`)."""
+    def call(self, redis: Joining, name: str, keys: list[str], args: list[Any],
+             decode: Callable[[Any], Any] | None = None,
+             stamps: Sequence[dict[str, int] | None] | None = None, at_once: bool = False
+             ) -> asyncio.Future[Any]:
+        """Queue a marked call of function `name` to go, at the end of this turn of the
+        event loop, with every other marked call of that turn to the same node, in one FCALL
+        of capsvc_calls (lua/capsvc.lua): the mark as its last key, what this process saw of
+        it, and of the node's count, with them. The future answers the function's own reply,
+        decoded by `decode` if given (capsvc.redis.replies). `stamps`: the requests the call
+        acts for (default: the current one), whose stamps get its G. `at_once`: the node's
+        calls queued so far, this one last, go now (Redis starts on a full call while the
+        turn prepares the next). A call that reached a node its node's count is not on
+        (`MarkElsewhere`: a cluster's slot moving, nothing ran) is sent again, marked anew,
+        for as long as a slot's move takes (MOVE_TRIES), and so is one that reached its mark
+        ahead of writes sent before it (`Unsettled`)."""
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._send(_Call(submit, name, keys, args, decode,
-                         (stamp.get(),) if stamps is None else stamps, out), 0)
+        self._queue(_Call(redis, name, keys, args, decode,
+                          (stamp.get(),) if stamps is None else stamps, out), at_once)
         return out
 
-    def _send(self, c: _Call, tries: int) -> None:
+    def _queue(self, c: _Call, at_once: bool = False) -> None:
         if c.out.done():  # its request gave up meanwhile
             return
         node = self.node_of(c.keys[0])
         if node is None:  # a cluster whose slot map is not known yet: nothing sent
-            self._again(c, tries, Unavailable("the Redis Cluster's slot map is not known yet"))
+            self._again(c, Unavailable("the Redis Cluster's slot map is not known yet"))
             return
-        mark = self.mark_of(c.keys[0])
-        q = self.sent.get(mark, 0) + 1
-        expected = self.expected.setdefault(mark, {})
-        lo = max(self.answered.get(mark, 0), next(reversed(expected), 0))
-        seen = (f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{lo}:{q}:"
-                f"{self.node_seen.get(node, 0)}")
-        reply = c.submit("FCALL", c.name, len(c.keys) + 1, *c.keys, mark, *c.args, node,
-                         self.life, seen)
-        if self.checked:
-            self.sent[mark] = q
-            expected[q] = None
-        elif self.counter:
-            self.written[mark] = self.written.get(mark, 0) + 1
-        reply.add_done_callback(functools.partial(self._unwrap, mark, node, q, c, tries))
+        joining = self._joining.get(c.redis)
+        if joining is None:
+            joining = self._joining[c.redis] = {}
+            c.redis.before_flush(functools.partial(self._send_joined, c.redis))
+        joining.setdefault(node, []).append(c)
+        if at_once:
+            self._send(c.redis, node, joining.pop(node))
 
-    def _again(self, c: _Call, tries: int, error: BaseException) -> None:
+    def _send_joined(self, redis: Joining) -> None:
+        """The turn's marked calls through `redis`, one FCALL a node."""
+        for node, calls in self._joining.pop(redis, {}).items():
+            self._send(redis, node, calls)
+
+    def _send(self, redis: Joining, node: str, calls: list[_Call]) -> None:
+        """`calls` (of one node, in the order queued) numbered through their marks and sent
+        as one FCALL of capsvc_calls."""
+        args: list[Any] = [node, self.life, self.node_seen.get(node, 0)]
+        sent: list[tuple[str, int, _Call]] = []
+        for c in calls:
+            if c.out.done():
+                continue
+            mark = self.mark_of(c.keys[0])
+            q = self.sent.get(mark, 0) + 1
+            expected = self.expected.setdefault(mark, {})
+            lo = max(self.answered.get(mark, 0), next(reversed(expected), 0))
+            args += (c.name, len(c.keys) + 1, *c.keys, mark, len(c.args), *c.args,
+                     f"{self.seen.get(mark, 0)}:{self.made.get(mark, 0)}:{lo}:{q}")
+            if self.checked:
+                self.sent[mark] = q
+                expected[q] = None
+            elif self.counter:
+                self.written[mark] = self.written.get(mark, 0) + 1
+            sent.append((mark, q, c))
+        if sent:
+            reply = redis.submit_partly_declared("FCALL", "capsvc_calls", 1,
+                                                 sent[0][2].keys[0], *args)
+            reply.add_done_callback(functools.partial(self._unwrap, node, sent))
+
+    def _again(self, c: _Call, error: BaseException) -> None:
         """`c` sent again shortly (the slot map is being learnt), or failed with `error`."""
-        if tries >= MOVE_TRIES:
+        if c.tries >= MOVE_TRIES:
             if not c.out.done():
                 c.out.set_exception(error)
             return
-        asyncio.get_running_loop().call_later(min(0.02 * (tries + 1), 0.1), self._send, c,
-                                              tries + 1)
+        c.tries += 1
+        asyncio.get_running_loop().call_later(min(0.02 * c.tries, 0.1), self._queue, c)
 
-    def _unwrap(self, mark: str, node: str, q: int, c: _Call, tries: int,
+    def _unwrap(self, node: str, sent: list[tuple[str, int, _Call]],
                 reply: asyncio.Future[Any]) -> None:
-        out = c.out
-        self.expected[mark].pop(q, None)
         if reply.cancelled():
-            if self.counter:
-                self.written[mark] -= 1
-            out.cancel()
+            for mark, q, c in sent:
+                self.expected[mark].pop(q, None)
+                if self.counter:
+                    self.written[mark] -= 1
+                c.out.cancel()
             return
-        error = reply.exception()  # retrieved even when nobody waits for `out` any more
+        error = reply.exception()  # retrieved even when nobody waits for the calls any more
         if error is not None:
-            # Refused, or its fate unknown (a lost connection, a timeout): no later call
-            # expects it (one that ran left its number in Redis, which no check minds: a
-            # number above lo was written by a call that found lo there).
-            if self.counter:
-                self.written[mark] -= 1
-            if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
-                error = Unsettled("calls of this process sent before this one have not run "
-                                  "in Redis yet (a slot moving, a connection stalled): "
-                                  "nothing ran")
-            if isinstance(error, MarkElsewhere | Unsettled):
-                self._again(c, tries, error)
-            elif not out.done():
-                out.set_exception(self._refusal(mark, node, error))
+            for mark, q, c in sent:
+                self._failed(mark, node, q, c, error)
             return
-        if q > self.answered.get(mark, 0):
-            self.answered[mark] = q
-        g, n, *rest = reply.result()
+        n, *replies = reply.result()
         if n and n > self.node_seen.get(node, 0):
             self.node_seen[node] = n
+        for (mark, q, c), one in zip(sent, replies, strict=True):
+            if isinstance(one, ResponseError):
+                self._failed(mark, node, q, c, MarkElsewhere(f"redis cluster: {one}")
+                             if NON_LOCAL in str(one) else one)
+            else:
+                self._answered(mark, q, c, one)
+
+    def _failed(self, mark: str, node: str, q: int, c: _Call, error: BaseException) -> None:
+        """A call refused, or its fate unknown (a lost connection, a timeout): no later call
+        expects it (one that ran left its number in Redis, which no check minds: a number
+        above lo was written by a call that found lo there)."""
+        self.expected[mark].pop(q, None)
+        if self.counter:
+            self.written[mark] -= 1
+        if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
+            error = Unsettled("calls of this process sent before this one have not run in "
+                              "Redis yet (a slot moving, a connection stalled): nothing ran")
+        if isinstance(error, MarkElsewhere | Unsettled):
+            self._again(c, error)
+        elif not c.out.done():
+            c.out.set_exception(self._refusal(mark, node, error))
+
+    def _answered(self, mark: str, q: int, c: _Call, reply: list[Any]) -> None:
+        self.expected[mark].pop(q, None)
+        if q > self.answered.get(mark, 0):
+            self.answered[mark] = q
+        g, *rest = reply
         if g:
             if g > self.seen.get(mark, 0):
                 self.seen[mark] = g
@@ -269,6 +327,7 @@ class Marks:
             for stamped in c.stamps:
                 if stamped is not None and g > stamped.get(mark, 0):
                     stamped[mark] = g
+        out = c.out
         if out.done():
             return
         result = rest[0] if rest else None

@@ -392,7 +392,7 @@ class Store:
         `declared` False: the call names in ARGV keys it does not declare
         (`Transport.submit_partly_declared`)."""
         if name in MARKED:
-            return self.marks.call(self.redis.submit, name, keys, args, decode)
+            return self.marks.call(self.redis, name, keys, args, decode)
         submit = self.redis.submit if declared else self.redis.submit_partly_declared
         call = submit("FCALL", name, len(keys), *keys, *args)
         return call if decode is None else decoded(call, decode)
@@ -632,15 +632,15 @@ class Store:
         if self._queued + len(calls) > SALES_PER_CALL:
             # A full call leaves now: Redis works on it while the tick prepares the next
             # ones (and its answer is not timed from behind all of them).
-            self._send_sales()  # the hook already registered sends the rest at the flush
+            self._send_sales(at_once=True)  # the hook registered sends the rest at the flush
         self._sales.append(_QueuedSales(calls, out, (stamp.get(),) if stamps is None else stamps,
                                         continues))
         self._queued += len(calls)
         if self._queued >= SALES_PER_CALL:
-            self._send_sales()
+            self._send_sales(at_once=True)
         return out
 
-    def _send_sales(self) -> None:
+    def _send_sales(self, at_once: bool = False) -> None:
         """The sales queued since the last call, as one call (lua/capsvc.lua, sell): one
         Redis TIME, one mark and one index write for them all. Each request gets its own
         replies; a call that fails fails all of them (nothing of it ran, or its fate is
@@ -673,10 +673,11 @@ class Store:
         args += ("1" if any(group.continues for group in groups) else "", entry.field,
                  _encode([(c.keys[0], c.args[0], c.nonce)
                           for group in groups for c in group.calls]))
-        call = self.marks.call(self.redis.submit, "capsvc_sell", keys,
+        call = self.marks.call(self.redis, "capsvc_sell", keys,
                                [len(shapes), *shape_sizes, len(frames), b"".join(frames),
                                 *args],
-                               stamps=[s for group in groups for s in group.stamps])
+                               stamps=[s for group in groups for s in group.stamps],
+                               at_once=at_once)
         call.add_done_callback(functools.partial(_answer_sales, groups, entry))
 
     def journaled_sale(self, sold: Sold) -> None:

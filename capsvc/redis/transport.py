@@ -142,6 +142,11 @@ class Transport(Protocol):
         sends it with ASKING: capsvc.redis.cluster)."""
         ...
 
+    def before_flush(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once at the end of this turn of the event loop, before what it
+        submits goes out: a caller that gathers calls over the turn queues them there."""
+        ...
+
     def send(self, *args: Any) -> None: ...
 
     async def call(self, *args: Any) -> Any: ...
@@ -439,7 +444,7 @@ class Coalescer:
             (self._loop or self._bind()).call_soon(self._flush)
 
     def _flush(self) -> None:
-        if self._hooks:  # still scheduled: what they queue joins this flush
+        while self._hooks:  # still scheduled: what they queue (hooks too) joins this flush
             hooks, self._hooks = self._hooks, []
             for hook in hooks:
                 hook()

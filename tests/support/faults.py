@@ -50,14 +50,40 @@ _encode: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 
 def command(name: str, *args: str | bytes) -> Predicate:
-    """A predicate: the command is `name` (in any case) and its first arguments are `args`."""
+    """A predicate: the command is `name` (in any case) and its first arguments are `args`;
+    or, for an `FCALL` of a marked function, an FCALL of capsvc_calls carries a call that
+    reads so (`marked_calls`)."""
     want_name = name.upper().encode()
     want = [a.encode() if isinstance(a, str) else a for a in args]
 
     def match(cmd: Command) -> bool:
-        return cmd[0].upper() == want_name and cmd[1:1 + len(want)] == want
+        if cmd[0].upper() != want_name:
+            return False
+        if cmd[1:1 + len(want)] == want:
+            return True
+        return want_name == b"FCALL" and any(c[1:1 + len(want)] == want
+                                             for c in marked_calls(cmd))
 
     return match
+
+
+def marked_calls(cmd: Command) -> list[Command]:
+    """The marked calls an FCALL of capsvc_calls carries (lua/capsvc.lua, calls), each as
+    the FCALL of its function alone would read: its keys (its mark last), its arguments,
+    then the node, the life and what the caller saw."""
+    if cmd[0].upper() != b"FCALL" or cmd[1] != b"capsvc_calls":
+        return []
+    node, life = cmd[4], cmd[5]
+    out, i = [], 7
+    while i < len(cmd):
+        nk = int(cmd[i + 1])
+        keys = cmd[i + 2:i + 2 + nk]
+        i += 2 + nk
+        na = int(cmd[i])
+        out.append([b"FCALL", cmd[i - 2 - nk], cmd[i - 1 - nk], *keys, *cmd[i + 1:i + 1 + na],
+                    node, life, cmd[i + 1 + na]])
+        i += na + 2
+    return out
 
 
 def _matches(match: Predicate, cmd: Command) -> bool:

@@ -27,6 +27,6 @@ def test_bench_mark_parts_still_finds_the_mark_s_read_and_write(
     import mark_parts  # type: ignore[import-not-found]
 
     library = mark_parts.library()  # SystemExit when the read or the write is not found
-    assert all(f"marked_{name}(plain)" in library
+    assert all(f"redis.register_function('{name}'" in library
                for name in ("marked", "no_read", "no_write", "wrap_only"))
 
