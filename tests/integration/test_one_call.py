@@ -119,7 +119,7 @@ async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
     submit, sent = redis_db.submit, []
 
     def watched(*command: Any) -> Any:
-        sent.append(command[1] if command[0] == "FCALL" else command[0])
+        sent.extend(a for a in command if a == "capsvc_sell")  # carried by capsvc_calls
         return submit(*command)
 
     redis_db.submit = watched  # type: ignore[method-assign]
