@@ -252,7 +252,10 @@ local MARKED = {}
 
 -- One call of `calls`: its reply {G, function's reply} and whether it counted itself, or
 -- the error reply that refused it (nothing ran).
-local function run_marked(fn, keys, args, life, seen)
+local function run_marked(fn, keys, args, life, seen, cluster)
+  if cluster then  -- its keys checked first, as Redis checks a call's declared keys
+    call('EXISTS', unpack(keys))
+  end
   local mark = remove(keys)
   if life == '' then
     return {0, fn(keys, args)}, false
@@ -282,7 +285,11 @@ The marked calls a process sends one node in one turn of its event loop, as one 
 order; each judged and counted in its mark as if sent alone (MARKS), the node's N checked
 once and counted once for them all. Refused as a whole, nothing run, when the node's count
 is behind what the caller saw, or a restore is announced on it. A call that fails (a key
-another node serves: "non local key"; a refusal) fails alone; those before it stay run.
+another node serves: "non local key"; a refusal) fails alone; those before it stay run. On
+a cluster a call's keys are undeclared: each call first reads them all at once (EXISTS), so
+that Redis checks them as it checks a call's declared keys before it runs — a slot being
+moved, a key of it moved already, refuses the call before it writes any (else it could
+write part of its keys and fail on the next).
 Returns {N, each call's {G, reply} or its error}. ]]
 local function calls(keys, args)
   local node, life = args[1], args[2]
@@ -306,7 +313,8 @@ local function calls(keys, args)
     i = i + 2 + nk
     local nc = num(args[i])
     local ca = slice(args, i, nc)
-    local ok, reply, counted = pcall(run_marked, fn, ck, ca, life, args[i + nc + 1])
+    local ok, reply, counted = pcall(run_marked, fn, ck, ca, life, args[i + nc + 1],
+                                     node ~= '')
     i = i + nc + 2
     if not ok then
       reply = redis.error_reply(type(reply) == 'table' and reply.err or tostring(reply))

@@ -16,10 +16,10 @@ from capsvc.config import Settings
 from capsvc.domain import combination
 from capsvc.http.server import build
 from capsvc.redis.cluster import slot_of
-from capsvc.redis.marks import mark_of_slot
+from capsvc.redis.marks import MarkElsewhere, Marks, mark_of_slot
 from capsvc.redis.store import bucket_keys, pending_key_of, ticket_key
 from tests.conftest import TEN, Client, start_service, ticket
-from tests.integration.test_lua import store_on
+from tests.integration.test_lua import COMBO, FIRST, GAME, Combos, new_sale, store_on
 from tests.records import TicketRecords
 from tests.support.servers import RedisCluster, cli_binary, redis_ms
 
@@ -289,3 +289,40 @@ async def test_a_reshard_under_batches_is_never_read_as_writes_lost(
     finally:
         await runner.cleanup()
         await svc.redis.aclose()
+
+
+async def test_a_marked_call_on_a_slot_half_moved_writes_none_of_its_keys(
+        cluster: RedisCluster) -> None:
+    """A grid of two draws reserved while its slot is half moved: the first draw's counter
+    still on the source, the second's already on the target. Its keys are not declared
+    (capsvc_calls carries it with the node's other calls), so Redis does not check them
+    before it runs: the call reads them all first, is refused (nothing of it runs, it is
+    sent again until the slot has moved, then fails), and the first draw's counter still
+    holds only what was counted before. Without that read, the call counted the first draw
+    and then failed on the second: a stake counted with no record of it."""
+    db = cluster.client()
+    now = redis_ms(db)
+    async for store in store_on(cluster.url):
+        await store.redis.nodes()
+        store.marks = Marks("life-t", single_node=False, node_of=store.node_of)
+        combos = Combos(store, db, now)
+        assert await combos.reserve(new_sale(), 1000, draws=2) == [1, 0]
+        first, second = bucket_keys(GAME, COMBO, FIRST, 2)
+        slot = slot_of(first)
+        assert slot_of(second) == slot
+        clients = [s.client() for s in cluster.servers]
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+        owner = next(i for i, c in enumerate(clients) if slot_owner(c, slot) == ids[i])
+        target = (owner + 1) % len(clients)
+        clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+        clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
+                                       second, 0, 5000)
+        mark = mark_of_slot(slot)
+        counted = clients[owner].hget(mark, "*")
+        with pytest.raises(MarkElsewhere):
+            await combos.reserve(new_sale(), 500, draws=2)
+        assert int(clients[owner].hget(first, COMBO) or 0) == 1000
+        assert clients[owner].hget(mark, "*") == counted
+        for c in clients:
+            c.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from typing import Any
 
@@ -21,7 +22,8 @@ from capsvc.redis.gate import POLICY_S
 from capsvc.redis.store import bucket_keys, pending_key_of, record_bucket_of, ticket_key
 from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, new_id, ticket
-from tests.support.servers import RedisServer
+from tests.support.faults import marked_calls
+from tests.support.servers import RedisCluster, RedisServer
 
 ONE_GRID_SALE = {
     # capsvc_sell, reading Redis TIME once: the ticket's record read with its bucket's
@@ -206,39 +208,114 @@ async def test_a_one_grid_sale_with_player_limits_issues_the_pinned_commands(
     assert used == LIMITED_SALE, repr(used)
 
 
-STEPS = ("capsvc_claim", "capsvc_reserve", "capsvc_finalize", "capsvc_journaled_many")
-"""The calls of a sale in steps (a Redis Cluster's): the claim (the ticket indexed for the
-janitor in the same call), the grids' reserves, the decision written, and, once journaled,
-the release of its index entry (one call a node and tick, whatever the indexes)."""
+STEPS = ("capsvc_claim", "capsvc_reserve", "capsvc_finalize")
+"""The marked calls of a sale in steps (a Redis Cluster's): the claim (the ticket indexed
+for the janitor in the same call), the grids' reserves, the decision written. Once it is
+journaled, its index entry is released (capsvc_journaled_many, one call a node and turn of
+the event loop, whatever the indexes)."""
 
-WATCH = ("capsvc_marks_of", "capsvc_mark_keep")
-"""The watch's calls (capsvc.recovery.reconciler), whatever the sales."""
+
+class Turns:
+    """What a process sends a cluster, counted by node: each FCALL, and the marked calls
+    each capsvc_calls carries. The replies of every command sent in one turn of the event
+    loop are handed back together, in one turn: a batch's tickets then take each step
+    together, as on a quiet machine (on a busy one, the nodes' replies to a step may reach
+    the loop in different turns, and the next step go in as many calls a node)."""
+
+    def __init__(self, store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.redis = store.redis
+        self.fcalls: list[tuple[str, str]] = []
+        """Each FCALL: its node (its count key) and function."""
+        self.carried: list[tuple[str, list[str]]] = []
+        """Each capsvc_calls: its node and the functions it carries."""
+        self._turn: list[tuple[asyncio.Future[Any], asyncio.Future[Any]]] | None = None
+        for name in ("submit", "submit_partly_declared"):
+            monkeypatch.setattr(self.redis, name, self._wrap(getattr(self.redis, name)))
+
+    def _wrap(self, submit: Any) -> Any:
+        def sent(*args: Any) -> asyncio.Future[Any]:
+            if args[0] == "FCALL":
+                node = args[4] if args[1] == "capsvc_calls" else self.redis.node_of(args[3])
+                self.fcalls.append((node, args[1]))
+                if args[1] == "capsvc_calls":
+                    self.carried.append((node, [c[1].decode() for c in marked_calls(
+                        [str(a).encode() if not isinstance(a, bytes) else a
+                         for a in args])]))
+            inner = submit(*args)
+            outer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            if self._turn is None:
+                self._turn = []
+                asyncio.get_running_loop().call_soon(self._close_turn)
+            self._turn.append((inner, outer))
+            return outer
+        return sent
+
+    def _close_turn(self) -> None:
+        turn, self._turn = self._turn or [], None
+
+        def hand_back(_: Any) -> None:
+            for inner, outer in turn:
+                if inner.cancelled():
+                    outer.cancel()
+                elif inner.exception() is not None:
+                    outer.set_exception(inner.exception())  # type: ignore[arg-type]
+                else:
+                    outer.set_result(inner.result())
+
+        asyncio.gather(*[inner for inner, _ in turn],
+                       return_exceptions=True).add_done_callback(hand_back)
+
+    def clear(self) -> None:
+        self.fcalls.clear()
+        self.carried.clear()
+
+    def by_node(self, nodes: list[str]) -> dict[str, int]:
+        return {node: sum(1 for n, _ in self.fcalls if n == node) for node in nodes}
+
+    def steps(self) -> dict[str, list[list[str]]]:
+        """By node, the functions each capsvc_calls carried."""
+        out: dict[str, list[list[str]]] = {}
+        for node, names in self.carried:
+            out.setdefault(node, []).append(sorted(set(names)))
+        return out
+
+
+def fcalls_by_node(cluster: RedisCluster, nodes: list[str]) -> dict[str, int]:
+    """INFO commandstats' FCALLs of each primary, by its count key."""
+    out = {}
+    for server in cluster.primary_nodes():
+        db = server.client()
+        node = next(n for n in nodes if _serves(db, n))
+        out[node] = int(db.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0))
+        db.close()
+    return out
+
+
+def _serves(db: redis.Redis, key: str) -> bool:
+    try:
+        db.exists(key)
+        return True
+    except redis.ResponseError:  # MOVED: another primary's
+        return False
 
 
 @pytest.mark.parametrize("redis_backend", ["cluster"], indirect=True)
-async def test_a_cluster_sells_each_ticket_in_its_own_steps(
-        service: Any, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a Redis Cluster a one-grid ticket costs one call of each step, pinned (a count of
-    the calls the process sends, by function and by node: the watch's reads of the marks
-    are not the sale's). A batch of 64 is 64 calls of each step spread over the nodes that
-    hold the tickets' and the grids' slots, but one release a node and tick of the journal
-    (the batch's tickets are in dozens of pending indexes): the claims, reserves and
-    decisions are not grouped into one call per node yet."""
+async def test_a_cluster_sells_a_batch_in_one_call_a_node_a_step(
+        service: Any, client: Client, redis_cluster: RedisCluster,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Redis Cluster a one-grid ticket is a claim, a reserve and a decision, each a
+    marked call. A batch of 64 takes each step for all its tickets at once: one FCALL a
+    node a step (capsvc_calls carrying that step of every ticket, or grid, the node
+    holds), 64 of each step in all, three FCALLs a node, pinned with the count of FCALLs
+    each primary ran (INFO commandstats: counts, not times). Then one release a node and
+    turn of the journal (the batch's tickets are in dozens of pending indexes)."""
     svc, _ = service
     store = svc.store
     await client.current()
     warm = await client.sell(ticket([{"numbers": TEN[:8], "stake": 500}]))
     assert warm.status == 200
     await asyncio.sleep(0.2)
-    calls: list[tuple[str, str]] = []
-    fcall = store.fcall
-
-    def counted(name: str, keys: list[str], args: list[Any], **options: Any) -> Any:
-        if name not in WATCH:
-            calls.append((name, store.marks.node_of(keys[0]) or ""))
-        return fcall(name, keys, args, **options)
-
-    monkeypatch.setattr(store, "fcall", counted)
+    turns = Turns(store, monkeypatch)
     ticks: list[int] = []  # the nodes of each tick's releases
     send_journaled = store._send_journaled
 
@@ -250,36 +327,42 @@ async def test_a_cluster_sells_each_ticket_in_its_own_steps(
     alone = await client.sell(ticket([{"numbers": TEN[1:9], "stake": 500}]))
     assert alone.status == 200
     await asyncio.sleep(0.2)
-    assert sorted(name for name, _ in calls) == sorted(STEPS)
-    calls.clear()
-    ticks.clear()
-    numbers = [sorted({(i * 7 + k * 11) % 70 + 1 for k in range(8)}) for i in range(200)]
-    grids = [n for n in numbers if len(n) == 8][:64]
+    assert sorted(n for _, names in turns.carried for n in names
+                  if n in STEPS) == sorted(STEPS)
+    nodes = await store.nodes()
+    grids = [sorted(random.Random(i).sample(range(1, 71), 8)) for i in range(64)]
+    assert len({tuple(g) for g in grids}) == 64  # none shares a combination: no chain
     tickets = [ticket([{"numbers": g, "stake": 200}]) for g in grids]
+    names = [ticket_key("fr-retail", t["ticket_id"]) for t in tickets]
+    for db in (s.client() for s in redis_cluster.primary_nodes()):
+        db.config_resetstat()
+    turns.clear()
+    ticks.clear()
     reply = await client.post("/v1/ticket-batches", {"tickets": tickets})
     assert [r["status"] for r in reply.body["results"]] == [200] * 64
-    names = [ticket_key("fr-retail", t["ticket_id"]) for t in tickets]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     while any(await asyncio.gather(*[store.redis.submit("ZSCORE", pending_key_of(name), name)
                                      for name in names])):  # until every entry is let go
         assert loop.time() < deadline
         await asyncio.sleep(0.05)
-    by_name = {name: sum(1 for n, _ in calls if n == name) for name in STEPS}
-    assert {name for name, _ in calls} == set(STEPS)
-    released = by_name.pop("capsvc_journaled_many")
-    assert by_name == {"capsvc_claim": 64, "capsvc_reserve": 64, "capsvc_finalize": 64}
+    ran = fcalls_by_node(redis_cluster, nodes)
+    assert ran == turns.by_node(nodes), (ran, turns.fcalls)  # every FCALL seen
+    assert turns.steps() == {node: [["capsvc_claim"], ["capsvc_reserve"], ["capsvc_finalize"]]
+                             for node in nodes}, turns.carried
+    carried = [n for _, names in turns.carried for n in names]
+    assert {name: carried.count(name) for name in STEPS} == dict.fromkeys(STEPS, 64)
+    released = sum(1 for _, name in turns.fcalls if name == "capsvc_journaled_many")
     assert released == sum(ticks), (released, ticks)  # one release a node and tick
-    assert len({node for _, node in calls}) == 3  # every primary takes some of the calls
     # However many pending indexes a tick's entries are in: the batch's 64, let go in one
-    # tick (how many ticks the journal made them durable in is the machine's), are one
+    # turn (how many turns the journal made them durable in is the machine's), are one
     # call a node.
-    calls.clear()
+    turns.clear()
     ticks.clear()
     for name in names:
         store.journaled_later(name, "0" * 16, b"f")
     await asyncio.sleep(0.2)
     indexes = {pending_key_of(name) for name in names}
     assert ticks == [3]
-    assert [name for name, _ in calls] == ["capsvc_journaled_many"] * 3
+    assert [name for _, name in turns.fcalls] == ["capsvc_journaled_many"] * 3
     assert len(indexes) > 3
