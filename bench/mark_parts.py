@@ -5,11 +5,11 @@
 On one redis-server (AOF on), a library of test functions built from lua/capsvc.lua's
 MARKS section: a plain function (an HSET, an HINCRBY and a TIME: a write as a sale makes
 several) registered as is and run as a marked call of one through `calls`, and variants of
-`calls` with one part of the mark taken out: the read (the HMGET of G, the announcement, the caller's field and count), the
-write (the HSET of G, the field and the count), both (the wrapping alone). FCALLs are
-pipelined, rounds alternate the variants; prints per variant the median Redis CPU (from
-/proc) and FCALL time (INFO commandstats) per call, and what it adds over the plain
-function. Asserts nothing. The hash seed is fixed (PYTHONHASHSEED=0).
+`calls` with one part of the mark taken out: the read (the HMGET of G, the announcement, the
+caller's field and count), the write (the HSET of G, the field and the count), both (the
+wrapping alone). FCALLs are pipelined, rounds alternate the variants; prints per variant
+the median Redis CPU (from /proc) and FCALL time (INFO commandstats) per call, and what it
+adds over the plain function. Asserts nothing. The hash seed is fixed (PYTHONHASHSEED=0).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ AOF/RDB and replicated, so a restarted or promoted Redis has it without a reload
 cluster pipeline accepts FCALL.
 
 THE KEYS. Every function touches keys of one hash slot only (they share a {hash tag}),
-but for the node's count a marked function also writes on a cluster (see MARKS).
+but for the node's count a marked function also writes on a cluster, and `calls` carries
+the marked calls of many slots of one node (see MARKS).
 
   ticket record  a field of a bucket r:{t:NN}:<m> (see TICKET RECORDS); the ticket's name,
                  what the pending index and the callers know it by, is

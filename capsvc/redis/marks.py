@@ -11,6 +11,12 @@ process's writes; `made`: its own; `node_seen`: N), and the stamp each journal r
 restore can tell exactly which records a Redis lacks: those stamped above the mark of their
 lifetime.
 
+The marked calls a process makes in one turn of its event loop go to each node as one
+FCALL of capsvc_calls, in the order made (`Marks.call`, then `_send` at the turn's end, when
+the transport flushes): a batch's steps on a cluster — its tickets' claims, then their
+grids' reserves, then their decisions — are one call a node a step, however many tickets;
+each call in it is judged and counted in its own mark as if sent alone, and fails alone.
+
 A call refused because the mark or its node is behind (`BEHIND`) fails with `Behind` (a
 503: nothing ran) and tells `on_behind`, which starts the restore; a call refused while a
 process announces a restore (`RESTORING`) fails with `Unavailable`. A call that reached its

@@ -21,7 +21,11 @@ reads top-down:
    **decided** (`_decide`: the player's budget, the admin stops read with the first step,
    every capped grid reserved at once, the decision built from their records), **written**
    (with the budget's settlement and the sold-out lists), **journaled**, and only then the
-   ticket's index entry let go (`_journaled`);
+   ticket's index entry let go (`_journaled`). The tickets of a batch take each step
+   together: the marked calls of one turn of the event loop go one call a node
+   (capsvc.redis.marks), so their claims are one call a node, then their reserves, then
+   their decisions, and a node that fails a step fails the tickets whose calls it
+   carried, each as if sold alone (503, outcome unknown, the janitor's to conclude);
 4. the HTTP layer then waits for the replicas (`replicas:N`) and answers.
 
 What a step cannot finish is a value, not an exception: `AGAIN` (another actor of the sale

@@ -31,6 +31,7 @@ from capsvc.redis.store import (
 from capsvc.redis.transport import Coalescer
 from capsvc.service.steps import SaleSteps
 from tests.conftest import TEN, Client, services, start_service, ticket
+from tests.support.faults import functions_of
 from tests.support.sales import sell_alone
 from tests.support.servers import RedisServer
 
@@ -119,7 +120,7 @@ async def test_a_full_call_of_sales_leaves_at_once_the_rest_at_the_tick_s_end(
     submit, sent = redis_db.submit, []
 
     def watched(*command: Any) -> Any:
-        sent.extend(a for a in command if a == "capsvc_sell")  # carried by capsvc_calls
+        sent.extend(functions_of(command))
         return submit(*command)
 
     redis_db.submit = watched  # type: ignore[method-assign]

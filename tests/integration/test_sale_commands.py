@@ -22,7 +22,7 @@ from capsvc.redis.gate import POLICY_S
 from capsvc.redis.store import bucket_keys, pending_key_of, record_bucket_of, ticket_key
 from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, new_id, ticket
-from tests.support.faults import marked_calls
+from tests.support.faults import functions_of
 from tests.support.servers import RedisCluster, RedisServer
 
 ONE_GRID_SALE = {
@@ -238,9 +238,7 @@ class Turns:
                 node = args[4] if args[1] == "capsvc_calls" else self.redis.node_of(args[3])
                 self.fcalls.append((node, args[1]))
                 if args[1] == "capsvc_calls":
-                    self.carried.append((node, [c[1].decode() for c in marked_calls(
-                        [str(a).encode() if not isinstance(a, bytes) else a
-                         for a in args])]))
+                    self.carried.append((node, functions_of(args)))
             inner = submit(*args)
             outer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             if self._turn is None:

@@ -16,6 +16,7 @@ from capsvc.domain.errors import ApiError
 from capsvc.http.server import Service
 from capsvc.service.tickets import SaleOutcome
 from tests.conftest import TEN, Client, ticket
+from tests.support.faults import functions_of
 
 
 def _tickets(*bodies: dict[str, Any]) -> list[TicketIn]:
@@ -98,7 +99,7 @@ async def test_on_one_node_the_tickets_of_a_tick_are_one_call_judged_in_order(
     submit, sent = svc.store.redis.submit, []
 
     def watched(*command: Any, **options: Any) -> Any:
-        sent.append(command[1] if command[0] == "FCALL" else command[0])
+        sent.extend(functions_of(command))
         return submit(*command, **options)
 
     svc.store.redis.submit = watched  # type: ignore[method-assign]

@@ -67,6 +67,17 @@ def command(name: str, *args: str | bytes) -> Predicate:
     return match
 
 
+def functions_of(command: tuple[Any, ...]) -> list[str]:
+    """The functions an FCALL, as a transport is given it, runs: its own, or those a call of
+    capsvc_calls carries."""
+    if command[0] != "FCALL":
+        return []
+    if command[1] != "capsvc_calls":
+        return [command[1]]
+    raw = [a if isinstance(a, bytes) else str(a).encode() for a in command]
+    return [c[1].decode() for c in marked_calls(raw)]
+
+
 def marked_calls(cmd: Command) -> list[Command]:
     """The marked calls an FCALL of capsvc_calls carries (lua/capsvc.lua, calls), each as
     the FCALL of its function alone would read: its keys (its mark last), its arguments,
