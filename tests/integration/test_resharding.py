@@ -293,21 +293,22 @@ async def test_a_reshard_under_batches_is_never_read_as_writes_lost(
 
 async def test_a_marked_call_on_a_slot_half_moved_writes_none_of_its_keys(
         cluster: RedisCluster) -> None:
-    """A grid of two draws reserved while its slot is half moved: the first draw's counter
-    still on the source, the second's already on the target. Its keys are not declared
-    (capsvc_calls carries it with the node's other calls), so Redis does not check them
-    before it runs: the call reads them all first, is refused (nothing of it runs, it is
-    sent again until the slot has moved, then fails), and the first draw's counter still
-    holds only what was counted before. Without that read, the call counted the first draw
-    and then failed on the second: a stake counted with no record of it."""
+    """A grid of three draws reserved while its slot is half moved: the first and last
+    draws' counter buckets still on the source (the grid's record is in the last), the
+    second's already on the target. Its keys are not declared (capsvc_calls carries it
+    with the node's other calls), so Redis does not check them before it runs: the call
+    reads them all first, is refused (nothing of it runs; sent again until the slot has
+    moved, it then fails), and the first draw's counter still holds only what was counted
+    before. Without that read, each sending counted the first draw, then failed on the
+    second: the counter went to the cap on one stake of 500, never recorded."""
     db = cluster.client()
     now = redis_ms(db)
     async for store in store_on(cluster.url):
         await store.redis.nodes()
         store.marks = Marks("life-t", single_node=False, node_of=store.node_of)
         combos = Combos(store, db, now)
-        assert await combos.reserve(new_sale(), 1000, draws=2) == [1, 0]
-        first, second = bucket_keys(GAME, COMBO, FIRST, 2)
+        assert await combos.reserve(new_sale(), 1000, draws=3) == [1, 0]
+        first, second, _ = bucket_keys(GAME, COMBO, FIRST, 3)
         slot = slot_of(first)
         assert slot_of(second) == slot
         clients = [s.client() for s in cluster.servers]
@@ -321,7 +322,7 @@ async def test_a_marked_call_on_a_slot_half_moved_writes_none_of_its_keys(
         mark = mark_of_slot(slot)
         counted = clients[owner].hget(mark, "*")
         with pytest.raises(MarkElsewhere):
-            await combos.reserve(new_sale(), 500, draws=2)
+            await combos.reserve(new_sale(), 500, draws=3)
         assert int(clients[owner].hget(first, COMBO) or 0) == 1000
         assert clients[owner].hget(mark, "*") == counted
         for c in clients:
