@@ -5,19 +5,27 @@ as usual. On a standalone Redis (one call per ticket) and a cluster (the steps).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
 from capsvc.client.models import TicketIn
-from capsvc.http.server import Service
+from capsvc.config import Settings
+from capsvc.domain import combination
+from capsvc.domain.errors import Unavailable
+from capsvc.http.server import Service, build
 from capsvc.journal.reader import records
 from capsvc.journal.records import SaleRecord
+from capsvc.redis.store import bucket_keys
 from capsvc.service.tickets import SaleOutcome, Tickets
-from tests.conftest import TEN, Client, ticket
+from tests.conftest import TEN, Client, start_service, ticket
+from tests.support.faults import functions_of
 
 BATCHES = "/v1/ticket-batches"
 
@@ -219,3 +227,71 @@ async def test_a_request_is_answered_once_its_own_calls_are_done(
     assert not late.done()
     release.set()
     assert all(isinstance(o, SaleOutcome) for o in await asyncio.wait_for(late, 10))
+
+
+@pytest.mark.parametrize("redis_backend", ["cluster"], indirect=True)
+async def test_a_batch_whose_step_failed_on_one_node_is_settled_by_another_process(
+        settings: Settings, redis_backend: Any, redis_db: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Redis Cluster a batch's reserves go one call a node. The answer of the call
+    that carried them to one node is lost (it ran): the tickets whose grids it carried are
+    answered 503 (outcome unknown), the others are decided. The same batch sent again
+    through a second process: the decided tickets answer their decisions byte for byte,
+    the others are settled (their claims resumed, their reserves' records found, not
+    counted again), and every counter holds each accepted stake once."""
+    started = []
+    async with aiohttp.ClientSession() as session:
+        try:
+            clients = []
+            for name in ("a", "b"):
+                svc = build(dataclasses.replace(settings, journal_dir=str(tmp_path / name)),
+                            redis_backend.url)
+                runner, url = await start_service(svc)
+                started.append((runner, svc))
+                clients.append(Client(session, url))
+            a, b = clients
+            store = started[0][1].store
+            draw = await a.current()
+            grids = [sorted(random.Random(i).sample(range(1, 71), 8)) for i in range(24)]
+            victim = store.redis.node_of(
+                bucket_keys("fdj-keno", combination.encode(grids[0]), draw, 1)[0])
+            submit = store.redis.submit_partly_declared
+            lost: list[Any] = []
+
+            def losing(*args: Any) -> asyncio.Future[Any]:
+                ran = submit(*args)
+                if (lost or args[1] != "capsvc_calls" or args[4] != victim
+                        or "capsvc_reserve" not in functions_of(args)):
+                    return ran
+                lost.append(args)
+                answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+                def drop(done: asyncio.Future[Any]) -> None:
+                    assert not done.cancelled()
+                    assert done.exception() is None  # it ran
+                    answer.set_exception(Unavailable("redis: the connection was lost"))
+
+                ran.add_done_callback(drop)
+                return answer
+
+            monkeypatch.setattr(store.redis, "submit_partly_declared", losing)
+            tickets = [ticket([{"numbers": g, "stake": 500}], first_draw=draw) for g in grids]
+            first = await a.post(BATCHES, {"tickets": tickets})
+            assert first.status == 200
+            statuses = [r["status"] for r in first.body["results"]]
+            assert lost
+            assert 503 in statuses, statuses
+            assert 200 in statuses, statuses
+            again = await b.post(BATCHES, {"tickets": tickets})
+            assert [r["status"] for r in again.body["results"]] == [200] * len(tickets)
+            for before, after in zip(first.body["results"], again.body["results"],
+                                     strict=True):
+                if before["status"] == 200:
+                    assert after["body"] == before["body"]
+                assert after["body"]["status"] == "accepted"
+            for g in grids:
+                assert await a.staked(g, draw) == 500
+        finally:
+            for runner, svc in started:
+                await runner.cleanup()
+                await svc.redis.aclose()
