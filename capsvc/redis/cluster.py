@@ -223,6 +223,7 @@ class ClusterCoalescer:
         return current  # a node without slots gets no WAIT (it is no primary in the map)
 
     async def aclose(self) -> None:
+        self._run_hooks()  # what this turn gathered goes out with the rest
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*[c.aclose() for c in self._nodes.values()])

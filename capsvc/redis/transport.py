@@ -410,7 +410,7 @@ class Coalescer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
-        if self._queued or self._waits:
+        if self._queued or self._waits or self._hooks:
             self.retry_now()  # what is queued gets one attempt now, not after a pause
             self._flush()
         elif self._wake is not None and self._connecting is not None:

@@ -598,3 +598,19 @@ async def test_a_restore_reads_the_marks_in_one_call_a_node(
     assert not svc.reconciler.gate.restoring
     assert len(reads) < 10, len(reads)
     assert int(redis_db.hget(lost, marks.life) or 0) >= made
+
+
+async def test_marked_calls_made_in_the_turn_the_transport_closes_go_out(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """Marked calls wait for the end of the event loop's turn, to go one call a node: a
+    transport closed in the turn they were made in still sends them, and they are
+    answered before it disconnects."""
+    store = await opened(redis_backend.url)
+    store.marks = Marks("life-a", single_node=store.single_node, node_of=store.node_of)
+    await claim(store, "warm")  # the cluster's slot map learnt
+    now = await store.time_ms()
+    calls = [store.claim(ticket_key("fr", f"C-{i}"), b"sale", now + DAY, now + DAY, 60_000)
+             for i in range(6)]
+    await store.redis.aclose()
+    assert all(c.done() for c in calls)
+    assert all(isinstance(c.result(), Claimed) for c in calls)

@@ -113,8 +113,9 @@ async def sale_commands(client: Client, db: redis.Redis, body: dict[str, Any], t
 
 BATCH_OF_64 = {"fcall": 1, "time": 1, "hdel": 1}
 """The calls a batch of 64 one-grid tickets costs Redis, whatever its size: one FCALL (of
-capsvc_calls, carrying one capsvc_sell; one TIME) and, once their decisions are journaled, one HDEL of its entry of the
-unjournaled sales (the other commands are inside the call, a few a ticket)."""
+capsvc_calls, carrying one capsvc_sell; one TIME) and, once their decisions are journaled,
+one HDEL of its entry of the unjournaled sales (the other commands are inside the call, a
+few a ticket)."""
 
 
 def _calls(used: dict[str, int]) -> dict[str, int]:
