@@ -26,15 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from record import round_of, sales
 from run import config_file, cpu_seconds, with_fixed_hash_seed, wrk
 
-from capsvc.domain.validator import pack_sale
+from capsvc.domain import combination
+from capsvc.domain.validator import Sale, SaleGrid, pack_sale
 from capsvc.redis.store import (
     Store,
     bucket_keys,
@@ -47,10 +48,38 @@ from capsvc.redis.store import (
 from capsvc.redis.transport import Coalescer
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository: tests.support
+from tests.support.sales import sell_alone
 from tests.support.servers import RedisServer
 from tests.support.service import ServiceProcess
 
 GAME, DRAW, CAP, MIN_STAKE = "fdj-keno", 13179, 5000, 100
+
+
+def sales(prefix: str, count: int, seed: int) -> list[Sale]:
+    """`count` new one-draw tickets of one capped grid (8-10 numbers, a random stake)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        numbers = tuple(sorted(rng.sample(range(1, 71), rng.randint(8, 10))))
+        stake = rng.choice([100, 200, 300, 500, 1000])
+        grid = SaleGrid(0, numbers, combination.encode(numbers), stake, False, stake, True)
+        out.append(Sale(ticket_id=f"{prefix}-{i:07d}", game=GAME, player_id=None,
+                        first_draw=DRAW, draws=1, grids=(grid,), joker_plus=False,
+                        joker_cost=0, asked=True))
+    return out
+
+
+async def round_of(store: Store, batch: list[Sale]) -> None:
+    """`batch` sold through `Store.sell` as a worker sells (200 at a time: the sales of one
+    tick go up to 64 a call)."""
+    far = int(time.time() * 1000) + 86_400_000
+    for start in range(0, len(batch), 200):
+        await asyncio.gather(*[
+            sell_alone(store, ticket_key("bench", s.ticket_id), pack_sale(s), far, far,
+                       60_000, GAME, DRAW, 1, CAP, MIN_STAKE,
+                       [(g.combo, g.stake) for g in s.grids], [far], "Europe/Paris",
+                       fix_caps=False)
+            for s in batch[start:start + 200]])
 
 FLOOR = r"""#!lua name=floor
 local function noop(keys, args)
@@ -172,7 +201,7 @@ async def floor(calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]
                 client.config_resetstat()
                 before = cpu_seconds(pid)
                 if name == "capsvc_sell":
-                    await round_of(store, sales(f"S{r}", calls, 1, seed=r), pack_sale)
+                    await round_of(store, sales(f"S{r}", calls, seed=r))
                 else:
                     for start in range(0, calls, 200):
                         await asyncio.gather(*[
