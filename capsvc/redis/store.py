@@ -196,6 +196,11 @@ def bucket_keys(game: str, combo: str, first_draw: int, draws: int) -> list[str]
     return [counter_key(game, bucket, d) for d in range(first_draw, first_draw + draws)]
 
 
+RELEASED_RECORD = b"X"
+"""A grid's record once its stake was given back (a cancel's release) or once it was sealed
+before it was decided (lua/capsvc.lua, RECORDS)."""
+
+
 def record_field(sale_id: str, grid: int) -> bytes:
     """The field of one grid's record: a zero byte (no combination has one), the sale id's
     8 bytes, the grid index."""

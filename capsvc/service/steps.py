@@ -28,6 +28,7 @@ from capsvc.journal.recorder import Recorder
 from capsvc.journal.records import VoidWhy
 from capsvc.redis.replies import Budget, Released
 from capsvc.redis.store import (
+    RELEASED_RECORD,
     PlayerStore,
     Store,
     aggregate_key,
@@ -86,14 +87,16 @@ class SaleSteps:
         """Of the `accepted` capped grids, those whose record does not say their stake was
         counted: gone (a Redis Cluster shard lost writes the others kept: the decision
         survived its counters), or a refusal left by counting them again when they no
-        longer fitted."""
+        longer fitted. A grid released ("X") is no loss: a cancel begun since the decision
+        was read gave its stake back (a decided sale's accepted grid is released by its
+        cancel only), and the decision read stands as read."""
         assert sale.first_draw is not None
         grids = [g for g in sale.grids if g.capped and g.index in accepted]
         records = await replies_of([
             self.store.record(game.rules.id, g.combo, record_field(sale_id, g.index),
                               sale.first_draw, sale.draws) for g in grids])
         return {g.index for g, record in zip(grids, records, strict=True)
-                if record != str(g.stake).encode()}
+                if record not in (str(g.stake).encode(), RELEASED_RECORD)}
 
     async def reserve_all(self, game: Game, sale: Sale, sale_id: str, close_ms: int
                           ) -> list[Reserved | None]:

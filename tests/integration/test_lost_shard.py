@@ -9,6 +9,8 @@ would), so that the case runs in a second."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -90,3 +92,55 @@ async def test_a_lost_grid_that_no_longer_fits_is_not_answered(seller: Client, d
         pending = await seller.get(f"/v1/tickets/{body['ticket_id']}")
         assert (pending.status, pending.body["error"]["code"]) == (409, "ticket_pending")
     assert await seller.staked(numbers, draw) == 5 * STAKE
+
+
+@pytest.mark.parametrize("redis_backend", ["cluster"], indirect=True)
+async def test_a_cancel_between_the_read_of_a_decision_and_its_grids_is_no_loss(
+        service: Any, client: Client, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A GET (or a replay) reads a decision, then its accepted grids' records (a shard may
+    have lost them). A cancel that gave the grids back in between left them released
+    ("X"): that is the cancel, not a loss. The GET answers the decision as it read it, the
+    replay answers it too (nothing counted again), and no error is logged. Answered 409
+    and 503 (with an error for the operator) when each released grid read as lost."""
+    svc, _ = service
+    store = svc.store
+    draw = await client.current() + 1
+    body = ticket([{"numbers": TEN[:8], "stake": STAKE}], first_draw=draw)
+    sold = await client.sell(body)
+    assert sold.status == 200, sold.body
+    key = ticket_key("fr-retail", body["ticket_id"])
+    # The decision as a look-up and a replay's claim read it before the cancel.
+    read_before = await store.ticket(key)
+    claims: list[Any] = []
+    claim = store.claim
+
+    def claimed(name: str, *args: Any) -> Any:
+        reply = claim(name, *args)
+        reply.add_done_callback(lambda done: claims.append(done.result()))
+        return reply
+
+    monkeypatch.setattr(store, "claim", claimed)
+    assert (await client.sell(body)).raw == sold.raw
+    assert (await client.post(f"/v1/tickets/{body['ticket_id']}/cancel")).status == 200
+    read = store.ticket
+
+    def as_before(reply: Any) -> Any:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(reply)
+        return done
+
+    monkeypatch.setattr(store, "ticket",
+                        lambda name: as_before(read_before) if name == key else read(name))
+    monkeypatch.setattr(store, "claim",
+                        lambda name, *args: as_before(claims[0]) if name == key
+                        else claim(name, *args))
+    caplog.set_level(logging.ERROR)
+    got = await client.get(f"/v1/tickets/{body['ticket_id']}")
+    assert got.status == 200, got.body
+    assert got.raw == sold.raw
+    again = await client.sell(body)
+    assert again.status == 200, again.body
+    assert again.raw == sold.raw
+    assert await client.staked(TEN[:8], draw) == 0  # given back, not counted again
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
