@@ -4,7 +4,8 @@ and JSONPath. What a kind is answered with (an HTTP status) is the HTTP layer's
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
+from typing import Literal, TypeVar
 
 Kind = Literal["malformed", "unauthorized", "forbidden", "not_found", "method_not_allowed",
                "conflict", "too_large", "invalid", "internal", "unavailable"]
@@ -59,3 +60,13 @@ def not_found(what: str) -> ApiError:
 class Unavailable(Exception):
     """Redis could not be reached or answered too slowly: what was sent may or may not have
     run (the Lua steps are idempotent and fenced by sale, so the same request converges)."""
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def own_copy(error: E) -> E:
+    """`error` anew, for one more future it fails: an instance raised by many awaits (every
+    command a lost connection fails) gathers each one's frames in its traceback, which
+    then grows for as long as the outage lasts and keeps those frames alive."""
+    return copy.copy(error)

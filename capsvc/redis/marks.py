@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from capsvc.domain.errors import Unavailable
+from capsvc.domain.errors import Unavailable, own_copy
 
 MARKED = frozenset({
     "capsvc_claim", "capsvc_ticket", "capsvc_finalize", "capsvc_unclaim", "capsvc_expire",
@@ -293,7 +293,7 @@ class Marks:
         error = reply.exception()  # retrieved even when nobody waits for the calls any more
         if error is not None:
             for mark, q, c in sent:
-                self._failed(mark, node, q, c, error)
+                self._failed(mark, node, q, c, own_copy(error))
             return
         n, *replies = reply.result()
         if n and n > self.node_seen.get(node, 0):

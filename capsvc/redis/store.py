@@ -35,6 +35,7 @@ import msgspec
 from redis.exceptions import ResponseError
 
 from capsvc.domain.decisions import Reserved
+from capsvc.domain.errors import own_copy
 from capsvc.redis.cluster import ClusterCoalescer
 from capsvc.redis.marks import MARKED, NODE_MARK, MarkElsewhere, Marks, one_node, stamp
 from capsvc.redis.replies import (
@@ -319,7 +320,7 @@ def _answer_sales(groups: list[_QueuedSales], entry: Unjournaled,
         out = group.out
         if error is not None:
             if not out.done():
-                out.set_exception(error)
+                out.set_exception(own_copy(error))
             continue
         try:
             claims = [sale_of(r, now, c.nonce.hex(), c.shape[3], entry)
@@ -425,10 +426,11 @@ class Store:
     async def _mark_states(self, marks: list[str], lives: list[str],
                            reads: list[tuple[list[str], asyncio.Future[Any]]]
                            ) -> list[MarkState]:
+        await asyncio.gather(*[read for _, read in reads], return_exceptions=True)
         found: dict[str, MarkState] = {}
-        for group, read in reads:
+        for group, read in reads:  # every read's failure retrieved, the first one raised
             try:
-                states = list(map(mark_state_of, await read))
+                states = list(map(mark_state_of, read.result()))
             except (MarkElsewhere, ResponseError):  # a mark the node does not serve: each alone
                 states = await asyncio.gather(*[self.mark_state(mark, lives) for mark in group])
             found.update(zip(group, states, strict=True))

@@ -68,7 +68,7 @@ from urllib.parse import unquote, urlsplit
 import hiredis
 from redis.exceptions import ResponseError
 
-from capsvc.domain.errors import Unavailable
+from capsvc.domain.errors import Unavailable, own_copy
 from capsvc.redis.gate import POLICY_S, Evicting, Gate, identity, info_field
 from capsvc.redis.sentinel import Sentinels
 from capsvc.urls import Address, is_sentinel_url, parse_sentinel_url
@@ -530,7 +530,7 @@ class Coalescer:
         self._queued, self._buffer, self._waits = [], [], {}
         for p in failed:
             if p.fut is not None and not p.fut.done():
-                p.fut.set_exception(error)
+                p.fut.set_exception(own_copy(error))
 
     def _backing_off(self, error: Unavailable) -> None:
         """Fail what is queued, nothing sent: the last attempt failed and the next one is
@@ -778,7 +778,7 @@ class Coalescer:
         self._blocked_until = 0.0
         for p in failed:
             if p.fut is not None and not p.fut.done():
-                p.fut.set_exception(error)
+                p.fut.set_exception(own_copy(error))
         self._wake_idle()
 
     def _wake_idle(self) -> None:

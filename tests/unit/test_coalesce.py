@@ -6,8 +6,11 @@ Runs against fakeredis's TCP server: fast, no redis-server needed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import hiredis
 import pytest
@@ -16,6 +19,7 @@ from redis.exceptions import ResponseError
 
 from capsvc.domain.errors import Unavailable
 from capsvc.redis.cluster import ClusterCoalescer, slot_of
+from capsvc.redis.store import Store
 from capsvc.redis.transport import FLUSH_EVERY, Coalescer, encode_command
 from tests.support.servers import free_port
 
@@ -228,3 +232,44 @@ async def test_a_moved_connects_to_its_node_out_of_its_backoff() -> None:
     await c.aclose()
     a_server.close()
     b_server.close()
+
+
+async def test_each_command_failed_by_one_outage_raises_an_error_of_its_own() -> None:
+    """Redis unreachable: the commands of each turn fail with the same failure, each with
+    an exception of its own. One instance raised from every await gathered every one's
+    frames in its traceback, growing (and keeping those frames alive) as long as the
+    outage lasted."""
+    c = Coalescer(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+    depths = []
+    for _ in range(20):
+        futures = [c.submit("PING") for _ in range(3)]
+        for f in futures:
+            try:
+                await f
+            except Unavailable as e:
+                depths.append(len(traceback.extract_tb(e.__traceback__)))
+    assert len(depths) == 60
+    assert max(depths) == min(depths)
+    await c.aclose()
+
+
+async def test_the_marks_read_of_every_node_is_retrieved_when_one_fails() -> None:
+    """The watch reads the marks one call a node; two nodes fail: the first failure is
+    raised, the other is retrieved too (asyncio logged it, "Future exception was never
+    retrieved", as an error)."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[Any] = []
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    store = Store(Coalescer(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5))
+    reads = []
+    for node in ("a", "b"):
+        read: asyncio.Future[Any] = loop.create_future()
+        read.set_exception(Unavailable(f"node {node} is down"))
+        reads.append(([f"m:{{{node}}}"], read))
+    with pytest.raises(Unavailable, match="node a"):
+        await store._mark_states(["m:{a}", "m:{b}"], ["life"], reads)
+    del reads, read
+    gc.collect()
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert unretrieved == []
