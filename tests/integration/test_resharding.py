@@ -142,6 +142,21 @@ def half_migrate(cluster: RedisCluster, slot: int) -> Any:
     return finish
 
 
+def start_moving(cluster: RedisCluster, slot: int, key: str
+                 ) -> tuple[list[Any], list[str], int, int]:
+    """Start moving `slot` from its primary to the next one and move `key` alone: its
+    clients, node ids, and the indexes of the owner and the target."""
+    clients = [s.client() for s in cluster.servers]
+    ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+    owner = next(i for i, c in enumerate(clients) if slot_owner(c, slot) == ids[i])
+    target = (owner + 1) % len(clients)
+    clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+    clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
+                                   key, 0, 5000)
+    return clients, ids, owner, target
+
+
 def slot_owner(client: Any, slot: int) -> str:
     for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
         if start <= slot <= end:
@@ -177,14 +192,7 @@ async def test_a_release_never_reads_a_ticket_not_moved_yet_as_forgotten(
         for key in tickets:
             db.zadd(pending_key_of(key), {key: now})
         slot = slot_of(moving)
-        clients = [s.client() for s in cluster.servers]
-        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
-        owner = next(i for i, c in enumerate(clients) if slot_owner(c, slot) == ids[i])
-        target = (owner + 1) % len(clients)
-        clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
-        clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
-        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
-                                       pending_key_of(moving), 0, 5000)
+        clients, ids, owner, target = start_moving(cluster, slot, pending_key_of(moving))
         store.journaled_later(moving, "a1" * 8, b"f")  # its sale, journaled: not its cancel
         store.journaled_later(staying, "b1" * 8, b"f")
         # The node's release refused (not followed to the importing node), each index's
@@ -311,14 +319,7 @@ async def test_a_marked_call_on_a_slot_half_moved_writes_none_of_its_keys(
         first, second, _ = bucket_keys(GAME, COMBO, FIRST, 3)
         slot = slot_of(first)
         assert slot_of(second) == slot
-        clients = [s.client() for s in cluster.servers]
-        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
-        owner = next(i for i, c in enumerate(clients) if slot_owner(c, slot) == ids[i])
-        target = (owner + 1) % len(clients)
-        clients[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
-        clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
-        clients[owner].execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port,
-                                       second, 0, 5000)
+        clients, _, owner, _ = start_moving(cluster, slot, second)
         mark = mark_of_slot(slot)
         counted = clients[owner].hget(mark, "*")
         with pytest.raises(MarkElsewhere):
