@@ -273,7 +273,7 @@ _BUSY = ("local t = redis.call('TIME'); local s = t[1] * 1000000 + t[2]; "
 @pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
 async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
         steps_settings: Settings, redis_backend: Any, redis_db: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The process's estimate of Redis TIME runs ~500 ms ahead (read while Redis was busy);
     a sale in steps claimed between the estimate's close and the close, not journaled, is
     indexed at Redis TIME, before the close: the draw is not final, its report not written,
@@ -281,13 +281,21 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
     # The estimate is read once, here, and kept (no refresh), as between two readings; a
     # Redis timeout that the busy script does not reach.
     monkeypatch.setattr(server_module, "CLOCK_REFRESH_S", 3600.0)
-    settings = dataclasses.replace(steps_settings, redis_timeout_ms=5 * BUSY_MS)
+    # A game drawn every 10 s: the next close is at most 10 s away.
+    text = CONFIG.read_text().replace('games = ["fdj-keno", "minute-keno"]',
+                                      'games = ["fdj-keno", "minute-keno", "ten-keno"]', 1)
+    config = tmp_path / "capsvc.toml"
+    config.write_text(text + '\n[[games]]\nid = "ten-keno"\npreset = "fdj-keno-2008"\n'
+                      'draw_every = "10s"\ndraw_from = "00:00"\ndraw_until = "23:59:50"\n'
+                      'time_zone = "UTC"\n')
+    settings = dataclasses.replace(load_settings(config), journal_dir=steps_settings.journal_dir,
+                                   one_call_sales=False, redis_timeout_ms=5 * BUSY_MS)
     svc = build(settings, redis_backend.url)
     runner, url = await start_service(svc)
     try:
         async with aiohttp.ClientSession() as session:
             client = Client(session, url)
-            game = svc.usecases.audit.catalog.get("minute-keno")
+            game = svc.usecases.audit.catalog.get("ten-keno")
             assert game is not None
             clock = svc.usecases.clock
             draw = game.calendar.current(redis_ms(redis_db))
@@ -307,7 +315,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
                             f"{ahead} ms (TIME's reply took {BUSY_MS - 2 * ahead} ms or more "
                             "to reach the process: the machine too slow)")
             await asyncio.sleep(max(0, close - redis_ms(redis_db) - ahead // 2) / 1000)
-            body = ticket([{"numbers": TEN, "stake": 500}], game="minute-keno",
+            body = ticket([{"numbers": TEN, "stake": 500}], game="ten-keno",
                           first_draw=draw)
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(svc.usecases.journal, "sales", refused)
@@ -327,7 +335,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
             assert indexed(redis_db) == 1
             assert await svc.usecases.audit.last_final(game) < draw
             await svc.usecases.audit.write_due()
-            report = Path(settings.journal_dir) / "reports" / "minute-keno"
+            report = Path(settings.journal_dir) / "reports" / "ten-keno"
             assert not (report / f"{draw}.json").exists()
             await past_deadline(svc.usecases.janitor).run_once()
             assert await svc.usecases.audit.last_final(game) >= draw
