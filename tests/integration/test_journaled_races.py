@@ -204,17 +204,25 @@ async def test_a_ticket_voided_here_and_sold_on_another_host_is_balanced(
                 await svc.redis.aclose()
 
 
+def with_game(tmp_path: Path, game: str, every: str, extra: str = "") -> Path:
+    """The test configuration with a game drawn every `every` seconds all day (UTC), sold by
+    the channel that sells minute-keno; `extra`: more of the game's settings."""
+    seconds = int(every.removesuffix("s"))
+    text = CONFIG.read_text().replace('games = ["fdj-keno", "minute-keno"]',
+                                      f'games = ["fdj-keno", "minute-keno", "{game}"]', 1)
+    config = tmp_path / "capsvc.toml"
+    config.write_text(f'{text}\n[[games]]\nid = "{game}"\npreset = "fdj-keno-2008"\n'
+                      f'draw_every = "{every}"\ndraw_from = "00:00"\n'
+                      f'draw_until = "23:59:{60 - seconds:02d}"\ntime_zone = "UTC"\n{extra}')
+    return config
+
+
 @pytest.mark.parametrize("redis_backend", ["standalone"], indirect=True)
 async def test_a_short_retention_sale_does_not_expire_the_entries_of_its_slot(
         redis_backend: Any, redis_db: Any, tmp_path: Path) -> None:
     """A game kept 1 s after its draws: its sale does not shorten its slot's index, whose
     entry of another game's decision not journaled stays until the janitor journals it."""
-    text = CONFIG.read_text().replace('games = ["fdj-keno", "minute-keno"]',
-                                      'games = ["fdj-keno", "minute-keno", "quick-keno"]', 1)
-    config = tmp_path / "capsvc.toml"
-    config.write_text(text + '\n[[games]]\nid = "quick-keno"\npreset = "fdj-keno-2008"\n'
-                      'draw_every = "4s"\ndraw_from = "00:00"\ndraw_until = "23:59:56"\n'
-                      'time_zone = "UTC"\nretention = "1s"\n')
+    config = with_game(tmp_path, "quick-keno", "4s", 'retention = "1s"\n')
     settings = dataclasses.replace(load_settings(config), journal_dir=str(tmp_path / "j"))
     svc = build(settings, redis_backend.url)
     runner, url = await start_service(svc)
@@ -281,13 +289,7 @@ async def test_a_ticket_claimed_just_before_a_close_keeps_its_draw_from_final(
     # The estimate is read once, here, and kept (no refresh), as between two readings; a
     # Redis timeout that the busy script does not reach.
     monkeypatch.setattr(server_module, "CLOCK_REFRESH_S", 3600.0)
-    # A game drawn every 10 s: the next close is at most 10 s away.
-    text = CONFIG.read_text().replace('games = ["fdj-keno", "minute-keno"]',
-                                      'games = ["fdj-keno", "minute-keno", "ten-keno"]', 1)
-    config = tmp_path / "capsvc.toml"
-    config.write_text(text + '\n[[games]]\nid = "ten-keno"\npreset = "fdj-keno-2008"\n'
-                      'draw_every = "10s"\ndraw_from = "00:00"\ndraw_until = "23:59:50"\n'
-                      'time_zone = "UTC"\n')
+    config = with_game(tmp_path, "ten-keno", "10s")  # the next close at most 10 s away
     settings = dataclasses.replace(load_settings(config), journal_dir=steps_settings.journal_dir,
                                    one_call_sales=False, redis_timeout_ms=5 * BUSY_MS)
     svc = build(settings, redis_backend.url)
