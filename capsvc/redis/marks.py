@@ -43,7 +43,8 @@ MARKED = frozenset({
     "capsvc_cancel", "capsvc_cancelled", "capsvc_reserve", "capsvc_release", "capsvc_stop",
     "capsvc_budget", "capsvc_stake", "capsvc_settle", "capsvc_set_limit", "capsvc_player",
     "capsvc_sell"})
-"""The functions that judge or report a decision: lua/capsvc.lua registers them marked."""
+"""The functions that judge or report a decision: lua/capsvc.lua runs them only as calls
+carried by capsvc_calls (its MARKED table), each checked and counted in its mark."""
 
 NODE_MARK = "m:{marks}"
 """The one mark of a standalone (or Sentinel-managed) Redis."""
