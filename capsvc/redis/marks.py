@@ -284,11 +284,11 @@ class Marks:
 
     def _unwrap(self, node: str, sent: list[tuple[str, int, _Call]],
                 reply: asyncio.Future[Any]) -> None:
+        for mark, q, _ in sent:  # answered, failed or given up: no later call expects them
+            self.expected[mark].pop(q, None)
         if reply.cancelled():
-            for mark, q, c in sent:
-                self.expected[mark].pop(q, None)
-                if self.counter:
-                    self.written[mark] -= 1
+            for mark, _, c in sent:
+                self._unwritten(mark)
                 c.out.cancel()
             return
         error = reply.exception()  # retrieved even when nobody waits for the calls any more
@@ -310,9 +310,7 @@ class Marks:
         """A call refused, or its fate unknown (a lost connection, a timeout): no later call
         expects it (one that ran left its number in Redis, which no check minds: a number
         above lo was written by a call that found lo there)."""
-        self.expected[mark].pop(q, None)
-        if self.counter:
-            self.written[mark] -= 1
+        self._unwritten(mark)
         if isinstance(error, ResponseError) and str(error).startswith("UNSETTLED"):
             error = Unsettled("calls of this process sent before this one have not run in "
                               "Redis yet (a slot moving, a connection stalled): nothing ran")
@@ -321,8 +319,13 @@ class Marks:
         elif not c.out.done():
             c.out.set_exception(self._refusal(mark, node, error))
 
+    def _unwritten(self, mark: str) -> None:
+        """A restore's write through `mark` that failed or was given up: not one of those
+        its end checks Redis holds."""
+        if self.counter:
+            self.written[mark] -= 1
+
     def _answered(self, mark: str, q: int, c: _Call, reply: list[Any]) -> None:
-        self.expected[mark].pop(q, None)
         if q > self.answered.get(mark, 0):
             self.answered[mark] = q
         g, *rest = reply
