@@ -29,7 +29,7 @@ from capsvc.recovery.reconciler import Reconciler
 from capsvc.redis.cluster import ClusterCoalescer, connect
 from capsvc.redis.marks import NODE_MARK, Behind, Marks, Unsettled, mark_of_slot, stamp
 from capsvc.redis.replies import Claimed, Pending
-from capsvc.redis.store import Store, lua_source, ticket_key
+from capsvc.redis.store import Store, lua_source, record_bucket_of, ticket_key
 from tests.conftest import Client, ticket
 from tests.support.faults import FaultProxy, command
 from tests.support.servers import RedisCluster, RedisServer
@@ -614,3 +614,29 @@ async def test_marked_calls_made_in_the_turn_the_transport_closes_go_out(
     await store.redis.aclose()
     assert all(c.done() for c in calls)
     assert all(isinstance(c.result(), Claimed) for c in calls)
+
+
+async def test_a_call_that_fails_in_a_joined_call_fails_alone(
+        redis_backend: RedisServer | RedisCluster, redis_db: Any) -> None:
+    """Two claims of one turn through one mark, in one call of the node: the first fails
+    in Redis (its record's bucket is not a hash), and nothing of it is counted; the second,
+    behind it, ran ahead of a write the process expected (UNSETTLED), is sent again and
+    claims; the mark counts that one write."""
+    store = await opened(redis_backend.url)
+    store.marks = Marks("life-a", single_node=store.single_node, node_of=store.node_of)
+    try:
+        broken = ticket_key("fr", "J-1")
+        other = next(key for key in (ticket_key("fr", neighbour("J-1", n)) for n in range(1, 20))
+                     if record_bucket_of(key) != record_bucket_of(broken))
+        redis_db.set(record_bucket_of(broken), "not a hash")
+        now = await store.time_ms()
+        first, second = (store.claim(key, b"sale", now + DAY, now + DAY, 60_000)
+                         for key in (broken, other))
+        with pytest.raises(redis_py.ResponseError, match="WRONGTYPE"):
+            await first
+        assert isinstance(await second, Claimed)
+        mark = mark_of(store, other)
+        assert redis_db.hget(mark, "life-a") == b"1"
+        assert redis_db.hget(mark, "*") == b"1"
+    finally:
+        await store.redis.aclose()
