@@ -83,7 +83,7 @@ from capsvc.domain.validator import (
 from capsvc.journal.recorder import Recorder, SaleDecision
 from capsvc.journal.records import Via
 from capsvc.redis.clock import RedisClock
-from capsvc.redis.marks import stamp
+from capsvc.redis.marks import Marks, stamp
 from capsvc.redis.replies import (
     Cancelling,
     Claim,
@@ -349,6 +349,12 @@ class Tickets:
 
         async def chain(sales: list[tuple[int, _Prepared, Claim | None]]) -> None:
             for i, prepared, claim in sales:
+                # Its records stamped with its own calls' G, not every call of the batch:
+                # its task's own stamp, from the G of its first call when it continues
+                # one (a replay reports what that call read: a write of this process).
+                own = Marks.begin()
+                if claim is not None and prepared.stamp is not None:
+                    own.update(prepared.stamp)
                 try:
                     results[i] = await self._sell(channel, prepared, claim)
                 except (ApiError, Unavailable) as e:

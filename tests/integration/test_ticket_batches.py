@@ -22,7 +22,9 @@ from capsvc.domain.errors import Unavailable
 from capsvc.http.server import Service, build
 from capsvc.journal.reader import records
 from capsvc.journal.records import SaleRecord
-from capsvc.redis.store import bucket_keys
+from capsvc.redis.cluster import slot_of
+from capsvc.redis.marks import NODE_MARK, mark_of_slot
+from capsvc.redis.store import bucket_keys, ticket_key
 from capsvc.service.tickets import SaleOutcome, Tickets
 from tests.conftest import TEN, Client, start_service, ticket
 from tests.support.faults import functions_of
@@ -295,3 +297,32 @@ async def test_a_batch_whose_step_failed_on_one_node_is_settled_by_another_proce
             for runner, svc in started:
                 await runner.cleanup()
                 await svc.redis.aclose()
+
+
+async def test_each_ticket_of_a_batch_is_stamped_with_its_own_calls(
+        service: tuple[Service, str], client: Client) -> None:
+    """Each decision journaled carries the G of the calls that made or reported it (what a
+    restore checks Redis still holds; a `sales` line carries the highest of its sales'):
+    a replay in a batch, reported from what its first call read, carries that call's; on a
+    Redis Cluster each sale carries the marks of its own calls, its ticket's slot's and its
+    grid's counters' slot's."""
+    svc, _ = service
+    draw = await client.current()
+    known = ticket([{"numbers": TEN[:8], "stake": 200}], first_draw=draw)
+    assert (await client.sell(known)).status == 200
+    grids = [sorted(random.Random(100 + i).sample(range(1, 71), 8)) for i in range(8)]
+    fresh = [ticket([{"numbers": g, "stake": 200}], first_draw=draw) for g in grids]
+    reply = await client.post(BATCHES, {"tickets": [known, *fresh]})
+    assert [r["status"] for r in reply.body["results"]] == [200] * 9
+    stamped = {(r.ticket, r.via): r.marks for _, _, r in records(Path(svc.settings.journal_dir))
+               if isinstance(r, SaleRecord)}
+    replay = stamped[(known["ticket_id"], "replay")]
+    assert replay
+    assert all(g > 0 for g in replay.values())
+    for body, grid in zip(fresh, grids, strict=True):
+        marks = stamped[(body["ticket_id"], "answer")] or {}
+        own = {NODE_MARK} if svc.store.single_node else {mark_of_slot(slot_of(key)) for key in (
+            ticket_key("fr-retail", body["ticket_id"]),
+            bucket_keys("fdj-keno", combination.encode(grid), draw, 1)[0])}
+        assert own <= set(marks), (marks, own)
+        assert all(marks[mark] > 0 for mark in own)
